@@ -1,0 +1,65 @@
+"""The `zdsl` command: a thin root that loads each subcommand from the module that owns it.
+
+Subcommands live beside the code they drive (runtime, build, models, autotune, bench); this
+file only names them, so `zdsl --help` stays fast and a new command is one line here.
+Every ZdslError becomes one `error:` line and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from zdsl.errors import ZdslError
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    # name: (module:attribute, one-line help shown by `zdsl --help`)
+    "devices": ("zdsl.runtime.commands:devices", "List Vulkan devices and compile-only targets."),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx):
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx, name):
+        if name not in COMMANDS:
+            return None
+        target, _ = COMMANDS[name]
+        module, attr = target.split(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def format_commands(self, ctx, formatter):
+        rows = [(name, COMMANDS[name][1]) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="zdsl")
+def cli():
+    """zdsl: Vulkan kernels for LLM inference, written in a Python tile DSL."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cli.main(args=argv, prog_name="zdsl", standalone_mode=False)
+    except ZdslError as e:
+        click.echo(f"error: {e}", err=True)
+        return e.exit_code
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        return 130
+    except click.ClickException as e:
+        e.show()
+        return e.exit_code
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
