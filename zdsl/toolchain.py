@@ -110,7 +110,10 @@ def _glslang(source: str, flags: list[str], name: str) -> bytes:
         res = tool("glslangValidator").run(*flags, "-o", str(out), str(src))
         if res.returncode != 0 or not out.exists():
             log = (res.stdout + res.stderr).decode(errors="replace")
-            raise CompileError(format_glslang_error(log, source, name))
+            err = CompileError(format_glslang_error(log, source, name))
+            m = _ERROR.search(log)
+            err.glsl_line = int(m.group("line")) if m else None
+            raise err
         return out.read_bytes()
 
 

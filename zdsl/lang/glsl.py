@@ -1,0 +1,273 @@
+"""IR → GLSL compute shader text.
+
+The output is deterministic (stable names and order, paths relative to the source root) so the
+SPIR-V cache keyed on it never goes stale, and readable: each statement is preceded, when the
+Python line changes, by a comment quoting the kernel line that produced it.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+
+import numpy as np
+
+from zdsl.lang import ir
+from zdsl.lang.ops import BINARY, TERNARY, UNARY
+from zdsl.lang.types import DType, f32
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_BUILTIN = {"workgroup_id": "gl_WorkGroupID", "local_id": "gl_LocalInvocationID",
+            "global_id": "gl_GlobalInvocationID", "num_workgroups": "gl_NumWorkGroups",
+            "local_index": "gl_LocalInvocationIndex", "subgroup_id": "gl_SubgroupID",
+            "lane_id": "gl_SubgroupInvocationID"}
+_SUBGROUP = {"sg_sum": "Add", "sg_max": "Max", "sg_min": "Min"}
+_BITCAST = {("u", "f"): "uintBitsToFloat", ("i", "f"): "intBitsToFloat",
+            ("f", "u"): "floatBitsToUint", ("f", "i"): "floatBitsToInt", ("u", "i"): "int", ("i", "u"): "uint"}
+
+DOT4_DECL = ('spirv_instruction(extensions = ["SPV_KHR_integer_dot_product"], capabilities = [6019, 6018], '
+             'id = 4450) int zdot4_i8(int a, int b, spirv_literal int fmt);')
+
+
+def relpath(file: str) -> str:
+    try:
+        rel = os.path.relpath(file, _ROOT)
+    except ValueError:
+        return os.path.basename(file)
+    return os.path.basename(file) if rel.startswith("..") else rel
+
+
+def literal(value, dtype: DType) -> str:
+    if dtype.kind == "b":
+        return "true" if value else "false"
+    if dtype.kind == "u":
+        return f"{int(value)}u"
+    if dtype.kind == "i":
+        return f"{int(value)}" if value >= 0 else f"({int(value)})"
+    v = float(np.float32(value))
+    if np.isnan(v):
+        text = "uintBitsToFloat(0x7fc00000u)"
+    elif np.isinf(v):
+        text = "uintBitsToFloat(0x7f800000u)" if v > 0 else "uintBitsToFloat(0xff800000u)"
+    else:
+        text = repr(v)
+        if "e" not in text and "." not in text:
+            text += ".0"
+    return text if dtype.name == "f32" else f"{dtype.glsl}({text})"
+
+
+def view_name(v: ir.View, declared: dict) -> str:
+    return v.buffer if declared[v.buffer] == v.dtype else f"{v.buffer}_{v.dtype!r}"
+
+
+class Emitter:
+    def __init__(self, k: ir.Kernel):
+        self.k = k
+        self.declared = {name: dtype for name, dtype, _ in k.buffers}
+        self.lines: list[str] = []
+        self.locs: list[tuple[int, str, int]] = []  # (GLSL line, file, python line)
+        self.last_loc = None
+        self.helpers: set[str] = set()
+        self.uses_f16 = "f16" in k.features
+
+    # -- operands
+    def op(self, o) -> str:
+        if isinstance(o, ir.Const):
+            return literal(o.value, o.dtype)
+        if isinstance(o, ir.Temp):
+            return f"t{o.id}"
+        if isinstance(o, ir.VarRef):
+            return o.name
+        if isinstance(o, ir.Scalar):
+            return f"pc.{o.name}"
+        if isinstance(o, ir.Spec):
+            return f"sc_{o.name}"
+        if isinstance(o, ir.Builtin):
+            base = _BUILTIN[o.name]
+            if o.name in ("workgroup_id", "local_id", "global_id", "num_workgroups"):
+                return f"{base}.{'xyz'[o.axis]}"
+            return base
+        if isinstance(o, ir.ConstExpr):
+            return self.expr(o.op, o.args, o.dtype, {})
+        raise TypeError(o)
+
+    def expr(self, op: str, args: tuple, dtype: DType, attrs: dict) -> str:
+        a = [self.op(x) if not isinstance(x, (ir.View, ir.Shared)) else None for x in args]
+        if op == "mod":
+            return f"mod({a[0]}, {a[1]})" if dtype.is_float else f"({a[0]} % {a[1]})"
+        if op in BINARY:
+            return BINARY[op].glsl.format(*a)
+        if op in UNARY:
+            if UNARY[op].helper:
+                self.helpers.add(op)
+            return UNARY[op].glsl.format(*a)
+        if op in TERNARY:
+            return TERNARY[op].glsl.format(*a)
+        if op == "cast":
+            return f"{dtype.glsl}({a[0]})"
+        if op == "bitcast":
+            src = args[0].dtype.kind
+            return f"{_BITCAST[(src, dtype.kind)]}({a[0]})" if src != dtype.kind else a[0]
+        if op == "lane":
+            return f"{a[0]}[{attrs['lane']}]"
+        if op == "vec":
+            return f"{dtype.glsl}({', '.join(a)})"
+        if op == "dot":
+            return f"dot({a[0]}, {a[1]})"
+        if op == "f16_bits":
+            return f"unpackHalf2x16({a[0]}).x"
+        if op == "bf16_bits":
+            return f"uintBitsToFloat(({a[0]}) << 16)"
+        if op == "dot4_i8":
+            return f"zdot4_i8(int({a[0]}), int({a[1]}), 0)"
+        if op == "load":
+            view = args[0]
+            value = self.widen(f"{view_name(view, self.declared)}[{a[1]}]", view.dtype)
+            return value if len(args) == 2 else f"({a[2]} ? {value} : {a[3]})"
+        if op == "shared_load":
+            return f"sh{args[0].id}[{a[1]}]"
+        if op in _SUBGROUP:
+            cluster = attrs.get("cluster")
+            if cluster:
+                return f"subgroupClustered{_SUBGROUP[op]}({a[0]}, {cluster})"
+            return f"subgroup{_SUBGROUP[op]}({a[0]})"
+        if op == "sg_broadcast":
+            return f"subgroupBroadcast({a[0]}, {attrs['lane']}u)"
+        if op == "sg_shuffle":
+            return f"subgroupShuffle({a[0]}, {a[1]})"
+        if op == "sg_shuffle_xor":
+            return f"subgroupShuffleXor({a[0]}, {a[1]})"
+        if op.startswith("atomic_"):
+            fn = {"atomic_add": "atomicAdd", "atomic_max": "atomicMax", "atomic_min": "atomicMin"}[op]
+            return f"{fn}({view_name(args[0], self.declared)}[{a[1]}], {a[2]})"
+        raise NotImplementedError(op)
+
+    @staticmethod
+    def widen(text: str, storage: DType) -> str:
+        if storage.name == "bf16":
+            return f"uintBitsToFloat(uint({text}) << 16)"
+        compute = storage.compute
+        return text if compute == storage else f"{compute.glsl}({text})"
+
+    @staticmethod
+    def narrow(text: str, storage: DType) -> str:
+        if storage.name == "bf16":
+            return f"{storage.glsl}(floatBitsToUint({text}) >> 16)"
+        return text if storage.compute == storage else f"{storage.glsl}({text})"
+
+    # -- statements
+    def line(self, depth: int, text: str) -> None:
+        self.lines.append("    " * depth + text)
+
+    def mark(self, depth: int, loc) -> None:
+        if loc != self.last_loc and loc[1] > 0:
+            src = linecache.getline(loc[0], loc[1]).strip()
+            self.line(depth, f"// {relpath(loc[0])}:{loc[1]}: {src}")
+            self.last_loc = loc
+        self.locs.append((len(self.lines) + 1, loc[0], loc[1]))
+
+    def block(self, stmts: list, depth: int) -> None:
+        for s in stmts:
+            self.stmt(s, depth)
+
+    def stmt(self, s, depth: int) -> None:
+        self.mark(depth, s.loc)
+        if isinstance(s, ir.Let):
+            self.line(depth, f"{s.temp.dtype.glsl} t{s.temp.id} = {self.expr(s.op, s.args, s.temp.dtype, s.attrs)};")
+        elif isinstance(s, ir.DeclareVar):
+            self.line(depth, f"{s.var.dtype.glsl} {self.op(s.var)} = {self.op(s.init)};")
+        elif isinstance(s, ir.Assign):
+            self.line(depth, f"{self.op(s.var)} = {self.op(s.value)};")
+        elif isinstance(s, ir.Store):
+            if isinstance(s.view, ir.Shared):
+                self.line(depth, f"sh{s.view.id}[{self.op(s.index)}] = {self.op(s.value)};")
+            else:
+                target = f"{view_name(s.view, self.declared)}[{self.op(s.index)}]"
+                self.line(depth, f"{target} = {self.narrow(self.op(s.value), s.view.dtype)};")
+        elif isinstance(s, ir.If):
+            self.line(depth, f"if ({self.op(s.cond)}) {{")
+            self.block(s.then, depth + 1)
+            if s.orelse:
+                self.line(depth, "} else {")
+                self.block(s.orelse, depth + 1)
+            self.line(depth, "}")
+        elif isinstance(s, ir.For):
+            v = self.op(s.var)
+            attr = "[[unroll]] " if s.unroll else ""
+            self.line(depth, f"{attr}for ({s.var.dtype.glsl} {v} = {self.op(s.start)}; {v} < {self.op(s.stop)}; "
+                             f"{v} += {self.op(s.step)}) {{")
+            self.block(s.body, depth + 1)
+            self.line(depth, "}")
+        elif isinstance(s, ir.Barrier):
+            self.line(depth, "barrier();")
+        else:
+            raise NotImplementedError(type(s))
+
+    # -- whole shader
+    def header(self) -> list[str]:
+        k = self.k
+        out = ["#version 460"]
+        storage = {v.dtype.name for v in k.views} | {s.dtype.name for s in k.shared}
+        if storage & {"f16", "u8", "i8", "u16", "i16", "bf16"} or self.uses_f16:
+            out.append("#extension GL_EXT_shader_explicit_arithmetic_types : require")
+        if storage & {"u8", "i8"}:
+            out.append("#extension GL_EXT_shader_8bit_storage : require")
+        if storage & {"f16", "u16", "i16", "bf16"}:
+            out.append("#extension GL_EXT_shader_16bit_storage : require")
+        if "subgroup" in k.features:
+            for ext in ("basic", "arithmetic", "ballot", "shuffle", "clustered"):
+                out.append(f"#extension GL_KHR_shader_subgroup_{ext} : require")
+        if "int8_dot" in k.features:
+            out.append("#extension GL_EXT_spirv_intrinsics : require")
+        out.append("#extension GL_EXT_control_flow_attributes : enable")
+        file, line = k.source
+        out.append(f"// {k.label or k.name} — generated by zdsl from {relpath(file)}:{line}")
+        out.append("layout(local_size_x = {}, local_size_y = {}, local_size_z = {}) in;".format(*k.workgroup))
+        for s in k.specs:
+            default = 0 if s.dtype.kind != "b" else False
+            out.append(f"layout(constant_id = {s.id}) const {s.dtype.glsl} sc_{s.name} = {literal(default, s.dtype)};")
+        if k.scalars:
+            fields = " ".join(f"{s.dtype.glsl} {s.name};" for s in k.scalars)
+            out.append(f"layout(push_constant) uniform Push {{ {fields} }} pc;")
+        access = {name: acc for name, _, acc in k.buffers}
+        used = {v.buffer for v in k.views}
+        for name, dtype, acc in k.buffers:
+            views = [v for v in k.views if v.buffer == name] or [ir.View(name, len(out), dtype)]
+            binding = [i for i, b in enumerate(k.buffers) if b[0] == name][0]
+            qual = {"r": "readonly ", "w": "writeonly ", "rw": ""}[access[name]]
+            if name not in used:
+                qual = "readonly "
+            restrict = "restrict " if len(views) == 1 else ""
+            for v in views:
+                vn = view_name(v, self.declared)
+                out.append(f"layout(set = 0, binding = {binding}, std430) {restrict}{qual}buffer B_{vn} "
+                           f"{{ {v.dtype.glsl} {vn}[]; }};")
+        for s in k.shared:
+            size = s.size if isinstance(s.size, int) else self.op(s.size)
+            out.append(f"shared {s.dtype.compute.glsl} sh{s.id}[{size}];")
+        if "int8_dot" in k.features:
+            out.append(DOT4_DECL)
+        return out
+
+    def emit(self) -> tuple[str, list]:
+        self.block(self.k.body, 1)
+        body = self.lines
+        head = self.header()
+        helpers = []
+        float_types = ["float"] + (["float16_t"] if self.uses_f16 else [])
+        for name in sorted(self.helpers):
+            for t in float_types:
+                helpers.append(UNARY[name].helper.replace("T", t))
+        text_lines = head + helpers + ["void main() {"] + body + ["}", ""]
+        offset = len(head) + len(helpers) + 1
+        locs = [(n + offset, f, l) for n, f, l in self.locs]
+        return "\n".join(text_lines), locs
+
+
+def emit(k: ir.Kernel) -> tuple[str, list]:
+    """GLSL text and a map of (GLSL line, Python file, Python line) for error reports."""
+    return Emitter(k).emit()
+
+
+__all__ = ["emit", "literal", "f32"]

@@ -1,0 +1,310 @@
+"""The interpreter: runs a traced kernel's IR on numpy, one array row per invocation.
+
+All invocations of a chunk of workgroups execute each statement together under an active
+mask, so control flow, shared memory and subgroup operations keep their GPU meaning:
+subgroups are consecutive runs of `subgroup_size` invocations of a workgroup. Like a careful
+GPU it refuses what real hardware would get wrong silently: out-of-bounds accesses, barriers in
+divergent control flow, and shared-memory races between barriers raise a KernelError naming
+the kernel line.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from zdsl.errors import KernelError
+from zdsl.lang import ir
+from zdsl.lang.ops import BINARY, TERNARY, UNARY, bf16_bits_to_f32, dot4_i8, f16_bits_to_f32
+from zdsl.lang.types import DType
+
+MAX_LANES = 1 << 18  # invocations run at once; larger dispatches go in chunks of workgroups
+
+
+def _err(loc, msg) -> KernelError:
+    return KernelError(f"{loc[0]}:{loc[1]}: {msg}")
+
+
+def _align(a, b):
+    """Broadcast a per-invocation scalar against a per-invocation vector (rows × lanes)."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.ndim == 2 and b.ndim == 1:
+        b = b[:, None]
+    elif b.ndim == 2 and a.ndim == 1:
+        a = a[:, None]
+    return a, b
+
+
+def _cast(x, dtype: DType):
+    return np.asarray(x).astype(dtype.numpy, copy=False)
+
+
+class Run:
+    def __init__(self, k: ir.Kernel, groups, buffers: dict, scalars: dict, specs: dict, first_group: int,
+                 ngroups: int):
+        self.k = k
+        self.groups = groups
+        wg = k.workgroup[0] * k.workgroup[1] * k.workgroup[2]
+        self.wg = wg
+        self.n = ngroups * wg
+        lane = np.arange(self.n, dtype=np.int64)
+        gl = first_group + lane // wg  # linear workgroup id
+        li = lane % wg
+        self.group_local = lane // wg  # workgroup index within the chunk (shared memory row)
+        gx, gy, gz = gl % groups[0], (gl // groups[0]) % groups[1], gl // (groups[0] * groups[1])
+        lx, ly, lz = li % k.workgroup[0], (li // k.workgroup[0]) % k.workgroup[1], li // (k.workgroup[0] * k.workgroup[1])
+        u = np.uint32
+        self.builtins = {
+            "workgroup_id": [gx.astype(u), gy.astype(u), gz.astype(u)],
+            "local_id": [lx.astype(u), ly.astype(u), lz.astype(u)],
+            "global_id": [(gx * k.workgroup[0] + lx).astype(u), (gy * k.workgroup[1] + ly).astype(u),
+                          (gz * k.workgroup[2] + lz).astype(u)],
+            "num_workgroups": [u(g) for g in groups],
+            "local_index": li.astype(u),
+        }
+        self.sg = k.subgroup_size
+        if self.sg:
+            self.builtins["subgroup_id"] = (li // self.sg).astype(u)
+            self.builtins["lane_id"] = (li % self.sg).astype(u)
+        self.lane_in_group = li
+        self.buffers = buffers
+        self.scalars = {s.name: s.dtype.numpy.type(scalars[s.name]) for s in k.scalars}
+        self.specs = {s.name: s.dtype.numpy.type(specs[s.name]) for s in k.specs}
+        self.temps: dict[int, np.ndarray] = {}
+        self.vars: dict[int, np.ndarray] = {}
+        self.shared = {}
+        self.writer = {}
+        for s in k.shared:
+            size = int(self.value(s.size)) if not isinstance(s.size, int) else s.size
+            self.shared[s.id] = np.full((ngroups, size), np.nan if s.dtype.is_float else 0, s.dtype.compute.numpy)
+            self.writer[s.id] = np.full((ngroups, size), -1, np.int64)
+
+    # -- operands
+    def value(self, o):
+        if isinstance(o, ir.Const):
+            return o.dtype.numpy.type(o.value)
+        if isinstance(o, ir.Temp):
+            return self.temps[o.id]
+        if isinstance(o, ir.VarRef):
+            return self.vars[o.id]
+        if isinstance(o, ir.Scalar):
+            return self.scalars[o.name]
+        if isinstance(o, ir.Spec):
+            return self.specs[o.name]
+        if isinstance(o, ir.Builtin):
+            b = self.builtins[o.name]
+            return b[o.axis] if isinstance(b, list) else b
+        if isinstance(o, ir.ConstExpr):
+            return self.compute(o.op, o.args, o.dtype, {}, None, None)
+        raise TypeError(o)
+
+    def view(self, v: ir.View) -> np.ndarray:
+        raw = self.buffers[v.buffer]
+        flat = raw.reshape(-1).view(np.uint8)
+        item = v.dtype.scalar.numpy.itemsize * v.dtype.lanes
+        usable = flat[: len(flat) - len(flat) % item]
+        arr = usable.view(v.dtype.scalar.numpy)
+        return arr.reshape(-1, v.dtype.lanes) if v.dtype.lanes > 1 else arr
+
+    # -- ops
+    def compute(self, op, args, dtype: DType, attrs, mask, loc):
+        if op in ("load", "shared_load") or op.startswith("atomic_"):
+            return self.memory_op(op, args, dtype, mask, loc)
+        if op.startswith("sg_"):
+            return self.subgroup_op(op, args, attrs, mask)
+        vals = [self.value(a) for a in args]
+        with np.errstate(all="ignore"):
+            if op in BINARY:
+                a, b = _align(*vals)
+                if op in ("shl", "shr"):
+                    b = np.asarray(b) & np.asarray(31, dtype=np.asarray(b).dtype)
+                return _cast(BINARY[op].numpy(a, b), dtype)
+            if op in UNARY:
+                return _cast(UNARY[op].numpy(vals[0]), dtype)
+            if op in TERNARY:
+                if op == "select":
+                    c, a = _align(vals[0], vals[1])
+                    c, b = _align(c, vals[2])
+                    return _cast(np.where(c, a, b), dtype)
+                return _cast(TERNARY[op].numpy(*vals), dtype)
+            if op == "cast":
+                x = np.asarray(vals[0])
+                if dtype.is_int and x.dtype.kind == "f":
+                    x = np.trunc(np.nan_to_num(x))
+                    x = x.astype(np.int64)
+                return _cast(x, dtype)
+            if op == "bitcast":
+                return np.ascontiguousarray(vals[0]).view(dtype.numpy)
+            if op == "lane":
+                return np.asarray(vals[0])[..., attrs["lane"]]
+            if op == "vec":
+                return np.stack(np.broadcast_arrays(*[np.broadcast_to(v, (self.n,)) for v in vals]), axis=-1)
+            if op == "dot":
+                return _cast(np.sum(np.asarray(vals[0]) * np.asarray(vals[1]), axis=-1), dtype)
+            if op == "f16_bits":
+                return f16_bits_to_f32(np.asarray(vals[0]) & np.uint32(0xFFFF))
+            if op == "bf16_bits":
+                return bf16_bits_to_f32(np.asarray(vals[0]) & np.uint32(0xFFFF))
+            if op == "dot4_i8":
+                a, b = (np.broadcast_to(np.asarray(v).astype(np.uint32), (self.n,)) for v in vals)
+                return dot4_i8(a, b)
+        raise NotImplementedError(op)
+
+    def _index(self, o, size: int, active, loc, what: str):
+        idx = np.broadcast_to(np.asarray(self.value(o)).astype(np.int64), (self.n,))
+        bad = active & ((idx < 0) | (idx >= size))
+        if bad.any():
+            lane = int(np.argmax(bad))
+            raise _err(loc, f"out-of-bounds {what}: index {int(idx[lane])} not in [0, {size}) "
+                            f"(workgroup {int(self.builtins['workgroup_id'][0][lane])}, "
+                            f"invocation {int(self.lane_in_group[lane])})")
+        return np.where(active, idx, 0)
+
+    def memory_op(self, op, args, dtype, mask, loc):
+        if op == "shared_load":
+            decl = args[0]
+            arr = self.shared[decl.id]
+            idx = self._index(args[1], arr.shape[1], mask, loc, "shared read")
+            writer = self.writer[decl.id][self.group_local, idx]
+            race = mask & (writer >= 0) & (writer != self.lane_in_group)
+            if race.any():
+                lane = int(np.argmax(race))
+                raise _err(loc, f"shared-memory race: invocation {int(self.lane_in_group[lane])} reads "
+                                f"element {int(idx[lane])} that invocation {int(writer[lane])} wrote "
+                                f"with no zdsl.barrier() between")
+            return arr[self.group_local, idx]
+        view = args[0]
+        arr = self.view(view)
+        active = mask.copy()
+        if op == "load" and len(args) == 4:
+            active &= np.broadcast_to(self.value(args[2]), (self.n,))
+        idx = self._index(args[1], len(arr), active, loc, f"read of {view.buffer}")
+        if op.startswith("atomic_"):
+            vals = np.broadcast_to(self.value(args[2]), (self.n,))
+            old = np.zeros(self.n, dtype=arr.dtype)
+            for lane in np.nonzero(active)[0]:  # in lane order, as one possible GPU ordering
+                old[lane] = arr[idx[lane]]
+                new = {"atomic_add": lambda a, b: a + b, "atomic_max": max, "atomic_min": min}[op](arr[idx[lane]], vals[lane])
+                arr[idx[lane]] = new
+            return old
+        loaded = arr[idx]
+        if view.dtype.name == "bf16":
+            loaded = bf16_bits_to_f32(loaded.astype(np.uint32))
+        loaded = _cast(loaded, view.dtype.compute)
+        if len(args) == 4:
+            other = np.asarray(self.value(args[3]))
+            if loaded.ndim == 2 and other.ndim == 1:
+                other = other[:, None]
+            cond = active if loaded.ndim == 1 else active[:, None]
+            loaded = np.where(cond, loaded, other).astype(loaded.dtype)
+        return loaded
+
+    def subgroup_op(self, op, args, attrs, mask):
+        x = np.broadcast_to(self.value(args[0]), (self.n,) + np.shape(self.value(args[0]))[1:]).copy()
+        sg = self.sg
+        if op in ("sg_sum", "sg_max", "sg_min"):
+            size = attrs.get("cluster") or sg
+            rows = x.reshape(self.n // size, size, *x.shape[1:])
+            act = mask.reshape(self.n // size, size)
+            act = act.reshape(act.shape + (1,) * (rows.ndim - 2))
+            if op == "sg_sum":
+                red = np.where(act, rows, 0).sum(axis=1, dtype=rows.dtype)
+            else:
+                info = np.finfo(rows.dtype) if rows.dtype.kind == "f" else np.iinfo(rows.dtype)
+                fill = info.min if op == "sg_max" else info.max
+                red = (np.max if op == "sg_max" else np.min)(np.where(act, rows, fill), axis=1)
+            return np.repeat(red, size, axis=0).astype(x.dtype)
+        rows = x.reshape(self.n // sg, sg, *x.shape[1:])
+        lane = np.arange(self.n) % sg
+        if op == "sg_broadcast":
+            src = np.full(self.n, attrs["lane"])
+        elif op == "sg_shuffle":
+            src = np.broadcast_to(self.value(args[1]), (self.n,)).astype(np.int64) % sg
+        else:  # sg_shuffle_xor
+            src = (lane ^ np.broadcast_to(self.value(args[1]), (self.n,)).astype(np.int64)) % sg
+        return rows[np.arange(self.n) // sg, src]
+
+    # -- statements
+    def block(self, stmts, mask) -> None:
+        for s in stmts:
+            if not mask.any():
+                return
+            self.stmt(s, mask)
+
+    def assign(self, var: ir.VarRef, value, mask) -> None:
+        value = np.broadcast_to(_cast(value, var.dtype), (self.n,) + ((var.dtype.lanes,) if var.dtype.lanes > 1 else ()))
+        old = self.vars.get(var.id)
+        if old is None:
+            self.vars[var.id] = value.copy()
+        else:
+            m = mask if value.ndim == 1 else mask[:, None]
+            self.vars[var.id] = np.where(m, value, old)
+
+    def stmt(self, s, mask) -> None:
+        if isinstance(s, ir.Let):
+            self.temps[s.temp.id] = self.compute(s.op, s.args, s.temp.dtype, s.attrs, mask, s.loc)
+        elif isinstance(s, ir.DeclareVar):
+            self.vars.pop(s.var.id, None)
+            self.assign(s.var, self.value(s.init), mask)
+        elif isinstance(s, ir.Assign):
+            self.assign(s.var, self.value(s.value), mask)
+        elif isinstance(s, ir.Store):
+            self.store(s, mask)
+        elif isinstance(s, ir.If):
+            cond = np.broadcast_to(self.value(s.cond), (self.n,))
+            self.block(s.then, mask & cond)
+            if s.orelse:
+                self.block(s.orelse, mask & ~cond)
+        elif isinstance(s, ir.For):
+            self.vars.pop(s.var.id, None)
+            self.assign(s.var, self.value(s.start), mask)
+            while True:
+                i = self.vars[s.var.id]
+                active = mask & (i < np.broadcast_to(self.value(s.stop), (self.n,)))
+                if not active.any():
+                    break
+                self.block(s.body, active)
+                self.assign(s.var, self.vars[s.var.id] + self.value(s.step), active)
+        elif isinstance(s, ir.Barrier):
+            per_group = mask.reshape(-1, self.wg)
+            if not (per_group.all(axis=1) | ~per_group.any(axis=1)).all():
+                raise _err(s.loc, "zdsl.barrier() reached by only some invocations of a workgroup "
+                                  "(a barrier must be in uniform control flow)")
+            for w in self.writer.values():
+                w.fill(-1)
+        else:
+            raise NotImplementedError(type(s))
+
+    def store(self, s: ir.Store, mask) -> None:
+        value = np.broadcast_to(self.value(s.value), (self.n,) + np.shape(self.value(s.value))[1:])
+        if isinstance(s.view, ir.Shared):
+            arr = self.shared[s.view.id]
+            idx = self._index(s.index, arr.shape[1], mask, s.loc, "shared write")
+            writer = self.writer[s.view.id][self.group_local, idx]
+            race = mask & (writer >= 0) & (writer != self.lane_in_group)
+            if race.any():
+                lane = int(np.argmax(race))
+                raise _err(s.loc, f"shared-memory race: invocations {int(writer[lane])} and "
+                                  f"{int(self.lane_in_group[lane])} both write element {int(idx[lane])} "
+                                  f"with no zdsl.barrier() between")
+            arr[self.group_local[mask], idx[mask]] = value[mask]
+            self.writer[s.view.id][self.group_local[mask], idx[mask]] = self.lane_in_group[mask]
+            return
+        arr = self.view(s.view)
+        idx = self._index(s.index, len(arr), mask, s.loc, f"write of {s.view.buffer}")
+        if s.view.dtype.name == "bf16":
+            value = (np.asarray(value, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        elif s.view.dtype.is_int:
+            value = np.asarray(value).astype(np.int64).astype(s.view.dtype.numpy)
+        arr[idx[mask]] = np.asarray(value)[mask].astype(arr.dtype)
+
+
+def interpret(k: ir.Kernel, groups: tuple[int, int, int], buffers: dict[str, np.ndarray], scalars: dict,
+              specs: dict) -> None:
+    """Run kernel `k` over `groups` workgroups, updating the numpy `buffers` in place."""
+    wg = k.workgroup[0] * k.workgroup[1] * k.workgroup[2]
+    total = groups[0] * groups[1] * groups[2]
+    per_chunk = max(1, MAX_LANES // wg)
+    for first in range(0, total, per_chunk):
+        count = min(per_chunk, total - first)
+        run = Run(k, groups, buffers, scalars, specs, first, count)
+        run.block(k.body, np.ones(run.n, dtype=bool))

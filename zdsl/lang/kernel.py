@@ -1,0 +1,348 @@
+"""`@zdsl.kernel`: a Python function becomes a family of specialized kernel variants.
+
+Parameters are classified by annotation: `Buffer[T]` → storage buffers (bindings in order),
+a scalar type (`u32`, `f32`, ...) → push constants, `Spec[T]` → specialization constants,
+`Const` → trace-time Python values. A `Variant` is one choice of Const and Spec values: it
+traces once, emits GLSL, compiles (cached) and runs on a device or in the interpreter.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import struct
+import sys
+import traceback
+import weakref
+from dataclasses import dataclass
+from functools import cached_property
+from types import SimpleNamespace
+from typing import Callable
+
+import numpy as np
+
+from zdsl.errors import CompileError, KernelError, ZdslError
+from zdsl.lang import ir
+from zdsl.lang.language import BufferAnnotation, Const, SpecAnnotation
+from zdsl.lang.trace import BufferParam, Tracer, Value, fail
+from zdsl.lang.types import DType
+
+REGISTRY: dict[str, "KernelDef"] = {}
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    kind: str  # "buffer", "scalar", "spec", "const"
+    dtype: DType | None
+    default: object
+
+
+class KernelDef:
+    """A kernel and its variant space. Registered by name in REGISTRY."""
+
+    def __init__(self, fn: Callable, *, workgroup, subgroup: str | None, variants: dict | None,
+                 where: Callable | None, name: str | None, register: bool):
+        self.fn = fn
+        self.name = name or fn.__name__
+        self.workgroup = workgroup
+        self.subgroup = subgroup
+        self.variant_space = {k: list(v) for k, v in (variants or {}).items()}
+        self.constraint = where
+        self.source = (inspect.getsourcefile(fn), fn.__code__.co_firstlineno)
+        self.params = self._parse_params(fn)
+        self._variants: dict[tuple, Variant] = {}
+        self._traces: dict[tuple, ir.Kernel] = {}
+        known = {p.name for p in self.params if p.kind in ("const", "spec")}
+        for key in list(self.variant_space) + ([subgroup] if subgroup else []):
+            if key not in known:
+                raise self._error(f"variant parameter '{key}' is not a Const or Spec parameter of {self.name}")
+        if register:
+            if self.name in REGISTRY and REGISTRY[self.name].source != self.source:
+                raise self._error(f"a kernel named '{self.name}' is already registered at "
+                                  f"{REGISTRY[self.name].source[0]}:{REGISTRY[self.name].source[1]}")
+            REGISTRY[self.name] = self
+
+    def _error(self, msg: str) -> KernelError:
+        return KernelError(f"{self.source[0]}:{self.source[1]}: {msg}")
+
+    def _parse_params(self, fn) -> list[Param]:
+        hints = inspect.get_annotations(fn, eval_str=True)
+        params = []
+        for p in inspect.signature(fn).parameters.values():
+            ann = hints.get(p.name)
+            default = None if p.default is inspect.Parameter.empty else p.default
+            if isinstance(ann, BufferAnnotation):
+                params.append(Param(p.name, "buffer", ann.dtype, None))
+            elif isinstance(ann, SpecAnnotation):
+                params.append(Param(p.name, "spec", ann.dtype, default))
+            elif isinstance(ann, DType):
+                params.append(Param(p.name, "scalar", ann, None))
+            elif ann is Const:
+                params.append(Param(p.name, "const", None, default))
+            else:
+                raise self._error(f"parameter '{p.name}' needs an annotation: Buffer[T], a scalar type "
+                                  f"(u32, i32, f32), Spec[T] or Const")
+        return params
+
+    def reference(self, fn: Callable) -> Callable:
+        """Decorator: the numpy function this kernel must agree with (tests and the tuner use it)."""
+        self.ref = fn
+        return fn
+
+    ref: Callable | None = None
+
+    def __call__(self, *args, **kwargs):
+        raise ZdslError(f"kernel {self.name} is not called directly: use "
+                        f"{self.name}.specialize(...).run(device, groups, ...) or .interpret(groups, ...)")
+
+    # -- variants
+    def space(self, subgroup_sizes: tuple[int, ...] | None = None) -> list[dict]:
+        """Every variant the kernel declares (filtered by its constraint and, when given, by the
+        subgroup sizes a device supports)."""
+        keys = list(self.variant_space)
+        out = []
+        for values in itertools.product(*(self.variant_space[k] for k in keys)):
+            v = self.complete(dict(zip(keys, values)))
+            if subgroup_sizes is not None and self.subgroup and v[self.subgroup] not in subgroup_sizes:
+                continue
+            if self.constraint is None or self.constraint(SimpleNamespace(**v)):
+                out.append(v)
+        return out
+
+    def complete(self, given: dict) -> dict:
+        names = {p.name: p for p in self.params if p.kind in ("const", "spec")}
+        unknown = set(given) - set(names)
+        if unknown:
+            raise ZdslError(f"{self.name} has no compile-time parameter {', '.join(sorted(unknown))} "
+                            f"(it has {', '.join(names) or 'none'})")
+        out = {}
+        for name, p in names.items():
+            value = given.get(name, p.default)
+            if value is None:
+                raise ZdslError(f"{self.name} needs a value for {name}")
+            out[name] = value
+        return out
+
+    def specialize(self, **params) -> Variant:
+        params = self.complete(params)
+        key = tuple(sorted((k, repr(v)) for k, v in params.items()))
+        if key not in self._variants:
+            self._variants[key] = Variant(self, params)
+        return self._variants[key]
+
+    def trace(self, consts: dict) -> ir.Kernel:
+        key = tuple(sorted((k, repr(v)) for k, v in consts.items()))
+        if key not in self._traces:
+            self._traces[key] = self._trace(consts)
+        return self._traces[key]
+
+    def _resolve_workgroup(self, consts: dict) -> tuple[int, int, int]:
+        wg = self.workgroup
+        if isinstance(wg, str):
+            wg = consts[wg]
+        elif callable(wg):
+            wg = wg(SimpleNamespace(**consts))
+        wg = (wg,) if isinstance(wg, int) else tuple(wg)
+        if not all(isinstance(w, int) and w > 0 for w in wg) or len(wg) > 3:
+            raise self._error(f"workgroup size must be 1..3 positive ints, got {wg}")
+        return (wg + (1, 1))[:3]
+
+    def _trace(self, consts: dict) -> ir.Kernel:
+        workgroup = self._resolve_workgroup(consts)
+        sg = consts[self.subgroup] if self.subgroup else None
+        if sg is not None and (workgroup[0] * workgroup[1] * workgroup[2]) % sg:
+            raise self._error(f"workgroup {workgroup} is not a whole number of subgroups of {sg}")
+        tracer = Tracer(sg, workgroup)
+        args, buffers, scalars, specs = {}, [], [], []
+        for p in self.params:
+            if p.kind == "buffer":
+                args[p.name] = BufferParam(p.name, len(buffers), p.dtype)
+                buffers.append(args[p.name])
+            elif p.kind == "scalar":
+                scalars.append(ir.Scalar(p.name, p.dtype))
+                args[p.name] = Value(scalars[-1])
+            elif p.kind == "spec":
+                specs.append(ir.Spec(p.name, p.dtype, len(specs)))
+                args[p.name] = Value(specs[-1])
+            else:
+                args[p.name] = consts[p.name]
+        Tracer.current = tracer
+        try:
+            self.fn(**args)
+        except KernelError:
+            raise
+        except ZdslError:
+            raise
+        except Exception as e:  # a plain Python error in the kernel body: point at its line
+            raise self._locate(e) from e
+        finally:
+            Tracer.current = None
+        access = [(b.name, b.dtype, "rw" if b.reads and b.writes else "w" if b.writes else "r")
+                  for b in buffers]
+        views = [v for b in buffers for v in b.views.values()]
+        return ir.Kernel(self.name, tracer.blocks[0], workgroup, sg, access, views, scalars, specs,
+                         tracer.shared, tracer.features, self.source)
+
+    def _locate(self, e: Exception) -> KernelError:
+        file = self.source[0]
+        frames = [f for f in traceback.extract_tb(sys.exc_info()[2]) if f.filename == file]
+        line = frames[-1].lineno if frames else self.source[1]
+        return KernelError(f"{file}:{line}: {type(e).__name__}: {e}")
+
+
+def kernel(fn=None, *, workgroup=64, subgroup: str | None = None, variants: dict | None = None,
+           where: Callable | None = None, name: str | None = None, register: bool = True):
+    """Declare a kernel.
+
+    workgroup: an int or tuple, the name of a Const parameter, or a function of the Const values.
+    subgroup:  the name of the Const parameter holding the subgroup size the variant requires.
+    variants:  {param: values} — the space `zdsl build` and the tuner enumerate.
+    where:     a predicate on a variant's values (a namespace) that rules combinations out.
+    """
+    def wrap(f):
+        return KernelDef(f, workgroup=workgroup, subgroup=subgroup, variants=variants, where=where,
+                         name=name, register=register)
+    return wrap(fn) if fn is not None else wrap
+
+
+class Variant:
+    """One specialization of a kernel: Const values fixed in the code, Spec values in the pipeline."""
+
+    def __init__(self, kdef: KernelDef, params: dict):
+        self.kernel = kdef
+        self.params = params
+        spec_names = {p.name for p in kdef.params if p.kind == "spec"}
+        self.consts = {k: v for k, v in params.items() if k not in spec_names}
+        self.spec_values = {k: v for k, v in params.items() if k in spec_names}
+        self._pipelines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @property
+    def label(self) -> str:
+        inner = ",".join(f"{k}={v}" for k, v in self.params.items())
+        return f"{self.kernel.name}[{inner}]" if inner else self.kernel.name
+
+    @cached_property
+    def ir(self) -> ir.Kernel:
+        k = self.kernel.trace(self.consts)
+        k.label = self.label
+        return k
+
+    @cached_property
+    def _glsl(self):
+        from zdsl.lang.glsl import emit
+        return emit(self.ir)
+
+    @property
+    def glsl(self) -> str:
+        return self._glsl[0]
+
+    @cached_property
+    def compiled(self):
+        from zdsl.toolchain import compile_cached
+        text, line_locs = self._glsl
+        try:
+            return compile_cached(text, name=self.kernel.name)
+        except CompileError as e:
+            line = getattr(e, "glsl_line", None)
+            loc = max((l for l in line_locs if l[0] <= line), default=None) if line else None
+            if loc is None:
+                raise
+            raise KernelError(f"{loc[1]}:{loc[2]}: the generated GLSL does not compile: {e}") from e
+
+    @property
+    def spirv(self) -> bytes:
+        return self.compiled.spirv
+
+    # -- device side
+    @property
+    def bindings(self) -> tuple[str, ...]:
+        return tuple(access for _, _, access in self.ir.buffers)
+
+    @property
+    def push_size(self) -> int:
+        return 4 * len(self.ir.scalars)
+
+    def spec_constants(self) -> dict[int, int | float | bool]:
+        out = {}
+        for s in self.ir.specs:
+            v = self.spec_values[s.name]
+            out[s.id] = float(v) if s.dtype.is_float else bool(v) if s.dtype.kind == "b" else int(v)
+        return out
+
+    def pack_push(self, values: dict) -> bytes:
+        missing = [s.name for s in self.ir.scalars if s.name not in values]
+        if missing:
+            raise ZdslError(f"{self.label}: missing scalar argument(s) {', '.join(missing)}")
+        fmt = {"f": "f", "i": "i", "u": "I", "b": "I"}
+        return b"".join(struct.pack("<" + fmt[s.dtype.kind], values[s.name]) for s in self.ir.scalars)
+
+    def pipeline(self, device, *, statistics: bool = False):
+        pipe = self._pipelines.get(device)
+        if pipe is None or (statistics and pipe.statistics is None):
+            pipe = device.pipeline(self.spirv, bindings=self.bindings, push_size=self.push_size,
+                                   spec=self.spec_constants(), subgroup_size=self.ir.subgroup_size,
+                                   name=self.label, statistics=statistics)
+            self._pipelines[device] = pipe
+        return pipe
+
+    def _split_args(self, args: dict):
+        names = [b[0] for b in self.ir.buffers]
+        unknown = set(args) - set(names) - {s.name for s in self.ir.scalars}
+        if unknown:
+            raise ZdslError(f"{self.label} has no parameter {', '.join(sorted(unknown))}")
+        missing = [n for n in names if n not in args]
+        if missing:
+            raise ZdslError(f"{self.label}: missing buffer argument(s) {', '.join(missing)}")
+        return [args[n] for n in names], {s.name: args[s.name] for s in self.ir.scalars if s.name in args}
+
+    def dispatch(self, seq, groups, **args) -> None:
+        """Record this variant into a runtime Sequence; buffers are runtime Buffers."""
+        buffers, scalars = self._split_args(args)
+        seq.dispatch(self.pipeline(seq.device), _groups(groups), buffers, self.pack_push(scalars),
+                     label=self.label)
+
+    def run(self, device, groups, **args) -> dict[str, np.ndarray]:
+        """One-shot: upload numpy arrays, dispatch once, return the buffers the kernel writes."""
+        arrays, scalars = self._split_args(args)
+        bufs = [device.upload(np.ascontiguousarray(a), name=n) for a, (n, _, _) in zip(arrays, self.ir.buffers)]
+        try:
+            seq = device.sequence()
+            seq.dispatch(self.pipeline(device), _groups(groups), bufs, self.pack_push(scalars), label=self.label)
+            seq.run()
+            return {n: b.read(np.asarray(a).dtype, np.shape(a))
+                    for a, b, (n, _, acc) in zip(arrays, bufs, self.ir.buffers) if "w" in acc}
+        finally:
+            for b in bufs:
+                b.free()
+
+    def interpret(self, groups, **args) -> dict[str, np.ndarray]:
+        """Run on the CPU with numpy (subgroup semantics at this variant's subgroup size);
+        returns copies of the buffers the kernel writes."""
+        from zdsl.lang.interp import interpret
+        arrays, scalars = self._split_args(args)
+        work = {n: np.array(a, copy=True) for a, (n, _, _) in zip(arrays, self.ir.buffers)}
+        interpret(self.ir, _groups(groups), work, scalars, self.spec_values)
+        return {n: work[n] for n, _, acc in self.ir.buffers if "w" in acc}
+
+
+def _groups(groups) -> tuple[int, int, int]:
+    g = (groups,) if isinstance(groups, (int, np.integer)) else tuple(groups)
+    g = tuple(int(x) for x in g) + (1,) * (3 - len(g))
+    if any(x < 1 for x in g):
+        raise ZdslError(f"dispatch needs at least one workgroup per axis, got {g}")
+    return g
+
+
+def all_kernels() -> dict[str, KernelDef]:
+    """Import every module of zdsl.kernels so their kernels register, then list them by name."""
+    import importlib
+    import pkgutil
+
+    import zdsl.kernels
+    for mod in pkgutil.iter_modules(zdsl.kernels.__path__):
+        importlib.import_module(f"zdsl.kernels.{mod.name}")
+    return dict(sorted(REGISTRY.items()))
+
+
+__all__ = ["kernel", "KernelDef", "Variant", "REGISTRY", "all_kernels", "fail"]

@@ -1,0 +1,369 @@
+"""The zdsl language: everything a kernel body may call, in one module.
+
+A kernel is ordinary Python run once at build time with traced values. Python `for` loops and
+`if`s over Python values unroll and choose at build time; the GPU's own loops and branches are
+written with `zdsl.range` and `with zdsl.if_(...)`. Underneath it is plain SIMT: each
+invocation runs the body; workgroups share `shared` arrays; subgroups have collective ops.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from zdsl.lang import ir
+from zdsl.lang.trace import (BufferParam, SharedArray, Tracer, Value, Var, apply, fail, operand, tracer,
+                             typed, user_loc)
+from zdsl.lang.types import DType, boolean, f16, f32, i32, u32
+
+# ---- parameter annotations -------------------------------------------------------------------
+
+
+class Buffer:
+    """`x: Buffer[f32]`: a storage buffer of f32 (binding order = parameter order)."""
+
+    def __class_getitem__(cls, dtype: DType):
+        return BufferAnnotation(dtype)
+
+
+class BufferAnnotation:
+    def __init__(self, dtype: DType):
+        self.dtype = dtype
+
+
+class Spec:
+    """`rows: Spec[u32] = 2`: a specialization constant — set when the pipeline is created,
+    without recompiling. Use it for values that do not change the code's shape."""
+
+    def __class_getitem__(cls, dtype: DType):
+        return SpecAnnotation(dtype)
+
+
+class SpecAnnotation:
+    def __init__(self, dtype: DType):
+        self.dtype = dtype
+
+
+class Const:
+    """`QTYPE: Const = "q4_k"`: a Python value at trace time — each value is its own SPIR-V.
+    Use it for what changes the code: types, unroll counts, subgroup size."""
+
+
+# ---- invocation ids -----------------------------------------------------------------------------
+
+def _builtin(name: str, axis: int = 0) -> Value:
+    return Value(ir.Builtin(name, axis, u32))
+
+
+def workgroup_id(axis: int = 0) -> Value:
+    """Index of this workgroup in the dispatch (gl_WorkGroupID)."""
+    return _builtin("workgroup_id", axis)
+
+
+def num_workgroups(axis: int = 0) -> Value:
+    return _builtin("num_workgroups", axis)
+
+
+def local_id(axis: int = 0) -> Value:
+    """Index of this invocation in its workgroup (gl_LocalInvocationID)."""
+    return _builtin("local_id", axis)
+
+
+def local_index() -> Value:
+    """Flattened index of this invocation in its workgroup."""
+    return _builtin("local_index")
+
+
+def global_id(axis: int = 0) -> Value:
+    return _builtin("global_id", axis)
+
+
+def workgroup_size(axis: int = 0) -> int:
+    return tracer().workgroup[axis]
+
+
+def subgroup_size() -> int:
+    """The subgroup size this variant is compiled for (a Python int)."""
+    sg = tracer().subgroup_size
+    if sg is None:
+        raise fail("this kernel declares no subgroup size: pass subgroup='PARAM' to @zdsl.kernel")
+    return sg
+
+
+def subgroup_id() -> Value:
+    """Which subgroup of the workgroup this invocation is in (local_index // subgroup_size)."""
+    subgroup_size()
+    tracer().features.add("subgroup")
+    return _builtin("subgroup_id")
+
+
+def lane_id() -> Value:
+    """This invocation's lane in its subgroup."""
+    subgroup_size()
+    tracer().features.add("subgroup")
+    return _builtin("lane_id")
+
+
+# ---- variables, control flow ------------------------------------------------------------------
+
+def var(init, dtype: DType | None = None, name: str = "") -> Var:
+    """A mutable variable, for values that loops and branches update (`acc += x`)."""
+    init_v = typed(init, dtype or (init.dtype if isinstance(init, Value) else f32))
+    if dtype is not None and init_v.dtype != dtype:
+        init_v = init_v.to(dtype)
+    return tracer().var(init_v, name)
+
+
+def range(start, stop=None, step=1, *, unroll: bool | int = False):
+    """A loop the GPU runs: `for i in zdsl.range(n):`. The body is traced once; values that
+    must outlive an iteration live in `zdsl.var`s. `unroll=True` or a count asks the compiler
+    to unroll. For a loop unrolled at build time use Python's own `range` over Python ints."""
+    if stop is None:
+        start, stop = 0, start
+    t = tracer()
+    like = next((v.dtype for v in (start, stop, step) if isinstance(v, Value)), u32)
+    if not like.is_int:
+        raise fail(f"zdsl.range bounds must be integers, not {like!r}")
+    lo, hi, st = (operand(v, like) for v in (start, stop, step))
+    ref = ir.VarRef(t.nvars, f"i{t.nvars}", like)
+    t.nvars += 1
+    loop = ir.For(ref, lo, hi, st, [], unroll, user_loc())
+    t.emit(loop)
+    with t.block(loop.body):
+        yield Value(ref)
+
+
+@contextmanager
+def if_(cond):
+    """`with zdsl.if_(cond):` — the block runs only where cond holds."""
+    c = operand(cond, boolean)
+    if c.dtype != boolean:
+        raise fail(f"zdsl.if_ needs a bool condition, not {c.dtype!r} (compare it: x != 0)")
+    t = tracer()
+    t.check_visible(c)
+    node = ir.If(c, [], [], user_loc())
+    t.emit(node)
+    with t.block(node.then):
+        yield
+
+
+@contextmanager
+def else_():
+    """`with zdsl.else_():` right after a `with zdsl.if_(...)` block."""
+    t = tracer()
+    block = t.blocks[-1]
+    if not block or not isinstance(block[-1], ir.If) or block[-1].orelse:
+        raise fail("zdsl.else_() must directly follow a `with zdsl.if_(...)` block")
+    with t.block(block[-1].orelse):
+        yield
+
+
+def where(cond, a, b) -> Value:
+    """cond ? a : b, per invocation (both sides are computed)."""
+    like = next((v.dtype for v in (a, b) if isinstance(v, Value)), None)
+    return apply("select", typed(cond, boolean), typed(a, like or f32), typed(b, like or f32),
+                 same=False, dtype=like or f32)
+
+
+# ---- shared memory, synchronization ------------------------------------------------------------
+
+def shared(dtype: DType, size) -> SharedArray:
+    """A workgroup-shared array; `size` is an int or a compile-time expression of Spec params."""
+    t = tracer()
+    size_ref = size if isinstance(size, int) else operand(size)
+    if not isinstance(size_ref, (int, ir.Const, ir.Spec, ir.ConstExpr)):
+        raise fail("a shared array's size must be known at pipeline creation (ints, Const and Spec params)")
+    decl = ir.Shared(len(t.shared), dtype, size_ref)
+    t.shared.append(decl)
+    return SharedArray(decl)
+
+
+def barrier() -> None:
+    """Every invocation of the workgroup waits here; shared-memory writes before it are visible after."""
+    tracer().emit(ir.Barrier(user_loc()))
+
+
+# ---- math -------------------------------------------------------------------------------------
+
+def _float_unary(op):
+    def fn(x):
+        x = typed(x, f32)
+        if not x.dtype.is_float:
+            raise fail(f"zdsl.{op} needs a float value, not {x.dtype!r}; convert with .to(f32)")
+        return apply(op, x)
+    fn.__name__ = op
+    fn.__doc__ = f"Elementwise {op}."
+    return fn
+
+
+exp, exp2, log, log2 = (_float_unary(n) for n in ("exp", "exp2", "log", "log2"))
+sqrt, rsqrt, sin, cos, tanh = (_float_unary(n) for n in ("sqrt", "rsqrt", "sin", "cos", "tanh"))
+floor, ceil, round = (_float_unary(n) for n in ("floor", "ceil", "round"))
+sigmoid, silu, softplus = (_float_unary(n) for n in ("sigmoid", "silu", "softplus"))
+
+
+def abs(x) -> Value:
+    return apply("abs", x)
+
+
+def isnan(x) -> Value:
+    return apply("isnan", typed(x, f32), dtype=boolean)
+
+
+def min(a, b) -> Value:
+    return apply("min", a, b)
+
+
+def max(a, b) -> Value:
+    return apply("max", a, b)
+
+
+def pow(a, b) -> Value:
+    return apply("pow", a, b)
+
+
+def clamp(x, lo, hi) -> Value:
+    return apply("clamp", x, lo, hi)
+
+
+def fma(a, b, c) -> Value:
+    """a * b + c in one rounding where the hardware has it."""
+    return apply("fma", a, b, c)
+
+
+def bitcast(x, dtype: DType) -> Value:
+    """Reinterpret the bits of a 32-bit value (floatBitsToUint and friends)."""
+    x = typed(x, u32)
+    if x.dtype.bits != 32 or dtype.bits != 32:
+        raise fail("zdsl.bitcast works on 32-bit types")
+    return tracer().let("bitcast", (x.ref,), dtype.vec(x.dtype.lanes))
+
+
+def f16_bits(u) -> Value:
+    """The f32 value of the IEEE half whose bits are the low 16 bits of u (for packed scales)."""
+    return tracer().let("f16_bits", (operand(u, u32),), f32)
+
+
+def bf16_bits(u) -> Value:
+    """The f32 value of the bfloat16 whose bits are the low 16 bits of u."""
+    return tracer().let("bf16_bits", (operand(u, u32),), f32)
+
+
+def vec(*parts) -> Value:
+    """A 2- or 4-lane vector from scalars of one type."""
+    if len(parts) not in (2, 4):
+        raise fail("zdsl.vec takes 2 or 4 values")
+    like = next((p.dtype for p in parts if isinstance(p, Value)), f32)
+    args = tuple(operand(p, like) for p in parts)
+    if len({a.dtype for a in args}) > 1:
+        raise fail("zdsl.vec parts must all have one type")
+    return tracer().let("vec", args, like.vec(len(parts)))
+
+
+def dot(a: Value, b: Value) -> Value:
+    """Σ a_i b_i over the lanes of two float vectors."""
+    return tracer().let("dot", (operand(a), operand(b, a.dtype)), a.dtype.scalar)
+
+
+def dot4_i8(a, b) -> Value:
+    """Σ of the products of the four signed bytes packed in a and in b (int8 dot product)."""
+    args = (operand(a, u32), operand(b, u32))
+    if any(not x.dtype.is_int or x.dtype.bits != 32 or x.dtype.lanes != 1 for x in args):
+        raise fail("zdsl.dot4_i8 takes two 32-bit integers, each holding four packed bytes")
+    tracer().features.add("int8_dot")
+    return tracer().let("dot4_i8", args, i32)
+
+
+# ---- subgroups ----------------------------------------------------------------------------------
+
+def _subgroup(op: str, x, **attrs) -> Value:
+    subgroup_size()
+    t = tracer()
+    t.features.add("subgroup")
+    x = typed(x, f32)
+    return t.let(op, (x.ref,), x.dtype, **attrs)
+
+
+def subgroup_sum(x, cluster: int | None = None) -> Value:
+    """Sum over the active lanes of the subgroup (or of each aligned cluster of `cluster` lanes)."""
+    return _subgroup("sg_sum", x, cluster=_cluster(cluster))
+
+
+def subgroup_max(x, cluster: int | None = None) -> Value:
+    return _subgroup("sg_max", x, cluster=_cluster(cluster))
+
+
+def subgroup_min(x, cluster: int | None = None) -> Value:
+    return _subgroup("sg_min", x, cluster=_cluster(cluster))
+
+
+def _cluster(cluster):
+    if cluster is None:
+        return None
+    sg = subgroup_size()
+    if not isinstance(cluster, int) or cluster < 1 or cluster & (cluster - 1) or cluster > sg:
+        raise fail(f"cluster size must be a power of two ≤ the subgroup size {sg}, not {cluster}")
+    return cluster
+
+
+def subgroup_broadcast(x, lane: int) -> Value:
+    """The value of `x` in lane `lane` (a Python int), for every lane."""
+    if not isinstance(lane, int) or not 0 <= lane < subgroup_size():
+        raise fail(f"broadcast lane must be a Python int in 0..{subgroup_size() - 1}")
+    return _subgroup("sg_broadcast", x, lane=lane)
+
+
+def subgroup_shuffle(x, lane) -> Value:
+    """The value of `x` in lane `lane` (a traced u32)."""
+    subgroup_size()
+    t = tracer()
+    t.features.add("subgroup")
+    x = typed(x, f32)
+    return t.let("sg_shuffle", (x.ref, operand(lane, u32)), x.dtype)
+
+
+def subgroup_shuffle_xor(x, mask: int) -> Value:
+    """The value of `x` in lane (this lane ^ mask)."""
+    subgroup_size()
+    t = tracer()
+    t.features.add("subgroup")
+    x = typed(x, f32)
+    return t.let("sg_shuffle_xor", (x.ref, operand(mask, u32)), x.dtype)
+
+
+# ---- atomics ---------------------------------------------------------------------------------
+
+def _atomic(op: str, buf: BufferParam, index, value) -> Value:
+    if buf.dtype.name not in ("u32", "i32"):
+        raise fail(f"atomics need a u32 or i32 buffer, not {buf.dtype!r}")
+    buf.reads = buf.writes = True
+    view = buf.view(buf.dtype)._ir()
+    return tracer().let(op, (view, operand(index, u32), operand(value, buf.dtype)), buf.dtype)
+
+
+def atomic_add(buf: BufferParam, index, value) -> Value:
+    """buf[index] += value atomically; returns the old value."""
+    return _atomic("atomic_add", buf, index, value)
+
+
+def atomic_max(buf: BufferParam, index, value) -> Value:
+    return _atomic("atomic_max", buf, index, value)
+
+
+def atomic_min(buf: BufferParam, index, value) -> Value:
+    return _atomic("atomic_min", buf, index, value)
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of Python ints (grid sizes)."""
+    return -(-a // b)
+
+
+__all__ = [
+    "Buffer", "Spec", "Const", "workgroup_id", "num_workgroups", "local_id", "local_index", "global_id",
+    "workgroup_size", "subgroup_size", "subgroup_id", "lane_id", "var", "range", "if_", "else_", "where",
+    "shared", "barrier", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "sin", "cos", "tanh", "floor",
+    "ceil", "round", "sigmoid", "silu", "softplus", "abs", "isnan", "min", "max", "pow", "clamp", "fma",
+    "bitcast", "f16_bits", "bf16_bits", "vec", "dot", "dot4_i8", "subgroup_sum", "subgroup_max",
+    "subgroup_min", "subgroup_broadcast", "subgroup_shuffle", "subgroup_shuffle_xor", "atomic_add",
+    "atomic_max", "atomic_min", "cdiv", "Tracer", "Value", "Var", "f16", "i32",
+]
