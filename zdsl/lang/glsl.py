@@ -57,8 +57,22 @@ def literal(value, dtype: DType) -> str:
     return text if dtype.name == "f32" else f"{dtype.glsl}({text})"
 
 
+# GLSL words a Python parameter name may collide with; such names get a trailing underscore.
+_RESERVED = set("""in out inout uniform buffer shared input output sample patch filter common partition
+active attribute const varying layout centroid flat smooth noperspective invariant precise coherent
+volatile restrict readonly writeonly resource subroutine struct void bool int uint float double
+true false discard return break continue do for while switch case default if else lowp mediump
+highp precision image texture sampler asm class union enum typedef template this goto inline
+noinline public static extern external interface long short half fixed unsigned superp cast
+namespace using main mix dot min max abs exp log sign step""".split())
+
+
+def safe(name: str) -> str:
+    return f"{name}_" if name in _RESERVED or name.startswith("gl_") else name
+
+
 def view_name(v: ir.View, declared: dict) -> str:
-    return v.buffer if declared[v.buffer] == v.dtype else f"{v.buffer}_{v.dtype!r}"
+    return safe(v.buffer) if declared[v.buffer] == v.dtype else f"{v.buffer}_{v.dtype!r}"
 
 
 class Emitter:
@@ -80,7 +94,7 @@ class Emitter:
         if isinstance(o, ir.VarRef):
             return o.name
         if isinstance(o, ir.Scalar):
-            return f"pc.{o.name}"
+            return f"pc.{safe(o.name)}"
         if isinstance(o, ir.Spec):
             return f"sc_{o.name}"
         if isinstance(o, ir.Builtin):
@@ -228,7 +242,7 @@ class Emitter:
             default = 0 if s.dtype.kind != "b" else False
             out.append(f"layout(constant_id = {s.id}) const {s.dtype.glsl} sc_{s.name} = {literal(default, s.dtype)};")
         if k.scalars:
-            fields = " ".join(f"{s.dtype.glsl} {s.name};" for s in k.scalars)
+            fields = " ".join(f"{s.dtype.glsl} {safe(s.name)};" for s in k.scalars)
             out.append(f"layout(push_constant) uniform Push {{ {fields} }} pc;")
         access = {name: acc for name, _, acc in k.buffers}
         used = {v.buffer for v in k.views}
