@@ -181,8 +181,9 @@ class KernelDef:
         access = [(b.name, b.dtype, "rw" if b.reads and b.writes else "w" if b.writes else "r")
                   for b in buffers]
         views = [v for b in buffers for v in b.views.values()]
+        label = f"{self.name}[{','.join(f'{k}={v}' for k, v in consts.items())}]" if consts else self.name
         return ir.Kernel(self.name, tracer.blocks[0], workgroup, sg, access, views, scalars, specs,
-                         tracer.shared, tracer.features, self.source)
+                         tracer.shared, tracer.features, self.source, label)
 
     def _locate(self, e: Exception) -> KernelError:
         file = self.source[0]
@@ -224,9 +225,7 @@ class Variant:
 
     @cached_property
     def ir(self) -> ir.Kernel:
-        k = self.kernel.trace(self.consts)
-        k.label = self.label
-        return k
+        return self.kernel.trace(self.consts)
 
     @cached_property
     def _glsl(self):

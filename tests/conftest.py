@@ -1,0 +1,24 @@
+"""Shared fixtures: one lavapipe device per test session, a private cache directory."""
+
+import os
+import tempfile
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+# Tests never touch the user's cache; each xdist worker gets its own.
+os.environ.setdefault("ZDSL_CACHE_DIR", tempfile.mkdtemp(prefix="zdsl-test-cache-"))
+
+settings.register_profile("zdsl", deadline=None, max_examples=25, derandomize=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+settings.load_profile("zdsl")
+
+
+@pytest.fixture(scope="session")
+def device():
+    """lavapipe: the conformant CPU Vulkan driver every CI machine has after scripts/setup.sh."""
+    from zdsl.runtime import open_device
+
+    dev = open_device("lavapipe")
+    yield dev
+    dev.close()

@@ -1,0 +1,93 @@
+"""The DSL against numpy: every sample kernel in the interpreter (subgroup sizes 8/32/64) and on
+lavapipe (its own subgroup size), over random shapes and variant values."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from zdsl.kernels import basic as k
+
+BACKENDS = ["interp", "lavapipe"]
+
+
+def run(variant, backend, request, groups, **args):
+    if backend == "interp":
+        return variant.interpret(groups, **args)
+    return variant.run(request.getfixturevalue("device"), groups, **args)
+
+
+def sizes_for(backend, request):
+    if backend == "interp":
+        return [8, 32, 64]
+    return [request.getfixturevalue("device").info.subgroup_size]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(n=st.integers(1, 3000), wg=st.sampled_from([64, 256]), a=st.floats(-4, 4, width=32), seed=st.integers(0, 99))
+def test_axpy(backend, request, n, wg, a, seed):
+    rng = np.random.default_rng(seed)
+    x, y = rng.standard_normal(n, dtype=np.float32), rng.standard_normal(n, dtype=np.float32)
+    out = run(k.axpy.specialize(WG=wg), backend, request, -(-n // wg), x=x, y=y,
+              out=np.full(n, np.nan, np.float32), n=n, a=a)["out"]
+    np.testing.assert_allclose(out, k.axpy_ref(x, y, a), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(n4=st.integers(1, 700), seed=st.integers(0, 99))
+def test_vec4_loads(backend, request, n4, seed):
+    rng = np.random.default_rng(seed)
+    x, y = rng.standard_normal(4 * n4, dtype=np.float32), rng.standard_normal(4 * n4, dtype=np.float32)
+    out = run(k.axpy4.specialize(), backend, request, -(-n4 // 64), x=x, y=y,
+              out=np.full(4 * n4, np.nan, np.float32), n4=n4, a=0.5)["out"]
+    np.testing.assert_allclose(out, k.axpy_ref(x, y, 0.5), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(rows=st.integers(1, 6), cols=st.integers(1, 700), op=st.sampled_from(["sum", "max"]),
+       wg=st.sampled_from([64, 256]), sg_pick=st.integers(0, 2), seed=st.integers(0, 99))
+def test_row_reduce(backend, request, rows, cols, op, wg, sg_pick, seed):
+    sizes = sizes_for(backend, request)
+    sg = sizes[sg_pick % len(sizes)]
+    x = np.random.default_rng(seed).standard_normal((rows, cols), dtype=np.float32)
+    y = run(k.row_reduce.specialize(OP=op, WG=wg, SG=sg), backend, request, rows,
+            x=x, y=np.full(rows, np.nan, np.float32), k=cols)["y"]
+    np.testing.assert_allclose(y, k.row_reduce_ref(x, op), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", k.subgroup_op.variant_space["OP"])
+def test_subgroup_collectives(backend, request, op):
+    for sg in sizes_for(backend, request):
+        x = np.random.default_rng(sg).standard_normal(128, dtype=np.float32)
+        y = run(k.subgroup_op.specialize(OP=op, SG=sg), backend, request, 2,
+                x=x, y=np.full(128, np.nan, np.float32))["y"]
+        np.testing.assert_allclose(y, k.subgroup_op_ref(x, op, sg), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(rows=st.integers(1, 70), cols=st.integers(1, 70), tile=st.sampled_from([8, 16]), seed=st.integers(0, 99))
+def test_shared_transpose(backend, request, rows, cols, tile, seed):
+    x = np.random.default_rng(seed).standard_normal((rows, cols), dtype=np.float32)
+    y = run(k.transpose.specialize(TILE=tile), backend, request, (-(-cols // tile), -(-rows // tile)),
+            x=x, y=np.full(rows * cols, np.nan, np.float32), rows=rows, cols=cols)["y"]
+    np.testing.assert_array_equal(y.reshape(cols, rows), k.transpose_ref(x))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(rows=st.integers(1, 9), k4=st.integers(1, 80), scale=st.integers(-3, 3), seed=st.integers(0, 99))
+def test_int8_dot_and_spec_constant(backend, request, rows, k4, scale, seed):
+    rng = np.random.default_rng(seed)
+    a = rng.integers(-128, 128, (rows, 4 * k4), dtype=np.int8)
+    b = rng.integers(-128, 128, 4 * k4, dtype=np.int8)
+    sg = sizes_for(backend, request)[0]
+    y = run(k.dot_i8.specialize(SG=sg, SCALE=scale), backend, request, rows,
+            a=a.view(np.uint32), b=b.view(np.uint32), y=np.zeros(rows, np.int32), k4=k4)["y"]
+    np.testing.assert_array_equal(y, k.dot_i8_ref(a, b, scale))
+
+
+def test_spec_constant_does_not_recompile():
+    """Spec values live in the pipeline, not the code: two values, one SPIR-V."""
+    a, b = k.dot_i8.specialize(SG=8, SCALE=1), k.dot_i8.specialize(SG=8, SCALE=5)
+    assert a is not b and a.glsl == b.glsl and a.spirv == b.spirv
+    assert a.spec_constants() != b.spec_constants()

@@ -1,0 +1,104 @@
+"""Mistakes in kernels are reported at the Python line that made them."""
+
+import inspect
+
+import numpy as np
+import pytest
+
+import zdsl
+from zdsl import Buffer, Const, f32, u32
+from zdsl.errors import KernelError, ZdslError
+
+
+def line_of(fn, text):
+    src, start = inspect.getsourcelines(fn)
+    return start + next(i for i, l in enumerate(src) if text in l)
+
+
+def expect_error_at(kdef, marker, match, **kw):
+    with pytest.raises(KernelError, match=match) as e:
+        v = kdef.specialize(**kw)
+        v.interpret(1, **{p.name: np.zeros(64, p.dtype.numpy) for p in kdef.params if p.kind == "buffer"},
+                    **{p.name: 64 for p in kdef.params if p.kind == "scalar"})
+    assert f"test_dsl_errors.py:{line_of(kdef.fn, marker)}:" in str(e.value)
+
+
+def test_mixed_types():
+    @zdsl.kernel(register=False)
+    def bad(x: Buffer[f32], n: u32):
+        x[0] = x[0] + n  # MARK
+    expect_error_at(bad, "# MARK", "mixes f32 and u32")
+
+
+def test_python_truth_of_traced_value():
+    @zdsl.kernel(register=False)
+    def bad(x: Buffer[f32], n: u32):
+        if zdsl.global_id() < n:  # MARK
+            x[0] = 1.0
+    expect_error_at(bad, "# MARK", "no Python truth value")
+
+
+def test_value_escaping_a_loop():
+    @zdsl.kernel(register=False)
+    def bad(x: Buffer[f32], n: u32):
+        for i in zdsl.range(n):
+            t = x[i] * 2.0
+        x[0] = t  # MARK
+    expect_error_at(bad, "# MARK", "declare it before the block")
+
+
+def test_out_of_bounds_read_in_interpreter():
+    @zdsl.kernel(register=False)
+    def bad(x: Buffer[f32], n: u32):
+        x[zdsl.global_id()] = x[zdsl.global_id() + 1]  # MARK
+    expect_error_at(bad, "# MARK", "out-of-bounds read of x")
+
+
+def test_divergent_barrier():
+    @zdsl.kernel(register=False)
+    def bad(x: Buffer[f32], n: u32):
+        with zdsl.if_(zdsl.local_id() < 3):
+            zdsl.barrier()  # MARK
+    expect_error_at(bad, "# MARK", "uniform control flow")
+
+
+def test_shared_memory_race():
+    @zdsl.kernel(register=False)
+    def bad(x: Buffer[f32], n: u32):
+        s = zdsl.shared(f32, 64)
+        s[zdsl.local_id()] = 1.0
+        x[zdsl.local_id()] = s[(zdsl.local_id() + 1) % 64]  # MARK
+    expect_error_at(bad, "# MARK", "shared-memory race")
+
+
+def test_plain_python_error_in_body():
+    @zdsl.kernel(register=False)
+    def bad(x: Buffer[f32], n: u32, MODE: Const = "a"):
+        x[0] = {"b": 1.0}[MODE]  # MARK
+    expect_error_at(bad, "# MARK", "KeyError")
+
+
+def test_float_literal_into_integer():
+    @zdsl.kernel(register=False)
+    def bad(x: Buffer[f32], n: u32):
+        x[0] = (n * 1.5).to(f32)  # MARK
+    expect_error_at(bad, "# MARK", "float literal")
+
+
+def test_missing_annotation_and_unknown_variant_param():
+    with pytest.raises(KernelError, match="needs an annotation"):
+        @zdsl.kernel(register=False)
+        def bad(x, n: u32):
+            pass
+    with pytest.raises(KernelError, match="not a Const or Spec"):
+        @zdsl.kernel(register=False, variants={"NOPE": [1]})
+        def bad2(x: Buffer[f32]):
+            pass
+
+
+def test_direct_call_is_refused():
+    @zdsl.kernel(register=False)
+    def k(x: Buffer[f32]):
+        x[0] = 1.0
+    with pytest.raises(ZdslError, match="specialize"):
+        k(None)
