@@ -1,0 +1,37 @@
+"""Token embedding lookup: dequantize one row of the embedding table, chosen on the GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import zdsl
+from zdsl import Buffer, Const, f32, u8, u32
+from zdsl.kernels.dmmv import dequant_rows
+from zdsl.kernels.quant import FORMATS, fmt
+
+
+@zdsl.kernel(workgroup=64, variants={"QTYPE": list(FORMATS)})
+def embed(table: Buffer[u8], ids: Buffer[u32], out: Buffer[f32], k: u32, index: u32, QTYPE: Const = "q4_k"):
+    """out[0:k] = table[ids[index], 0:k]; the id stays on the GPU (the sampler wrote it).
+    Grid: ceil(k / block / (64 / parts)) workgroups."""
+    f = fmt(QTYPE)
+    nblocks = k // f.block
+    per_group = 64 // f.parts
+    b = zdsl.workgroup_id() * per_group + zdsl.local_index() // f.parts
+    with zdsl.if_(b < nblocks):
+        base = (ids[index] * nblocks + b) * f.nbytes
+        for g in f.groups(table, base, zdsl.local_index() % f.parts):
+            for i, q in enumerate(g.q):
+                w = q * g.scale if g.scale is not None else q
+                out[b * f.block + g.offset + i] = w + g.bias if g.bias is not None else w
+
+
+@embed.reference
+def embed_ref(table_bytes, token, qtype, vocab, k):
+    rows = np.asarray(table_bytes, np.uint8).reshape(vocab, -1)[token:token + 1]
+    return dequant_rows(rows, qtype, 1, k)[0]
+
+
+def embed_groups(qtype: str, k: int) -> int:
+    f = FORMATS[qtype]
+    return zdsl.cdiv(k // f.block, 64 // f.parts)
