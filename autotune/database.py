@@ -1,0 +1,112 @@
+"""The tuning database: which variant of a kernel to run for a shape on a device.
+
+Entries are typed JSON records — never pickles or Python hashes — keyed by the device's
+identity (vendor:device id:driver name), its driver version, the kernel, and the shape:
+    {"device": "10de:2330:NVIDIA", "device_name": "NVIDIA H100 80GB HBM3", "driver": "580.95.5",
+     "kernel": "dmmv", "shape": {"QTYPE": "q4_k", "k": 2048, "m": 8192},
+     "params": {"ROWS": 2, "WG": 64}, "us": 41.2, "method": "measured"}
+Shipped entries live beside this file (`*.json`), the user's own under the zdsl cache
+(`zdsl tune` writes there). A lookup falls back from the exact driver to any driver of the same
+device, then to the kernel's defaults for the device's subgroup size.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from functools import cache
+from pathlib import Path
+
+from zdsl.cache import cache_dir, write_atomic
+
+SHIPPED = Path(__file__).parent
+
+
+@dataclass(frozen=True)
+class Entry:
+    device: str
+    device_name: str
+    driver: str
+    kernel: str
+    shape: dict
+    params: dict
+    us: float | None = None
+    method: str = "measured"  # or "modelled" (compile-only targets)
+    figures: dict = field(default_factory=dict)
+
+    def key(self) -> tuple:
+        return (self.device, self.driver, self.kernel, shape_key(self.shape))
+
+
+def shape_key(shape: dict) -> str:
+    return json.dumps(shape, sort_keys=True, separators=(",", ":"))
+
+
+def device_key(info) -> tuple[str, str]:
+    """(identity without driver version, driver version) of a runtime DeviceInfo."""
+    parts = info.identity.split(":")
+    return ":".join(parts[:3]), ":".join(parts[3:])
+
+
+def _load(path: Path) -> list[Entry]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return [Entry(**e) for e in data.get("entries", [])]
+
+
+class Database:
+    def __init__(self, paths: list[Path]):
+        self.paths = paths
+        self.entries: dict[tuple, Entry] = {}
+        for p in paths:
+            for e in _load(p):
+                self.entries[e.key()] = e
+
+    def lookup(self, info, kernel: str, shape: dict) -> Entry | None:
+        device, driver = device_key(info)
+        skey = shape_key(shape)
+        exact = self.entries.get((device, driver, kernel, skey))
+        if exact:
+            return exact
+        same_device = [e for k, e in self.entries.items() if k[0] == device and k[2] == kernel and k[3] == skey]
+        return same_device[-1] if same_device else None
+
+    def add(self, entry: Entry) -> None:
+        self.entries[entry.key()] = entry
+
+    def save(self, path: Path) -> None:
+        mine = [asdict(e) for e in self.entries.values() if _belongs(e, path)]
+        write_atomic(path, (json.dumps({"entries": mine}, indent=1, sort_keys=True) + "\n").encode())
+
+
+def _belongs(entry: Entry, path: Path) -> bool:
+    return path.name == _file_name(entry.device, entry.device_name)
+
+
+def _file_name(device: str, name: str) -> str:
+    slug = "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+    return f"{slug}.json"
+
+
+def user_path(info) -> Path:
+    device, _ = device_key(info)
+    return cache_dir("tuning") / _file_name(device, info.name)
+
+
+@cache
+def database() -> Database:
+    return Database(sorted(SHIPPED.glob("*.json")) + sorted(cache_dir("tuning").glob("*.json")))
+
+
+def choose(kernel, info, shape: dict, **fixed):
+    """The variant of `kernel` to run on device `info` for `shape`: the tuned entry if the
+    database has one, else the kernel's defaults at the device's subgroup size."""
+    params = dict(fixed)
+    if kernel.subgroup and kernel.subgroup not in params:
+        params[kernel.subgroup] = info.subgroup_size
+    entry = database().lookup(info, kernel.name, {**shape, **fixed})
+    if entry is not None:
+        params.update({k: v for k, v in entry.params.items() if k not in fixed})
+    return kernel.specialize(**params)
