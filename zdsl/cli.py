@@ -17,6 +17,7 @@ from zdsl.errors import ZdslError
 COMMANDS: dict[str, tuple[str, str]] = {
     # name: (module:attribute, one-line help shown by `zdsl --help`)
     "devices": ("zdsl.runtime.commands:devices", "List Vulkan devices and compile-only targets."),
+    "model": ("zdsl.models.qwen35.commands:model", "Inspect GGUF models and make synthetic ones."),
     "build": ("zdsl.build:build_command", "Build every kernel variant; --target gfx1201 adds RDNA statistics."),
 }
 

@@ -1,0 +1,86 @@
+"""`zdsl model ...`: inspect Qwen3.5 GGUF files and write synthetic ones."""
+
+from __future__ import annotations
+
+import click
+
+from .synth import PRESETS, QUANTS
+
+GIB = 1 << 30
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+@click.group()
+def model():
+    """Inspect GGUF models and make synthetic ones."""
+
+
+@model.command()
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--preset", type=click.Choice(list(PRESETS)), default="tiny", show_default=True)
+@click.option("--layers", type=int, default=None, help="Trunk layers (default: the preset's).")
+@click.option("--quant", type=click.Choice(QUANTS), default="q4_k_m", show_default=True,
+              help="Type mix: q4_k_m mixes Q4_K/Q5_K/Q6_K/Q8_0 like llama.cpp; others are uniform.")
+@click.option("--seed", type=int, default=0, show_default=True)
+def synth(out, preset, layers, quant, seed):
+    """Write a random-weight model with the real tensor names, shapes and types."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+    from .synth import write
+
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                  TimeRemainingColumn(), transient=True) as bar:
+        task = bar.add_task(f"writing {out}", total=None)
+        hp = write(out, preset, layers=layers, quant=quant, seed=seed,
+                   progress=lambda done, total: bar.update(task, completed=done, total=total))
+    click.echo(f"wrote {out}: {hp.arch} preset {preset}, {hp.n_layers} layers, hidden {hp.hidden}, "
+               f"vocab {hp.vocab}, {quant}")
+
+
+@model.command()
+@click.argument("path", type=click.Path(dir_okay=False))
+@click.option("--memory", type=float, default=None, help="Device memory in GiB: how much context fits.")
+def info(path, memory):
+    """Hyperparameters, type mix, bytes read per token, KV and state sizes of a GGUF model."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .gguf_file import open_model
+    from .info import KV_FORMATS, memory_plan
+
+    m = open_model(path)
+    hp, plan = m.hparams, memory_plan(m)
+    con = Console()
+    t = Table(title=f"{path}", show_header=False)
+    kinds = "".join("A" if a else "D" for a in hp.attention)
+    rows = [
+        ("architecture", hp.arch),
+        ("layers", f"{hp.n_layers} ({len(hp.attention_layers)} attention, {len(hp.deltanet_layers)} delta-net: "
+                   f"{kinds})" + (f" + {hp.nextn_layers} MTP" if hp.nextn_layers else "")),
+        ("hidden / vocab / context", f"{hp.hidden} / {hp.vocab:,} / {hp.context_length:,}"),
+        ("attention", f"{hp.n_heads} heads, {hp.n_kv_heads} KV heads, head dim {hp.head_dim}, "
+                      f"RoPE {hp.rope_dims} dims base {hp.rope_base:g}"),
+        ("delta-net", f"{hp.ssm_k_heads} key heads, {hp.ssm_v_heads} value heads, dim {hp.ssm_head_dim}, "
+                      f"conv {hp.conv_kernel}"),
+        ("ffn", f"{hp.n_experts} experts, {hp.n_experts_used} used, expert ffn {hp.expert_ffn}, "
+                f"shared ffn {hp.shared_ffn}" if hp.moe else f"dense SwiGLU {hp.ffn}"),
+        ("norm eps", f"{hp.eps:g}"),
+        ("weights", _size(plan.weight_bytes)),
+        *((f"  {name}", _size(n)) for name, n in plan.bytes_by_type.items()),
+        ("weights read per token", _size(plan.read_per_token)),
+        ("recurrent state / sequence", f"{_size(plan.recurrent_state_bytes)} "
+                                       f"(S {_size(plan.ssm_state_bytes)} + conv {_size(plan.conv_state_bytes)}, f32)"),
+        *((f"KV per token, {f}", _size(plan.kv_bytes_per_token[f])) for f in KV_FORMATS),
+    ]
+    if memory is not None:
+        for f in KV_FORMATS:
+            rows.append((f"context in {memory:g} GiB, KV {f}", f"{plan.max_context(int(memory * GIB), f):,} tokens"))
+    for k, v in rows:
+        t.add_row(k, v)
+    con.print(t)

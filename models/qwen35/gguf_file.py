@@ -1,0 +1,350 @@
+"""Qwen3.5 / Qwen3.6 GGUF files (`qwen35moe`, dense `qwen35`), memory-mapped and checked.
+
+`open_model(path)` reads the metadata into a frozen `Hparams`, then checks every tensor the
+model needs (name, shape, type) against what the metadata implies, so that a bad file fails
+here with one line instead of deep inside a kernel. Tensor bytes stay in the page cache:
+`raw()` is a view of the mapping, nothing is copied until `dequant()` is asked for.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+from zdsl.errors import ModelError
+
+QuantType = GGMLQuantizationType
+ARCHITECTURES = ("qwen35moe", "qwen35")
+
+# Types a weight matrix may have: those the numpy reference can dequantize.
+WEIGHT_TYPES = frozenset({
+    QuantType.F32, QuantType.F16, QuantType.BF16,
+    QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0, QuantType.Q5_1, QuantType.Q8_0,
+    QuantType.Q2_K, QuantType.Q3_K, QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K,
+    QuantType.IQ4_NL, QuantType.IQ4_XS,
+})
+# Norms, conv taps, ssm_a/ssm_dt are elementwise operands: converters keep them in float.
+VECTOR_TYPES = frozenset({QuantType.F32, QuantType.F16, QuantType.BF16})
+
+
+def dequantize(data: np.ndarray, qtype: QuantType, shape: tuple[int, ...]) -> np.ndarray:
+    """Raw GGUF rows -> float32 array of `shape` (numpy order, contiguous dim last)."""
+    from gguf import quants
+
+    return np.asarray(quants.dequantize(np.asarray(data), qtype), dtype=np.float32).reshape(shape)
+
+
+def row_bytes(qtype: QuantType, n: int) -> int:
+    block, size = GGML_QUANT_SIZES[qtype]
+    return n // block * size
+
+
+@dataclass(frozen=True)
+class Hparams:
+    """Every number the forward pass needs, read from the file's metadata."""
+
+    arch: str
+    n_layers: int                 # trunk layers (block_count minus MTP blocks)
+    nextn_layers: int             # MTP blocks stored after the trunk
+    hidden: int
+    vocab: int
+    context_length: int
+    eps: float
+    attention: tuple[bool, ...]   # per trunk layer: full attention (True) or delta-net
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope_dims: int
+    rope_base: float
+    rope_sections: tuple[int, ...]
+    ssm_k_heads: int
+    ssm_v_heads: int
+    ssm_head_dim: int
+    conv_kernel: int
+    n_experts: int = 0            # 0 for the dense qwen35
+    n_experts_used: int = 0
+    expert_ffn: int = 0
+    shared_ffn: int = 0
+    ffn: int = 0                  # dense SwiGLU width (qwen35 only)
+
+    @property
+    def moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i, a in enumerate(self.attention) if a]
+
+    @property
+    def deltanet_layers(self) -> list[int]:
+        return [i for i, a in enumerate(self.attention) if not a]
+
+    @property
+    def ssm_key_dim(self) -> int:
+        return self.ssm_k_heads * self.ssm_head_dim
+
+    @property
+    def ssm_value_dim(self) -> int:
+        return self.ssm_v_heads * self.ssm_head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        """Width of the delta-net qkv projection and of its conv state."""
+        return 2 * self.ssm_key_dim + self.ssm_value_dim
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    qtype: QuantType
+    shape: tuple[int, ...]        # numpy order: outermost first, contiguous (input) dim last
+    offset: int                   # absolute byte offset in the file
+    nbytes: int
+
+    @property
+    def ne(self) -> tuple[int, ...]:
+        """GGUF order: contiguous dim first."""
+        return tuple(reversed(self.shape))
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    ne: tuple[int, ...]           # GGUF order, as llama.cpp and the model doc write it
+    vector: bool = False          # elementwise operand: must be a float type
+
+
+def tensor_specs(hp: Hparams, present: set[str] | frozenset[str] = frozenset()) -> dict[str, TensorSpec]:
+    """The tensors a trunk needs, in file order. `present` picks the fused variants a file uses."""
+    H, V = hp.hidden, hp.vocab
+    specs = {"token_embd.weight": TensorSpec((H, V))}
+    for i in range(hp.n_layers):
+        p = f"blk.{i}."
+        s = {"attn_norm.weight": TensorSpec((H,), True)}
+        if hp.attention[i]:
+            q, kv = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
+            if p + "attn_qkv.weight" in present:
+                s["attn_qkv.weight"] = TensorSpec((H, 2 * q + 2 * kv))
+            else:
+                s |= {"attn_q.weight": TensorSpec((H, 2 * q)), "attn_k.weight": TensorSpec((H, kv)),
+                      "attn_v.weight": TensorSpec((H, kv))}
+            s |= {"attn_q_norm.weight": TensorSpec((hp.head_dim,), True),
+                  "attn_k_norm.weight": TensorSpec((hp.head_dim,), True),
+                  "attn_output.weight": TensorSpec((q, H))}
+        else:
+            vd, nv = hp.ssm_value_dim, hp.ssm_v_heads
+            s |= {"attn_qkv.weight": TensorSpec((H, hp.conv_channels)),
+                  "attn_gate.weight": TensorSpec((H, vd)),
+                  "ssm_conv1d.weight": TensorSpec((hp.conv_kernel, hp.conv_channels), True),
+                  "ssm_dt.bias": TensorSpec((nv,), True),
+                  "ssm_a": TensorSpec((nv,), True),
+                  "ssm_beta.weight": TensorSpec((H, nv)),
+                  "ssm_alpha.weight": TensorSpec((H, nv)),
+                  "ssm_norm.weight": TensorSpec((hp.ssm_head_dim,), True),
+                  "ssm_out.weight": TensorSpec((vd, H))}
+        s["post_attention_norm.weight"] = TensorSpec((H,), True)
+        if hp.moe:
+            E, F, S = hp.n_experts, hp.expert_ffn, hp.shared_ffn
+            s["ffn_gate_inp.weight"] = TensorSpec((H, E))
+            if p + "ffn_gate_up_exps.weight" in present:
+                s["ffn_gate_up_exps.weight"] = TensorSpec((H, 2 * F, E))
+            else:
+                s |= {"ffn_gate_exps.weight": TensorSpec((H, F, E)), "ffn_up_exps.weight": TensorSpec((H, F, E))}
+            s |= {"ffn_down_exps.weight": TensorSpec((F, H, E)),
+                  "ffn_gate_inp_shexp.weight": TensorSpec((H,), True),
+                  "ffn_gate_shexp.weight": TensorSpec((H, S)),
+                  "ffn_up_shexp.weight": TensorSpec((H, S)),
+                  "ffn_down_shexp.weight": TensorSpec((S, H))}
+        else:
+            s |= {"ffn_gate.weight": TensorSpec((H, hp.ffn)), "ffn_up.weight": TensorSpec((H, hp.ffn)),
+                  "ffn_down.weight": TensorSpec((hp.ffn, H))}
+        specs |= {p + k: v for k, v in s.items()}
+    specs["output_norm.weight"] = TensorSpec((H,), True)
+    if "output.weight" in present or not present:
+        specs["output.weight"] = TensorSpec((H, V))
+    return specs
+
+
+class _Reader(GGUFReader):
+    """GGUFReader that checks every tensor's extent against the file size before viewing it
+    (the stock reader fails with a numpy reshape error on a truncated file)."""
+
+    def _build_tensors(self, start_offs, fields):
+        size = len(self.data)
+        for field in fields:
+            _, name, _, dims, raw_type, offset = field.parts
+            name = bytes(name).decode("utf-8", "replace")
+            try:
+                qtype = QuantType(int(raw_type[0]))
+            except ValueError:
+                raise _Bad(f"tensor {name} has unknown type id {int(raw_type[0])}; "
+                           "the file needs a newer reader, use a file with standard GGUF types") from None
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            end = int(start_offs + offset[0]) + int(np.prod(dims, dtype=np.int64)) // block * type_size
+            if end > size:
+                raise _Bad(f"is truncated: tensor {name} ends at byte {end:,} but the file has {size:,} bytes; "
+                           "download or write it again")
+        super()._build_tensors(start_offs, fields)
+
+
+class _Bad(Exception):
+    pass
+
+
+def _read(path: Path) -> GGUFReader:
+    if not path.is_file():
+        raise ModelError(f"{path}: no such file; check the path (or make one with `zdsl model synth`)")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelError(f"{path} is not a GGUF file (it does not start with 'GGUF'); pass a .gguf model")
+    try:
+        return _Reader(path)
+    except _Bad as e:
+        raise ModelError(f"{path} {e}") from None
+    except (ValueError, IndexError, KeyError, UnicodeDecodeError, OverflowError):
+        raise ModelError(f"{path} has a truncated or corrupt GGUF header; download or write it again") from None
+
+
+class ModelFile:
+    """An open, checked GGUF file. Keeps the mapping alive as long as the object lives."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._reader = _read(self.path)
+        self._fields = self._reader.fields
+        arch = self.get("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise ModelError(f"{self.path} is a '{arch}' model; zdsl runs only qwen35moe and qwen35 "
+                             "(Qwen3.5/3.6) GGUF files")
+        self.hparams = _hparams(self, arch)
+        self.tensors: dict[str, TensorInfo] = {
+            t.name: TensorInfo(t.name, QuantType(t.tensor_type), tuple(int(d) for d in reversed(t.shape.tolist())),
+                               int(t.data_offset), int(t.n_bytes))
+            for t in self._reader.tensors
+        }
+        self._check_tensors()
+
+    # metadata -----------------------------------------------------------------------------
+    def get(self, key: str, default=None, *, required: bool = False):
+        field = self._fields.get(key)
+        if field is None:
+            if required:
+                raise ModelError(f"{self.path} lacks metadata key '{key}'; the file is incomplete or from "
+                                 "an unsupported converter, reconvert it with a current llama.cpp")
+            return default
+        return field.contents()
+
+    # tensors ------------------------------------------------------------------------------
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ModelError(f"{self.path} lacks tensor {name}; use a complete qwen35/qwen35moe file") from None
+
+    def qtype(self, name: str) -> QuantType:
+        return self.info(name).qtype
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.info(name).shape
+
+    def raw(self, name: str) -> np.ndarray:
+        """The stored bytes as a read-only memmap view: shape (*outer dims, bytes per row)."""
+        t = self.info(name)
+        rb = row_bytes(t.qtype, t.shape[-1])
+        return self._reader.data[t.offset:t.offset + t.nbytes].reshape(*t.shape[:-1], rb)
+
+    def dequant(self, name: str, index=None) -> np.ndarray:
+        """float32 values in numpy order; `index` selects along the outermost dim first
+        (an expert of a 3-D expert tensor, token rows of the embedding) without touching the rest."""
+        t = self.info(name)
+        raw = self.raw(name)
+        if index is not None:
+            raw = raw[index]
+        return dequantize(raw, t.qtype, (*raw.shape[:-1], t.shape[-1]))
+
+    @property
+    def output_name(self) -> str:
+        """The head: `output.weight`, or the embedding when the file ties them."""
+        return "output.weight" if "output.weight" in self.tensors else "token_embd.weight"
+
+    def _check_tensors(self):
+        specs = tensor_specs(self.hparams, frozenset(self.tensors))
+        for name, spec in specs.items():
+            if name == "output.weight" and name not in self.tensors:
+                continue
+            t = self.info(name)
+            if t.ne != spec.ne:
+                raise ModelError(f"{self.path}: tensor {name} has shape {list(t.ne)} but the metadata implies "
+                                 f"{list(spec.ne)}; the file is inconsistent, reconvert it")
+            allowed = VECTOR_TYPES if spec.vector else WEIGHT_TYPES
+            if t.qtype not in allowed:
+                names = ", ".join(sorted(q.name for q in allowed))
+                raise ModelError(f"{self.path}: tensor {name} is {t.qtype.name}, which zdsl cannot run; "
+                                 f"use a file whose weights are {names}")
+
+
+def _f32(v) -> float:
+    """The shortest decimal that round-trips the stored float32 (1e-06, not 9.99999997e-07)."""
+    return float(str(np.float32(v)))
+
+
+def _hparams(f: ModelFile, arch: str) -> Hparams:
+    def key(k, default=None):
+        return f.get(f"{arch}.{k}", default, required=default is None)
+
+    blocks = int(key("block_count"))
+    nextn = int(key("nextn_predict_layers", 0))
+    n_layers = blocks - nextn
+    recurrent = f.get(f"{arch}.attention.recurrent_layers")
+    if recurrent is not None:
+        attention = tuple(not bool(r) for r in list(recurrent)[:n_layers])
+    else:
+        interval = int(key("full_attention_interval", 4))
+        attention = tuple((i + 1) % interval == 0 for i in range(n_layers))
+    tokens = f.get("tokenizer.ggml.tokens", required=True)
+    moe = arch == "qwen35moe"
+    head_dim = int(key("attention.key_length"))
+    if int(key("attention.value_length", head_dim)) != head_dim:
+        raise ModelError(f"{f.path}: attention key and value head sizes differ; not a Qwen3.5 layout")
+    ssm_inner = int(key("ssm.inner_size"))
+    hp = Hparams(
+        arch=arch,
+        n_layers=n_layers,
+        nextn_layers=nextn,
+        hidden=int(key("embedding_length")),
+        vocab=len(tokens),
+        context_length=int(key("context_length")),
+        eps=_f32(key("attention.layer_norm_rms_epsilon")),
+        attention=attention,
+        n_heads=int(key("attention.head_count")),
+        n_kv_heads=int(key("attention.head_count_kv")),
+        head_dim=head_dim,
+        rope_dims=int(key("rope.dimension_count", head_dim)),
+        rope_base=_f32(key("rope.freq_base", 10000.0)),
+        rope_sections=tuple(int(s) for s in key("rope.dimension_sections", [])),
+        ssm_k_heads=int(key("ssm.group_count")),
+        ssm_v_heads=int(key("ssm.time_step_rank")),
+        ssm_head_dim=int(key("ssm.state_size")),
+        conv_kernel=int(key("ssm.conv_kernel")),
+        n_experts=int(key("expert_count")) if moe else 0,
+        n_experts_used=int(key("expert_used_count")) if moe else 0,
+        expert_ffn=int(key("expert_feed_forward_length")) if moe else 0,
+        shared_ffn=int(key("expert_shared_feed_forward_length")) if moe else 0,
+        ffn=0 if moe else int(key("feed_forward_length")),
+    )
+    if hp.ssm_value_dim != ssm_inner or hp.ssm_v_heads % hp.ssm_k_heads or hp.n_heads % hp.n_kv_heads:
+        raise ModelError(f"{f.path}: inconsistent head counts in the metadata (ssm.inner_size {ssm_inner}, "
+                         f"{hp.ssm_v_heads} value heads of {hp.ssm_head_dim}); reconvert the file")
+    return hp
+
+
+def open_model(path: str | os.PathLike) -> ModelFile:
+    """Open and check a qwen35moe / qwen35 GGUF file; raises ModelError with one line if it is bad."""
+    return ModelFile(path)

@@ -1,0 +1,91 @@
+"""What a model costs: bytes per weight type, bytes read per decoded token, KV and recurrent
+state per sequence, and how much context fits in a given device memory.
+
+Decode is bandwidth-bound, so `read_per_token` (every non-expert weight, n_used of n_experts
+experts, the head, one embedding row) divided by memory bandwidth bounds tokens/s; the
+runtime uses the same plan to size its KV cache.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from gguf import GGML_QUANT_SIZES
+
+from .gguf_file import Hparams, ModelFile, QuantType, row_bytes
+
+def _per_elem(q: QuantType) -> float:
+    block, size = GGML_QUANT_SIZES[q]
+    return size / block
+
+
+# KV cache formats: (K bytes per element, V bytes per element).
+KV_FORMATS = {
+    "f16": (_per_elem(QuantType.F16), _per_elem(QuantType.F16)),
+    "q8_0": (_per_elem(QuantType.Q8_0), _per_elem(QuantType.Q8_0)),
+    "q4_0/q8_0": (_per_elem(QuantType.Q4_0), _per_elem(QuantType.Q8_0)),   # K at 4 bits, V at 8
+}
+F32 = 4
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    hparams: Hparams
+    weight_bytes: int                  # every tensor of the trunk and head, as stored
+    bytes_by_type: dict[str, int]      # type name -> bytes
+    read_per_token: int                # weight bytes one decoded token reads
+    expert_bytes: int                  # all routed-expert tensors (of which n_used/n_experts are read)
+    kv_bytes_per_token: dict[str, int]  # KV format -> bytes per token of context, all attention layers
+    ssm_state_bytes: int               # delta-net S matrices, f32, per sequence
+    conv_state_bytes: int              # delta-net conv windows, f32, per sequence
+
+    @property
+    def recurrent_state_bytes(self) -> int:
+        return self.ssm_state_bytes + self.conv_state_bytes
+
+    def fixed_bytes(self, sequences: int = 1) -> int:
+        """Device memory that does not grow with context: weights and recurrent state."""
+        return self.weight_bytes + sequences * self.recurrent_state_bytes
+
+    def max_context(self, memory_bytes: int, kv_format: str = "f16", *, sequences: int = 1,
+                    reserve_bytes: int = 0) -> int:
+        """Tokens of context (summed over sequences) that fit next to the weights and states,
+        capped at the trained context length per sequence; 0 if the weights alone do not fit."""
+        free = memory_bytes - reserve_bytes - self.fixed_bytes(sequences)
+        if free <= 0:
+            return 0
+        kv = self.kv_bytes_per_token[kv_format]
+        return min(free // kv, sequences * self.hparams.context_length) if kv else sequences * self.hparams.context_length
+
+
+def memory_plan(model: ModelFile) -> MemoryPlan:
+    hp = model.hparams
+    trunk = [t for n, t in model.tensors.items()
+             if not n.startswith("blk.") or int(n.split(".")[1]) < hp.n_layers]
+    by_type = Counter()
+    for t in trunk:
+        by_type[t.qtype.name] += t.nbytes
+    read = expert = 0
+    for t in trunk:
+        if t.name.endswith("_exps.weight"):
+            expert += t.nbytes
+            read += t.nbytes * hp.n_experts_used // hp.n_experts
+        elif t.name == "token_embd.weight":
+            read += row_bytes(t.qtype, t.shape[-1])       # one row looked up
+            if model.output_name == t.name:
+                read += t.nbytes                          # tied head: read whole as the output
+        else:
+            read += t.nbytes
+    n_attn, n_dn = len(hp.attention_layers), len(hp.deltanet_layers)
+    kv_elems = n_attn * hp.n_kv_heads * hp.head_dim      # per token, for K and for V each
+    return MemoryPlan(
+        hparams=hp,
+        weight_bytes=sum(t.nbytes for t in trunk),
+        bytes_by_type=dict(sorted(by_type.items(), key=lambda kv: -kv[1])),
+        read_per_token=read,
+        expert_bytes=expert,
+        kv_bytes_per_token={f: round(kv_elems * (k + v)) for f, (k, v) in KV_FORMATS.items()},
+        ssm_state_bytes=n_dn * hp.ssm_v_heads * hp.ssm_head_dim * hp.ssm_head_dim * F32,
+        conv_state_bytes=n_dn * (hp.conv_kernel - 1) * hp.conv_channels * F32,
+    )

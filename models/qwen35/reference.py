@@ -1,0 +1,238 @@
+"""The Qwen3.5 forward pass in plain numpy: the ground truth every GPU kernel is checked against.
+
+Written for clarity, not speed: one function per block, the math as in docs/qwen35-model.md.
+`ReferenceModel.forward(tokens, state)` runs any number of tokens and carries the KV cache,
+conv and delta-net states in `state`, so a prompt followed by one-token steps gives the same
+logits as one forward over everything. float32 by default; pass dtype=np.float64 to check.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .gguf_file import Hparams, ModelFile, open_model
+
+CHUNK = 64  # delta-net prefill chunk, as in llama.cpp and the fla kernels
+CACHE_WHOLE_BYTES = 256 << 20  # dequantize expert tensors whole below this, per expert above
+
+
+def rmsnorm(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def softplus(x):
+    return np.logaddexp(0.0, x)
+
+
+def l2norm(x, eps):
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def rope_neox(x, positions, dims, base):
+    """Rotate dims [0, dims) of the last axis; pair i with i + dims/2. x: (T, heads, head_dim)."""
+    half = dims // 2
+    inv = base ** (-np.arange(half, dtype=np.float64) * 2.0 / dims)
+    theta = np.asarray(positions, dtype=np.float64)[:, None] * inv[None, :]
+    cos, sin = np.cos(theta)[:, None, :].astype(x.dtype), np.sin(theta)[:, None, :].astype(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:dims]
+    return np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos, x[..., dims:]], axis=-1)
+
+
+def deltanet_recurrent(q, k, v, g, beta, S):
+    """Gated delta rule token by token. q, k: (T, H, dk) L2-normalised; v: (T, H, dv);
+    g, beta: (T, H); S: (H, dk, dv) updated in place. Returns o: (T, H, dv)."""
+    scale = 1.0 / np.sqrt(q.shape[-1])
+    out = np.empty_like(v)
+    for t in range(q.shape[0]):
+        S *= np.exp(g[t])[:, None, None]
+        u = np.einsum("hij,hi->hj", S, k[t])
+        S += k[t][:, :, None] * (beta[t][:, None] * (v[t] - u))[:, None, :]
+        out[t] = scale * np.einsum("hij,hi->hj", S, q[t])
+    return out
+
+
+def deltanet_chunked(q, k, v, g, beta, S, chunk=CHUNK):
+    """The same recurrence, `chunk` tokens at a time in the WY/UT form: within a chunk,
+    w_t = beta_t (v_t - k_t.S_{t-1}) solves a unit lower-triangular system, then the state
+    takes one rank-`chunk` update. Same arguments and result as `deltanet_recurrent`."""
+    scale = 1.0 / np.sqrt(q.shape[-1])
+    out = np.empty_like(v)
+    for c0 in range(0, q.shape[0], chunk):
+        sl = slice(c0, c0 + chunk)
+        Q, K, V = (a[sl].transpose(1, 0, 2) for a in (q, k, v))        # (H, C, d)
+        B, G = beta[sl].T, np.cumsum(g[sl], axis=0).T                   # (H, C) log-decay so far
+        C = Q.shape[1]
+        lower = np.tril(np.ones((C, C), dtype=bool))
+        diff = np.where(lower, G[:, :, None] - G[:, None, :], -np.inf)  # G_t - G_j for j <= t
+        decay = np.exp(diff)
+        A = np.tril(B[:, :, None] * (K @ K.transpose(0, 2, 1)) * decay, -1)
+        IA = A + np.eye(C, dtype=A.dtype)
+        eG = np.exp(G)[:, :, None]
+        U = np.linalg.solve(IA, B[:, :, None] * V)
+        Wk = np.linalg.solve(IA, B[:, :, None] * eG * K)
+        W = U - Wk @ S                                                  # (H, C, dv)
+        O = (eG * Q) @ S + ((Q @ K.transpose(0, 2, 1)) * decay) @ W
+        out[sl] = scale * O.transpose(1, 0, 2)
+        last = G[:, -1:]
+        S *= np.exp(last)[:, :, None]
+        S += (K * np.exp(last - G)[:, :, None]).transpose(0, 2, 1) @ W
+    return out
+
+
+@dataclass
+class State:
+    """Everything carried between forward calls for one sequence."""
+
+    pos: int = 0
+    kv: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # layer: K, V (kv_heads, P, hd)
+    conv: dict[int, np.ndarray] = field(default_factory=dict)  # layer: last kernel-1 qkv inputs (K-1, C)
+    ssm: dict[int, np.ndarray] = field(default_factory=dict)   # layer: (v_heads, dk, dv)
+
+    def copy(self) -> State:
+        return State(self.pos, {i: (k.copy(), v.copy()) for i, (k, v) in self.kv.items()},
+                     {i: c.copy() for i, c in self.conv.items()}, {i: s.copy() for i, s in self.ssm.items()})
+
+
+class ReferenceModel:
+    """numpy forward over a checked GGUF file. Weights are dequantized on first use and kept."""
+
+    def __init__(self, model: ModelFile | str | os.PathLike, *, dtype=np.float32):
+        self.file = model if isinstance(model, ModelFile) else open_model(model)
+        self.hp: Hparams = self.file.hparams
+        self.dtype = np.dtype(dtype)
+        self._cache: dict[str, np.ndarray] = {}
+
+    def new_state(self) -> State:
+        return State()
+
+    # weights ------------------------------------------------------------------------------
+    def w(self, name: str) -> np.ndarray:
+        if name not in self._cache:
+            self._cache[name] = self.file.dequant(name).astype(self.dtype, copy=False)
+        return self._cache[name]
+
+    def expert(self, name: str, e: int) -> np.ndarray:
+        if name in self._cache or self.file.info(name).nbytes <= CACHE_WHOLE_BYTES:
+            return self.w(name)[e]
+        return self.file.dequant(name, e).astype(self.dtype, copy=False)
+
+    # forward ------------------------------------------------------------------------------
+    def forward(self, tokens, state: State | None = None, *, trace: dict | None = None) -> np.ndarray:
+        """Logits (T, vocab) for `tokens` following whatever `state` has seen; updates `state`.
+        `trace`, if given, receives the residual stream after the embedding and after each layer."""
+        hp = self.hp
+        state = self.new_state() if state is None else state
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if tokens.size == 0:
+            return np.zeros((0, hp.vocab), self.dtype)
+        if tokens.min() < 0 or tokens.max() >= hp.vocab:
+            raise ValueError(f"token ids must be in [0, {hp.vocab})")
+        x = self.file.dequant("token_embd.weight", tokens).astype(self.dtype)
+        positions = np.arange(state.pos, state.pos + len(tokens))
+        if trace is not None:
+            trace["embed"] = x.copy()
+        for i in range(hp.n_layers):
+            p = f"blk.{i}."
+            xn = rmsnorm(x, self.w(p + "attn_norm.weight"), hp.eps)
+            x = x + (self.attention(i, xn, positions, state) if hp.attention[i] else self.deltanet(i, xn, state))
+            hn = rmsnorm(x, self.w(p + "post_attention_norm.weight"), hp.eps)
+            x = x + (self.moe(i, hn) if hp.moe else self.ffn(i, hn))
+            if trace is not None:
+                trace[f"layer{i}"] = x.copy()
+        state.pos += len(tokens)
+        h = rmsnorm(x, self.w("output_norm.weight"), hp.eps)
+        return h @ self.w(self.file.output_name).T
+
+    def attention(self, i: int, xn, positions, state: State):
+        hp, p = self.hp, f"blk.{i}."
+        T, nh, nkv, hd = len(xn), hp.n_heads, hp.n_kv_heads, hp.head_dim
+        if p + "attn_qkv.weight" in self.file:
+            qkv = xn @ self.w(p + "attn_qkv.weight").T
+            qg, k, v = np.split(qkv, [2 * nh * hd, 2 * nh * hd + nkv * hd], axis=-1)
+        else:
+            qg = xn @ self.w(p + "attn_q.weight").T
+            k, v = xn @ self.w(p + "attn_k.weight").T, xn @ self.w(p + "attn_v.weight").T
+        qg = qg.reshape(T, nh, 2 * hd)
+        q, gate = qg[..., :hd], qg[..., hd:]
+        q = rmsnorm(q, self.w(p + "attn_q_norm.weight"), hp.eps)
+        k = rmsnorm(k.reshape(T, nkv, hd), self.w(p + "attn_k_norm.weight"), hp.eps)
+        q = rope_neox(q, positions, hp.rope_dims, hp.rope_base)
+        k = rope_neox(k, positions, hp.rope_dims, hp.rope_base)
+        v = v.reshape(T, nkv, hd)
+        K0, V0 = state.kv.get(i, (np.zeros((nkv, 0, hd), self.dtype),) * 2)
+        K, V = np.concatenate([K0, k.transpose(1, 0, 2)], 1), np.concatenate([V0, v.transpose(1, 0, 2)], 1)
+        state.kv[i] = (K, V)
+        group = nh // nkv
+        Kh, Vh = np.repeat(K, group, axis=0), np.repeat(V, group, axis=0)       # head h reads KV h // group
+        scores = (q.transpose(1, 0, 2) @ Kh.transpose(0, 2, 1)) / np.sqrt(hd)  # (nh, T, P+T)
+        past = K.shape[1] - T
+        mask = np.arange(K.shape[1])[None, :] > (past + np.arange(T))[:, None]
+        scores = np.where(mask, -np.inf, scores)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        o = (probs @ Vh).transpose(1, 0, 2) * sigmoid(gate)                  # (T, nh, hd)
+        return o.reshape(T, nh * hd) @ self.w(p + "attn_output.weight").T
+
+    def deltanet(self, i: int, xn, state: State):
+        hp, p = self.hp, f"blk.{i}."
+        T, Hk, Hv, d, Kc = len(xn), hp.ssm_k_heads, hp.ssm_v_heads, hp.ssm_head_dim, hp.conv_kernel
+        mix = xn @ self.w(p + "attn_qkv.weight").T                            # (T, C)
+        z = xn @ self.w(p + "attn_gate.weight").T
+        beta = sigmoid(xn @ self.w(p + "ssm_beta.weight").T)                  # (T, Hv)
+        g = self.w(p + "ssm_a") * softplus(xn @ self.w(p + "ssm_alpha.weight").T + self.w(p + "ssm_dt.bias"))
+        prev = state.conv.get(i, np.zeros((Kc - 1, mix.shape[1]), self.dtype))
+        buf = np.concatenate([prev, mix], 0)
+        taps = self.w(p + "ssm_conv1d.weight")                                 # (C, Kc), tap Kc-1 = current
+        conv = sum(buf[j:j + T] * taps[:, j] for j in range(Kc))
+        state.conv[i] = buf[-(Kc - 1):].copy() if Kc > 1 else buf[:0]
+        conv = silu(conv)
+        kd = Hk * d
+        q = l2norm(conv[:, :kd].reshape(T, Hk, d), hp.eps)
+        k = l2norm(conv[:, kd:2 * kd].reshape(T, Hk, d), hp.eps)
+        v = conv[:, 2 * kd:].reshape(T, Hv, d)
+        q, k = np.tile(q, (1, Hv // Hk, 1)), np.tile(k, (1, Hv // Hk, 1))    # value head h reads key head h % Hk
+        S = state.ssm.setdefault(i, np.zeros((Hv, d, d), self.dtype))
+        o = (deltanet_recurrent if T == 1 else deltanet_chunked)(q, k, v, g, beta, S)
+        o = rmsnorm(o, self.w(p + "ssm_norm.weight"), hp.eps) * silu(z.reshape(T, Hv, d))
+        return o.reshape(T, Hv * d) @ self.w(p + "ssm_out.weight").T
+
+    def moe(self, i: int, hn):
+        hp, p = self.hp, f"blk.{i}."
+        logits = hn @ self.w(p + "ffn_gate_inp.weight").T                     # (T, E)
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        top = np.argsort(-probs, axis=-1, kind="stable")[:, :hp.n_experts_used]
+        weights = np.take_along_axis(probs, top, -1)
+        weights /= weights.sum(-1, keepdims=True)
+        out = np.zeros_like(hn)
+        fused = p + "ffn_gate_up_exps.weight" in self.file
+        for e in np.unique(top):
+            rows, slot = np.nonzero(top == e)
+            h = hn[rows]
+            if fused:
+                gu = h @ self.expert(p + "ffn_gate_up_exps.weight", e).T
+                gate, up = gu[:, :hp.expert_ffn], gu[:, hp.expert_ffn:]
+            else:
+                gate = h @ self.expert(p + "ffn_gate_exps.weight", e).T
+                up = h @ self.expert(p + "ffn_up_exps.weight", e).T
+            y = (silu(gate) * up) @ self.expert(p + "ffn_down_exps.weight", e).T
+            out[rows] += weights[rows, slot][:, None] * y
+        shared = (silu(hn @ self.w(p + "ffn_gate_shexp.weight").T) * (hn @ self.w(p + "ffn_up_shexp.weight").T)
+                  ) @ self.w(p + "ffn_down_shexp.weight").T
+        return out + shared * sigmoid(hn @ self.w(p + "ffn_gate_inp_shexp.weight"))[:, None]
+
+    def ffn(self, i: int, hn):
+        p = f"blk.{i}."
+        return (silu(hn @ self.w(p + "ffn_gate.weight").T) * (hn @ self.w(p + "ffn_up.weight").T)
+                ) @ self.w(p + "ffn_down.weight").T

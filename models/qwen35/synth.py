@@ -1,0 +1,285 @@
+"""Random-weight Qwen3.5 GGUF files with the real tensor names, shapes and quant-type mix.
+
+They let tests, the GPU decode path and benchmarks run without downloading 20 GB. Weights
+are scaled so every sub-block sees unit-RMS inputs and the head's logits have a spread of a
+few units: activations stay finite and the argmax moves from position to position.
+Files are written tensor by tensor, so the 35B-A3B preset never holds more than one
+tensor (at most a few hundred MB) in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from gguf import GGUFWriter, TokenType
+
+from zdsl.errors import ModelError
+
+from .gguf_file import Hparams, QuantType, TensorSpec, row_bytes, tensor_specs
+
+PRESETS: dict[str, Hparams] = {
+    # MoE, 4 layers (3 delta-net + 1 attention), real head sizes, K-quant friendly widths.
+    "tiny": Hparams(
+        arch="qwen35moe", n_layers=4, nextn_layers=0, hidden=256, vocab=1024, context_length=4096,
+        eps=1e-6, attention=(), n_heads=4, n_kv_heads=2, head_dim=256, rope_dims=64, rope_base=1e7,
+        rope_sections=(11, 11, 10, 0), ssm_k_heads=2, ssm_v_heads=4, ssm_head_dim=128, conv_kernel=4,
+        n_experts=16, n_experts_used=4, expert_ffn=256, shared_ffn=256),
+    # The dense qwen35 variant of `tiny`: a SwiGLU FFN in place of the MoE.
+    "tiny-dense": Hparams(
+        arch="qwen35", n_layers=4, nextn_layers=0, hidden=256, vocab=1024, context_length=4096,
+        eps=1e-6, attention=(), n_heads=4, n_kv_heads=2, head_dim=256, rope_dims=64, rope_base=1e7,
+        rope_sections=(11, 11, 10, 0), ssm_k_heads=2, ssm_v_heads=4, ssm_head_dim=128, conv_kernel=4,
+        ffn=768),
+    # Big enough for kernels to see realistic widths, small enough to write in seconds.
+    "small": Hparams(
+        arch="qwen35moe", n_layers=8, nextn_layers=0, hidden=1024, vocab=8192, context_length=32768,
+        eps=1e-6, attention=(), n_heads=8, n_kv_heads=2, head_dim=256, rope_dims=64, rope_base=1e7,
+        rope_sections=(11, 11, 10, 0), ssm_k_heads=8, ssm_v_heads=16, ssm_head_dim=128, conv_kernel=4,
+        n_experts=64, n_experts_used=8, expert_ffn=512, shared_ffn=512),
+    # Qwen3.5/3.6-35B-A3B shapes exactly (without the MTP block).
+    "35b-a3b": Hparams(
+        arch="qwen35moe", n_layers=40, nextn_layers=0, hidden=2048, vocab=248320, context_length=262144,
+        eps=1e-6, attention=(), n_heads=16, n_kv_heads=2, head_dim=256, rope_dims=64, rope_base=1e7,
+        rope_sections=(11, 11, 10, 0), ssm_k_heads=16, ssm_v_heads=32, ssm_head_dim=128, conv_kernel=4,
+        n_experts=256, n_experts_used=8, expert_ffn=512, shared_ffn=512),
+}
+FULL_ATTENTION_INTERVAL = 4
+QUANTS = ("q4_k_m", "q8_0", "f16", "f32")
+SPECIAL_TOKENS = {  # text: GGUF token type (Qwen marks the think tags as plain added tokens)
+    "<|endoftext|>": TokenType.CONTROL, "<|im_start|>": TokenType.CONTROL, "<|im_end|>": TokenType.CONTROL,
+    "<think>": TokenType.USER_DEFINED, "</think>": TokenType.USER_DEFINED,
+}
+# Distinct random rows per (shape, type) for tensors taller than this; rows beyond are drawn from
+# that pool. Keeps the 35B preset's quantization work to seconds while every row stays a valid block.
+POOL_ROWS = 8192
+
+CHAT_TEMPLATE = """\
+{%- if messages and messages[0].role == 'system' -%}
+<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif -%}
+{%- for message in messages -%}
+{%- if message.role == 'user' -%}
+<|im_start|>user
+{{ message.content }}<|im_end|>
+{% elif message.role == 'assistant' -%}
+{%- set content = message.content -%}
+{%- if '</think>' in content -%}{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}
+<|im_start|>assistant
+{{ content }}<|im_end|>
+{% elif message.role != 'system' -%}
+{{ raise_exception('unsupported role: ' ~ message.role) }}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+<|im_start|>assistant
+{% if enable_thinking is defined and not enable_thinking -%}
+<think>
+
+</think>
+
+{% endif -%}
+{%- endif -%}
+"""
+
+
+def preset(name: str, layers: int | None = None) -> Hparams:
+    """A preset's hyperparameters, with layer kinds filled in (every 4th layer is attention)."""
+    if name not in PRESETS:
+        raise ModelError(f"unknown preset '{name}'; choose one of {', '.join(PRESETS)}")
+    hp = PRESETS[name]
+    n = hp.n_layers if layers is None else layers
+    if n < 1:
+        raise ModelError(f"--layers must be at least 1, got {n}")
+    return replace(hp, n_layers=n, attention=tuple((i + 1) % FULL_ATTENTION_INTERVAL == 0 for i in range(n)))
+
+
+def tensor_type(name: str, spec: TensorSpec, quant: str, layer: int, n_layers: int) -> QuantType:
+    """The type a llama.cpp-style quantizer would pick for this tensor."""
+    if spec.vector or name.endswith("ssm_conv1d.weight") or name.endswith("ffn_gate_inp.weight"):
+        return QuantType.F32
+    if quant != "q4_k_m":
+        return {"q8_0": QuantType.Q8_0, "f16": QuantType.F16, "f32": QuantType.F32}[quant]
+    # Q4_K_M: more bits for V, shared-expert down, the head, delta-net qkv, and ffn_down on
+    # the first/last eighth and every third layer in between (llama.cpp's "use more bits").
+    more_bits = layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+    if name == "output.weight" or name.endswith(("attn_v.weight", "ffn_down_shexp.weight")):
+        return QuantType.Q6_K
+    if name.endswith("ffn_down_exps.weight") or name.endswith("ffn_down.weight"):
+        return QuantType.Q6_K if more_bits else QuantType.Q4_K
+    if name.endswith("attn_qkv.weight"):
+        return QuantType.Q5_K
+    if name.endswith(("ssm_alpha.weight", "ssm_beta.weight")):
+        return QuantType.Q8_0
+    return QuantType.Q4_K
+
+
+def _quantize(rows: np.ndarray, qtype: QuantType) -> np.ndarray:
+    from gguf import quants
+
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    if qtype == QuantType.F32:
+        out = rows
+    else:
+        out = quants.quantize(rows, qtype)
+    return np.ascontiguousarray(out).view(np.uint8).reshape(rows.shape[0], -1)
+
+
+def _values(name: str, shape: tuple[int, ...], hp: Hparams, rng: np.random.Generator) -> np.ndarray | float:
+    """Float values for small tensors, or the std of a Gaussian weight matrix."""
+    if name.endswith("ssm_a"):
+        return -np.exp(rng.uniform(0.0, np.log(16.0), shape))              # -exp(A_log), A in [1, 16]
+    if name.endswith("ssm_dt.bias"):
+        dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), shape))
+        return np.log(np.expm1(dt))                                        # softplus^-1(dt)
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * rng.standard_normal(shape)                      # "+1" already folded in
+    if name.endswith("ssm_conv1d.weight"):
+        return 0.5 * rng.standard_normal(shape)
+    if name.endswith("ffn_gate_inp_shexp.weight"):
+        return rng.standard_normal(shape) / np.sqrt(shape[-1])
+    if name == "output.weight":
+        return 3.0 / np.sqrt(shape[-1])                                    # logits std ~3
+    if name == "token_embd.weight":
+        return 1.0
+    return 1.0 / np.sqrt(shape[-1])                                        # unit-RMS outputs
+
+
+class _RowSource:
+    """Quantized random rows: exact for small tensors, drawn from a shared pool for tall ones."""
+
+    def __init__(self, rng: np.random.Generator):
+        self.rng = rng
+        self.pools: dict[tuple, np.ndarray] = {}
+
+    def rows(self, n: int, width: int, qtype: QuantType, std: float) -> np.ndarray:
+        if n <= POOL_ROWS:
+            return _quantize(std * self.rng.standard_normal((n, width), dtype=np.float32), qtype)
+        key = (width, qtype, std)
+        if key not in self.pools:
+            self.pools[key] = _quantize(std * self.rng.standard_normal((POOL_ROWS, width), dtype=np.float32), qtype)
+        return self.pools[key][self.rng.integers(0, POOL_ROWS, n)]
+
+
+def _vocab(size: int) -> tuple[list[str], list[int], list[str]]:
+    """A byte-level BPE vocabulary of exactly `size` tokens: all 256 byte tokens, merges trained
+    on a fixed pseudo-text, the Qwen special tokens, then `[PADn]` fillers like converted files."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    rng = np.random.default_rng(0)  # the vocabulary does not depend on --seed
+    syllables = [c + v for c in "bcdfghklmnprstvwz" for v in "aeiou"] + ["qu", "th", "sh", "ing", "er"]
+    words = ["".join(rng.choice(syllables, rng.integers(1, 4))) for _ in range(400)]
+    corpus = [" ".join(rng.choice(words, 12)) + rng.choice([".", ",", "!", "?", " 42", "\n"]) for _ in range(400)]
+    corpus.append("The quick brown fox jumps over the lazy dog. 0123456789 Hello, world!\n\t")
+
+    n_regular = size - len(SPECIAL_TOKENS)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=n_regular, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    model = json.loads(tok.to_str())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)[:n_regular]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]][: n_regular - 256]
+    types = [TokenType.NORMAL] * len(tokens)
+    tokens += list(SPECIAL_TOKENS)
+    types += list(SPECIAL_TOKENS.values())
+    while len(tokens) < size:
+        tokens.append(f"[PAD{len(tokens)}]")
+        types.append(TokenType.UNUSED)
+    return tokens, [int(t) for t in types], merges
+
+
+def _metadata(w: GGUFWriter, hp: Hparams, name: str) -> None:
+    a = hp.arch
+    w.add_name(f"zdsl synthetic {name}")
+    w.add_quantization_version(2)
+    w.add_uint32(f"{a}.block_count", hp.n_layers + hp.nextn_layers)
+    w.add_uint32(f"{a}.context_length", hp.context_length)
+    w.add_uint32(f"{a}.embedding_length", hp.hidden)
+    w.add_uint32(f"{a}.attention.head_count", hp.n_heads)
+    w.add_uint32(f"{a}.attention.head_count_kv", hp.n_kv_heads)
+    w.add_uint32(f"{a}.attention.key_length", hp.head_dim)
+    w.add_uint32(f"{a}.attention.value_length", hp.head_dim)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", hp.eps)
+    w.add_uint32(f"{a}.rope.dimension_count", hp.rope_dims)
+    w.add_float32(f"{a}.rope.freq_base", hp.rope_base)
+    w.add_array(f"{a}.rope.dimension_sections", list(hp.rope_sections))
+    w.add_uint32(f"{a}.full_attention_interval", FULL_ATTENTION_INTERVAL)
+    w.add_uint32(f"{a}.ssm.conv_kernel", hp.conv_kernel)
+    w.add_uint32(f"{a}.ssm.state_size", hp.ssm_head_dim)
+    w.add_uint32(f"{a}.ssm.group_count", hp.ssm_k_heads)
+    w.add_uint32(f"{a}.ssm.time_step_rank", hp.ssm_v_heads)
+    w.add_uint32(f"{a}.ssm.inner_size", hp.ssm_value_dim)
+    if hp.moe:
+        w.add_uint32(f"{a}.expert_count", hp.n_experts)
+        w.add_uint32(f"{a}.expert_used_count", hp.n_experts_used)
+        w.add_uint32(f"{a}.expert_feed_forward_length", hp.expert_ffn)
+        w.add_uint32(f"{a}.expert_shared_feed_forward_length", hp.shared_ffn)
+    else:
+        w.add_uint32(f"{a}.feed_forward_length", hp.ffn)
+    tokens, types, merges = _vocab(hp.vocab)
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", "qwen35")
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.token_type", types)
+    w.add_array("tokenizer.ggml.merges", merges)
+    w.add_uint32("tokenizer.ggml.bos_token_id", tokens.index("<|endoftext|>"))
+    w.add_uint32("tokenizer.ggml.eos_token_id", tokens.index("<|im_end|>"))
+    w.add_uint32("tokenizer.ggml.padding_token_id", tokens.index("<|endoftext|>"))
+    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    w.add_string("tokenizer.chat_template", CHAT_TEMPLATE)
+
+
+def plan(hp: Hparams, quant: str = "q4_k_m") -> list[tuple[str, tuple[int, ...], QuantType]]:
+    """(name, numpy-order shape, type) of every tensor a synthetic file holds, in file order."""
+    if quant not in QUANTS:
+        raise ModelError(f"unknown --quant '{quant}'; choose one of {', '.join(QUANTS)}")
+    out = []
+    for name, spec in tensor_specs(hp).items():
+        layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
+        out.append((name, tuple(reversed(spec.ne)), tensor_type(name, spec, quant, layer, hp.n_layers)))
+    return out
+
+
+def write(path: str | os.PathLike, preset_name: str = "tiny", *, layers: int | None = None,
+          quant: str = "q4_k_m", seed: int = 0,
+          progress: Callable[[int, int], None] | None = None) -> Hparams:
+    """Write a synthetic model; `progress(done_bytes, total_bytes)` is called after each tensor."""
+    hp = preset(preset_name, layers)
+    tensors = plan(hp, quant)
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+    source = _RowSource(rng)
+    w = GGUFWriter(path, hp.arch)
+    try:
+        _metadata(w, hp, preset_name)
+        sizes = []
+        for name, shape, qtype in tensors:
+            rb = row_bytes(qtype, shape[-1])
+            sizes.append(int(np.prod(shape[:-1], dtype=np.int64)) * rb)
+            w.add_tensor_info(name, (*shape[:-1], rb), np.dtype(np.uint8), sizes[-1], raw_dtype=qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        total, done = sum(sizes), 0
+        for (name, shape, qtype), size in zip(tensors, sizes):
+            values = _values(name, shape, hp, rng)
+            if isinstance(values, np.ndarray):
+                data = _quantize(values.reshape(-1, shape[-1]), qtype)
+            else:
+                data = source.rows(int(np.prod(shape[:-1], dtype=np.int64)), shape[-1], qtype, values)
+            w.write_tensor_data(data)
+            done += size
+            if progress:
+                progress(done, total)
+    except OSError as e:
+        raise ModelError(f"cannot write {path}: {e.strerror}; check the directory and free space") from None
+    finally:
+        w.close()
+    return hp

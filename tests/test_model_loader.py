@@ -1,0 +1,183 @@
+"""The GGUF loader on synthetic files: hyperparameters, tensor table, access, and every bad file."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from gguf import GGUFReader, GGUFValueType, GGUFWriter, quants
+
+from zdsl.errors import ModelError
+from zdsl.models.qwen35 import synth
+from zdsl.models.qwen35.gguf_file import QuantType, open_model, tensor_specs
+from zdsl.models.qwen35.reference import ReferenceModel
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("loader") / "tiny.gguf"
+    synth.write(path, "tiny", quant="q8_0")
+    return path
+
+
+def rewrite(src, dst, *, arch=None, drop=(), replace=None, fuse=False):
+    """Copy a GGUF, changing what a test needs: architecture, dropped tensors, tensors replaced
+    by (numpy-order shape, type, raw bytes), or q/k/v and gate/up fused as some converters do."""
+    r = GGUFReader(src)
+    a = arch or r.fields["general.architecture"].contents()
+    w = GGUFWriter(dst, a)
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        sub = f.types[1] if f.types[0] == GGUFValueType.ARRAY else None
+        w.add_key_value(name.replace(r.fields["general.architecture"].contents() + ".", a + "."),
+                        f.contents(), f.types[0], sub_type=sub)
+    tensors = {t.name: (tuple(int(d) for d in reversed(t.shape.tolist())), t.tensor_type,
+                        np.asarray(t.data).view(np.uint8)) for t in r.tensors}
+    if fuse:
+        for name in list(tensors):
+            for parts, fused, axis in ((("attn_q", "attn_k", "attn_v"), "attn_qkv", 0),
+                                       (("ffn_gate_exps", "ffn_up_exps"), "ffn_gate_up_exps", 1)):
+                if name.endswith(parts[0] + ".weight"):
+                    names = [name.replace(parts[0], p) for p in parts]
+                    shapes, types, datas = zip(*(tensors.pop(n) for n in names))
+                    shape = list(shapes[0])
+                    shape[axis] = sum(s[axis] for s in shapes)
+                    rows = [d.reshape(*s[:-1], -1) for d, s in zip(datas, shapes)]
+                    tensors[name.replace(parts[0], fused)] = (tuple(shape), types[0], np.concatenate(rows, axis))
+    for name, new in (replace or {}).items():
+        tensors[name] = new
+    for name, (shape, qtype, data) in tensors.items():
+        if name in drop:
+            continue
+        data = np.ascontiguousarray(data).view(np.uint8)
+        byte_shape = (*shape[:-1], data.size // int(np.prod(shape[:-1])))
+        w.add_tensor(name, data.reshape(-1), raw_shape=byte_shape, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def one_line_error(path, match):
+    with pytest.raises(ModelError, match=match) as e:
+        open_model(path)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_hparams_and_tensor_table(tiny):
+    m = open_model(tiny)
+    assert m.hparams == synth.preset("tiny")
+    hp = m.hparams
+    assert hp.attention == (False, False, False, True)
+    assert hp.attention_layers == [3] and hp.deltanet_layers == [0, 1, 2]
+    assert hp.conv_channels == 2 * 2 * 128 + 4 * 128
+    specs = tensor_specs(hp)
+    assert set(m.tensors) == set(specs)
+    for name, spec in specs.items():
+        assert m.info(name).ne == spec.ne
+    assert m.shape("blk.0.ffn_gate_exps.weight") == (16, 256, 256)
+    assert m.qtype("blk.0.ssm_a") == QuantType.F32
+    assert m.qtype("blk.3.attn_q.weight") == QuantType.Q8_0
+
+
+def test_raw_is_a_view_and_dequant_matches_gguf(tiny):
+    m = open_model(tiny)
+    raw = m.raw("blk.3.attn_q.weight")
+    assert isinstance(raw.base, np.ndarray) or isinstance(raw, np.memmap)
+    assert not raw.flags.writeable and raw.shape == (2048, 256 // 32 * 34)
+    w = m.dequant("blk.3.attn_q.weight")
+    assert w.dtype == np.float32 and w.shape == (2048, 256)
+    np.testing.assert_array_equal(w, quants.dequantize(np.array(raw), QuantType.Q8_0))
+    e5 = m.dequant("blk.1.ffn_down_exps.weight", 5)
+    np.testing.assert_array_equal(e5, m.dequant("blk.1.ffn_down_exps.weight")[5])
+    rows = m.dequant("token_embd.weight", [7, 3])
+    np.testing.assert_array_equal(rows, m.dequant("token_embd.weight")[[7, 3]])
+    assert m.output_name == "output.weight"
+
+
+def test_fused_variants_load_and_give_the_same_logits(tiny, tmp_path):
+    fused = rewrite(tiny, tmp_path / "fused.gguf", fuse=True)
+    m = open_model(fused)
+    assert "blk.3.attn_qkv.weight" in m and "blk.3.attn_q.weight" not in m
+    assert m.info("blk.0.ffn_gate_up_exps.weight").ne == (256, 512, 16)
+    toks = [1, 5, 300, 7, 9]
+    np.testing.assert_allclose(ReferenceModel(fused).forward(toks), ReferenceModel(tiny).forward(toks),
+                               rtol=0, atol=1e-4)
+
+
+def test_missing_file(tmp_path):
+    one_line_error(tmp_path / "nope.gguf", "no such file")
+
+
+def test_not_a_gguf(tmp_path):
+    p = tmp_path / "x.gguf"
+    p.write_bytes(b"PK\x03\x04" + b"\0" * 100)
+    one_line_error(p, "not a GGUF")
+
+
+@pytest.mark.parametrize("keep", [0.6, 0.999])
+def test_truncated_data(tiny, tmp_path, keep):
+    p = tmp_path / "cut.gguf"
+    data = tiny.read_bytes()
+    p.write_bytes(data[: int(len(data) * keep)])
+    one_line_error(p, "is truncated: tensor .* ends at byte")
+
+
+def test_truncated_header(tiny, tmp_path):
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(tiny.read_bytes()[:5000])
+    one_line_error(p, "truncated or corrupt GGUF header")
+
+
+def test_other_architecture(tiny, tmp_path):
+    msg = one_line_error(rewrite(tiny, tmp_path / "llama.gguf", arch="llama"), "'llama' model")
+    assert "qwen35moe" in msg
+
+
+def test_missing_tensor(tiny, tmp_path):
+    one_line_error(rewrite(tiny, tmp_path / "m.gguf", drop={"blk.2.ssm_alpha.weight"}),
+                   "lacks tensor blk.2.ssm_alpha.weight")
+
+
+def test_missing_metadata(tiny, tmp_path):
+    src = rewrite(tiny, tmp_path / "a.gguf")
+    r = GGUFReader(src)
+    assert "qwen35moe.ssm.state_size" in r.fields
+    # drop the key by renaming it in a copy of the header bytes
+    data = bytearray(src.read_bytes())
+    i = data.find(b"qwen35moe.ssm.state_size")
+    data[i:i + 9] = b"qwen35moX"
+    p = tmp_path / "b.gguf"
+    p.write_bytes(bytes(data))
+    one_line_error(p, "lacks metadata key 'qwen35moe.ssm.state_size'")
+
+
+def test_wrong_shape(tiny, tmp_path):
+    bad = np.zeros((256, 256), np.float32)  # attn_gate should be 512 x 256
+    one_line_error(rewrite(tiny, tmp_path / "s.gguf", replace={"blk.0.attn_gate.weight": ((256, 256), QuantType.F32, bad)}),
+                   r"blk.0.attn_gate.weight has shape \[256, 256\] but the metadata implies \[256, 512\]")
+
+
+def test_unsupported_type(tiny, tmp_path):
+    block, size = 256, 66  # IQ2_XXS
+    data = np.zeros((512, 256 // block * size), np.uint8)
+    msg = one_line_error(rewrite(tiny, tmp_path / "t.gguf", replace={"blk.0.attn_gate.weight": ((512, 256), QuantType.IQ2_XXS, data)}),
+                         "blk.0.attn_gate.weight is IQ2_XXS, which zdsl cannot run")
+    assert "Q4_K" in msg
+
+
+def test_vector_tensor_must_be_float(tiny, tmp_path):
+    data = quants.quantize(np.ones((1, 256), np.float32), QuantType.Q8_0)
+    one_line_error(rewrite(tiny, tmp_path / "n.gguf", replace={"blk.0.attn_norm.weight": ((256,), QuantType.Q8_0, data)}),
+                   "attn_norm.weight is Q8_0")
+
+
+def test_cli_prints_one_error_line(tmp_path):
+    p = tmp_path / "x.gguf"
+    p.write_bytes(b"nope")
+    r = subprocess.run([sys.executable, "-m", "zdsl.cli", "model", "info", str(p)], capture_output=True, text=True)
+    assert r.returncode != 0
+    assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("error: ")
