@@ -1,0 +1,62 @@
+"""The memory plan against a hand computation for the tiny synthetic model (Q8_0 weights)."""
+
+import pytest
+
+from zdsl.models.qwen35 import synth
+from zdsl.models.qwen35.gguf_file import open_model
+from zdsl.models.qwen35.info import memory_plan
+
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory):
+    path = tmp_path_factory.mktemp("info") / "tiny.gguf"
+    synth.write(path, "tiny", quant="q8_0")
+    return memory_plan(open_model(path))
+
+
+def q8(rows, width):
+    return rows * width // 32 * 34          # Q8_0: 34 bytes per 32 values
+
+
+def test_tiny_by_hand(plan):
+    # tiny: hidden 256, vocab 1024, layers D D D A, 16 experts (4 used) of ffn 256, shared ffn 256,
+    # attention 4 heads / 2 KV heads of 256, delta-net 2 key / 4 value heads of 128, conv 4.
+    norms = 2 * 256 * 4
+    deltanet = (q8(1024, 256) + q8(512, 256) + 1024 * 4 * 4 + 4 * 4 + 4 * 4 + 2 * q8(4, 256)
+                + 128 * 4 + q8(256, 512))
+    attention = q8(2048, 256) + 2 * q8(512, 256) + 2 * 256 * 4 + q8(256, 1024)
+    experts = 3 * 16 * q8(256, 256)
+    shared = 16 * 256 * 4 + 256 * 4 + 3 * q8(256, 256)      # router, shared gate, gate/up/down
+    embd, head = q8(1024, 256), q8(1024, 256) + 256 * 4     # + output_norm
+    total = embd + head + 4 * (norms + experts + shared) + 3 * deltanet + attention
+    assert plan.weight_bytes == total
+    assert plan.expert_bytes == 4 * experts
+    assert plan.read_per_token == total - embd + q8(1, 256) - 4 * experts * 12 // 16
+    assert plan.bytes_by_type == {"Q8_0": total - plan.bytes_by_type["F32"], "F32": plan.bytes_by_type["F32"]}
+    assert plan.kv_bytes_per_token == {"f16": 1 * 2 * 256 * 2 * 2, "q8_0": 1 * 2 * 256 * 2 * 34 // 32,
+                                       "q4_0/q8_0": 2 * 256 * (18 + 34) // 32}
+    assert plan.ssm_state_bytes == 3 * 4 * 128 * 128 * 4
+    assert plan.conv_state_bytes == 3 * 3 * 1024 * 4
+
+
+def test_max_context(plan):
+    fixed = plan.weight_bytes + plan.recurrent_state_bytes
+    assert plan.fixed_bytes() == fixed
+    assert plan.max_context(fixed + 100 * 2048, "f16") == 100
+    assert plan.max_context(fixed + 100 * 2048 + 2047, "f16") == 100
+    assert plan.max_context(fixed + 100 * 832, "q4_0/q8_0") == 100
+    assert plan.max_context(fixed - 1) == 0
+    assert plan.max_context(GIB) == 4096                    # capped at the trained context
+    assert plan.max_context(GIB, sequences=2) == 8192
+    assert plan.max_context(fixed + 2 * plan.recurrent_state_bytes + 100 * 2048, sequences=3) == 100
+    assert plan.max_context(fixed + 1000 * 2048, reserve_bytes=500 * 2048) == 500
+
+
+def test_35b_a3b_figures_from_the_model_doc():
+    """KV and state sizes that docs/qwen35-model.md quotes, from the preset's hyperparameters."""
+    hp = synth.preset("35b-a3b")
+    kv_f16 = len(hp.attention_layers) * hp.n_kv_heads * hp.head_dim * 2 * 2
+    assert kv_f16 == 20 * 1024                                          # 20 KiB per token
+    assert len(hp.deltanet_layers) * hp.ssm_v_heads * hp.ssm_head_dim ** 2 * 4 == 60 * (1 << 20)  # 60 MiB

@@ -1,0 +1,97 @@
+"""Synthetic models: presets carry the real shapes, files load, logits are lively, writing is fast."""
+
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from zdsl.errors import ModelError
+from zdsl.models.qwen35 import synth
+from zdsl.models.qwen35.commands import model as model_cli
+from zdsl.models.qwen35.gguf_file import QuantType, open_model
+from zdsl.models.qwen35.reference import ReferenceModel
+
+
+def test_35b_a3b_preset_has_the_real_shapes():
+    hp = synth.preset("35b-a3b")
+    assert (hp.arch, hp.hidden, hp.n_layers, hp.vocab) == ("qwen35moe", 2048, 40, 248320)
+    assert (hp.n_experts, hp.n_experts_used, hp.expert_ffn, hp.shared_ffn) == (256, 8, 512, 512)
+    assert (hp.n_heads, hp.n_kv_heads, hp.head_dim, hp.rope_dims, hp.rope_base) == (16, 2, 256, 64, 1e7)
+    assert (hp.ssm_k_heads, hp.ssm_v_heads, hp.ssm_head_dim, hp.conv_kernel) == (16, 32, 128, 4)
+    assert hp.attention_layers == list(range(3, 40, 4)) and hp.conv_channels == 8192
+    assert hp.context_length == 262144
+
+
+def test_35b_a3b_plan_is_q4_k_m_sized():
+    tensors = synth.plan(synth.preset("35b-a3b"))
+    # globals + every layer's 2 norms and 8 MoE tensors + 9 per delta-net layer + 6 per attention layer
+    assert len(tensors) == 3 + 40 * (2 + 8) + 30 * 9 + 10 * 6
+    size = Counter()
+    for name, shape, q in tensors:
+        size[q] += int(np.prod(shape[:-1])) * synth.row_bytes(q, shape[-1])
+    total = sum(size.values())
+    assert 19e9 < total < 22.5e9, total                   # real Q4_K_M 35B-A3B files are ~20-22 GB
+    assert set(size) == {QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K, QuantType.Q8_0, QuantType.F32}
+    types = {n: q for n, _, q in tensors}
+    assert types["output.weight"] == QuantType.Q6_K and types["blk.3.attn_v.weight"] == QuantType.Q6_K
+    assert types["blk.0.ffn_gate_inp.weight"] == QuantType.F32 and types["blk.0.ssm_conv1d.weight"] == QuantType.F32
+    assert types["blk.5.ffn_up_exps.weight"] == QuantType.Q4_K
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-dense"])
+@pytest.mark.parametrize("quant", synth.QUANTS)
+def test_tiny_presets_write_fast_load_and_are_lively(tmp_path, name, quant):
+    if quant == "q4_k_m":
+        pytest.importorskip("zdsl.kernels.formats", reason="K-quant quantizers land with kernels/formats.py")
+    path = tmp_path / "m.gguf"
+    t0 = time.perf_counter()
+    hp = synth.write(path, name, quant=quant)
+    assert time.perf_counter() - t0 < 2.0
+    m = open_model(path)
+    assert m.hparams == hp
+    expected = {n: q for n, _, q in synth.plan(hp, quant)}
+    assert {n: t.qtype for n, t in m.tensors.items()} == expected
+    logits = ReferenceModel(m).forward(np.arange(1, 1000, 15))
+    assert np.isfinite(logits).all()
+    assert logits.std(axis=1).min() > 1.5
+    assert len(set(logits.argmax(1).tolist())) > 30
+
+
+def test_seed_and_layers(tmp_path):
+    a, b, c = tmp_path / "a.gguf", tmp_path / "b.gguf", tmp_path / "c.gguf"
+    synth.write(a, "tiny-dense", quant="q8_0", seed=1)
+    synth.write(b, "tiny-dense", quant="q8_0", seed=1)
+    hp = synth.write(c, "tiny-dense", quant="q8_0", seed=2, layers=8)
+    assert a.read_bytes() == b.read_bytes()
+    assert hp.n_layers == 8 and hp.attention_layers == [3, 7]
+    ra, rc = open_model(a).raw("blk.0.attn_qkv.weight"), open_model(c).raw("blk.0.attn_qkv.weight")
+    assert not np.array_equal(ra, rc)
+
+
+def test_progress_reaches_the_data_size(tmp_path):
+    calls = []
+    synth.write(tmp_path / "m.gguf", "tiny", quant="f16", progress=lambda d, t: calls.append((d, t)))
+    done = [d for d, _ in calls]
+    assert done == sorted(done) and done[-1] == calls[-1][1]
+    assert done[-1] == sum(t.nbytes for t in open_model(tmp_path / "m.gguf").tensors.values())
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ModelError, match="unknown preset"):
+        synth.write(tmp_path / "x.gguf", "huge")
+    with pytest.raises(ModelError, match="--layers must be at least 1"):
+        synth.write(tmp_path / "x.gguf", "tiny", layers=0)
+    with pytest.raises(ModelError, match="cannot write"):
+        synth.write(tmp_path / "no" / "such" / "dir.gguf", "tiny", quant="f32")
+
+
+def test_cli_synth_then_info(tmp_path):
+    out = tmp_path / "cli.gguf"
+    r = CliRunner().invoke(model_cli, ["synth", str(out), "--preset", "tiny-dense", "--quant", "q8_0", "--layers", "2"])
+    assert r.exit_code == 0, r.output
+    assert "wrote" in r.output and open_model(out).hparams.n_layers == 2
+    r = CliRunner().invoke(model_cli, ["info", str(out), "--memory", "0.5"])
+    assert r.exit_code == 0, r.output
+    assert "qwen35" in r.output and "dense SwiGLU 768" in r.output and "context in 0.5 GiB" in r.output
