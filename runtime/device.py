@@ -1,0 +1,387 @@
+"""Opening a Vulkan device, and the Device that owns everything made on it.
+
+The Device is the single owner of every Vulkan object zdsl creates (memory blocks, pipelines,
+layouts, sequences), so `close()` can free them in the right order, once, also at interpreter
+exit. Pipelines go through an on-disk VkPipelineCache per device identity, so a second run of
+the same kernels skips the driver's compiler.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+
+import numpy as np
+
+from zdsl.cache import cache_dir, content_key, write_atomic
+from zdsl.errors import MissingFeatureError, NoDeviceError, ZdslError
+from zdsl.runtime import memory, physical, pipeline, vk
+from zdsl.runtime.physical import DeviceInfo, Physical
+from zdsl.runtime.pipeline import Pipeline
+from zdsl.runtime.sequence import Sequence
+from zdsl.runtime.vk import DEPENDENCY, TO_HOST, Keep, ffi, lib
+
+# RADV's names for the families its null device can impersonate (compile-only targets).
+FAMILY = re.compile(r"(gfx\d+\w*|navi\d+|vega\d+|polaris\d+)", re.I)
+NO_TIMEOUT = (1 << 64) - 1
+_RANK = {"discrete": 0, "integrated": 1, "virtual": 2, "other": 3, "cpu": 4}
+
+
+def _listing(devices: list[Physical]) -> str:
+    return "; ".join(f"{p.info.index}: {p.info.name} [{p.info.device_type}]" for p in devices) or "none"
+
+
+def select(devices: list[Physical], selector: str | int | None) -> Physical:
+    if not devices:
+        raise NoDeviceError("no Vulkan device found: run scripts/setup.sh (mesa-vulkan-drivers brings lavapipe)")
+    if selector is None:
+        return min(devices, key=lambda p: _RANK.get(p.info.device_type, 3))
+    text = str(selector).strip()
+    key = text.lower()
+    if isinstance(selector, int) or key.isdigit():
+        index = int(key)
+        if not 0 <= index < len(devices):
+            raise NoDeviceError(f"no Vulkan device {index}; found: {_listing(devices)}")
+        return devices[index]
+    if FAMILY.fullmatch(key) and os.environ.get("RADV_FORCE_FAMILY", "").lower() != key:
+        raise ZdslError(f"'{text}' is a compile-only RADV target: use zdsl.runtime.nulldevice.compile_statistics "
+                        "(RADV_FORCE_FAMILY only takes effect in a fresh process)")
+    if key in ("lavapipe", "llvmpipe", "cpu"):
+        matches = [p for p in devices if p.info.device_type == "cpu" or "llvmpipe" in p.info.name.lower()]
+    else:
+        matches = [p for p in devices if key in p.info.name.lower()]
+    if not matches:
+        raise NoDeviceError(f"no Vulkan device matches '{text}'; found: {_listing(devices)}")
+    return matches[0]
+
+
+def list_devices(targets=("gfx1201",)) -> list[DeviceInfo]:
+    """Devices this process can run on, then the compile-only `targets` that are available
+    (each is queried in a child process; a target that is not available is left out)."""
+    from zdsl.runtime import nulldevice
+
+    try:
+        instance = physical.create_instance()
+    except NoDeviceError:
+        runnable = []
+    else:
+        try:
+            runnable = [p.info for p in physical.probe_all(instance)]
+        finally:
+            lib.vkDestroyInstance(instance, ffi.NULL)
+    compile_only = []
+    for family in targets:
+        try:
+            compile_only.append(nulldevice.target_info(family))
+        except ZdslError:
+            pass
+    return runnable + compile_only
+
+
+def open_device(selector: str | int | None = None) -> "Device":
+    """None → $ZDSL_DEVICE, else the first discrete/integrated GPU, else lavapipe; an int or digit
+    string → that index; "lavapipe"/"llvmpipe"/"cpu"; else a case-insensitive name substring."""
+    if selector is None:
+        selector = os.environ.get("ZDSL_DEVICE") or None
+    instance = physical.create_instance()
+    try:
+        chosen = select(physical.probe_all(instance), selector)
+    except BaseException:
+        lib.vkDestroyInstance(instance, ffi.NULL)
+        raise
+    return Device(instance, chosen)
+
+
+def _pick_type(phys: Physical, want: int, prefer: int, avoid: int) -> int:
+    types = phys.memory_types
+    found = [i for i, (flags, _) in enumerate(types) if flags & want == want]
+    if not found:
+        raise ZdslError(f"{phys.info.name} has no memory type with flags 0x{want:x}")
+    return max(found, key=lambda i: (phys.heap_sizes[types[i][1]], types[i][0] & prefer == prefer,
+                                     not types[i][0] & avoid, -i))
+
+
+class Device:
+    """An open Vulkan device: allocate buffers, build pipelines, record sequences."""
+
+    def __init__(self, instance, phys: Physical):
+        self.info: DeviceInfo = phys.info
+        self._instance, self._phys = instance, phys
+        self._closed = False
+        self._dev = self._queue = self._pool = self._pipeline_cache = None
+        self._procs: dict[str, object] = {}
+        self._pipelines: dict[Pipeline, None] = {}
+        self._sequences: dict[Sequence, None] = {}
+        self._set_layouts: dict[int, object] = {}
+        self._layouts: dict[tuple[int, int], object] = {}
+        self._arenas: dict[str, memory.Arena] = {}
+        self._staging = None
+        self._oneoff = None           # (command buffer, fence) for staging copies
+        self._cache_path = cache_dir("pipelines") / f"{content_key(self.info.identity)}.bin"
+        self._cache_dirty = False
+        self._push_descriptors = "push_descriptors" in self.info.features
+        atexit.register(self.close)
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+
+    def _create(self) -> None:
+        phys, info = self._phys, self.info
+        if phys.api < vk.make_version(1, 3):
+            raise MissingFeatureError(f"{info.name} supports Vulkan {info.api_version}; zdsl needs 1.3")
+        if phys.queue_family < 0:
+            raise MissingFeatureError(f"{info.name} has no compute queue")
+        keep = Keep()
+        extensions = physical.device_extensions(phys)
+        create = keep.struct(
+            "VkDeviceCreateInfo", sType=vk.VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO,
+            pNext=physical.feature_chain(keep, phys), queueCreateInfoCount=1,
+            pQueueCreateInfos=[{"sType": vk.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO,
+                                "queueFamilyIndex": phys.queue_family, "queueCount": 1, "pQueuePriorities": [1.0]}],
+            enabledExtensionCount=len(extensions), ppEnabledExtensionNames=extensions)
+        out = keep.new("VkDevice *")
+        vk.check(lib.vkCreateDevice(phys.handle, create, ffi.NULL, out), "vkCreateDevice", f"on {info.name}")
+        self._dev = out[0]
+        queue = keep.new("VkQueue *")
+        lib.vkGetDeviceQueue(self._dev, phys.queue_family, 0, queue)
+        self._queue = queue[0]
+        pool_info = keep.struct("VkCommandPoolCreateInfo", sType=vk.VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO,
+                                flags=vk.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT,
+                                queueFamilyIndex=phys.queue_family)
+        pool = keep.new("VkCommandPool *")
+        vk.check(lib.vkCreateCommandPool(self._dev, pool_info, ffi.NULL, pool), "vkCreateCommandPool")
+        self._pool = pool[0]
+        initial = self._cache_path.read_bytes() if self._cache_path.exists() else b""
+        cache_info = keep.struct("VkPipelineCacheCreateInfo", sType=vk.VK_STRUCTURE_TYPE_PIPELINE_CACHE_CREATE_INFO,
+                                 initialDataSize=len(initial), pInitialData=initial or None)
+        cache = keep.new("VkPipelineCache *")
+        vk.check(lib.vkCreatePipelineCache(self._dev, cache_info, ffi.NULL, cache), "vkCreatePipelineCache")
+        self._pipeline_cache = cache[0]
+
+    def __enter__(self) -> "Device":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Device {self.info.index}: {self.info.name}{' (closed)' if self._closed else ''}>"
+
+    # -- memory ---------------------------------------------------------------------------
+
+    def _arena(self, kind: str) -> memory.Arena:
+        arena = self._arenas.get(kind)
+        if arena is None:
+            self._check_runnable()
+            if kind == "device":
+                index = _pick_type(self._phys, vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT, 0, memory.HOST_VISIBLE)
+                arena = memory.Arena(self, index, memory.BLOCK_SIZE, "device")
+            else:
+                index = _pick_type(self._phys, memory.HOST_VISIBLE, vk.VK_MEMORY_PROPERTY_HOST_CACHED_BIT, 0)
+                arena = memory.Arena(self, index, memory.HOST_BLOCK_SIZE, "host-visible")
+            self._arenas[kind] = arena
+        return arena
+
+    def alloc(self, nbytes: int, name: str = "") -> memory.Buffer:
+        """Device-local memory, sub-allocated from large blocks (contents undefined)."""
+        if not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
+            raise ZdslError(f"alloc({nbytes!r}) for {name or 'a buffer'}: size must be a non-negative integer")
+        arena = self._arena("device")
+        block, offset, size = arena.alloc(int(nbytes), name)
+        return memory.Buffer(self, block, offset, int(nbytes), name, arena, size)
+
+    def upload(self, array: np.ndarray, name: str = "") -> memory.Buffer:
+        array = np.ascontiguousarray(array)
+        buf = self.alloc(array.nbytes, name)
+        buf.write(array)
+        return buf
+
+    def host_buffer(self, nbytes: int, name: str = "") -> memory.HostBuffer:
+        """Host-visible coherent memory that kernels can bind: per-step values (position, token)."""
+        if not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
+            raise ZdslError(f"host_buffer({nbytes!r}) for {name or 'a buffer'}: size must be a non-negative integer")
+        arena = self._arena("host")
+        block, offset, size = arena.alloc(int(nbytes), name)
+        return memory.HostBuffer(self, block, offset, int(nbytes), name, arena, size)
+
+    def _write(self, block: memory.Block, offset: int, data: memoryview) -> None:
+        if block.mapped is not None:
+            vk.check(lib.vkQueueWaitIdle(self._queue), "vkQueueWaitIdle")
+            ffi.memmove(block.mapped + offset, data, len(data))
+        else:
+            self._staging_buffer().write(block, offset, data)
+
+    def _read(self, block: memory.Block, offset: int, out: memoryview) -> None:
+        if block.mapped is not None:
+            vk.check(lib.vkQueueWaitIdle(self._queue), "vkQueueWaitIdle")
+            ffi.memmove(out, block.mapped + offset, len(out))
+        else:
+            self._staging_buffer().read(block, offset, out)
+
+    def _staging_buffer(self) -> memory.Staging:
+        if self._staging is None:
+            self._staging = memory.Staging(self, self._arena("host"))
+        return self._staging
+
+    def _submit_now(self, record) -> None:
+        """Record one-off commands, submit them after everything queued so far, and wait."""
+        keep = Keep()
+        if self._oneoff is None:
+            fence_info = keep.struct("VkFenceCreateInfo", sType=vk.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO)
+            fence = ffi.new("VkFence[1]")
+            vk.check(lib.vkCreateFence(self._dev, fence_info, ffi.NULL, fence), "vkCreateFence")
+            self._oneoff = (self._command_buffer(), fence)
+        cb, fence = self._oneoff
+        begin = keep.struct("VkCommandBufferBeginInfo", sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO,
+                            flags=vk.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT)
+        vk.check(lib.vkBeginCommandBuffer(cb, begin), "vkBeginCommandBuffer")
+        DEPENDENCY.record(cb)
+        record(cb)
+        TO_HOST.record(cb)
+        vk.check(lib.vkEndCommandBuffer(cb), "vkEndCommandBuffer")
+        submit = keep.struct("VkSubmitInfo", sType=vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, commandBufferCount=1,
+                             pCommandBuffers=[cb])
+        vk.check(lib.vkQueueSubmit(self._queue, 1, submit, fence[0]), "vkQueueSubmit")
+        vk.check(lib.vkWaitForFences(self._dev, 1, fence, 1, NO_TIMEOUT), "vkWaitForFences")
+        vk.check(lib.vkResetFences(self._dev, 1, fence), "vkResetFences")
+
+    def memory_report(self) -> dict:
+        """Bytes reserved (blocks) and used (live buffers) per arena."""
+        return {kind: arena.report() for kind, arena in self._arenas.items()}
+
+    # -- pipelines ------------------------------------------------------------------------
+
+    def pipeline(self, spirv: bytes, *, bindings, push_size: int = 0, spec=None, subgroup_size: int | None = None,
+                 name: str = "kernel", statistics: bool = False, isa: bool = False) -> Pipeline:
+        self._check_open()
+        pipe = pipeline.create(self, spirv, bindings=bindings, push_size=push_size, spec=spec,
+                               subgroup_size=subgroup_size, name=name, statistics=statistics, isa=isa)
+        self._pipelines[pipe] = None
+        self._cache_dirty = True
+        return pipe
+
+    def _set_layout(self, n: int):
+        layout = self._set_layouts.get(n)
+        if layout is None:
+            keep = Keep()
+            info = keep.struct(
+                "VkDescriptorSetLayoutCreateInfo", sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO,
+                flags=vk.VK_DESCRIPTOR_SET_LAYOUT_CREATE_PUSH_DESCRIPTOR_BIT_KHR if self._push_descriptors else 0,
+                bindingCount=n,
+                pBindings=[{"binding": i, "descriptorType": vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
+                            "descriptorCount": 1, "stageFlags": vk.VK_SHADER_STAGE_COMPUTE_BIT} for i in range(n)])
+            out = keep.new("VkDescriptorSetLayout *")
+            vk.check(lib.vkCreateDescriptorSetLayout(self._dev, info, ffi.NULL, out), "vkCreateDescriptorSetLayout")
+            layout = self._set_layouts[n] = out[0]
+        return layout
+
+    def _pipeline_layout(self, n: int, push_size: int):
+        layout = self._layouts.get((n, push_size))
+        if layout is None:
+            keep = Keep()
+            ranges = ([{"stageFlags": vk.VK_SHADER_STAGE_COMPUTE_BIT, "offset": 0, "size": push_size}]
+                      if push_size else [])
+            info = keep.struct("VkPipelineLayoutCreateInfo", sType=vk.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO,
+                               setLayoutCount=1, pSetLayouts=[self._set_layout(n)],
+                               pushConstantRangeCount=len(ranges), pPushConstantRanges=ranges or None)
+            out = keep.new("VkPipelineLayout *")
+            vk.check(lib.vkCreatePipelineLayout(self._dev, info, ffi.NULL, out), "vkCreatePipelineLayout")
+            layout = self._layouts[(n, push_size)] = out[0]
+        return layout
+
+    def _ext(self, name: str):
+        fn = self._procs.get(name)
+        if fn is None:
+            fn = self._procs[name] = vk.device_proc(self._dev, name)
+        return fn
+
+    def _forget_pipeline(self, pipe: Pipeline) -> None:
+        if pipe in self._pipelines:
+            del self._pipelines[pipe]
+            lib.vkDestroyPipeline(self._dev, pipe.handle, ffi.NULL)
+
+    # -- command sequences ----------------------------------------------------------------
+
+    def sequence(self, timestamps: bool = False) -> Sequence:
+        self._check_runnable()
+        seq = Sequence(self, timestamps)
+        self._sequences[seq] = None
+        return seq
+
+    def _command_buffer(self):
+        keep = Keep()
+        info = keep.struct("VkCommandBufferAllocateInfo", sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO,
+                           commandPool=self._pool, level=vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY, commandBufferCount=1)
+        out = keep.new("VkCommandBuffer *")
+        vk.check(lib.vkAllocateCommandBuffers(self._dev, info, out), "vkAllocateCommandBuffers")
+        return out[0]
+
+    def _forget_sequence(self, seq: Sequence) -> None:
+        if seq in self._sequences:
+            del self._sequences[seq]
+            seq._destroy()
+
+    def wait_idle(self) -> None:
+        self._check_open()
+        vk.check(lib.vkDeviceWaitIdle(self._dev), "vkDeviceWaitIdle")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ZdslError(f"device {self.info.name} is closed")
+
+    def _check_runnable(self) -> None:
+        self._check_open()
+        if self.info.compile_only:
+            raise ZdslError(f"{self.info.name} is a compile-only target: it builds pipelines but cannot "
+                            "allocate or run; use a runnable device for that")
+
+    # -- teardown -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free everything made on this device, in dependency order. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        dev = self._dev
+        if dev is not None:
+            if not self.info.compile_only:      # the null device has no queue to wait for (it crashes)
+                lib.vkDeviceWaitIdle(dev)
+            for seq in list(self._sequences):
+                seq._destroy()
+            self._sequences.clear()
+            for pipe in self._pipelines:
+                lib.vkDestroyPipeline(dev, pipe.handle, ffi.NULL)
+            self._pipelines.clear()
+            for layout in self._layouts.values():
+                lib.vkDestroyPipelineLayout(dev, layout, ffi.NULL)
+            for layout in self._set_layouts.values():
+                lib.vkDestroyDescriptorSetLayout(dev, layout, ffi.NULL)
+            if self._pipeline_cache is not None:
+                self._save_pipeline_cache()
+                lib.vkDestroyPipelineCache(dev, self._pipeline_cache, ffi.NULL)
+            for arena in self._arenas.values():
+                arena.destroy()
+            if self._oneoff is not None:
+                lib.vkDestroyFence(dev, self._oneoff[1][0], ffi.NULL)
+            if self._pool is not None:
+                lib.vkDestroyCommandPool(dev, self._pool, ffi.NULL)
+            lib.vkDestroyDevice(dev, ffi.NULL)
+        lib.vkDestroyInstance(self._instance, ffi.NULL)
+
+    def _save_pipeline_cache(self) -> None:
+        if not self._cache_dirty:
+            return
+        size = ffi.new("size_t *")
+        if lib.vkGetPipelineCacheData(self._dev, self._pipeline_cache, size, ffi.NULL) != vk.VK_SUCCESS or not size[0]:
+            return
+        data = ffi.new("char[]", size[0])
+        if lib.vkGetPipelineCacheData(self._dev, self._pipeline_cache, size, data) == vk.VK_SUCCESS:
+            try:
+                write_atomic(self._cache_path, ffi.buffer(data, size[0])[:])
+            except OSError:
+                pass    # a read-only cache folder only costs compile time next run
+

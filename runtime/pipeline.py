@@ -1,0 +1,220 @@
+"""Compute pipelines: SPIR-V + binding access + push size + specialization → VkPipeline, with the
+driver's own statistics (registers, spills, occupancy) and disassembly when it offers them.
+
+Every storage buffer is one binding of set 0, in order; the access string of each binding
+("r", "w", "rw") is what the Sequence uses to decide where barriers go.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from array import array
+
+from zdsl.errors import MissingFeatureError, ZdslError
+from zdsl.runtime import vk
+from zdsl.runtime.vk import Keep, ffi, lib
+
+ACCESS = {"r": (True, False), "w": (False, True), "rw": (True, True)}
+
+_OP_EXECUTION_MODE, _OP_EXECUTION_MODE_ID, _OP_DECORATE = 16, 331, 71
+_OP_CONSTANT, _OP_SPEC_CONSTANT, _OP_CONSTANT_COMPOSITE, _OP_SPEC_CONSTANT_COMPOSITE = 43, 50, 44, 51
+_MODE_LOCAL_SIZE, _MODE_LOCAL_SIZE_ID = 17, 38
+_DECORATION_SPEC_ID, _DECORATION_BUILTIN, _BUILTIN_WORKGROUP_SIZE = 1, 11, 25
+
+
+def workgroup_size(spirv: bytes, spec: dict[int, int | float | bool] | None = None) -> tuple[int, int, int]:
+    """The workgroup size a SPIR-V compute module will run with, specialization applied.
+
+    Needed to decide whether full subgroups can be required and to check the device limit.
+    """
+    words = array("I", spirv[: len(spirv) // 4 * 4])
+    if len(words) < 5 or words[0] != 0x07230203:
+        raise ZdslError("not a SPIR-V module (bad magic number)")
+    spec = spec or {}
+    literal, constants, composites, spec_ids = None, {}, {}, {}
+    builtin = mode_ids = None
+    i = 5
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        args = words[i + 1:i + count]
+        if op == _OP_EXECUTION_MODE and args[1] == _MODE_LOCAL_SIZE:
+            literal = tuple(args[2:5])
+        elif op == _OP_EXECUTION_MODE_ID and args[1] == _MODE_LOCAL_SIZE_ID:
+            mode_ids = tuple(args[2:5])
+        elif op == _OP_DECORATE and args[1] == _DECORATION_SPEC_ID:
+            spec_ids[args[0]] = args[2]
+        elif op == _OP_DECORATE and args[1] == _DECORATION_BUILTIN and args[2] == _BUILTIN_WORKGROUP_SIZE:
+            builtin = args[0]
+        elif op in (_OP_CONSTANT, _OP_SPEC_CONSTANT) and len(args) >= 3:
+            constants[args[1]] = args[2]
+        elif op in (_OP_CONSTANT_COMPOSITE, _OP_SPEC_CONSTANT_COMPOSITE):
+            composites[args[1]] = tuple(args[2:])
+        i += max(count, 1)
+
+    def value(cid: int) -> int:
+        if cid in spec_ids and spec_ids[cid] in spec:
+            return int(spec[spec_ids[cid]])
+        return constants[cid]
+
+    if builtin is not None and builtin in composites:
+        return tuple(value(c) for c in composites[builtin])
+    if mode_ids is not None:
+        return tuple(value(c) for c in mode_ids)
+    if literal is not None:
+        return literal
+    raise ZdslError("SPIR-V module declares no workgroup size (is it a compute shader?)")
+
+
+def pack_spec(spec: dict[int, int | float | bool]) -> tuple[list[dict], bytes]:
+    """Map entries and data: bool → VkBool32, float → f32, int → 32 bits (negative as int32)."""
+    entries, data = [], b""
+    for cid, value in sorted(spec.items()):
+        if isinstance(value, bool):
+            raw = struct.pack("<I", int(value))
+        elif isinstance(value, float):
+            raw = struct.pack("<f", value)
+        elif isinstance(value, int) and -(1 << 31) <= value < (1 << 32):
+            raw = struct.pack("<i" if value < 0 else "<I", value)
+        else:
+            raise ZdslError(f"specialization constant {cid} = {value!r}: use a bool, a float or a 32-bit int")
+        entries.append({"constantID": cid, "offset": len(data), "size": 4})
+        data += raw
+    return entries, data
+
+
+class Pipeline:
+    __slots__ = ("name", "bindings", "push_size", "subgroup_size", "statistics", "isa", "workgroup",
+                 "device", "handle", "layout", "access")
+
+    def __repr__(self) -> str:
+        wave = f" subgroup {self.subgroup_size}" if self.subgroup_size else ""
+        return f"<Pipeline {self.name} bindings={','.join(self.bindings)}{wave}>"
+
+    def free(self) -> None:
+        """Destroy the VkPipeline now (a tuner makes thousands); the device also does it at close."""
+        self.device._forget_pipeline(self)
+
+
+def create(device, spirv: bytes, *, bindings, push_size: int, spec, subgroup_size: int | None, name: str,
+           statistics: bool, isa: bool) -> Pipeline:
+    phys, info = device._phys, device.info
+    bindings = tuple(bindings)
+    for b in bindings:
+        if b not in ACCESS:
+            raise ZdslError(f"pipeline {name}: binding access {b!r} must be 'r', 'w' or 'rw'")
+    if push_size % 4 or push_size < 0 or push_size > phys.max_push_constants:
+        raise ZdslError(f"pipeline {name}: push_size {push_size} must be a multiple of 4 and at most "
+                        f"{phys.max_push_constants} on {info.name}")
+    spec = dict(spec or {})
+    wg = workgroup_size(spirv, spec)
+    if wg[0] * wg[1] * wg[2] > info.max_workgroup_invocations:
+        raise ZdslError(f"pipeline {name}: workgroup {wg[0]}x{wg[1]}x{wg[2]} exceeds {info.name}'s limit of "
+                        f"{info.max_workgroup_invocations} invocations")
+    keep = Keep()
+    stage = {"sType": vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO,
+             "stage": vk.VK_SHADER_STAGE_COMPUTE_BIT, "pName": "main"}
+    if subgroup_size is not None:
+        if "subgroup_size_control" not in info.features:
+            raise MissingFeatureError(f"pipeline {name}: {info.name} cannot fix the subgroup size "
+                                      "(no subgroup_size_control)")
+        if not info.min_subgroup_size <= subgroup_size <= info.max_subgroup_size or subgroup_size & (subgroup_size - 1):
+            raise MissingFeatureError(f"pipeline {name}: subgroup size {subgroup_size} is not available on "
+                                      f"{info.name} (it has {info.min_subgroup_size}..{info.max_subgroup_size})")
+        stage["pNext"] = keep.struct(
+            "VkPipelineShaderStageRequiredSubgroupSizeCreateInfo", requiredSubgroupSize=subgroup_size,
+            sType=vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_REQUIRED_SUBGROUP_SIZE_CREATE_INFO)
+        if wg[0] % subgroup_size == 0:
+            stage["flags"] = vk.SHADER_STAGE_REQUIRE_FULL_SUBGROUPS
+    if spec:
+        entries, data = pack_spec(spec)
+        stage["pSpecializationInfo"] = {"mapEntryCount": len(entries), "pMapEntries": entries,
+                                        "dataSize": len(data), "pData": data}
+    capture = (statistics or isa) and "pipeline_stats" in info.features
+    flags = 0
+    if capture:
+        flags |= vk.VK_PIPELINE_CREATE_CAPTURE_STATISTICS_BIT_KHR
+        if isa:
+            flags |= vk.VK_PIPELINE_CREATE_CAPTURE_INTERNAL_REPRESENTATIONS_BIT_KHR
+
+    dev = device._dev
+    module_info = keep.struct("VkShaderModuleCreateInfo", sType=vk.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO,
+                              codeSize=len(spirv), pCode=spirv)
+    module = keep.new("VkShaderModule *")
+    vk.check(lib.vkCreateShaderModule(dev, module_info, ffi.NULL, module), "vkCreateShaderModule",
+             f"for pipeline {name}")
+    stage["module"] = module[0]
+    layout = device._pipeline_layout(len(bindings), push_size)
+    create_info = keep.struct("VkComputePipelineCreateInfo", sType=vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO,
+                              flags=flags, stage=stage, layout=layout, basePipelineIndex=-1)
+    out = keep.new("VkPipeline *")
+    try:
+        vk.check(lib.vkCreateComputePipelines(dev, device._pipeline_cache, 1, create_info, ffi.NULL, out),
+                 "vkCreateComputePipelines", f"for pipeline {name} on {info.name}")
+    finally:
+        lib.vkDestroyShaderModule(dev, module[0], ffi.NULL)
+
+    pipe = Pipeline()
+    pipe.name, pipe.bindings, pipe.push_size, pipe.subgroup_size = name, bindings, push_size, subgroup_size
+    pipe.device, pipe.handle, pipe.layout, pipe.workgroup = device, out[0], layout, wg
+    pipe.access = tuple(ACCESS[b] for b in bindings)
+    pipe.statistics = pipe.isa = None
+    if capture:
+        executable = _first_executable(device, out[0])
+        if executable and statistics:
+            pipe.statistics = _statistics(device, executable)
+        if executable and isa:
+            pipe.isa = _assembly(device, executable)
+    return pipe
+
+
+def _first_executable(device, pipeline):
+    keep = Keep()
+    info = keep.struct("VkPipelineInfoKHR", sType=vk.VK_STRUCTURE_TYPE_PIPELINE_INFO_KHR, pipeline=pipeline)
+    count = keep.new("uint32_t *")
+    vk.check(device._ext("vkGetPipelineExecutablePropertiesKHR")(device._dev, info, count, ffi.NULL),
+             "vkGetPipelineExecutablePropertiesKHR")
+    if not count[0]:
+        return None
+    return {"sType": vk.VK_STRUCTURE_TYPE_PIPELINE_EXECUTABLE_INFO_KHR, "pipeline": pipeline, "executableIndex": 0}
+
+
+def _statistics(device, executable: dict) -> dict[str, int | float]:
+    keep = Keep()
+    info = keep.struct("VkPipelineExecutableInfoKHR", **executable)
+    fn = device._ext("vkGetPipelineExecutableStatisticsKHR")
+    count = keep.new("uint32_t *")
+    vk.check(fn(device._dev, info, count, ffi.NULL), "vkGetPipelineExecutableStatisticsKHR")
+    stats = keep.array("VkPipelineExecutableStatisticKHR",
+                       [{"sType": vk.VK_STRUCTURE_TYPE_PIPELINE_EXECUTABLE_STATISTIC_KHR}] * count[0])
+    vk.check(fn(device._dev, info, count, stats), "vkGetPipelineExecutableStatisticsKHR")
+    out: dict[str, int | float] = {}
+    for s in stats[0:count[0]]:
+        fmt, v = s.format, s.value
+        out[vk.string(s.name)] = (bool(v.b32) if fmt == vk.VK_PIPELINE_EXECUTABLE_STATISTIC_FORMAT_BOOL32_KHR
+                                  else v.i64 if fmt == vk.VK_PIPELINE_EXECUTABLE_STATISTIC_FORMAT_INT64_KHR
+                                  else v.u64 if fmt == vk.VK_PIPELINE_EXECUTABLE_STATISTIC_FORMAT_UINT64_KHR
+                                  else v.f64)
+    return out
+
+
+def _assembly(device, executable: dict) -> str | None:
+    """The driver's disassembly: the text representation named like assembly/ISA, else the last one."""
+    keep = Keep()
+    info = keep.struct("VkPipelineExecutableInfoKHR", **executable)
+    fn = device._ext("vkGetPipelineExecutableInternalRepresentationsKHR")
+    count = keep.new("uint32_t *")
+    vk.check(fn(device._dev, info, count, ffi.NULL), "vkGetPipelineExecutableInternalRepresentationsKHR")
+    n = count[0]
+    reps = keep.array("VkPipelineExecutableInternalRepresentationKHR",
+                      [{"sType": vk.VK_STRUCTURE_TYPE_PIPELINE_EXECUTABLE_INTERNAL_REPRESENTATION_KHR}] * n)
+    vk.check(fn(device._dev, info, count, reps), "vkGetPipelineExecutableInternalRepresentationsKHR")
+    for r in reps[0:n]:
+        r.pData = keep.new("char[]", r.dataSize)
+    vk.check(fn(device._dev, info, count, reps), "vkGetPipelineExecutableInternalRepresentationsKHR")
+    texts = {vk.string(r.name): ffi.string(ffi.cast("char *", r.pData), r.dataSize).decode("utf-8", "replace")
+             for r in reps[0:n] if r.isText}
+    for key, text in texts.items():
+        if re.search(r"assembly|\bisa\b|sass", key, re.I):
+            return text
+    return list(texts.values())[-1] if texts else None
