@@ -173,9 +173,9 @@ class Device:
     # -- memory ---------------------------------------------------------------------------
 
     def _arena(self, kind: str) -> memory.Arena:
+        self._check_runnable()
         arena = self._arenas.get(kind)
         if arena is None:
-            self._check_runnable()
             if kind == "device":
                 index = _pick_type(self._phys, vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT, 0, memory.HOST_VISIBLE)
                 arena = memory.Arena(self, index, memory.BLOCK_SIZE, "device")

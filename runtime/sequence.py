@@ -72,6 +72,7 @@ class Sequence:
         self._recording, self._pending, self._runs = True, False, 0
         self._submits: dict[int, object] = {}
         self._pools: list = []
+        self._room = (0, 0)        # (sets, descriptors) left in the newest pool
         self._infos = self._keep.new("VkDescriptorBufferInfo[]", 16)
         self._write = self._keep.struct("VkWriteDescriptorSet", sType=vk.VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET,
                                         descriptorType=_STORAGE)
@@ -195,25 +196,21 @@ class Sequence:
     def _allocate_set(self, n: int):
         """A descriptor set for `n` bindings from this sequence's pools (no push descriptors)."""
         keep = Keep()
-        layout = self.device._set_layout(n)
-        for attempt in range(2):
-            if self._pools:
-                info = keep.struct("VkDescriptorSetAllocateInfo",
-                                   sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_ALLOCATE_INFO,
-                                   descriptorPool=self._pools[-1], descriptorSetCount=1, pSetLayouts=[layout])
-                result = lib.vkAllocateDescriptorSets(self._dev, info, self._set)
-                if result == vk.VK_SUCCESS:
-                    return self._set[0]
-                if result not in (vk.ERROR_OUT_OF_POOL_MEMORY, vk.ERROR_FRAGMENTED_POOL):
-                    vk.check(result, "vkAllocateDescriptorSets")
-            sets = 256
+        sets, descriptors = self._room
+        if sets < 1 or descriptors < n:
+            sets, descriptors = 256, 256 * max(n, 8)
             pool_info = keep.struct("VkDescriptorPoolCreateInfo", maxSets=sets, poolSizeCount=1,
                                     sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO,
-                                    pPoolSizes=[{"type": _STORAGE, "descriptorCount": sets * max(n, 8)}])
+                                    pPoolSizes=[{"type": _STORAGE, "descriptorCount": descriptors}])
             pool = keep.new("VkDescriptorPool *")
             vk.check(lib.vkCreateDescriptorPool(self._dev, pool_info, ffi.NULL, pool), "vkCreateDescriptorPool")
             self._pools.append(pool[0])
-        raise ZdslError("could not allocate a descriptor set from a fresh pool")
+        self._room = (sets - 1, descriptors - n)
+        info = keep.struct("VkDescriptorSetAllocateInfo", sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_ALLOCATE_INFO,
+                           descriptorPool=self._pools[-1], descriptorSetCount=1,
+                           pSetLayouts=[self.device._set_layout(n)])
+        vk.check(lib.vkAllocateDescriptorSets(self._dev, info, self._set), "vkAllocateDescriptorSets")
+        return self._set[0]
 
     def _done(self, label: str) -> None:
         self._labels.append(label)

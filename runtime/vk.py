@@ -30,10 +30,8 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-# Values the binding gets wrong or lacks (its promoted error codes lost their sign).
+# Values the binding gets wrong or lacks.
 WHOLE_SIZE = (1 << 64) - 1
-ERROR_OUT_OF_POOL_MEMORY = -1000069000
-ERROR_FRAGMENTED_POOL = -12
 SHADER_STAGE_REQUIRE_FULL_SUBGROUPS = 0x2
 STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_BFLOAT16_FEATURES_KHR = 1000141000
 

@@ -1,0 +1,537 @@
+"""The Vulkan runtime on lavapipe: memory round trips, kernels, specialization, replays,
+barrier placement, timestamps, indirect dispatch, errors; compile-only RDNA statistics through
+RADV's null device; `zdsl devices`."""
+
+import json
+import re
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from zdsl.errors import MissingFeatureError, NoDeviceError, OutOfMemoryError, ZdslError
+from zdsl.runtime import HostBuffer, open_device
+from zdsl.runtime import memory as rt_memory
+from zdsl.toolchain import compile_glsl
+
+# Every test kernel, in one place: they get replaced by DSL-generated kernels once those exist.
+_HEAD = "#version 450\n#extension GL_KHR_shader_subgroup_basic : require\n"
+SHADERS = {
+    # x[i] += a for i < n
+    "add": _HEAD + """layout(local_size_x = 64) in;
+layout(std430, binding = 0) buffer X { float x[]; };
+layout(push_constant) uniform P { uint n; float a; };
+void main() { uint i = gl_GlobalInvocationID.x; if (i < n) x[i] += a; }""",
+    # y[i] = x[i] * 2 for i < n
+    "double": _HEAD + """layout(local_size_x = 64) in;
+layout(std430, binding = 0) readonly buffer X { float x[]; };
+layout(std430, binding = 1) writeonly buffer Y { float y[]; };
+layout(push_constant) uniform P { uint n; };
+void main() { uint i = gl_GlobalInvocationID.x; if (i < n) y[i] = 2.0 * x[i]; }""",
+    # y[i] = (NEGATE ? -1 : 1) * x[i] * SCALE + OFFSET, specialized
+    "affine": _HEAD + """layout(local_size_x = 64) in;
+layout(constant_id = 0) const float SCALE = 1.0;
+layout(constant_id = 1) const int OFFSET = 0;
+layout(constant_id = 2) const bool NEGATE = false;
+layout(std430, binding = 0) readonly buffer X { float x[]; };
+layout(std430, binding = 1) writeonly buffer Y { float y[]; };
+layout(push_constant) uniform P { uint n; };
+void main() { uint i = gl_GlobalInvocationID.x;
+  if (i < n) y[i] = (NEGATE ? -1.0 : 1.0) * x[i] * SCALE + float(OFFSET); }""",
+    # the workgroup size comes from a specialization constant; every invocation reports it
+    "wgsize": _HEAD + """layout(local_size_x_id = 0) in;
+layout(std430, binding = 0) writeonly buffer Y { uint y[]; };
+void main() { y[gl_GlobalInvocationID.x] = gl_WorkGroupSize.x; }""",
+    # each invocation reports its subgroup size
+    "subgroup": _HEAD + """layout(local_size_x = 64) in;
+layout(std430, binding = 0) writeonly buffer Y { uint y[]; };
+void main() { y[gl_GlobalInvocationID.x] = gl_SubgroupSize; }""",
+    # x[i] += h[0]: a per-step value read from a host buffer
+    "add_host": _HEAD + """layout(local_size_x = 64) in;
+layout(std430, binding = 0) buffer X { float x[]; };
+layout(std430, binding = 1) readonly buffer H { float h[]; };
+layout(push_constant) uniform P { uint n; };
+void main() { uint i = gl_GlobalInvocationID.x; if (i < n) x[i] += h[0]; }""",
+    # indirect dispatch arguments for n elements at 64 per workgroup
+    "make_args": _HEAD + """layout(local_size_x = 1) in;
+layout(std430, binding = 0) writeonly buffer A { uint args[3]; };
+layout(push_constant) uniform P { uint n; };
+void main() { args[0] = (n + 63) / 64; args[1] = 1; args[2] = 1; }""",
+    # a workgroup sum over 4096 floats (subgroups + shared memory): register use depends on wave size
+    "reduce": "#version 450\n#extension GL_KHR_shader_subgroup_arithmetic : require\n" + """
+layout(local_size_x = 256) in;
+layout(std430, binding = 0) readonly buffer X { float x[]; };
+layout(std430, binding = 1) writeonly buffer Y { float y[]; };
+shared float part[32];
+void main() {
+  float v = 0.0;
+  for (uint i = gl_LocalInvocationID.x; i < 4096; i += 256) v += x[gl_WorkGroupID.x * 4096 + i];
+  v = subgroupAdd(v);
+  if (subgroupElect()) part[gl_SubgroupID] = v;
+  barrier();
+  if (gl_LocalInvocationID.x == 0) {
+    float s = 0.0;
+    for (uint i = 0; i < gl_NumSubgroups; i++) s += part[i];
+    y[gl_WorkGroupID.x] = s;
+  }
+}""",
+}
+
+
+def spirv(name: str) -> bytes:
+    return compile_glsl(SHADERS[name], name=name)
+
+
+def groups(n: int, wg: int = 64) -> int:
+    return -(-n // wg)
+
+
+@pytest.fixture(scope="module")
+def add(device):
+    return device.pipeline(spirv("add"), bindings=["rw"], push_size=8, name="add")
+
+
+@pytest.fixture(scope="module")
+def double(device):
+    return device.pipeline(spirv("double"), bindings=["r", "w"], push_size=4, name="double")
+
+
+def push_add(n: int, a: float) -> bytes:
+    return struct.pack("<If", n, a)
+
+
+# -- memory ------------------------------------------------------------------------------
+
+DTYPES = [np.float32, np.float16, np.int8, np.uint8, np.int32, np.uint32, np.uint16]   # uint16 = bf16 bits
+
+
+@given(dtype=st.sampled_from(DTYPES), count=st.integers(1, 5000), offset=st.integers(0, 64), seed=st.integers(0, 9))
+def test_round_trip_small(device, dtype, count, offset, seed):
+    data = np.random.default_rng(seed).integers(0, 256, count * np.dtype(dtype).itemsize, np.uint8).view(dtype)
+    buf = device.alloc(offset + data.nbytes, "rt")
+    try:
+        buf.write(data, offset=offset)
+        np.testing.assert_array_equal(buf.read(dtype, offset=offset), data)
+        np.testing.assert_array_equal(buf.read(dtype, shape=(count,), offset=offset), data)
+    finally:
+        buf.free()
+
+
+@pytest.mark.parametrize("nbytes", [1, 3, 4, 17, (1 << 20) + 3, 6 * (1 << 20) + 5])
+def test_round_trip_sizes(device, nbytes):
+    data = np.random.default_rng(nbytes).integers(0, 256, nbytes, np.uint8)
+    buf = device.upload(data, "bytes")
+    assert buf.nbytes == nbytes
+    np.testing.assert_array_equal(buf.read(np.uint8), data)
+    np.testing.assert_array_equal(buf.read(np.uint8, offset=nbytes // 2), data[nbytes // 2:])
+    buf.free()
+
+
+def test_bf16_bits_round_trip(device):
+    x = np.random.default_rng(0).standard_normal(1001).astype(np.float32)
+    bits = (x.view(np.uint32) >> 16).astype(np.uint16)
+    buf = device.upload(bits, "bf16")
+    back = (buf.read(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_allclose(back, x, rtol=1 / 128)
+    buf.free()
+
+
+def test_staging_path_chunks(device, monkeypatch):
+    """Device memory that is not host-visible goes through the staging buffer, in chunks."""
+    monkeypatch.setattr(rt_memory, "STAGING_SIZE", 64 << 10)
+    staging = rt_memory.Staging(device, device._arena("host"))
+    data = np.random.default_rng(1).integers(0, 256, 200_003, np.uint8)
+    buf = device.alloc(data.nbytes + 16, "staged")
+    staging.write(buf.block, buf.offset + 16, memoryview(data))
+    np.testing.assert_array_equal(buf.read(np.uint8, offset=16), data)     # through the mapping
+    out = np.zeros_like(data)
+    staging.read(buf.block, buf.offset + 16, memoryview(out))
+    np.testing.assert_array_equal(out, data)
+    buf.free()
+
+
+def test_small_allocations_share_a_block(device):
+    first = device.alloc(16, "first")
+    free_before = [list(r) for r in first.block.free]
+    blocks = device.memory_report()["device"]["blocks"]
+    bufs = [device.alloc(100 + i % 7, f"t{i}") for i in range(500)]
+    assert device.memory_report()["device"]["blocks"] == blocks
+    assert {b.block for b in bufs} == {first.block}
+    spans = sorted((b.offset, b.offset + b.nbytes) for b in bufs)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "allocations overlap"
+    align = max(16, device._phys.min_storage_offset_alignment)
+    assert all(b.offset % align == 0 for b in bufs)
+    for i, b in enumerate(bufs):
+        b.write(np.full(b.nbytes, i % 251, np.uint8))
+    for i, b in enumerate(bufs):
+        assert (b.read(np.uint8) == i % 251).all()
+    used = device.memory_report()["device"]["used"]
+    for b in bufs:
+        b.free()
+    assert device.memory_report()["device"]["used"] == used - sum(-(-(100 + i % 7) // align) * align for i in range(500))
+    assert first.block.free == free_before        # freed neighbours coalesced back into one range
+    first.free()
+
+
+def test_buffer_errors(device):
+    buf = device.alloc(16, "small")
+    with pytest.raises(ZdslError, match="outside buffer small"):
+        buf.write(np.zeros(5, np.float32))
+    buf.free()
+    with pytest.raises(ZdslError, match="freed"):
+        buf.read()
+    with pytest.raises(ZdslError, match="already freed"):
+        buf.free()
+
+
+def test_out_of_memory_is_one_line(device):
+    with pytest.raises(OutOfMemoryError) as e:
+        device.alloc(1 << 50, "blk.0.huge")
+    msg = str(e.value)
+    assert "\n" not in msg and "blk.0.huge" in msg and device.info.name in msg and "heap 0" in msg
+    assert "1048576.0 GiB" in msg
+
+
+def test_host_buffer_per_step_value(device):
+    pipe = device.pipeline(spirv("add_host"), bindings=["rw", "r"], push_size=4, name="add_host")
+    n = 300
+    x = device.upload(np.zeros(n, np.float32), "x")
+    h = device.host_buffer(4, "step")
+    assert isinstance(h, HostBuffer)
+    seq = device.sequence()
+    seq.dispatch(pipe, groups(n), [x, h], struct.pack("<I", n))
+    for step in range(1, 5):
+        h.view(np.float32)[0] = step          # a new value every replay, no re-recording
+        seq.run()
+    np.testing.assert_array_equal(x.read(np.float32), np.full(n, 1 + 2 + 3 + 4, np.float32))
+    seq.free()
+    x.free()
+    h.free()
+
+
+# -- kernels -------------------------------------------------------------------------------
+
+def test_trivial_kernel(device, add):
+    n = 1000
+    x0 = np.random.default_rng(2).standard_normal(n).astype(np.float32)
+    x = device.upload(x0, "x")
+    seq = device.sequence()
+    seq.dispatch(add, groups(n), [x], push_add(n, 0.5))
+    seq.run()
+    np.testing.assert_array_equal(x.read(np.float32), x0 + np.float32(0.5))
+    assert add.bindings == ("rw",) and add.push_size == 8 and add.subgroup_size is None
+    seq.free()
+    x.free()
+
+
+@pytest.mark.parametrize("spec", [{}, {0: 3.0}, {0: 0.5, 1: -7}, {0: 2.0, 1: 5, 2: True}])
+def test_specialization_changes_behaviour(device, spec):
+    pipe = device.pipeline(spirv("affine"), bindings=["r", "w"], push_size=4, spec=spec, name="affine")
+    n = 257
+    x0 = np.arange(n, dtype=np.float32) - 100
+    x, y = device.upload(x0, "x"), device.alloc(4 * n, "y")
+    seq = device.sequence()
+    seq.dispatch(pipe, groups(n), [x, y], struct.pack("<I", n))
+    seq.run()
+    sign = -1.0 if spec.get(2, False) else 1.0
+    expect = sign * x0 * np.float32(spec.get(0, 1.0)) + np.float32(spec.get(1, 0))
+    np.testing.assert_array_equal(y.read(np.float32), expect.astype(np.float32))
+    for b in (x, y):
+        b.free()
+    pipe.free()
+
+
+@pytest.mark.parametrize("wg", [1, 32, 96, 1024])
+def test_workgroup_size_from_spec(device, wg):
+    pipe = device.pipeline(spirv("wgsize"), bindings=["w"], spec={0: wg}, name="wgsize")
+    assert pipe.workgroup == (wg, 1, 1)
+    y = device.alloc(4 * wg * 2, "y")
+    seq = device.sequence()
+    seq.dispatch(pipe, 2, [y])
+    seq.run()
+    assert (y.read(np.uint32) == wg).all()
+    seq.free()
+    y.free()
+    pipe.free()
+
+
+def test_workgroup_over_limit(device):
+    with pytest.raises(ZdslError, match="exceeds"):
+        device.pipeline(spirv("wgsize"), bindings=["w"], spec={0: 4096}, name="wgsize")
+
+
+def test_required_subgroup_size(device):
+    size = device.info.subgroup_size
+    pipe = device.pipeline(spirv("subgroup"), bindings=["w"], subgroup_size=size, name="subgroup")
+    y = device.alloc(4 * 128, "y")
+    seq = device.sequence()
+    seq.dispatch(pipe, 2, [y])
+    seq.run()
+    assert (y.read(np.uint32) == size).all()
+    with pytest.raises(MissingFeatureError, match="subgroup size"):
+        device.pipeline(spirv("subgroup"), bindings=["w"], subgroup_size=device.info.max_subgroup_size * 2)
+    seq.free()
+    y.free()
+
+
+def test_pipeline_argument_errors(device, add):
+    with pytest.raises(ZdslError, match="'x'"):
+        device.pipeline(spirv("add"), bindings=["x"])
+    with pytest.raises(ZdslError, match="multiple of 4"):
+        device.pipeline(spirv("add"), bindings=["rw"], push_size=6)
+    with pytest.raises(ZdslError, match="32-bit"):
+        device.pipeline(spirv("affine"), bindings=["r", "w"], push_size=4, spec={1: 1 << 40})
+    x = device.alloc(64, "x")
+    seq = device.sequence()
+    with pytest.raises(ZdslError, match="2 buffers for 1 bindings"):
+        seq.dispatch(add, 1, [x, x], push_add(16, 1))
+    with pytest.raises(ZdslError, match="push constants"):
+        seq.dispatch(add, 1, [x], b"1234")
+    seq.run()
+    with pytest.raises(ZdslError, match="already run"):
+        seq.dispatch(add, 1, [x], push_add(16, 1))
+    seq.free()
+    x.free()
+
+
+# -- sequences -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("times", [1, 3, 17])
+def test_replay_has_n_times_the_effect(device, add, times):
+    n = 777
+    x = device.upload(np.zeros(n, np.float32), "x")
+    seq = device.sequence()
+    seq.dispatch(add, groups(n), [x], push_add(n, 1.0))
+    seq.dispatch(add, groups(n), [x], push_add(n, 1.0))     # dependent on the first: one barrier
+    seq.run(times=times)
+    np.testing.assert_array_equal(x.read(np.float32), np.full(n, 2 * times, np.float32))
+    for _ in range(times):
+        seq.run(wait=False)
+    seq.wait()
+    np.testing.assert_array_equal(x.read(np.float32), np.full(n, 4 * times, np.float32))
+    assert seq.barriers == 1
+    seq.free()
+    x.free()
+
+
+def test_barriers_only_between_dependent_commands(device, double):
+    n = 500
+    x0 = np.arange(n, dtype=np.float32)
+    x = device.upload(x0, "x")
+    y, z, w = (device.alloc(4 * n, name) for name in "yzw")
+    push = struct.pack("<I", n)
+    seq = device.sequence()
+    seq.dispatch(double, groups(n), [x, y], push)      # reads x, writes y
+    seq.dispatch(double, groups(n), [x, z], push)      # reads x, writes z: independent
+    assert seq.barriers == 0
+    seq.dispatch(double, groups(n), [y, w], push)      # reads y: read after write
+    assert seq.barriers == 1
+    seq.dispatch(double, groups(n), [z, y], push)      # writes y, which the previous one read
+    assert seq.barriers == 2
+    seq.dispatch(double, groups(n), [x, y], push)      # writes y again: write after write
+    assert seq.barriers == 3
+    seq.fill(w, 0)                                     # w untouched since the last barrier
+    assert seq.barriers == 3
+    seq.copy(w, x)                                     # reads what the fill wrote (transfer → transfer)
+    assert seq.barriers == 4
+    seq.dispatch(double, groups(n), [z, w], push)      # writes w, which the copy read
+    assert seq.barriers == 5
+    seq.run()
+    np.testing.assert_array_equal(x.read(np.float32), np.zeros(n, np.float32))
+    np.testing.assert_array_equal(y.read(np.float32), 2 * x0)
+    np.testing.assert_array_equal(w.read(np.float32), 4 * x0)
+    seq.free()
+    for b in (x, y, z, w):
+        b.free()
+
+
+def test_disjoint_slices_need_no_barrier(device, add):
+    n = 64
+    x = device.upload(np.zeros(4 * n, np.float32), "kv")
+    seq = device.sequence()
+    for layer in range(4):      # one layer's part of a shared buffer each: no dependency
+        seq.dispatch(add, 1, [x.slice(4 * n * layer, 4 * n)], push_add(n, float(layer + 1)))
+    assert seq.barriers == 0
+    seq.run()
+    np.testing.assert_array_equal(x.read(np.float32), np.repeat(np.arange(1, 5, dtype=np.float32), n))
+    with pytest.raises(ZdslError, match="aligned"):
+        x.slice(1, 16)
+    seq.free()
+    x.free()
+
+
+def test_copy_and_fill(device):
+    src = device.upload(np.arange(100, dtype=np.uint32), "src")
+    dst = device.alloc(400, "dst")
+    seq = device.sequence()
+    seq.fill(dst, 0xDEADBEEF)
+    seq.copy(src, dst, 40)
+    assert seq.barriers == 1
+    seq.run()
+    out = dst.read(np.uint32)
+    np.testing.assert_array_equal(out[:10], np.arange(10))
+    assert (out[10:] == 0xDEADBEEF).all()
+    with pytest.raises(ZdslError, match="u32"):
+        device.sequence().fill(device.alloc(6, "odd"))
+    seq.free()
+
+
+def test_indirect_dispatch(device, add):
+    make_args = device.pipeline(spirv("make_args"), bindings=["w"], push_size=4, name="make_args")
+    n = 1000
+    args = device.alloc(12, "args")
+    x = device.upload(np.zeros(n + 64, np.float32), "x")
+    seq = device.sequence()
+    seq.dispatch(make_args, 1, [args], struct.pack("<I", n))    # group counts computed on the GPU
+    seq.dispatch_indirect(add, args, [x], push_add(n + 64, 1.0))  # reads them: one barrier
+    assert seq.barriers == 1
+    seq.run()
+    np.testing.assert_array_equal(args.read(np.uint32), [groups(n), 1, 1])
+    out = x.read(np.float32)
+    assert (out[:groups(n) * 64] == 1).all() and (out[groups(n) * 64:] == 0).all()
+    seq.free()
+    x.free()
+    args.free()
+
+
+def test_timestamps(device, add, double):
+    n = 4096
+    x, y = device.upload(np.ones(n, np.float32), "x"), device.alloc(4 * n, "y")
+    seq = device.sequence(timestamps=True)
+    seq.dispatch(add, groups(n), [x], push_add(n, 1.0), label="first")
+    seq.dispatch(double, groups(n), [x, y], struct.pack("<I", n), label="second")
+    seq.copy(y, x)
+    seq.run(times=2)
+    t = seq.timings()
+    assert [label for label, _ in t] == ["first", "second", "copy y -> x"]
+    assert all(ms > 0 for _, ms in t)
+    assert sum(ms for _, ms in t) < 10_000
+    with pytest.raises(ZdslError, match="timestamps=True"):
+        device.sequence().timings()
+    seq.free()
+
+
+def test_descriptor_sets_without_push_descriptors():
+    """Drivers without VK_KHR_push_descriptor get descriptor sets allocated at record time."""
+    with open_device("lavapipe") as dev:
+        dev._push_descriptors = False
+        pipe = dev.pipeline(spirv("double"), bindings=["r", "w"], push_size=4)
+        n = 100
+        x, y = dev.upload(np.arange(n, dtype=np.float32), "x"), dev.alloc(4 * n, "y")
+        seq = dev.sequence()
+        for _ in range(300):        # more sets than one pool holds
+            seq.dispatch(pipe, groups(n), [x, y], struct.pack("<I", n))
+        seq.run()
+        np.testing.assert_array_equal(y.read(np.float32), 2 * np.arange(n, dtype=np.float32))
+        assert len(seq._pools) == 2
+
+
+def test_close_frees_everything_and_saves_the_pipeline_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZDSL_CACHE_DIR", str(tmp_path))
+    dev = open_device("lavapipe")
+    dev.pipeline(spirv("add"), bindings=["rw"], push_size=8)
+    x = dev.alloc(64, "x")
+    dev.sequence().dispatch(dev.pipeline(spirv("add"), bindings=["rw"], push_size=8), 1, [x], push_add(16, 1))
+    dev.close()
+    dev.close()     # idempotent
+    assert any(p.stat().st_size > 0 for p in (tmp_path / "pipelines").iterdir())
+    with pytest.raises(ZdslError, match="closed"):
+        x.read()
+    with pytest.raises(ZdslError, match="closed"):
+        dev.alloc(16)
+
+
+# -- device selection and errors -------------------------------------------------------------
+
+def test_selectors(device):
+    assert device.info.device_type == "cpu" and "llvmpipe" in device.info.name
+    assert re.fullmatch(r"[0-9a-f]{4,}:[0-9a-f]{4}:llvmpipe:\d+", device.info.identity)
+    with open_device(device.info.index) as dev:
+        assert dev.info.name == device.info.name
+    with open_device("LLVMPIPE") as dev:
+        assert dev.info == device.info
+
+
+def test_bad_selector_lists_devices():
+    with pytest.raises(NoDeviceError) as e:
+        open_device("no-such-gpu-9000")
+    assert "\n" not in str(e.value) and "no-such-gpu-9000" in str(e.value) and "llvmpipe" in str(e.value)
+    with pytest.raises(NoDeviceError, match="llvmpipe"):
+        open_device(99)
+
+
+def test_family_selector_points_to_nulldevice(monkeypatch):
+    monkeypatch.delenv("RADV_FORCE_FAMILY", raising=False)
+    with pytest.raises(ZdslError, match="compile_statistics"):
+        open_device("gfx1201")
+
+
+def test_no_loader_is_one_line_error():
+    code = ("import builtins, sys\n"
+            "real = builtins.__import__\n"
+            "def fake(name, *a, **k):\n"
+            "    if name == 'vulkan': raise OSError('libvulkan.so.1: cannot open shared object file')\n"
+            "    return real(name, *a, **k)\n"
+            "builtins.__import__ = fake\n"
+            "from zdsl.cli import main\n"
+            "sys.exit(main(['devices']))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("error: no Vulkan loader (libvulkan.so.1): run scripts/setup.sh or "
+                                   "apt-get install libvulkan1 mesa-vulkan-drivers")
+
+
+# -- compile-only targets ------------------------------------------------------------------
+
+def _null_device_or_skip():
+    from zdsl.runtime import nulldevice
+    try:
+        return nulldevice.target_info("gfx1201")
+    except ZdslError as e:
+        pytest.skip(f"no RADV null device here: {e}")
+
+
+@pytest.mark.nulldevice
+def test_gfx1201_statistics_wave32_vs_wave64():
+    from zdsl.runtime.nulldevice import ShaderSpec, compile_statistics
+
+    info = _null_device_or_skip()
+    assert info.compile_only and info.min_subgroup_size == 32 and info.max_subgroup_size == 64
+    code = spirv("reduce")
+    w32, w64 = compile_statistics("gfx1201", [ShaderSpec("reduce", code, ("r", "w"), subgroup_size=32),
+                                              ShaderSpec("reduce", code, ("r", "w"), subgroup_size=64)], isa=True)
+    for stats in (w32, w64):
+        assert stats["VGPRs"] > 0 and stats["SGPRs"] > 0
+        assert stats["Spilled VGPRs"] == 0 and stats["Spilled SGPRs"] == 0
+        assert stats["LDS size"] >= 32 * 4
+        assert isinstance(stats["isa"], str) and stats["isa"]
+    assert (w32["VGPRs"], w32["Subgroups per SIMD"]) != (w64["VGPRs"], w64["Subgroups per SIMD"])
+
+
+@pytest.mark.nulldevice
+def test_unknown_family_is_refused():
+    from zdsl.runtime.nulldevice import target_info
+
+    _null_device_or_skip()
+    with pytest.raises(ZdslError, match="does not know the family 'gfx1100'"):
+        target_info("gfx1100")
+
+
+def test_cli_devices(monkeypatch, capsys):
+    from zdsl.cli import main
+
+    assert main(["devices", "--json"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    runnable = [d for d in listing["devices"] if not d["compile_only"]]
+    assert any("llvmpipe" in d["name"] for d in runnable)
+    targets = [d for d in listing["devices"] if d["compile_only"]]
+    assert any("GFX1201" in d["name"] for d in targets) or listing["unavailable_targets"]
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["devices", "--targets", "gfx1201"]) == 0
+    table = capsys.readouterr().out
+    assert "llvmpipe" in table and ("GFX1201" in table or "unavailable target gfx1201" in table)
+    assert "compile-only" in table or "unavailable" in table
