@@ -118,3 +118,15 @@ def test_bad_tokens(model):
     with pytest.raises(ValueError, match="token ids"):
         model.forward([model.hp.vocab])
     assert model.forward([]).shape == (0, model.hp.vocab)
+
+
+@settings(max_examples=6, deadline=None)
+@given(splits=st.lists(st.integers(1, 70), min_size=1, max_size=3), seed=st.integers(0, 2**31))
+def test_any_split_into_calls_matches(model, splits, seed):
+    toks = np.random.default_rng(seed).integers(0, model.hp.vocab, sum(splits))
+    full = model.forward(toks)
+    state, parts, at = model.new_state(), [], 0
+    for n in splits:
+        parts.append(model.forward(toks[at:at + n], state))
+        at += n
+    np.testing.assert_allclose(np.concatenate(parts), full, rtol=0, atol=2e-4 * np.abs(full).max())
