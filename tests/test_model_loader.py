@@ -20,9 +20,10 @@ def tiny(tmp_path_factory):
     return path
 
 
-def rewrite(src, dst, *, arch=None, drop=(), replace=None, fuse=False):
-    """Copy a GGUF, changing what a test needs: architecture, dropped tensors, tensors replaced
-    by (numpy-order shape, type, raw bytes), or q/k/v and gate/up fused as some converters do."""
+def rewrite(src, dst, *, arch=None, drop=(), replace=None, fuse=False, kv=None):
+    """Copy a GGUF, changing what a test needs: architecture, metadata (`kv`: key -> (value, type,
+    array sub-type)), dropped tensors, tensors replaced by (numpy-order shape, type, raw bytes),
+    or q/k/v and gate/up fused as some converters do."""
     r = GGUFReader(src)
     a = arch or r.fields["general.architecture"].contents()
     w = GGUFWriter(dst, a)
@@ -30,8 +31,11 @@ def rewrite(src, dst, *, arch=None, drop=(), replace=None, fuse=False):
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
         sub = f.types[1] if f.types[0] == GGUFValueType.ARRAY else None
-        w.add_key_value(name.replace(r.fields["general.architecture"].contents() + ".", a + "."),
-                        f.contents(), f.types[0], sub_type=sub)
+        name = name.replace(r.fields["general.architecture"].contents() + ".", a + ".")
+        if name not in (kv or {}):
+            w.add_key_value(name, f.contents(), f.types[0], sub_type=sub)
+    for name, (value, vtype, sub) in (kv or {}).items():
+        w.add_key_value(name, value, vtype, sub_type=sub)
     tensors = {t.name: (tuple(int(d) for d in reversed(t.shape.tolist())), t.tensor_type,
                         np.asarray(t.data).view(np.uint8)) for t in r.tensors}
     if fuse:
@@ -106,6 +110,22 @@ def test_fused_variants_load_and_give_the_same_logits(tiny, tmp_path):
     toks = [1, 5, 300, 7, 9]
     np.testing.assert_allclose(ReferenceModel(fused).forward(toks), ReferenceModel(tiny).forward(toks),
                                rtol=0, atol=1e-4)
+
+
+def test_layer_kinds_from_recurrent_layers_and_mtp_blocks(tiny, tmp_path):
+    recurrent = [True, False, True, False, False]  # 4 trunk layers + 1 MTP block (never recurrent)
+    kv = {"qwen35moe.attention.recurrent_layers": (recurrent, GGUFValueType.ARRAY, GGUFValueType.BOOL),
+          "qwen35moe.block_count": (5, GGUFValueType.UINT32, None),
+          "qwen35moe.nextn_predict_layers": (1, GGUFValueType.UINT32, None)}
+    m0 = open_model(tiny)  # layer 1 becomes attention: give it a copy of layer 3's tensors
+    drop = {n for n in m0.tensors if n.startswith("blk.1.")}
+    replace = {n.replace("blk.3.", "blk.1."): (m0.shape(n), m0.qtype(n), np.array(m0.raw(n)))
+               for n in m0.tensors if n.startswith("blk.3.")}
+    drop -= set(replace)
+    m = open_model(rewrite(tiny, tmp_path / "r.gguf", kv=kv, replace=replace, drop=drop))
+    assert m.hparams.attention == (False, True, False, True)
+    assert (m.hparams.n_layers, m.hparams.nextn_layers) == (4, 1)
+    assert np.isfinite(ReferenceModel(m).forward([1, 2, 3])).all()
 
 
 def test_missing_file(tmp_path):
