@@ -16,7 +16,7 @@ import numpy as np
 
 from zdsl.cache import cache_dir, content_key, write_atomic
 from zdsl.errors import MissingFeatureError, NoDeviceError, ZdslError
-from zdsl.runtime import memory, physical, pipeline, vk
+from zdsl.runtime import memory, nulldevice, physical, pipeline, vk
 from zdsl.runtime.physical import DeviceInfo, Physical
 from zdsl.runtime.pipeline import Pipeline
 from zdsl.runtime.sequence import Sequence
@@ -59,8 +59,6 @@ def select(devices: list[Physical], selector: str | int | None) -> Physical:
 def list_devices(targets=("gfx1201",)) -> list[DeviceInfo]:
     """Devices this process can run on, then the compile-only `targets` that are available
     (each is queried in a child process; a target that is not available is left out)."""
-    from zdsl.runtime import nulldevice
-
     try:
         instance = physical.create_instance()
     except NoDeviceError:
@@ -93,13 +91,13 @@ def open_device(selector: str | int | None = None) -> "Device":
     return Device(instance, chosen)
 
 
-def _pick_type(phys: Physical, want: int, prefer: int, avoid: int) -> int:
+def _pick_type(phys: Physical, want: int, rank) -> int:
+    """The memory type with all `want` flags that ranks highest by rank(flags, heap size)."""
     types = phys.memory_types
     found = [i for i, (flags, _) in enumerate(types) if flags & want == want]
     if not found:
         raise ZdslError(f"{phys.info.name} has no memory type with flags 0x{want:x}")
-    return max(found, key=lambda i: (phys.heap_sizes[types[i][1]], types[i][0] & prefer == prefer,
-                                     not types[i][0] & avoid, -i))
+    return max(found, key=lambda i: (rank(types[i][0], phys.heap_sizes[types[i][1]]), -i))
 
 
 class Device:
@@ -176,11 +174,14 @@ class Device:
         self._check_runnable()
         arena = self._arenas.get(kind)
         if arena is None:
-            if kind == "device":
-                index = _pick_type(self._phys, vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT, 0, memory.HOST_VISIBLE)
+            if kind == "device":     # the big VRAM heap; not the host-visible window onto it (slow to read)
+                index = _pick_type(self._phys, vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT,
+                                   lambda flags, heap: (heap, not flags & vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT))
                 arena = memory.Arena(self, index, memory.BLOCK_SIZE, "device")
-            else:
-                index = _pick_type(self._phys, memory.HOST_VISIBLE, vk.VK_MEMORY_PROPERTY_HOST_CACHED_BIT, 0)
+            else:                    # cached system memory: fast for the CPU to read back
+                index = _pick_type(self._phys, memory.HOST_VISIBLE,
+                                   lambda flags, heap: (bool(flags & vk.VK_MEMORY_PROPERTY_HOST_CACHED_BIT),
+                                                        not flags & vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT, heap))
                 arena = memory.Arena(self, index, memory.HOST_BLOCK_SIZE, "host-visible")
             self._arenas[kind] = arena
         return arena

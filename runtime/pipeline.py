@@ -11,6 +11,8 @@ import re
 import struct
 from array import array
 
+import numpy as np
+
 from zdsl.errors import MissingFeatureError, ZdslError
 from zdsl.runtime import vk
 from zdsl.runtime.vk import Keep, ffi, lib
@@ -70,6 +72,8 @@ def pack_spec(spec: dict[int, int | float | bool]) -> tuple[list[dict], bytes]:
     """Map entries and data: bool → VkBool32, float → f32, int → 32 bits (negative as int32)."""
     entries, data = [], b""
     for cid, value in sorted(spec.items()):
+        if isinstance(value, np.generic):
+            value = value.item()
         if isinstance(value, bool):
             raw = struct.pack("<I", int(value))
         elif isinstance(value, float):

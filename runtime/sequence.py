@@ -101,7 +101,8 @@ class Sequence:
     # -- recording ------------------------------------------------------------------------
 
     def dispatch(self, pipe, groups, buffers, push: bytes = b"", label: str = "") -> None:
-        x, y, z = (groups, 1, 1) if isinstance(groups, int) else groups
+        g = [groups] if isinstance(groups, (int, np.integer)) else list(groups)
+        x, y, z = (int(v) for v in g + [1] * (3 - len(g)))
         limit = self.device._phys.max_group_count
         if not (0 <= x <= limit[0] and 0 <= y <= limit[1] and 0 <= z <= limit[2]):
             raise ZdslError(f"dispatch of {pipe.name}: {x}x{y}x{z} workgroups exceeds the device limit "

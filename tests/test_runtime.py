@@ -172,7 +172,8 @@ def test_small_allocations_share_a_block(device):
     used = device.memory_report()["device"]["used"]
     for b in bufs:
         b.free()
-    assert device.memory_report()["device"]["used"] == used - sum(-(-(100 + i % 7) // align) * align for i in range(500))
+    freed = sum(-(-(100 + i % 7) // align) * align for i in range(500))
+    assert device.memory_report()["device"]["used"] == used - freed
     assert first.block.free == free_before        # freed neighbours coalesced back into one range
     first.free()
 
@@ -220,15 +221,17 @@ def test_trivial_kernel(device, add):
     x0 = np.random.default_rng(2).standard_normal(n).astype(np.float32)
     x = device.upload(x0, "x")
     seq = device.sequence()
-    seq.dispatch(add, groups(n), [x], push_add(n, 0.5))
+    seq.dispatch(add, np.int64(groups(n)), [x], push_add(n, 0.5))
+    seq.dispatch(add, (groups(n),), [x], push_add(n, 0.25))
     seq.run()
-    np.testing.assert_array_equal(x.read(np.float32), x0 + np.float32(0.5))
+    np.testing.assert_array_equal(x.read(np.float32), x0 + np.float32(0.5) + np.float32(0.25))
     assert add.bindings == ("rw",) and add.push_size == 8 and add.subgroup_size is None
     seq.free()
     x.free()
 
 
-@pytest.mark.parametrize("spec", [{}, {0: 3.0}, {0: 0.5, 1: -7}, {0: 2.0, 1: 5, 2: True}])
+@pytest.mark.parametrize("spec", [{}, {0: 3.0}, {0: 0.5, 1: -7}, {0: 2.0, 1: 5, 2: True},
+                                  {0: np.float32(0.25), 1: np.int64(-3), 2: np.bool_(True)}])
 def test_specialization_changes_behaviour(device, spec):
     pipe = device.pipeline(spirv("affine"), bindings=["r", "w"], push_size=4, spec=spec, name="affine")
     n = 257
@@ -535,3 +538,19 @@ def test_cli_devices(monkeypatch, capsys):
     table = capsys.readouterr().out
     assert "llvmpipe" in table and ("GFX1201" in table or "unavailable target gfx1201" in table)
     assert "compile-only" in table or "unavailable" in table
+
+
+def test_vulkan_failures_become_one_line_errors():
+    from zdsl.runtime import vk
+
+    with pytest.raises(OutOfMemoryError, match=r"^out of device memory allocating 2.0 GiB for 'w' \(vkAllocate"):
+        vk.check(vk.VK_ERROR_OUT_OF_DEVICE_MEMORY, "vkAllocateMemory", "allocating 2.0 GiB for 'w'")
+    with pytest.raises(OutOfMemoryError, match="host memory"):
+        vk.check(vk.VK_ERROR_OUT_OF_HOST_MEMORY, "vkCreateBuffer")
+    with pytest.raises(MissingFeatureError, match="VK_ERROR_FEATURE_NOT_PRESENT"):
+        vk.check(vk.VK_ERROR_FEATURE_NOT_PRESENT, "vkCreateDevice")
+    with pytest.raises(ZdslError, match="device lost"):
+        vk.check(vk.VK_ERROR_DEVICE_LOST, "vkQueueSubmit")
+    with pytest.raises(ZdslError, match="VK_ERROR_OUT_OF_POOL_MEMORY"):
+        vk.check(-1000069000, "vkAllocateDescriptorSets")
+    assert vk.check(vk.VK_INCOMPLETE, "vkEnumeratePhysicalDevices") == vk.VK_INCOMPLETE
