@@ -201,3 +201,13 @@ def test_cli_prints_one_error_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "zdsl.cli", "model", "info", str(p)], capture_output=True, text=True)
     assert r.returncode != 0
     assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("error: ")
+
+
+def test_tied_head_uses_the_embedding(tiny, tmp_path):
+    m = open_model(rewrite(tiny, tmp_path / "tied.gguf", drop={"output.weight"}))
+    assert m.output_name == "token_embd.weight" and "output.weight" not in m
+    ref, trace = ReferenceModel(m), {}
+    logits = ref.forward([4, 8, 15], trace=trace)
+    x = trace["layer3"]
+    h = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6) * m.dequant("output_norm.weight")
+    np.testing.assert_allclose(logits, h @ m.dequant("token_embd.weight").T, rtol=1e-5, atol=1e-4)
