@@ -4,7 +4,7 @@ import pytest
 
 from zdsl.models.qwen35 import synth
 from zdsl.models.qwen35.gguf_file import open_model
-from zdsl.models.qwen35.info import memory_plan
+from zdsl.models.qwen35.info import memory_plan, plan_tensors
 
 GIB = 1 << 30
 
@@ -54,9 +54,22 @@ def test_max_context(plan):
     assert plan.max_context(fixed + 1000 * 2048, reserve_bytes=500 * 2048) == 500
 
 
+def test_plan_before_writing_equals_plan_of_the_file(plan):
+    hp = synth.preset("tiny")
+    assert plan_tensors(hp, [(n, q, s) for n, s, q in synth.plan(hp, "q8_0")]) == plan
+
+
 def test_35b_a3b_figures_from_the_model_doc():
-    """KV and state sizes that docs/qwen35-model.md quotes, from the preset's hyperparameters."""
+    """The sizes docs/qwen35-model.md quotes for a Q4_K_M-like 35B-A3B."""
     hp = synth.preset("35b-a3b")
-    kv_f16 = len(hp.attention_layers) * hp.n_kv_heads * hp.head_dim * 2 * 2
-    assert kv_f16 == 20 * 1024                                          # 20 KiB per token
-    assert len(hp.deltanet_layers) * hp.ssm_v_heads * hp.ssm_head_dim ** 2 * 4 == 60 * (1 << 20)  # 60 MiB
+    p = plan_tensors(hp, [(n, q, s) for n, s, q in synth.plan(hp)])
+    assert p.kv_bytes_per_token["f16"] == 20 * 1024                       # 20 KiB per token at f16
+    assert p.kv_bytes_per_token["q8_0"] == 10880                           # ~10 KiB at 8 bits
+    assert p.ssm_state_bytes == 60 * (1 << 20)                             # 60 MiB of delta-net state
+    assert p.conv_state_bytes == 30 * 3 * 8192 * 4
+    head = 248320 * 2048 // 256 * 210                                      # Q6_K output head, ~0.4 GB
+    assert 0.4e9 < head < 0.45e9 and head < p.read_per_token
+    assert 1.7e9 < p.read_per_token < 2.1e9                                # "about 1.9 GB"
+    routers = 40 * 256 * 2048 * 4                                          # F32 routers, ~80 MB
+    assert p.bytes_by_type["F32"] > routers
+    assert p.max_context(24 << 30) == ((24 << 30) - p.fixed_bytes()) // (20 * 1024)    # ~221k tokens

@@ -9,8 +9,10 @@ runtime uses the same plan to size its KV cache.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 from gguf import GGML_QUANT_SIZES
 
 from .gguf_file import Hparams, ModelFile, QuantType, row_bytes
@@ -60,28 +62,39 @@ class MemoryPlan:
 
 
 def memory_plan(model: ModelFile) -> MemoryPlan:
-    hp = model.hparams
-    trunk = [t for n, t in model.tensors.items()
-             if not n.startswith("blk.") or int(n.split(".")[1]) < hp.n_layers]
-    by_type = Counter()
-    for t in trunk:
-        by_type[t.qtype.name] += t.nbytes
-    read = expert = 0
-    for t in trunk:
-        if t.name.endswith("_exps.weight"):
-            expert += t.nbytes
-            read += t.nbytes * hp.n_experts_used // hp.n_experts
-        elif t.name == "token_embd.weight":
-            read += row_bytes(t.qtype, t.shape[-1])       # one row looked up
-            if model.output_name == t.name:
-                read += t.nbytes                          # tied head: read whole as the output
+    """The plan of an open file."""
+    return plan_tensors(model.hparams, [(t.name, t.qtype, t.shape) for t in model.tensors.values()])
+
+
+def plan_tensors(hp: Hparams, tensors: Iterable[tuple[str, QuantType, tuple[int, ...]]]) -> MemoryPlan:
+    """The plan from hyperparameters and (name, type, numpy-order shape) of each tensor, so a
+    model can be sized before it is written (see `synth.plan`). MTP blocks are left out."""
+    by_type: Counter[str] = Counter()
+    total = read = expert = 0
+    names = set()
+    for name, qtype, shape in tensors:
+        if name.startswith("blk.") and int(name.split(".")[1]) >= hp.n_layers:
+            continue
+        names.add(name)
+        rb = row_bytes(qtype, shape[-1])
+        nbytes = int(np.prod(shape[:-1], dtype=np.int64)) * rb
+        by_type[qtype.name] += nbytes
+        total += nbytes
+        if name.endswith("_exps.weight"):
+            expert += nbytes
+            read += nbytes * hp.n_experts_used // hp.n_experts
+        elif name == "token_embd.weight":
+            read += rb                                    # one row looked up
+            tied = nbytes
         else:
-            read += t.nbytes
+            read += nbytes
+    if "output.weight" not in names:
+        read += tied                                      # the head reads the whole embedding
     n_attn, n_dn = len(hp.attention_layers), len(hp.deltanet_layers)
     kv_elems = n_attn * hp.n_kv_heads * hp.head_dim      # per token, for K and for V each
     return MemoryPlan(
         hparams=hp,
-        weight_bytes=sum(t.nbytes for t in trunk),
+        weight_bytes=total,
         bytes_by_type=dict(sorted(by_type.items(), key=lambda kv: -kv[1])),
         read_per_token=read,
         expert_bytes=expert,
