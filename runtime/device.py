@@ -101,7 +101,11 @@ def _pick_type(phys: Physical, want: int, rank) -> int:
 
 
 class Device:
-    """An open Vulkan device: allocate buffers, build pipelines, record sequences."""
+    """An open Vulkan device: allocate buffers, build pipelines, record sequences.
+
+    Use it from one thread. A recorded Sequence refers to its Buffers and Pipelines by handle:
+    keep them (do not free them) while the Sequence can still run.
+    """
 
     def __init__(self, instance, phys: Physical):
         self.info: DeviceInfo = phys.info

@@ -80,6 +80,7 @@ class Sequence:
         self._set = self._keep.new("VkDescriptorSet *")
         self._fence = self._keep.new("VkFence[1]")
         self._query_pool = None
+        self._push_set = device._ext("vkCmdPushDescriptorSetKHR") if device._push_descriptors else None
         self.cb = device._command_buffer()
         keep = Keep()
         fence_info = keep.struct("VkFenceCreateInfo", sType=vk.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO)
@@ -185,8 +186,8 @@ class Sequence:
                 info.buffer, info.offset, info.range = buf.block.buffer, buf.offset, buf.nbytes
             write = self._write
             write.descriptorCount, write.pBufferInfo = n, infos
-            if self.device._push_descriptors:
-                self.device._ext("vkCmdPushDescriptorSetKHR")(cb, _COMPUTE, pipe.layout, 0, 1, write)
+            if self._push_set is not None:
+                self._push_set(cb, _COMPUTE, pipe.layout, 0, 1, write)
             else:
                 write.dstSet = self._allocate_set(n)
                 lib.vkUpdateDescriptorSets(self._dev, 1, write, 0, ffi.NULL)
@@ -280,8 +281,10 @@ class Sequence:
         self.device._forget_sequence(self)
 
     def _destroy(self) -> None:
-        self.wait()
         dev = self._dev
+        if self._pending:       # no error raised here: this also runs while closing a lost device
+            lib.vkWaitForFences(dev, 1, self._fence, 1, 10_000_000_000)
+            self._pending = False
         lib.vkFreeCommandBuffers(dev, self.device._pool, 1, self._keep.new("VkCommandBuffer[1]", [self.cb]))
         lib.vkDestroyFence(dev, self._fence[0], ffi.NULL)
         if self._query_pool is not None:

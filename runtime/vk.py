@@ -72,7 +72,7 @@ class Keep:
         """An array of `ctype`: scalars/handles as they are, dicts as struct elements."""
         return self._array(ffi.typeof(ctype), list(items))
 
-    def bytes(self, data) -> object:
+    def blob(self, data) -> object:
         """An 8-byte aligned copy of a bytes-like object, as `void *`."""
         data = memoryview(data).cast("B")
         buf = self.new("uint64_t[]", max(1, (len(data) + 7) // 8))
@@ -99,7 +99,7 @@ class Keep:
         if isinstance(value, str):
             return self.new("char[]", value.encode())
         if isinstance(value, (bytes, bytearray, memoryview)):
-            return ffi.cast(ftype, self.bytes(value))
+            return ffi.cast(ftype, self.blob(value))
         if isinstance(value, dict):
             ptr = self.new(ftype)
             self._fill(ptr[0], item, value)
