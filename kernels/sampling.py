@@ -1,0 +1,287 @@
+"""Token sampling on the GPU, in two dispatches that need no host round trip.
+
+`sample_candidates` (many workgroups) penalises the logits of tokens already seen and keeps each
+workgroup's CAP best (logit, id) pairs; `sample_draw` (one workgroup) merges them into the CAP
+best of the whole vocabulary and applies, in this order: top-k, min-p (relative to the most
+likely token, before temperature), temperature, top-p, then a draw with a counter-based random
+number. It writes the token where the next decode step reads it (`step[2]`) and counts it for the
+penalties, so a recorded command buffer can replay the whole decode loop.
+
+Order of candidates everywhere: larger logit first, equal logits by lower token id; NaN logits
+count as -inf. A free slot holds the sentinel (-inf, 0xFFFFFFFF). `block_topk` is the one
+selection routine, shared with MoE routing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import zdsl
+from zdsl import Buffer, Const, f32, u32
+
+SUBGROUPS = [8, 16, 32, 64]
+CAPS = [1, 64, 256]  # candidates kept; 1 is the greedy variant
+SENTINEL = 0xFFFFFFFF  # id of an empty candidate slot
+NEG_INF_BITS = 0xFF800000
+SHARED_LIMIT = 32768  # bytes of workgroup memory a variant may use (lavapipe's limit)
+
+# ---- one-workgroup top-C selection ---------------------------------------------------------------
+
+
+def _precedes(va, ia, vb, ib):
+    """(va, ia) comes before (vb, ib): a larger value, or an equal value and a lower id."""
+    return (va > vb) | ((va == vb) & (ia < ib))
+
+
+def _subgroup_topk(items, L, val_sh, id_sh, base):
+    """This subgroup's L first items (in candidate order) to val_sh/id_sh[base : base + L]: L rounds
+    of a subgroup argmax, each over the items after the previous pick (no barriers needed)."""
+    prev_v, prev_i = zdsl.var(np.inf), zdsl.var(0, u32)
+    for j in zdsl.range(L):
+        best_v, best_i = zdsl.var(-np.inf), zdsl.var(SENTINEL, u32)
+        for v, i in items:
+            after = (j == 0) | _precedes(prev_v, prev_i, v, i)
+            take = after & _precedes(v, i, best_v, best_i)
+            best_v.set(zdsl.where(take, v, best_v))
+            best_i.set(zdsl.where(take, i, best_i))
+        top_v = zdsl.subgroup_max(best_v)
+        top_i = zdsl.subgroup_min(zdsl.where(best_v == top_v, best_i, SENTINEL))
+        prev_v.set(top_v)
+        prev_i.set(top_i)
+        with zdsl.if_(zdsl.lane_id() == 0):
+            val_sh[base + j] = top_v
+            id_sh[base + j] = top_i
+
+
+def _count_before(val_sh, id_sh, first, n: int, v, i):
+    """How many of the n ordered entries at `first` come before (v, i): a binary search unrolled
+    at build time."""
+    pos = zdsl.var(0, u32)
+    step = 1 << (n.bit_length() - 1)
+    while step:
+        probe = pos + (step - 1)
+        j = first + zdsl.min(probe, n - 1)
+        ahead = (probe < n) & _precedes(val_sh[j], id_sh[j], v, i)
+        pos.set(zdsl.where(ahead, pos + step, pos))
+        step //= 2
+    return pos
+
+
+def _fill(val_sh, id_sh, first, C: int, WG: int):
+    for j in zdsl.range(zdsl.local_index(), C, WG):
+        val_sh[first + j] = -np.inf
+        id_sh[first + j] = SENTINEL
+
+
+def block_topk(load, n, C: int, R: int, WG: int, SG: int):
+    """The C first of n items in candidate order, by one workgroup; `load(index, valid)` gives the
+    (value, id) of item `index` (ids distinct, below SENTINEL). Rounds of WG·R items: each
+    subgroup orders its own SG·R items, then every item of the subgroup lists and of the running
+    list finds its rank among them all by binary searches; ranks below C form the new running
+    list. Returns (values, ids, first): the shared arrays and where the C ordered items start."""
+    S, L = WG // SG, min(C, SG * R)
+    lists = S * L
+    val_sh, id_sh = zdsl.shared(f32, lists + 2 * C), zdsl.shared(u32, lists + 2 * C)
+    _fill(val_sh, id_sh, lists, C, WG)
+    cur = zdsl.var(0, u32)
+    for start in zdsl.range(0, n, WG * R):
+        items = []
+        for r in range(R):
+            index = start + r * WG + zdsl.local_index()
+            valid = index < n
+            v, i = load(index, valid)
+            items.append((zdsl.where(valid, v, -np.inf), zdsl.where(valid, i, SENTINEL)))
+        _subgroup_topk(items, L, val_sh, id_sh, zdsl.subgroup_id() * L)
+        src, dst = lists + cur * C, lists + (cur ^ 1) * C
+        _fill(val_sh, id_sh, dst, C, WG)
+        zdsl.barrier()
+        for e in zdsl.range(zdsl.local_index(), lists + C, WG):
+            at = zdsl.where(e < lists, e, src + e - lists)
+            v, i = val_sh[at], id_sh[at]
+            rank = _count_before(val_sh, id_sh, src, C, v, i)
+            for s in zdsl.range(S):
+                rank += _count_before(val_sh, id_sh, s * L, L, v, i)
+            with zdsl.if_((rank < C) & (i != SENTINEL)):
+                val_sh[dst + rank] = v
+                id_sh[dst + rank] = i
+        zdsl.barrier()
+        cur.set(cur ^ 1)
+    return val_sh, id_sh, lists + cur * C
+
+
+def topk_shared_bytes(C: int, R: int, WG: int, SG: int) -> int:
+    return 8 * ((WG // SG) * min(C, SG * R) + 2 * C)
+
+
+def topk_ref(values, ids, C: int):
+    """numpy: the C first (value, id) pairs in candidate order, padded with sentinels."""
+    values = np.where(np.isnan(values), np.float32(-np.inf), values).astype(np.float32)
+    ids = np.asarray(ids, np.uint32)
+    real = ids != SENTINEL
+    values, ids = values[real], ids[real]
+    order = np.lexsort((ids, -values.astype(np.float64)))[:C]
+    out_v = np.full(C, -np.inf, np.float32)
+    out_i = np.full(C, SENTINEL, np.uint32)
+    out_v[:len(order)], out_i[:len(order)] = values[order], ids[order]
+    return out_v, out_i
+
+
+# ---- the random number: a hash of (seed, counter), the same code on the GPU and in numpy ---------
+
+def mix32(x):
+    """A 32-bit integer mixer (xor-shift-multiply); works on traced u32 values and numpy uint32."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+def uniform_bits(seed, counter):
+    """24 random bits for draw `counter` of stream `seed`; the uniform number is bits · 2⁻²⁴."""
+    return mix32(mix32(counter ^ 0x9E3779B9) ^ seed) >> 8
+
+
+def uniform_ref(seed: int, counter: int) -> np.float32:
+    with np.errstate(over="ignore"):
+        bits = uniform_bits(np.uint32(seed), np.uint32(counter))
+    return np.float32(bits) * np.float32(2.0 ** -24)
+
+
+# ---- the kernels ---------------------------------------------------------------------------------
+
+def _fits(v, extra=0) -> bool:
+    return topk_shared_bytes(v.CAP, v.R, v.WG, v.SG) + extra <= SHARED_LIMIT
+
+
+VARIANTS = {"CAP": CAPS, "WG": [64, 256], "R": [4, 16], "SG": SUBGROUPS}
+
+
+@zdsl.kernel(workgroup="WG", subgroup="SG", variants=VARIANTS, where=_fits)
+def sample_candidates(logits: Buffer[f32], counts: Buffer[u32], cand: Buffer[u32], n_vocab: u32,
+                      repeat_penalty: f32, presence_penalty: f32,
+                      CAP: Const = 64, WG: Const = 256, R: Const = 16, SG: Const = 32):
+    """Workgroup g keeps the CAP first penalised (logit, id) pairs of tokens [g·WG·R, (g+1)·WG·R)
+    as cand[2(g·CAP + j)] = the logit's f32 bits, cand[2(g·CAP + j) + 1] = the id, j = 0..CAP-1 in
+    order. A token seen before (counts[id] > 0) has its logit divided by repeat_penalty when
+    positive, multiplied by it otherwise, then lowered by presence_penalty.
+    Grid: ceil(n_vocab / (WG·R))."""
+    base = zdsl.workgroup_id() * (WG * R)
+
+    def load(index, valid):
+        t = base + index
+        logit = logits.load(t, mask=valid, other=0.0)
+        logit = zdsl.where(zdsl.isnan(logit), -np.inf, logit)
+        seen = counts.load(t, mask=valid, other=0) > 0
+        penalised = zdsl.where(logit > 0, logit / repeat_penalty, logit * repeat_penalty) - presence_penalty
+        return zdsl.where(seen, penalised, logit), t
+
+    val_sh, id_sh, first = block_topk(load, zdsl.min(n_vocab - base, WG * R), CAP, R, WG, SG)
+    out = zdsl.workgroup_id() * CAP
+    for j in zdsl.range(zdsl.local_index(), CAP, WG):
+        cand[2 * (out + j)] = zdsl.bitcast(val_sh[first + j], u32)
+        cand[2 * (out + j) + 1] = id_sh[first + j]
+
+
+@sample_candidates.reference
+def sample_candidates_ref(logits, counts, repeat_penalty, presence_penalty, CAP=64, WG=256, R=16):
+    pen = penalise_ref(logits, counts, repeat_penalty, presence_penalty)
+    chunk = WG * R
+    out = []
+    for g in range(-(-len(pen) // chunk)):
+        v, i = topk_ref(pen[g * chunk:(g + 1) * chunk], np.arange(g * chunk, min(len(pen), (g + 1) * chunk)), CAP)
+        out.append(np.stack([v.view(np.uint32), i], axis=1))
+    return np.concatenate(out).reshape(-1)
+
+
+def penalise_ref(logits, counts, repeat_penalty, presence_penalty):
+    logits = np.asarray(logits, np.float32)
+    logits = np.where(np.isnan(logits), np.float32(-np.inf), logits)
+    rp, pp = np.float32(repeat_penalty), np.float32(presence_penalty)
+    with np.errstate(invalid="ignore"):
+        penalised = np.where(logits > 0, logits / rp, logits * rp) - pp
+    return np.where(np.asarray(counts) > 0, penalised, logits).astype(np.float32)
+
+
+@zdsl.kernel(workgroup="WG", subgroup="SG", variants=VARIANTS, where=lambda v: _fits(v, 4 * v.CAP))
+def sample_draw(cand: Buffer[u32], step: Buffer[u32], counts: Buffer[u32], tokens: Buffer[u32], n_vocab: u32,
+                top_k: u32, min_p: f32, inv_temp: f32, top_p: f32, seed: u32, max_tokens: u32,
+                CAP: Const = 64, WG: Const = 256, R: Const = 16, SG: Const = 32):
+    """Draw one token from the candidates of sample_candidates (same CAP, WG, R). Over the CAP first
+    candidates z_0 ≥ z_1 ≥ …: keep the top_k first (0: all CAP); keep those with
+    exp(z_j − z_0) ≥ min_p; weigh them q_j = exp((z_j − z_0)·inv_temp); keep the shortest prefix
+    whose weight reaches top_p of the total; pick the first j whose running sum exceeds u times the
+    kept total, u = uniform_bits(seed, step[3])·2⁻²⁴ (sums run in order, j = 0 when none does).
+    Writes step[2] = token, tokens[step[0]] = token when step[0] < max_tokens, counts[token] += 1,
+    step[3] += 1. Grid: 1."""
+    groups = (n_vocab + (WG * R - 1)) // (WG * R)
+
+    def load(index, valid):
+        value = zdsl.bitcast(cand.load(2 * index, mask=valid, other=NEG_INF_BITS), f32)
+        return value, cand.load(2 * index + 1, mask=valid, other=SENTINEL)
+
+    val_sh, id_sh, first = block_topk(load, groups * CAP, CAP, R, WG, SG)
+    n_k = zdsl.where(top_k == 0, CAP, zdsl.min(top_k, CAP))
+    z0 = val_sh[first]
+    weight = zdsl.shared(f32, CAP)
+    for j in zdsl.range(zdsl.local_index(), n_k, WG):
+        d = val_sh[first + j] - z0
+        keep = (zdsl.exp(d) >= min_p) & (id_sh[first + j] != SENTINEL)
+        weight[j] = zdsl.where(keep, zdsl.exp(d * inv_temp), 0.0)
+    zdsl.barrier()
+    with zdsl.if_(zdsl.local_index() == 0):
+        total = zdsl.var(0.0)
+        for j in zdsl.range(n_k):
+            total += weight[j]
+        limit = top_p * total
+        kept, n_p = zdsl.var(0.0), zdsl.var(0, u32)
+        for j in zdsl.range(n_k):
+            inside = (j == 0) | (kept < limit)
+            kept.set(zdsl.where(inside, kept + weight[j], kept))
+            n_p.set(zdsl.where(inside, j + 1, n_p))
+        counter = step[3]
+        target = uniform_bits(seed, counter).to(f32) * (2.0 ** -24) * kept
+        running, below = zdsl.var(0.0), zdsl.var(0, u32)
+        for j in zdsl.range(n_p):
+            running += weight[j]
+            below.set(zdsl.where(running <= target, below + 1, below))
+        token = id_sh[first + zdsl.where(below < n_p, below, 0)]
+        step[2] = token
+        step[3] = counter + 1
+        pos = step[0]
+        with zdsl.if_(pos < max_tokens):
+            tokens[pos] = token
+        with zdsl.if_(token < n_vocab):
+            counts[token] = counts[token] + 1
+
+
+@sample_draw.reference
+def sample_draw_ref(cand, top_k, min_p, inv_temp, top_p, seed, counter, CAP=64):
+    """The token id sample_draw picks from the candidate pairs `cand`."""
+    pairs = np.asarray(cand, np.uint32).reshape(-1, 2)
+    values, ids = topk_ref(pairs[:, 0].view(np.float32), pairs[:, 1], CAP)
+    return choose_ref(values, ids, top_k, min_p, inv_temp, top_p, uniform_ref(seed, counter))
+
+
+def choose_ref(values, ids, top_k, min_p, inv_temp, top_p, u):
+    """numpy, operation for operation as sample_draw: the token among ordered candidates."""
+    C = len(values)
+    n_k = C if top_k == 0 else min(top_k, C)
+    with np.errstate(invalid="ignore", over="ignore"):
+        d = values[:n_k] - values[0]
+        keep = (np.exp(d) >= np.float32(min_p)) & (ids[:n_k] != SENTINEL)
+        q = np.where(keep, np.exp(d * np.float32(inv_temp)), np.float32(0)).astype(np.float32)
+    running = np.cumsum(q, dtype=np.float32)  # sequential float32 sums, as the kernel's loop
+    limit = np.float32(top_p) * running[-1]
+    n_p = 1 + int(np.count_nonzero(running[:-1] < limit))  # running[j-1] < limit keeps item j
+    target = np.float32(u) * running[n_p - 1]
+    below = int(np.count_nonzero(running[:n_p] <= target))
+    return int(ids[below if below < n_p else 0])
+
+
+def sample_ref(logits, counts, *, cap, top_k, min_p, inv_temp, top_p, seed, counter, repeat_penalty=1.0,
+               presence_penalty=0.0):
+    """numpy: the token the two kernels sample (for any WG, R: the candidates do not depend on them)."""
+    pen = penalise_ref(logits, counts, repeat_penalty, presence_penalty)
+    values, ids = topk_ref(pen, np.arange(len(pen)), cap)
+    return choose_ref(values, ids, top_k, min_p, inv_temp, top_p, uniform_ref(seed, counter))
