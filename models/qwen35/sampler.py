@@ -1,0 +1,86 @@
+"""Sampling settings for decode: checked on the host, applied on the GPU by the kernels of
+`zdsl.kernels.sampling` through push constants, so changing them needs no recompile.
+
+Per token the decode graph records `sample_candidates` then `sample_draw` (see that module for
+the buffers); the order of the filters is top-k, min-p, temperature, top-p, then the draw.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from zdsl.errors import ZdslError
+from zdsl.kernels.sampling import CAPS, SENTINEL, sample_ref
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """temperature 0 means greedy (argmax, ties to the lowest id). top_k 0 means up to `cap`
+    candidates; `cap` is the candidate count the kernels are built for. min_p is relative to the
+    most likely token and applies before temperature. repeat_penalty divides positive logits (and
+    multiplies negative ones) of tokens already seen; presence_penalty is then subtracted from
+    them. The seed is fixed by default so runs are reproducible."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    seed: int = 0
+    cap: int = 64
+
+    def __post_init__(self):
+        def number(name, ok, what):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+                raise ZdslError(f"sampler {name} must be {what}, got {value!r}")
+
+        def integer(name, lo, hi, what):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= value <= hi:
+                raise ZdslError(f"sampler {name} must be {what}, got {value!r}")
+
+        if self.cap not in CAPS[1:]:
+            raise ZdslError(f"sampler cap must be one of {', '.join(map(str, CAPS[1:]))}, got {self.cap!r}")
+        number("temperature", lambda v: v >= 0, "a number ≥ 0 (0 samples greedily)")
+        integer("top_k", 0, self.cap, f"an integer from 0 (no limit) to the candidate cap {self.cap}")
+        number("top_p", lambda v: 0 < v <= 1, "in (0, 1] (1 disables it)")
+        number("min_p", lambda v: 0 <= v <= 1, "in [0, 1] (0 disables it)")
+        number("repeat_penalty", lambda v: v > 0, "a number > 0 (1 disables it)")
+        number("presence_penalty", lambda v: True, "a finite number (0 disables it)")
+        integer("seed", 0, 2 ** 32 - 1, "an integer in [0, 2**32)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def kernel_cap(self) -> int:
+        """The CAP variant of the sampling kernels to record: greedy needs one candidate."""
+        return 1 if self.greedy else self.cap
+
+    def push_constants(self, n_vocab: int, max_tokens: int = 0) -> tuple[dict, dict]:
+        """(sample_candidates, sample_draw) push-constant values. Greedy runs as top_k = 1.
+        max_tokens is the length of the output token list (0: no list)."""
+        if not 1 <= n_vocab < SENTINEL:
+            raise ZdslError(f"vocabulary size must be in [1, {SENTINEL}), got {n_vocab}")
+        candidates = dict(n_vocab=n_vocab, repeat_penalty=float(self.repeat_penalty),
+                          presence_penalty=float(self.presence_penalty))
+        draw = dict(n_vocab=n_vocab, top_k=1 if self.greedy else int(self.top_k), min_p=float(self.min_p),
+                    inv_temp=1.0 if self.greedy else float(np.float32(1 / self.temperature)),
+                    top_p=float(self.top_p), seed=int(self.seed), max_tokens=max_tokens)
+        return candidates, draw
+
+
+def sample_reference(logits, counts, config: SamplerConfig, step: int) -> int:
+    """numpy: the token the GPU sampler picks from `logits` given per-token `counts` of tokens
+    seen, at random-number counter `step` (the value of step[3])."""
+    logits = np.asarray(logits, np.float32)
+    candidates, draw = config.push_constants(len(logits))
+    return sample_ref(logits, counts, cap=config.kernel_cap, top_k=draw["top_k"], min_p=draw["min_p"],
+                      inv_temp=draw["inv_temp"], top_p=draw["top_p"], seed=draw["seed"], counter=step,
+                      repeat_penalty=candidates["repeat_penalty"], presence_penalty=candidates["presence_penalty"])

@@ -1,0 +1,231 @@
+"""The GPU sampler against its numpy reference and against what each setting means, in the
+interpreter (every subgroup size) and on lavapipe (its own): identical token ids for the same
+seed, greedy = argmax, min-p / top-p / penalties exclude or move what they should, and the step
+buffer, token list and penalty counts advance on the GPU."""
+
+import numpy as np
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from zdsl.errors import ZdslError
+from zdsl.kernels import sampling as k
+from zdsl.models.qwen35.sampler import SamplerConfig, sample_reference
+
+BACKENDS = ["interp", "lavapipe"]
+SHAPES = [(64, 4), (256, 4), (64, 16), (256, 16)]  # (WG, R)
+
+
+def subgroup(backend, request, pick):
+    sizes = [8, 16, 32, 64] if backend == "interp" else [request.getfixturevalue("device").info.subgroup_size]
+    return sizes[pick % len(sizes)]
+
+
+def fits(cap, wg, r, sg):
+    return k.topk_shared_bytes(cap, r, wg, sg) + 4 * cap <= k.SHARED_LIMIT
+
+
+class Sampler:
+    """Runs the two kernels on one backend the way a decode graph does, carrying the step
+    buffer, the penalty counts and the token list from one call to the next."""
+
+    def __init__(self, backend, request, config, n_vocab, *, wg=64, r=4, sg=8, max_tokens=16, step=(0, 1, 0, 0)):
+        cap = config.kernel_cap
+        self.config, self.n_vocab = config, n_vocab
+        self.backend, self.request = backend, request
+        self.candidates = k.sample_candidates.specialize(CAP=cap, WG=wg, R=r, SG=sg)
+        self.draw = k.sample_draw.specialize(CAP=cap, WG=wg, R=r, SG=sg)
+        self.groups = -(-n_vocab // (wg * r))
+        self.cand = np.zeros(2 * self.groups * cap, np.uint32)
+        self.step = np.array(step, np.uint32)
+        self.counts = np.zeros(n_vocab, np.uint32)
+        self.tokens = np.full(max_tokens, 7777, np.uint32)
+        self.push = config.push_constants(n_vocab, max_tokens)
+
+    def _run(self, variant, groups, **args):
+        if self.backend == "interp":
+            return variant.interpret(groups, **args)
+        return variant.run(self.request.getfixturevalue("device"), groups, **args)
+
+    def __call__(self, logits):
+        """Sample one token; advance like a decode step (the graph moves the position)."""
+        self.cand = self._run(self.candidates, self.groups, logits=logits, counts=self.counts, cand=self.cand,
+                              **self.push[0])["cand"]
+        out = self._run(self.draw, 1, cand=self.cand, step=self.step, counts=self.counts, tokens=self.tokens,
+                        **self.push[1])
+        self.step, self.counts, self.tokens = out["step"], out["counts"], out["tokens"]
+        token = int(self.step[2])
+        self.step[0] += 1
+        return token
+
+
+def logits_for(rng, n, ties):
+    if ties:
+        return rng.integers(-4, 4, n).astype(np.float32)
+    return rng.standard_normal(n, dtype=np.float32) * 2
+
+
+# ---- the candidate pass ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(n=st.integers(1, 3000), ties=st.booleans(), cap=st.sampled_from(k.CAPS), shape=st.sampled_from(SHAPES),
+       sg_pick=st.integers(0, 3), rp=st.floats(0.5, 2), pp=st.floats(-1, 1), seed=st.integers(0, 99))
+def test_candidates(backend, request, n, ties, cap, shape, sg_pick, rp, pp, seed):
+    wg, r = shape
+    sg = subgroup(backend, request, sg_pick)
+    assume(fits(cap, wg, r, sg))
+    rng = np.random.default_rng(seed)
+    logits = logits_for(rng, n, ties)
+    logits[rng.integers(0, n, 3)] = [np.nan, -np.inf, -np.inf]
+    counts = rng.integers(0, 3, n).astype(np.uint32)
+    groups = -(-n // (wg * r))
+    args = dict(logits=logits, counts=counts, cand=np.zeros(2 * groups * cap, np.uint32), n_vocab=n,
+                repeat_penalty=rp, presence_penalty=pp)
+    v = k.sample_candidates.specialize(CAP=cap, WG=wg, R=r, SG=sg)
+    cand = (v.interpret(groups, **args) if backend == "interp" else v.run(request.getfixturevalue("device"), groups, **args))
+    np.testing.assert_array_equal(cand["cand"], k.sample_candidates_ref(logits, counts, rp, pp, CAP=cap, WG=wg, R=r))
+
+
+def test_penalties_as_defined():
+    """Seen tokens: positive logits divided by the repeat penalty, others multiplied, then the
+    presence penalty subtracted; unseen tokens untouched."""
+    logits = np.array([2.0, -2.0, 2.0, -2.0, 0.0], np.float32)
+    counts = np.array([1, 3, 0, 0, 1], np.uint32)
+    cand = k.sample_candidates.specialize(CAP=64, WG=64, R=4, SG=8).interpret(
+        1, logits=logits, counts=counts, cand=np.zeros(128, np.uint32), n_vocab=5,
+        repeat_penalty=2.0, presence_penalty=0.25)["cand"].reshape(-1, 2)[:5]
+    got = dict(zip(cand[:, 1], cand[:, 0].view(np.float32)))
+    assert got == {0: 0.75, 1: -4.25, 2: 2.0, 3: -2.0, 4: -0.25}
+
+
+# ---- the whole sampler against its reference -----------------------------------------------------
+
+configs = st.builds(SamplerConfig, temperature=st.sampled_from([0, 0.3, 0.8, 1.5]), top_k=st.integers(0, 64),
+                    top_p=st.sampled_from([0.05, 0.5, 0.9, 1.0]), min_p=st.sampled_from([0, 0.05, 0.3]),
+                    repeat_penalty=st.sampled_from([1.0, 1.3]), presence_penalty=st.sampled_from([0.0, 0.7]),
+                    seed=st.integers(0, 2 ** 32 - 1))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(config=configs, n=st.integers(1, 2500), ties=st.booleans(), shape=st.sampled_from(SHAPES),
+       sg_pick=st.integers(0, 3), pos=st.integers(0, 20), counter=st.integers(0, 2 ** 32 - 1), seed=st.integers(0, 99))
+def test_sampler_matches_reference(backend, request, config, n, ties, shape, sg_pick, pos, counter, seed):
+    wg, r = shape
+    sg = subgroup(backend, request, sg_pick)
+    assume(fits(config.kernel_cap, wg, r, sg))
+    rng = np.random.default_rng(seed)
+    logits = logits_for(rng, n, ties)
+    s = Sampler(backend, request, config, n, wg=wg, r=r, sg=sg, step=(pos, pos + 1, 123, counter))
+    s.counts[:] = rng.integers(0, 2, n)
+    before = s.counts.copy()
+    token = s(logits)
+    assert token == sample_reference(logits, before, config, counter)
+    assert list(s.step[1:]) == [pos + 1, token, (counter + 1) % 2 ** 32]
+    want_tokens = np.full(16, 7777, np.uint32)
+    if pos < 16:
+        want_tokens[pos] = token
+    np.testing.assert_array_equal(s.tokens, want_tokens)
+    before[token] += 1
+    np.testing.assert_array_equal(s.counts, before)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(n=st.integers(1, 2500), ties=st.booleans(), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
+def test_greedy_is_argmax(backend, request, n, ties, sg_pick, seed):
+    """temperature 0 (the one-candidate kernels) and top_k = 1 (the full ones) both give
+    np.argmax, the lowest id among equal maxima."""
+    logits = logits_for(np.random.default_rng(seed), n, ties)
+    sg = subgroup(backend, request, sg_pick)
+    for config in (SamplerConfig(temperature=0, seed=seed), SamplerConfig(temperature=1.0, top_k=1, seed=seed)):
+        assert Sampler(backend, request, config, n, sg=sg)(logits) == np.argmax(logits)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_seeds_make_reproducible_sequences(backend, request):
+    rng = np.random.default_rng(5)
+    steps = [rng.standard_normal(300, dtype=np.float32) for _ in range(5)]
+    sg = subgroup(backend, request, 2)
+
+    def sequence(seed):
+        s = Sampler(backend, request, SamplerConfig(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed),
+                    300, sg=sg)
+        return [s(logits) for logits in steps], s
+
+    first, s = sequence(11)
+    again, _ = sequence(11)
+    other, _ = sequence(12)
+    assert first == again
+    assert first != other
+    reference = [sample_reference(lg, np.zeros(300), s.config, i) for i, lg in enumerate(steps)]
+    assert first == reference
+    np.testing.assert_array_equal(s.tokens[:5], first)
+    assert list(s.step) == [5, 1, first[-1], 5]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_min_p_and_top_p_exclude(backend, request):
+    """Every draw lies in the set each filter defines, computed independently in float64 over the
+    64 candidates top_k = 0 stands for: min-p on the untempered probabilities, then top-p on the
+    tempered ones."""
+    logits = np.random.default_rng(3).standard_normal(200, dtype=np.float32) * 1.5
+    order = np.argsort(-logits)[:64]
+    p = np.exp(logits[order] - logits[order[0]])
+    for config in (SamplerConfig(temperature=1.5, top_k=0, top_p=1.0, min_p=0.3, seed=1),
+                   SamplerConfig(temperature=0.7, top_k=0, top_p=0.5, min_p=0.0, seed=2)):
+        allowed = order[p >= config.min_p]
+        q = np.exp(np.log(p[p >= config.min_p]) / config.temperature)
+        mass = np.cumsum(q) / q.sum()
+        allowed = allowed[:1 + np.count_nonzero(mass[:-1] < config.top_p)]
+        assert 1 < len(allowed) < 30
+        s = Sampler(backend, request, config, 200, sg=subgroup(backend, request, 1))
+        drawn = {s(logits) for _ in range(12)}
+        reference = {sample_reference(logits, np.zeros(200), config, i) for i in range(400)}
+        assert drawn <= set(allowed.tolist()) and reference == set(allowed.tolist())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_penalties_steer_greedy_decoding(backend, request):
+    """The counts the GPU keeps feed the next step: with a large presence penalty, greedy decoding
+    of fixed logits walks down the ranking instead of repeating the argmax; a repeat penalty of 4
+    demotes a seen logit of 2 below an unseen 1."""
+    logits = np.random.default_rng(9).permutation(np.arange(40, dtype=np.float32) / 10)
+    s = Sampler(backend, request, SamplerConfig(temperature=0, presence_penalty=100.0), 40,
+                sg=subgroup(backend, request, 0))
+    np.testing.assert_array_equal([s(logits) for _ in range(6)], np.argsort(-logits)[:6])
+    s = Sampler(backend, request, SamplerConfig(temperature=0, repeat_penalty=4.0), 3)
+    s.counts[0] = 1
+    assert s(np.array([2.0, 1.0, 0.5], np.float32)) == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_full_vocabulary(backend, request):
+    """Qwen3.5's 248,320 logits once, with the default settings and the production shape."""
+    n = 248_320
+    logits = np.random.default_rng(1).standard_normal(n, dtype=np.float32) * 3
+    config = SamplerConfig(seed=42)
+    s = Sampler(backend, request, config, n, wg=256, r=16, sg=subgroup(backend, request, 2))
+    assert s(logits) == sample_reference(logits, np.zeros(n), config, 0)
+
+
+# ---- the host-side settings ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("field, value, words", [
+    ("temperature", -0.5, "temperature must be a number ≥ 0"), ("temperature", float("nan"), "temperature"),
+    ("top_k", 65, "top_k must be an integer from 0"), ("top_k", 2.5, "top_k"), ("top_p", 0.0, "top_p must be in (0, 1]"),
+    ("min_p", 1.5, "min_p must be in [0, 1]"), ("repeat_penalty", 0.0, "repeat_penalty must be a number > 0"),
+    ("presence_penalty", float("inf"), "presence_penalty"), ("seed", -1, "seed must be an integer"),
+    ("seed", 2 ** 32, "seed"), ("cap", 100, "cap must be one of 64, 256")])
+def test_config_errors(field, value, words):
+    with pytest.raises(ZdslError) as err:
+        SamplerConfig(**{field: value})
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_config_push_constants():
+    cand, draw = SamplerConfig(temperature=0.5, top_k=0, seed=9).push_constants(1000, 64)
+    assert cand == dict(n_vocab=1000, repeat_penalty=1.0, presence_penalty=0.0)
+    assert draw == dict(n_vocab=1000, top_k=0, min_p=0.05, inv_temp=2.0, top_p=0.95, seed=9, max_tokens=64)
+    greedy = SamplerConfig(temperature=0)
+    assert greedy.greedy and greedy.kernel_cap == 1 and greedy.push_constants(10)[1]["top_k"] == 1
+    with pytest.raises(ZdslError, match="vocabulary size"):
+        greedy.push_constants(0)
