@@ -91,3 +91,53 @@ def test_spec_constant_does_not_recompile():
     a, b = k.dot_i8.specialize(SG=8, SCALE=1), k.dot_i8.specialize(SG=8, SCALE=5)
     assert a is not b and a.glsl == b.glsl and a.spirv == b.spirv
     assert a.spec_constants() != b.spec_constants()
+
+
+# ---- language features beyond the sample kernels -------------------------------------------------
+
+import zdsl  # noqa: E402
+from zdsl import Buffer, Const, f32, u32  # noqa: E402
+
+
+@zdsl.kernel(workgroup=64, subgroup="SG", register=False)
+def _features(x: Buffer[f32], idx: Buffer[u32], y: Buffer[f32], counts: Buffer[u32], SG: Const = 8):
+    i = zdsl.global_id()
+    v = x[i]
+    scratch = zdsl.local_array(f32, 4)
+    for j in range(4):
+        scratch[j] = v * (j + 1)
+    codebook = zdsl.table(f32, [-1.0, -0.5, 0.25, 2.0])
+    picked = scratch[idx[i] & 3] + codebook[(idx[i] >> 2) & 3]
+    y[2 * i] = picked + zdsl.subgroup_prefix_sum(v)
+    y[2 * i + 1] = zdsl.subgroup_prefix_sum(v, inclusive=False)
+    counts[i] = zdsl.subgroup_ballot_count(v > 0.0)
+
+
+def _features_ref(x, idx, sg):
+    codebook = np.array([-1.0, -0.5, 0.25, 2.0], np.float32)
+    g = x.reshape(-1, sg)
+    inc = np.cumsum(g, axis=1).reshape(-1)
+    y = np.empty(2 * len(x), np.float32)
+    y[0::2] = x * ((idx & 3) + 1) + codebook[(idx >> 2) & 3] + inc
+    y[1::2] = inc - x
+    counts = np.repeat((g > 0).sum(axis=1), sg).astype(np.uint32)
+    return y, counts
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_local_arrays_tables_prefix_sums_ballots(backend, request):
+    for sg in sizes_for(backend, request):
+        rng = np.random.default_rng(sg)
+        x = rng.standard_normal(128, dtype=np.float32)
+        idx = rng.integers(0, 16, 128, dtype=np.uint32)
+        out = run(_features.specialize(SG=sg), backend, request, 2, x=x, idx=idx,
+                  y=np.full(256, np.nan, np.float32), counts=np.zeros(128, np.uint32))
+        y_ref, c_ref = _features_ref(x, idx, sg)
+        np.testing.assert_allclose(out["y"], y_ref, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(out["counts"], c_ref)
+
+
+def test_argument_dtype_is_checked():
+    with pytest.raises(zdsl.ZdslError, match="float64 but the kernel declares Buffer\\[f32\\]"):
+        k.axpy.specialize().interpret(1, x=np.zeros(4), y=np.zeros(4, np.float32), out=np.zeros(4, np.float32),
+                                      n=4, a=1.0)

@@ -102,3 +102,15 @@ def test_direct_call_is_refused():
         x[0] = 1.0
     with pytest.raises(ZdslError, match="specialize"):
         k(None)
+
+
+def test_shared_memory_overwrite_before_barrier():
+    @zdsl.kernel(register=False)
+    def bad(x: Buffer[f32], n: u32):
+        s = zdsl.shared(f32, 64)
+        s[zdsl.local_id()] = 1.0
+        zdsl.barrier()
+        t = s[(zdsl.local_id() + 1) % 64]
+        s[zdsl.local_id()] = t  # MARK
+        x[zdsl.local_id()] = t
+    expect_error_at(bad, "# MARK", "overwrites element")

@@ -107,7 +107,7 @@ class Emitter:
         raise TypeError(o)
 
     def expr(self, op: str, args: tuple, dtype: DType, attrs: dict) -> str:
-        a = [self.op(x) if not isinstance(x, (ir.View, ir.Shared)) else None for x in args]
+        a = [self.op(x) if not isinstance(x, (ir.View, ir.Shared, ir.Local, ir.Table)) else None for x in args]
         if op == "mod":
             return f"mod({a[0]}, {a[1]})" if dtype.is_float else f"({a[0]} % {a[1]})"
         if op in BINARY:
@@ -141,6 +141,14 @@ class Emitter:
             return value if len(args) == 2 else f"({a[2]} ? {value} : {a[3]})"
         if op == "shared_load":
             return f"sh{args[0].id}[{a[1]}]"
+        if op == "local_load":
+            return f"lo{args[0].id}[{a[1]}]"
+        if op == "table_load":
+            return f"tb{args[0].id}[{a[1]}]"
+        if op == "sg_prefix":
+            return f"subgroup{'Inclusive' if attrs['inclusive'] else 'Exclusive'}Add({a[0]})"
+        if op == "sg_count":
+            return f"subgroupBallotBitCount(subgroupBallot({a[0]}))"
         if op in _SUBGROUP:
             cluster = attrs.get("cluster")
             if cluster:
@@ -196,6 +204,8 @@ class Emitter:
         elif isinstance(s, ir.Store):
             if isinstance(s.view, ir.Shared):
                 self.line(depth, f"sh{s.view.id}[{self.op(s.index)}] = {self.op(s.value)};")
+            elif isinstance(s.view, ir.Local):
+                self.line(depth, f"lo{s.view.id}[{self.op(s.index)}] = {self.op(s.value)};")
             else:
                 target = f"{view_name(s.view, self.declared)}[{self.op(s.index)}]"
                 self.line(depth, f"{target} = {self.narrow(self.op(s.value), s.view.dtype)};")
@@ -260,11 +270,16 @@ class Emitter:
         for s in k.shared:
             size = s.size if isinstance(s.size, int) else self.op(s.size)
             out.append(f"shared {s.dtype.compute.glsl} sh{s.id}[{size}];")
+        for t in k.tables:
+            values = ", ".join(literal(v, t.dtype) for v in t.values)
+            out.append(f"const {t.dtype.glsl} tb{t.id}[{len(t.values)}] = {t.dtype.glsl}[{len(t.values)}]({values});")
         if "int8_dot" in k.features:
             out.append(DOT4_DECL)
         return out
 
     def emit(self) -> tuple[str, list]:
+        for loc in self.k.locals:
+            self.line(1, f"{loc.dtype.glsl} lo{loc.id}[{loc.size}];")
         self.block(self.k.body, 1)
         body = self.lines
         head = self.header()

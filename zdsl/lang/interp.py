@@ -73,10 +73,15 @@ class Run:
         self.vars: dict[int, np.ndarray] = {}
         self.shared = {}
         self.writer = {}
+        self.reader = {}
         for s in k.shared:
             size = int(self.value(s.size)) if not isinstance(s.size, int) else s.size
             self.shared[s.id] = np.full((ngroups, size), np.nan if s.dtype.is_float else 0, s.dtype.compute.numpy)
             self.writer[s.id] = np.full((ngroups, size), -1, np.int64)
+            self.reader[s.id] = np.full((ngroups, size), -1, np.int64)
+        self.locals = {l.id: np.full((self.n, l.size), np.nan if l.dtype.is_float else 0, l.dtype.numpy)
+                       for l in k.locals}
+        self.tables = {t.id: np.array(t.values, dtype=t.dtype.numpy) for t in k.tables}
 
     # -- operands
     def value(self, o):
@@ -108,6 +113,8 @@ class Run:
     # -- ops
     def compute(self, op, args, dtype: DType, attrs, mask, loc):
         if op in ("load", "shared_load") or op.startswith("atomic_"):
+            return self.memory_op(op, args, dtype, mask, loc)
+        if op in ("local_load", "table_load"):
             return self.memory_op(op, args, dtype, mask, loc)
         if op.startswith("sg_"):
             return self.subgroup_op(op, args, attrs, mask)
@@ -160,6 +167,13 @@ class Run:
         return np.where(active, idx, 0)
 
     def memory_op(self, op, args, dtype, mask, loc):
+        if op == "local_load":
+            arr = self.locals[args[0].id]
+            idx = self._index(args[1], arr.shape[1], mask, loc, "local array read")
+            return arr[np.arange(self.n), idx]
+        if op == "table_load":
+            arr = self.tables[args[0].id]
+            return arr[self._index(args[1], len(arr), mask, loc, "table read")]
         if op == "shared_load":
             decl = args[0]
             arr = self.shared[decl.id]
@@ -171,6 +185,7 @@ class Run:
                 raise _err(loc, f"shared-memory race: invocation {int(self.lane_in_group[lane])} reads "
                                 f"element {int(idx[lane])} that invocation {int(writer[lane])} wrote "
                                 f"with no zdsl.barrier() between")
+            self.reader[decl.id][self.group_local[mask], idx[mask]] = self.lane_in_group[mask]
             return arr[self.group_local, idx]
         view = args[0]
         arr = self.view(view)
@@ -213,6 +228,15 @@ class Run:
                 fill = info.min if op == "sg_max" else info.max
                 red = (np.max if op == "sg_max" else np.min)(np.where(act, rows, fill), axis=1)
             return np.repeat(red, size, axis=0).astype(x.dtype)
+        if op == "sg_prefix":
+            rows = np.where(mask, x, 0).reshape(self.n // sg, sg)
+            out = np.cumsum(rows, axis=1, dtype=rows.dtype)
+            if not attrs["inclusive"]:
+                out = out - rows
+            return out.reshape(-1).astype(x.dtype)
+        if op == "sg_count":
+            rows = (x.astype(bool) & mask).reshape(self.n // sg, sg)
+            return np.repeat(rows.sum(axis=1), sg).astype(np.uint32)
         rows = x.reshape(self.n // sg, sg, *x.shape[1:])
         lane = np.arange(self.n) % sg
         if op == "sg_broadcast":
@@ -269,13 +293,18 @@ class Run:
             if not (per_group.all(axis=1) | ~per_group.any(axis=1)).all():
                 raise _err(s.loc, "zdsl.barrier() reached by only some invocations of a workgroup "
                                   "(a barrier must be in uniform control flow)")
-            for w in self.writer.values():
+            for w in list(self.writer.values()) + list(self.reader.values()):
                 w.fill(-1)
         else:
             raise NotImplementedError(type(s))
 
     def store(self, s: ir.Store, mask) -> None:
         value = np.broadcast_to(self.value(s.value), (self.n,) + np.shape(self.value(s.value))[1:])
+        if isinstance(s.view, ir.Local):
+            arr = self.locals[s.view.id]
+            idx = self._index(s.index, arr.shape[1], mask, s.loc, "local array write")
+            arr[np.nonzero(mask)[0], idx[mask]] = value[mask]
+            return
         if isinstance(s.view, ir.Shared):
             arr = self.shared[s.view.id]
             idx = self._index(s.index, arr.shape[1], mask, s.loc, "shared write")
@@ -285,6 +314,13 @@ class Run:
                 lane = int(np.argmax(race))
                 raise _err(s.loc, f"shared-memory race: invocations {int(writer[lane])} and "
                                   f"{int(self.lane_in_group[lane])} both write element {int(idx[lane])} "
+                                  f"with no zdsl.barrier() between")
+            reader = self.reader[s.view.id][self.group_local, idx]
+            war = mask & (reader >= 0) & (reader != self.lane_in_group)
+            if war.any():
+                lane = int(np.argmax(war))
+                raise _err(s.loc, f"shared-memory race: invocation {int(self.lane_in_group[lane])} overwrites "
+                                  f"element {int(idx[lane])} that invocation {int(reader[lane])} read "
                                   f"with no zdsl.barrier() between")
             arr[self.group_local[mask], idx[mask]] = value[mask]
             self.writer[s.view.id][self.group_local[mask], idx[mask]] = self.lane_in_group[mask]

@@ -91,6 +91,22 @@ class Shared:
     size: Operand | int
 
 
+@dataclass(frozen=True)
+class Local:
+    """A per-invocation array (registers or private memory), indexable at run time."""
+    id: int
+    dtype: DType
+    size: int
+
+
+@dataclass(frozen=True)
+class Table:
+    """A constant array baked into the shader (lookup tables such as IQ4's)."""
+    id: int
+    dtype: DType
+    values: tuple
+
+
 # ---- statements ---------------------------------------------------------------------------------
 
 @dataclass
@@ -119,7 +135,7 @@ class Assign:
 
 @dataclass
 class Store:
-    view: View | Shared
+    view: View | Shared | Local
     index: Operand
     value: Operand
     loc: Loc
@@ -164,3 +180,5 @@ class Kernel:
     features: set[str]
     source: Loc
     label: str = ""
+    locals: list = field(default_factory=list)
+    tables: list = field(default_factory=list)

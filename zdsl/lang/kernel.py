@@ -183,7 +183,7 @@ class KernelDef:
         views = [v for b in buffers for v in b.views.values()]
         label = f"{self.name}[{','.join(f'{k}={v}' for k, v in consts.items())}]" if consts else self.name
         return ir.Kernel(self.name, tracer.blocks[0], workgroup, sg, access, views, scalars, specs,
-                         tracer.shared, tracer.features, self.source, label)
+                         tracer.shared, tracer.features, self.source, label, tracer.locals, tracer.tables)
 
     def _locate(self, e: Exception) -> KernelError:
         file = self.source[0]
@@ -285,6 +285,14 @@ class Variant:
             self._pipelines[device] = pipe
         return pipe
 
+    def _check_arrays(self, arrays) -> None:
+        """numpy arguments must have the buffer's element type (raw byte buffers take any)."""
+        for a, (name, dtype, _) in zip(arrays, self.ir.buffers):
+            a = np.asarray(a)
+            if dtype.name != "u8" and a.dtype != dtype.numpy:
+                raise ZdslError(f"{self.label}: argument {name} is {a.dtype} but the kernel declares "
+                                f"Buffer[{dtype.name}] ({dtype.numpy}); convert it with .astype(np.{dtype.numpy})")
+
     def _split_args(self, args: dict):
         names = [b[0] for b in self.ir.buffers]
         unknown = set(args) - set(names) - {s.name for s in self.ir.scalars}
@@ -304,6 +312,7 @@ class Variant:
     def run(self, device, groups, **args) -> dict[str, np.ndarray]:
         """One-shot: upload numpy arrays, dispatch once, return the buffers the kernel writes."""
         arrays, scalars = self._split_args(args)
+        self._check_arrays(arrays)
         bufs = [device.upload(np.ascontiguousarray(a), name=n) for a, (n, _, _) in zip(arrays, self.ir.buffers)]
         try:
             seq = device.sequence()
@@ -320,6 +329,7 @@ class Variant:
         returns copies of the buffers the kernel writes."""
         from zdsl.lang.interp import interpret
         arrays, scalars = self._split_args(args)
+        self._check_arrays(arrays)
         work = {n: np.array(a, copy=True) for a, (n, _, _) in zip(arrays, self.ir.buffers)}
         interpret(self.ir, _groups(groups), work, scalars, self.spec_values)
         return {n: work[n] for n, _, acc in self.ir.buffers if "w" in acc}

@@ -11,8 +11,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from zdsl.lang import ir
-from zdsl.lang.trace import (BufferParam, SharedArray, Tracer, Value, Var, apply, fail, operand, tracer,
-                             typed, user_loc)
+from zdsl.lang.trace import (BufferParam, LocalArray, SharedArray, TableArray, Tracer, Value, Var, apply, fail,
+                             operand, tracer, typed, user_loc)
 from zdsl.lang.types import DType, boolean, f16, f32, i32, u32
 
 # ---- parameter annotations -------------------------------------------------------------------
@@ -157,11 +157,14 @@ def else_():
         yield
 
 
-def where(cond, a, b) -> Value:
-    """cond ? a : b, per invocation (both sides are computed)."""
-    like = next((v.dtype for v in (a, b) if isinstance(v, Value)), None)
-    return apply("select", typed(cond, boolean), typed(a, like or f32), typed(b, like or f32),
-                 same=False, dtype=like or f32)
+def where(cond, a, b, dtype: DType | None = None) -> Value:
+    """cond ? a : b, per invocation (both sides are computed). Two Python literals take
+    `dtype` (default f32)."""
+    like = dtype or next((v.dtype for v in (a, b) if isinstance(v, Value)), None) or f32
+    a, b = typed(a, like), typed(b, like)
+    if a.dtype != b.dtype:
+        raise fail(f"zdsl.where chooses between {a.dtype!r} and {b.dtype!r}; convert one with .to(...)")
+    return apply("select", typed(cond, boolean), a, b, same=False, dtype=a.dtype)
 
 
 # ---- shared memory, synchronization ------------------------------------------------------------
@@ -175,6 +178,30 @@ def shared(dtype: DType, size) -> SharedArray:
     decl = ir.Shared(len(t.shared), dtype, size_ref)
     t.shared.append(decl)
     return SharedArray(decl)
+
+
+def local_array(dtype: DType, size: int) -> LocalArray:
+    """A per-invocation array indexed at run time (small: it lives in registers or scratch)."""
+    t = tracer()
+    if not isinstance(size, int) or size < 1:
+        raise fail("a local array's size must be a positive Python int")
+    decl = ir.Local(len(t.locals), dtype.compute, size)
+    t.locals.append(decl)
+    return LocalArray(decl)
+
+
+def table(dtype: DType, values) -> TableArray:
+    """A constant lookup table baked into the kernel (e.g. a non-linear 4-bit codebook)."""
+    t = tracer()
+    values = tuple(values)
+    if not values:
+        raise fail("a zdsl.table needs at least one value")
+    for decl in t.tables:
+        if decl.dtype == dtype.compute and decl.values == values:
+            return TableArray(decl)
+    decl = ir.Table(len(t.tables), dtype.compute, values)
+    t.tables.append(decl)
+    return TableArray(decl)
 
 
 def barrier() -> None:
@@ -305,6 +332,19 @@ def _cluster(cluster):
     return cluster
 
 
+def subgroup_prefix_sum(x, inclusive: bool = True) -> Value:
+    """Running sum over the active lanes up to this one (inclusive) or before it (exclusive)."""
+    return _subgroup("sg_prefix", x, inclusive=inclusive)
+
+
+def subgroup_ballot_count(cond) -> Value:
+    """How many active lanes of the subgroup have `cond` true (a u32)."""
+    subgroup_size()
+    t = tracer()
+    t.features.add("subgroup")
+    return t.let("sg_count", (operand(cond, boolean),), u32)
+
+
 def subgroup_broadcast(x, lane: int) -> Value:
     """The value of `x` in lane `lane` (a Python int), for every lane."""
     if not isinstance(lane, int) or not 0 <= lane < subgroup_size():
@@ -361,9 +401,9 @@ def cdiv(a: int, b: int) -> int:
 __all__ = [
     "Buffer", "Spec", "Const", "workgroup_id", "num_workgroups", "local_id", "local_index", "global_id",
     "workgroup_size", "subgroup_size", "subgroup_id", "lane_id", "var", "range", "if_", "else_", "where",
-    "shared", "barrier", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "sin", "cos", "tanh", "floor",
+    "shared", "local_array", "table", "barrier", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "sin", "cos", "tanh", "floor",
     "ceil", "round", "sigmoid", "silu", "softplus", "abs", "isnan", "min", "max", "pow", "clamp", "fma",
     "bitcast", "f16_bits", "bf16_bits", "vec", "dot", "dot4_i8", "subgroup_sum", "subgroup_max",
-    "subgroup_min", "subgroup_broadcast", "subgroup_shuffle", "subgroup_shuffle_xor", "atomic_add",
+    "subgroup_min", "subgroup_prefix_sum", "subgroup_ballot_count", "subgroup_broadcast", "subgroup_shuffle", "subgroup_shuffle_xor", "atomic_add",
     "atomic_max", "atomic_min", "cdiv", "Tracer", "Value", "Var", "f16", "i32",
 ]

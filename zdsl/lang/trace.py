@@ -51,6 +51,8 @@ class Tracer:
         self.ntemps = 0
         self.nvars = 0
         self.shared: list[ir.Shared] = []
+        self.locals: list[ir.Local] = []
+        self.tables: list[ir.Table] = []
         self.features: set[str] = set()
         self.subgroup_size = subgroup_size
         self.workgroup = workgroup
@@ -357,10 +359,13 @@ class BufferView:
         tracer().emit(ir.Store(view, _index(index), v, user_loc()))
 
 
-class SharedArray:
-    """Workgroup-shared memory: `s[i]`, `s[i] = v`; synchronize with zdsl.barrier()."""
+class ArrayRef:
+    """An array declared by the kernel: `a[i]` loads, `a[i] = v` stores (if writable)."""
 
-    def __init__(self, decl: ir.Shared):
+    load_op = "shared_load"
+    what = "a shared array"
+
+    def __init__(self, decl):
         self.decl = decl
 
     @property
@@ -368,14 +373,33 @@ class SharedArray:
         return self.decl.dtype
 
     def __getitem__(self, index) -> Value:
-        return tracer().let("shared_load", (self.decl, _index(index)), self.dtype.compute)
+        return tracer().let(self.load_op, (self.decl, _index(index)), self.dtype.compute)
 
     def __setitem__(self, index, value) -> None:
         v = operand(value, self.dtype.compute)
         if v.dtype != self.dtype.compute:
-            raise fail(f"storing a {v.dtype!r} value into a shared array of {self.dtype!r}")
+            raise fail(f"storing a {v.dtype!r} value into {self.what} of {self.dtype!r}")
         tracer().check_visible(v)
         tracer().emit(ir.Store(self.decl, _index(index), v, user_loc()))
+
+
+class SharedArray(ArrayRef):
+    """Workgroup-shared memory: `s[i]`, `s[i] = v`; synchronize with zdsl.barrier()."""
+
+
+class LocalArray(ArrayRef):
+    """A per-invocation array: `a[i]` with i known only at run time."""
+
+    load_op, what = "local_load", "a local array"
+
+
+class TableArray(ArrayRef):
+    """A constant table: read-only."""
+
+    load_op, what = "table_load", "a constant table"
+
+    def __setitem__(self, index, value):
+        raise fail("a zdsl.table is constant; use zdsl.local_array for values that change")
 
 
 def typed(x, dtype: DType) -> Value:
