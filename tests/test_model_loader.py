@@ -9,7 +9,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter, quants
 
 from zdsl.errors import ModelError
 from zdsl.models.qwen35 import synth
-from zdsl.models.qwen35.gguf_file import QuantType, open_model, tensor_specs
+from zdsl.models.qwen35.gguf_file import QuantType, open_model, read_gguf, tensor_specs
 from zdsl.models.qwen35.reference import ReferenceModel
 
 
@@ -85,6 +85,14 @@ def test_hparams_and_tensor_table(tiny):
     assert m.shape("blk.0.ffn_gate_exps.weight") == (16, 256, 256)
     assert m.qtype("blk.0.ssm_a") == QuantType.F32
     assert m.qtype("blk.3.attn_q.weight") == QuantType.Q8_0
+
+
+def test_fast_metadata_reader_agrees_with_gguf(tiny):
+    ours, stock = read_gguf(tiny), GGUFReader(tiny)
+    assert list(ours.fields) == list(stock.fields)
+    for key, field in stock.fields.items():
+        assert ours.fields[key].contents() == field.contents(), key
+    assert [t.name for t in ours.tensors] == [t.name for t in stock.tensors]
 
 
 def test_raw_is_a_view_and_dequant_matches_gguf(tiny):

@@ -9,11 +9,12 @@ here with one line instead of deep inside a kernel. Tensor bytes stay in the pag
 from __future__ import annotations
 
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from zdsl.errors import ModelError
 
@@ -170,7 +171,34 @@ def tensor_specs(hp: Hparams, present: set[str] | frozenset[str] = frozenset()) 
 
 class _Reader(GGUFReader):
     """GGUFReader that checks every tensor's extent against the file size before viewing it
-    (the stock reader fails with a numpy reshape error on a truncated file)."""
+    (the stock reader fails with a numpy reshape error on a truncated file), and reads arrays
+    quickly: the stock reader makes numpy views per element, 6 s for a Qwen vocabulary; one
+    view per numeric array and memoryview slices per string take a fraction of that."""
+
+    def _get_field_parts(self, orig_offs, raw_type):
+        if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        item_type, count = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+        types = [GGUFValueType.ARRAY, GGUFValueType(int(item_type[0]))]
+        scalar = self.gguf_scalar_to_np.get(types[1])
+        if scalar is not None:  # one view for the whole array (read it with .contents() only)
+            values = self._get(orig_offs + 12, scalar, int(count[0]))
+            if len(values) < count[0]:
+                raise ValueError("array runs past the end of the file")
+            return 12 + int(values.nbytes), [item_type, count, values], [2], types
+        if types[1] != GGUFValueType.STRING:
+            return super()._get_field_parts(orig_offs, raw_type)
+        buf, length = memoryview(self.data), struct.Struct("<Q").unpack_from
+        strings, pos = [], orig_offs + 12
+        try:
+            for _ in range(int(count[0])):
+                (n,) = length(buf, pos)
+                strings.append(buf[pos + 8:pos + 8 + n])
+                pos += 8 + n
+        except struct.error:
+            raise ValueError("string array runs past the end of the file") from None
+        # parts: type, count, then the strings (the per-string lengths are not kept)
+        return pos - orig_offs, [item_type, count, *strings], list(range(2, 2 + len(strings))), types
 
     def _build_tensors(self, start_offs, fields):
         size = len(self.data)
@@ -194,7 +222,9 @@ class _Bad(Exception):
     pass
 
 
-def _read(path: Path) -> GGUFReader:
+def read_gguf(path: str | os.PathLike) -> GGUFReader:
+    """Any GGUF file's header and tensor table (checked against the file size), or ModelError."""
+    path = Path(path)
     if not path.is_file():
         raise ModelError(f"{path}: no such file; check the path (or make one with `zdsl model synth`)")
     with open(path, "rb") as f:
@@ -214,7 +244,7 @@ class ModelFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self._reader = _read(self.path)
+        self._reader = read_gguf(self.path)
         self._fields = self._reader.fields
         arch = self.get("general.architecture")
         if arch not in ARCHITECTURES:

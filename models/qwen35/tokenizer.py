@@ -11,9 +11,11 @@ from __future__ import annotations
 import os
 from functools import cached_property
 
-from gguf import GGUFReader, TokenType
+from gguf import TokenType
 
 from zdsl.errors import ModelError
+
+from .gguf_file import read_gguf
 
 # Pre-tokenizer regexes by `tokenizer.ggml.pre` (from the models' tokenizer.json files).
 # qwen35 adds \p{M} (combining marks) to the letter classes of qwen2.
@@ -62,10 +64,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
         """Read only the tokenizer metadata of any GGUF file (vocab-only files included)."""
-        try:
-            fields = GGUFReader(path).fields
-        except (OSError, ValueError) as e:
-            raise ModelError(f"cannot read the tokenizer of {path}: {e}; pass a GGUF file") from None
+        fields = read_gguf(path).fields
         return cls(lambda key, default: fields[key].contents() if key in fields else default)
 
     @classmethod
