@@ -1,10 +1,13 @@
 """Decode matrix-vector products over quantized GGUF weights: y[c, r] = Σ_k W[r, k] · x[c, k].
 
 A workgroup owns ROWS consecutive output rows. Its invocations walk the rows' blocks together:
-`parts` invocations share a block (coalesced reads), WG/parts blocks are in flight per step, and
-each invocation keeps ROWS × COLS partial sums that a subgroup (then shared-memory) reduction
-combines. The same loop serves the plain product, MoE experts chosen on the GPU, the fused
-gate·up SwiGLU, and the weighted sum over experts of the down projection.
+`parts` invocations share a block (consecutive invocations read consecutive 16-byte pieces
+where the layout allows), WG/parts blocks are in flight per step, and each invocation keeps
+ROWS × COLS partial sums that a subgroup (then shared-memory) reduction combines. Activations
+are loaded once per block and reused for every row. The same step serves the plain product,
+MoE experts chosen on the GPU, the fused gate·up SwiGLU (gate and up rows in one loop), and the
+weighted sum over experts of the down projection (experts and blocks in one flat loop, so all
+experts' loads are in flight together).
 """
 
 from __future__ import annotations
@@ -24,32 +27,47 @@ SUBGROUPS = [8, 16, 32, 64]
 def workgroup(v) -> int:
     """WG = 0 picks the smallest workgroup that is whole subgroups and whole blocks; the tuner
     may ask for more subgroups per workgroup."""
-    parts = FORMATS[v.QTYPE].parts
+    return workgroup_of(v, FORMATS[v.QTYPE].parts)
+
+
+def workgroup_of(v, parts: int) -> int:
     wg = v.WG or max(v.SG, parts)
     if wg % v.SG or wg % parts:
         raise zdsl.ZdslError(f"workgroup {wg} must be a multiple of the subgroup size {v.SG} and of {parts}")
     return wg
 
 
-def block_dots(f, w, row_bases, x, x_bases, nblocks, WG):
-    """Per-invocation partial dot products of len(row_bases) weight rows with len(x_bases)
-    activation vectors; returns acc[row][col] (zdsl vars)."""
+def block_step(f, ctx, rows, x, x_bases, b, part):
+    """This invocation's share of block b: partial dot products of the weight rows (a list of
+    (buffer, byte offset of the row)) with the activation vectors starting at x_bases;
+    returns [row][col] f32 values."""
+    groups = [f.groups(w, base + b * f.nbytes, part, ctx) for w, base in rows]
+    out = [[None] * len(x_bases) for _ in rows]
+    for c, xb in enumerate(x_bases):
+        first = xb + b * f.block
+        xs = [load_x(x, first + g.offset, len(g.q)) for g in groups[0]]
+        sums = [sum_values(xv) if g.bias is not None else None for g, xv in zip(groups[0], xs)]
+        for r, row_groups in enumerate(groups):
+            total = None
+            for g, xv, xsum in zip(row_groups, xs, sums):
+                term = sum_products(g.q, xv)
+                term = term * g.scale if g.scale is not None else term
+                if g.bias is not None:
+                    term = zdsl.fma(g.bias, xsum, term)
+                total = term if total is None else total + term
+            out[r][c] = total
+    return out
+
+
+def block_dots(f, ctx, rows, x, x_bases, nblocks, WG):
+    """Per-invocation partial dot products over all blocks; returns acc[row][col] (zdsl vars)."""
     part = zdsl.local_index() % f.parts
-    acc = [[zdsl.var(0.0) for _ in x_bases] for _ in row_bases]
+    acc = [[zdsl.var(0.0) for _ in x_bases] for _ in rows]
     for b in zdsl.range(zdsl.local_index() // f.parts, nblocks, WG // f.parts):
-        groups = [f.groups(w, base + b * f.nbytes, part) for base in row_bases]
-        for c, xb in enumerate(x_bases):
-            first = xb + b * f.block
-            xs = [load_x(x, first + g.offset, len(g.q)) for g in groups[0]]
-            for r in range(len(row_bases)):
-                total = None
-                for g, xv in zip(groups[r], xs):
-                    term = sum_products(g.q, xv)
-                    term = term * g.scale if g.scale is not None else term
-                    if g.bias is not None:
-                        term = zdsl.fma(g.bias, sum_values(xv), term)
-                    total = term if total is None else total + term
-                acc[r][c] += total
+        step = block_step(f, ctx, rows, x, x_bases, b, part)
+        for r in range(len(rows)):
+            for c in range(len(x_bases)):
+                acc[r][c] += step[r][c]
     return acc
 
 
@@ -96,6 +114,16 @@ def workgroup_sums(values, WG, SG):
     return out
 
 
+def store_rows(y, sums, row0, m, ROWS, COLS, ADD):
+    """y[c·m + row0 + r] (+)= sums[r·COLS + c] for the rows that exist."""
+    with zdsl.if_(zdsl.local_index() == 0):
+        for r in range(ROWS):
+            with zdsl.if_(row0 + r < m):
+                for c in range(COLS):
+                    out = c * m + row0 + r
+                    y[out] = sums[r * COLS + c] + y.load(out, mask=ADD, other=0.0)
+
+
 @zdsl.kernel(workgroup=workgroup, subgroup="SG",
              variants={"QTYPE": QTYPES, "COLS": list(range(1, 9)), "ROWS": [1, 2, 4], "SG": SUBGROUPS},
              where=lambda v: v.COLS == 1 or v.ROWS == 1)
@@ -104,18 +132,14 @@ def dmmv(w: Buffer[u8], x: Buffer[f32], y: Buffer[f32], k: u32, m: u32, ADD: Spe
     """y[c·m + r] (+)= Σ_k W[r, k] · x[c·k + k] for COLS activation vectors; ADD accumulates
     into y (a residual connection). Grid: ceil(m / ROWS) workgroups."""
     f = fmt(QTYPE)
+    ctx = f.setup()
     WG = zdsl.workgroup_size()
     nblocks = k // f.block
     row0 = zdsl.workgroup_id() * ROWS
-    rows = [zdsl.min(row0 + r, m - 1) for r in range(ROWS)]
-    acc = block_dots(f, w, [r * nblocks * f.nbytes for r in rows], x, [c * k for c in range(COLS)], nblocks, WG)
+    rows = [(w, zdsl.min(row0 + r, m - 1) * (nblocks * f.nbytes)) for r in range(ROWS)]
+    acc = block_dots(f, ctx, rows, x, [c * k for c in range(COLS)], nblocks, WG)
     sums = workgroup_sums([acc[r][c] for r in range(ROWS) for c in range(COLS)], WG, SG)
-    with zdsl.if_(zdsl.local_index() == 0):
-        for r in range(ROWS):
-            with zdsl.if_(row0 + r < m):
-                for c in range(COLS):
-                    out = c * m + row0 + r
-                    y[out] = sums[r * COLS + c] + y.load(out, mask=ADD, other=0.0)
+    store_rows(y, sums, row0, m, ROWS, COLS, ADD)
 
 
 def dequant_rows(w_bytes, qtype: str, m: int, k: int) -> np.ndarray:
@@ -135,29 +159,33 @@ def ffn_gate_up(wg: Buffer[u8], wu: Buffer[u8], ids: Buffer[u32], x: Buffer[f32]
                 SG: Const = 32, WG: Const = 0):
     """act[s·m + r] = silu(Wg_e[r]·x) · (Wu_e[r]·x) for the expert e = ids[s] of slot
     s = workgroup_id(1) (EXPERTS), or for the single matrix pair (not EXPERTS: a dense FFN or the
-    shared expert; `ids` is then unused). Gate and up are read in one pass over x.
+    shared expert; `ids` is then unused). Gate and up rows are read in one pass over x.
     Grid: (ceil(m / ROWS), slots)."""
     f = fmt(QTYPE)
+    ctx = f.setup()
     WG = zdsl.workgroup_size()
     nblocks = k // f.block
     row_bytes = nblocks * f.nbytes
     slot = zdsl.workgroup_id(1)
     expert_base = ids.load(slot, mask=EXPERTS, other=0) * (m * row_bytes)
     row0 = zdsl.workgroup_id() * ROWS
-    rows = [zdsl.min(row0 + r, m - 1) for r in range(ROWS)]
-    bases = [expert_base + r * row_bytes for r in rows]
-    gate = block_dots(f, wg, bases, x, [0], nblocks, WG)
-    up = block_dots(f, wu, bases, x, [0], nblocks, WG)
-    sums = workgroup_sums([gate[r][0] for r in range(ROWS)] + [up[r][0] for r in range(ROWS)], WG, SG)
+    bases = [expert_base + zdsl.min(row0 + r, m - 1) * row_bytes for r in range(ROWS)]
+    acc = block_dots(f, ctx, [(wg, b) for b in bases] + [(wu, b) for b in bases], x, [0], nblocks, WG)
+    sums = workgroup_sums([a[0] for a in acc], WG, SG)
     with zdsl.if_(zdsl.local_index() == 0):
         for r in range(ROWS):
             with zdsl.if_(row0 + r < m):
                 act[slot * m + row0 + r] = zdsl.silu(sums[r]) * sums[ROWS + r]
 
 
+def experts_of(w_bytes, qtype, m, k) -> int:
+    f = FORMATS[qtype]
+    return len(np.asarray(w_bytes).reshape(-1)) // (m * (k // f.block) * f.nbytes)
+
+
 @ffn_gate_up.reference
 def ffn_gate_up_ref(wg_bytes, wu_bytes, ids, x, qtype, m, k, experts=True):
-    nexp = len(np.asarray(wg_bytes).reshape(-1)) // (m * (k // FORMATS[qtype].block) * FORMATS[qtype].nbytes)
+    nexp = experts_of(wg_bytes, qtype, m, k)
     g = dequant_rows(wg_bytes, qtype, nexp * m, k).reshape(nexp, m, k)
     u = dequant_rows(wu_bytes, qtype, nexp * m, k).reshape(nexp, m, k)
     sel = list(ids) if experts else [0]
@@ -174,28 +202,28 @@ def moe_down(w: Buffer[u8], ids: Buffer[u32], weights: Buffer[f32], act: Buffer[
     projection and their weighted sum in one dispatch (also the shared expert, with one slot
     whose weight is its sigmoid gate). Grid: ceil(m / ROWS)."""
     f = fmt(QTYPE)
+    ctx = f.setup()
     WG = zdsl.workgroup_size()
     nblocks = k // f.block
     row_bytes = nblocks * f.nbytes
     row0 = zdsl.workgroup_id() * ROWS
-    rows = [zdsl.min(row0 + r, m - 1) for r in range(ROWS)]
+    offsets = [zdsl.min(row0 + r, m - 1) * row_bytes for r in range(ROWS)]
+    part = zdsl.local_index() % f.parts
     total = [zdsl.var(0.0) for _ in range(ROWS)]
-    for s in zdsl.range(slots):
+    for item in zdsl.range(zdsl.local_index() // f.parts, slots * nblocks, WG // f.parts):
+        s = item // nblocks
         base = ids[s] * (m * row_bytes)
-        acc = block_dots(f, w, [base + r * row_bytes for r in rows], act, [s * k], nblocks, WG)
+        step = block_step(f, ctx, [(w, base + o) for o in offsets], act, [s * k], item - s * nblocks, part)
         weight = weights[s]
         for r in range(ROWS):
-            total[r] += weight * acc[r][0]
+            total[r] += weight * step[r][0]
     sums = workgroup_sums(total, WG, SG)
-    with zdsl.if_(zdsl.local_index() == 0):
-        for r in range(ROWS):
-            with zdsl.if_(row0 + r < m):
-                y[row0 + r] = sums[r] + y.load(row0 + r, mask=ADD, other=0.0)
+    store_rows(y, sums, row0, m, ROWS, 1, ADD)
 
 
 @moe_down.reference
 def moe_down_ref(w_bytes, ids, weights, act, qtype, m, k, y=None):
-    nexp = len(np.asarray(w_bytes).reshape(-1)) // (m * (k // FORMATS[qtype].block) * FORMATS[qtype].nbytes)
+    nexp = experts_of(w_bytes, qtype, m, k)
     wd = dequant_rows(w_bytes, qtype, nexp * m, k).reshape(nexp, m, k)
     a = act.reshape(-1, k).astype(np.float64)
     out = sum(float(wt) * (wd[e] @ a[s]) for s, (e, wt) in enumerate(zip(ids, weights)))

@@ -3,66 +3,140 @@
 Each format splits a block into `parts` equal shares; invocation `part` of a block decodes its
 share as a few `Group`s of consecutive elements, each `w = scale · q + bias` (bias may be
 None). Matrix-vector kernels then compute `scale · Σ q·x + bias · Σ x` per group, so the
-per-element work is one multiply-add. The weight buffer is raw bytes (`Buffer[u8]`), read
-through u16 / u32 views at the alignment each layout guarantees.
+per-element work is one multiply-add. The weight buffer is raw bytes (`Buffer[u8]`), read with
+the widest loads each layout's alignment allows (16-byte where blocks keep it, u16 pairs where
+they only keep 2).
+
+Quantized values reach f32 without an int→float conversion (a quarter-rate instruction on
+NVIDIA): `unit` moves a field under the exponent of 1.0, giving 1 + q/2^bits in two integer
+operations, and the group's scale and bias absorb the 2^bits and the 1.
+
+The int8-dot path (`int_groups`, `iparts`) instead packs each element as a signed byte, four to
+a u32, for `zdsl.dot4_i8` against Q8_1 activations.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import zdsl
 from zdsl import f16, f32, i32, u16, u32
 
+# IQ4_NL / IQ4_XS: the 16 non-linear levels a 4-bit index selects (ggml's kvalues_iq4nl).
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
 
 @dataclass
 class Group:
-    offset: object  # element offset in the block (traced u32)
+    offset: object  # element offset in the block (traced u32 or int)
     q: list  # f32 values
     scale: object  # f32 value or None (q already dequantized)
     bias: object = None
 
 
+@dataclass
+class IntGroup:
+    """Elements offset .. offset + 4·len(words) as signed bytes, w = scale · q + bias. A group
+    stays inside one 32-element Q8_1 block and starts at a multiple of 4·min(len(words), 4)
+    elements; a group of 32 elements is a whole Q8_1 block (its Σx is the block's s)."""
+    offset: object
+    words: list  # u32, four int8 each
+    scale: object
+    bias: object = None
+
+
 # ---- byte access ------------------------------------------------------------------------------
+
+def words_at(w, addr, n: int, align: int) -> list:
+    """n little-endian u32 from byte address `addr`, which is `align`-aligned (a power of two):
+    16- or 8-byte vector loads where alignment allows, u16 pairs where it is only 2."""
+    out = []
+    while len(out) < n:
+        left = n - len(out)
+        at = addr + 4 * len(out)
+        if align >= 16 and left >= 4:
+            v = w.view(u32.vec(4))[at >> 4]
+            out += [v.x, v.y, v.z, v.w]
+        elif align >= 8 and left >= 2:
+            v = w.view(u32.vec(2))[at >> 3]
+            out += [v.x, v.y]
+        elif align >= 4:
+            out.append(w.view(u32)[at >> 2])
+        else:
+            h = at >> 1
+            out.append(w.view(u16)[h] | (w.view(u16)[h + 1] << 16))
+    return out
+
 
 def u32_at(w, byte_addr, aligned4: bool):
     """The little-endian u32 at a byte address (4-aligned, or only 2-aligned: two u16 reads)."""
-    if aligned4:
-        return w.view(u32)[byte_addr >> 2]
-    h = byte_addr >> 1
-    return w.view(u16)[h] | (w.view(u16)[h + 1] << 16)
+    return words_at(w, byte_addr, 1, 4 if aligned4 else 2)[0]
 
 
 def f16_at(w, byte_addr):
     return zdsl.f16_bits(w.view(u16)[byte_addr >> 1])
 
 
-def byte_of(word, i: int):
+def half(word, high: bool):
+    """The f16 in the low (or high) half of a u32, as f32."""
+    return zdsl.f16_bits(word >> 16 if high else word)
+
+
+def byte_of(word, i):
+    """Byte i (an int or a traced u32) of a u32."""
     return (word >> (8 * i)) & 0xFF
 
 
-def sbyte_of(word, i: int):
-    """Byte i of a u32 as a signed value (f32)."""
-    return (zdsl.bitcast(word << (24 - 8 * i), i32) >> 24).to(f32)
+def sbyte(word, i):
+    """Byte i of a u32 as a signed value (i32)."""
+    return zdsl.bitcast(word << (24 - 8 * i), i32) >> 24
 
 
-def nibbles(word, high: bool):
-    """The four low (or high) nibbles of the bytes of a u32, as f32."""
-    shift = 4 if high else 0
-    return [((word >> (8 * i + shift)) & 0xF).to(f32) for i in range(4)]
+def unit(word, lo: int, bits: int):
+    """1 + q / 2^bits as f32, q being the `bits`-wide field at bit `lo` of `word`: the field moves
+    to the top of the mantissa under the exponent of 1.0 (a shift and a masked or)."""
+    top = 23 - bits
+    t = word << (top - lo) if top > lo else word >> (lo - top) if lo > top else word
+    return zdsl.bitcast((t & (((1 << bits) - 1) << top)) | 0x3F800000, f32)
 
 
-def select_word(words, i):
-    """words[i // 4] for a traced byte index i (words: a short Python list of u32 values)."""
-    out = words[-1]
-    for n in range(len(words) - 2, -1, -1):
-        out = zdsl.where(i < 4 * (n + 1), words[n], out)
+def unit_group(offset, values, bits: int, scale, bias=None) -> Group:
+    """A Group of `unit` values standing for w = scale · q + bias."""
+    s = scale * float(1 << bits)
+    return Group(offset, values, s, -s if bias is None else bias - s)
+
+
+def byte_units(words, bits: int, shift: int = 0) -> list:
+    """`unit` of the `bits`-wide field at bit `shift` of every byte of `words`, in byte order."""
+    return [unit(wd, 8 * i + shift, bits) for wd in words for i in range(4)]
+
+
+def low_nibbles(words):
+    return [wd & 0x0F0F0F0F for wd in words]
+
+
+def high_nibbles(words):
+    return [(wd >> 4) & 0x0F0F0F0F for wd in words]
+
+
+def signed_bytes(words, offset: int):
+    """Bytes q (all < 128 + offset) as the signed bytes q − offset: the add cannot carry out of
+    a byte, and flipping bit 7 turns q − offset + 128 into q − offset."""
+    return [(wd + (0x01010101 * (128 - offset))) ^ 0x80808080 for wd in words]
+
+
+def spread_bits(bits4, pos: int):
+    """Bits 0..3 of `bits4` to bit `pos` of bytes 0..3 (one multiply, no carries)."""
+    return (bits4 * (0x00204081 << pos)) & (0x01010101 << pos)
+
+
+def where_chain(index, values, dtype):
+    """values[index] for a traced index and a short Python list (a select per entry)."""
+    out = zdsl.var(values[-1], dtype)
+    for n, v in enumerate(values[:-1]):
+        out.set(zdsl.where(index == n, v, out))
     return out
-
-
-def dyn_byte(words, i):
-    """Byte i (traced) of the bytes packed in `words`."""
-    return (select_word(words, i) >> ((i & 3) * 8)) & 0xFF
 
 
 # ---- formats ----------------------------------------------------------------------------------
@@ -71,149 +145,384 @@ class Format:
     name: str
     block: int  # elements per block
     nbytes: int  # bytes per block
-    parts: int  # invocations sharing one block
+    parts: int  # invocations sharing one block (f32 activations)
+    iparts: int = 0  # invocations sharing one block in the int8-dot path (0: none)
 
-    def groups(self, w, base, part) -> list[Group]:
-        raise NotImplementedError
+    @property
+    def align(self) -> int:
+        """The alignment of every block start (rows are packed blocks in a 16-aligned buffer)."""
+        return math.gcd(self.nbytes, 16)
 
     @property
     def aligned4(self) -> bool:
-        return self.nbytes % 4 == 0
+        return self.align >= 4
+
+    def load(self, w, base, offset, n: int, step: int = 16) -> list:
+        """n u32 at byte `offset` of the block at `base`; a traced offset is a multiple of `step`."""
+        known = (offset & -offset or 16) if isinstance(offset, int) else step
+        return words_at(w, base + offset, n, min(self.align, known))
+
+    def setup(self):
+        """Per-kernel state made once at the kernel's start, in uniform control flow (the IQ4
+        level table); `groups` takes it as `ctx`."""
+        return None
+
+    def groups(self, w, base, part, ctx=None) -> list[Group]:
+        raise NotImplementedError
+
+    def int_groups(self, w, base, part) -> list[IntGroup]:
+        raise NotImplementedError
 
 
 class F32(Format):
     name, block, nbytes, parts = "f32", 32, 128, 8
 
-    def groups(self, w, base, part):
+    def groups(self, w, base, part, ctx=None):
         v = w.view(f32.vec(4))[(base >> 4) + part]
         return [Group(part * 4, [v.x, v.y, v.z, v.w], None)]
 
 
 class F16(Format):
-    name, block, nbytes, parts = "f16", 32, 64, 8
+    name, block, nbytes, parts = "f16", 32, 64, 4
 
-    def groups(self, w, base, part):
-        a = u32_at(w, base + part * 8, True)
-        b = u32_at(w, base + part * 8 + 4, True)
-        q = [zdsl.f16_bits(a), zdsl.f16_bits(a >> 16), zdsl.f16_bits(b), zdsl.f16_bits(b >> 16)]
-        return [Group(part * 4, q, None)]
+    def groups(self, w, base, part, ctx=None):
+        words = self.load(w, base, part * 16, 4)
+        return [Group(part * 8, [half(wd, hi) for wd in words for hi in (False, True)], None)]
 
 
 class BF16(Format):
-    name, block, nbytes, parts = "bf16", 32, 64, 8
+    name, block, nbytes, parts = "bf16", 32, 64, 4
 
-    def groups(self, w, base, part):
-        a = u32_at(w, base + part * 8, True)
-        b = u32_at(w, base + part * 8 + 4, True)
-        q = [zdsl.bf16_bits(a), zdsl.bf16_bits(a >> 16), zdsl.bf16_bits(b), zdsl.bf16_bits(b >> 16)]
-        return [Group(part * 4, q, None)]
+    def groups(self, w, base, part, ctx=None):
+        words = self.load(w, base, part * 16, 4)
+        q = [zdsl.bf16_bits(wd >> 16) if hi else zdsl.bf16_bits(wd) for wd in words for hi in (False, True)]
+        return [Group(part * 8, q, None)]
 
 
 class Q8_0(Format):
     """34 bytes: f16 d, 32 × int8. w = d·q."""
-    name, block, nbytes, parts = "q8_0", 32, 34, 8
+    name, block, nbytes, parts, iparts = "q8_0", 32, 34, 4, 4
 
-    def groups(self, w, base, part):
-        word = u32_at(w, base + 2 + part * 4, False)
-        return [Group(part * 4, [sbyte_of(word, i) for i in range(4)], f16_at(w, base))]
+    def quants(self, w, base, part):
+        return f16_at(w, base), self.load(w, base, 2 + part * 8, 2, step=2)
+
+    def groups(self, w, base, part, ctx=None):
+        d, words = self.quants(w, base, part)
+        unsigned = [wd ^ 0x80808080 for wd in words]  # q + 128
+        return [unit_group(part * 8, byte_units(unsigned, 8), 8, d, d * -128.0)]
+
+    def int_groups(self, w, base, part):
+        d, words = self.quants(w, base, part)
+        return [IntGroup(part * 8, words, d)]
 
 
 class Q4_0(Format):
     """18 bytes: f16 d, 16 bytes of nibbles; element j is the low nibble of byte j, element j+16
     the high nibble. w = d·(q − 8)."""
-    name, block, nbytes, parts = "q4_0", 32, 18, 4
+    name, block, nbytes, parts, iparts = "q4_0", 32, 18, 2, 1
 
-    def groups(self, w, base, part):
+    def groups(self, w, base, part, ctx=None):
         d = f16_at(w, base)
-        word = u32_at(w, base + 2 + part * 4, False)
-        return [Group(part * 4, nibbles(word, False), d, d * -8.0),
-                Group(part * 4 + 16, nibbles(word, True), d, d * -8.0)]
+        words = self.load(w, base, 2 + part * 8, 2, step=2)
+        return [unit_group(part * 8, byte_units(words, 4), 4, d, d * -8.0),
+                unit_group(part * 8 + 16, byte_units(words, 4, 4), 4, d, d * -8.0)]
+
+    def int_groups(self, w, base, part):
+        d = f16_at(w, base)
+        words = self.load(w, base, 2, 4)
+        return [IntGroup(0, low_nibbles(words) + high_nibbles(words), d, d * -8.0)]
 
 
-def k_scale_min(w, base, sub):
-    """Q4_K/Q5_K: the 6-bit scale and min of sub-block `sub` (traced, 0..7) from 12 packed bytes."""
-    words = [u32_at(w, base + 4 + 4 * n, True) for n in range(3)]
-    lo = sub < 4
-    sc_lo, m_lo = dyn_byte(words, sub) & 63, dyn_byte(words, sub + 4) & 63
-    hi_byte = dyn_byte(words, sub + 4)
-    sc_hi = (hi_byte & 0xF) | ((dyn_byte(words, sub & 3) >> 6) << 4)
-    m_hi = (hi_byte >> 4) | ((dyn_byte(words, sub) >> 6) << 4)
-    return zdsl.where(lo, sc_lo, sc_hi).to(f32), zdsl.where(lo, m_lo, m_hi).to(f32)
+class Q4_1(Format):
+    """20 bytes: f16 d, f16 m, 16 bytes of nibbles (as Q4_0). w = d·q + m."""
+    name, block, nbytes, parts, iparts = "q4_1", 32, 20, 2, 1
+
+    def groups(self, w, base, part, ctx=None):
+        head = self.load(w, base, 0, 1)[0]
+        d, m = half(head, False), half(head, True)
+        words = self.load(w, base, 4 + part * 8, 2, step=8)
+        return [unit_group(part * 8, byte_units(words, 4), 4, d, m),
+                unit_group(part * 8 + 16, byte_units(words, 4, 4), 4, d, m)]
+
+    def int_groups(self, w, base, part):
+        head, *words = self.load(w, base, 0, 5)
+        return [IntGroup(0, low_nibbles(words) + high_nibbles(words), half(head, False), half(head, True))]
+
+
+def five_bits(qs_words, qh, first: int, high: bool):
+    """Bytes of 5-bit values: the low (or high) nibbles of `qs_words` with bit (first + element)
+    of qh as bit 4, for the elements of consecutive bytes."""
+    nib = high_nibbles(qs_words) if high else low_nibbles(qs_words)
+    return [n | spread_bits((qh >> (first + 4 * i)) & 0xF, 4) for i, n in enumerate(nib)]
+
+
+class Q5_0(Format):
+    """22 bytes: f16 d, u32 qh, 16 bytes of nibbles (as Q4_0); bit j of qh is bit 4 of element j.
+    w = d·(q − 16)."""
+    name, block, nbytes, parts, iparts = "q5_0", 32, 22, 2, 1
+
+    def groups(self, w, base, part, ctx=None):
+        d = f16_at(w, base)
+        qh = self.load(w, base, 2, 1)[0]
+        words = self.load(w, base, 6 + part * 8, 2, step=2)
+        first = part * 8
+        return [unit_group(first, byte_units(five_bits(words, qh, first, False), 5), 5, d, d * -16.0),
+                unit_group(first + 16, byte_units(five_bits(words, qh, first + 16, True), 5), 5, d, d * -16.0)]
+
+    def int_groups(self, w, base, part):
+        d = f16_at(w, base)
+        qh, *words = self.load(w, base, 2, 5)
+        return [IntGroup(0, five_bits(words, qh, 0, False) + five_bits(words, qh, 16, True), d, d * -16.0)]
+
+
+class Q5_1(Format):
+    """24 bytes: f16 d, f16 m, u32 qh, 16 bytes of nibbles (as Q5_0). w = d·q + m."""
+    name, block, nbytes, parts, iparts = "q5_1", 32, 24, 2, 1
+
+    def groups(self, w, base, part, ctx=None):
+        head, qh = self.load(w, base, 0, 2)
+        d, m = half(head, False), half(head, True)
+        words = self.load(w, base, 8 + part * 8, 2, step=8)
+        first = part * 8
+        return [unit_group(first, byte_units(five_bits(words, qh, first, False), 5), 5, d, m),
+                unit_group(first + 16, byte_units(five_bits(words, qh, first + 16, True), 5), 5, d, m)]
+
+    def int_groups(self, w, base, part):
+        head, qh, *words = self.load(w, base, 0, 6)
+        q = five_bits(words, qh, 0, False) + five_bits(words, qh, 16, True)
+        return [IntGroup(0, q, half(head, False), half(head, True))]
+
+
+class Q2_K(Format):
+    """84 bytes: 16 scale bytes (low nibble scale, high nibble min), 64 bytes of 2-bit values,
+    f16 d, f16 dmin. Element 128h + 32s + l is bits 2s of byte 32h + l, in sub-block (e / 16).
+    w = d·sc·q − dmin·m."""
+    name, block, nbytes, parts, iparts = "q2_k", 256, 84, 8, 4
+
+    def head(self, w, base, h):
+        dd = self.load(w, base, 80, 1)[0]
+        return half(dd, False), half(dd, True), self.load(w, base, 8 * h, 2, step=8)
+
+    def groups(self, w, base, part, ctx=None):
+        h, r = part >> 2, part & 3
+        d, dmin, scales = self.head(w, base, h)
+        words = self.load(w, base, 16 + 32 * h + 8 * r, 2, step=8)
+        out = []
+        for s in range(4):  # scale byte 8h + 2s + r/2
+            sc = byte_of(scales[s >> 1], (r >> 1) + 2 * (s & 1))
+            out.append(unit_group(128 * h + 32 * s + 8 * r, byte_units(words, 2, 2 * s), 2,
+                                  d * (sc & 0xF).to(f32), -(dmin * (sc >> 4).to(f32))))
+        return out
+
+    def int_groups(self, w, base, part):
+        h, r = part >> 1, part & 1
+        d, dmin, scales = self.head(w, base, h)
+        words = self.load(w, base, 16 + 32 * h + 16 * r, 4)
+        out = []
+        for s in range(4):
+            sc = byte_of(scales[s >> 1], r + 2 * (s & 1))
+            q = [(wd >> (2 * s)) & 0x03030303 for wd in words]
+            out.append(IntGroup(128 * h + 32 * s + 16 * r, q, d * (sc & 0xF).to(f32), -(dmin * (sc >> 4).to(f32))))
+        return out
+
+
+class Q3_K(Format):
+    """110 bytes: 32 bytes hmask, 64 bytes of 2-bit values, 12 bytes of 6-bit scales, f16 d.
+    Element 128h + 32s + l: low bits 2s of byte 32h + l, high bit (4h + s) of hmask[l]; q = low
+    + 4·high − 4. Scale i (of e / 16): nibble i / 8 of byte i % 8, bits 2·(i / 4) of byte 8 + i % 4
+    as bits 4-5, minus 32. w = d·scale·q."""
+    name, block, nbytes, parts, iparts = "q3_k", 256, 110, 8, 4
+
+    def scale(self, words, d, h, s: int, t):
+        """d·(scale − 32) of sub-block 8h + 2s + t."""
+        low = (byte_of(words[s >> 1], t + 2 * (s & 1)) >> (4 * h)) & 0xF
+        high = (words[2] >> (8 * (t + 2 * (s & 1)) + 4 * h + 2 * (s >> 1))) & 3
+        return d * ((low | (high << 4)).to(f32) - 32.0)
+
+    def three_bits(self, qs, hm, h, s: int):
+        return [((q >> (2 * s)) & 0x03030303) | (((m >> (4 * h + s)) & 0x01010101) << 2) for q, m in zip(qs, hm)]
+
+    def groups(self, w, base, part, ctx=None):
+        h, r = part >> 2, part & 3
+        d = f16_at(w, base + 108)
+        scales = self.load(w, base, 96, 3)
+        qs = self.load(w, base, 32 + 32 * h + 8 * r, 2, step=8)
+        hm = self.load(w, base, 8 * r, 2, step=8)
+        out = []
+        for s in range(4):
+            sc = self.scale(scales, d, h, s, r >> 1)
+            out.append(unit_group(128 * h + 32 * s + 8 * r, byte_units(self.three_bits(qs, hm, h, s), 3), 3,
+                                  sc, sc * -4.0))
+        return out
+
+    def int_groups(self, w, base, part):
+        h, r = part >> 1, part & 1
+        d = f16_at(w, base + 108)
+        scales = self.load(w, base, 96, 3)
+        qs = self.load(w, base, 32 + 32 * h + 16 * r, 4)
+        hm = self.load(w, base, 16 * r, 4)
+        return [IntGroup(128 * h + 32 * s + 16 * r, signed_bytes(self.three_bits(qs, hm, h, s), 4),
+                         self.scale(scales, d, h, s, r)) for s in range(4)]
+
+
+def k_scale_min(head, j):
+    """Q4_K/Q5_K: (scale, min) of sub-blocks 2j and 2j+1 (j traced, 0..3), from the block's first
+    16 bytes as 4 u32: 6-bit values, packed two sub-blocks per 16 bits."""
+    sh = 16 * (j & 1)
+    a, b, c = ((wd >> sh) & 0xFFFF for wd in head[1:])  # bytes 2j', 2j'+1 of each 4-byte row
+    low = j < 2
+    sc = zdsl.where(low, a & 0x3F3F, (c & 0x0F0F) | ((a >> 2) & 0x3030))
+    mn = zdsl.where(low, b & 0x3F3F, ((c >> 4) & 0x0F0F) | ((b >> 2) & 0x3030))
+    return [((sc >> (8 * t)) & 0xFF).to(f32) for t in (0, 1)], [((mn >> (8 * t)) & 0xFF).to(f32) for t in (0, 1)]
 
 
 class Q4_K(Format):
     """144 bytes: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles.
     Elements 64j..64j+31 are the low nibbles of bytes 32j..32j+31 (sub-block 2j), elements
     64j+32..64j+63 their high nibbles (sub-block 2j+1). w = d·sc·q − dmin·m."""
-    name, block, nbytes, parts = "q4_k", 256, 144, 16
+    name, block, nbytes, parts, iparts = "q4_k", 256, 144, 8, 4
 
-    def groups(self, w, base, part):
-        j, q4 = part >> 2, part & 3
-        d, dmin = f16_at(w, base), f16_at(w, base + 2)
-        qa = u32_at(w, base + 16 + 32 * j + 8 * q4, True)
-        qb = u32_at(w, base + 16 + 32 * j + 8 * q4 + 4, True)
-        out = []
-        for high in (False, True):
-            sc, m = k_scale_min(w, base, 2 * j + int(high))
-            out.append(Group(64 * j + 32 * int(high) + 8 * q4, nibbles(qa, high) + nibbles(qb, high),
-                             d * sc, -(dmin * m)))
-        return out
+    def groups(self, w, base, part, ctx=None):
+        j, hh = part >> 1, part & 1
+        head = self.load(w, base, 0, 4)
+        d, dmin = half(head[0], False), half(head[0], True)
+        sc, mn = k_scale_min(head, j)
+        words = self.load(w, base, 16 + 32 * j + 16 * hh, 4)
+        return [unit_group(64 * j + 32 * t + 16 * hh, byte_units(words, 4, 4 * t), 4, d * sc[t], -(dmin * mn[t]))
+                for t in (0, 1)]
+
+    def int_groups(self, w, base, part):
+        head = self.load(w, base, 0, 4)
+        d, dmin = half(head[0], False), half(head[0], True)
+        sc, mn = k_scale_min(head, part)
+        words = self.load(w, base, 16 + 32 * part, 8)
+        return [IntGroup(64 * part + 32 * t, nib, d * sc[t], -(dmin * mn[t]))
+                for t, nib in enumerate((low_nibbles(words), high_nibbles(words)))]
 
 
 class Q5_K(Format):
     """176 bytes: f16 d, f16 dmin, 12 bytes of scales/mins, 32 bytes of high bits, 128 bytes of
     nibbles. As Q4_K, plus bit (2j + high) of qh[l] as bit 4 of element 64j + 32·high + l."""
-    name, block, nbytes, parts = "q5_k", 256, 176, 16
+    name, block, nbytes, parts, iparts = "q5_k", 256, 176, 8, 4
 
-    def groups(self, w, base, part):
-        j, q4 = part >> 2, part & 3
-        d, dmin = f16_at(w, base), f16_at(w, base + 2)
-        qa = u32_at(w, base + 48 + 32 * j + 8 * q4, True)
-        qb = u32_at(w, base + 48 + 32 * j + 8 * q4 + 4, True)
-        ha = u32_at(w, base + 16 + 8 * q4, True)
-        hb = u32_at(w, base + 16 + 8 * q4 + 4, True)
+    @staticmethod
+    def with_high(nibbles, qh, bit):
+        return [n | (((h >> bit) & 0x01010101) << 4) for n, h in zip(nibbles, qh)]
+
+    def groups(self, w, base, part, ctx=None):
+        j, hh = part >> 1, part & 1
+        head = self.load(w, base, 0, 4)
+        d, dmin = half(head[0], False), half(head[0], True)
+        sc, mn = k_scale_min(head, j)
+        qh = self.load(w, base, 16 + 16 * hh, 4)
+        words = self.load(w, base, 48 + 32 * j + 16 * hh, 4)
         out = []
-        for high in (False, True):
-            sc, m = k_scale_min(w, base, 2 * j + int(high))
-            shift = 2 * j + int(high)
-            q = []
-            for word, hword in ((qa, ha), (qb, hb)):
-                for i in range(4):
-                    lo = (word >> (8 * i + 4 * int(high))) & 0xF
-                    hi = ((hword >> (8 * i)) >> shift) & 1
-                    q.append((lo | (hi << 4)).to(f32))
-            out.append(Group(64 * j + 32 * int(high) + 8 * q4, q, d * sc, -(dmin * m)))
+        for t, nib in enumerate((low_nibbles(words), high_nibbles(words))):
+            q = self.with_high(nib, qh, 2 * j + t)
+            out.append(unit_group(64 * j + 32 * t + 16 * hh, byte_units(q, 5), 5, d * sc[t], -(dmin * mn[t])))
         return out
+
+    def int_groups(self, w, base, part):
+        head = self.load(w, base, 0, 4)
+        d, dmin = half(head[0], False), half(head[0], True)
+        sc, mn = k_scale_min(head, part)
+        qh = self.load(w, base, 16, 8)
+        words = self.load(w, base, 48 + 32 * part, 8)
+        return [IntGroup(64 * part + 32 * t, self.with_high(nib, qh, 2 * part + t), d * sc[t], -(dmin * mn[t]))
+                for t, nib in enumerate((low_nibbles(words), high_nibbles(words)))]
 
 
 class Q6_K(Format):
     """210 bytes: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, f16 d.
     For half n and l in 0..31, byte ql[64n+l], ql[64n+l+32] and qh[32n+l] give elements
     128n + l + {0, 32, 64, 96} with scales 8n + l/16 + {0, 2, 4, 6}. w = d·scale·(q − 32)."""
-    name, block, nbytes, parts = "q6_k", 256, 210, 16
+    name, block, nbytes, parts, iparts = "q6_k", 256, 210, 8, 4
 
-    def groups(self, w, base, part):
-        n, l0 = part >> 3, (part & 7) * 4
+    def quants(self, w, base, n, l0, count):
+        """Per g = 0..3, the bytes of 6-bit values of elements 128n + 32g + l0 .. + 4·count, and
+        the sub-blocks' scales (d·scale) as f32."""
         d = f16_at(w, base + 208)
-        ql_a = u32_at(w, base + 64 * n + l0, False)
-        ql_b = u32_at(w, base + 64 * n + 32 + l0, False)
-        qh = u32_at(w, base + 128 + 32 * n + l0, False)
-        sbase = base + 192 + 8 * n + (l0 >> 4)
+        ql_a = self.load(w, base, 64 * n + l0, count, step=8)
+        ql_b = self.load(w, base, 64 * n + 32 + l0, count, step=8)
+        qh = self.load(w, base, 128 + 32 * n + l0, count, step=8)
+        scales = self.load(w, base, 192 + 8 * n, 2, step=8)
         out = []
-        for g, (word, high) in enumerate(((ql_a, False), (ql_b, False), (ql_a, True), (ql_b, True))):
-            addr = sbase + 2 * g
-            half = w.view(u16)[addr >> 1]
-            sc = (zdsl.bitcast((half >> ((addr & 1) * 8)) << 24, i32) >> 24).to(f32)
-            q = []
-            for i in range(4):
-                lo = (word >> (8 * i + 4 * int(high))) & 0xF
-                hi = (qh >> (8 * i + 2 * g)) & 3
-                q.append((lo | (hi << 4)).to(f32))
-            out.append(Group(128 * n + l0 + 32 * g, q, d * sc, d * sc * -32.0))
+        for g, (ql, high) in enumerate(((ql_a, False), (ql_b, False), (ql_a, True), (ql_b, True))):
+            nib = high_nibbles(ql) if high else low_nibbles(ql)
+            top = [(h << (4 - 2 * g) if g < 2 else h >> (2 * g - 4)) & 0x30303030 for h in qh]
+            sc = d * sbyte(scales[g >> 1], (l0 >> 4) + 2 * (g & 1)).to(f32)
+            out.append(([a | b for a, b in zip(nib, top)], sc))
         return out
 
+    def groups(self, w, base, part, ctx=None):
+        n, l0 = part >> 2, (part & 3) * 8
+        return [unit_group(128 * n + 32 * g + l0, byte_units(q, 6), 6, sc, sc * -32.0)
+                for g, (q, sc) in enumerate(self.quants(w, base, n, l0, 2))]
 
-FORMATS: dict[str, Format] = {f.name: f for f in (F32(), F16(), BF16(), Q8_0(), Q4_0(), Q4_K(), Q5_K(), Q6_K())}
+    def int_groups(self, w, base, part):
+        n, l0 = part >> 1, (part & 1) * 16
+        return [IntGroup(128 * n + 32 * g + l0, signed_bytes(q, 32), sc)
+                for g, (q, sc) in enumerate(self.quants(w, base, n, l0, 4))]
+
+
+class IQ4(Format):
+    """Shared by the two IQ4 formats: 4-bit indices into IQ4_LEVELS. With the table that `setup`
+    puts in shared memory a level is one shared load; without it (a kernel with no set-up, such
+    as the embedding lookup) the level comes from the table packed in four u32 constants."""
+
+    def setup(self):
+        table = zdsl.shared(f32, 16)
+        wg = zdsl.workgroup_size(0) * zdsl.workgroup_size(1) * zdsl.workgroup_size(2)
+        for first in range(0, 16, wg):
+            i = zdsl.local_index() + first
+            with zdsl.if_(i < 16):
+                table[i] = where_chain(i, [float(v) for v in IQ4_LEVELS], f32)
+        zdsl.barrier()
+        return table
+
+    def levels(self, words, high: bool, scale, offset, ctx):
+        """The Group of the low (or high) nibbles of `words` scaled by `scale`."""
+        nib = [(wd >> (8 * i + 4 * int(high))) & 0xF for wd in words for i in range(4)]
+        if ctx is not None:
+            return Group(offset, [ctx[q] for q in nib], scale)
+        packed = [zdsl.var(sum((v + 128) << (8 * b) for b, v in enumerate(IQ4_LEVELS[4 * n:4 * n + 4])), u32)
+                  for n in range(4)]  # level + 128, four to a word
+        biased = []
+        for q in nib:
+            word = zdsl.where(q < 8, zdsl.where(q < 4, packed[0], packed[1]), zdsl.where(q < 12, packed[2], packed[3]))
+            biased.append(unit(word >> ((q & 3) * 8), 0, 8))
+        return unit_group(offset, biased, 8, scale, scale * -128.0)
+
+
+class IQ4_NL(IQ4):
+    """18 bytes: f16 d, 16 bytes of 4-bit indices laid out as Q4_0. w = d·level."""
+    name, block, nbytes, parts = "iq4_nl", 32, 18, 2
+
+    def groups(self, w, base, part, ctx=None):
+        d = f16_at(w, base)
+        words = self.load(w, base, 2 + part * 8, 2, step=2)
+        return [self.levels(words, high, d, part * 8 + 16 * int(high), ctx) for high in (False, True)]
+
+
+class IQ4_XS(IQ4):
+    """136 bytes: f16 d, u16 of 2-bit high scale parts, 4 bytes of 4-bit low scale parts, 128
+    bytes of indices; sub-block i (32 elements) is bytes 16i..16i+15 as in IQ4_NL, with scale
+    (low nibble i | high bits 2i << 4) − 32. w = d·scale·level."""
+    name, block, nbytes, parts = "iq4_xs", 256, 136, 16
+
+    def groups(self, w, base, part, ctx=None):
+        i, hh = part >> 1, part & 1
+        head = self.load(w, base, 0, 2)
+        low = (head[1] >> (4 * i)) & 0xF
+        high = (head[0] >> (16 + 2 * i)) & 3
+        scale = half(head[0], False) * ((low | (high << 4)).to(f32) - 32.0)
+        words = self.load(w, base, 8 + 16 * i + 8 * hh, 2, step=8)
+        return [self.levels(words, hi, scale, 32 * i + 16 * int(hi) + 8 * hh, ctx) for hi in (False, True)]
+
+
+FORMATS: dict[str, Format] = {f.name: f for f in (F32(), F16(), BF16(), Q8_0(), Q4_0(), Q4_1(), Q5_0(), Q5_1(),
+                                                  Q2_K(), Q3_K(), Q4_K(), Q5_K(), Q6_K(), IQ4_NL(), IQ4_XS())}
+INT8_FORMATS = [name for name, f in FORMATS.items() if f.iparts]
 
 
 def fmt(name: str) -> Format:
@@ -223,4 +532,5 @@ def fmt(name: str) -> Format:
         raise zdsl.ZdslError(f"no GPU decoder for weight type {name} (have: {', '.join(FORMATS)})") from None
 
 
-__all__ = ["Group", "Format", "FORMATS", "fmt", "u32_at", "f16_at", "f16"]
+__all__ = ["Group", "IntGroup", "Format", "FORMATS", "INT8_FORMATS", "IQ4_LEVELS", "fmt", "u32_at", "f16_at",
+           "words_at", "f16"]
