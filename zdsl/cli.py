@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "devices": ("zdsl.runtime.commands:devices", "List Vulkan devices and compile-only targets."),
     "model": ("zdsl.models.qwen35.commands:model", "Inspect GGUF models and make synthetic ones."),
     "build": ("zdsl.build:build_command", "Build every kernel variant; --target gfx1201 adds RDNA statistics."),
+    "run": ("zdsl.models.qwen35.run:run", "Generate text from a GGUF model (default: a synthetic one)."),
+    "chat": ("zdsl.models.qwen35.run:chat", "Chat interactively with a GGUF model."),
 }
 
 

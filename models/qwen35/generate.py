@@ -1,0 +1,128 @@
+"""Text generation on the GPU decode graph: prompt in, tokens streamed out, honest timings.
+
+The prompt runs through the same recorded decode step one token at a time (batched prefill
+will replace this loop); each sampled token is fed back on the GPU, and the host reads only its
+id to stream text.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from zdsl.cache import cache_dir
+from zdsl.errors import ZdslError
+from zdsl.models.qwen35.gguf_file import ModelFile, open_model
+from zdsl.models.qwen35.graph import DecodeGraph
+from zdsl.models.qwen35.info import memory_plan
+from zdsl.models.qwen35.sampler import SamplerConfig
+from zdsl.models.qwen35.tokenizer import Tokenizer
+
+DEFAULT_PRESET = "tiny"
+
+
+def default_model(progress: Callable[[str], None] | None = None) -> Path:
+    """The embedded default: a tiny synthetic qwen35moe model, generated on first use."""
+    from zdsl.models.qwen35 import synth
+
+    path = cache_dir("models") / f"synthetic-{DEFAULT_PRESET}.gguf"
+    if not path.exists():
+        if progress:
+            progress(f"generating the default synthetic model at {path}")
+        tmp = path.with_suffix(".tmp")
+        synth.write(tmp, DEFAULT_PRESET)
+        tmp.replace(path)
+    return path
+
+
+@dataclass
+class Timings:
+    prompt_tokens: int = 0
+    prompt_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    gpu_ms: list[float] = field(default_factory=list)
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_s if self.prompt_s else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def gpu_ms_per_token(self) -> float | None:
+        return sum(self.gpu_ms) / len(self.gpu_ms) if self.gpu_ms else None
+
+    def as_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "prompt_tok_per_s": round(self.prompt_tps, 2),
+                "decode_tokens": self.decode_tokens, "decode_tok_per_s": round(self.decode_tps, 2),
+                "gpu_ms_per_token": None if self.gpu_ms_per_token is None else round(self.gpu_ms_per_token, 3)}
+
+    def summary(self) -> str:
+        gpu = f", GPU {self.gpu_ms_per_token:.2f} ms/token" if self.gpu_ms_per_token is not None else ""
+        return (f"prompt {self.prompt_tokens} tok at {self.prompt_tps:.1f} tok/s, "
+                f"decode {self.decode_tokens} tok at {self.decode_tps:.1f} tok/s{gpu}")
+
+
+class Generator:
+    """A model on a device, ready to generate."""
+
+    def __init__(self, model: ModelFile, device, *, n_ctx: int, sampler: SamplerConfig, progress: bool = True):
+        self.model, self.device = model, device
+        self.tokenizer = Tokenizer.from_model(model)
+        hp = model.hparams
+        self.n_ctx = min(n_ctx, hp.context_length)
+        need = memory_plan(model).fixed_bytes() + memory_plan(model).kv_bytes_per_token["f16"] * self.n_ctx
+        have = max((size for size, local in device.info.heaps if local), default=0)
+        if have and need > have:
+            raise ZdslError(f"{model.path.name} needs {need / 2**30:.1f} GiB at a context of {self.n_ctx} tokens but "
+                            f"{device.info.name} has {have / 2**30:.1f} GiB; use a smaller --ctx or a smaller model")
+        self.graph = DecodeGraph(model, device, self.n_ctx, sampler, progress=progress)
+        tok = self.tokenizer
+        self.stop_ids = frozenset(i for i in [tok.eos_id] + [tok.tokens.index(t) for t in ("<|im_end|>", "<|endoftext|>")
+                                                          if t in tok.tokens] if i is not None)
+
+    def generate(self, prompt_ids: list[int], n: int, *, stop: bool = True) -> Iterator[int]:
+        """Yield up to n generated token ids after `prompt_ids` (the state is reset first).
+        Timings of the last call are in `self.timings`."""
+        if not prompt_ids:
+            raise ZdslError("the prompt is empty; give some text with -p")
+        if len(prompt_ids) + n > self.n_ctx:
+            raise ZdslError(f"the prompt ({len(prompt_ids)} tokens) plus {n} new tokens exceeds the context of "
+                            f"{self.n_ctx} tokens; shorten the prompt, lower -n, or raise --ctx")
+        g, t = self.graph, Timings()
+        self.timings = t
+        g.reset()
+        start = time.perf_counter()
+        token = None
+        for tok in prompt_ids:
+            token = g.decode(tok)
+        t.prompt_tokens, t.prompt_s = len(prompt_ids), time.perf_counter() - start
+        start = time.perf_counter()
+        for i in range(n):
+            if i:
+                token = g.decode()
+            t.decode_tokens, t.decode_s = i, time.perf_counter() - start  # steps after the prompt
+            yield token
+            if stop and token in self.stop_ids:
+                break
+        if "timestamps" in self.device.info.features and g.position < self.n_ctx:
+            t.gpu_ms.append(sum(ms for _, ms in g.profile()))  # one more timed step; generation is over
+
+    def close(self) -> None:
+        self.graph.close()
+
+
+def load(path: str | None, device_selector: str | None, *, n_ctx: int, sampler: SamplerConfig,
+         progress: bool = True, say: Callable[[str], None] | None = None) -> Generator:
+    from zdsl.runtime import open_device
+
+    model = open_model(path if path is not None else default_model(say))
+    device = open_device(device_selector)
+    if device.info.compile_only:
+        raise ZdslError(f"{device.info.name} is a compile-only target; pick a device that runs code (zdsl devices)")
+    return Generator(model, device, n_ctx=n_ctx, sampler=sampler, progress=progress)

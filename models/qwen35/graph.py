@@ -1,0 +1,280 @@
+"""The decode graph: one token through the whole model as one recorded command sequence.
+
+Built once from the GGUF: weights are uploaded as stored (quantized blocks), every activation,
+cache and recurrent state gets its buffer, and the step is recorded into a `Sequence` that is
+replayed for every token. Per-token values (position, length, the input token id, the sampler's
+counter) live in the small host-visible `step` buffer; the sampler writes the next token id there
+on the GPU, so the host only reads one integer back per token. Independent dispatches (q/k/v,
+the delta-net projections, routed and shared experts) carry no barrier between them; the
+runtime inserts barriers only where one dispatch reads what another wrote.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from zdsl.autotune.database import choose
+from zdsl.errors import ZdslError
+from zdsl.kernels import attention, deltanet, dmmv, embedding, moe, norm, sampling
+from zdsl.kernels.quant import FORMATS
+from zdsl.lang.language import cdiv
+from zdsl.models.qwen35.gguf_file import ModelFile
+from zdsl.models.qwen35.sampler import SamplerConfig
+
+STEP_WORDS = 8  # step[0] position, [1] length, [2] token id, [3] sampler counter
+ATTN_SPLITS = 8  # context chunks per attention head in flight
+
+
+@dataclass
+class Buffers:
+    """Activations of one token (all f32)."""
+
+    x: object       # residual stream (hidden)
+    xn: object      # normed input of the mixer
+    hn: object      # normed input of the FFN
+    logits: object
+
+
+class DecodeGraph:
+    def __init__(self, model: ModelFile, device, n_ctx: int, sampler: SamplerConfig | None = None,
+                 progress: bool = True):
+        self.model, self.device, self.hp = model, device, model.hparams
+        self.info = device.info
+        if n_ctx < 1:
+            raise ZdslError(f"context length must be at least 1, got {n_ctx}")
+        self.n_ctx = n_ctx
+        self.sampler = sampler or SamplerConfig(temperature=0)
+        self.weights: dict[str, object] = {}
+        self._upload_weights(progress)
+        self._allocate()
+        self.seq = self._record()
+        self._timed = None
+
+    # -- set-up ----------------------------------------------------------------------------
+    def _upload_weights(self, progress: bool) -> None:
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+        names = list(self.model.tensors)
+        total = sum(self.model.info(n).nbytes for n in names)
+        with Progress(TextColumn("uploading weights"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                      disable=not progress, transient=True) as bar:
+            task = bar.add_task("upload", total=total)
+            for name in names:
+                self.weights[name] = self.device.upload(np.ascontiguousarray(self.model.raw(name)), name=name)
+                bar.advance(task, self.model.info(name).nbytes)
+
+    def _f32(self, n: int, name: str):
+        return self.device.alloc(4 * max(n, 1), name=name)
+
+    def _allocate(self) -> None:
+        hp, dev = self.hp, self.device
+        H = hp.hidden
+        self.step = dev.host_buffer(4 * STEP_WORDS, name="step")
+        self.step_words = self.step.view(np.uint32)
+        self.buf = Buffers(self._f32(H, "x"), self._f32(H, "xn"), self._f32(H, "hn"), self._f32(hp.vocab, "logits"))
+        qd, kvd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
+        self.qg, self.q = self._f32(2 * qd, "qg"), self._f32(qd, "q")
+        self.k, self.v = self._f32(kvd, "k"), self._f32(kvd, "v")
+        self.attn_o = self._f32(qd, "attn_o")
+        self.attn_part = self._f32(hp.n_heads * ATTN_SPLITS * (hp.head_dim + 2), "attn_partials")
+        C, vd = hp.conv_channels, hp.ssm_value_dim
+        self.mix, self.conv_out = self._f32(C, "mix"), self._f32(C, "conv_out")
+        self.z, self.dn_out = self._f32(vd, "z"), self._f32(vd, "deltanet_out")
+        self.beta, self.alpha = self._f32(hp.ssm_v_heads, "beta"), self._f32(hp.ssm_v_heads, "alpha")
+        # per-layer state
+        self.kv = {i: (dev.alloc(2 * self.n_ctx * kvd, name=f"k_cache.{i}"), dev.alloc(2 * self.n_ctx * kvd, name=f"v_cache.{i}"))
+                   for i in hp.attention_layers}
+        self.conv_state = {i: self._f32((hp.conv_kernel - 1) * C, f"conv_state.{i}") for i in hp.deltanet_layers}
+        self.ssm_state = {i: self._f32(hp.ssm_v_heads * hp.ssm_head_dim ** 2, f"ssm_state.{i}") for i in hp.deltanet_layers}
+        # FFN
+        if hp.moe:
+            E, K, F, S = hp.n_experts, hp.n_experts_used, hp.expert_ffn, hp.shared_ffn
+            self.router = self._f32(E, "router_logits")
+            self.route_ids = dev.alloc(4 * K, name="route_ids")
+            self.route_w = self._f32(K, "route_weights")
+            self.act = self._f32(K * F, "expert_act")
+            self.shared_act = self._f32(S, "shared_act")
+            self.shared_w = self._f32(1, "shared_gate")
+            self.zero_id = dev.upload(np.zeros(1, np.uint32), name="zero_id")
+        else:
+            self.act = self._f32(hp.ffn, "ffn_act")
+        # sampler: per-workgroup candidates (logit bits, id) of the first pass
+        shape, cap = {"n_vocab": hp.vocab}, self.sampler.kernel_cap
+        self.sample_pass = choose(sampling.sample_candidates, self.info, shape, CAP=cap)
+        self.sample_draw = choose(sampling.sample_draw, self.info, shape, CAP=cap, WG=self.sample_pass.params["WG"],
+                                  R=self.sample_pass.params["R"])
+        self.sample_groups = cdiv(hp.vocab, self.sample_pass.params["WG"] * self.sample_pass.params["R"])
+        self.counts = dev.alloc(4 * hp.vocab, name="token_counts")
+        self.cand = dev.alloc(8 * cap * self.sample_groups, name="candidates")
+        self.tokens_out = dev.alloc(4 * self.n_ctx, name="tokens_out")
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the sequence: zero the caches, recurrent states and penalty counts."""
+        seq = self.device.sequence()
+        for k, v in self.kv.values():
+            seq.fill(k), seq.fill(v)
+        for b in list(self.conv_state.values()) + list(self.ssm_state.values()):
+            seq.fill(b)
+        seq.fill(self.counts)
+        seq.run()
+        seq.free()
+        self.position = 0
+
+    # -- recording --------------------------------------------------------------------------
+    def _qname(self, tensor: str) -> str:
+        q = self.model.qtype(tensor).name.lower()
+        if q not in FORMATS:
+            raise ZdslError(f"tensor {tensor} is {q.upper()}, which has no GPU kernel yet")
+        return q
+
+    def _matvec(self, seq, tensor: str, x, y, add: bool = False) -> None:
+        m, k = self.model.shape(tensor)[-2:]
+        v = choose(dmmv.dmmv, self.info, {"QTYPE": self._qname(tensor), "k": k, "m": m}, QTYPE=self._qname(tensor), ADD=add)
+        v.dispatch(seq, cdiv(m, v.params["ROWS"]), w=self.weights[tensor], x=x, y=y, k=k, m=m)
+
+    def _record(self, timestamps: bool = False):
+        hp, b = self.hp, self.buf
+        seq = self.device.sequence(timestamps=timestamps)
+        emb = "token_embd.weight"
+        q = self._qname(emb)
+        embedding.embed.specialize(QTYPE=q).dispatch(seq, embedding.embed_groups(q, hp.hidden), table=self.weights[emb],
+                                                     ids=self.step, out=b.x, k=hp.hidden, index=2)
+        for i in range(hp.n_layers):
+            p = f"blk.{i}."
+            self._norm(seq, b.x, p + "attn_norm.weight", b.xn)
+            if hp.attention[i]:
+                self._attention(seq, i)
+            else:
+                self._deltanet(seq, i)
+            self._norm(seq, b.x, p + "post_attention_norm.weight", b.hn)
+            if hp.moe:
+                self._moe(seq, i)
+            else:
+                self._ffn(seq, i)
+        self._norm(seq, b.x, "output_norm.weight", b.xn)
+        self._matvec(seq, self.model.output_name, b.xn, b.logits)
+        self._sample(seq)
+        return seq
+
+    def _norm(self, seq, x, weight: str, out) -> None:
+        n = self.hp.hidden
+        v = choose(norm.rms_norm, self.info, {"n": n})
+        v.dispatch(seq, 1, x=x, w=self.weights[weight], out=out, n=n, eps=self.hp.eps)
+
+    def _attention(self, seq, i: int) -> None:
+        hp, p, b = self.hp, f"blk.{i}.", self.buf
+        nh, nkv, d = hp.n_heads, hp.n_kv_heads, hp.head_dim
+        self._matvec(seq, p + "attn_q.weight", b.xn, self.qg)
+        self._matvec(seq, p + "attn_k.weight", b.xn, self.k)
+        self._matvec(seq, p + "attn_v.weight", b.xn, self.v)
+        k_cache, v_cache = self.kv[i]
+        prep = choose(attention.attn_prep, self.info, {"d": d})
+        prep.dispatch(seq, nh + nkv, qg=self.qg, k=self.k, v=self.v, q_norm=self.weights[p + "attn_q_norm.weight"],
+                      k_norm=self.weights[p + "attn_k_norm.weight"], step=self.step, q=self.q, k_cache=k_cache,
+                      v_cache=v_cache, n_head=nh, n_kv=nkv, d=d, rope_dims=hp.rope_dims, rope_base=hp.rope_base,
+                      eps=hp.eps)
+        dec = choose(attention.attn_decode, self.info, {"D": d, "G": nh // nkv}, D=d, G=nh // nkv)
+        dec.dispatch(seq, (ATTN_SPLITS, nkv), q=self.q, k_cache=k_cache, v_cache=v_cache, step=self.step,
+                     part=self.attn_part, n_kv=nkv)
+        comb = choose(attention.attn_combine, self.info, {"d": d})
+        comb.dispatch(seq, nh, part=self.attn_part, qg=self.qg, step=self.step, o=self.attn_o, d=d, nsplit=ATTN_SPLITS)
+        self._matvec(seq, p + "attn_output.weight", self.attn_o, b.x, add=True)
+
+    def _deltanet(self, seq, i: int) -> None:
+        hp, p, b = self.hp, f"blk.{i}.", self.buf
+        C = hp.conv_channels
+        for name, out in (("attn_qkv", self.mix), ("attn_gate", self.z), ("ssm_beta", self.beta),
+                          ("ssm_alpha", self.alpha)):
+            self._matvec(seq, p + name + ".weight", b.xn, out)
+        conv = choose(deltanet.deltanet_conv, self.info, {"channels": C}, KC=hp.conv_kernel)
+        conv.dispatch(seq, cdiv(C, conv.params["WG"]), mix=self.mix, w=self.weights[p + "ssm_conv1d.weight"],
+                      state=self.conv_state[i], out=self.conv_out, channels=C)
+        step = choose(deltanet.deltanet_step, self.info, {"D": hp.ssm_head_dim}, D=hp.ssm_head_dim)
+        step.dispatch(seq, hp.ssm_v_heads, conv=self.conv_out, z=self.z, b=self.beta, a=self.alpha,
+                      ssm_a=self.weights[p + "ssm_a"], dt_bias=self.weights[p + "ssm_dt.bias"],
+                      norm_w=self.weights[p + "ssm_norm.weight"], state=self.ssm_state[i], out=self.dn_out,
+                      n_k_heads=hp.ssm_k_heads, eps=hp.eps)
+        self._matvec(seq, p + "ssm_out.weight", self.dn_out, b.x, add=True)
+
+    def _ffn_gate_up(self, seq, gate: str, up: str, x, act, ids=None, slots: int = 1) -> None:
+        shape = self.model.shape(gate)
+        m, k = shape[-2:]
+        q = self._qname(gate)
+        if self._qname(up) != q:
+            raise ZdslError(f"{gate} and {up} have different types; zdsl's fused gate·up needs one type")
+        v = choose(dmmv.ffn_gate_up, self.info, {"QTYPE": q, "k": k, "m": m}, QTYPE=q, EXPERTS=ids is not None)
+        v.dispatch(seq, (cdiv(m, v.params["ROWS"]), slots), wg=self.weights[gate], wu=self.weights[up],
+                   ids=ids if ids is not None else self.step, x=x, act=act, k=k, m=m)
+
+    def _down(self, seq, tensor: str, ids, weights, act, slots: int) -> None:
+        m, k = self.model.shape(tensor)[-2:]
+        q = self._qname(tensor)
+        v = choose(dmmv.moe_down, self.info, {"QTYPE": q, "k": k, "m": m}, QTYPE=q, ADD=True)
+        v.dispatch(seq, cdiv(m, v.params["ROWS"]), w=self.weights[tensor], ids=ids, weights=weights, act=act,
+                   y=self.buf.x, k=k, m=m, slots=slots)
+
+    def _moe(self, seq, i: int) -> None:
+        hp, p, b = self.hp, f"blk.{i}.", self.buf
+        self._matvec(seq, p + "ffn_gate_inp.weight", b.hn, self.router)
+        route = choose(moe.moe_route, self.info, {"n_expert": hp.n_experts}, K=hp.n_experts_used)
+        route.dispatch(seq, 1, logits=self.router, ids=self.route_ids, weights=self.route_w, n_expert=hp.n_experts)
+        self._ffn_gate_up(seq, p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight", b.hn, self.act,
+                          ids=self.route_ids, slots=hp.n_experts_used)
+        self._down(seq, p + "ffn_down_exps.weight", self.route_ids, self.route_w, self.act, hp.n_experts_used)
+        gate = choose(moe.shared_gate, self.info, {"n": hp.hidden})
+        gate.dispatch(seq, 1, w=self.weights[p + "ffn_gate_inp_shexp.weight"], x=b.hn, gate=self.shared_w, n=hp.hidden)
+        self._ffn_gate_up(seq, p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight", b.hn, self.shared_act)
+        self._down(seq, p + "ffn_down_shexp.weight", self.zero_id, self.shared_w, self.shared_act, 1)
+
+    def _ffn(self, seq, i: int) -> None:
+        p, b = f"blk.{i}.", self.buf
+        self._ffn_gate_up(seq, p + "ffn_gate.weight", p + "ffn_up.weight", b.hn, self.act)
+        self._matvec(seq, p + "ffn_down.weight", self.act, b.x, add=True)
+
+    def _sample(self, seq) -> None:
+        first, draw = self.sampler.push_constants(self.hp.vocab, self.n_ctx)
+        self.sample_pass.dispatch(seq, self.sample_groups, logits=self.buf.logits, counts=self.counts,
+                                  cand=self.cand, **first)
+        self.sample_draw.dispatch(seq, 1, cand=self.cand, step=self.step, counts=self.counts,
+                                  tokens=self.tokens_out, **draw)
+
+    # -- running ----------------------------------------------------------------------------
+    def decode(self, token: int | None = None) -> int:
+        """Run one step at the current position. `token` is the input (a prompt token); None
+        feeds the token the GPU sampled last step. Returns the sampled next token id."""
+        if self.position >= self.n_ctx:
+            raise ZdslError(f"the context of {self.n_ctx} tokens is full; start again with a larger --ctx")
+        w = self.step_words
+        w[0], w[1] = self.position, self.position + 1
+        if token is not None:
+            if not 0 <= token < self.hp.vocab:
+                raise ZdslError(f"token id {token} is outside the vocabulary [0, {self.hp.vocab})")
+            w[2] = token
+        self.seq.run()
+        self.position += 1
+        return int(w[2])
+
+    def profile(self) -> list[tuple[str, float]]:
+        """Run one step of a copy of the graph that records a GPU timestamp after every dispatch,
+        at the current position, and return (dispatch label, GPU ms) for each. The step advances
+        the state like `decode()` does."""
+        if self._timed is None:
+            self._timed = self._record(timestamps=True)
+        w = self.step_words
+        w[0], w[1] = self.position, self.position + 1
+        self._timed.run()
+        self.position += 1
+        return self._timed.timings()
+
+    def logits(self) -> np.ndarray:
+        return self.buf.logits.read(np.float32, (self.hp.vocab,))
+
+    def close(self) -> None:
+        self.seq.free()
+        if self._timed is not None:
+            self._timed.free()
+        for buf in self.weights.values():
+            buf.free()
