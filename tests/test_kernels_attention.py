@@ -1,0 +1,180 @@
+"""Decode attention against numpy in the interpreter (every subgroup size) and on lavapipe (its
+own): the prep step (q/k norm, partial NEOX RoPE, f16 KV-cache append at the position read from
+the step buffer), the split pass (every split count, empty splits included, every GQA group) and
+the gated combine; then several tokens in a row against the model reference's own functions.
+
+Tolerances: f32 results to ~1e-5 relative; RoPE angles are f32 (|error| ≈ position · 1e-7 rad,
+so the prep bound grows with the position); cache entries are f16, compared to one f16 step."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from zdsl.kernels import attention as att
+from zdsl.models.qwen35 import reference as model
+
+BACKENDS = ["interp", "lavapipe"]
+EPS = 1e-6
+
+
+def run(variant, backend, request, groups, **args):
+    if backend == "interp":
+        return variant.interpret(groups, **args)
+    return variant.run(request.getfixturevalue("device"), groups, **args)
+
+
+def subgroup(backend, request, pick):
+    sizes = [8, 16, 32, 64] if backend == "interp" else [request.getfixturevalue("device").info.subgroup_size]
+    return sizes[pick % len(sizes)]
+
+
+def step_buffer(pos):
+    return np.array([pos, pos + 1, 0, 0], np.uint32)
+
+
+def rope_atol(pos, values):
+    """What f32 angles cost: about 1.5e-7 · pos radians, times the size of the rotated values."""
+    return 2e-6 + 2e-7 * pos * float(np.abs(values).max())
+
+
+def assert_f16_close(got, want, atol=0.0):
+    """Equal to within one f16 step (the kernel and numpy round slightly different f32 values)."""
+    got, want = got.astype(np.float32), np.asarray(want).astype(np.float16).astype(np.float32)
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4 + atol)
+
+
+def prep(backend, request, qg, k, v, q_norm, k_norm, k_cache, v_cache, pos, rope_dims, rope_base=1e7, wg=64, sg=8):
+    n_head, n_kv, d = qg.shape[0], k.shape[0], k.shape[1]
+    return run(att.attn_prep.specialize(WG=wg, SG=sg), backend, request, n_head + n_kv, qg=qg, k=k, v=v,
+               q_norm=q_norm, k_norm=k_norm, step=step_buffer(pos), q=np.full((n_head, d), np.nan, np.float32),
+               k_cache=k_cache, v_cache=v_cache, n_head=n_head, n_kv=n_kv, d=d, rope_dims=rope_dims,
+               rope_base=rope_base, eps=EPS)
+
+
+def decode(backend, request, q, k_cache, v_cache, qg, length, nsplit, sg, wg=64):
+    """attn_decode then attn_combine; returns (partials, o)."""
+    n_head, d = q.shape
+    n_kv = k_cache.shape[1]
+    step = np.array([length - 1, length, 0, 0], np.uint32)
+    part = run(att.attn_decode.specialize(G=n_head // n_kv, D=d, SG=sg), backend, request, (nsplit, n_kv), q=q,
+               k_cache=k_cache, v_cache=v_cache, step=step, part=np.full(n_head * nsplit * (d + 2), np.nan, np.float32),
+               n_kv=n_kv)["part"]
+    o = run(att.attn_combine.specialize(WG=wg), backend, request, n_head, part=part, qg=qg, step=step,
+            o=np.full((n_head, d), np.nan, np.float32), d=d, nsplit=nsplit)["o"]
+    return part.reshape(n_head, nsplit, d + 2), o
+
+
+def random_cache(rng, n_ctx, n_kv, d, scale=1.0):
+    return (rng.standard_normal((n_ctx, n_kv, d)) * scale).astype(np.float16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(n_kv=st.integers(1, 3), group=st.integers(1, 4), d=st.integers(2, 70), rope_frac=st.floats(0, 1),
+       pos=st.integers(0, 3000), extra=st.integers(0, 2), wg=st.sampled_from([64, 256]), sg_pick=st.integers(0, 3),
+       seed=st.integers(0, 99))
+def test_prep(backend, request, n_kv, group, d, rope_frac, pos, extra, wg, sg_pick, seed):
+    rng = np.random.default_rng(seed)
+    n_head = n_kv * group
+    rope_dims = 2 * int(rope_frac * (d // 2))
+    qg = rng.standard_normal((n_head, 2 * d), dtype=np.float32)
+    k, v = rng.standard_normal((n_kv, d), dtype=np.float32), rng.standard_normal((n_kv, d), dtype=np.float32)
+    q_norm, k_norm = rng.standard_normal(d, dtype=np.float32), rng.standard_normal(d, dtype=np.float32)
+    k_cache, v_cache = random_cache(rng, pos + 1 + extra, n_kv, d), random_cache(rng, pos + 1 + extra, n_kv, d)
+    out = prep(backend, request, qg, k, v, q_norm, k_norm, k_cache, v_cache, pos, rope_dims, wg=wg,
+               sg=subgroup(backend, request, sg_pick))
+    q, kc, vc = att.attn_prep_ref(qg, k, v, q_norm, k_norm, k_cache, v_cache, pos, rope_dims, 1e7, EPS)
+    np.testing.assert_allclose(out["q"], q, rtol=1e-5, atol=rope_atol(pos, q))
+    others = np.arange(len(k_cache)) != pos
+    np.testing.assert_array_equal(out["k_cache"][others], k_cache[others])  # only row `pos` is written
+    np.testing.assert_array_equal(out["v_cache"][others], v_cache[others])
+    assert_f16_close(out["k_cache"][pos], kc[pos], rope_atol(pos, kc[pos]))
+    np.testing.assert_array_equal(out["v_cache"][pos], vc[pos])
+
+
+def test_prep_matches_model_reference():
+    """Against the model's own rmsnorm and rope_neox (real head sizes, RoPE on 64 of 256 dims)."""
+    rng = np.random.default_rng(11)
+    n_head, n_kv, d, pos = 16, 2, 256, 777
+    qg = rng.standard_normal((n_head, 2 * d), dtype=np.float32)
+    k, v = rng.standard_normal((n_kv, d), dtype=np.float32), rng.standard_normal((n_kv, d), dtype=np.float32)
+    q_norm, k_norm = rng.standard_normal(d, dtype=np.float32), rng.standard_normal(d, dtype=np.float32)
+    cache = np.zeros((pos + 1, n_kv, d), np.float16)
+    out = prep("interp", None, qg, k, v, q_norm, k_norm, cache, cache, pos, 64, wg=256, sg=32)
+    q = model.rope_neox(model.rmsnorm(qg[None, :, :d], q_norm, EPS), [pos], 64, 1e7)[0]
+    kr = model.rope_neox(model.rmsnorm(k[None], k_norm, EPS), [pos], 64, 1e7)[0]
+    np.testing.assert_allclose(out["q"], q, rtol=1e-5, atol=rope_atol(pos, q))
+    assert_f16_close(out["k_cache"][pos], kr, rope_atol(pos, kr))
+    np.testing.assert_array_equal(out["v_cache"][pos], v.astype(np.float16))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(n_kv=st.integers(1, 3), group=st.sampled_from([1, 2, 3, 4, 8]), d=st.sampled_from([4, 8, 16, 32, 64]),
+       length=st.integers(1, 80), nsplit=st.integers(1, 12), extra=st.integers(0, 3), scale=st.sampled_from([0.3, 3.0]),
+       sg_pick=st.integers(0, 3), wg=st.sampled_from([64, 256]), seed=st.integers(0, 99))
+def test_decode_and_combine(backend, request, n_kv, group, d, length, nsplit, extra, scale, sg_pick, wg, seed):
+    """Any length ≥ 1 and any split count: splits past the end stay empty and are skipped."""
+    rng = np.random.default_rng(seed)
+    n_head = n_kv * group
+    q = (rng.standard_normal((n_head, d)) * scale).astype(np.float32)
+    qg = rng.standard_normal((n_head, 2 * d), dtype=np.float32)
+    k_cache = random_cache(rng, length + extra, n_kv, d, scale)
+    v_cache = random_cache(rng, length + extra, n_kv, d)
+    k_cache[length:] = np.float16(np.inf)  # rows past the length must never be read
+    part, o = decode(backend, request, q, k_cache, v_cache, qg, length, nsplit, subgroup(backend, request, sg_pick), wg)
+    used = len(att.split_bounds(length, nsplit))
+    np.testing.assert_allclose(part[:, :used], att.attn_decode_ref(q, k_cache, v_cache, length, nsplit)[:, :used],
+                               rtol=2e-5, atol=2e-5)
+    assert np.isnan(part[:, used:]).all()  # empty splits write nothing
+    np.testing.assert_allclose(o, att.attention_ref(q, k_cache, v_cache, qg, length), rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(o, att.attn_combine_ref(part, qg, length, nsplit), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("length,nsplit", [(1, 1), (1, 8), (7, 8), (8, 8), (9, 8), (17, 4), (64, 3), (5, 64)])
+@pytest.mark.parametrize("d,sg", [(16, 8), (16, 64), (64, 8), (64, 64)])
+def test_split_edges(length, nsplit, d, sg):
+    """Fewer rows than splits, exact multiples, one row past a multiple; several row clusters per
+    subgroup (d = 16 at SG 64: 4 lanes per row, 16 rows at a time) and one."""
+    rng = np.random.default_rng(length * 100 + nsplit)
+    q, qg = rng.standard_normal((4, d), dtype=np.float32), rng.standard_normal((4, 2 * d), dtype=np.float32)
+    k_cache, v_cache = random_cache(rng, length, 2, d), random_cache(rng, length, 2, d)
+    part, o = decode("interp", None, q, k_cache, v_cache, qg, length, nsplit, sg)
+    np.testing.assert_allclose(o, att.attention_ref(q, k_cache, v_cache, qg, length), rtol=2e-5, atol=2e-6)
+    assert np.isnan(part[:, len(att.split_bounds(length, nsplit)):]).all()
+
+
+def test_decode_model_shape():
+    """16 query heads over 2 KV heads of 256 (groups of 8), 8 splits, 300 rows; SG 32 and 64."""
+    rng = np.random.default_rng(5)
+    q, qg = rng.standard_normal((16, 256), dtype=np.float32), rng.standard_normal((16, 512), dtype=np.float32)
+    k_cache, v_cache = random_cache(rng, 300, 2, 256), random_cache(rng, 300, 2, 256)
+    for sg in (32, 64):
+        _, o = decode("interp", None, q, k_cache, v_cache, qg, 300, 8, sg, wg=256)
+        np.testing.assert_allclose(o, att.attention_ref(q, k_cache, v_cache, qg, 300), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_several_tokens(backend, request):
+    """prep → decode → combine for positions 0..T−1, caches carried, against the model reference's
+    rmsnorm / rope_neox / softmax attention run token by token with f32 caches."""
+    rng = np.random.default_rng(2)
+    n_head, n_kv, d, rope_dims, n_ctx, T, nsplit = 4, 2, 32, 16, 12, 9, 4
+    sg = subgroup(backend, request, 0)
+    q_norm, k_norm = rng.standard_normal(d, dtype=np.float32), rng.standard_normal(d, dtype=np.float32)
+    k_cache, v_cache = np.zeros((n_ctx, n_kv, d), np.float16), np.zeros((n_ctx, n_kv, d), np.float16)
+    K, V = np.zeros((n_kv, 0, d)), np.zeros((n_kv, 0, d))
+    for pos in range(T):
+        qg = rng.standard_normal((n_head, 2 * d), dtype=np.float32)
+        k, v = rng.standard_normal((n_kv, d), dtype=np.float32), rng.standard_normal((n_kv, d), dtype=np.float32)
+        out = prep(backend, request, qg, k, v, q_norm, k_norm, k_cache, v_cache, pos, rope_dims, sg=sg)
+        k_cache, v_cache = out["k_cache"], out["v_cache"]
+        _, o = decode(backend, request, out["q"], k_cache, v_cache, qg, pos + 1, nsplit, sg)
+
+        q = model.rope_neox(model.rmsnorm(qg[None, :, :d], q_norm, EPS), [pos], rope_dims, 1e7)[0]
+        kr = model.rope_neox(model.rmsnorm(k[None], k_norm, EPS), [pos], rope_dims, 1e7)[0]
+        K, V = np.concatenate([K, kr[:, None]], 1), np.concatenate([V, v[:, None]], 1)
+        Kh, Vh = np.repeat(K, n_head // n_kv, axis=0), np.repeat(V, n_head // n_kv, axis=0)
+        scores = np.einsum("hd,htd->ht", q, Kh) / np.sqrt(d)
+        p = np.exp(scores - scores.max(axis=1, keepdims=True))
+        expect = np.einsum("ht,htd->hd", p / p.sum(axis=1, keepdims=True), Vh) * model.sigmoid(qg[:, d:])
+        np.testing.assert_allclose(o, expect, rtol=2e-3, atol=2e-3)  # f16 cache vs f32 reference
