@@ -61,13 +61,20 @@ def block_step(f, ctx, rows, x, x_bases, b, part):
 
 def block_dots(f, ctx, rows, x, x_bases, nblocks, WG):
     """Per-invocation partial dot products over all blocks; returns acc[row][col] (zdsl vars)."""
-    part = zdsl.local_index() % f.parts
-    acc = [[zdsl.var(0.0) for _ in x_bases] for _ in rows]
-    for b in zdsl.range(zdsl.local_index() // f.parts, nblocks, WG // f.parts):
-        step = block_step(f, ctx, rows, x, x_bases, b, part)
-        for r in range(len(rows)):
-            for c in range(len(x_bases)):
-                acc[r][c] += step[r][c]
+    return block_loop(f.parts, nblocks, WG, len(rows), len(x_bases),
+                      lambda b, part: block_step(f, ctx, rows, x, x_bases, b, part))
+
+
+def block_loop(parts, nblocks, WG, nrows, ncols, step):
+    """Sum step(b, part) — [row][col] values — over the blocks this invocation visits: `parts`
+    invocations per block, WG / parts blocks at a time."""
+    part = zdsl.local_index() % parts
+    acc = [[zdsl.var(0.0) for _ in range(ncols)] for _ in range(nrows)]
+    for b in zdsl.range(zdsl.local_index() // parts, nblocks, WG // parts):
+        values = step(b, part)
+        for r in range(nrows):
+            for c in range(ncols):
+                acc[r][c] += values[r][c]
     return acc
 
 
