@@ -1,7 +1,7 @@
 """Matrix-vector products in int8: activations quantized to Q8_1 on the GPU, then four weight
 bytes times four activation bytes per `dot4_i8` instead of four decoded floats per multiply-add.
 
-Q8_1 here: per 32 activations, d = max|x| / 127, q = round(x / d) (ties to even), s = d·Σq.
+Q8_1 here: per 32 activations, d = max|x| / 127, q = round(x / d) (as ggml), s = d·Σq.
 On the GPU the quants are `xq` (u32, four int8 each, in element order: k/4 words per vector)
 and the scales `xd` (f32 pairs (d, s) per block: k/16 floats per vector) — f32 rather than
 ggml's f16, so no rounding beyond the quants'. Per weight group (quant.IntGroup):
@@ -20,6 +20,7 @@ import numpy as np
 import zdsl
 from zdsl import Buffer, Const, Spec, boolean, f32, i32, u8, u32
 from zdsl.kernels.dmmv import SUBGROUPS, block_loop, dequant_rows, store_rows, workgroup_of, workgroup_sums
+from zdsl.kernels.formats import q8_1_quantize
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS, fmt
 
 
@@ -34,8 +35,8 @@ def quantize_q8_1(x: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], n: u32, SG: 
     a = zdsl.abs(v)
     amax = zdsl.subgroup_max(zdsl.max(zdsl.max(a.x, a.y), zdsl.max(a.z, a.w)), cluster=8)
     d = amax / 127.0
-    q = zdsl.round(v * zdsl.where(amax > 0.0, 1.0 / d, 0.0)).to(i32)
-    lanes = [q.x, q.y, q.z, q.w]
+    inv = zdsl.where(amax > 0.0, 1.0 / d, 0.0)
+    lanes = [round_away(t * inv) for t in (v.x, v.y, v.z, v.w)]
     packed = zdsl.bitcast(lanes[0], u32) & 0xFF
     for j in range(1, 4):
         packed = packed | ((zdsl.bitcast(lanes[j], u32) & 0xFF) << (8 * j))
@@ -46,15 +47,19 @@ def quantize_q8_1(x: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], n: u32, SG: 
             xd.vec2[i >> 3] = zdsl.vec(d, d * qsum.to(f32))
 
 
+def round_away(v):
+    """C roundf (halves away from zero) as an i32, exactly: |v| − floor(|v|) is exact."""
+    a = zdsl.abs(v)
+    f = zdsl.floor(a)
+    r = (f + zdsl.where(a - f >= 0.5, 1.0, 0.0)).to(i32)
+    return zdsl.where(v < 0.0, -r, r)
+
+
 @quantize_q8_1.reference
 def quantize_q8_1_ref(x):
-    """(q int8, d f32, s f32) per block of 32, as the kernel computes them."""
-    blocks = np.asarray(x, np.float32).reshape(-1, 32)
-    d = np.abs(blocks).max(axis=1) / np.float32(127)
-    with np.errstate(divide="ignore"):
-        inv = np.where(d > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
-    q = np.round(blocks * inv[:, None]).astype(np.int8)
-    return q.reshape(-1), d, (d * q.astype(np.float32).sum(axis=1)).astype(np.float32)
+    """(q int8, d, s) per block of 32 as ggml makes them; ggml rounds d and s to f16, the kernel
+    keeps them f32 (and its 1/d may differ by an ulp, moving a q that sits on a half by one)."""
+    return q8_1_quantize(np.asarray(x, np.float32).reshape(-1, 32))
 
 
 def q8_1_values(xq, xd) -> np.ndarray:
