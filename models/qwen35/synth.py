@@ -120,14 +120,10 @@ def tensor_type(name: str, spec: TensorSpec, quant: str, layer: int, n_layers: i
 
 
 def _quantize(rows: np.ndarray, qtype: QuantType) -> np.ndarray:
-    from gguf import quants
+    from zdsl.kernels import formats
 
     rows = np.ascontiguousarray(rows, dtype=np.float32)
-    if qtype == QuantType.F32:
-        out = rows
-    else:
-        out = quants.quantize(rows, qtype)
-    return np.ascontiguousarray(out).view(np.uint8).reshape(rows.shape[0], -1)
+    return formats.quantize(rows, qtype).reshape(rows.shape[0], -1)
 
 
 def _values(name: str, shape: tuple[int, ...], hp: Hparams, rng: np.random.Generator) -> np.ndarray | float:
