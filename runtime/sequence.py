@@ -99,6 +99,11 @@ class Sequence:
         if timestamps:
             lib.vkCmdWriteTimestamp(self.cb, _BOTTOM, self._query_pool, 0)
 
+    @property
+    def commands(self) -> int:
+        """How many commands (dispatches, copies, fills) are recorded."""
+        return len(self._labels)
+
     # -- recording ------------------------------------------------------------------------
 
     def dispatch(self, pipe, groups, buffers, push: bytes = b"", label: str = "") -> None:

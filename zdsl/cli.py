@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "build": ("zdsl.build:build_command", "Build every kernel variant; --target gfx1201 adds RDNA statistics."),
     "run": ("zdsl.models.qwen35.run:run", "Generate text from a GGUF model (default: a synthetic one)."),
     "chat": ("zdsl.models.qwen35.run:chat", "Chat interactively with a GGUF model."),
+    "profile": ("zdsl.models.qwen35.profile:profile", "Time one decode step dispatch by dispatch."),
 }
 
 

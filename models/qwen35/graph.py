@@ -133,14 +133,16 @@ class DecodeGraph:
     def _matvec(self, seq, tensor: str, x, y, add: bool = False) -> None:
         m, k = self.model.shape(tensor)[-2:]
         v = choose(dmmv.dmmv, self.info, {"QTYPE": self._qname(tensor), "k": k, "m": m}, QTYPE=self._qname(tensor), ADD=add)
-        v.dispatch(seq, cdiv(m, v.params["ROWS"]), w=self.weights[tensor], x=x, y=y, k=k, m=m)
+        v.dispatch(seq, cdiv(m, v.params["ROWS"]), label=tensor.removesuffix(".weight"), w=self.weights[tensor],
+                   x=x, y=y, k=k, m=m)
 
     def _record(self, timestamps: bool = False):
         hp, b = self.hp, self.buf
         seq = self.device.sequence(timestamps=timestamps)
         emb = "token_embd.weight"
         q = self._qname(emb)
-        embedding.embed.specialize(QTYPE=q).dispatch(seq, embedding.embed_groups(q, hp.hidden), table=self.weights[emb],
+        embedding.embed.specialize(QTYPE=q).dispatch(seq, embedding.embed_groups(q, hp.hidden), label="embed",
+                                                     table=self.weights[emb],
                                                      ids=self.step, out=b.x, k=hp.hidden, index=2)
         for i in range(hp.n_layers):
             p = f"blk.{i}."
@@ -162,7 +164,8 @@ class DecodeGraph:
     def _norm(self, seq, x, weight: str, out) -> None:
         n = self.hp.hidden
         v = choose(norm.rms_norm, self.info, {"n": n})
-        v.dispatch(seq, 1, x=x, w=self.weights[weight], out=out, n=n, eps=self.hp.eps)
+        v.dispatch(seq, 1, label=weight.removesuffix(".weight"), x=x, w=self.weights[weight], out=out, n=n,
+                   eps=self.hp.eps)
 
     def _attention(self, seq, i: int) -> None:
         hp, p, b = self.hp, f"blk.{i}.", self.buf
@@ -172,15 +175,15 @@ class DecodeGraph:
         self._matvec(seq, p + "attn_v.weight", b.xn, self.v)
         k_cache, v_cache = self.kv[i]
         prep = choose(attention.attn_prep, self.info, {"d": d})
-        prep.dispatch(seq, nh + nkv, qg=self.qg, k=self.k, v=self.v, q_norm=self.weights[p + "attn_q_norm.weight"],
+        prep.dispatch(seq, nh + nkv, label=p + "attn_prep", qg=self.qg, k=self.k, v=self.v, q_norm=self.weights[p + "attn_q_norm.weight"],
                       k_norm=self.weights[p + "attn_k_norm.weight"], step=self.step, q=self.q, k_cache=k_cache,
                       v_cache=v_cache, n_head=nh, n_kv=nkv, d=d, rope_dims=hp.rope_dims, rope_base=hp.rope_base,
                       eps=hp.eps)
         dec = choose(attention.attn_decode, self.info, {"D": d, "G": nh // nkv}, D=d, G=nh // nkv)
-        dec.dispatch(seq, (ATTN_SPLITS, nkv), q=self.q, k_cache=k_cache, v_cache=v_cache, step=self.step,
+        dec.dispatch(seq, (ATTN_SPLITS, nkv), label=p + "attn_decode", q=self.q, k_cache=k_cache, v_cache=v_cache, step=self.step,
                      part=self.attn_part, n_kv=nkv)
         comb = choose(attention.attn_combine, self.info, {"d": d})
-        comb.dispatch(seq, nh, part=self.attn_part, qg=self.qg, step=self.step, o=self.attn_o, d=d, nsplit=ATTN_SPLITS)
+        comb.dispatch(seq, nh, label=p + "attn_combine", part=self.attn_part, qg=self.qg, step=self.step, o=self.attn_o, d=d, nsplit=ATTN_SPLITS)
         self._matvec(seq, p + "attn_output.weight", self.attn_o, b.x, add=True)
 
     def _deltanet(self, seq, i: int) -> None:
@@ -190,10 +193,10 @@ class DecodeGraph:
                           ("ssm_alpha", self.alpha)):
             self._matvec(seq, p + name + ".weight", b.xn, out)
         conv = choose(deltanet.deltanet_conv, self.info, {"channels": C}, KC=hp.conv_kernel)
-        conv.dispatch(seq, cdiv(C, conv.params["WG"]), mix=self.mix, w=self.weights[p + "ssm_conv1d.weight"],
+        conv.dispatch(seq, cdiv(C, conv.params["WG"]), label=p + "ssm_conv", mix=self.mix, w=self.weights[p + "ssm_conv1d.weight"],
                       state=self.conv_state[i], out=self.conv_out, channels=C)
         step = choose(deltanet.deltanet_step, self.info, {"D": hp.ssm_head_dim}, D=hp.ssm_head_dim)
-        step.dispatch(seq, hp.ssm_v_heads, conv=self.conv_out, z=self.z, b=self.beta, a=self.alpha,
+        step.dispatch(seq, hp.ssm_v_heads, label=p + "ssm_step", conv=self.conv_out, z=self.z, b=self.beta, a=self.alpha,
                       ssm_a=self.weights[p + "ssm_a"], dt_bias=self.weights[p + "ssm_dt.bias"],
                       norm_w=self.weights[p + "ssm_norm.weight"], state=self.ssm_state[i], out=self.dn_out,
                       n_k_heads=hp.ssm_k_heads, eps=hp.eps)
@@ -206,26 +209,28 @@ class DecodeGraph:
         if self._qname(up) != q:
             raise ZdslError(f"{gate} and {up} have different types; zdsl's fused gate·up needs one type")
         v = choose(dmmv.ffn_gate_up, self.info, {"QTYPE": q, "k": k, "m": m}, QTYPE=q, EXPERTS=ids is not None)
-        v.dispatch(seq, (cdiv(m, v.params["ROWS"]), slots), wg=self.weights[gate], wu=self.weights[up],
+        v.dispatch(seq, (cdiv(m, v.params["ROWS"]), slots), label=gate.removesuffix(".weight") + "+up",
+                   wg=self.weights[gate], wu=self.weights[up],
                    ids=ids if ids is not None else self.step, x=x, act=act, k=k, m=m)
 
     def _down(self, seq, tensor: str, ids, weights, act, slots: int) -> None:
         m, k = self.model.shape(tensor)[-2:]
         q = self._qname(tensor)
         v = choose(dmmv.moe_down, self.info, {"QTYPE": q, "k": k, "m": m}, QTYPE=q, ADD=True)
-        v.dispatch(seq, cdiv(m, v.params["ROWS"]), w=self.weights[tensor], ids=ids, weights=weights, act=act,
+        v.dispatch(seq, cdiv(m, v.params["ROWS"]), label=tensor.removesuffix(".weight"), w=self.weights[tensor],
+                   ids=ids, weights=weights, act=act,
                    y=self.buf.x, k=k, m=m, slots=slots)
 
     def _moe(self, seq, i: int) -> None:
         hp, p, b = self.hp, f"blk.{i}.", self.buf
         self._matvec(seq, p + "ffn_gate_inp.weight", b.hn, self.router)
         route = choose(moe.moe_route, self.info, {"n_expert": hp.n_experts}, K=hp.n_experts_used)
-        route.dispatch(seq, 1, logits=self.router, ids=self.route_ids, weights=self.route_w, n_expert=hp.n_experts)
+        route.dispatch(seq, 1, label=p + "moe_route", logits=self.router, ids=self.route_ids, weights=self.route_w, n_expert=hp.n_experts)
         self._ffn_gate_up(seq, p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight", b.hn, self.act,
                           ids=self.route_ids, slots=hp.n_experts_used)
         self._down(seq, p + "ffn_down_exps.weight", self.route_ids, self.route_w, self.act, hp.n_experts_used)
         gate = choose(moe.shared_gate, self.info, {"n": hp.hidden})
-        gate.dispatch(seq, 1, w=self.weights[p + "ffn_gate_inp_shexp.weight"], x=b.hn, gate=self.shared_w, n=hp.hidden)
+        gate.dispatch(seq, 1, label=p + "shared_gate", w=self.weights[p + "ffn_gate_inp_shexp.weight"], x=b.hn, gate=self.shared_w, n=hp.hidden)
         self._ffn_gate_up(seq, p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight", b.hn, self.shared_act)
         self._down(seq, p + "ffn_down_shexp.weight", self.zero_id, self.shared_w, self.shared_act, 1)
 
@@ -236,9 +241,9 @@ class DecodeGraph:
 
     def _sample(self, seq) -> None:
         first, draw = self.sampler.push_constants(self.hp.vocab, self.n_ctx)
-        self.sample_pass.dispatch(seq, self.sample_groups, logits=self.buf.logits, counts=self.counts,
+        self.sample_pass.dispatch(seq, self.sample_groups, label="sample_candidates", logits=self.buf.logits, counts=self.counts,
                                   cand=self.cand, **first)
-        self.sample_draw.dispatch(seq, 1, cand=self.cand, step=self.step, counts=self.counts,
+        self.sample_draw.dispatch(seq, 1, label="sample_draw", cand=self.cand, step=self.step, counts=self.counts,
                                   tokens=self.tokens_out, **draw)
 
     # -- running ----------------------------------------------------------------------------
@@ -256,6 +261,11 @@ class DecodeGraph:
         self.seq.run()
         self.position += 1
         return int(w[2])
+
+    @property
+    def dispatches(self) -> int:
+        """Commands recorded into one decode step."""
+        return self.seq.commands
 
     def profile(self) -> list[tuple[str, float]]:
         """Run one step of a copy of the graph that records a GPU timestamp after every dispatch,

@@ -303,11 +303,12 @@ class Variant:
             raise ZdslError(f"{self.label}: missing buffer argument(s) {', '.join(missing)}")
         return [args[n] for n in names], {s.name: args[s.name] for s in self.ir.scalars if s.name in args}
 
-    def dispatch(self, seq, groups, **args) -> None:
-        """Record this variant into a runtime Sequence; buffers are runtime Buffers."""
+    def dispatch(self, seq, groups, *, label: str | None = None, **args) -> None:
+        """Record this variant into a runtime Sequence; buffers are runtime Buffers. `label`
+        names the dispatch in timings (default: the variant's label)."""
         buffers, scalars = self._split_args(args)
         seq.dispatch(self.pipeline(seq.device), _groups(groups), buffers, self.pack_push(scalars),
-                     label=self.label)
+                     label=f"{label}:{self.label}" if label else self.label)
 
     def run(self, device, groups, **args) -> dict[str, np.ndarray]:
         """One-shot: upload numpy arrays, dispatch once, return the buffers the kernel writes."""

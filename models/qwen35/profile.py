@@ -1,0 +1,114 @@
+"""`zdsl profile`: one decode step with a GPU timestamp after every dispatch, grouped by phase
+(attention, delta-net, MoE, norms, output head, sampling) and by kernel, with a Chrome trace."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import click
+
+PHASES = [  # (phase, pattern on the dispatch label "<role>:<kernel variant>")
+    ("embedding", r"^embed"),
+    ("norms", r"norm(?!_w)[^:]*:rms_norm"),
+    ("attention", r"\.attn_(q|k|v|output|prep|decode|combine)\b"),
+    ("delta-net", r"\.(attn_qkv|attn_gate|ssm_\w+)\b"),
+    ("moe router", r"\.(ffn_gate_inp|moe_route|shared_gate)\b"),
+    ("moe experts", r"_exps"),
+    ("moe shared", r"_shexp"),
+    ("ffn", r"\.ffn_(gate|up|down)\b"),
+    ("output head", r"^(output|token_embd)[^:]*:dmmv"),
+    ("sampling", r"^sample"),
+]
+
+
+def phase_of(label: str) -> str:
+    for name, pattern in PHASES:
+        if re.search(pattern, label):
+            return name
+    return "other"
+
+
+def kernel_of(label: str) -> str:
+    return label.split(":", 1)[-1].split("[", 1)[0]
+
+
+def summarize(timings: list[tuple[str, float]]) -> dict:
+    by_phase, by_kernel = defaultdict(float), defaultdict(lambda: [0.0, 0])
+    for label, ms in timings:
+        by_phase[phase_of(label)] += ms
+        k = by_kernel[kernel_of(label)]
+        k[0] += ms
+        k[1] += 1
+    total = sum(ms for _, ms in timings)
+    return {"total_ms": total, "dispatches": len(timings),
+            "phases": dict(sorted(by_phase.items(), key=lambda kv: -kv[1])),
+            "kernels": {k: {"ms": v[0], "count": v[1]} for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])},
+            "top": sorted(timings, key=lambda t: -t[1])}
+
+
+def chrome_trace(timings: list[tuple[str, float]]) -> dict:
+    events, t = [], 0.0
+    for label, ms in timings:
+        events.append({"name": label, "cat": phase_of(label), "ph": "X", "ts": round(t * 1e3, 3),
+                       "dur": round(ms * 1e3, 3), "pid": 0, "tid": 0})
+        t += ms
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+@click.command("profile")
+@click.argument("model", required=False, type=click.Path(dir_okay=False))
+@click.option("--device", default=None, help="Index, name substring or alias (zdsl devices).")
+@click.option("--ctx", "n_ctx", type=int, default=512, show_default=True, help="Context to allocate.")
+@click.option("--position", type=int, default=16, show_default=True, help="Tokens decoded before the timed step.")
+@click.option("--top", type=int, default=15, show_default=True, help="Rows of the slowest-dispatch table.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("profile"),
+              show_default=True, help="Where profile.json and trace.json go.")
+def profile(model, device, n_ctx, position, top, out_dir):
+    """Time one decode step dispatch by dispatch (GPU timestamps)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from zdsl.errors import ZdslError
+    from zdsl.models.qwen35.generate import load
+    from zdsl.models.qwen35.sampler import SamplerConfig
+
+    if not 0 <= position < n_ctx - 1:
+        raise ZdslError(f"--position must be in [0, {n_ctx - 1}) for a context of {n_ctx}")
+    gen = load(model, device, n_ctx=n_ctx, sampler=SamplerConfig(temperature=0))
+    if "timestamps" not in gen.device.info.features:
+        raise ZdslError(f"{gen.device.info.name} has no timestamp queries; zdsl profile needs them")
+    g = gen.graph
+    g.decode(1)
+    for _ in range(position - 1):
+        g.decode()
+    g.profile()  # warm-up
+    timings = g.profile()
+    s = summarize(timings)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "trace.json").write_text(json.dumps(chrome_trace(timings)))
+    (out_dir / "profile.json").write_text(json.dumps({"model": str(gen.model.path), "device": gen.device.info.name,
+                                                      "position": g.position - 1, **s}, indent=1))
+    console = Console()
+    console.print(f"{gen.model.path.name} on {gen.device.info.name}: one decode step at position {g.position - 1}, "
+                  f"{s['dispatches']} dispatches, {s['total_ms']:.3f} ms GPU")
+    for title, rows in (("phase", [(k, v, None) for k, v in s["phases"].items()]),
+                        ("kernel", [(k, v["ms"], v["count"]) for k, v in s["kernels"].items()])):
+        t = Table(title=f"by {title}")
+        t.add_column(title)
+        t.add_column("ms", justify="right")
+        t.add_column("%", justify="right")
+        t.add_column("dispatches", justify="right")
+        for name, ms, count in rows:
+            t.add_row(name, f"{ms:.3f}", f"{100 * ms / s['total_ms']:.1f}", "" if count is None else str(count))
+        console.print(t)
+    t = Table(title=f"slowest {top} dispatches")
+    t.add_column("dispatch")
+    t.add_column("ms", justify="right")
+    for label, ms in s["top"][:top]:
+        t.add_row(label, f"{ms:.4f}")
+    console.print(t)
+    console.print(f"wrote {out_dir / 'profile.json'} and {out_dir / 'trace.json'} (chrome://tracing)")
+    gen.close()
