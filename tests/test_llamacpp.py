@@ -6,17 +6,21 @@ the last 16 one at a time (its recurrent path and KV-cache appends); the referen
 in float64. KV cache f32 on both sides.
 
 - f32 weights: llama.cpp multiplies in f32 too, so the two must agree to rounding. Bound: max |diff|
-  <= 1e-4 with logits std ~3; measured max |diff| 7.6e-6 (tiny MoE), 8.4e-6 (tiny dense). Same argmax
+  <= 1e-4 with logits std ~3; measured max |diff| 7.3e-6 (tiny MoE), 6.7e-6 (tiny dense). Same argmax
   at every position.
 - The same with fused `attn_qkv` / `ffn_gate_up_exps` tensors, and with the head tied to the
   embedding (no output.weight): measured max |diff| 7.3e-6 and 4.5e-5 (logits std 3.0 and 16.5).
-- q8_0 weights: llama.cpp rounds activations to Q8_0 before each quantized matmul (the reference does
-  not), so logits move by a few hundredths and, in the MoE, an occasional near-tied expert choice flips.
-  (Emulating that rounding for one tensor kind at a time brings the median |diff| to 1e-6.)
-  Bounds: median |diff| <= 0.03 x std, 95th percentile <= 0.1 x std; same argmax wherever the
-  reference's top-2 gap > 1.0. Measured (std 2.96 / 3.02): median 0.043 = 0.0145 x std (MoE),
-  0.040 = 0.0133 x std (dense); p95 0.18 / 0.12; max 1.33 / 0.30; 4 and 3 argmax flips out of 96,
-  all at gaps <= 0.60; 39 and 37 positions have gaps > 1.0.
+- Quantized weights: llama.cpp rounds activations before each quantized matmul (to Q8_0 in 32-blocks
+  for Q8_0 weights, to Q8_K in 256-blocks for K-quants); the reference does not. Logits move by a few
+  hundredths and near-tied argmaxes (and, in the MoE, expert choices) flip. Emulating that rounding
+  for one quantized tensor at a time (Q4_K, Q5_K, Q6_K, Q8_0) brings the median |diff| to ~1e-6, so
+  the weights themselves decode identically. Bounds: median |diff| <= 0.04 x std, 95th percentile
+  <= 0.2 x std; same argmax wherever the reference's top-2 gap > 1.0 (at least 20 such positions).
+  Measured (logits std ~3):
+      q8_0   MoE: median 0.0145 std, p95 0.062 std, max 1.33, 4 flips (gaps <= 0.60), 39 clear
+             dense: median 0.0133 std, p95 0.039 std, max 0.30, 3 flips (gaps <= 0.03), 37 clear
+      q4_k_m MoE: median 0.026 std, p95 0.128 std, max 2.3, 4 flips (gaps <= 0.37), 35 clear
+             dense: median 0.021 std, p95 0.063 std, max 0.47, 5 flips (gaps <= 0.30), 29 clear
 """
 
 import subprocess
@@ -74,15 +78,16 @@ def test_fused_tensors_and_tied_head(tmp_path, edits):
     np.testing.assert_array_equal(ours.argmax(1), theirs.argmax(1))
 
 
+@pytest.mark.parametrize("quant", ["q8_0", "q4_k_m"])
 @pytest.mark.parametrize("preset", ["tiny", "tiny-dense"])
-def test_q8_0_weights_agree_up_to_activation_rounding(tmp_path, preset):
-    ours, theirs = _compare(tmp_path, preset, "q8_0")
+def test_quantized_weights_agree_up_to_activation_rounding(tmp_path, preset, quant):
+    ours, theirs = _compare(tmp_path, preset, quant)
     diff = np.abs(ours - theirs)
-    assert np.median(diff) <= 0.03 * ours.std(), (np.median(diff), ours.std())
-    assert np.percentile(diff, 95) <= 0.1 * ours.std(), (np.percentile(diff, 95), ours.std())
+    assert np.median(diff) <= 0.04 * ours.std(), (np.median(diff), ours.std())
+    assert np.percentile(diff, 95) <= 0.2 * ours.std(), (np.percentile(diff, 95), ours.std())
     top2 = np.sort(ours, axis=1)[:, -2:]
     clear = top2[:, 1] - top2[:, 0] > 1.0
-    assert clear.sum() >= 30
+    assert clear.sum() >= 20
     np.testing.assert_array_equal(ours.argmax(1)[clear], theirs.argmax(1)[clear])
 
 

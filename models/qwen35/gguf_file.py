@@ -17,31 +17,15 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from zdsl.errors import ModelError
+from zdsl.kernels.formats import SUPPORTED_DEQUANT, dequantize, row_bytes
 
 QuantType = GGMLQuantizationType
 ARCHITECTURES = ("qwen35moe", "qwen35")
 
 # Types a weight matrix may have: those the numpy reference can dequantize.
-WEIGHT_TYPES = frozenset({
-    QuantType.F32, QuantType.F16, QuantType.BF16,
-    QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0, QuantType.Q5_1, QuantType.Q8_0,
-    QuantType.Q2_K, QuantType.Q3_K, QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K,
-    QuantType.IQ4_NL, QuantType.IQ4_XS,
-})
+WEIGHT_TYPES = SUPPORTED_DEQUANT
 # Norms, conv taps, ssm_a/ssm_dt are elementwise operands: converters keep them in float.
 VECTOR_TYPES = frozenset({QuantType.F32, QuantType.F16, QuantType.BF16})
-
-
-def dequantize(data: np.ndarray, qtype: QuantType, shape: tuple[int, ...]) -> np.ndarray:
-    """Raw GGUF rows -> float32 array of `shape` (numpy order, contiguous dim last)."""
-    from gguf import quants
-
-    return np.asarray(quants.dequantize(np.asarray(data), qtype), dtype=np.float32).reshape(shape)
-
-
-def row_bytes(qtype: QuantType, n: int) -> int:
-    block, size = GGML_QUANT_SIZES[qtype]
-    return n // block * size
 
 
 @dataclass(frozen=True)

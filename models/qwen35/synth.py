@@ -19,6 +19,7 @@ import numpy as np
 from gguf import GGUFWriter, TokenType
 
 from zdsl.errors import ModelError
+from zdsl.kernels.formats import quantize
 
 from .gguf_file import Hparams, QuantType, TensorSpec, row_bytes, tensor_specs
 
@@ -119,13 +120,6 @@ def tensor_type(name: str, spec: TensorSpec, quant: str, layer: int, n_layers: i
     return QuantType.Q4_K
 
 
-def _quantize(rows: np.ndarray, qtype: QuantType) -> np.ndarray:
-    from zdsl.kernels import formats
-
-    rows = np.ascontiguousarray(rows, dtype=np.float32)
-    return formats.quantize(rows, qtype).reshape(rows.shape[0], -1)
-
-
 def _values(name: str, shape: tuple[int, ...], hp: Hparams, rng: np.random.Generator) -> np.ndarray | float:
     """Float values for small tensors, or the std of a Gaussian weight matrix."""
     if name.endswith("ssm_a"):
@@ -155,10 +149,10 @@ class _RowSource:
 
     def rows(self, n: int, width: int, qtype: QuantType, std: float) -> np.ndarray:
         if n <= POOL_ROWS:
-            return _quantize(std * self.rng.standard_normal((n, width), dtype=np.float32), qtype)
+            return quantize(std * self.rng.standard_normal((n, width), dtype=np.float32), qtype)
         key = (width, qtype, std)
         if key not in self.pools:
-            self.pools[key] = _quantize(std * self.rng.standard_normal((POOL_ROWS, width), dtype=np.float32), qtype)
+            self.pools[key] = quantize(std * self.rng.standard_normal((POOL_ROWS, width), dtype=np.float32), qtype)
         return self.pools[key][self.rng.integers(0, POOL_ROWS, n)]
 
 
@@ -267,7 +261,7 @@ def write(path: str | os.PathLike, preset_name: str = "tiny", *, layers: int | N
         for (name, shape, qtype), size in zip(tensors, sizes):
             values = _values(name, shape, hp, rng)
             if isinstance(values, np.ndarray):
-                data = _quantize(values.reshape(-1, shape[-1]), qtype)
+                data = quantize(values.reshape(-1, shape[-1]), qtype)
             else:
                 data = source.rows(int(np.prod(shape[:-1], dtype=np.int64)), shape[-1], qtype, values)
             w.write_tensor_data(data)
