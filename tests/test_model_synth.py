@@ -44,9 +44,9 @@ def test_35b_a3b_plan_is_q4_k_m_sized():
 @pytest.mark.parametrize("quant", synth.QUANTS)
 def test_tiny_presets_write_fast_load_and_are_lively(tmp_path, name, quant):
     path = tmp_path / "m.gguf"
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: other jobs on a shared machine do not count
     hp = synth.write(path, name, quant=quant)
-    assert time.perf_counter() - t0 < 2.0
+    assert time.process_time() - t0 < 2.0                 # measured 0.1-0.7 s
     m = open_model(path)
     assert m.hparams == hp
     expected = {n: q for n, _, q in synth.plan(hp, quant)}
