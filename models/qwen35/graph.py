@@ -262,6 +262,14 @@ class DecodeGraph:
         self.position += 1
         return int(w[2])
 
+    def seek(self, position: int) -> None:
+        """Continue at `position` without computing the tokens before it. For benchmarks only:
+        the next steps read `position` rows of (unwritten) KV cache, so they cost what real
+        decoding at that depth costs, but their outputs mean nothing."""
+        if not 0 <= position < self.n_ctx:
+            raise ZdslError(f"position {position} is outside the context of {self.n_ctx} tokens")
+        self.position = position
+
     @property
     def dispatches(self) -> int:
         """Commands recorded into one decode step."""
