@@ -1,0 +1,213 @@
+"""The matrix-vector family against numpy, for every weight type: dmmv (COLS, ROWS, ADD),
+ffn_gate_up (experts chosen by id, and the dense pair), moe_down (several slots), the embedding
+lookup, and the int8 path (quantize_q8_1 + dmmv_q8). Weights are random bytes with small finite
+f16 scale fields, or formats.quantize of Gaussian values; references dequantize with gguf-py.
+Shapes: odd row counts (not multiples of ROWS) and K any number of blocks (not a multiple of
+what a workgroup reduces per step). Interpreter at every subgroup size and variant; lavapipe at
+its own subgroup size (8) with one variant per weight type, the variants rotating over the types
+(each variant is a pipeline compile there).
+
+Error bounds (|W|·|x| is the sum of absolute products of a row, the scale of f32 rounding):
+- f32 activations: |y − ref| ≤ 2e-6 · |W|·|x| (ref = dequant(W) @ x in float64).
+- embed: the dequantized row to 1e-6 relative (exact for all but IQ4_XS's scale arithmetic).
+- Q8_1: q equal to ggml's; d and s equal to its before the f16 rounding ggml stores them with.
+- dmmv_q8: |y − dequant(W) @ x̂| ≤ 2e-6 · |W|·|x̂| for x̂ the kernel's own Q8_1 activations, and
+  against the f32 activations |y − dequant(W) @ x| ≤ Σ_j |w_j| · d_j / 2 (+ the f32 term): the
+  quantization step bound.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gguf import GGMLQuantizationType as QuantType
+from zdsl.kernels import dmmv as dm
+from zdsl.kernels import dmmv_q8 as dq
+from zdsl.kernels import embedding as emb
+from zdsl.kernels import formats
+from zdsl.kernels.quant import FORMATS, INT8_FORMATS
+
+BACKENDS = ["interp", "lavapipe"]
+QTYPES = list(FORMATS)
+RTOL = 2e-6
+
+# byte offsets of the f16 fields (scales, mins) in each block; the rest of a block may be anything
+F16_FIELDS = {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2], "q2_k": [80, 82],
+              "q3_k": [108], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208], "iq4_nl": [0], "iq4_xs": [0]}
+FLOATS = ("f32", "f16", "bf16")
+SHAPES = [(1, 1), (1, 2), (3, 1), (1, 4), (2, 1), (4, 1), (5, 1), (6, 1), (7, 1), (8, 1)]  # (COLS, ROWS)
+
+
+def run(variant, backend, request, groups, **args):
+    if backend == "interp":
+        return variant.interpret(groups, **args)
+    return variant.run(request.getfixturevalue("device"), groups, **args)
+
+
+def pick(backend, qtype, draw, n):
+    """An option index: drawn in the interpreter, fixed per weight type on lavapipe."""
+    return draw % n if backend == "interp" else QTYPES.index(qtype) % n
+
+
+def subgroup(backend, request, pick):
+    sizes = [8, 16, 32, 64] if backend == "interp" else [request.getfixturevalue("device").info.subgroup_size]
+    return sizes[pick % len(sizes)]
+
+
+def weights(rng, qtype, rows, k, quantizer):
+    """rows × k weights as GGUF bytes (rows, row_bytes)."""
+    qt = QuantType[qtype.upper()]
+    if qtype in FLOATS or (quantizer and qt in formats.SUPPORTED_QUANT):
+        return formats.quantize(rng.standard_normal((rows, k)).astype(np.float32), qt)
+    f = FORMATS[qtype]
+    w = rng.integers(0, 256, (rows, k // f.block, f.nbytes), dtype=np.uint8)
+    for at in F16_FIELDS[qtype]:
+        w[:, :, at:at + 2] = rng.uniform(-0.05, 0.05, w.shape[:2] + (1,)).astype("<f2").view(np.uint8)
+    return w.reshape(rows, -1)
+
+
+def block_count(qtype, draw):
+    return draw % 3 + 1 if FORMATS[qtype].block == 256 else draw % 6 + 1
+
+
+def assert_within(y, ref, bound):
+    err = np.abs(np.asarray(y, np.float64) - ref)
+    assert (err <= bound).all(), f"max error {err.max():.3g} (bound there {bound.reshape(-1)[np.argmax(err)]:.3g})"
+
+
+def abs_dot(w_bytes, qtype, rows, k, x):
+    """|W| @ |x| per row for each vector of x (cols × k): the magnitude f32 rounding scales with."""
+    return (np.abs(x.reshape(-1, k)) @ np.abs(dm.dequant_rows(w_bytes, qtype, rows, k)).T).reshape(-1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("qtype", QTYPES)
+@settings(max_examples=20)
+@given(m=st.integers(1, 9), nb=st.integers(0, 5), shape=st.integers(0, len(SHAPES) - 1), add=st.booleans(),
+       quantizer=st.booleans(), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
+def test_dmmv(backend, request, qtype, m, nb, shape, add, quantizer, sg_pick, seed):
+    rng = np.random.default_rng(seed)
+    cols, rows = SHAPES[pick(backend, qtype, shape, len(SHAPES))]
+    add = bool(pick(backend, qtype, add, 2))
+    k = FORMATS[qtype].block * block_count(qtype, nb)
+    w = weights(rng, qtype, m, k, quantizer)
+    x = rng.standard_normal(cols * k).astype(np.float32)
+    y0 = rng.standard_normal(cols * m).astype(np.float32)
+    v = dm.dmmv.specialize(QTYPE=qtype, COLS=cols, ROWS=rows, ADD=add, SG=subgroup(backend, request, sg_pick))
+    y = run(v, backend, request, -(-m // rows), w=w, x=x, y=y0, k=k, m=m)["y"]
+    assert_within(y, dm.dmmv_ref(w, x, qtype, m, k, y0 if add else None), RTOL * abs_dot(w, qtype, m, k, x) + 1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("qtype", QTYPES)
+@settings(max_examples=10)
+@given(m=st.integers(1, 7), nb=st.integers(0, 5), nexp=st.integers(1, 4), slots=st.integers(1, 3),
+       experts=st.booleans(), rows=st.integers(0, 2), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
+def test_ffn_gate_up(backend, request, qtype, m, nb, nexp, slots, experts, rows, sg_pick, seed):
+    rng = np.random.default_rng(seed)
+    rows = [1, 2, 4][pick(backend, qtype, rows, 3)]
+    experts = bool(pick(backend, qtype, experts, 2))
+    k = FORMATS[qtype].block * block_count(qtype, nb)
+    nexp, slots = (nexp, slots) if experts else (1, 1)
+    wg, wu = (weights(rng, qtype, nexp * m, k, quantizer=False) for _ in range(2))
+    ids = rng.integers(0, nexp, slots).astype(np.uint32)
+    x = rng.standard_normal(k).astype(np.float32)
+    v = dm.ffn_gate_up.specialize(QTYPE=qtype, ROWS=rows, EXPERTS=experts, SG=subgroup(backend, request, sg_pick))
+    act = run(v, backend, request, (-(-m // rows), slots), wg=wg, wu=wu, ids=ids, x=x,
+              act=np.full(slots * m, np.nan, np.float32), k=k, m=m)["act"]
+    g = dm.dmmv_ref(wg, x, qtype, nexp * m, k).reshape(nexp, m)[ids if experts else [0]]
+    u = dm.dmmv_ref(wu, x, qtype, nexp * m, k).reshape(nexp, m)[ids if experts else [0]]
+    ga = abs_dot(wg, qtype, nexp * m, k, x).reshape(nexp, m)[ids if experts else [0]]
+    ua = abs_dot(wu, qtype, nexp * m, k, x).reshape(nexp, m)[ids if experts else [0]]
+    ref = dm.ffn_gate_up_ref(wg, wu, ids, x, qtype, m, k, experts)
+    # silu(g)·u moves by at most (|u|·1.1 + |silu(g)|)·(the errors of g and u)
+    bound = RTOL * ((np.abs(u) * 1.1 + np.abs(g)) * (ga + ua)).reshape(-1) + 1e-6
+    assert_within(act, ref, bound)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("qtype", QTYPES)
+@settings(max_examples=10)
+@given(m=st.integers(1, 7), nb=st.integers(0, 5), nexp=st.integers(1, 5), slots=st.integers(1, 4),
+       add=st.booleans(), rows=st.integers(0, 2), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
+def test_moe_down(backend, request, qtype, m, nb, nexp, slots, add, rows, sg_pick, seed):
+    rng = np.random.default_rng(seed)
+    rows = [1, 2, 4][pick(backend, qtype, rows, 3)]
+    add = bool(pick(backend, qtype, add, 2))
+    k = FORMATS[qtype].block * block_count(qtype, nb)
+    w = weights(rng, qtype, nexp * m, k, quantizer=True)
+    ids = rng.integers(0, nexp, slots).astype(np.uint32)
+    wts = rng.uniform(0, 1, slots).astype(np.float32)
+    act = rng.standard_normal(slots * k).astype(np.float32)
+    y0 = rng.standard_normal(m).astype(np.float32)
+    v = dm.moe_down.specialize(QTYPE=qtype, ROWS=rows, ADD=add, SG=subgroup(backend, request, sg_pick))
+    y = run(v, backend, request, -(-m // rows), w=w, ids=ids, weights=wts, act=act, y=y0, k=k, m=m, slots=slots)["y"]
+    mags = abs_dot(w, qtype, nexp * m, k, act).reshape(slots, nexp, m)
+    bound = RTOL * sum(wt * mags[s, e] for s, (e, wt) in enumerate(zip(ids, wts))) + 1e-6
+    assert_within(y, dm.moe_down_ref(w, ids, wts, act, qtype, m, k, y0 if add else None), bound)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("qtype", QTYPES)
+@settings(max_examples=8)
+@given(vocab=st.integers(1, 6), nb=st.integers(0, 40), quantizer=st.booleans(), seed=st.integers(0, 99))
+def test_embed(backend, request, qtype, vocab, nb, quantizer, seed):
+    rng = np.random.default_rng(seed)
+    k = FORMATS[qtype].block * (nb % (5 if FORMATS[qtype].block == 256 else 40) + 1)
+    table = weights(rng, qtype, vocab, k, quantizer)
+    token = int(rng.integers(0, vocab))
+    ids = np.array([vocab - 1 - token, token], np.uint32)
+    out = run(emb.embed.specialize(QTYPE=qtype), backend, request, emb.embed_groups(qtype, k), table=table,
+              ids=ids, out=np.full(k, np.nan, np.float32), k=k, index=1)["out"]
+    ref = emb.embed_ref(table, token, qtype, vocab, k)
+    np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=15)
+@given(nb=st.integers(1, 20), spread=st.floats(1e-3, 1e3), ties=st.booleans(), sg_pick=st.integers(0, 3),
+       seed=st.integers(0, 99))
+def test_quantize_q8_1(backend, request, nb, spread, ties, sg_pick, seed):
+    rng = np.random.default_rng(seed)
+    n = 32 * nb
+    x = (rng.standard_normal(n) * spread).astype(np.float32)
+    x[32 * int(rng.integers(0, nb)):][:32] = 0  # a block of zeros: d = 0, q = 0
+    if ties:  # max |x| = 127: x / d lands on halves
+        x[:32] = np.arange(32) - 15.5
+        x[0] = 127
+    out = run(dq.quantize_q8_1.specialize(SG=subgroup(backend, request, sg_pick)), backend, request, -(-n // 256),
+              x=x, xq=np.zeros(n // 4, np.uint32), xd=np.full(n // 16, np.nan, np.float32), n=n)
+    q, d, s = dq.quantize_q8_1_ref(x)
+    qg = out["xq"].view(np.int8).reshape(-1, 32)
+    np.testing.assert_array_equal(qg, q)
+    dg, sg = out["xd"][0::2], out["xd"][1::2]
+    np.testing.assert_array_equal(dg.astype("<f2").astype(np.float32), d.reshape(-1))
+    np.testing.assert_allclose(sg, dg * qg.sum(axis=1, dtype=np.int32), rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("qtype", INT8_FORMATS)
+@settings(max_examples=15)
+@given(m=st.integers(1, 9), nb=st.integers(0, 5), shape=st.integers(0, len(SHAPES) - 1), add=st.booleans(),
+       quantizer=st.booleans(), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
+def test_dmmv_q8(backend, request, qtype, m, nb, shape, add, quantizer, sg_pick, seed):
+    rng = np.random.default_rng(seed)
+    cols, rows = SHAPES[pick(backend, qtype, shape, len(SHAPES))]
+    add = bool(pick(backend, qtype, add, 2))
+    k = FORMATS[qtype].block * block_count(qtype, nb)
+    sg = subgroup(backend, request, sg_pick)
+    w = weights(rng, qtype, m, k, quantizer)
+    x = (rng.standard_normal(cols * k) * rng.uniform(0.1, 10, cols * k // 32).repeat(32)).astype(np.float32)
+    xq8 = run(dq.quantize_q8_1.specialize(SG=sg), backend, request, -(-cols * k // 256), x=x,
+              xq=np.zeros(cols * k // 4, np.uint32), xd=np.zeros(cols * k // 16, np.float32), n=cols * k)
+    y0 = rng.standard_normal(cols * m).astype(np.float32)
+    v = dq.dmmv_q8.specialize(QTYPE=qtype, COLS=cols, ROWS=rows, ADD=add, SG=sg)
+    y = run(v, backend, request, -(-m // rows), w=w, xq=xq8["xq"], xd=xq8["xd"], y=y0, k=k, m=m)["y"]
+    xhat = dq.q8_1_values(xq8["xq"], xq8["xd"])
+    base = y0 if add else None
+    assert_within(y, dq.dmmv_q8_ref(w, xq8["xq"], xq8["xd"], qtype, m, k, base),
+                  RTOL * abs_dot(w, qtype, m, k, xhat) + 1e-6)
+    step = np.repeat(xq8["xd"][0::2], 32) / 2  # |x − x̂| ≤ d/2 per element
+    quant_bound = abs_dot(w, qtype, m, k, step) + RTOL * abs_dot(w, qtype, m, k, x) + 1e-6
+    assert_within(y, dm.dmmv_ref(w, x, qtype, m, k, base), quant_bound)
