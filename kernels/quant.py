@@ -147,6 +147,7 @@ class Format:
     nbytes: int  # bytes per block
     parts: int  # invocations sharing one block (f32 activations)
     iparts: int = 0  # invocations sharing one block in the int8-dot path (0: none)
+    f16_fields: tuple = ()  # byte offsets of the block's f16 scales (synthetic weights keep them finite)
 
     @property
     def align(self) -> int:
@@ -201,7 +202,7 @@ class BF16(Format):
 
 class Q8_0(Format):
     """34 bytes: f16 d, 32 × int8. w = d·q."""
-    name, block, nbytes, parts, iparts = "q8_0", 32, 34, 4, 4
+    name, block, nbytes, parts, iparts, f16_fields = "q8_0", 32, 34, 4, 4, (0,)
 
     def quants(self, w, base, part):
         return f16_at(w, base), self.load(w, base, 2 + part * 8, 2, step=2)
@@ -219,7 +220,7 @@ class Q8_0(Format):
 class Q4_0(Format):
     """18 bytes: f16 d, 16 bytes of nibbles; element j is the low nibble of byte j, element j+16
     the high nibble. w = d·(q − 8)."""
-    name, block, nbytes, parts, iparts = "q4_0", 32, 18, 2, 1
+    name, block, nbytes, parts, iparts, f16_fields = "q4_0", 32, 18, 2, 1, (0,)
 
     def groups(self, w, base, part, ctx=None):
         d = f16_at(w, base)
@@ -235,7 +236,7 @@ class Q4_0(Format):
 
 class Q4_1(Format):
     """20 bytes: f16 d, f16 m, 16 bytes of nibbles (as Q4_0). w = d·q + m."""
-    name, block, nbytes, parts, iparts = "q4_1", 32, 20, 2, 1
+    name, block, nbytes, parts, iparts, f16_fields = "q4_1", 32, 20, 2, 1, (0, 2)
 
     def groups(self, w, base, part, ctx=None):
         head = self.load(w, base, 0, 1)[0]
@@ -259,7 +260,7 @@ def five_bits(qs_words, qh, first: int, high: bool):
 class Q5_0(Format):
     """22 bytes: f16 d, u32 qh, 16 bytes of nibbles (as Q4_0); bit j of qh is bit 4 of element j.
     w = d·(q − 16)."""
-    name, block, nbytes, parts, iparts = "q5_0", 32, 22, 2, 1
+    name, block, nbytes, parts, iparts, f16_fields = "q5_0", 32, 22, 2, 1, (0,)
 
     def groups(self, w, base, part, ctx=None):
         d = f16_at(w, base)
@@ -277,7 +278,7 @@ class Q5_0(Format):
 
 class Q5_1(Format):
     """24 bytes: f16 d, f16 m, u32 qh, 16 bytes of nibbles (as Q5_0). w = d·q + m."""
-    name, block, nbytes, parts, iparts = "q5_1", 32, 24, 2, 1
+    name, block, nbytes, parts, iparts, f16_fields = "q5_1", 32, 24, 2, 1, (0, 2)
 
     def groups(self, w, base, part, ctx=None):
         head, qh = self.load(w, base, 0, 2)
@@ -297,7 +298,7 @@ class Q2_K(Format):
     """84 bytes: 16 scale bytes (low nibble scale, high nibble min), 64 bytes of 2-bit values,
     f16 d, f16 dmin. Element 128h + 32s + l is bits 2s of byte 32h + l, in sub-block (e / 16).
     w = d·sc·q − dmin·m."""
-    name, block, nbytes, parts, iparts = "q2_k", 256, 84, 8, 4
+    name, block, nbytes, parts, iparts, f16_fields = "q2_k", 256, 84, 8, 4, (80, 82)
 
     def head(self, w, base, h):
         dd = self.load(w, base, 80, 1)[0]
@@ -331,7 +332,7 @@ class Q3_K(Format):
     Element 128h + 32s + l: low bits 2s of byte 32h + l, high bit (4h + s) of hmask[l]; q = low
     + 4·high − 4. Scale i (of e / 16): nibble i / 8 of byte i % 8, bits 2·(i / 4) of byte 8 + i % 4
     as bits 4-5, minus 32. w = d·scale·q."""
-    name, block, nbytes, parts, iparts = "q3_k", 256, 110, 8, 4
+    name, block, nbytes, parts, iparts, f16_fields = "q3_k", 256, 110, 8, 4, (108,)
 
     def scale(self, words, d, h, s: int, t):
         """d·(scale − 32) of sub-block 8h + 2s + t."""
@@ -380,7 +381,7 @@ class Q4_K(Format):
     """144 bytes: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles.
     Elements 64j..64j+31 are the low nibbles of bytes 32j..32j+31 (sub-block 2j), elements
     64j+32..64j+63 their high nibbles (sub-block 2j+1). w = d·sc·q − dmin·m."""
-    name, block, nbytes, parts, iparts = "q4_k", 256, 144, 8, 4
+    name, block, nbytes, parts, iparts, f16_fields = "q4_k", 256, 144, 8, 4, (0, 2)
 
     def groups(self, w, base, part, ctx=None):
         j, hh = part >> 1, part & 1
@@ -403,7 +404,7 @@ class Q4_K(Format):
 class Q5_K(Format):
     """176 bytes: f16 d, f16 dmin, 12 bytes of scales/mins, 32 bytes of high bits, 128 bytes of
     nibbles. As Q4_K, plus bit (2j + high) of qh[l] as bit 4 of element 64j + 32·high + l."""
-    name, block, nbytes, parts, iparts = "q5_k", 256, 176, 8, 4
+    name, block, nbytes, parts, iparts, f16_fields = "q5_k", 256, 176, 8, 4, (0, 2)
 
     @staticmethod
     def with_high(nibbles, qh, bit):
@@ -436,7 +437,7 @@ class Q6_K(Format):
     """210 bytes: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, f16 d.
     For half n and l in 0..31, byte ql[64n+l], ql[64n+l+32] and qh[32n+l] give elements
     128n + l + {0, 32, 64, 96} with scales 8n + l/16 + {0, 2, 4, 6}. w = d·scale·(q − 32)."""
-    name, block, nbytes, parts, iparts = "q6_k", 256, 210, 8, 4
+    name, block, nbytes, parts, iparts, f16_fields = "q6_k", 256, 210, 8, 4, (208,)
 
     def quants(self, w, base, n, l0, count):
         """Per g = 0..3, the bytes of 6-bit values of elements 128n + 32g + l0 .. + 4·count, and
@@ -496,7 +497,7 @@ class IQ4(Format):
 
 class IQ4_NL(IQ4):
     """18 bytes: f16 d, 16 bytes of 4-bit indices laid out as Q4_0. w = d·level."""
-    name, block, nbytes, parts = "iq4_nl", 32, 18, 2
+    name, block, nbytes, parts, f16_fields = "iq4_nl", 32, 18, 2, (0,)
 
     def groups(self, w, base, part, ctx=None):
         d = f16_at(w, base)
@@ -508,7 +509,7 @@ class IQ4_XS(IQ4):
     """136 bytes: f16 d, u16 of 2-bit high scale parts, 4 bytes of 4-bit low scale parts, 128
     bytes of indices; sub-block i (32 elements) is bytes 16i..16i+15 as in IQ4_NL, with scale
     (low nibble i | high bits 2i << 4) − 32. w = d·scale·level."""
-    name, block, nbytes, parts = "iq4_xs", 256, 136, 16
+    name, block, nbytes, parts, f16_fields = "iq4_xs", 256, 136, 16, (0,)
 
     def groups(self, w, base, part, ctx=None):
         i, hh = part >> 1, part & 1

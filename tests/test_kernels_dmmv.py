@@ -16,6 +16,8 @@ Error bounds (|W|·|x| is the sum of absolute products of a row, the scale of f3
   quantization step bound.
 """
 
+import json
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -32,9 +34,6 @@ BACKENDS = ["interp", "lavapipe"]
 QTYPES = list(FORMATS)
 RTOL = 2e-6
 
-# byte offsets of the f16 fields (scales, mins) in each block; the rest of a block may be anything
-F16_FIELDS = {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2], "q2_k": [80, 82],
-              "q3_k": [108], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208], "iq4_nl": [0], "iq4_xs": [0]}
 FLOATS = ("f32", "f16", "bf16")
 SHAPES = [(1, 1), (1, 2), (3, 1), (1, 4), (2, 1), (4, 1), (5, 1), (6, 1), (7, 1), (8, 1)]  # (COLS, ROWS)
 
@@ -62,7 +61,7 @@ def weights(rng, qtype, rows, k, quantizer):
         return formats.quantize(rng.standard_normal((rows, k)).astype(np.float32), qt)
     f = FORMATS[qtype]
     w = rng.integers(0, 256, (rows, k // f.block, f.nbytes), dtype=np.uint8)
-    for at in F16_FIELDS[qtype]:
+    for at in f.f16_fields:  # the rest of a block may be anything
         w[:, :, at:at + 2] = rng.uniform(-0.05, 0.05, w.shape[:2] + (1,)).astype("<f2").view(np.uint8)
     return w.reshape(rows, -1)
 
@@ -211,3 +210,31 @@ def test_dmmv_q8(backend, request, qtype, m, nb, shape, add, quantizer, sg_pick,
     step = np.repeat(xq8["xd"][0::2], 32) / 2  # |x − x̂| ≤ d/2 per element
     quant_bound = abs_dot(w, qtype, m, k, step) + RTOL * abs_dot(w, qtype, m, k, x) + 1e-6
     assert_within(y, dm.dmmv_ref(w, x, qtype, m, k, base), quant_bound)
+
+
+def test_bench_kernels_on_lavapipe():
+    """`zdsl bench-kernels` end to end on tiny shapes: every case timed, bytes and rates consistent."""
+    from click.testing import CliRunner
+
+    from zdsl.bench_kernels import TINY_SHAPES, bench_kernels
+
+    out = CliRunner().invoke(bench_kernels, ["--device", "lavapipe", "--tiny", "--warmup", "1", "--repeats", "3",
+                                             "--json"], catch_exceptions=False)
+    assert out.exit_code == 0, out.output
+    report = json.loads(out.output)
+    assert report["copy_gbps"] > 0 and "llvmpipe" in report["device"]
+    assert [r["kernel"] for r in report["results"]] == [s.split(":")[0] for s in TINY_SHAPES]
+    for r in report["results"]:
+        assert r["us"] > 0 and r["bytes"] > 0 and r["params"]["SG"] == 8
+        assert r["gbps"] == pytest.approx(r["bytes"] / r["us"] / 1e3)
+        assert r["pct_copy"] == pytest.approx(100 * r["gbps"] / report["copy_gbps"])
+
+
+@pytest.mark.parametrize("shape", ["dmmv:q9_k:256:4", "dmmv:q4_k:250:4", "dmmv_q8:iq4_xs:256:4",
+                                   "moe_down:q4_k:256:4:2:3", "gemm:q4_k:256:4", "dmmv:q4_k:256"])
+def test_bench_kernels_bad_shapes(shape, capsys):
+    from zdsl.cli import main
+
+    assert main(["bench-kernels", "--device", "lavapipe", "--shapes", shape]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: shape") and err.count("\n") == 1

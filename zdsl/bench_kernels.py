@@ -1,0 +1,312 @@
+"""`zdsl bench-kernels`: GPU time of the matrix-vector kernels, and how close they come to the
+device's memory bandwidth.
+
+Decode is bandwidth-bound: a kernel is as fast as it can be when it moves its bytes (weights
+read, activations read, outputs written) at the rate a plain copy does. So the copy rate is
+measured first, with a DSL copy kernel (16-byte loads and stores over large buffers, read plus
+write bytes), and each kernel's bytes over its median GPU time are reported against it. Times
+come from GPU timestamps around each dispatch (end of the previous to end of this one: the
+launch and barrier cost a decode step pays too), after warm-up dispatches. Consecutive
+dispatches read different weight copies (or, for experts, different experts) so that small
+weights are not served from the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass
+
+import click
+import numpy as np
+
+import zdsl
+from zdsl import Buffer, Const, f32, u32
+from zdsl.errors import ZdslError
+
+# KERNEL:QTYPE:K:M[:EXPERTS:SLOTS]; the first three are the Qwen3.5-35B-A3B shapes of the target
+DEFAULT_SHAPES = (
+    "dmmv:q4_k:2048:8192",
+    "ffn_gate_up:q4_k:2048:512:256:8",
+    "moe_down:q4_k:512:2048:256:8",
+    "dmmv:q6_k:2048:248320",
+    "dmmv_q8:q4_k:2048:8192",
+    "dmmv_q8:q6_k:2048:248320",
+    "dmmv:q8_0:2048:8192",
+    "dmmv:q5_k:2048:8192",
+    "dmmv:q4_k:8192:2048",
+)
+TINY_SHAPES = ("dmmv:q4_k:512:96", "ffn_gate_up:q4_k:256:32:8:2", "moe_down:q4_k:256:64:8:2",
+               "dmmv:q6_k:256:96", "dmmv_q8:q4_k:512:96")
+KERNELS = ("dmmv", "dmmv_q8", "ffn_gate_up", "moe_down")
+
+
+@zdsl.kernel(workgroup=256, register=False)
+def copy_vec4(src: Buffer[f32], dst: Buffer[f32], n4: u32, UNROLL: Const = 4):
+    """dst = src over n4 16-byte vectors; each invocation moves UNROLL of them, a workgroup
+    apart, so every load and store instruction is one contiguous run."""
+    first = zdsl.workgroup_id() * (256 * UNROLL) + zdsl.local_index()
+    for j in range(UNROLL):
+        i = first + 256 * j
+        with zdsl.if_(i < n4):
+            dst.vec4[i] = src.vec4[i]
+
+
+@dataclass
+class Case:
+    kernel: str
+    qtype: str
+    k: int
+    m: int
+    experts: int = 1
+    slots: int = 1
+
+    @property
+    def label(self) -> str:
+        experts = self.kernel in ("ffn_gate_up", "moe_down")
+        return f"{self.qtype} {self.k}→{self.m}" + (f" ×{self.slots}/{self.experts}" if experts else "")
+
+
+@dataclass
+class Result:
+    kernel: str
+    shape: str
+    params: dict
+    us: float
+    bytes: int
+    gbps: float
+    pct_copy: float
+
+
+def parse_case(text: str) -> Case:
+    from zdsl.kernels.quant import FORMATS, INT8_FORMATS
+
+    parts = text.strip().split(":")
+    try:
+        if parts[0] not in KERNELS or len(parts) not in (4, 6):
+            raise ValueError
+        nums = [int(p) for p in parts[2:]]
+    except ValueError:
+        raise ZdslError(f"shape '{text}': write KERNEL:QTYPE:K:M or KERNEL:QTYPE:K:M:EXPERTS:SLOTS with KERNEL one "
+                        f"of {', '.join(KERNELS)} (e.g. dmmv:q4_k:2048:8192, moe_down:q4_k:512:2048:256:8)") from None
+    case = Case(parts[0], parts[1].lower(), *nums)
+    have = INT8_FORMATS if case.kernel == "dmmv_q8" else list(FORMATS)
+    if case.qtype not in have:
+        raise ZdslError(f"shape '{text}': {case.kernel} has no weight type {case.qtype} (have: {', '.join(have)})")
+    block = FORMATS[case.qtype].block
+    if case.k % block or min(nums) < 1 or case.slots > case.experts:
+        raise ZdslError(f"shape '{text}': K must be a positive multiple of {block} for {case.qtype}, M and the "
+                        f"expert counts positive, and SLOTS at most EXPERTS")
+    return case
+
+
+def synthetic_rows(rng, qtype: str, rows: int, k: int) -> np.ndarray:
+    """Random rows of a weight type with finite f16 scales (the speed does not depend on the values)."""
+    from zdsl.kernels.quant import FORMATS
+
+    f = FORMATS[qtype]
+    if qtype in ("f32", "f16", "bf16"):
+        x = rng.standard_normal((rows, k), dtype=np.float32)
+        return (x if qtype == "f32" else x.astype(np.float16) if qtype == "f16"
+                else (x.view(np.uint32) >> 16).astype(np.uint16)).view(np.uint8).reshape(rows, -1)
+    w = rng.integers(0, 256, (rows, k // f.block, f.nbytes), dtype=np.uint8)
+    for at in f.f16_fields:
+        w[:, :, at:at + 2] = rng.uniform(-0.01, 0.01, w.shape[:2] + (1,)).astype("<f2").view(np.uint8)
+    return w.reshape(rows, -1)
+
+
+class Bench:
+    def __init__(self, device, warmup: int, repeats: int, cache_bytes: int, sweep: bool):
+        self.device, self.warmup, self.repeats = device, warmup, repeats
+        self.cache_bytes, self.sweep = cache_bytes, sweep
+        self.rng = np.random.default_rng(0)
+        self.buffers = []
+
+    def upload(self, array, name: str):
+        buf = self.device.upload(np.ascontiguousarray(array), name=name)
+        self.buffers.append(buf)
+        return buf
+
+    def zeros(self, nbytes: int, name: str):
+        return self.upload(np.zeros(nbytes, np.uint8), name)
+
+    def free(self) -> None:
+        for b in self.buffers:
+            b.free()
+        self.buffers.clear()
+
+    def copies(self, nbytes: int) -> int:
+        """Enough copies of `nbytes` to overflow the caches, at most one per timed dispatch."""
+        return max(1, min(self.warmup + self.repeats, math.ceil(self.cache_bytes / max(nbytes, 1))))
+
+    def time(self, record) -> float:
+        """Median GPU µs of record(seq, i) over the repeats that follow the warm-up."""
+        seq = self.device.sequence(timestamps=True)
+        try:
+            for i in range(self.warmup + self.repeats):
+                record(seq, i)
+            seq.run()
+            ms = [t for _, t in seq.timings()][self.warmup:]
+        finally:
+            seq.free()
+        return statistics.median(ms) * 1e3
+
+    # -- copy bandwidth ---------------------------------------------------------------------------
+    def copy_bandwidth(self, nbytes: int) -> float:
+        n4 = nbytes // 16
+        src, dst = self.zeros(16 * n4, "copy_src"), self.zeros(16 * n4, "copy_dst")
+        v = copy_vec4.specialize()
+        groups = math.ceil(n4 / (256 * v.params["UNROLL"]))
+        us = self.time(lambda seq, i: v.dispatch(seq, groups, src=src, dst=dst, n4=n4))
+        self.free()
+        return 2 * 16 * n4 / us / 1e3  # GB/s
+
+    # -- kernels --------------------------------------------------------------------------------
+    def variants(self, case: Case):
+        """The variant the tuning database picks for this device, or with --sweep every ROWS and
+        workgroup of 1-4 subgroups."""
+        from zdsl.autotune.database import choose
+        from zdsl.kernels import dmmv, dmmv_q8
+
+        kernel = {"dmmv": dmmv.dmmv, "dmmv_q8": dmmv_q8.dmmv_q8, "ffn_gate_up": dmmv.ffn_gate_up,
+                  "moe_down": dmmv.moe_down}[case.kernel]
+        fixed = {"QTYPE": case.qtype}
+        if not self.sweep:
+            return [choose(kernel, self.device.info, {"QTYPE": case.qtype, "k": case.k, "m": case.m}, **fixed)]
+        sg = self.device.info.subgroup_size
+        out = []
+        for rows in (1, 2, 4):
+            for wg in (0, 2 * sg, 4 * sg):
+                try:
+                    v = kernel.specialize(**fixed, ROWS=rows, WG=wg, SG=sg)
+                    v.ir
+                except ZdslError:
+                    continue  # a workgroup that is not whole blocks
+                out.append(v)
+        return out
+
+    def run_case(self, case: Case, copy_gbps: float) -> Result:
+        from zdsl.kernels.quant import FORMATS
+
+        f = FORMATS[case.qtype]
+        rb = case.k // f.block * f.nbytes
+        best = None
+        setup = getattr(self, f"_{case.kernel}")
+        record, nbytes = setup(case, rb)
+        for v in self.variants(case):
+            us = self.time(lambda seq, i, v=v: record(v, seq, i))
+            if best is None or us < best[0]:
+                best = (us, v)
+        self.free()
+        us, v = best
+        params = {"ROWS": v.params["ROWS"], "WG": v.ir.workgroup[0], "SG": v.params["SG"]}
+        gbps = nbytes / us / 1e3
+        return Result(case.kernel, case.label, params, us, nbytes, gbps, 100 * gbps / copy_gbps)
+
+    def _weights(self, rows: int, case: Case, rb: int, name: str):
+        data = synthetic_rows(self.rng, case.qtype, rows, case.k)
+        return [self.upload(data, f"{name}{i}") for i in range(self.copies(rows * rb))]
+
+    def _dmmv(self, case, rb):
+        w = self._weights(case.m, case, rb, "w")
+        x = self.upload(self.rng.standard_normal(case.k, dtype=np.float32), "x")
+        y = self.zeros(4 * case.m, "y")
+
+        def record(v, seq, i):
+            v.dispatch(seq, -(-case.m // v.params["ROWS"]), w=w[i % len(w)], x=x, y=y, k=case.k, m=case.m)
+        return record, case.m * rb + 4 * case.k + 4 * case.m
+
+    def _dmmv_q8(self, case, rb):
+        w = self._weights(case.m, case, rb, "w")
+        xq = self.upload(self.rng.integers(-127, 128, case.k, dtype=np.int8).view(np.uint32), "xq")
+        xd = self.upload(np.tile(np.float32([0.01, 0.0]), case.k // 32), "xd")
+        y = self.zeros(4 * case.m, "y")
+
+        def record(v, seq, i):
+            v.dispatch(seq, -(-case.m // v.params["ROWS"]), w=w[i % len(w)], xq=xq, xd=xd, y=y, k=case.k, m=case.m)
+        return record, case.m * rb + case.k + case.k // 4 + 4 * case.m
+
+    def _id_sets(self, case):
+        """One set of `slots` distinct experts per dispatch; consecutive sets are disjoint until
+        the experts run out, then a new random order starts."""
+        per_round = case.experts // case.slots
+        order, out = None, []
+        for i in range(self.warmup + self.repeats):
+            if i % per_round == 0:
+                order = self.rng.permutation(case.experts).astype(np.uint32)
+            out.append(self.upload(order[i % per_round * case.slots:][:case.slots], f"ids{i}"))
+        return out
+
+    def _ffn_gate_up(self, case, rb):
+        data = synthetic_rows(self.rng, case.qtype, case.experts * case.m, case.k)
+        wg, wu = self.upload(data, "gate"), self.upload(data, "up")
+        ids = self._id_sets(case)
+        x = self.upload(self.rng.standard_normal(case.k, dtype=np.float32), "x")
+        act = self.zeros(4 * case.slots * case.m, "act")
+
+        def record(v, seq, i):
+            v.dispatch(seq, (-(-case.m // v.params["ROWS"]), case.slots), wg=wg, wu=wu, ids=ids[i], x=x, act=act,
+                       k=case.k, m=case.m)
+        return record, 2 * case.slots * case.m * rb + 4 * case.k + 4 * case.slots + 4 * case.slots * case.m
+
+    def _moe_down(self, case, rb):
+        w = self.upload(synthetic_rows(self.rng, case.qtype, case.experts * case.m, case.k), "down")
+        ids = self._id_sets(case)
+        weights = self.upload(np.full(case.slots, 1 / case.slots, np.float32), "weights")
+        act = self.upload(self.rng.standard_normal(case.slots * case.k, dtype=np.float32), "act")
+        y = self.zeros(4 * case.m, "y")
+
+        def record(v, seq, i):
+            v.dispatch(seq, -(-case.m // v.params["ROWS"]), w=w, ids=ids[i], weights=weights, act=act, y=y,
+                       k=case.k, m=case.m, slots=case.slots)
+        return record, case.slots * (case.m * rb + 4 * case.k + 8) + 8 * case.m  # y read and written (ADD)
+
+
+def print_table(device_name: str, copy_gbps: float, copy_bytes: int, results: list[Result]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from zdsl.runtime.memory import fmt_bytes
+
+    table = Table(title=f"{device_name}: copy {copy_gbps:,.0f} GB/s ({fmt_bytes(copy_bytes)} read + written)")
+    for col in ("kernel", "shape", "variant", "µs", "bytes", "GB/s", "% of copy"):
+        table.add_column(col, justify="left" if col in ("kernel", "shape", "variant") else "right")
+    for r in results:
+        table.add_row(r.kernel, r.shape, " ".join(f"{k}={v}" for k, v in r.params.items()), f"{r.us:,.1f}",
+                      fmt_bytes(r.bytes), f"{r.gbps:,.{0 if r.gbps >= 10 else 2}f}", f"{r.pct_copy:.0f}%")
+    Console().print(table)
+
+
+@click.command("bench-kernels")
+@click.option("--device", "device_name", default=None, help="Device index or name (default: $ZDSL_DEVICE or the best).")
+@click.option("--shapes", default=None, help="Comma-separated KERNEL:QTYPE:K:M[:EXPERTS:SLOTS] "
+                                             "(default: the Qwen3.5-35B-A3B set; see zdsl/bench_kernels.py).")
+@click.option("--tiny", is_flag=True, help="Small shapes and buffers (a smoke test, e.g. on lavapipe).")
+@click.option("--sweep", is_flag=True, help="Time every ROWS and workgroup size and report the fastest.")
+@click.option("--warmup", default=5, show_default=True, help="Untimed dispatches first.")
+@click.option("--repeats", default=30, show_default=True, help="Timed dispatches (the median is reported).")
+@click.option("--copy-mb", default=512, show_default=True, help="Copy-kernel buffer size (each of two).")
+@click.option("--cache-mb", default=256, show_default=True,
+              help="Rotate weight copies until this many MB lie between reuses (defeats the caches).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def bench_kernels(device_name, shapes, tiny, sweep, warmup, repeats, copy_mb, cache_mb, as_json):
+    """Time kernels: GPU time and GB/s against measured copy bandwidth."""
+    from zdsl.runtime import open_device
+
+    if warmup < 0 or repeats < 1 or copy_mb < 1 or cache_mb < 0:
+        raise ZdslError("--warmup must be ≥ 0, --repeats, --copy-mb ≥ 1 and --cache-mb ≥ 0")
+    cases = [parse_case(s) for s in (shapes.split(",") if shapes else TINY_SHAPES if tiny else DEFAULT_SHAPES)]
+    if tiny:
+        copy_mb, cache_mb = min(copy_mb, 8), min(cache_mb, 4)
+    copy_bytes = copy_mb << 20
+    with open_device(device_name) as dev:
+        bench = Bench(dev, warmup, repeats, cache_mb << 20, sweep)
+        copy_gbps = bench.copy_bandwidth(copy_bytes)
+        results = [bench.run_case(c, copy_gbps) for c in cases]
+        name = dev.info.name
+    if as_json:
+        click.echo(json.dumps({"device": name, "copy_gbps": copy_gbps, "copy_bytes": 2 * copy_bytes,
+                               "results": [asdict(r) for r in results]}, indent=1))
+    else:
+        print_table(name, copy_gbps, 2 * copy_bytes, results)
