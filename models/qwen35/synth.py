@@ -269,6 +269,7 @@ def write(path: str | os.PathLike, preset_name: str = "tiny", *, layers: int | N
             if progress:
                 progress(done, total)
     except OSError as e:
+        path.unlink(missing_ok=True)  # no truncated file left behind
         raise ModelError(f"cannot write {path}: {e.strerror}; check the directory and free space") from None
     finally:
         w.close()
