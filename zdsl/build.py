@@ -47,7 +47,7 @@ def variants_for(names: list[str] | None, subgroup_sizes: tuple[int, ...] | None
 def compile_variant(v: Variant) -> BuildResult:
     t0 = time.perf_counter()
     try:
-        c = v.compiled
+        c = v.build()
         return BuildResult(v, len(c.spirv), c.ms if not c.cached else (time.perf_counter() - t0) * 1e3, c.cached)
     except ZdslError as e:
         return BuildResult(v, error=str(e))

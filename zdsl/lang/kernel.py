@@ -8,8 +8,10 @@ traces once, emits GLSL, compiles (cached) and runs on a device or in the interp
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
+import os
 import struct
 import sys
 import traceback
@@ -21,6 +23,7 @@ from typing import Callable
 
 import numpy as np
 
+from zdsl.cache import cache_dir, content_key, write_atomic
 from zdsl.errors import CompileError, KernelError, ZdslError
 from zdsl.lang import ir
 from zdsl.lang.language import BufferAnnotation, Const, SpecAnnotation
@@ -207,6 +210,20 @@ def kernel(fn=None, *, workgroup=64, subgroup: str | None = None, variants: dict
     return wrap(fn) if fn is not None else wrap
 
 
+@functools.cache
+def library_digest() -> str:
+    """A hash of every source file a kernel can depend on: the language and the kernel library.
+    Coarse on purpose: any edit there invalidates every cached variant, so none is ever stale."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    parts = []
+    for folder in ("zdsl/lang", "kernels"):
+        for name in sorted(os.listdir(os.path.join(root, folder))):
+            if name.endswith(".py"):
+                with open(os.path.join(root, folder, name), "rb") as f:
+                    parts += [f"{folder}/{name}", f.read()]
+    return content_key(*parts)
+
+
 class Variant:
     """One specialization of a kernel: Const values fixed in the code, Spec values in the pipeline."""
 
@@ -252,6 +269,19 @@ class Variant:
     @property
     def spirv(self) -> bytes:
         return self.compiled.spirv
+
+    def build(self):
+        """SPIR-V for `zdsl build`: served without tracing when this variant of this library
+        source was built before."""
+        from zdsl.toolchain import Compiled, versions
+        key = content_key(library_digest(), self.kernel.name, repr(sorted(self.consts.items())),
+                          *sorted(versions().values()))
+        path = cache_dir("variants") / f"{key}.spv"
+        if path.exists():
+            return Compiled(path.read_bytes(), True, 0.0)
+        c = self.compiled
+        write_atomic(path, c.spirv)
+        return c
 
     # -- device side
     @property
