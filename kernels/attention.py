@@ -4,13 +4,14 @@ Three dispatches per layer:
 
 - `attn_prep`: per-head RMSNorm of q and k, NEOX RoPE on the first `rope_dims` dims, q written
   out as f32, k and v appended to the f16 KV cache at the current position.
-- `attn_decode`: the context split into `nsplit` chunks; one subgroup per (chunk, KV head) walks
-  its chunk once and serves every query head of the group, writing partial softmax statistics.
+- `attn_decode`: the context cut into at most `nsplit` chunks of at least `min_chunk` rows; one
+  workgroup per (chunk, KV head) walks its chunk once and serves every query head of the group,
+  writing partial softmax statistics.
 - `attn_combine`: merges the chunks per query head and applies the output gate.
 
 Per-token values come from the `step` buffer (step[0] = position, step[1] = length), so one
-recorded command buffer serves every position; the chunk length is derived from step[1] on the
-GPU. Layouts:
+recorded command buffer serves every position: the chunk length and the number of chunks in use
+are derived from step[1] on the GPU, and workgroups of unused chunks exit at once. Layouts:
 
 - KV caches (`Buffer[f16]`, one each for K and V): [position][kv head][d].
 - Partials: [query head][split][d + 2] f32: the chunk's max score m, its Σ exp(score − m), then
@@ -20,6 +21,7 @@ GPU. Layouts:
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -101,9 +103,46 @@ def attn_prep_ref(qg, k, v, q_norm, k_norm, k_cache, v_cache, pos, rope_dims, ro
 
 # ---- split attention over the cache ----------------------------------------------------------------
 
+def split_rows(length, nsplit, min_chunk):
+    """(rows per split, splits in use): the rows 0..length−1 cut into at most nsplit chunks of at
+    least min_chunk rows, so short contexts use few splits and leave few partials to merge."""
+    chunk = zdsl.max((length + nsplit - 1) // nsplit, min_chunk)
+    return chunk, (length + chunk - 1) // chunk
+
+
+def split_bounds(length: int, nsplit: int, min_chunk: int = 1) -> list[tuple[int, int]]:
+    """The chunks [start, end) in use, as attn_decode and attn_combine cut them."""
+    chunk = max(-(-length // nsplit), min_chunk)
+    return [(a, min(a + chunk, length)) for a in range(0, length, chunk)]
+
+
 def row_lanes(D: int, SG: int) -> int:
     """Lanes that share one cache row (each holds D / (4 · lanes) float4 pieces of it)."""
     return min(SG, D // 4)
+
+
+def head_scores(partials, C: int, SG: int, lane):
+    """Every head's score from each lane's partial dot products (one per head), summed over the
+    C lanes of each row cluster, in every lane. For G = len(partials) a power of two ≤ C, a
+    transposed reduction: each halving exchange sends half the remaining values, so lane r ends
+    with the total of head r // (C / G) after G − 1 + log2(C / G) shuffles, and G more shuffles
+    hand every total to every lane (2G − 1 + log2(C / G) instead of G · log2(C))."""
+    G = len(partials)
+    if G == 1 or G & (G - 1) or G > C:
+        return [zdsl.subgroup_sum(x, cluster=C if C < SG else None) for x in partials]
+    vals, mask = list(partials), C // 2
+    while mask:
+        if len(vals) > 1:
+            half = len(vals) // 2
+            upper = (lane & mask) != 0
+            keep = [zdsl.where(upper, hi, lo) for lo, hi in zip(vals[:half], vals[half:])]
+            send = [zdsl.where(upper, lo, hi) for lo, hi in zip(vals[:half], vals[half:])]
+            vals = [k + zdsl.subgroup_shuffle_xor(x, mask) for k, x in zip(keep, send)]
+        else:
+            vals = [vals[0] + zdsl.subgroup_shuffle_xor(vals[0], mask)]
+        mask //= 2
+    first = lane - lane % C
+    return [zdsl.subgroup_shuffle(vals[0], first + h * (C // G)) for h in range(G)]
 
 
 def _decode_fits(v) -> bool:
@@ -111,60 +150,78 @@ def _decode_fits(v) -> bool:
     return v.D % 4 == 0 and lanes & (lanes - 1) == 0 and v.D % (4 * lanes) == 0
 
 
-@zdsl.kernel(workgroup="SG", subgroup="SG", variants={"D": [128, 256], "G": [1, 2, 4, 8], "SG": SUBGROUPS},
-             where=_decode_fits)
+@zdsl.kernel(workgroup=lambda v: v.NW * v.SG, subgroup="SG",
+             variants={"D": [128, 256], "G": [2, 4, 8], "NW": [1, 4], "U": [2, 4], "SG": SUBGROUPS}, where=_decode_fits)
 def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step: Buffer[u32], part: Buffer[f32],
-                n_kv: u32, G: Const = 8, D: Const = 256, SG: Const = 32):
+                n_kv: u32, min_chunk: u32, G: Const = 8, D: Const = 256, NW: Const = 1, U: Const = 4,
+                SG: Const = 32):
     """Partial attention of the G query heads of KV head g = workgroup_id(1) (query heads
-    g·G .. g·G + G − 1) over chunk s = workgroup_id(0) of the cache rows 0 .. step[1] − 1:
-    with nsplit = the grid's x size, chunk = ceil(step[1] / nsplit), rows [s·chunk, (s+1)·chunk).
-    A subgroup is one workgroup; `row_lanes` lanes share a cache row (each reads D / lanes of its
-    dims as float4 and keeps those dims of q and of the G accumulators in registers), and the
-    subgroup's SG / lanes clusters take alternate rows, merged at the end. K and V are read
-    once for all G heads. Empty chunks write nothing (the combine skips them).
-    Grid: (nsplit, n_kv)."""
+    g·G .. g·G + G − 1) over split s = workgroup_id(0) of the cache rows 0 .. step[1] − 1, cut by
+    `split_rows` with nsplit = the grid's x size; splits past the last in use exit at once and
+    write nothing. Scores include the 1/√D scale.
+
+    `row_lanes` lanes share a cache row: each reads D / lanes of its dims as float4 and keeps
+    those dims of the G queries and G accumulators in registers, so K and V are read once for
+    all G heads. A subgroup takes U rows per cluster of lanes per round (their loads in flight
+    together); the NW subgroups of the workgroup take alternate rounds, and their running
+    softmaxes are merged through shared memory at the end. Grid: (nsplit, n_kv)."""
+    if not _decode_fits(SimpleNamespace(D=D, SG=SG)):
+        raise zdsl.ZdslError(f"attn_decode needs D / 4 a power of two or a multiple of 4·SG, not D={D}, SG={SG}")
     C = row_lanes(D, SG)
-    P, NC = D // (4 * C), SG // C  # float4 pieces per lane, clusters per subgroup
+    P, NC = D // (4 * C), SG // C  # float4 pieces per lane, row clusters per subgroup
+    rows_per_round = U * NC
     s, g = zdsl.workgroup_id(0), zdsl.workgroup_id(1)
     nsplit, length = zdsl.num_workgroups(0), step[1]
-    chunk = (length + nsplit - 1) // nsplit
+    chunk, used = split_rows(length, nsplit, min_chunk)
     start = s * chunk
     end = zdsl.min(start + chunk, length)
-    lane = zdsl.lane_id()
+    sub, lane = zdsl.subgroup_id(), zdsl.lane_id()
     r, c = lane % C, lane // C
-    cluster = C if C < SG else None
-    with zdsl.if_(start < length):
+    with zdsl.if_(s < used):
         sm = 1.0 / math.sqrt(D)
         qv = [[q.vec4[(g * G + h) * (D // 4) + r + C * p] * sm for p in range(P)] for h in range(G)]
         m = [zdsl.var(LOWEST) for _ in range(G)]
         l = [zdsl.var(0.0) for _ in range(G)]
         acc = [[zdsl.var(zdsl.vec(0.0, 0.0, 0.0, 0.0)) for _ in range(P)] for _ in range(G)]
-        for first in zdsl.range(start, end, NC):
-            t = first + c
-            if NC > 1:  # the subgroup's last round may have rows for only some clusters
-                valid = t < end
-                t = zdsl.min(t, end - 1)
-            row = (t * n_kv + g) * (D // 4) + r
-            kv = [k_cache.vec4[row + C * p].to(f32) for p in range(P)]
-            vv = [v_cache.vec4[row + C * p].to(f32) for p in range(P)]
+        for first in zdsl.range(start + sub * rows_per_round, end, NW * rows_per_round):
+            rows = [first + c + NC * u for u in range(U)]
+            valid = [t < end for t in rows] if rows_per_round > 1 else None  # the last round may run out
+            if valid:
+                rows = [zdsl.min(t, end - 1) for t in rows]
+            bases = [(t * n_kv + g) * (D // 4) + r for t in rows]
+            kv = [[k_cache.vec4[b + C * p].to(f32) for p in range(P)] for b in bases]
+            vv = [[v_cache.vec4[b + C * p].to(f32) for p in range(P)] for b in bases]
+            row_scores = []  # [row][head]
+            for u in range(U):
+                dots = []
+                for h in range(G):
+                    x = zdsl.dot(qv[h][0], kv[u][0])
+                    for p in range(1, P):
+                        x = x + zdsl.dot(qv[h][p], kv[u][p])
+                    dots.append(x)
+                scores = head_scores(dots, C, SG, lane)
+                row_scores.append([zdsl.where(valid[u], x, LOWEST) for x in scores] if valid else scores)
             for h in range(G):
-                dots = zdsl.dot(qv[h][0], kv[0])
-                for p in range(1, P):
-                    dots = dots + zdsl.dot(qv[h][p], kv[p])
-                score = zdsl.subgroup_sum(dots, cluster=cluster)
-                m_new = zdsl.max(m[h], score)
+                scores = [row[h] for row in row_scores]
+                m_new = m[h]
+                for score in scores:
+                    m_new = zdsl.max(m_new, score)
                 rescale = zdsl.exp(m[h] - m_new)
-                weight = zdsl.exp(score - m_new)
-                if NC > 1:
-                    m_new = zdsl.where(valid, m_new, m[h])
-                    rescale = zdsl.where(valid, rescale, 1.0)
-                    weight = zdsl.where(valid, weight, 0.0)
-                l[h].set(l[h] * rescale + weight)
+                weights = [zdsl.exp(score - m_new) for score in scores]
+                if valid:
+                    weights = [zdsl.where(ok, w, 0.0) for ok, w in zip(valid, weights)]
+                total = l[h] * rescale
+                for w in weights:
+                    total = total + w
+                l[h].set(total)
                 for p in range(P):
-                    acc[h][p].set(acc[h][p] * rescale + vv[p] * weight)
+                    a = acc[h][p] * rescale
+                    for u, w in enumerate(weights):
+                        a = a + vv[u][p] * w
+                    acc[h][p].set(a)
                 m[h].set(m_new)
         mask = C
-        while mask < SG:  # merge the clusters' running softmaxes
+        while mask < SG:  # merge the row clusters of the subgroup
             for h in range(G):
                 m_o = zdsl.subgroup_shuffle_xor(m[h], mask)
                 m_new = zdsl.max(m[h], m_o)
@@ -174,26 +231,51 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
                     acc[h][p].set(acc[h][p] * a + zdsl.subgroup_shuffle_xor(acc[h][p], mask) * b)
                 m[h].set(m_new)
             mask *= 2
-        for h in range(G):
-            base = ((g * G + h) * nsplit + s) * (D + 2)
+        record = [((g * G + h) * nsplit + s) * (D + 2) for h in range(G)]
+        if NW == 1:
+            for h in range(G):
+                with zdsl.if_(lane == 0):
+                    part[record[h]] = m[h]
+                    part[record[h] + 1] = l[h]
+                with zdsl.if_(lane < C):
+                    for p in range(P):
+                        for e in range(4):
+                            part[record[h] + 2 + 4 * (r + C * p) + e] = acc[h][p][e]
+        else:  # merge the subgroups: statistics first, then the rescaled sums one subgroup at a time
+            m_sh, l_sh, acc_sh = zdsl.shared(f32, NW * G), zdsl.shared(f32, NW * G), zdsl.shared(f32, G * D)
             with zdsl.if_(lane == 0):
-                part[base] = m[h]
-                part[base + 1] = l[h]
-            with zdsl.if_(lane < C):
-                for p in range(P):
-                    for e in range(4):
-                        part[base + 2 + 4 * (r + C * p) + e] = acc[h][p][e]
-
-
-def split_bounds(length: int, nsplit: int) -> list[tuple[int, int]]:
-    """The non-empty chunks [start, end) of the cache rows, as attn_decode splits them."""
-    chunk = -(-length // nsplit)
-    return [(s * chunk, min((s + 1) * chunk, length)) for s in range(nsplit) if s * chunk < length]
+                for h in range(G):
+                    m_sh[sub * G + h] = m[h]
+                    l_sh[sub * G + h] = l[h]
+            zdsl.barrier()
+            for h in range(G):
+                top = m_sh[h]
+                for w in range(1, NW):
+                    top = zdsl.max(top, m_sh[w * G + h])
+                total = l_sh[h] * zdsl.exp(m_sh[h] - top)
+                for w in range(1, NW):
+                    total = total + l_sh[w * G + h] * zdsl.exp(m_sh[w * G + h] - top)
+                with zdsl.if_(zdsl.local_index() == 0):
+                    part[record[h]] = top
+                    part[record[h] + 1] = total
+                m[h].set(zdsl.exp(m[h] - top))  # from here on: this subgroup's weight
+            for w in range(NW):
+                with zdsl.if_((sub == w) & (lane < C)):
+                    for h in range(G):
+                        for p in range(P):
+                            for e in range(4):
+                                i = h * D + 4 * (r + C * p) + e
+                                mine = acc[h][p][e] * m[h]
+                                acc_sh[i] = mine if w == 0 else acc_sh[i] + mine
+                zdsl.barrier()
+            for i in zdsl.range(zdsl.local_index(), G * D, NW * SG):
+                h = i // D
+                part[((g * G + h) * nsplit + s) * (D + 2) + 2 + i % D] = acc_sh[i]
 
 
 @attn_decode.reference
-def attn_decode_ref(q, k_cache, v_cache, length, nsplit):
-    """Partials (n_head, nsplit, d + 2) for the non-empty splits (NaN elsewhere). q: (n_head, d);
+def attn_decode_ref(q, k_cache, v_cache, length, nsplit, min_chunk=1):
+    """Partials (n_head, nsplit, d + 2) for the splits in use (NaN elsewhere). q: (n_head, d);
     caches (n_ctx, n_kv, d)."""
     n_head, d = q.shape
     group = n_head // k_cache.shape[1]
@@ -201,7 +283,7 @@ def attn_decode_ref(q, k_cache, v_cache, length, nsplit):
     for h in range(n_head):
         K = k_cache[:, h // group].astype(np.float64)
         V = v_cache[:, h // group].astype(np.float64)
-        for s, (a, b) in enumerate(split_bounds(length, nsplit)):
+        for s, (a, b) in enumerate(split_bounds(length, nsplit, min_chunk)):
             scores = K[a:b] @ q[h] / np.sqrt(d)
             w = np.exp(scores - scores.max())
             out[h, s] = np.concatenate([[scores.max(), w.sum()], w @ V[a:b]])
@@ -210,36 +292,78 @@ def attn_decode_ref(q, k_cache, v_cache, length, nsplit):
 
 # ---- merge the splits, gate ------------------------------------------------------------------------
 
-@zdsl.kernel(workgroup="WG", variants={"WG": [64, 256]})
-def attn_combine(part: Buffer[f32], qg: Buffer[f32], step: Buffer[u32], o: Buffer[f32], d: u32, nsplit: u32,
-                 WG: Const = 256):
-    """o[h] = (Σ_s e^(m_s − M) acc_s) / (Σ_s e^(m_s − M) l_s) · sigmoid(gate_h) over the non-empty
-    splits of attn_decode (same nsplit), M = max_s m_s; gate_h = qg[h, d:2d]. Grid: n_head."""
-    h = zdsl.workgroup_id()
-    length = step[1]
-    chunk = (length + nsplit - 1) // nsplit
-    used = (length + chunk - 1) // chunk
-    rec = d + 2
-    base = h * nsplit * rec
-    top = zdsl.var(LOWEST)
-    for s in zdsl.range(used):
-        top.set(zdsl.max(top, part[base + s * rec]))
-    total = zdsl.var(0.0)
-    for s in zdsl.range(used):
-        total += zdsl.exp(part[base + s * rec] - top) * part[base + s * rec + 1]
-    inv = 1.0 / total
-    for j in zdsl.range(zdsl.local_index(), d, WG):
-        num = zdsl.var(0.0)
-        for s in zdsl.range(used):
-            num += zdsl.exp(part[base + s * rec] - top) * part[base + s * rec + 2 + j]
-        o[h * d + j] = num * inv * zdsl.sigmoid(qg[h * 2 * d + d + j])
+@zdsl.kernel(workgroup="WG", variants={"D": [128, 256], "WG": [64, 256], "SP": [1, 4], "R": [1, 4]},
+             where=lambda v: v.WG % v.SP == 0 and v.D % (v.WG // v.SP) == 0)
+def attn_combine(part: Buffer[f32], qg: Buffer[f32], step: Buffer[u32], o: Buffer[f32], nsplit: u32,
+                 min_chunk: u32, D: Const = 256, WG: Const = 256, SP: Const = 4, R: Const = 4):
+    """o[h] = (Σ_s e^(m_s − M) acc_s) / (Σ_s e^(m_s − M) l_s) · sigmoid(gate_h) over the splits
+    attn_decode used (same nsplit, min_chunk), M = max_s m_s; gate_h = qg[h, D:2D]. The
+    workgroup's invocations are SP groups that merge alternate blocks of R splits (R records
+    loaded before any is used), each invocation of a group owning D / (WG / SP) dims; the groups
+    then merge through shared memory. Grid: n_head."""
+    JW = WG // SP  # invocations along the dims
+    if WG % SP or D % JW:
+        raise zdsl.ZdslError(f"attn_combine needs SP | WG and WG / SP | D, not WG={WG}, SP={SP}, D={D}")
+    h, t = zdsl.workgroup_id(), zdsl.local_index()
+    jl, sp = t % JW, t // JW
+    dims = [jl + JW * k for k in range(D // JW)]
+    _, used = split_rows(step[1], nsplit, min_chunk)
+    top, total = zdsl.var(LOWEST), zdsl.var(0.0)
+    acc = [zdsl.var(0.0) for _ in dims]
+    for first in zdsl.range(sp * R, used, SP * R):
+        splits = [first + k for k in range(R)]
+        valid = [s < used for s in splits] if R > 1 else None
+        recs = [(h * nsplit + (zdsl.min(s, used - 1) if valid else s)) * (D + 2) for s in splits]
+        m_s = [part[rec] for rec in recs]
+        l_s = [part[rec + 1] for rec in recs]
+        acc_s = [[part[rec + 2 + j] for j in dims] for rec in recs]
+        m_new = top
+        for m_k in m_s:
+            m_new = zdsl.max(m_new, m_k)
+        a = zdsl.exp(top - m_new)
+        b = [zdsl.exp(m_k - m_new) for m_k in m_s]
+        if valid:  # a clamped record past the last split counts for nothing
+            b = [zdsl.where(ok, b_k, 0.0) for ok, b_k in zip(valid, b)]
+        new_total = total * a
+        for b_k, l_k in zip(b, l_s):
+            new_total = new_total + l_k * b_k
+        total.set(new_total)
+        for i, x in enumerate(acc):
+            new = x * a
+            for b_k, rec_acc in zip(b, acc_s):
+                new = new + rec_acc[i] * b_k
+            x.set(new)
+        top.set(m_new)
+    if SP > 1:
+        m_sh, l_sh, acc_sh = zdsl.shared(f32, SP), zdsl.shared(f32, SP), zdsl.shared(f32, SP * D)
+        with zdsl.if_(jl == 0):
+            m_sh[sp], l_sh[sp] = top, total
+        for x, j in zip(acc, dims):
+            acc_sh[sp * D + j] = x
+        zdsl.barrier()
+        m_all = m_sh[0]
+        for p in range(1, SP):
+            m_all = zdsl.max(m_all, m_sh[p])
+        weights = [zdsl.exp(m_sh[p] - m_all) for p in range(SP)]
+        denom = l_sh[0] * weights[0]
+        for p in range(1, SP):
+            denom = denom + l_sh[p] * weights[p]
+        for x, j in zip(acc, dims):
+            num = acc_sh[j] * weights[0]
+            for p in range(1, SP):
+                num = num + acc_sh[p * D + j] * weights[p]
+            x.set(num)
+        total.set(denom)
+    with zdsl.if_(sp == 0):
+        for x, j in zip(acc, dims):
+            o[h * D + j] = x / total * zdsl.sigmoid(qg[h * 2 * D + D + j])
 
 
 @attn_combine.reference
-def attn_combine_ref(part, qg, length, nsplit):
+def attn_combine_ref(part, qg, length, nsplit, min_chunk=1):
     """part: (n_head, nsplit, d + 2) from attn_decode; qg: (n_head, 2d). Returns o: (n_head, d)."""
     d = part.shape[-1] - 2
-    used = len(split_bounds(length, nsplit))
+    used = len(split_bounds(length, nsplit, min_chunk))
     p = np.asarray(part[:, :used], np.float64)
     w = np.exp(p[:, :, 0] - p[:, :, 0].max(axis=1, keepdims=True))
     o = (w[:, :, None] * p[:, :, 2:]).sum(axis=1) / (w * p[:, :, 1]).sum(axis=1, keepdims=True)

@@ -19,6 +19,7 @@ Layouts (all f32):
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -72,12 +73,21 @@ def deltanet_step(conv: Buffer[f32], z: Buffer[f32], b: Buffer[f32], a: Buffer[f
     out_h = rmsnorm(o) · norm_w · silu(z_h). Invocation (row part p, column quad c) keeps rows
     p, p + RP, … of columns 4c..4c+3 in registers (RP = 4·WG / D row parts), so each row of S
     is one contiguous read and write per D/4 invocations. Grid: number of value heads."""
+    if not _step_fits(SimpleNamespace(D=D, WG=WG, SG=SG)):
+        raise zdsl.ZdslError(f"deltanet_step needs 4 | D, D/4 | WG, and WG / (D/4) | D, not D={D}, WG={WG}")
     quads = D // 4
     RP = WG // quads
     h = zdsl.workgroup_id()
     kh = h % n_k_heads
     t = zdsl.local_index()
     c, part = t % quads, t // quads
+    rows = [part + RP * r for r in range(D // RP)]
+    # every load first: the state's are in flight while q and k are normalised
+    S = [state.vec4[(h * D + i) * quads + c] for i in rows]
+    v = conv.vec4[(2 * n_k_heads * D + h * D) // 4 + c]
+    gate = z.vec4[h * quads + c]
+    decay = zdsl.exp(ssm_a[h] * zdsl.softplus(a[h] + dt_bias[h]))
+    beta = zdsl.sigmoid(b[h])
 
     qs, ks = zdsl.shared(f32, D), zdsl.shared(f32, D)
     qq, kk, qk = zdsl.var(0.0), zdsl.var(0.0), zdsl.var(0.0)
@@ -90,11 +100,7 @@ def deltanet_step(conv: Buffer[f32], z: Buffer[f32], b: Buffer[f32], a: Buffer[f
     zdsl.barrier()
     qq_all, kk_all, qk_all = workgroup_sums([qq, kk, qk], WG, SG)
     rq, rk = zdsl.rsqrt(qq_all + eps), zdsl.rsqrt(kk_all + eps)
-    decay = zdsl.exp(ssm_a[h] * zdsl.softplus(a[h] + dt_bias[h]))
-    beta = zdsl.sigmoid(b[h])
 
-    rows = [part + RP * r for r in range(D // RP)]
-    S = [state.vec4[(h * D + i) * quads + c] for i in rows]
     k_rows = [ks[i] * rk for i in rows]
     u = S[0] * k_rows[0]
     y = S[0] * (qs[rows[0]] * rq)
@@ -114,13 +120,12 @@ def deltanet_step(conv: Buffer[f32], z: Buffer[f32], b: Buffer[f32], a: Buffer[f
                 total = total + red[8 * (p * quads + c) + e]
             sums.append(total)
         u, y = zdsl.vec(*sums[:4]), zdsl.vec(*sums[4:])
-    delta = beta * (conv.vec4[(2 * n_k_heads * D + h * D) // 4 + c] - decay * u)
+    delta = beta * (v - decay * u)
     for s, k_i, i in zip(S, k_rows, rows):
         state.vec4[(h * D + i) * quads + c] = s * decay + delta * k_i
     o = (decay * y + (qk_all * rq * rk) * delta) * (1.0 / math.sqrt(D))
 
     (ss,) = workgroup_sums([zdsl.where(part == 0, zdsl.dot(o, o), 0.0)], WG, SG)
-    gate = z.vec4[h * quads + c]
     with zdsl.if_(part == 0):
         out.vec4[h * quads + c] = o * zdsl.rsqrt(ss / D + eps) * norm_w.vec4[c] * (gate / (1.0 + zdsl.exp(-gate)))
 

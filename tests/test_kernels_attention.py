@@ -52,16 +52,16 @@ def prep(backend, request, qg, k, v, q_norm, k_norm, k_cache, v_cache, pos, rope
                rope_base=rope_base, eps=EPS)
 
 
-def decode(backend, request, q, k_cache, v_cache, qg, length, nsplit, sg, wg=64):
+def decode(backend, request, q, k_cache, v_cache, qg, length, nsplit, sg, *, min_chunk=1, nw=1, u=1, wg=64, sp=1, r=1):
     """attn_decode then attn_combine; returns (partials, o)."""
     n_head, d = q.shape
     n_kv = k_cache.shape[1]
     step = np.array([length - 1, length, 0, 0], np.uint32)
-    part = run(att.attn_decode.specialize(G=n_head // n_kv, D=d, SG=sg), backend, request, (nsplit, n_kv), q=q,
-               k_cache=k_cache, v_cache=v_cache, step=step, part=np.full(n_head * nsplit * (d + 2), np.nan, np.float32),
-               n_kv=n_kv)["part"]
-    o = run(att.attn_combine.specialize(WG=wg), backend, request, n_head, part=part, qg=qg, step=step,
-            o=np.full((n_head, d), np.nan, np.float32), d=d, nsplit=nsplit)["o"]
+    part = run(att.attn_decode.specialize(G=n_head // n_kv, D=d, NW=nw, U=u, SG=sg), backend, request, (nsplit, n_kv),
+               q=q, k_cache=k_cache, v_cache=v_cache, step=step,
+               part=np.full(n_head * nsplit * (d + 2), np.nan, np.float32), n_kv=n_kv, min_chunk=min_chunk)["part"]
+    o = run(att.attn_combine.specialize(D=d, WG=wg, SP=max(sp, wg // d), R=r), backend, request, n_head, part=part,
+            qg=qg, step=step, o=np.full((n_head, d), np.nan, np.float32), nsplit=nsplit, min_chunk=min_chunk)["o"]
     return part.reshape(n_head, nsplit, d + 2), o
 
 
@@ -110,10 +110,13 @@ def test_prep_matches_model_reference():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @given(n_kv=st.integers(1, 3), group=st.sampled_from([1, 2, 3, 4, 8]), d=st.sampled_from([4, 8, 16, 32, 64]),
-       length=st.integers(1, 80), nsplit=st.integers(1, 12), extra=st.integers(0, 3), scale=st.sampled_from([0.3, 3.0]),
-       sg_pick=st.integers(0, 3), wg=st.sampled_from([64, 256]), seed=st.integers(0, 99))
-def test_decode_and_combine(backend, request, n_kv, group, d, length, nsplit, extra, scale, sg_pick, wg, seed):
-    """Any length ≥ 1 and any split count: splits past the end stay empty and are skipped."""
+       length=st.integers(1, 80), nsplit=st.integers(1, 12), min_chunk=st.integers(0, 20), extra=st.integers(0, 3),
+       scale=st.sampled_from([0.3, 3.0]), nw=st.sampled_from([1, 2, 4]), u=st.integers(1, 3), sg_pick=st.integers(0, 3),
+       wg=st.sampled_from([64, 256]), sp=st.sampled_from([1, 4]), r=st.sampled_from([1, 3]), seed=st.integers(0, 99))
+def test_decode_and_combine(backend, request, n_kv, group, d, length, nsplit, min_chunk, extra, scale, nw, u, sg_pick,
+                            wg, sp, r, seed):
+    """Any length ≥ 1, split count and minimum chunk: splits past the last in use stay empty and are
+    skipped; every GQA group, row-cluster and subgroup layout."""
     rng = np.random.default_rng(seed)
     n_head = n_kv * group
     q = (rng.standard_normal((n_head, d)) * scale).astype(np.float32)
@@ -121,35 +124,51 @@ def test_decode_and_combine(backend, request, n_kv, group, d, length, nsplit, ex
     k_cache = random_cache(rng, length + extra, n_kv, d, scale)
     v_cache = random_cache(rng, length + extra, n_kv, d)
     k_cache[length:] = np.float16(np.inf)  # rows past the length must never be read
-    part, o = decode(backend, request, q, k_cache, v_cache, qg, length, nsplit, subgroup(backend, request, sg_pick), wg)
-    used = len(att.split_bounds(length, nsplit))
-    np.testing.assert_allclose(part[:, :used], att.attn_decode_ref(q, k_cache, v_cache, length, nsplit)[:, :used],
+    part, o = decode(backend, request, q, k_cache, v_cache, qg, length, nsplit, subgroup(backend, request, sg_pick),
+                     min_chunk=min_chunk, nw=nw, u=u, wg=wg, sp=sp, r=r)
+    used = len(att.split_bounds(length, nsplit, min_chunk))
+    np.testing.assert_allclose(part[:, :used], att.attn_decode_ref(q, k_cache, v_cache, length, nsplit, min_chunk)[:, :used],
                                rtol=2e-5, atol=2e-5)
-    assert np.isnan(part[:, used:]).all()  # empty splits write nothing
+    assert np.isnan(part[:, used:]).all()  # splits not in use write nothing
     np.testing.assert_allclose(o, att.attention_ref(q, k_cache, v_cache, qg, length), rtol=2e-5, atol=2e-6)
-    np.testing.assert_allclose(o, att.attn_combine_ref(part, qg, length, nsplit), rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(o, att.attn_combine_ref(part, qg, length, nsplit, min_chunk), rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("length,nsplit", [(1, 1), (1, 8), (7, 8), (8, 8), (9, 8), (17, 4), (64, 3), (5, 64)])
-@pytest.mark.parametrize("d,sg", [(16, 8), (16, 64), (64, 8), (64, 64)])
-def test_split_edges(length, nsplit, d, sg):
-    """Fewer rows than splits, exact multiples, one row past a multiple; several row clusters per
-    subgroup (d = 16 at SG 64: 4 lanes per row, 16 rows at a time) and one."""
+@pytest.mark.parametrize("length,nsplit,min_chunk", [(1, 1, 1), (1, 8, 1), (7, 8, 1), (8, 8, 1), (9, 8, 1), (17, 4, 1),
+                                                     (64, 3, 1), (5, 64, 1), (100, 8, 32), (96, 64, 32), (33, 64, 16)])
+@pytest.mark.parametrize("d,sg,nw,u", [(16, 8, 1, 1), (16, 64, 2, 3), (64, 8, 4, 2), (64, 64, 1, 4)])
+def test_split_edges(length, nsplit, min_chunk, d, sg, nw, u):
+    """Fewer rows than splits, exact multiples, one row past a multiple, the minimum chunk deciding;
+    several row clusters per subgroup (d = 16 at SG 64: 4 lanes per row) and one."""
     rng = np.random.default_rng(length * 100 + nsplit)
     q, qg = rng.standard_normal((4, d), dtype=np.float32), rng.standard_normal((4, 2 * d), dtype=np.float32)
     k_cache, v_cache = random_cache(rng, length, 2, d), random_cache(rng, length, 2, d)
-    part, o = decode("interp", None, q, k_cache, v_cache, qg, length, nsplit, sg)
+    part, o = decode("interp", None, q, k_cache, v_cache, qg, length, nsplit, sg, min_chunk=min_chunk, nw=nw, u=u,
+                     sp=4, r=3)
     np.testing.assert_allclose(o, att.attention_ref(q, k_cache, v_cache, qg, length), rtol=2e-5, atol=2e-6)
-    assert np.isnan(part[:, len(att.split_bounds(length, nsplit)):]).all()
+    assert np.isnan(part[:, len(att.split_bounds(length, nsplit, min_chunk)):]).all()
+
+
+def test_split_rows_on_the_host():
+    """The chunking both kernels share: never more than nsplit chunks, each ≥ min_chunk rows
+    except the last, covering every row once."""
+    for length in range(1, 300, 7):
+        for nsplit in (1, 3, 8, 64, 512):
+            for min_chunk in (0, 1, 16, 32):
+                bounds = att.split_bounds(length, nsplit, min_chunk)
+                assert len(bounds) <= nsplit and bounds[0][0] == 0 and bounds[-1][1] == length
+                assert all(a == b for (_, a), (b, _) in zip(bounds, bounds[1:]))
+                assert all(b - a >= min(min_chunk, length) for a, b in bounds[:-1])
 
 
 def test_decode_model_shape():
-    """16 query heads over 2 KV heads of 256 (groups of 8), 8 splits, 300 rows; SG 32 and 64."""
+    """16 query heads over 2 KV heads of 256 (groups of 8), 8 splits, 300 rows; SG 32 and 64, one
+    subgroup with 4 rows in flight and four subgroups with 2."""
     rng = np.random.default_rng(5)
     q, qg = rng.standard_normal((16, 256), dtype=np.float32), rng.standard_normal((16, 512), dtype=np.float32)
     k_cache, v_cache = random_cache(rng, 300, 2, 256), random_cache(rng, 300, 2, 256)
-    for sg in (32, 64):
-        _, o = decode("interp", None, q, k_cache, v_cache, qg, 300, 8, sg, wg=256)
+    for sg, nw, u in ((32, 1, 4), (64, 4, 2)):
+        _, o = decode("interp", None, q, k_cache, v_cache, qg, 300, 8, sg, min_chunk=16, nw=nw, u=u, wg=256, sp=4, r=4)
         np.testing.assert_allclose(o, att.attention_ref(q, k_cache, v_cache, qg, 300), rtol=2e-5, atol=2e-6)
 
 
@@ -168,7 +187,7 @@ def test_several_tokens(backend, request):
         k, v = rng.standard_normal((n_kv, d), dtype=np.float32), rng.standard_normal((n_kv, d), dtype=np.float32)
         out = prep(backend, request, qg, k, v, q_norm, k_norm, k_cache, v_cache, pos, rope_dims, sg=sg)
         k_cache, v_cache = out["k_cache"], out["v_cache"]
-        _, o = decode(backend, request, out["q"], k_cache, v_cache, qg, pos + 1, nsplit, sg)
+        _, o = decode(backend, request, out["q"], k_cache, v_cache, qg, pos + 1, nsplit, sg, min_chunk=2, nw=2, u=2)
 
         q = model.rope_neox(model.rmsnorm(qg[None, :, :d], q_norm, EPS), [pos], rope_dims, 1e7)[0]
         kr = model.rope_neox(model.rmsnorm(k[None], k_norm, EPS), [pos], rope_dims, 1e7)[0]
