@@ -141,3 +141,18 @@ def test_argument_dtype_is_checked():
     with pytest.raises(zdsl.ZdslError, match="float64 but the kernel declares Buffer\\[f32\\]"):
         k.axpy.specialize().interpret(1, x=np.zeros(4), y=np.zeros(4, np.float32), out=np.zeros(4, np.float32),
                                       n=4, a=1.0)
+
+
+@zdsl.kernel(workgroup=64, register=False)
+def _unpack(x: Buffer[u32], y: Buffer[f32]):
+    i = zdsl.global_id()
+    y[i] = zdsl.dot(zdsl.unpack_bytes(x[i]), zdsl.vec(1.0, 10.0, 100.0, 1000.0))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(seed=st.integers(0, 99))
+def test_unpack_bytes(backend, request, seed):
+    x = np.random.default_rng(seed).integers(0, 2**32, 128, dtype=np.uint32)
+    y = run(_unpack.specialize(), backend, request, 2, x=x, y=np.zeros(128, np.float32))["y"]
+    expected = (x.view(np.uint8).reshape(-1, 4).astype(np.float64) @ [1, 10, 100, 1000]).astype(np.float32)
+    np.testing.assert_array_equal(y, expected)

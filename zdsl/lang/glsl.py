@@ -133,6 +133,8 @@ class Emitter:
             return f"unpackHalf2x16({a[0]}).x"
         if op == "bf16_bits":
             return f"uintBitsToFloat(({a[0]}) << 16)"
+        if op == "unpack_bytes":
+            return f"vec4(unpack8({a[0]}))"
         if op == "dot4_i8":
             return f"zdot4_i8(int({a[0]}), int({a[1]}), 0)"
         if op == "load":
@@ -233,7 +235,7 @@ class Emitter:
         k = self.k
         out = ["#version 460"]
         storage = {v.dtype.name for v in k.views} | {s.dtype.name for s in k.shared}
-        if storage & {"f16", "u8", "i8", "u16", "i16", "bf16"} or self.uses_f16:
+        if storage & {"f16", "u8", "i8", "u16", "i16", "bf16"} or self.uses_f16 or "int8_arith" in k.features:
             out.append("#extension GL_EXT_shader_explicit_arithmetic_types : require")
         if storage & {"u8", "i8"}:
             out.append("#extension GL_EXT_shader_8bit_storage : require")

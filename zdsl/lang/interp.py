@@ -151,6 +151,9 @@ class Run:
                 return f16_bits_to_f32(np.asarray(vals[0]) & np.uint32(0xFFFF))
             if op == "bf16_bits":
                 return bf16_bits_to_f32(np.asarray(vals[0]) & np.uint32(0xFFFF))
+            if op == "unpack_bytes":
+                u = np.broadcast_to(np.asarray(vals[0], np.uint32), (self.n,))
+                return np.ascontiguousarray(u).view(np.uint8).reshape(self.n, 4).astype(np.float32)
             if op == "dot4_i8":
                 a, b = (np.broadcast_to(np.asarray(v).astype(np.uint32), (self.n,)) for v in vals)
                 return dot4_i8(a, b)

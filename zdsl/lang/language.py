@@ -275,6 +275,14 @@ def bf16_bits(u) -> Value:
     return tracer().let("bf16_bits", (operand(u, u32),), f32)
 
 
+def unpack_bytes(u) -> Value:
+    """The four bytes of a u32 as an f32x4 (byte 0 in lane 0), exact: the cheap way to turn
+    packed quantized codes into floats (one conversion per byte, no shifts or masks)."""
+    t = tracer()
+    t.features.add("int8_arith")
+    return t.let("unpack_bytes", (operand(u, u32),), f32.vec(4))
+
+
 def vec(*parts) -> Value:
     """A 2- or 4-lane vector from scalars of one type."""
     if len(parts) not in (2, 4):
@@ -403,7 +411,7 @@ __all__ = [
     "workgroup_size", "subgroup_size", "subgroup_id", "lane_id", "var", "range", "if_", "else_", "where",
     "shared", "local_array", "table", "barrier", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "sin", "cos", "tanh", "floor",
     "ceil", "round", "sigmoid", "silu", "softplus", "abs", "isnan", "min", "max", "pow", "clamp", "fma",
-    "bitcast", "f16_bits", "bf16_bits", "vec", "dot", "dot4_i8", "subgroup_sum", "subgroup_max",
+    "bitcast", "f16_bits", "bf16_bits", "unpack_bytes", "vec", "dot", "dot4_i8", "subgroup_sum", "subgroup_max",
     "subgroup_min", "subgroup_prefix_sum", "subgroup_ballot_count", "subgroup_broadcast", "subgroup_shuffle", "subgroup_shuffle_xor", "atomic_add",
     "atomic_max", "atomic_min", "cdiv", "Tracer", "Value", "Var", "f16", "i32",
 ]
