@@ -24,7 +24,11 @@ from zdsl.models.qwen35.gguf_file import ModelFile
 from zdsl.models.qwen35.sampler import SamplerConfig
 
 STEP_WORDS = 8  # step[0] position, [1] length, [2] token id, [3] sampler counter
-ATTN_SPLITS = 8  # context chunks per attention head in flight
+# Attention over the KV cache is cut into at most ATTN_MAX_SPLITS chunks of at least ATTN_MIN_CHUNK
+# rows; the chunk length is computed on the GPU from the current length, so one recorded step
+# serves every length: short contexts use few splits, long ones up to ATTN_MAX_SPLITS per KV head.
+ATTN_MIN_CHUNK = 64
+ATTN_MAX_SPLITS = 256
 
 
 @dataclass
@@ -78,7 +82,8 @@ class DecodeGraph:
         self.qg, self.q = self._f32(2 * qd, "qg"), self._f32(qd, "q")
         self.k, self.v = self._f32(kvd, "k"), self._f32(kvd, "v")
         self.attn_o = self._f32(qd, "attn_o")
-        self.attn_part = self._f32(hp.n_heads * ATTN_SPLITS * (hp.head_dim + 2), "attn_partials")
+        self.attn_splits = max(1, min(ATTN_MAX_SPLITS, cdiv(self.n_ctx, ATTN_MIN_CHUNK)))
+        self.attn_part = self._f32(hp.n_heads * self.attn_splits * (hp.head_dim + 2), "attn_partials")
         C, vd = hp.conv_channels, hp.ssm_value_dim
         self.mix, self.conv_out = self._f32(C, "mix"), self._f32(C, "conv_out")
         self.z, self.dn_out = self._f32(vd, "z"), self._f32(vd, "deltanet_out")
@@ -180,10 +185,11 @@ class DecodeGraph:
                       v_cache=v_cache, n_head=nh, n_kv=nkv, d=d, rope_dims=hp.rope_dims, rope_base=hp.rope_base,
                       eps=hp.eps)
         dec = choose(attention.attn_decode, self.info, {"D": d, "G": nh // nkv}, D=d, G=nh // nkv)
-        dec.dispatch(seq, (ATTN_SPLITS, nkv), label=p + "attn_decode", q=self.q, k_cache=k_cache, v_cache=v_cache, step=self.step,
-                     part=self.attn_part, n_kv=nkv)
-        comb = choose(attention.attn_combine, self.info, {"d": d})
-        comb.dispatch(seq, nh, label=p + "attn_combine", part=self.attn_part, qg=self.qg, step=self.step, o=self.attn_o, d=d, nsplit=ATTN_SPLITS)
+        dec.dispatch(seq, (self.attn_splits, nkv), label=p + "attn_decode", q=self.q, k_cache=k_cache,
+                     v_cache=v_cache, step=self.step, part=self.attn_part, n_kv=nkv, min_chunk=ATTN_MIN_CHUNK)
+        comb = choose(attention.attn_combine, self.info, {"D": d}, D=d)
+        comb.dispatch(seq, nh, label=p + "attn_combine", part=self.attn_part, qg=self.qg, step=self.step,
+                      o=self.attn_o, nsplit=self.attn_splits, min_chunk=ATTN_MIN_CHUNK)
         self._matvec(seq, p + "attn_output.weight", self.attn_o, b.x, add=True)
 
     def _deltanet(self, seq, i: int) -> None:
