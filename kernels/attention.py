@@ -153,7 +153,7 @@ def _decode_fits(v) -> bool:
 @zdsl.kernel(workgroup=lambda v: v.NW * v.SG, subgroup="SG",
              variants={"D": [128, 256], "G": [2, 4, 8], "NW": [1, 4], "U": [2, 4], "SG": SUBGROUPS}, where=_decode_fits)
 def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step: Buffer[u32], part: Buffer[f32],
-                n_kv: u32, min_chunk: u32, G: Const = 8, D: Const = 256, NW: Const = 1, U: Const = 4,
+                n_kv: u32, min_chunk: u32, G: Const = 8, D: Const = 256, NW: Const = 4, U: Const = 2,
                 SG: Const = 32):
     """Partial attention of the G query heads of KV head g = workgroup_id(1) (query heads
     g·G .. g·G + G − 1) over split s = workgroup_id(0) of the cache rows 0 .. step[1] − 1, cut by
