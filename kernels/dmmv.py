@@ -18,7 +18,7 @@ import zdsl
 from zdsl import Buffer, Const, Spec, boolean, f32, u8, u32
 from gguf import GGMLQuantizationType as QuantType
 from gguf.quants import dequantize
-from zdsl.kernels.quant import FORMATS, fmt
+from zdsl.kernels.quant import FORMATS, Factored, fmt
 
 QTYPES = list(FORMATS)
 SUBGROUPS = [8, 16, 32, 64]
@@ -40,23 +40,50 @@ def workgroup_of(v, parts: int) -> int:
 def block_step(f, ctx, rows, x, x_bases, b, part):
     """This invocation's share of block b: partial dot products of the weight rows (a list of
     (buffer, byte offset of the row)) with the activation vectors starting at x_bases;
-    returns [row][col] f32 values."""
-    groups = [f.groups(w, base + b * f.nbytes, part, ctx) for w, base in rows]
+    returns [row][col] f32 values. Activations and their group sums serve every row."""
+    shares = [f.decode(w, base + b * f.nbytes, part, ctx) for w, base in rows]
+    factored = isinstance(shares[0], Factored)
+    groups = shares[0].groups if factored else shares[0]
     out = [[None] * len(x_bases) for _ in rows]
     for c, xb in enumerate(x_bases):
         first = xb + b * f.block
-        xs = [load_x(x, first + g.offset, len(g.q)) for g in groups[0]]
-        sums = [sum_values(xv) if g.bias is not None else None for g, xv in zip(groups[0], xs)]
-        for r, row_groups in enumerate(groups):
-            total = None
-            for g, xv, xsum in zip(row_groups, xs, sums):
-                term = sum_products(g.q, xv)
-                term = term * g.scale if g.scale is not None else term
-                if g.bias is not None:
-                    term = zdsl.fma(g.bias, xsum, term)
-                total = term if total is None else total + term
-            out[r][c] = total
+        xs = [load_x(x, first + g.offset, len(g.q)) for g in groups]
+        if factored:
+            need = shares[0].b or shares[0].m is not None
+            sums = [sum_values(xv) if need else None for xv in xs]
+            shifts = [s * (shares[0].b / shares[0].a) if shares[0].b else None for s in sums]
+            for r, share in enumerate(shares):
+                out[r][c] = factored_dot(share, xs, sums, shifts)
+        else:
+            sums = [sum_values(xv) if g.bias is not None else None for g, xv in zip(groups, xs)]
+            for r, share in enumerate(shares):
+                out[r][c] = plain_dot(share, xs, sums)
     return out
+
+
+def plain_dot(groups, xs, sums):
+    """Σ over groups of scale · Σ q·x + bias · Σ x."""
+    total = None
+    for g, xv, xsum in zip(groups, xs, sums):
+        term = sum_products(g.q, xv)
+        term = term * g.scale if g.scale is not None else term
+        if g.bias is not None:
+            term = zdsl.fma(g.bias, xsum, term)
+        total = term if total is None else total + term
+    return total
+
+
+def factored_dot(share, xs, sums, shifts):
+    """(d·a)·Σ c·(P + (b/a)·X) + m·Σ e·X over the groups (quant.Factored); shifts = (b/a)·X."""
+    acc = mins = None
+    for g, xv, xsum, shift in zip(share.groups, xs, sums, shifts):
+        p = sum_products(g.q, xv)
+        p = p + shift if shift is not None else p
+        acc = p * g.scale if acc is None else zdsl.fma(g.scale, p, acc)
+        if g.bias is not None:
+            mins = g.bias * xsum if mins is None else zdsl.fma(g.bias, xsum, mins)
+    total = acc * (share.d * float(share.a)) if share.a != 1 else acc * share.d
+    return total if mins is None else zdsl.fma(share.m, mins, total)
 
 
 def block_dots(f, ctx, rows, x, x_bases, nblocks, WG):

@@ -36,6 +36,29 @@ class Group:
 
 
 @dataclass
+class Factored:
+    """Groups under two block factors: w = d·c·(a·q + b) + m·e, with c and e per group (the
+    groups' scale and bias fields, small integers as f32) and a, b constants of the format. A
+    kernel sums it as d·Σ c·(a·P + b·X) + m·Σ e·X over the groups (P = Σ q·x, X = Σ x): two or
+    three operations per group, where forming each group's own scale and bias takes more."""
+    groups: list
+    d: object
+    a: float
+    b: float
+    m: object = None
+
+    def expand(self) -> list[Group]:
+        out = []
+        for g in self.groups:
+            s = self.d * g.scale
+            bias = s * float(self.b) if self.b else None
+            if g.bias is not None:
+                bias = self.m * g.bias if bias is None else zdsl.fma(self.m, g.bias, bias)
+            out.append(Group(g.offset, g.q, s * float(self.a), bias))
+        return out
+
+
+@dataclass
 class IntGroup:
     """Elements offset .. offset + 4·len(words) as signed bytes, w = scale · q + bias. A group
     stays inside one 32-element Q8_1 block and starts at a multiple of 4·min(len(words), 4)
@@ -165,11 +188,17 @@ class Format:
 
     def setup(self):
         """Per-kernel state made once at the kernel's start, in uniform control flow (the IQ4
-        level table); `groups` takes it as `ctx`."""
+        level table); `decode` takes it as `ctx`."""
         return None
 
-    def groups(self, w, base, part, ctx=None) -> list[Group]:
+    def decode(self, w, base, part, ctx=None) -> list[Group] | Factored:
+        """Invocation `part`'s share of the block at byte `base`."""
         raise NotImplementedError
+
+    def groups(self, w, base, part, ctx=None) -> list[Group]:
+        """The share as plain Groups (each with its own scale and bias)."""
+        share = self.decode(w, base, part, ctx)
+        return share.expand() if isinstance(share, Factored) else share
 
     def int_groups(self, w, base, part) -> list[IntGroup]:
         raise NotImplementedError
@@ -178,7 +207,7 @@ class Format:
 class F32(Format):
     name, block, nbytes, parts = "f32", 32, 128, 8
 
-    def groups(self, w, base, part, ctx=None):
+    def decode(self, w, base, part, ctx=None):
         v = w.view(f32.vec(4))[(base >> 4) + part]
         return [Group(part * 4, [v.x, v.y, v.z, v.w], None)]
 
@@ -186,7 +215,7 @@ class F32(Format):
 class F16(Format):
     name, block, nbytes, parts = "f16", 32, 64, 4
 
-    def groups(self, w, base, part, ctx=None):
+    def decode(self, w, base, part, ctx=None):
         words = self.load(w, base, part * 16, 4)
         return [Group(part * 8, [half(wd, hi) for wd in words for hi in (False, True)], None)]
 
@@ -194,7 +223,7 @@ class F16(Format):
 class BF16(Format):
     name, block, nbytes, parts = "bf16", 32, 64, 4
 
-    def groups(self, w, base, part, ctx=None):
+    def decode(self, w, base, part, ctx=None):
         words = self.load(w, base, part * 16, 4)
         q = [zdsl.bf16_bits(wd >> 16) if hi else zdsl.bf16_bits(wd) for wd in words for hi in (False, True)]
         return [Group(part * 8, q, None)]
@@ -207,7 +236,7 @@ class Q8_0(Format):
     def quants(self, w, base, part):
         return f16_at(w, base), self.load(w, base, 2 + part * 8, 2, step=2)
 
-    def groups(self, w, base, part, ctx=None):
+    def decode(self, w, base, part, ctx=None):
         d, words = self.quants(w, base, part)
         unsigned = [wd ^ 0x80808080 for wd in words]  # q + 128
         return [unit_group(part * 8, byte_units(unsigned, 8), 8, d, d * -128.0)]
@@ -222,7 +251,7 @@ class Q4_0(Format):
     the high nibble. w = d·(q − 8)."""
     name, block, nbytes, parts, iparts, f16_fields = "q4_0", 32, 18, 2, 1, (0,)
 
-    def groups(self, w, base, part, ctx=None):
+    def decode(self, w, base, part, ctx=None):
         d = f16_at(w, base)
         words = self.load(w, base, 2 + part * 8, 2, step=2)
         return [unit_group(part * 8, byte_units(words, 4), 4, d, d * -8.0),
@@ -238,7 +267,7 @@ class Q4_1(Format):
     """20 bytes: f16 d, f16 m, 16 bytes of nibbles (as Q4_0). w = d·q + m."""
     name, block, nbytes, parts, iparts, f16_fields = "q4_1", 32, 20, 2, 1, (0, 2)
 
-    def groups(self, w, base, part, ctx=None):
+    def decode(self, w, base, part, ctx=None):
         head = self.load(w, base, 0, 1)[0]
         d, m = half(head, False), half(head, True)
         words = self.load(w, base, 4 + part * 8, 2, step=8)
@@ -262,7 +291,7 @@ class Q5_0(Format):
     w = d·(q − 16)."""
     name, block, nbytes, parts, iparts, f16_fields = "q5_0", 32, 22, 2, 1, (0,)
 
-    def groups(self, w, base, part, ctx=None):
+    def decode(self, w, base, part, ctx=None):
         d = f16_at(w, base)
         qh = self.load(w, base, 2, 1)[0]
         words = self.load(w, base, 6 + part * 8, 2, step=2)
@@ -280,7 +309,7 @@ class Q5_1(Format):
     """24 bytes: f16 d, f16 m, u32 qh, 16 bytes of nibbles (as Q5_0). w = d·q + m."""
     name, block, nbytes, parts, iparts, f16_fields = "q5_1", 32, 24, 2, 1, (0, 2)
 
-    def groups(self, w, base, part, ctx=None):
+    def decode(self, w, base, part, ctx=None):
         head, qh = self.load(w, base, 0, 2)
         d, m = half(head, False), half(head, True)
         words = self.load(w, base, 8 + part * 8, 2, step=8)
@@ -304,16 +333,17 @@ class Q2_K(Format):
         dd = self.load(w, base, 80, 1)[0]
         return half(dd, False), half(dd, True), self.load(w, base, 8 * h, 2, step=8)
 
-    def groups(self, w, base, part, ctx=None):
-        h, r = part >> 2, part & 3
-        d, dmin, scales = self.head(w, base, h)
-        words = self.load(w, base, 16 + 32 * h + 8 * r, 2, step=8)
+    def decode(self, w, base, part, ctx=None):
+        dd, *scales = self.load(w, base, 80, 1) + self.load(w, base, 0, 4)
+        d, dmin = half(dd, False), half(dd, True)
         out = []
-        for s in range(4):  # scale byte 8h + 2s + r/2
-            sc = byte_of(scales[s >> 1], (r >> 1) + 2 * (s & 1))
-            out.append(unit_group(128 * h + 32 * s + 8 * r, byte_units(words, 2, 2 * s), 2,
-                                  d * (sc & 0xF).to(f32), -(dmin * (sc >> 4).to(f32))))
-        return out
+        for h in range(2):
+            word = self.load(w, base, 16 + 32 * h + 4 * part, 1, step=4)[0]
+            for s in range(4):  # scale byte 8h + 2s + part/4
+                sc = byte_of(scales[2 * h + (s >> 1)], 2 * (s & 1) + (part >> 2))
+                out.append(Group(128 * h + 32 * s + 4 * part, [unit(word, 8 * i + 2 * s, 2) for i in range(4)],
+                                 (sc & 0xF).to(f32), (sc >> 4).to(f32)))
+        return Factored(out, d, 4, -4, -dmin)  # q = 4·(unit − 1)
 
     def int_groups(self, w, base, part):
         h, r = part >> 1, part & 1
@@ -334,27 +364,26 @@ class Q3_K(Format):
     as bits 4-5, minus 32. w = d·scale·q."""
     name, block, nbytes, parts, iparts, f16_fields = "q3_k", 256, 110, 8, 4, (108,)
 
-    def scale(self, words, d, h, s: int, t):
-        """d·(scale − 32) of sub-block 8h + 2s + t."""
+    def scale(self, words, h, s: int, t):
+        """scale − 32 of sub-block 8h + 2s + t, as f32."""
         low = (byte_of(words[s >> 1], t + 2 * (s & 1)) >> (4 * h)) & 0xF
         high = (words[2] >> (8 * (t + 2 * (s & 1)) + 4 * h + 2 * (s >> 1))) & 3
-        return d * ((low | (high << 4)).to(f32) - 32.0)
+        return (low | (high << 4)).to(f32) - 32.0
 
     def three_bits(self, qs, hm, h, s: int):
         return [((q >> (2 * s)) & 0x03030303) | (((m >> (4 * h + s)) & 0x01010101) << 2) for q, m in zip(qs, hm)]
 
-    def groups(self, w, base, part, ctx=None):
-        h, r = part >> 2, part & 3
+    def decode(self, w, base, part, ctx=None):
         d = f16_at(w, base + 108)
         scales = self.load(w, base, 96, 3)
-        qs = self.load(w, base, 32 + 32 * h + 8 * r, 2, step=8)
-        hm = self.load(w, base, 8 * r, 2, step=8)
+        hm = self.load(w, base, 4 * part, 1, step=4)
         out = []
-        for s in range(4):
-            sc = self.scale(scales, d, h, s, r >> 1)
-            out.append(unit_group(128 * h + 32 * s + 8 * r, byte_units(self.three_bits(qs, hm, h, s), 3), 3,
-                                  sc, sc * -4.0))
-        return out
+        for h in range(2):
+            qs = self.load(w, base, 32 + 32 * h + 4 * part, 1, step=4)
+            for s in range(4):
+                out.append(Group(128 * h + 32 * s + 4 * part, byte_units(self.three_bits(qs, hm, h, s), 3),
+                                 self.scale(scales, h, s, part >> 2)))
+        return Factored(out, d, 8, -12)  # q − 4 = 8·(unit − 1) − 4
 
     def int_groups(self, w, base, part):
         h, r = part >> 1, part & 1
@@ -363,7 +392,17 @@ class Q3_K(Format):
         qs = self.load(w, base, 32 + 32 * h + 16 * r, 4)
         hm = self.load(w, base, 16 * r, 4)
         return [IntGroup(128 * h + 32 * s + 16 * r, signed_bytes(self.three_bits(qs, hm, h, s), 4),
-                         self.scale(scales, d, h, s, r)) for s in range(4)]
+                         d * self.scale(scales, h, s, r)) for s in range(4)]
+
+
+def k_scales(head):
+    """Q4_K/Q5_K: (scales, mins) of all 8 sub-blocks as f32, from the block's first 16 bytes as
+    4 u32: the 6-bit values put together four at a time."""
+    a, b, c = head[1:]
+    sc = [a & 0x3F3F3F3F, (c & 0x0F0F0F0F) | ((a >> 2) & 0x30303030)]
+    mn = [b & 0x3F3F3F3F, ((c >> 4) & 0x0F0F0F0F) | ((b >> 2) & 0x30303030)]
+    return ([byte_of(sc[s >> 2], s & 3).to(f32) for s in range(8)],
+            [byte_of(mn[s >> 2], s & 3).to(f32) for s in range(8)])
 
 
 def k_scale_min(head, j):
@@ -383,14 +422,16 @@ class Q4_K(Format):
     64j+32..64j+63 their high nibbles (sub-block 2j+1). w = d·sc·q − dmin·m."""
     name, block, nbytes, parts, iparts, f16_fields = "q4_k", 256, 144, 8, 4, (0, 2)
 
-    def groups(self, w, base, part, ctx=None):
-        j, hh = part >> 1, part & 1
+    def decode(self, w, base, part, ctx=None):
         head = self.load(w, base, 0, 4)
         d, dmin = half(head[0], False), half(head[0], True)
-        sc, mn = k_scale_min(head, j)
-        words = self.load(w, base, 16 + 32 * j + 16 * hh, 4)
-        return [unit_group(64 * j + 32 * t + 16 * hh, byte_units(words, 4, 4 * t), 4, d * sc[t], -(dmin * mn[t]))
-                for t in (0, 1)]
+        sc, mn = k_scales(head)
+        out = []
+        for j in range(4):
+            word = self.load(w, base, 16 + 32 * j + 4 * part, 1, step=4)[0]
+            for t, s in ((0, 2 * j), (1, 2 * j + 1)):
+                out.append(Group(32 * s + 4 * part, [unit(word, 8 * i + 4 * t, 4) for i in range(4)], sc[s], mn[s]))
+        return Factored(out, d, 16, -16, -dmin)  # q = 16·(unit − 1)
 
     def int_groups(self, w, base, part):
         head = self.load(w, base, 0, 4)
@@ -410,18 +451,18 @@ class Q5_K(Format):
     def with_high(nibbles, qh, bit):
         return [n | (((h >> bit) & 0x01010101) << 4) for n, h in zip(nibbles, qh)]
 
-    def groups(self, w, base, part, ctx=None):
-        j, hh = part >> 1, part & 1
+    def decode(self, w, base, part, ctx=None):
         head = self.load(w, base, 0, 4)
         d, dmin = half(head[0], False), half(head[0], True)
-        sc, mn = k_scale_min(head, j)
-        qh = self.load(w, base, 16 + 16 * hh, 4)
-        words = self.load(w, base, 48 + 32 * j + 16 * hh, 4)
+        sc, mn = k_scales(head)
+        qh = self.load(w, base, 16 + 4 * part, 1, step=4)
         out = []
-        for t, nib in enumerate((low_nibbles(words), high_nibbles(words))):
-            q = self.with_high(nib, qh, 2 * j + t)
-            out.append(unit_group(64 * j + 32 * t + 16 * hh, byte_units(q, 5), 5, d * sc[t], -(dmin * mn[t])))
-        return out
+        for j in range(4):
+            words = self.load(w, base, 48 + 32 * j + 4 * part, 1, step=4)
+            for t, nib in enumerate((low_nibbles(words), high_nibbles(words))):
+                s = 2 * j + t
+                out.append(Group(32 * s + 4 * part, byte_units(self.with_high(nib, qh, s), 5), sc[s], mn[s]))
+        return Factored(out, d, 32, -32, -dmin)  # q = 32·(unit − 1)
 
     def int_groups(self, w, base, part):
         head = self.load(w, base, 0, 4)
@@ -431,6 +472,13 @@ class Q5_K(Format):
         words = self.load(w, base, 48 + 32 * part, 8)
         return [IntGroup(64 * part + 32 * t, self.with_high(nib, qh, 2 * part + t), d * sc[t], -(dmin * mn[t]))
                 for t, nib in enumerate((low_nibbles(words), high_nibbles(words)))]
+
+
+def six_bits(ql, qh, g: int):
+    """Q6_K: the 6-bit values of group g (0..3) of four bytes: low (g < 2) or high nibbles of the
+    ql word, bits 2g of the qh word above them."""
+    nib = (ql >> 4 if g >= 2 else ql) & 0x0F0F0F0F
+    return nib | ((qh << (4 - 2 * g) if g < 2 else qh >> (2 * g - 4)) & 0x30303030)
 
 
 class Q6_K(Format):
@@ -448,17 +496,21 @@ class Q6_K(Format):
         qh = self.load(w, base, 128 + 32 * n + l0, count, step=8)
         scales = self.load(w, base, 192 + 8 * n, 2, step=8)
         out = []
-        for g, (ql, high) in enumerate(((ql_a, False), (ql_b, False), (ql_a, True), (ql_b, True))):
-            nib = high_nibbles(ql) if high else low_nibbles(ql)
-            top = [(h << (4 - 2 * g) if g < 2 else h >> (2 * g - 4)) & 0x30303030 for h in qh]
+        for g in range(4):
             sc = d * sbyte(scales[g >> 1], (l0 >> 4) + 2 * (g & 1)).to(f32)
-            out.append(([a | b for a, b in zip(nib, top)], sc))
+            out.append(([six_bits(ql, h, g) for ql, h in zip(ql_b if g & 1 else ql_a, qh)], sc))
         return out
 
-    def groups(self, w, base, part, ctx=None):
-        n, l0 = part >> 2, (part & 3) * 8
-        return [unit_group(128 * n + 32 * g + l0, byte_units(q, 6), 6, sc, sc * -32.0)
-                for g, (q, sc) in enumerate(self.quants(w, base, n, l0, 2))]
+    def decode(self, w, base, part, ctx=None):
+        d = f16_at(w, base + 208)
+        out = []
+        for n in range(2):
+            ql_a, ql_b, qh = (self.load(w, base, at + 4 * part, 1, step=4)[0] for at in (64 * n, 64 * n + 32, 128 + 32 * n))
+            for g in range(4):  # scale byte 8n + 2g + part/4
+                sc = sbyte(w.view(u16)[(base + 192 + 8 * n + 2 * g) >> 1], part >> 2).to(f32)
+                q = six_bits(ql_b if g & 1 else ql_a, qh, g)
+                out.append(Group(128 * n + 32 * g + 4 * part, byte_units([q], 6), sc))
+        return Factored(out, d, 64, -96)  # q − 32 = 64·(unit − 1) − 32
 
     def int_groups(self, w, base, part):
         n, l0 = part >> 1, (part & 1) * 16
@@ -481,28 +533,33 @@ class IQ4(Format):
         zdsl.barrier()
         return table
 
-    def levels(self, words, high: bool, scale, offset, ctx):
-        """The Group of the low (or high) nibbles of `words` scaled by `scale`."""
-        nib = [(wd >> (8 * i + 4 * int(high))) & 0xF for wd in words for i in range(4)]
+    def levels(self, words, shift, ctx):
+        """(values, a, b): the levels of the nibbles at bit `shift` (0 or 4, maybe traced) of the
+        bytes of `words` are a·value + b."""
+        nib = [(wd >> (8 * i + shift)) & 0xF for wd in words for i in range(4)]
         if ctx is not None:
-            return Group(offset, [ctx[q] for q in nib], scale)
+            return [ctx[q] for q in nib], 1, 0
         packed = [zdsl.var(sum((v + 128) << (8 * b) for b, v in enumerate(IQ4_LEVELS[4 * n:4 * n + 4])), u32)
                   for n in range(4)]  # level + 128, four to a word
         biased = []
         for q in nib:
             word = zdsl.where(q < 8, zdsl.where(q < 4, packed[0], packed[1]), zdsl.where(q < 12, packed[2], packed[3]))
             biased.append(unit(word >> ((q & 3) * 8), 0, 8))
-        return unit_group(offset, biased, 8, scale, scale * -128.0)
+        return biased, 256, -384  # level = 256·(unit − 1) − 128
 
 
 class IQ4_NL(IQ4):
     """18 bytes: f16 d, 16 bytes of 4-bit indices laid out as Q4_0. w = d·level."""
     name, block, nbytes, parts, f16_fields = "iq4_nl", 32, 18, 2, (0,)
 
-    def groups(self, w, base, part, ctx=None):
+    def decode(self, w, base, part, ctx=None):
         d = f16_at(w, base)
         words = self.load(w, base, 2 + part * 8, 2, step=2)
-        return [self.levels(words, high, d, part * 8 + 16 * int(high), ctx) for high in (False, True)]
+        out = []
+        for high in (0, 1):
+            values, a, b = self.levels(words, 4 * high, ctx)
+            out.append(Group(part * 8 + 16 * high, values, d * float(a), d * float(b) if b else None))
+        return out
 
 
 class IQ4_XS(IQ4):
@@ -511,14 +568,18 @@ class IQ4_XS(IQ4):
     (low nibble i | high bits 2i << 4) − 32. w = d·scale·level."""
     name, block, nbytes, parts, f16_fields = "iq4_xs", 256, 136, 16, (0,)
 
-    def groups(self, w, base, part, ctx=None):
-        i, hh = part >> 1, part & 1
+    def decode(self, w, base, part, ctx=None):
         head = self.load(w, base, 0, 2)
-        low = (head[1] >> (4 * i)) & 0xF
-        high = (head[0] >> (16 + 2 * i)) & 3
-        scale = half(head[0], False) * ((low | (high << 4)).to(f32) - 32.0)
-        words = self.load(w, base, 8 + 16 * i + 8 * hh, 2, step=8)
-        return [self.levels(words, hi, scale, 32 * i + 16 * int(hi) + 8 * hh, ctx) for hi in (False, True)]
+        d = half(head[0], False)
+        lane, out = part & 7, []
+        for k in range(4):  # sub-blocks i = 2k + part/8, elements 4·lane.. of each: nibbles 4·(lane/4) of bytes 4·(lane%4)..
+            i = 2 * k + (part >> 3)
+            low = (head[1] >> (4 * i)) & 0xF
+            high = (head[0] >> (16 + 2 * i)) & 3
+            words = self.load(w, base, 8 + 16 * i + 4 * (lane & 3), 1, step=4)
+            values, a, b = self.levels(words, 4 * (lane >> 2), ctx)
+            out.append(Group(32 * i + 4 * lane, values, (low | (high << 4)).to(f32) - 32.0))
+        return Factored(out, d, a, b)
 
 
 FORMATS: dict[str, Format] = {f.name: f for f in (F32(), F16(), BF16(), Q8_0(), Q4_0(), Q4_1(), Q5_0(), Q5_1(),
@@ -533,5 +594,5 @@ def fmt(name: str) -> Format:
         raise zdsl.ZdslError(f"no GPU decoder for weight type {name} (have: {', '.join(FORMATS)})") from None
 
 
-__all__ = ["Group", "IntGroup", "Format", "FORMATS", "INT8_FORMATS", "IQ4_LEVELS", "fmt", "u32_at", "f16_at",
+__all__ = ["Group", "Factored", "IntGroup", "Format", "FORMATS", "INT8_FORMATS", "IQ4_LEVELS", "fmt", "u32_at", "f16_at",
            "words_at", "f16"]
