@@ -156,3 +156,25 @@ def test_unpack_bytes(backend, request, seed):
     y = run(_unpack.specialize(), backend, request, 2, x=x, y=np.zeros(128, np.float32))["y"]
     expected = (x.view(np.uint8).reshape(-1, 4).astype(np.float64) @ [1, 10, 100, 1000]).astype(np.float32)
     np.testing.assert_array_equal(y, expected)
+
+
+@zdsl.kernel(workgroup=64, register=False)
+def _vectors(x: Buffer[f32], h: Buffer[zdsl.f16], y: Buffer[f32], n4: u32):
+    i = zdsl.global_id()
+    acc = zdsl.var(0.5, f32.vec(4))
+    v = x.vec4.load(i, mask=i < n4, other=0.0)
+    acc.set(acc + zdsl.sigmoid(v) + zdsl.silu(v) + zdsl.softplus(v))
+    h[i] = acc.x  # f32 into an f16 buffer: narrowed on store
+    y.vec4[i] = acc
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vector_math_masked_vector_loads_and_f16_stores(backend, request):
+    x = np.random.default_rng(1).standard_normal(4 * 64, dtype=np.float32) * 4
+    out = run(_vectors.specialize(), backend, request, 1, x=x, h=np.zeros(64, np.float16),
+              y=np.zeros(4 * 64, np.float32), n4=60)
+    xv = np.where(np.arange(4 * 64) < 240, x, 0).astype(np.float64)
+    sig = 1 / (1 + np.exp(-xv))
+    expected = 0.5 + sig + xv * sig + np.logaddexp(0, xv)
+    np.testing.assert_allclose(out["y"], expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out["h"], expected[0::4].astype(np.float16), rtol=1e-3)

@@ -13,7 +13,7 @@ import os
 import numpy as np
 
 from zdsl.lang import ir
-from zdsl.lang.ops import BINARY, TERNARY, UNARY
+from zdsl.lang.ops import BINARY, HELPER_TYPES, TERNARY, UNARY
 from zdsl.lang.types import DType, f32
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -118,7 +118,7 @@ class Emitter:
             return UNARY[op].glsl.format(*a)
         if op in TERNARY:
             return TERNARY[op].glsl.format(*a)
-        if op == "cast":
+        if op in ("cast", "splat"):
             return f"{dtype.glsl}({a[0]})"
         if op == "bitcast":
             src = args[0].dtype.kind
@@ -140,7 +140,10 @@ class Emitter:
         if op == "load":
             view = args[0]
             value = self.widen(f"{view_name(view, self.declared)}[{a[1]}]", view.dtype)
-            return value if len(args) == 2 else f"({a[2]} ? {value} : {a[3]})"
+            if len(args) == 2:
+                return value
+            other = a[3] if args[3].dtype.lanes == dtype.lanes else f"{dtype.glsl}({a[3]})"
+            return f"({a[2]} ? {value} : {other})"
         if op == "shared_load":
             return f"sh{args[0].id}[{a[1]}]"
         if op == "local_load":
@@ -210,7 +213,10 @@ class Emitter:
                 self.line(depth, f"lo{s.view.id}[{self.op(s.index)}] = {self.op(s.value)};")
             else:
                 target = f"{view_name(s.view, self.declared)}[{self.op(s.index)}]"
-                self.line(depth, f"{target} = {self.narrow(self.op(s.value), s.view.dtype)};")
+                value = self.op(s.value)
+                if s.value.dtype.scalar != s.view.dtype.compute.scalar:
+                    value = f"{s.view.dtype.compute.glsl}({value})"
+                self.line(depth, f"{target} = {self.narrow(value, s.view.dtype)};")
         elif isinstance(s, ir.If):
             self.line(depth, f"if ({self.op(s.cond)}) {{")
             self.block(s.then, depth + 1)
@@ -286,7 +292,7 @@ class Emitter:
         body = self.lines
         head = self.header()
         helpers = []
-        float_types = ["float"] + (["float16_t"] if self.uses_f16 else [])
+        float_types = list(HELPER_TYPES) + (["float16_t", "f16vec2", "f16vec4"] if self.uses_f16 else [])
         for name in sorted(self.helpers):
             for t in float_types:
                 helpers.append(UNARY[name].helper.replace("T", t))

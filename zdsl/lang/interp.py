@@ -133,6 +133,8 @@ class Run:
                     c, b = _align(c, vals[2])
                     return _cast(np.where(c, a, b), dtype)
                 return _cast(TERNARY[op].numpy(*vals), dtype)
+            if op == "splat":
+                return np.repeat(np.broadcast_to(np.asarray(vals[0]), (self.n,))[:, None], dtype.lanes, axis=1).astype(dtype.numpy)
             if op == "cast":
                 x = np.asarray(vals[0])
                 if dtype.is_int and x.dtype.kind == "f":

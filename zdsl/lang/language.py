@@ -115,8 +115,8 @@ def var(init, dtype: DType | None = None, name: str = "") -> Var:
 
 def range(start, stop=None, step=1, *, unroll: bool | int = False):
     """A loop the GPU runs: `for i in zdsl.range(n):`. The body is traced once; values that
-    must outlive an iteration live in `zdsl.var`s. `unroll=True` or a count asks the compiler
-    to unroll. For a loop unrolled at build time use Python's own `range` over Python ints."""
+    must outlive an iteration live in `zdsl.var`s. `unroll=True` asks the compiler to unroll
+    (GLSL's [[unroll]]; it takes no count — unroll N times with a Python loop in the body). For a loop unrolled at build time use Python's own `range` over Python ints."""
     if stop is None:
         start, stop = 0, start
     t = tracer()

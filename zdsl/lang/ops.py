@@ -40,7 +40,7 @@ def _f32(f):
 
 
 def _softplus(x):
-    return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
+    return np.maximum(x, 0) + np.log(1 + np.exp(-np.abs(x)))
 
 
 def _sigmoid(x):
@@ -93,7 +93,7 @@ UNARY = {
     "silu": Op("zsilu({0})", _f32(lambda x: x * _sigmoid(x)),
                "T zsilu(T x) { return x / (T(1) + exp(-x)); }"),
     "softplus": Op("zsoftplus({0})", _f32(_softplus),
-                   "T zsoftplus(T x) { return x > T(20) ? x : log(T(1) + exp(x)); }"),
+                   "T zsoftplus(T x) { return max(x, T(0)) + log(T(1) + exp(-abs(x))); }"),
     "isnan": Op("isnan({0})", np.isnan),
 }
 
@@ -103,7 +103,7 @@ TERNARY = {
     "clamp": Op("clamp({0}, {1}, {2})", lambda x, lo, hi: np.minimum(np.maximum(x, lo), hi)),
 }
 
-HELPER_TYPES = ("float", "float16_t")  # helpers are emitted for each float type the kernel uses
+HELPER_TYPES = ("float", "vec2", "vec4")  # + the f16 forms when the kernel uses f16
 
 
 def dot4_i8(a, b):

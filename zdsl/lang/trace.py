@@ -228,7 +228,10 @@ class Value:
 
     # conversions and lanes
     def to(self, dtype: DType) -> Value:
-        """Numeric conversion (f32 → u32 truncates, u32 → f32 rounds, f32 → f16 rounds)."""
+        """Numeric conversion (f32 → u32 truncates, u32 → f32 rounds, f32 → f16 rounds); a
+        scalar converted to a vector type is repeated in every lane."""
+        if dtype.lanes > 1 and self.dtype.lanes == 1:
+            return tracer().let("splat", (self.ref,), dtype.compute.vec(dtype.lanes)).to(dtype)
         dtype = dtype.compute.vec(self.dtype.lanes)
         if dtype == self.dtype:
             return self
@@ -355,6 +358,8 @@ class BufferView:
         v = operand(value, self.dtype.compute)
         if v.dtype.lanes != self.dtype.lanes or v.dtype.kind != self.dtype.compute.kind:
             raise fail(f"storing a {v.dtype!r} value into {self.buf.name} of {self.dtype!r}; convert with .to(...)")
+        if v.dtype.scalar != self.dtype.compute.scalar and self.dtype.name == "f16":
+            tracer().features.add("f16")
         tracer().check_visible(v)
         tracer().emit(ir.Store(view, _index(index), v, user_loc()))
 
