@@ -64,6 +64,8 @@ class Case:
 
     @property
     def label(self) -> str:
+        if self.kernel == "quantize_q8_1":
+            return f"f32 {self.k} → q8_1"
         experts = self.kernel in ("ffn_gate_up", "moe_down")
         return f"{self.qtype} {self.k}→{self.m}" + (f" ×{self.slots}/{self.experts}" if experts else "")
 
@@ -99,6 +101,18 @@ def parse_case(text: str) -> Case:
         raise ZdslError(f"shape '{text}': K must be a positive multiple of {block} for {case.qtype}, M and the "
                         f"expert counts positive, and SLOTS at most EXPERTS")
     return case
+
+
+def with_quantizers(cases: list[Case]) -> list[Case]:
+    """Before the first dmmv_q8 case of each K, the quantize_q8_1 dispatch that feeds it (once per
+    activation vector, however many matrices read it)."""
+    out, seen = [], set()
+    for c in cases:
+        if c.kernel == "dmmv_q8" and c.k not in seen:
+            seen.add(c.k)
+            out.append(Case("quantize_q8_1", "f32", c.k, 1))
+        out.append(c)
+    return out
 
 
 def synthetic_rows(rng, qtype: str, rows: int, k: int) -> np.ndarray:
@@ -169,6 +183,8 @@ class Bench:
         from zdsl.autotune.database import choose
         from zdsl.kernels import dmmv, dmmv_q8
 
+        if case.kernel == "quantize_q8_1":
+            return [dmmv_q8.quantize_q8_1.specialize(SG=self.device.info.subgroup_size)]
         kernel = {"dmmv": dmmv.dmmv, "dmmv_q8": dmmv_q8.dmmv_q8, "ffn_gate_up": dmmv.ffn_gate_up,
                   "moe_down": dmmv.moe_down}[case.kernel]
         fixed = {"QTYPE": case.qtype}
@@ -189,7 +205,7 @@ class Bench:
     def run_case(self, case: Case, copy_gbps: float) -> Result:
         from zdsl.kernels.quant import FORMATS
 
-        f = FORMATS[case.qtype]
+        f = FORMATS.get(case.qtype, FORMATS["f32"])
         rb = case.k // f.block * f.nbytes
         best = None
         setup = getattr(self, f"_{case.kernel}")
@@ -200,7 +216,7 @@ class Bench:
                 best = (us, v)
         self.free()
         us, v = best
-        params = {"ROWS": v.params["ROWS"], "WG": v.ir.workgroup[0], "SG": v.params["SG"]}
+        params = {"ROWS": v.params.get("ROWS", "-"), "WG": v.ir.workgroup[0], "SG": v.params["SG"]}
         gbps = nbytes / us / 1e3
         return Result(case.kernel, case.label, params, us, nbytes, gbps, 100 * gbps / copy_gbps)
 
@@ -226,6 +242,14 @@ class Bench:
         def record(v, seq, i):
             v.dispatch(seq, -(-case.m // v.params["ROWS"]), w=w[i % len(w)], xq=xq, xd=xd, y=y, k=case.k, m=case.m)
         return record, case.m * rb + case.k + case.k // 4 + 4 * case.m
+
+    def _quantize_q8_1(self, case, rb):
+        x = self.upload(self.rng.standard_normal(case.k, dtype=np.float32), "x")
+        xq, xd = self.zeros(case.k, "xq"), self.zeros(case.k // 4, "xd")
+
+        def record(v, seq, i):
+            v.dispatch(seq, -(-case.k // 256), x=x, xq=xq, xd=xd, n=case.k)
+        return record, 4 * case.k + case.k + case.k // 4
 
     def _id_sets(self, case):
         """One set of `slots` distinct experts per dispatch; consecutive sets are disjoint until
@@ -296,7 +320,8 @@ def bench_kernels(device_name, shapes, tiny, sweep, warmup, repeats, copy_mb, ca
 
     if warmup < 0 or repeats < 1 or copy_mb < 1 or cache_mb < 0:
         raise ZdslError("--warmup must be ≥ 0, --repeats, --copy-mb ≥ 1 and --cache-mb ≥ 0")
-    cases = [parse_case(s) for s in (shapes.split(",") if shapes else TINY_SHAPES if tiny else DEFAULT_SHAPES)]
+    cases = with_quantizers([parse_case(s) for s in (shapes.split(",") if shapes else TINY_SHAPES if tiny
+                                                     else DEFAULT_SHAPES)])
     if tiny:
         copy_mb, cache_mb = min(copy_mb, 8), min(cache_mb, 4)
     copy_bytes = copy_mb << 20
