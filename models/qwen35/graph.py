@@ -75,8 +75,12 @@ class DecodeGraph:
     def _allocate(self) -> None:
         hp, dev = self.hp, self.device
         H = hp.hidden
-        self.step = dev.host_buffer(4 * STEP_WORDS, name="step")
-        self.step_words = self.step.view(np.uint32)
+        # The host writes position and input token into `step_host`; each step copies it to the
+        # device-local `step` that kernels read (host memory is slow to read from a GPU), and
+        # copies it back at the end so the host sees the sampled token.
+        self.step_host = dev.host_buffer(4 * STEP_WORDS, name="step_host")
+        self.step_words = self.step_host.view(np.uint32)
+        self.step = dev.alloc(4 * STEP_WORDS, name="step")
         self.buf = Buffers(self._f32(H, "x"), self._f32(H, "xn"), self._f32(H, "hn"), self._f32(hp.vocab, "logits"))
         qd, kvd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
         self.qg, self.q = self._f32(2 * qd, "qg"), self._f32(qd, "q")
@@ -144,6 +148,7 @@ class DecodeGraph:
     def _record(self, timestamps: bool = False):
         hp, b = self.hp, self.buf
         seq = self.device.sequence(timestamps=timestamps)
+        seq.copy(self.step_host, self.step)
         emb = "token_embd.weight"
         q = self._qname(emb)
         embedding.embed.specialize(QTYPE=q).dispatch(seq, embedding.embed_groups(q, hp.hidden), label="embed",
@@ -164,6 +169,7 @@ class DecodeGraph:
         self._norm(seq, b.x, "output_norm.weight", b.xn)
         self._matvec(seq, self.model.output_name, b.xn, b.logits)
         self._sample(seq)
+        seq.copy(self.step, self.step_host)
         return seq
 
     def _norm(self, seq, x, weight: str, out) -> None:
