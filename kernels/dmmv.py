@@ -1,10 +1,11 @@
 """Decode matrix-vector products over quantized GGUF weights: y[c, r] = Σ_k W[r, k] · x[c, k].
 
 A workgroup owns ROWS consecutive output rows. Its invocations walk the rows' blocks together:
-`parts` invocations share a block (consecutive invocations read consecutive 16-byte pieces
-where the layout allows), WG/parts blocks are in flight per step, and each invocation keeps
-ROWS × COLS partial sums that a subgroup (then shared-memory) reduction combines. Activations
-are loaded once per block and reused for every row. The same step serves the plain product,
+`parts` invocations share a block (each block's invocations read its activations as contiguous
+128-byte pieces, see quant.py), WG/parts blocks are in flight per step, and each invocation
+keeps ROWS × COLS partial sums that a subgroup (then shared-memory) reduction combines.
+Activations and their group sums are loaded once per block and reused for every row, so ROWS > 1
+divides the activation traffic, which is several times the weight traffic of a 4-bit format. The same step serves the plain product,
 MoE experts chosen on the GPU, the fused gate·up SwiGLU (gate and up rows in one loop), and the
 weighted sum over experts of the down projection (experts and blocks in one flat loop, so all
 experts' loads are in flight together).

@@ -3,9 +3,15 @@
 Each format splits a block into `parts` equal shares; invocation `part` of a block decodes its
 share as a few `Group`s of consecutive elements, each `w = scale · q + bias` (bias may be
 None). Matrix-vector kernels then compute `scale · Σ q·x + bias · Σ x` per group, so the
-per-element work is one multiply-add. The weight buffer is raw bytes (`Buffer[u8]`), read with
-the widest loads each layout's alignment allows (16-byte where blocks keep it, u16 pairs where
-they only keep 2).
+per-element work is one multiply-add. K-quant shares come `Factored` (per-group small scales
+under per-block factors), which kernels sum with fewer operations. The weight buffer is raw
+bytes (`Buffer[u8]`), read with the widest loads each layout's alignment allows (16-byte where
+blocks keep it, u16 pairs where they only keep 2).
+
+The 256-element formats interleave: invocation `part` takes elements 4·part .. 4·part + 3 of
+each of the block's eight 32-element runs, so the eight invocations of a block read each run's
+activations as one contiguous 128-byte piece (a share of whole runs would scatter every
+activation load over four cache lines).
 
 Quantized values reach f32 without an int→float conversion (a quarter-rate instruction on
 NVIDIA): `unit` moves a field under the exponent of 1.0, giving 1 + q/2^bits in two integer
@@ -92,11 +98,6 @@ def words_at(w, addr, n: int, align: int) -> list:
     return out
 
 
-def u32_at(w, byte_addr, aligned4: bool):
-    """The little-endian u32 at a byte address (4-aligned, or only 2-aligned: two u16 reads)."""
-    return words_at(w, byte_addr, 1, 4 if aligned4 else 2)[0]
-
-
 def f16_at(w, byte_addr):
     return zdsl.f16_bits(w.view(u16)[byte_addr >> 1])
 
@@ -176,10 +177,6 @@ class Format:
     def align(self) -> int:
         """The alignment of every block start (rows are packed blocks in a 16-aligned buffer)."""
         return math.gcd(self.nbytes, 16)
-
-    @property
-    def aligned4(self) -> bool:
-        return self.align >= 4
 
     def load(self, w, base, offset, n: int, step: int = 16) -> list:
         """n u32 at byte `offset` of the block at `base`; a traced offset is a multiple of `step`."""
@@ -594,5 +591,5 @@ def fmt(name: str) -> Format:
         raise zdsl.ZdslError(f"no GPU decoder for weight type {name} (have: {', '.join(FORMATS)})") from None
 
 
-__all__ = ["Group", "Factored", "IntGroup", "Format", "FORMATS", "INT8_FORMATS", "IQ4_LEVELS", "fmt", "u32_at", "f16_at",
+__all__ = ["Group", "Factored", "IntGroup", "Format", "FORMATS", "INT8_FORMATS", "IQ4_LEVELS", "fmt", "f16_at",
            "words_at", "f16"]
