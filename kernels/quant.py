@@ -155,14 +155,6 @@ def spread_bits(bits4, pos: int):
     return (bits4 * (0x00204081 << pos)) & (0x01010101 << pos)
 
 
-def where_chain(index, values, dtype):
-    """values[index] for a traced index and a short Python list (a select per entry)."""
-    out = zdsl.var(values[-1], dtype)
-    for n, v in enumerate(values[:-1]):
-        out.set(zdsl.where(index == n, v, out))
-    return out
-
-
 # ---- formats ----------------------------------------------------------------------------------
 
 class Format:
@@ -516,33 +508,26 @@ class Q6_K(Format):
 
 
 class IQ4(Format):
-    """Shared by the two IQ4 formats: 4-bit indices into IQ4_LEVELS. With the table that `setup`
-    puts in shared memory a level is one shared load; without it (a kernel with no set-up, such
-    as the embedding lookup) the level comes from the table packed in four u32 constants."""
+    """Shared by the two IQ4 formats: 4-bit indices into IQ4_LEVELS. Matrix-vector kernels copy
+    the constant table into shared memory at their start (`setup`): the lanes of a subgroup look
+    up different entries at once, which a constant table serves one address at a time on some
+    GPUs. Kernels without the set-up (the embedding lookup) read the constant table."""
 
     def setup(self):
+        levels = zdsl.table(f32, [float(v) for v in IQ4_LEVELS])
         table = zdsl.shared(f32, 16)
         wg = zdsl.workgroup_size(0) * zdsl.workgroup_size(1) * zdsl.workgroup_size(2)
         for first in range(0, 16, wg):
             i = zdsl.local_index() + first
             with zdsl.if_(i < 16):
-                table[i] = where_chain(i, [float(v) for v in IQ4_LEVELS], f32)
+                table[i] = levels[i]
         zdsl.barrier()
         return table
 
     def levels(self, words, shift, ctx):
-        """(values, a, b): the levels of the nibbles at bit `shift` (0 or 4, maybe traced) of the
-        bytes of `words` are a·value + b."""
-        nib = [(wd >> (8 * i + shift)) & 0xF for wd in words for i in range(4)]
-        if ctx is not None:
-            return [ctx[q] for q in nib], 1, 0
-        packed = [zdsl.var(sum((v + 128) << (8 * b) for b, v in enumerate(IQ4_LEVELS[4 * n:4 * n + 4])), u32)
-                  for n in range(4)]  # level + 128, four to a word
-        biased = []
-        for q in nib:
-            word = zdsl.where(q < 8, zdsl.where(q < 4, packed[0], packed[1]), zdsl.where(q < 12, packed[2], packed[3]))
-            biased.append(unit(word >> ((q & 3) * 8), 0, 8))
-        return biased, 256, -384  # level = 256·(unit − 1) − 128
+        """The levels of the nibbles at bit `shift` (0 or 4, maybe traced) of the bytes of `words`."""
+        table = ctx if ctx is not None else zdsl.table(f32, [float(v) for v in IQ4_LEVELS])
+        return [table[(wd >> (8 * i + shift)) & 0xF] for wd in words for i in range(4)]
 
 
 class IQ4_NL(IQ4):
@@ -552,11 +537,7 @@ class IQ4_NL(IQ4):
     def decode(self, w, base, part, ctx=None):
         d = f16_at(w, base)
         words = self.load(w, base, 2 + part * 8, 2, step=2)
-        out = []
-        for high in (0, 1):
-            values, a, b = self.levels(words, 4 * high, ctx)
-            out.append(Group(part * 8 + 16 * high, values, d * float(a), d * float(b) if b else None))
-        return out
+        return [Group(part * 8 + 16 * high, self.levels(words, 4 * high, ctx), d) for high in (0, 1)]
 
 
 class IQ4_XS(IQ4):
@@ -574,9 +555,9 @@ class IQ4_XS(IQ4):
             low = (head[1] >> (4 * i)) & 0xF
             high = (head[0] >> (16 + 2 * i)) & 3
             words = self.load(w, base, 8 + 16 * i + 4 * (lane & 3), 1, step=4)
-            values, a, b = self.levels(words, 4 * (lane >> 2), ctx)
-            out.append(Group(32 * i + 4 * lane, values, (low | (high << 4)).to(f32) - 32.0))
-        return Factored(out, d, a, b)
+            out.append(Group(32 * i + 4 * lane, self.levels(words, 4 * (lane >> 2), ctx),
+                             (low | (high << 4)).to(f32) - 32.0))
+        return Factored(out, d, 1, 0)
 
 
 FORMATS: dict[str, Format] = {f.name: f for f in (F32(), F16(), BF16(), Q8_0(), Q4_0(), Q4_1(), Q5_0(), Q5_1(),
