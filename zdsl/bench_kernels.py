@@ -6,9 +6,10 @@ read, activations read, outputs written) at the rate a plain copy does. So the c
 measured first, with a DSL copy kernel (16-byte loads and stores over large buffers, read plus
 write bytes), and each kernel's bytes over its median GPU time are reported against it. Times
 come from GPU timestamps around each dispatch (end of the previous to end of this one: the
-launch and barrier cost a decode step pays too), after warm-up dispatches. Consecutive
-dispatches read different weight copies (or, for experts, different experts) so that small
-weights are not served from the cache.
+launch and barrier cost a decode step pays too). Before timing, the recorded dispatches are
+replayed for a while: GPUs raise their clocks only under sustained load, and a short burst would
+time an idling GPU. Consecutive dispatches read different weight copies (or, for experts,
+different experts) so that small weights are not served from the cache.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from time import perf_counter
 from dataclasses import asdict, dataclass
 
 import click
@@ -131,8 +133,8 @@ def synthetic_rows(rng, qtype: str, rows: int, k: int) -> np.ndarray:
 
 
 class Bench:
-    def __init__(self, device, warmup: int, repeats: int, cache_bytes: int, sweep: bool):
-        self.device, self.warmup, self.repeats = device, warmup, repeats
+    def __init__(self, device, warmup: int, repeats: int, warm_s: float, cache_bytes: int, sweep: bool):
+        self.device, self.warmup, self.repeats, self.warm_s = device, warmup, repeats, warm_s
         self.cache_bytes, self.sweep = cache_bytes, sweep
         self.rng = np.random.default_rng(0)
         self.buffers = []
@@ -155,11 +157,16 @@ class Bench:
         return max(1, min(self.warmup + self.repeats, math.ceil(self.cache_bytes / max(nbytes, 1))))
 
     def time(self, record) -> float:
-        """Median GPU µs of record(seq, i) over the repeats that follow the warm-up."""
+        """Median GPU µs of record(seq, i) over the repeats that follow the warm-up dispatches, in
+        a replay after warm_s seconds of replays."""
         seq = self.device.sequence(timestamps=True)
         try:
             for i in range(self.warmup + self.repeats):
                 record(seq, i)
+            end = perf_counter() + self.warm_s
+            seq.run()
+            while perf_counter() < end:
+                seq.run()
             seq.run()
             ms = [t for _, t in seq.timings()][self.warmup:]
         finally:
@@ -309,29 +316,31 @@ def print_table(device_name: str, copy_gbps: float, copy_bytes: int, results: li
 @click.option("--tiny", is_flag=True, help="Small shapes and buffers (a smoke test, e.g. on lavapipe).")
 @click.option("--sweep", is_flag=True, help="Time every ROWS and workgroup size and report the fastest.")
 @click.option("--warmup", default=5, show_default=True, help="Untimed dispatches first.")
+@click.option("--warm-ms", default=300, show_default=True,
+              help="Replay each case this long before timing it (lets the GPU raise its clocks).")
 @click.option("--repeats", default=30, show_default=True, help="Timed dispatches (the median is reported).")
 @click.option("--copy-mb", default=512, show_default=True, help="Copy-kernel buffer size (each of two).")
 @click.option("--cache-mb", default=256, show_default=True,
               help="Rotate weight copies until this many MB lie between reuses (defeats the caches).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def bench_kernels(device_name, shapes, tiny, sweep, warmup, repeats, copy_mb, cache_mb, as_json):
+def bench_kernels(device_name, shapes, tiny, sweep, warmup, warm_ms, repeats, copy_mb, cache_mb, as_json):
     """Time kernels: GPU time and GB/s against measured copy bandwidth."""
     from zdsl.runtime import open_device
 
-    if warmup < 0 or repeats < 1 or copy_mb < 1 or cache_mb < 0:
-        raise ZdslError("--warmup must be ≥ 0, --repeats, --copy-mb ≥ 1 and --cache-mb ≥ 0")
+    if min(warmup, warm_ms, cache_mb) < 0 or min(repeats, copy_mb) < 1:
+        raise ZdslError("--warmup, --warm-ms and --cache-mb must be ≥ 0, --repeats and --copy-mb ≥ 1")
     cases = with_quantizers([parse_case(s) for s in (shapes.split(",") if shapes else TINY_SHAPES if tiny
                                                      else DEFAULT_SHAPES)])
     if tiny:
-        copy_mb, cache_mb = min(copy_mb, 8), min(cache_mb, 4)
+        copy_mb, cache_mb, warm_ms = min(copy_mb, 8), min(cache_mb, 4), min(warm_ms, 20)
     copy_bytes = copy_mb << 20
     with open_device(device_name) as dev:
-        bench = Bench(dev, warmup, repeats, cache_mb << 20, sweep)
+        bench = Bench(dev, warmup, repeats, warm_ms / 1e3, cache_mb << 20, sweep)
         copy_gbps = bench.copy_bandwidth(copy_bytes)
         results = [bench.run_case(c, copy_gbps) for c in cases]
         name = dev.info.name
     if as_json:
         click.echo(json.dumps({"device": name, "copy_gbps": copy_gbps, "copy_bytes": 2 * copy_bytes,
-                               "results": [asdict(r) for r in results]}, indent=1))
+                               "results": [asdict(r) for r in results]}, indent=1, ensure_ascii=False))
     else:
         print_table(name, copy_gbps, 2 * copy_bytes, results)
