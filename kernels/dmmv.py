@@ -264,3 +264,195 @@ def moe_down_ref(w_bytes, ids, weights, act, qtype, m, k, y=None):
     a = act.reshape(-1, k).astype(np.float64)
     out = sum(float(wt) * (wd[e] @ a[s]) for s, (e, wt) in enumerate(zip(ids, weights)))
     return out if y is None else out + y
+
+
+# ---- fused decode steps: the RMSNorm folded into its consumers, routing inside the experts ----
+
+class NormedX:
+    """Activations read through an RMSNorm prologue: the products see x ⊙ norm_w, and Σx² is
+    summed from the same loads, so the norm's scale rsqrt(mean(x²) + eps) multiplies the
+    finished sums. Every workgroup reads all of x anyway: the norm costs no extra pass and no
+    dependent dispatch. (One activation vector; its element k pairs with norm_w[k].)"""
+
+    def __init__(self, x, norm_w):
+        self.x, self.norm_w = x, norm_w
+        self.sq = zdsl.var(0.0)
+
+    def load(self, start, count):
+        xs, ws = load_x(self.x, start, count), load_x(self.norm_w, start, count)
+        self.sq += sum_products(xs, xs)
+        return [a * b for a, b in zip(xs, ws)]
+
+    def scale(self, sq_total, k, eps):
+        return zdsl.rsqrt(sq_total / k.to(f32) + eps)
+
+
+_plain_load_x = load_x
+
+
+def load_x(x, start, count):  # noqa: F811 — activations may come through a prologue
+    return x.load(start, count) if isinstance(x, NormedX) else _plain_load_x(x, start, count)
+
+
+@zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": QTYPES, "ROWS": [1, 2, 4], "SG": SUBGROUPS})
+def dmmv_norm(w: Buffer[u8], x: Buffer[f32], norm_w: Buffer[f32], y: Buffer[f32], k: u32, m: u32, eps: f32,
+              QTYPE: Const = "q4_k", ROWS: Const = 1, SG: Const = 32, WG: Const = 0):
+    """y[r] = Σ_k W[r, k] · rmsnorm(x)[k] · norm_w[k]: a projection of a normed vector, with the
+    norm folded in. Grid: ceil(m / ROWS)."""
+    f = fmt(QTYPE)
+    ctx = f.setup()
+    WG = zdsl.workgroup_size()
+    nblocks = k // f.block
+    row0 = zdsl.workgroup_id() * ROWS
+    rows = [(w, zdsl.min(row0 + r, m - 1) * (nblocks * f.nbytes)) for r in range(ROWS)]
+    xin = NormedX(x, norm_w)
+    acc = block_dots(f, ctx, rows, xin, [0], nblocks, WG)
+    sums = workgroup_sums([acc[r][0] for r in range(ROWS)] + [xin.sq], WG, SG)
+    scale = xin.scale(sums[-1], k, eps)
+    store_rows(y, [s * scale for s in sums[:-1]], row0, m, ROWS, 1, False)
+
+
+def rms_normed(x, norm_w, eps):
+    x = np.asarray(x, np.float64)
+    return x / np.sqrt(np.mean(x * x) + eps) * np.asarray(norm_w, np.float64)
+
+
+@dmmv_norm.reference
+def dmmv_norm_ref(w_bytes, x, norm_w, eps, qtype, m, k):
+    return dequant_rows(w_bytes, qtype, m, k) @ rms_normed(x, norm_w, eps)
+
+
+def _gate_up_rows(f, ctx, wg, wu, expert_base, row0, m, row_bytes, xin, nblocks, ROWS, WG, SG):
+    bases = [expert_base + zdsl.min(row0 + r, m - 1) * row_bytes for r in range(ROWS)]
+    acc = block_dots(f, ctx, [(wg, b) for b in bases] + [(wu, b) for b in bases], xin, [0], nblocks, WG)
+    return workgroup_sums([a[0] for a in acc] + [xin.sq], WG, SG)
+
+
+# The types GGUF files use for expert tensors (other types and K still specialize on demand).
+EXPERT_QTYPES = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q8_0", "iq4_xs"]
+
+
+@zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": EXPERT_QTYPES, "ROWS": [1, 2], "K": [8], "SG": SUBGROUPS})
+def moe_gate_up(wg: Buffer[u8], wu: Buffer[u8], wg_sh: Buffer[u8], wu_sh: Buffer[u8], router: Buffer[f32],
+                sh_gate_w: Buffer[f32], x: Buffer[f32], norm_w: Buffer[f32], ids: Buffer[u32],
+                weights: Buffer[f32], act: Buffer[f32], k: u32, m: u32, n_expert: u32, eps: f32,
+                QTYPE: Const = "q4_k", K: Const = 8, ROWS: Const = 1, SG: Const = 32, WG: Const = 0):
+    """The MoE up-projections of one token from the residual x, in one dispatch: hn = rmsnorm(x)
+    · norm_w; slot s < K takes the expert with the s-th largest router logit (each workgroup
+    picks them from `router` itself: no routing pass) and slot K the shared expert;
+    act[s·m + r] = silu(Wg[r]·hn) · (Wu[r]·hn). Workgroup (0, 0) also writes ids[0:K] and
+    their renormalised softmax weights, workgroup (0, K) the shared expert's gate
+    weights[K] = sigmoid(sh_gate_w · hn), for moe_down_all. Grid: (ceil(m / ROWS), K + 1)."""
+    from zdsl.kernels.sampling import block_topk
+
+    f = fmt(QTYPE)
+    ctx = f.setup()
+    WG = zdsl.workgroup_size()
+    nblocks = k // f.block
+    row_bytes = nblocks * f.nbytes
+    slot, row0 = zdsl.workgroup_id(1), zdsl.workgroup_id() * ROWS
+
+    def load(index, valid):
+        return router.load(index, mask=valid, other=0.0), index
+
+    val_sh, id_sh, first = block_topk(load, n_expert, K, max(1, 256 // WG), WG, SG)  # one round for 256 experts
+    expert = id_sh[first + zdsl.min(slot, K - 1)]
+    with zdsl.if_((zdsl.workgroup_id() == 0) & (slot == 0) & (zdsl.local_index() < K)):
+        z0 = val_sh[first]
+        total = zdsl.var(0.0)
+        for s in range(K):
+            total += zdsl.exp(val_sh[first + s] - z0)
+        j = zdsl.local_index()
+        ids[j] = id_sh[first + j]
+        weights[j] = zdsl.exp(val_sh[first + j] - z0) / total
+    routed = NormedX(x, norm_w)
+    shared = NormedX(x, norm_w)
+    with zdsl.if_(slot < K):
+        sums = _gate_up_rows(f, ctx, wg, wu, expert * (m * row_bytes), row0, m, row_bytes, routed, nblocks, ROWS, WG, SG)
+        scale = routed.scale(sums[-1], k, eps)
+        with zdsl.if_(zdsl.local_index() == 0):
+            for r in range(ROWS):
+                with zdsl.if_(row0 + r < m):
+                    act[slot * m + row0 + r] = zdsl.silu(sums[r] * scale) * (sums[ROWS + r] * scale)
+    with zdsl.else_():
+        sums = _gate_up_rows(f, ctx, wg_sh, wu_sh, 0, row0, m, row_bytes, shared, nblocks, ROWS, WG, SG)
+        scale = shared.scale(sums[-1], k, eps)
+        with zdsl.if_(zdsl.local_index() == 0):
+            for r in range(ROWS):
+                with zdsl.if_(row0 + r < m):
+                    act[slot * m + row0 + r] = zdsl.silu(sums[r] * scale) * (sums[ROWS + r] * scale)
+        with zdsl.if_(zdsl.workgroup_id() == 0):
+            dot = zdsl.var(0.0)
+            for j in zdsl.range(zdsl.local_index(), k, WG):
+                dot += sh_gate_w[j] * x[j] * norm_w[j]
+            total = workgroup_sums([dot], WG, SG)[0]
+            with zdsl.if_(zdsl.local_index() == 0):
+                weights[K] = zdsl.sigmoid(total * scale)
+
+
+@moe_gate_up.reference
+def moe_gate_up_ref(wg_bytes, wu_bytes, wg_sh_bytes, wu_sh_bytes, router, sh_gate_w, x, norm_w, eps, qtype, m, k, K=8):
+    """(act, ids, weights) as moe_gate_up writes them."""
+    from zdsl.kernels.moe import moe_route_ref
+
+    hn = rms_normed(x, norm_w, eps)
+    ids, w = moe_route_ref(np.asarray(router, np.float32)[None], K)
+    ids, w = ids[0], w[0]
+    silu = lambda a: a / (1 + np.exp(-a))  # noqa: E731
+    nexp = experts_of(wg_bytes, qtype, m, k)
+    g = dequant_rows(wg_bytes, qtype, nexp * m, k).reshape(nexp, m, k)
+    u = dequant_rows(wu_bytes, qtype, nexp * m, k).reshape(nexp, m, k)
+    gs, us = dequant_rows(wg_sh_bytes, qtype, m, k), dequant_rows(wu_sh_bytes, qtype, m, k)
+    with np.errstate(over="ignore"):
+        act = np.concatenate([silu(g[e] @ hn) * (u[e] @ hn) for e in ids] + [silu(gs @ hn) * (us @ hn)])
+    gate = 1 / (1 + np.exp(-(np.asarray(sh_gate_w, np.float64) @ hn)))
+    return act, ids, np.concatenate([w, [gate]])
+
+
+@zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": EXPERT_QTYPES, "QTYPE_SH": ["", "q6_k"],
+                                                           "ROWS": [1, 2], "K": [8], "SG": SUBGROUPS},
+             where=lambda v: v.QTYPE_SH == "" or (FORMATS[v.QTYPE].block, FORMATS[v.QTYPE].parts) == (256, FORMATS["q6_k"].parts))
+def moe_down_all(w: Buffer[u8], w_sh: Buffer[u8], ids: Buffer[u32], weights: Buffer[f32], act: Buffer[f32],
+                 y: Buffer[f32], k: u32, m: u32, QTYPE: Const = "q4_k", QTYPE_SH: Const = "", K: Const = 8,
+                 ROWS: Const = 1, SG: Const = 32, WG: Const = 0):
+    """y[r] += Σ_{s<K} weights[s] · (W_{ids[s]}[r] · act[s·k:]) + weights[K] · (W_sh[r] · act[K·k:]):
+    the routed experts and the shared expert (slot K, whose type QTYPE_SH may differ: files keep
+    it at more bits) in one pass, added to the residual. Grid: ceil(m / ROWS)."""
+    f = fmt(QTYPE)
+    f_sh = fmt(QTYPE_SH or QTYPE)
+    if (f_sh.block, f_sh.parts) != (f.block, f.parts):
+        raise zdsl.ZdslError(f"moe_down_all needs the shared expert's blocks shaped like the experts' "
+                             f"({f_sh.name} vs {f.name})")
+    ctx, ctx_sh = f.setup(), (f_sh.setup() if f_sh is not f else None)
+    WG = zdsl.workgroup_size()
+    nblocks = k // f.block
+    row_bytes = nblocks * f.nbytes
+    row0 = zdsl.workgroup_id() * ROWS
+    offsets = [zdsl.min(row0 + r, m - 1) * row_bytes for r in range(ROWS)]
+    part = zdsl.local_index() % f.parts
+    total = [zdsl.var(0.0) for _ in range(ROWS)]
+    for item in zdsl.range(zdsl.local_index() // f.parts, (K + 1) * nblocks, WG // f.parts):
+        s = item // nblocks
+        b = item - s * nblocks
+        weight = weights[s]
+        with zdsl.if_(s < K):
+            base = ids[zdsl.min(s, K - 1)] * (m * row_bytes)
+            step = block_step(f, ctx, [(w, base + o) for o in offsets], act, [s * k], b, part)
+            for r in range(ROWS):
+                total[r] += weight * step[r][0]
+        with zdsl.else_():
+            sh_bytes = nblocks * f_sh.nbytes
+            rows_sh = [(w_sh, zdsl.min(row0 + r, m - 1) * sh_bytes) for r in range(ROWS)]
+            step = block_step(f_sh, ctx_sh if ctx_sh is not None else ctx, rows_sh, act, [s * k], b, part)
+            for r in range(ROWS):
+                total[r] += weight * step[r][0]
+    sums = workgroup_sums(total, WG, SG)
+    store_rows(y, sums, row0, m, ROWS, 1, True)
+
+
+@moe_down_all.reference
+def moe_down_all_ref(w_bytes, w_sh_bytes, ids, weights, act, y, qtype, m, k, qtype_sh=None):
+    K = len(ids)
+    routed = moe_down_ref(w_bytes, ids, weights[:K], act[:K * k], qtype, m, k)
+    shared = float(weights[K]) * (dequant_rows(w_sh_bytes, qtype_sh or qtype, m, k) @ act[K * k:].astype(np.float64))
+    return y + routed + shared

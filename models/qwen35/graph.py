@@ -101,11 +101,14 @@ class DecodeGraph:
         if hp.moe:
             E, K, F, S = hp.n_experts, hp.n_experts_used, hp.expert_ffn, hp.shared_ffn
             self.router = self._f32(E, "router_logits")
+            if S != F:
+                raise ZdslError(f"shared expert width {S} differs from the experts' {F}; zdsl runs the shared "
+                                "expert as one more expert slot, which needs one width")
             self.route_ids = dev.alloc(4 * K, name="route_ids")
-            self.route_w = self._f32(K, "route_weights")
-            self.act = self._f32(K * F, "expert_act")
-            self.shared_act = self._f32(S, "shared_act")
-            self.shared_w = self._f32(1, "shared_gate")
+            self.route_w = self._f32(K + 1, "route_weights")  # [K] is the shared expert's gate
+            self.act = self._f32((K + 1) * F, "expert_act")  # slot K: the shared expert
+            self.act_shared = self.act.slice(4 * K * F, 4 * F)
+            self.route_w_shared = self.route_w.slice(4 * K, 4)
             self.zero_id = dev.upload(np.zeros(1, np.uint32), name="zero_id")
         else:
             self.act = self._f32(hp.ffn, "ffn_act")
@@ -155,22 +158,26 @@ class DecodeGraph:
                                                      table=self.weights[emb],
                                                      ids=self.step, out=b.x, k=hp.hidden, index=2)
         for i in range(hp.n_layers):
-            p = f"blk.{i}."
-            self._norm(seq, b.x, p + "attn_norm.weight", b.xn)
             if hp.attention[i]:
                 self._attention(seq, i)
             else:
                 self._deltanet(seq, i)
-            self._norm(seq, b.x, p + "post_attention_norm.weight", b.hn)
             if hp.moe:
                 self._moe(seq, i)
             else:
                 self._ffn(seq, i)
-        self._norm(seq, b.x, "output_norm.weight", b.xn)
-        self._matvec(seq, self.model.output_name, b.xn, b.logits)
+        self._normed_matvec(seq, self.model.output_name, "output_norm.weight", b.logits)
         self._sample(seq)
         seq.copy(self.step, self.step_host)
         return seq
+
+    def _normed_matvec(self, seq, tensor: str, norm: str, y) -> None:
+        """y = W · (rmsnorm(x) · norm_w): the norm folded into the projection (no separate pass)."""
+        m, k = self.model.shape(tensor)[-2:]
+        q = self._qname(tensor)
+        v = choose(dmmv.dmmv_norm, self.info, {"QTYPE": q, "k": k, "m": m}, QTYPE=q)
+        v.dispatch(seq, cdiv(m, v.params["ROWS"]), label=tensor.removesuffix(".weight"), w=self.weights[tensor],
+                   x=self.buf.x, norm_w=self.weights[norm], y=y, k=k, m=m, eps=self.hp.eps)
 
     def _norm(self, seq, x, weight: str, out) -> None:
         n = self.hp.hidden
@@ -181,9 +188,8 @@ class DecodeGraph:
     def _attention(self, seq, i: int) -> None:
         hp, p, b = self.hp, f"blk.{i}.", self.buf
         nh, nkv, d = hp.n_heads, hp.n_kv_heads, hp.head_dim
-        self._matvec(seq, p + "attn_q.weight", b.xn, self.qg)
-        self._matvec(seq, p + "attn_k.weight", b.xn, self.k)
-        self._matvec(seq, p + "attn_v.weight", b.xn, self.v)
+        for name, out in (("attn_q", self.qg), ("attn_k", self.k), ("attn_v", self.v)):
+            self._normed_matvec(seq, p + name + ".weight", p + "attn_norm.weight", out)
         k_cache, v_cache = self.kv[i]
         prep = choose(attention.attn_prep, self.info, {"d": d})
         prep.dispatch(seq, nh + nkv, label=p + "attn_prep", qg=self.qg, k=self.k, v=self.v, q_norm=self.weights[p + "attn_q_norm.weight"],
@@ -203,7 +209,7 @@ class DecodeGraph:
         C = hp.conv_channels
         for name, out in (("attn_qkv", self.mix), ("attn_gate", self.z), ("ssm_beta", self.beta),
                           ("ssm_alpha", self.alpha)):
-            self._matvec(seq, p + name + ".weight", b.xn, out)
+            self._normed_matvec(seq, p + name + ".weight", p + "attn_norm.weight", out)
         conv = choose(deltanet.deltanet_conv, self.info, {"channels": C}, KC=hp.conv_kernel)
         conv.dispatch(seq, cdiv(C, conv.params["WG"]), label=p + "ssm_conv", mix=self.mix, w=self.weights[p + "ssm_conv1d.weight"],
                       state=self.conv_state[i], out=self.conv_out, channels=C)
@@ -234,20 +240,40 @@ class DecodeGraph:
                    y=self.buf.x, k=k, m=m, slots=slots)
 
     def _moe(self, seq, i: int) -> None:
+        """Router, then one dispatch for every expert's gate·up (experts picked on the GPU, the
+        shared expert as one more slot), then one for every down projection added to x."""
         hp, p, b = self.hp, f"blk.{i}.", self.buf
-        self._matvec(seq, p + "ffn_gate_inp.weight", b.hn, self.router)
-        route = choose(moe.moe_route, self.info, {"n_expert": hp.n_experts}, K=hp.n_experts_used)
-        route.dispatch(seq, 1, label=p + "moe_route", logits=self.router, ids=self.route_ids, weights=self.route_w, n_expert=hp.n_experts)
-        self._ffn_gate_up(seq, p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight", b.hn, self.act,
-                          ids=self.route_ids, slots=hp.n_experts_used)
-        self._down(seq, p + "ffn_down_exps.weight", self.route_ids, self.route_w, self.act, hp.n_experts_used)
-        gate = choose(moe.shared_gate, self.info, {"n": hp.hidden})
-        gate.dispatch(seq, 1, label=p + "shared_gate", w=self.weights[p + "ffn_gate_inp_shexp.weight"], x=b.hn, gate=self.shared_w, n=hp.hidden)
-        self._ffn_gate_up(seq, p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight", b.hn, self.shared_act)
-        self._down(seq, p + "ffn_down_shexp.weight", self.zero_id, self.shared_w, self.shared_act, 1)
+        K, E = hp.n_experts_used, hp.n_experts
+        self._normed_matvec(seq, p + "ffn_gate_inp.weight", p + "post_attention_norm.weight", self.router)
+        m, k = self.model.shape(p + "ffn_gate_exps.weight")[-2:]
+        q = self._qname(p + "ffn_gate_exps.weight")
+        for t in ("ffn_up_exps", "ffn_gate_shexp", "ffn_up_shexp"):
+            if self._qname(p + t + ".weight") != q or self.model.shape(p + t + ".weight")[-2:] != (m, k):
+                raise ZdslError(f"{p}{t} differs in type or shape from {p}ffn_gate_exps; zdsl's fused MoE needs "
+                                "one type and one width for the routed and shared gate/up projections")
+        up = choose(dmmv.moe_gate_up, self.info, {"QTYPE": q, "k": k, "m": m, "K": K}, QTYPE=q, K=K)
+        up.dispatch(seq, (cdiv(m, up.params["ROWS"]), K + 1), label=p + "ffn_gate_up_exps+shexp",
+                    wg=self.weights[p + "ffn_gate_exps.weight"], wu=self.weights[p + "ffn_up_exps.weight"],
+                    wg_sh=self.weights[p + "ffn_gate_shexp.weight"], wu_sh=self.weights[p + "ffn_up_shexp.weight"],
+                    router=self.router, sh_gate_w=self.weights[p + "ffn_gate_inp_shexp.weight"], x=b.x,
+                    norm_w=self.weights[p + "post_attention_norm.weight"], ids=self.route_ids, weights=self.route_w,
+                    act=self.act, k=k, m=m, n_expert=E, eps=hp.eps)
+        md, kd = self.model.shape(p + "ffn_down_exps.weight")[-2:]
+        qd, qs = self._qname(p + "ffn_down_exps.weight"), self._qname(p + "ffn_down_shexp.weight")
+        fd, fs = FORMATS[qd], FORMATS[qs]
+        if (fd.block, fd.parts) != (fs.block, fs.parts):
+            self._down(seq, p + "ffn_down_exps.weight", self.route_ids, self.route_w, self.act, K)
+            self._down(seq, p + "ffn_down_shexp.weight", self.zero_id, self.route_w_shared, self.act_shared, 1)
+            return
+        down = choose(dmmv.moe_down_all, self.info, {"QTYPE": qd, "QTYPE_SH": qs, "k": kd, "m": md, "K": K},
+                      QTYPE=qd, QTYPE_SH="" if qs == qd else qs, K=K)
+        down.dispatch(seq, cdiv(md, down.params["ROWS"]), label=p + "ffn_down_exps+shexp",
+                      w=self.weights[p + "ffn_down_exps.weight"], w_sh=self.weights[p + "ffn_down_shexp.weight"],
+                      ids=self.route_ids, weights=self.route_w, act=self.act, y=b.x, k=kd, m=md)
 
     def _ffn(self, seq, i: int) -> None:
         p, b = f"blk.{i}.", self.buf
+        self._norm(seq, b.x, p + "post_attention_norm.weight", b.hn)
         self._ffn_gate_up(seq, p + "ffn_gate.weight", p + "ffn_up.weight", b.hn, self.act)
         self._matvec(seq, p + "ffn_down.weight", self.act, b.x, add=True)
 
