@@ -66,3 +66,17 @@ def test_context_full_is_one_clear_error(model, device):
     with pytest.raises(ZdslError, match="context of 2 tokens is full"):
         graph.decode()
     graph.close()
+
+
+def test_bursts_equal_single_steps(model, device):
+    """decode_burst runs steps back to back on the GPU (position advanced there, sampled token fed
+    on): the same tokens as one host round trip per step, for greedy and seeded sampling."""
+    for sampler in (SamplerConfig(temperature=0), SamplerConfig(temperature=1.0, top_k=0, top_p=1.0, seed=7)):
+        single = DecodeGraph(model, device, 40, sampler, progress=False)
+        one = [single.decode(3), single.decode(11)] + [single.decode() for _ in range(19)]
+        single.close()
+        burst = DecodeGraph(model, device, 40, sampler, progress=False)
+        two = [burst.decode(3), burst.decode(11)] + burst.decode_burst(5) + burst.decode_burst(14)
+        assert two == one
+        assert burst.position == 21
+        burst.close()

@@ -71,8 +71,10 @@ class Timings:
 class Generator:
     """A model on a device, ready to generate."""
 
-    def __init__(self, model: ModelFile, device, *, n_ctx: int, sampler: SamplerConfig, progress: bool = True):
+    def __init__(self, model: ModelFile, device, *, n_ctx: int, sampler: SamplerConfig, progress: bool = True,
+                 burst: int = 8):
         self.model, self.device = model, device
+        self.burst = burst  # decode steps per submission: the host waits once per burst
         self.tokenizer = Tokenizer.from_model(model)
         hp = model.hparams
         self.n_ctx = min(n_ctx, hp.context_length)
@@ -103,13 +105,18 @@ class Generator:
             token = g.decode(tok)
         t.prompt_tokens, t.prompt_s = len(prompt_ids), time.perf_counter() - start
         start = time.perf_counter()
-        for i in range(n):
-            if i:
-                token = g.decode()
-            t.decode_tokens, t.decode_s = i, time.perf_counter() - start  # steps after the prompt
-            yield token
-            if stop and token in self.stop_ids:
-                break
+        produced, done = 0, False
+        while produced < n and not done:
+            # the first token comes from the last prompt step; the rest in bursts that run on the
+            # GPU back to back (each step feeds its own sample to the next)
+            burst = [token] if produced == 0 else g.decode_burst(min(self.burst, n - produced))
+            t.decode_tokens, t.decode_s = produced + len(burst) - 1, time.perf_counter() - start
+            for tok in burst:
+                produced += 1
+                yield tok
+                if stop and tok in self.stop_ids:
+                    done = True
+                    break
         if "timestamps" in self.device.info.features and g.position < self.n_ctx:
             t.gpu_ms.append(sum(ms for _, ms in g.profile()))  # one more timed step; generation is over
 

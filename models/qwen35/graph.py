@@ -17,7 +17,7 @@ import numpy as np
 
 from zdsl.autotune.database import choose
 from zdsl.errors import ZdslError
-from zdsl.kernels import attention, deltanet, dmmv, embedding, moe, norm, sampling
+from zdsl.kernels import attention, deltanet, dmmv, embedding, moe, norm, sampling, steps
 from zdsl.kernels.quant import FORMATS
 from zdsl.lang.language import cdiv
 from zdsl.models.qwen35.gguf_file import ModelFile
@@ -53,8 +53,10 @@ class DecodeGraph:
         self.weights: dict[str, object] = {}
         self._upload_weights(progress)
         self._allocate()
-        self.seq = self._record()
+        self.seq = self._record(from_host=True)   # a step that starts from values the host wrote
+        self.seq_next = self._record(from_host=False)  # a step that continues on the GPU
         self._timed = None
+        self._synced = False  # whether the device's step values are the ones the host last saw
 
     # -- set-up ----------------------------------------------------------------------------
     def _upload_weights(self, progress: bool) -> None:
@@ -134,6 +136,7 @@ class DecodeGraph:
         seq.run()
         seq.free()
         self.position = 0
+        self._synced = False
 
     # -- recording --------------------------------------------------------------------------
     def _qname(self, tensor: str) -> str:
@@ -148,10 +151,11 @@ class DecodeGraph:
         v.dispatch(seq, cdiv(m, v.params["ROWS"]), label=tensor.removesuffix(".weight"), w=self.weights[tensor],
                    x=x, y=y, k=k, m=m)
 
-    def _record(self, timestamps: bool = False):
+    def _record(self, from_host: bool, timestamps: bool = False):
         hp, b = self.hp, self.buf
         seq = self.device.sequence(timestamps=timestamps)
-        seq.copy(self.step_host, self.step)
+        if from_host:
+            seq.copy(self.step_host, self.step)
         emb = "token_embd.weight"
         q = self._qname(emb)
         embedding.embed.specialize(QTYPE=q).dispatch(seq, embedding.embed_groups(q, hp.hidden), label="embed",
@@ -168,6 +172,7 @@ class DecodeGraph:
                 self._ffn(seq, i)
         self._normed_matvec(seq, self.model.output_name, "output_norm.weight", b.logits)
         self._sample(seq)
+        steps.advance.specialize().dispatch(seq, 1, label="advance", step=self.step)
         seq.copy(self.step, self.step_host)
         return seq
 
@@ -290,15 +295,31 @@ class DecodeGraph:
         feeds the token the GPU sampled last step. Returns the sampled next token id."""
         if self.position >= self.n_ctx:
             raise ZdslError(f"the context of {self.n_ctx} tokens is full; start again with a larger --ctx")
-        w = self.step_words
-        w[0], w[1] = self.position, self.position + 1
-        if token is not None:
-            if not 0 <= token < self.hp.vocab:
-                raise ZdslError(f"token id {token} is outside the vocabulary [0, {self.hp.vocab})")
-            w[2] = token
-        self.seq.run()
+        if token is not None or not self._synced:
+            w = self.step_words
+            w[0], w[1] = self.position, self.position + 1
+            if token is not None:
+                if not 0 <= token < self.hp.vocab:
+                    raise ZdslError(f"token id {token} is outside the vocabulary [0, {self.hp.vocab})")
+                w[2] = token
+            self.seq.run()
+        else:
+            self.seq_next.run()
+        self._synced = True
         self.position += 1
-        return int(w[2])
+        return int(self.step_words[2])
+
+    def decode_burst(self, n: int) -> list[int]:
+        """Run n steps back to back on the GPU, each feeding its sampled token to the next (one
+        submission, one wait), and return the n sampled tokens."""
+        if self.position + n > self.n_ctx:
+            raise ZdslError(f"the context of {self.n_ctx} tokens is full; start again with a larger --ctx")
+        if not self._synced:
+            return [self.decode()] + (self.decode_burst(n - 1) if n > 1 else [])
+        first = self.position
+        self.seq_next.run(times=n)
+        self.position += n
+        return self.tokens_out.read(np.uint32, (n,), offset=4 * first).tolist()
 
     def seek(self, position: int) -> None:
         """Continue at `position` without computing the tokens before it. For benchmarks only:
@@ -307,6 +328,7 @@ class DecodeGraph:
         if not 0 <= position < self.n_ctx:
             raise ZdslError(f"position {position} is outside the context of {self.n_ctx} tokens")
         self.position = position
+        self._synced = False
 
     @property
     def dispatches(self) -> int:
@@ -318,7 +340,7 @@ class DecodeGraph:
         at the current position, and return (dispatch label, GPU ms) for each. The step advances
         the state like `decode()` does."""
         if self._timed is None:
-            self._timed = self._record(timestamps=True)
+            self._timed = self._record(from_host=True, timestamps=True)
         w = self.step_words
         w[0], w[1] = self.position, self.position + 1
         self._timed.run()
@@ -330,6 +352,7 @@ class DecodeGraph:
 
     def close(self) -> None:
         self.seq.free()
+        self.seq_next.free()
         if self._timed is not None:
             self._timed.free()
         for buf in self.weights.values():

@@ -1,0 +1,23 @@
+"""Per-step bookkeeping on the GPU, so decode steps can run back to back without the host."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import zdsl
+from zdsl import Buffer, u32
+
+
+@zdsl.kernel(workgroup=1)
+def advance(step: Buffer[u32]):
+    """Move the step values on to the next token: position step[0] and length step[1] + 1
+    (the sampler has already put the next input token in step[2])."""
+    step[0] = step[0] + 1
+    step[1] = step[1] + 1
+
+
+@advance.reference
+def advance_ref(step):
+    out = np.array(step, np.uint32)
+    out[:2] += 1
+    return out
