@@ -367,20 +367,19 @@ def moe_gate_up(wg: Buffer[u8], wu: Buffer[u8], wg_sh: Buffer[u8], wu_sh: Buffer
         weights[j] = zdsl.exp(val_sh[first + j] - z0) / total
     routed = NormedX(x, norm_w)
     shared = NormedX(x, norm_w)
+    def swiglu_rows(w_gate, w_up, expert_base, xin):
+        sums = _gate_up_rows(f, ctx, w_gate, w_up, expert_base, row0, m, row_bytes, xin, nblocks, ROWS, WG, SG)
+        scale = xin.scale(sums[-1], k, eps)
+        with zdsl.if_(zdsl.local_index() == 0):
+            for r in range(ROWS):
+                with zdsl.if_(row0 + r < m):
+                    act[slot * m + row0 + r] = zdsl.silu(sums[r] * scale) * (sums[ROWS + r] * scale)
+        return scale
+
     with zdsl.if_(slot < K):
-        sums = _gate_up_rows(f, ctx, wg, wu, expert * (m * row_bytes), row0, m, row_bytes, routed, nblocks, ROWS, WG, SG)
-        scale = routed.scale(sums[-1], k, eps)
-        with zdsl.if_(zdsl.local_index() == 0):
-            for r in range(ROWS):
-                with zdsl.if_(row0 + r < m):
-                    act[slot * m + row0 + r] = zdsl.silu(sums[r] * scale) * (sums[ROWS + r] * scale)
+        swiglu_rows(wg, wu, expert * (m * row_bytes), routed)
     with zdsl.else_():
-        sums = _gate_up_rows(f, ctx, wg_sh, wu_sh, 0, row0, m, row_bytes, shared, nblocks, ROWS, WG, SG)
-        scale = shared.scale(sums[-1], k, eps)
-        with zdsl.if_(zdsl.local_index() == 0):
-            for r in range(ROWS):
-                with zdsl.if_(row0 + r < m):
-                    act[slot * m + row0 + r] = zdsl.silu(sums[r] * scale) * (sums[ROWS + r] * scale)
+        scale = swiglu_rows(wg_sh, wu_sh, 0, shared)
         with zdsl.if_(zdsl.workgroup_id() == 0):
             dot = zdsl.var(0.0)
             for j in zdsl.range(zdsl.local_index(), k, WG):

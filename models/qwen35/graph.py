@@ -17,7 +17,7 @@ import numpy as np
 
 from zdsl.autotune.database import choose
 from zdsl.errors import ZdslError
-from zdsl.kernels import attention, deltanet, dmmv, embedding, moe, norm, sampling, steps
+from zdsl.kernels import attention, deltanet, dmmv, embedding, norm, sampling, steps
 from zdsl.kernels.quant import FORMATS
 from zdsl.lang.language import cdiv
 from zdsl.models.qwen35.gguf_file import ModelFile
@@ -36,8 +36,7 @@ class Buffers:
     """Activations of one token (all f32)."""
 
     x: object       # residual stream (hidden)
-    xn: object      # normed input of the mixer
-    hn: object      # normed input of the FFN
+    hn: object      # normed input of a dense FFN (the other norms are folded into their consumers)
     logits: object
 
 
@@ -83,7 +82,7 @@ class DecodeGraph:
         self.step_host = dev.host_buffer(4 * STEP_WORDS, name="step_host")
         self.step_words = self.step_host.view(np.uint32)
         self.step = dev.alloc(4 * STEP_WORDS, name="step")
-        self.buf = Buffers(self._f32(H, "x"), self._f32(H, "xn"), self._f32(H, "hn"), self._f32(hp.vocab, "logits"))
+        self.buf = Buffers(self._f32(H, "x"), self._f32(H, "hn"), self._f32(hp.vocab, "logits"))
         qd, kvd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
         self.qg, self.q = self._f32(2 * qd, "qg"), self._f32(qd, "q")
         self.k, self.v = self._f32(kvd, "k"), self._f32(kvd, "v")
