@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "devices": ("zdsl.runtime.commands:devices", "List Vulkan devices and compile-only targets."),
     "model": ("zdsl.models.qwen35.commands:model", "Inspect GGUF models and make synthetic ones."),
     "build": ("zdsl.build:build_command", "Build every kernel variant; --target gfx1201 adds RDNA statistics."),
+    "bench": ("zdsl.models.qwen35.bench:bench", "Decode speed against the bandwidth roofline, across context lengths."),
     "bench-kernels": ("zdsl.bench_kernels:bench_kernels", "Time kernels: GPU time and GB/s against measured copy bandwidth."),
     "run": ("zdsl.models.qwen35.run:run", "Generate text from a GGUF model (default: a synthetic one)."),
     "chat": ("zdsl.models.qwen35.run:chat", "Chat interactively with a GGUF model."),

@@ -1,0 +1,337 @@
+"""`zdsl bench`: decode speed at several context depths against the bandwidth roofline.
+
+A decoded token reads the weights it needs, every row of the KV cache in each attention layer,
+and reads and writes the delta-net state, so it cannot be faster than copy bandwidth / those
+bytes. The bandwidth is measured in the same run by the DSL copy kernel of `zdsl bench-kernels`
+(read + write bytes), so "% of ceiling" compares like with like. Depths are reached with
+`DecodeGraph.seek`: the timed steps read that many cache rows, as real decoding would, without
+first computing the tokens before them. Decode runs in the bursts `zdsl run` uses. The prompt is
+timed too, and honestly: zdsl has no batched prefill yet, so a prompt is one decode step per token.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import click
+import numpy as np
+
+from zdsl.errors import ZdslError
+
+DEFAULT_CONTEXTS = "512,4096,16384,32768"
+PROMPT_NOTE = "prompt = the decode step run once per token (zdsl has no batched prefill yet)"
+SCRATCH_SLACK = 1 << 20  # alignment padding and the few small buffers not sized below
+
+
+def parse_contexts(text: str) -> list[int]:
+    try:
+        contexts = sorted({int(c) for c in text.split(",") if c.strip()})
+    except ValueError:
+        contexts = []
+    if not contexts or contexts[0] < 0:
+        raise ZdslError(f"--contexts '{text}': give comma-separated depths ≥ 0 in tokens, e.g. 512,4096,32768")
+    return contexts
+
+
+def scratch_bytes(hp, n_ctx: int) -> int:
+    """An upper bound on the decode graph's buffers other than weights, KV and recurrent state
+    (activations, attention partial results, greedy-sampler candidates and counts, the sampled-token
+    list), so a context can be refused before anything is allocated."""
+    from zdsl.models.qwen35.graph import ATTN_MAX_SPLITS, ATTN_MIN_CHUNK
+
+    qd, kvd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
+    splits = max(1, min(ATTN_MAX_SPLITS, -(-n_ctx // ATTN_MIN_CHUNK)))
+    K = hp.n_experts_used
+    ffn = (K + 1) * hp.expert_ffn + hp.n_experts + 3 * (K + 1) if hp.moe else hp.ffn
+    words = (2 * hp.hidden + 4 * hp.vocab + 4 * qd + 2 * kvd + hp.n_heads * splits * (hp.head_dim + 2)
+             + 2 * hp.conv_channels + 2 * hp.ssm_value_dim + 2 * hp.ssm_v_heads + ffn + n_ctx)
+    return 4 * words + SCRATCH_SLACK
+
+
+def memory_rows(plan, contexts: list[int], extra: int) -> list[dict]:
+    """Device memory a graph for each context needs: depth + `extra` timed tokens of f16 KV."""
+    rows = []
+    for c in contexts:
+        n_ctx = c + extra
+        row = {"context": c, "n_ctx": n_ctx, "weights": plan.weight_bytes,
+               "kv": plan.kv_bytes_per_token["f16"] * n_ctx, "state": plan.recurrent_state_bytes,
+               "scratch": scratch_bytes(plan.hparams, n_ctx)}
+        row["total"] = sum(row[k] for k in ("weights", "kv", "state", "scratch"))
+        rows.append(row)
+    return rows
+
+
+def check_fits(rows: list[dict], plan, memory: int, max_range: int, device_name: str) -> None:
+    """Refuse, in one line, the first context the model or device cannot hold."""
+    from zdsl.runtime.memory import fmt_bytes
+
+    hp = plan.hparams
+    fits = [r["context"] for r in rows if r["total"] <= memory]
+    largest = f"; the largest here that fits is {fits[-1]}" if fits else ""
+    for r in rows:
+        layer = 2 * hp.n_kv_heads * hp.head_dim * r["n_ctx"]  # one layer's K (or V) cache, f16
+        if r["n_ctx"] > hp.context_length:
+            raise ZdslError(f"context {r['context']} plus the timed tokens ({r['n_ctx']}) exceeds the model's "
+                            f"trained context of {hp.context_length} tokens; drop it from --contexts or lower "
+                            "--tokens/--prompt")
+        if r["total"] > memory:
+            raise ZdslError(f"context {r['context']} needs {fmt_bytes(r['total'])} (weights "
+                            f"{fmt_bytes(r['weights'])} + KV {fmt_bytes(r['kv'])} + state {fmt_bytes(r['state'])} + "
+                            f"scratch {fmt_bytes(r['scratch'])}) but {device_name} has {fmt_bytes(memory)}{largest}")
+        if layer > max_range:
+            raise ZdslError(f"context {r['context']}: one layer's K cache would be {fmt_bytes(layer)}, more than the "
+                            f"{fmt_bytes(max_range)} {device_name} can bind; use smaller --contexts")
+
+
+def bytes_per_token(plan, depth: int, tokens: int) -> dict:
+    """Bytes one decoded token moves at `depth`: the `tokens` timed steps at positions depth ..
+    depth+tokens-1 read depth+1 .. depth+tokens cache rows, (tokens+1)/2 more than `depth` on average."""
+    kv = plan.kv_bytes_per_token["f16"]
+    b = {"weights": plan.read_per_token, "kv_read": kv * (depth + (tokens + 1) / 2), "kv_written": kv,
+         "state": 2 * plan.recurrent_state_bytes}
+    b["total"] = sum(b.values())
+    return b
+
+
+def summary(samples: list[float]) -> dict:
+    return {"samples": samples, "median": statistics.median(samples),
+            "stdev": statistics.stdev(samples) if len(samples) > 1 else 0.0,
+            "min": min(samples), "max": max(samples)}
+
+
+def time_prompt(graph, depth: int, ids: list[int]) -> float:
+    """tok/s of feeding `ids` at `depth` the way `zdsl run` feeds a prompt."""
+    graph.seek(depth)
+    start = time.perf_counter()
+    for t in ids:
+        graph.decode(t)
+    return len(ids) / (time.perf_counter() - start)
+
+
+def time_decode(graph, depth: int, n: int, burst: int) -> float:
+    """tok/s of n steps from `depth`, each feeding its sample to the next, in bursts."""
+    graph.seek(depth)
+    start = time.perf_counter()
+    done = 0
+    while done < n:
+        done += len(graph.decode_burst(min(burst, n - done)))
+    return n / (time.perf_counter() - start)
+
+
+def copy_bandwidth(device, nbytes: int) -> float:
+    """GB/s of the DSL copy kernel over two `nbytes` buffers (read + write bytes counted)."""
+    from zdsl.bench_kernels import Bench
+
+    return Bench(device, warmup=5, repeats=30, warm_s=0.3, cache_bytes=0, sweep=False).copy_bandwidth(nbytes)
+
+
+def git_commit() -> str | None:
+    """The checkout's HEAD (with -dirty if tracked files differ), or None outside a git checkout."""
+    import zdsl
+
+    root = Path(zdsl.__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def measure(gen, plan, depths: list[int], tokens: int, prompt_len: int, repeats: int, copy_gbps: float,
+            say) -> list[dict]:
+    """One row per depth: prompt and decode tok/s (after one untimed decode pass), the bytes a
+    decoded token moves there, the ceiling they imply and the share of it reached."""
+    g = gen.graph
+    ids = np.random.default_rng(0).integers(0, g.hp.vocab, prompt_len).tolist()
+    rows = []
+    for depth in depths:
+        say(f"depth {depth:,}: warm-up, then {repeats} × ({prompt_len} prompt + {tokens} decode tokens)")
+        time_decode(g, depth, tokens, gen.burst)
+        prompt = [time_prompt(g, depth, ids) for _ in range(repeats)]
+        decode = summary([time_decode(g, depth, tokens, gen.burst) for _ in range(repeats)])
+        b = bytes_per_token(plan, depth, tokens)
+        ceiling = copy_gbps * 1e9 / b["total"]
+        rows.append({"context": depth, "prompt": summary(prompt), "decode": decode, "bytes_per_token": b,
+                     "ceiling_tok_per_s": ceiling, "pct_of_ceiling": 100 * decode["median"] / ceiling})
+    return rows
+
+
+def markdown(r: dict) -> str:
+    """A table for docs/PERF.md, headed by what every figure there needs: date, commit, device, command."""
+    s = r["settings"]
+    lines = [f"{r['date'][:10]}, commit {r['commit'] or 'unknown'}, {r['device']['name']} "
+             f"({r['device']['driver']}), `{r['command']}`", "",
+             f"Copy bandwidth {r['copy_gbps']:,.0f} GB/s (DSL copy kernel, read + write, same run). "
+             f"Decode: {s['tokens']} tokens after each depth, median of {s['repeats']} "
+             f"± standard deviation; bytes per token = weights read + KV rows read and written (f16) + "
+             f"delta-net state read and written. Prompt: {s['prompt']} tokens; {PROMPT_NOTE}.", "",
+             "| context | prompt tok/s | decode tok/s | GB read / token | ceiling tok/s | % of ceiling |",
+             "|---|---|---|---|---|---|"]
+    for row in r["rows"]:
+        p, d = row["prompt"], row["decode"]
+        lines.append(f"| {row['context']:,} | {p['median']:,.1f} ± {p['stdev']:,.1f} | "
+                     f"{d['median']:,.1f} ± {d['stdev']:,.1f} | {row['bytes_per_token']['total'] / 1e9:.3f} | "
+                     f"{row['ceiling_tok_per_s']:,.0f} | {row['pct_of_ceiling']:.1f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(r: dict, plan, path: Path) -> bool:
+    """tok/s against context with the ceiling curve; False when matplotlib is not installed."""
+    try:
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import NullLocator
+    except ImportError:
+        return False
+    ctx = [row["context"] for row in r["rows"]]
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.add_subplot()
+    lo, hi = max(min(ctx), 1), max(max(ctx), 2)
+    xs = np.geomspace(lo, hi, 200)
+    n = r["settings"]["tokens"]
+    ax.plot(xs, [r["copy_gbps"] * 1e9 / bytes_per_token(plan, x, n)["total"] for x in xs], "k--",
+            label=f"ceiling at {r['copy_gbps']:,.0f} GB/s")
+    for key, label, style in (("decode", "decode", "o-"), ("prompt", "prompt (one decode step per token)", "s:")):
+        med = [row[key]["median"] for row in r["rows"]]
+        err = [[m - row[key]["min"] for m, row in zip(med, r["rows"])],
+               [row[key]["max"] - m for m, row in zip(med, r["rows"])]]
+        ax.errorbar([max(c, 1) for c in ctx], med, yerr=err, fmt=style, capsize=3, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([max(c, 1) for c in ctx], [f"{c:,}" for c in ctx])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_yscale("log")
+    ax.set_xlabel("context depth (tokens)")
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"{r['model']['name']} on {r['device']['name']}", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def memory_table(rows: list[dict], memory: int, device_name: str):
+    from rich.table import Table
+
+    from zdsl.runtime.memory import fmt_bytes
+
+    t = Table(title=f"memory plan ({device_name}: {fmt_bytes(memory)})")
+    for col in ("context", "n_ctx", "weights", "KV f16", "state", "scratch", "total", "fits"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(f"{r['context']:,}", f"{r['n_ctx']:,}", fmt_bytes(r["weights"]), fmt_bytes(r["kv"]),
+                  fmt_bytes(r["state"]), fmt_bytes(r["scratch"]), fmt_bytes(r["total"]),
+                  "yes" if r["total"] <= memory else "NO")
+    return t
+
+
+def results_table(r: dict):
+    from rich.table import Table
+
+    t = Table(title=f"{r['model']['name']} on {r['device']['name']}: copy {r['copy_gbps']:,.0f} GB/s")
+    for col in ("context", "prompt tok/s", "decode tok/s", "GB/token", "ceiling tok/s", "% ceiling"):
+        t.add_column(col, justify="right")
+    for row in r["rows"]:
+        p, d = row["prompt"], row["decode"]
+        t.add_row(f"{row['context']:,}", f"{p['median']:,.1f} ± {p['stdev']:,.1f}",
+                  f"{d['median']:,.1f} ± {d['stdev']:,.1f}", f"{row['bytes_per_token']['total'] / 1e9:.3f}",
+                  f"{row['ceiling_tok_per_s']:,.0f}", f"{row['pct_of_ceiling']:.1f}%")
+    return t
+
+
+@click.command("bench")
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("--contexts", default=DEFAULT_CONTEXTS, show_default=True, help="Comma-separated depths in tokens.")
+@click.option("--device", default=None, help="Index, name substring or alias (zdsl devices).")
+@click.option("--tokens", type=int, default=128, show_default=True, help="Decode steps timed at each depth.")
+@click.option("--prompt", "prompt_len", type=int, default=512, show_default=True,
+              help="Prompt tokens timed at each depth (one decode step each).")
+@click.option("--repeats", type=int, default=3, show_default=True, help="Timed runs per measurement (median reported).")
+@click.option("--copy-mb", type=int, default=512, show_default=True, help="Copy-kernel buffer size (each of two).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench"),
+              show_default=True, help="Where bench.json, bench.md and bench.png go.")
+def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir):
+    """Decode and prompt tok/s at each context depth, against the ceiling that the device's
+    measured copy bandwidth and the bytes read per token imply."""
+    from rich.console import Console
+
+    from zdsl.models.qwen35.gguf_file import open_model
+    from zdsl.models.qwen35.generate import Generator
+    from zdsl.models.qwen35.info import memory_plan
+    from zdsl.models.qwen35.sampler import SamplerConfig
+    from zdsl.runtime import open_device
+
+    depths = parse_contexts(contexts)
+    if min(tokens, prompt_len, repeats, copy_mb) < 1:
+        raise ZdslError("--tokens, --prompt, --repeats and --copy-mb must be at least 1")
+    console = Console()
+
+    def say(msg: str) -> None:
+        console.print(msg, markup=False, highlight=False)
+
+    m = open_model(model)
+    dev = open_device(device)
+    gen = None
+    try:
+        info = dev.info
+        if info.compile_only:
+            raise ZdslError(f"{info.name} is a compile-only target; pick a device that runs code (zdsl devices)")
+        plan = memory_plan(m)
+        memory = max((size for size, local in info.heaps if local), default=0)
+        extra = max(tokens, prompt_len)
+        rows = memory_rows(plan, depths, extra)
+        console.print(memory_table(rows, memory, info.name))
+        check_fits(rows, plan, memory, info.max_storage_buffer_range, info.name)
+
+        copy_gbps = copy_bandwidth(dev, copy_mb << 20)
+        say(f"copy bandwidth {copy_gbps:,.0f} GB/s; {PROMPT_NOTE}")
+        gen = Generator(m, dev, n_ctx=depths[-1] + extra, sampler=SamplerConfig(temperature=0))
+        results = measure(gen, plan, depths, tokens, prompt_len, repeats, copy_gbps, say)
+        report = {
+            "command": " ".join(["zdsl bench", str(m.path), f"--contexts {','.join(map(str, depths))}"]
+                                + ([f"--device {device}"] if device is not None else [])
+                                + [f"--tokens {tokens}", f"--prompt {prompt_len}", f"--repeats {repeats}",
+                                   f"--copy-mb {copy_mb}", f"--out {out_dir}"]),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "commit": git_commit(),
+            "device": {"name": info.name, "driver": f"{info.driver_name} {info.driver_info}".strip(),
+                       "vulkan": info.api_version, "memory_bytes": memory,
+                       "memory_used_bytes": dev.memory_report()["device"]["used"]},
+            "model": {"path": str(m.path), "name": m.path.name, "arch": m.hparams.arch, "layers": m.hparams.n_layers,
+                      "attention_layers": len(m.hparams.attention_layers), "weight_bytes": plan.weight_bytes,
+                      "weight_bytes_read_per_token": plan.read_per_token,
+                      "kv_bytes_per_token_f16": plan.kv_bytes_per_token["f16"],
+                      "recurrent_state_bytes": plan.recurrent_state_bytes},
+            "settings": {"contexts": depths, "tokens": tokens, "prompt": prompt_len, "repeats": repeats,
+                         "burst": gen.burst, "copy_bytes": 2 * (copy_mb << 20),
+                         "warmup": f"{tokens} decode tokens per depth"},
+            "copy_gbps": copy_gbps,
+            "dispatches_per_token": gen.graph.dispatches,
+            "memory_plan": rows,
+            "notes": [PROMPT_NOTE, "bytes_per_token: weights read + f16 KV rows read (mean over the timed steps) and "
+                      "the row written + delta-net state read and written; ceiling = copy bandwidth / those bytes"],
+            "rows": results,
+        }
+    finally:
+        if gen is not None:
+            gen.close()
+        dev.close()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench.json").write_text(json.dumps(report, indent=1, ensure_ascii=False))
+    (out_dir / "bench.md").write_text(markdown(report))
+    console.print(results_table(report))
+    wrote = [out_dir / "bench.json", out_dir / "bench.md"]
+    if plot(report, plan, out_dir / "bench.png"):
+        wrote.append(out_dir / "bench.png")
+    else:
+        say("bench.png skipped: matplotlib is not installed (pip install 'zdsl[plot]')")
+    say("wrote " + ", ".join(map(str, wrote)))
