@@ -1,0 +1,181 @@
+"""`zdsl bench` on lavapipe with the tiny synthetic model, and the llama.cpp comparison script.
+
+The bytes each decoded token moves are checked against hyperparameter arithmetic written out
+here (KV: 2 bytes × K and V × attention layers × KV heads × head size per row; delta-net state:
+f32 S matrices and conv windows, read and written), not against the code under test.
+"""
+
+import importlib.util
+import json
+from dataclasses import replace
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from zdsl.cli import main
+from zdsl.models.qwen35 import synth
+
+ROOT = Path(__file__).resolve().parent.parent
+CONTEXTS, TOKENS, PROMPT, REPEATS = (16, 200), 4, 3, 2
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("models") / "tiny.gguf"
+    hp = synth.write(path, "tiny")
+    return path, hp
+
+
+@pytest.fixture(scope="module")
+def tiny_long(tmp_path_factory):
+    """The tiny model trained (nominally) for 2^30 tokens, so only the device limits its context."""
+    path = tmp_path_factory.mktemp("models") / "tiny-long.gguf"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(synth.PRESETS, "tiny-long", replace(synth.PRESETS["tiny"], context_length=1 << 30))
+        synth.write(path, "tiny-long")
+    return path
+
+
+@pytest.fixture(scope="module")
+def report(tiny, tmp_path_factory):
+    path, _ = tiny
+    out = tmp_path_factory.mktemp("bench")
+    assert main(["bench", str(path), "--device", "lavapipe", "--contexts", ",".join(map(str, CONTEXTS)),
+                 "--tokens", str(TOKENS), "--prompt", str(PROMPT), "--repeats", str(REPEATS), "--copy-mb", "4",
+                 "--out", str(out)]) == 0
+    return out, json.loads((out / "bench.json").read_text())
+
+
+def test_bench_artifacts_and_structure(report, tiny):
+    out, r = report
+    path, hp = tiny
+    assert r["command"].startswith(f"zdsl bench {path} --contexts 16,200")
+    datetime.fromisoformat(r["date"])
+    assert r["commit"] is None or isinstance(r["commit"], str)
+    assert "llvmpipe" in r["device"]["name"] and r["device"]["driver"] and r["device"]["memory_bytes"] > 0
+    assert r["model"]["name"] == "tiny.gguf" and r["model"]["layers"] == hp.n_layers
+    assert r["settings"] == {**r["settings"], "contexts": list(CONTEXTS), "tokens": TOKENS, "prompt": PROMPT,
+                             "repeats": REPEATS}
+    assert r["copy_gbps"] > 0 and r["dispatches_per_token"] > 0
+    assert [row["context"] for row in r["rows"]] == list(CONTEXTS)
+    for row in r["rows"]:
+        for key in ("prompt", "decode"):
+            s = row[key]
+            assert len(s["samples"]) == REPEATS and min(s["samples"]) > 0
+            assert s["min"] <= s["median"] <= s["max"] and s["stdev"] >= 0
+    md = (out / "bench.md").read_text()
+    assert r["device"]["name"] in md and f"`{r['command']}`" in md and "no batched prefill" in md
+    assert [line.split("|")[1].strip() for line in md.splitlines() if line.startswith("| ") and "context" not in line] \
+        == [f"{c:,}" for c in CONTEXTS]
+    if importlib.util.find_spec("matplotlib") is None:
+        assert not (out / "bench.png").exists()
+    else:
+        assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_bytes_ceiling_and_percent_are_consistent(report, tiny):
+    _, r = report
+    _, hp = tiny
+    n_attn = sum(hp.attention)
+    n_dn = hp.n_layers - n_attn
+    kv_row = 2 * 2 * n_attn * hp.n_kv_heads * hp.head_dim
+    state = 4 * n_dn * (hp.ssm_v_heads * hp.ssm_head_dim ** 2 + (hp.conv_kernel - 1) * hp.conv_channels)
+    first, last = r["rows"][0]["bytes_per_token"], r["rows"][-1]["bytes_per_token"]
+    assert last["total"] - first["total"] == pytest.approx(kv_row * (CONTEXTS[-1] - CONTEXTS[0]))
+    for row in r["rows"]:
+        b = row["bytes_per_token"]
+        assert b["kv_read"] == pytest.approx(kv_row * (row["context"] + (TOKENS + 1) / 2))
+        assert b["kv_written"] == kv_row and b["state"] == 2 * state
+        assert b["total"] == pytest.approx(b["weights"] + b["kv_read"] + b["kv_written"] + b["state"])
+        assert 0 < b["weights"] < r["model"]["weight_bytes"]  # 4 of 16 experts read
+        assert row["ceiling_tok_per_s"] == pytest.approx(r["copy_gbps"] * 1e9 / b["total"])
+        assert row["pct_of_ceiling"] == pytest.approx(100 * row["decode"]["median"] / row["ceiling_tok_per_s"])
+    # the plan is an upper bound on what the graph allocated for the largest context, and at least
+    # its weights, KV and state
+    plan = r["memory_plan"][-1]
+    assert plan["n_ctx"] == CONTEXTS[-1] + max(TOKENS, PROMPT)
+    assert plan["kv"] == kv_row * plan["n_ctx"] and plan["state"] == state
+    assert plan["weights"] + plan["kv"] + plan["state"] <= r["device"]["memory_used_bytes"] <= plan["total"]
+
+
+@pytest.mark.parametrize("contexts, message", [
+    ("64,536870912", r"context 536870912 needs [\d.]+ GiB \(weights .* \+ KV 1024\.0 GiB \+ .*\) but llvmpipe .* "
+                     r"has .*; the largest here that fits is 64"),
+    ("200000", r"context 200000: one layer's K cache would be .* more than the 128\.0 MiB llvmpipe .* can bind"),
+])
+def test_bench_refuses_contexts_that_do_not_fit(tiny_long, tmp_path, capsys, contexts, message):
+    import re
+
+    out = tmp_path / "out"
+    assert main(["bench", str(tiny_long), "--device", "lavapipe", "--contexts", contexts, "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert len(captured.err.strip().splitlines()) == 1 and re.match("error: " + message, captured.err)
+    assert "memory plan" in captured.out  # printed before the refusal
+    assert not out.exists()
+
+
+def test_bench_refuses_beyond_trained_context(tiny, capsys):
+    assert main(["bench", str(tiny[0]), "--device", "lavapipe", "--contexts", "4000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: context 4000 plus the timed tokens (4512) exceeds the model's trained context "
+                          "of 4096 tokens")
+
+
+# -- scripts/peer_bench.py ---------------------------------------------------------------------------
+
+def _peer():
+    spec = importlib.util.spec_from_file_location("peer_bench", ROOT / "scripts" / "peer_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _llama(n_prompt, n_gen, depth, ts, sd):
+    return {"build_commit": "abc1234", "backends": "Vulkan", "gpu_info": "NVIDIA H100 80GB HBM3",
+            "model_filename": "/tmp/35b.gguf", "n_prompt": n_prompt, "n_gen": n_gen, "n_depth": depth,
+            "avg_ts": ts, "stddev_ts": sd, "samples_ts": [ts]}
+
+
+CANNED = [_llama(512, 0, 0, 8323.0, 40.0), _llama(0, 128, 0, 137.0, 11.0),
+          _llama(512, 0, 4096, 7000.0, 30.0), _llama(0, 128, 4096, 173.0, 5.0)]
+
+
+def _zdsl(contexts):
+    def s(m):
+        return {"samples": [m], "median": m, "stdev": 1.0, "min": m, "max": m}
+    return {"model": {"path": "/tmp/35b.gguf"}, "device": {"name": "NVIDIA H100 80GB HBM3"},
+            "settings": {"contexts": contexts, "tokens": 128, "prompt": 512},
+            "rows": [{"context": c, "prompt": s(150.0 + c / 1024), "decode": s(190.0 - c / 1024)} for c in contexts]}
+
+
+def test_peer_merge_puts_both_sides_in_one_table():
+    rows = _peer().merge(_zdsl([4096, 32768]), CANNED)
+    assert [r["test"] for r in rows] == ["pp512", "tg128", "pp512 @ d4096", "tg128 @ d4096", "pp512 @ d32768",
+                                         "tg128 @ d32768"]
+    by = {r["test"]: r for r in rows}
+    assert by["pp512"]["zdsl"] is None and by["pp512"]["llama"] == (8323.0, 40.0) and by["pp512"]["ratio"] is None
+    assert by["tg128 @ d4096"]["zdsl"] == (186.0, 1.0) and by["tg128 @ d4096"]["llama"] == (173.0, 5.0)
+    assert by["tg128 @ d4096"]["ratio"] == pytest.approx(186.0 / 173.0)
+    assert by["tg128 @ d32768"]["llama"] is None and by["tg128 @ d32768"]["zdsl"] == (158.0, 1.0)
+
+
+def test_peer_script_reads_saved_outputs(tmp_path, capsys):
+    llama = tmp_path / "llama.json"
+    llama.write_text("ggml_vulkan: Found 1 Vulkan devices:\n" + json.dumps(CANNED))
+    zdsl = tmp_path / "bench.json"
+    zdsl.write_text(json.dumps(_zdsl([0, 4096])))
+    assert _peer().main(["--model", "/tmp/35b.gguf", "--llama-json", str(llama), "--zdsl-json", str(zdsl)]) == 0
+    out = capsys.readouterr().out
+    assert "tg128 @ d4096" in out and "1.08×" in out and "vs llama.cpp Vulkan" in out
+
+
+def test_peer_script_without_llama_bench(tmp_path, monkeypatch, capsys):
+    peer = _peer()
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("LLAMA_BENCH", raising=False)
+    assert peer.main(["--model", "x.gguf"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no llama-bench found") and len(err.strip().splitlines()) == 1
+    assert peer.main(["--model", "x.gguf", "--llama-bench", str(tmp_path / "nope")]) == 2
+    assert "is not an executable file" in capsys.readouterr().err
