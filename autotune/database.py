@@ -7,12 +7,15 @@ identity (vendor:device id:driver name), its driver version, the kernel, and the
      "params": {"ROWS": 2, "WG": 64}, "us": 41.2, "method": "measured"}
 Shipped entries live beside this file (`*.json`), the user's own under the zdsl cache
 (`zdsl tune` writes there). A lookup falls back from the exact driver to any driver of the same
-device, then to the kernel's defaults for the device's subgroup size.
+device, then to an entry for the device's RADV family (modelled on a compile-only target: the
+null device's identity is no real card's), then to the kernel's defaults for the device's
+subgroup size.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
@@ -33,6 +36,7 @@ class Entry:
     us: float | None = None
     method: str = "measured"  # or "modelled" (compile-only targets)
     figures: dict = field(default_factory=dict)
+    family: str = ""  # RADV family (gfx1201, navi31, ...) of the device, where it has one
 
     def key(self) -> tuple:
         return (self.device, self.driver, self.kernel, shape_key(self.shape))
@@ -46,6 +50,13 @@ def device_key(info) -> tuple[str, str]:
     """(identity without driver version, driver version) of a runtime DeviceInfo."""
     parts = info.identity.split(":")
     return ":".join(parts[:3]), ":".join(parts[3:])
+
+
+def family(info) -> str:
+    """The RADV family in a device's name ("AMD Radeon RX 9070 XT (RADV GFX1201)" → "gfx1201"),
+    or "" for other drivers."""
+    found = re.search(r"\(RADV (\w+)\)", info.name)
+    return found.group(1).lower() if found else ""
 
 
 def _load(path: Path) -> list[Entry]:
@@ -71,18 +82,20 @@ class Database:
         if exact:
             return exact
         same_device = [e for k, e in self.entries.items() if k[0] == device and k[2] == kernel and k[3] == skey]
-        return same_device[-1] if same_device else None
+        if same_device:
+            return same_device[-1]
+        fam = family(info)
+        same_family = [e for k, e in self.entries.items() if fam and e.family == fam and k[2] == kernel and k[3] == skey]
+        return same_family[-1] if same_family else None
 
     def add(self, entry: Entry) -> None:
         self.entries[entry.key()] = entry
 
     def save(self, path: Path) -> None:
-        mine = [asdict(e) for e in self.entries.values() if _belongs(e, path)]
-        write_atomic(path, (json.dumps({"entries": mine}, indent=1, sort_keys=True) + "\n").encode())
-
-
-def _belongs(entry: Entry, path: Path) -> bool:
-    return path.name == _file_name(entry.device, entry.device_name)
+        """Write every entry of this database to `path` (one file per device: open it alone)."""
+        entries = sorted((asdict(e) for e in self.entries.values()),
+                         key=lambda e: (e["device"], e["driver"], e["kernel"], shape_key(e["shape"])))
+        write_atomic(path, (json.dumps({"entries": entries}, indent=1, sort_keys=True) + "\n").encode())
 
 
 def _file_name(device: str, name: str) -> str:
@@ -108,5 +121,7 @@ def choose(kernel, info, shape: dict, **fixed):
         params[kernel.subgroup] = info.subgroup_size
     entry = database().lookup(info, kernel.name, {**shape, **fixed})
     if entry is not None:
-        params.update({k: v for k, v in entry.params.items() if k not in fixed})
+        known = {p.name for p in kernel.params if p.kind in ("const", "spec")}
+        # a parameter the kernel no longer has (an entry older than the kernel) is ignored
+        params.update({k: v for k, v in entry.params.items() if k not in fixed and k in known})
     return kernel.specialize(**params)

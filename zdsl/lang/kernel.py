@@ -45,19 +45,20 @@ class KernelDef:
     """A kernel and its variant space. Registered by name in REGISTRY."""
 
     def __init__(self, fn: Callable, *, workgroup, subgroup: str | None, variants: dict | None,
-                 where: Callable | None, name: str | None, register: bool):
+                 where: Callable | None, name: str | None, register: bool, tune: dict | None = None):
         self.fn = fn
         self.name = name or fn.__name__
         self.workgroup = workgroup
         self.subgroup = subgroup
         self.variant_space = {k: list(v) for k, v in (variants or {}).items()}
+        self.tune = {k: list(v) for k, v in (tune or {}).items()}
         self.constraint = where
         self.source = (inspect.getsourcefile(fn), fn.__code__.co_firstlineno)
         self.params = self._parse_params(fn)
         self._variants: dict[tuple, Variant] = {}
         self._traces: dict[tuple, ir.Kernel] = {}
         known = {p.name for p in self.params if p.kind in ("const", "spec")}
-        for key in list(self.variant_space) + ([subgroup] if subgroup else []):
+        for key in list(self.variant_space) + list(self.tune) + ([subgroup] if subgroup else []):
             if key not in known:
                 raise self._error(f"variant parameter '{key}' is not a Const or Spec parameter of {self.name}")
         if register:
@@ -196,17 +197,19 @@ class KernelDef:
 
 
 def kernel(fn=None, *, workgroup=64, subgroup: str | None = None, variants: dict | None = None,
-           where: Callable | None = None, name: str | None = None, register: bool = True):
+           where: Callable | None = None, name: str | None = None, register: bool = True, tune: dict | None = None):
     """Declare a kernel.
 
     workgroup: an int or tuple, the name of a Const parameter, or a function of the Const values.
     subgroup:  the name of the Const parameter holding the subgroup size the variant requires.
     variants:  {param: values} — the space `zdsl build` and the tuner enumerate.
     where:     a predicate on a variant's values (a namespace) that rules combinations out.
+    tune:      {param: values} the tuner tries beyond `variants` (not built ahead of time), e.g.
+               workgroup sizes; `where` rules their combinations out too.
     """
     def wrap(f):
         return KernelDef(f, workgroup=workgroup, subgroup=subgroup, variants=variants, where=where,
-                         name=name, register=register)
+                         name=name, register=register, tune=tune)
     return wrap(fn) if fn is not None else wrap
 
 

@@ -1,0 +1,214 @@
+"""`zdsl tune`: pick the fastest kernel variants for a device, for the shapes a model decodes with.
+
+On a device that runs code every candidate is checked against its numpy reference and timed;
+on a compile-only RADV target (gfx1201, navi31, ...) candidates are compiled by the null device
+and ranked by a cost model — modelled, not measured, and the output says so. The choices go to
+a tuning database file (the user's own for the device by default, or --out), where `choose()`
+finds them at run time.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from zdsl.errors import ZdslError
+
+from . import cost_model, tuner
+from .database import Database, database, user_path
+from .workload import Tensors, decode_uses
+
+SHOWN = 5  # candidates listed per use (plus the default when it is not among them)
+
+
+def _open(device_name: str | None, warmup: int, repeats: int, warm_ms: int, cache_mb: int):
+    """(method object, info, device to close or None) for a runnable device or a RADV family."""
+    from zdsl.runtime import open_device
+    from zdsl.runtime.device import FAMILY
+    from zdsl.runtime.nulldevice import target_info
+
+    if device_name and FAMILY.fullmatch(device_name.strip().lower()):
+        family = device_name.strip().lower()
+        cost_model.card(family)  # a family without figures fails here, before the null device starts
+        info = target_info(family)
+        return tuner.Model(family, info), info, None
+    dev = open_device(device_name)
+    if "timestamps" not in dev.info.features:
+        dev.close()
+        raise ZdslError(f"{dev.info.name} has no timestamp queries on its compute queue, so zdsl cannot time "
+                        "kernels on it; tune another device")
+    return tuner.Measure(dev, warmup=warmup, repeats=repeats, warm_s=warm_ms / 1e3, cache_bytes=cache_mb << 20), \
+        dev.info, dev
+
+
+def _select(uses, names: str | None):
+    if not names:
+        return uses
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    have = sorted({u.kernel.name for u in uses})
+    unknown = [n for n in wanted if n not in have]
+    if unknown:
+        raise ZdslError(f"this model's decode step dispatches no kernel {', '.join(unknown)} "
+                        f"(it dispatches {', '.join(have)})")
+    return [u for u in uses if u.kernel.name in wanted]
+
+
+@click.command("tune")
+@click.option("--device", "device_name", default=None,
+              help="Device index or name, or a RADV family for a modelled ranking (gfx1201, gfx1151, navi31, ...). "
+                   "Default: $ZDSL_DEVICE or the best device.")
+@click.option("--model", "model_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="GGUF file whose shapes to tune (default: the --preset's).")
+@click.option("--preset", default="35b-a3b", show_default=True, help="Synthetic preset used when no --model is given.")
+@click.option("--kernels", "names", default=None, help="Comma-separated kernel names (default: every kernel the step uses).")
+@click.option("--budget", default=600.0, show_default=True, help="Seconds to spend; uses left when it runs out stay untuned.")
+@click.option("--ctx", "n_ctx", default=4096, show_default=True, help="Context length the attention kernels are timed at.")
+@click.option("--caps", default="1,64", show_default=True, help="Sampler candidate caps to tune (1 is greedy decoding).")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Database file to add the choices to (default: the user's file for this device).")
+@click.option("--warmup", default=5, show_default=True, help="Untimed dispatches before the timed ones.")
+@click.option("--repeats", default=20, show_default=True, help="Timed dispatches per candidate (the median counts).")
+@click.option("--warm-ms", default=200, show_default=True, help="Replay each candidate this long before timing it.")
+@click.option("--cache-mb", default=256, show_default=True,
+              help="Rotate input copies until this many MB lie between reuses (defeats the caches).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+def tune(device_name, model_path, preset, names, budget, n_ctx, caps, out_path, warmup, repeats, warm_ms, cache_mb,
+         as_json):
+    """Pick the fastest kernel variants for a device (measured, or modelled for compile-only targets)."""
+    if budget <= 0 or n_ctx < 1 or repeats < 1 or min(warmup, warm_ms, cache_mb) < 0:
+        raise ZdslError("--budget, --ctx and --repeats must be positive; --warmup, --warm-ms and --cache-mb ≥ 0")
+    try:
+        cap_list = tuple(int(c) for c in caps.split(","))
+    except ValueError:
+        raise ZdslError(f"--caps '{caps}': write comma-separated integers such as 1,64") from None
+    model = Tensors.from_file(model_path) if model_path else Tensors.from_preset(preset)
+    uses = _select(decode_uses(model, n_ctx=n_ctx, caps=cap_list), names)
+    method, info, dev = _open(device_name, warmup, repeats, warm_ms, cache_mb)
+    console = Console(stderr=as_json)
+    modelled = isinstance(method, tuner.Model)
+    try:
+        if not as_json:
+            _header(console, info, model, len(uses), method)
+        results = _run(method, uses, budget, console)
+    finally:
+        if dev is not None:
+            dev.close()
+    path = out_path or user_path(info)
+    db = Database([path])
+    added = [e for r in results for e in tuner.entries(r, info)]
+    for e in added:
+        db.add(e)
+    if added:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        db.save(path)
+        database.cache_clear()
+    if as_json:
+        click.echo(json.dumps(_as_json(info, model, results, modelled, path, len(added)), indent=1))
+        return
+    for r in results:
+        _use_table(console, r)
+    _summary(console, results, modelled)
+    console.print(f"{len(added)} entries written to {path}" if added else "nothing tuned, nothing written")
+
+
+def _run(method, uses, budget: float, console) -> list[tuner.Result]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    deadline = time.monotonic() + budget
+    results = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True, disable=not console.is_terminal) as bar:
+        task = bar.add_task("tuning", total=len(uses))
+        for use in uses:
+            bar.update(task, description=f"{use.kernel.name} {use.label}")
+            if time.monotonic() > deadline:
+                results.append(tuner.Result(use, "", tuner.Candidate({}, {}), [], [], skipped="time budget spent"))
+            else:
+                results.append(method.tune(use, deadline))
+            bar.advance(task)
+    return results
+
+
+def _header(console, info, model, n: int, method) -> None:
+    if isinstance(method, tuner.Model):
+        console.print(f"[bold]{info.name}[/bold]: {n} kernel uses of {model.source}, [bold yellow]MODELLED[/bold yellow] "
+                      f"with the {method.target} cost model ({method.card.name}, {method.card.bandwidth_gbs:.0f} GB/s, "
+                      f"{method.card.cus} CUs) from RADV machine-code statistics — not measured, nothing ran")
+    else:
+        console.print(f"[bold]{info.name}[/bold]: {n} kernel uses of {model.source}, measured: each candidate checked "
+                      f"against its numpy reference, then timed ({method.warmup} warm-up + {method.repeats} timed dispatches, "
+                      f"median)")
+
+
+def _use_table(console, r: tuner.Result) -> None:
+    use = r.use
+    title = f"{use.kernel.name} {use.label}  ×{use.count}/token  ({use.role})"
+    if not r.ranked:
+        console.print(f"{title}: [red]not tuned[/red] ({r.skipped or 'no candidate passed'})")
+    else:
+        modelled = r.method == "modelled"
+        table = Table(title=title + ("  [yellow]modelled[/yellow]" if modelled else ""), title_justify="left")
+        cols = ["#", "variant", "modelled µs" if modelled else "µs"]
+        cols += ["VGPR", "waves/SIMD", "spills", "VALU", "VMEM", "occupancy", "issue µs"] if modelled else ["spread", "GB/s"]
+        for c in cols:
+            table.add_column(c, justify="left" if c == "variant" else "right")
+        shown = r.ranked[:SHOWN] + ([r.default] if any(c is r.default for c in r.ranked[SHOWN:]) else [])
+        for c in shown:
+            f = c.figures
+            mark = " (default)" if c is r.default else ""
+            row = [str(next(i for i, x in enumerate(r.ranked, 1) if x is c)), c.label + mark, f"{c.us:,.2f}"]
+            if modelled:
+                row += [str(f.get("VGPRs", "")), str(f.get("Subgroups per SIMD", "")),
+                        str(f.get("Spilled VGPRs", 0) + f.get("Spilled SGPRs", 0)), str(f.get("VALU", "")),
+                        str(f.get("VMEM", "")), f"{f.get('occupancy_factor', 0):.2f}", f"{f.get('issue_us', 0):,.2f}"]
+            else:
+                row += [f"{100 * c.spread:.0f}%", f"{f.get('gbps', 0):,.1f}"]
+            table.add_row(*row)
+        console.print(table)
+        if r.skipped:
+            console.print(f"  [yellow]{r.skipped}[/yellow]")
+    for c in r.rejected:
+        console.print(f"  [red]rejected[/red] {c.label}: {c.error}", highlight=False)
+
+
+def _summary(console, results, modelled: bool) -> None:
+    unit = "modelled µs" if modelled else "µs"
+    table = Table(title="chosen vs default" + (" (MODELLED, not measured)" if modelled else ""), title_justify="left")
+    for c in ("kernel", "shape", "×/token", "default", "chosen", f"default {unit}", f"chosen {unit}", "speed-up"):
+        table.add_column(c, justify="left" if c in ("kernel", "shape", "default", "chosen") else "right")
+    before = after = 0.0
+    for r in results:
+        best = r.best
+        if best is None:
+            table.add_row(r.use.kernel.name, r.use.label, str(r.use.count), "", "not tuned", "", "", "")
+            continue
+        default_us = r.default.us
+        table.add_row(r.use.kernel.name, r.use.label, str(r.use.count), r.default.label, best.label,
+                      f"{default_us:,.2f}" if default_us else "-", f"{best.us:,.2f}",
+                      f"{r.speedup:.2f}×" if r.speedup else "-")
+        if default_us:
+            before += r.use.count * default_us
+            after += r.use.count * best.us
+    console.print(table)
+    if after:
+        console.print(f"per token, over the tuned uses: {before:,.1f} → {after:,.1f} {unit} ({before / after:.2f}×)")
+
+
+def _candidate(c: tuner.Candidate) -> dict:
+    return {"params": c.tuned, "us": c.us, "spread": c.spread, "figures": c.figures, "error": c.error}
+
+
+def _as_json(info, model, results, modelled: bool, path: Path, written: int) -> dict:
+    return {
+        "device": info.name, "method": "modelled" if modelled else "measured", "model": model.source,
+        "database": str(path), "entries_written": written,
+        "uses": [{"kernel": r.use.kernel.name, "key": r.use.key, "count": r.use.count, "role": r.use.role,
+                  "default": _candidate(r.default), "best": _candidate(r.best) if r.best else None,
+                  "speedup": r.speedup, "candidates": [_candidate(c) for c in r.ranked],
+                  "rejected": [_candidate(c) for c in r.rejected], "skipped": r.skipped} for r in results],
+    }

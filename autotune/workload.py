@@ -1,0 +1,167 @@
+"""What a model's decode step dispatches: every (kernel, shape) the decode graph asks `choose()`
+for, with the sizes the dispatch sees and how often it runs per token.
+
+This mirrors `models/qwen35/graph.py` call for call, so the keys the tuner stores are the keys the
+graph looks up: `Use.key` is the graph's `{**shape, **fixed}`. Shapes come from a GGUF file or,
+without one, from a preset's hyperparameters and the tensor types a Q4_K_M quantizer would pick.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from zdsl.errors import ZdslError
+from zdsl.kernels import attention, deltanet, dmmv, norm, sampling
+from zdsl.kernels.quant import FORMATS
+from zdsl.lang.kernel import KernelDef
+from zdsl.lang.language import cdiv
+
+# as in the decode graph
+from zdsl.models.qwen35.graph import ATTN_MAX_SPLITS, ATTN_MIN_CHUNK
+
+
+@dataclass
+class Use:
+    kernel: KernelDef
+    shape: dict            # the shape the graph passes to choose()
+    fixed: dict            # the parameters it fixes
+    sizes: dict            # what else the dispatch sees (experts, slots, heads, context, ...)
+    role: str              # the first tensor or step that dispatches it
+    pins: dict = field(default_factory=dict)  # parameters the graph leaves at their default
+    count: int = 1         # dispatches per token
+
+    @property
+    def key(self) -> dict:
+        return {**self.shape, **self.fixed}
+
+    @property
+    def ident(self) -> tuple:
+        return (self.kernel.name, tuple(sorted((k, repr(v)) for k, v in self.key.items())))
+
+    @property
+    def label(self) -> str:
+        """The key, short: weight types bare, the rest as name=value."""
+        return " ".join(v if isinstance(v, str) else f"{k}={v}" for k, v in self.key.items() if v != "")
+
+
+class Tensors:
+    """Hyperparameters, tensor shapes (numpy order) and types of a model file or a preset."""
+
+    def __init__(self, hparams, shapes: dict[str, tuple[int, ...]], qtypes: dict[str, str], source: str):
+        self.hparams, self.shapes, self.qtypes, self.source = hparams, shapes, qtypes, source
+
+    @classmethod
+    def from_file(cls, path) -> "Tensors":
+        from zdsl.models.qwen35.gguf_file import open_model
+
+        model = open_model(path)
+        infos = model.tensors.values()
+        return cls(model.hparams, {t.name: t.shape for t in infos}, {t.name: t.qtype.name.lower() for t in infos},
+                   str(path))
+
+    @classmethod
+    def from_preset(cls, name: str) -> "Tensors":
+        from zdsl.models.qwen35.synth import plan, preset
+
+        hp = preset(name)
+        tensors = plan(hp)
+        return cls(hp, {n: s for n, s, _ in tensors}, {n: q.name.lower() for n, _, q in tensors},
+                   f"preset {name} (Q4_K_M types)")
+
+    @property
+    def output_name(self) -> str:
+        return "output.weight" if "output.weight" in self.shapes else "token_embd.weight"
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.shapes[name]
+
+    def qtype(self, name: str) -> str:
+        q = self.qtypes[name]
+        if q not in FORMATS:
+            raise ZdslError(f"tensor {name} is {q.upper()}, which has no GPU kernel yet")
+        return q
+
+
+def decode_uses(model: Tensors, n_ctx: int = 4096, caps: tuple[int, ...] = (1,)) -> list[Use]:
+    """Every kernel dispatch of one decode step at context n_ctx, merged by (kernel, key): the
+    first use's sizes stand for all, `count` adds up. The sampler appears once per candidate cap
+    in `caps` (1 for greedy decoding, the sampler's cap otherwise): a step records one of them."""
+    hp = model.hparams
+    uses: list[Use] = []
+
+    def add(kernel, shape, fixed, sizes, role, pins=None):
+        uses.append(Use(kernel, shape, fixed, sizes, role, pins or {}))
+
+    def matvec(tensor, add_=True):
+        m, k = model.shape(tensor)[-2:]
+        q = model.qtype(tensor)
+        add(dmmv.dmmv, {"QTYPE": q, "k": k, "m": m}, {"QTYPE": q, "ADD": add_}, {}, tensor, {"COLS": 1})
+
+    def normed_matvec(tensor):
+        m, k = model.shape(tensor)[-2:]
+        q = model.qtype(tensor)
+        add(dmmv.dmmv_norm, {"QTYPE": q, "k": k, "m": m}, {"QTYPE": q}, {}, tensor)
+
+    nh, nkv, d = hp.n_heads, hp.n_kv_heads, hp.head_dim
+    splits = max(1, min(ATTN_MAX_SPLITS, cdiv(n_ctx, ATTN_MIN_CHUNK)))
+    attn = dict(n_head=nh, n_kv=nkv, ctx=n_ctx, nsplit=splits, min_chunk=ATTN_MIN_CHUNK)
+    for i in range(hp.n_layers):
+        p = f"blk.{i}."
+        if hp.attention[i]:
+            for name in ("attn_q", "attn_k", "attn_v"):
+                normed_matvec(p + name + ".weight")
+            add(attention.attn_prep, {"d": d}, {},
+                dict(attn, d=d, rope_dims=hp.rope_dims, rope_base=hp.rope_base, eps=hp.eps), p + "attn_prep")
+            add(attention.attn_decode, {"D": d, "G": nh // nkv}, {"D": d, "G": nh // nkv}, attn, p + "attn_decode")
+            add(attention.attn_combine, {"D": d}, {"D": d}, attn, p + "attn_combine")
+            matvec(p + "attn_output.weight")
+        else:
+            for name in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"):
+                normed_matvec(p + name + ".weight")
+            add(deltanet.deltanet_conv, {"channels": hp.conv_channels}, {"KC": hp.conv_kernel}, {}, p + "ssm_conv")
+            add(deltanet.deltanet_step, {"D": hp.ssm_head_dim}, {"D": hp.ssm_head_dim},
+                dict(k_heads=hp.ssm_k_heads, v_heads=hp.ssm_v_heads, eps=hp.eps), p + "ssm_step")
+            matvec(p + "ssm_out.weight")
+        if hp.moe:
+            _moe(model, p, add, normed_matvec)
+        else:
+            add(norm.rms_norm, {"n": hp.hidden}, {}, dict(eps=hp.eps), p + "post_attention_norm")
+            m, k = model.shape(p + "ffn_gate.weight")[-2:]
+            q = model.qtype(p + "ffn_gate.weight")
+            add(dmmv.ffn_gate_up, {"QTYPE": q, "k": k, "m": m}, {"QTYPE": q, "EXPERTS": False}, dict(experts=1, slots=1),
+                p + "ffn_gate+up")
+            matvec(p + "ffn_down.weight")
+    normed_matvec(model.output_name)
+    for cap in caps:
+        add(sampling.sample_candidates, {"n_vocab": hp.vocab}, {"CAP": cap}, {}, "sample")
+    return merge(uses)
+
+
+def _moe(model: Tensors, p: str, add, normed_matvec) -> None:
+    hp = model.hparams
+    K, E = hp.n_experts_used, hp.n_experts
+    normed_matvec(p + "ffn_gate_inp.weight")
+    m, k = model.shape(p + "ffn_gate_exps.weight")[-2:]
+    q = model.qtype(p + "ffn_gate_exps.weight")
+    add(dmmv.moe_gate_up, {"QTYPE": q, "k": k, "m": m, "K": K}, {"QTYPE": q, "K": K}, dict(experts=E, eps=hp.eps),
+        p + "ffn_gate_up_exps+shexp")
+    md, kd = model.shape(p + "ffn_down_exps.weight")[-2:]
+    qd, qs = model.qtype(p + "ffn_down_exps.weight"), model.qtype(p + "ffn_down_shexp.weight")
+    fd, fs = FORMATS[qd], FORMATS[qs]
+    if (fd.block, fd.parts) != (fs.block, fs.parts):
+        for tensor, q_, slots, experts in ((p + "ffn_down_exps.weight", qd, K, E), (p + "ffn_down_shexp.weight", qs, 1, 1)):
+            add(dmmv.moe_down, {"QTYPE": q_, "k": kd, "m": md}, {"QTYPE": q_, "ADD": True},
+                dict(experts=experts, slots=slots), tensor)
+        return
+    add(dmmv.moe_down_all, {"QTYPE": qd, "QTYPE_SH": qs, "k": kd, "m": md, "K": K},
+        {"QTYPE": qd, "QTYPE_SH": "" if qs == qd else qs, "K": K}, dict(experts=E), p + "ffn_down_exps+shexp")
+
+
+def merge(uses: list[Use]) -> list[Use]:
+    out: dict[tuple, Use] = {}
+    for u in uses:
+        if u.ident in out:
+            out[u.ident].count += 1
+        else:
+            out[u.ident] = u
+    return list(out.values())

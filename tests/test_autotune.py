@@ -1,0 +1,247 @@
+"""The tuner: candidate spaces (variants, `tune=` values, `where=`), measured tuning on lavapipe
+(every candidate checked against numpy first: a kernel with a planted bug is rejected; the best
+is stored and `choose()` returns it), the database's fallbacks, the decode workload against the
+calls the real decode graph makes, and modelled ranking on the gfx1201 null device (wave32 and
+wave64 compiled and ranked from their statistics)."""
+
+import json
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import zdsl
+from zdsl import Buffer, Const, f32, u32
+from zdsl.autotune import cost_model, database as db, problems, tuner
+from zdsl.autotune.workload import Tensors, Use, decode_uses
+from zdsl.errors import KernelError, ZdslError
+
+
+# A kernel with a planted bug: WG = 128 (a value only `tune=` offers) adds 1 to every output.
+@zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [64], "SG": [8, 16, 32, 64]},
+             tune={"WG": [32, 128, 256], "U": [1, 2]}, where=lambda v: not (v.WG == 256 and v.U == 2),
+             name="scale_rows_test", register=False)
+def scale_rows(x: Buffer[f32], out: Buffer[f32], n: u32, a: f32, WG: Const = 64, U: Const = 1, SG: Const = 32):
+    base = zdsl.global_id() * U
+    for j in range(U):
+        i = base + j
+        with zdsl.if_(i < n):
+            out[i] = x[i] * a + (1.0 if WG == 128 else 0.0)
+
+
+@scale_rows.reference
+def scale_rows_ref(x, a):
+    return np.asarray(x, np.float64) * a
+
+
+def _scale_case(use, rng, check):
+    n = 1000 if check else use.shape["n"]
+    a = dict(x=rng.standard_normal(n).astype(np.float32), out=np.zeros(n, np.float32))
+    expect = (lambda p: {"out": (scale_rows_ref(a["x"], 1.5), 1e-6)}) if check else None
+    step = problems.Step(lambda p: use.kernel.specialize(**p), lambda v: -(-n // (v.params["WG"] * v.params["U"])))
+    return problems.Case([step], a, dict(n=n, a=1.5), 8 * n, expect, lambda k: {"x": [a["x"]] * (k - 1)})
+
+
+@pytest.fixture
+def scale_use(monkeypatch):
+    monkeypatch.setitem(problems.BUILDERS, "scale_rows_test", _scale_case)
+    return Use(scale_rows, {"n": 5000}, {}, {}, "test")
+
+
+def fake_info(name="Test GPU", identity="abcd:0001:test:7", sizes=(8, 64), subgroup=32):
+    return SimpleNamespace(name=name, identity=identity, subgroup_size=subgroup, min_subgroup_size=sizes[0],
+                           max_subgroup_size=sizes[1], features=frozenset({"subgroup_size_control"}),
+                           max_workgroup_invocations=1024)
+
+
+def test_tuning_space_joins_variants_and_tune_values():
+    info = fake_info(sizes=(32, 64))
+    use = Use(scale_rows, {"n": 5000}, {}, {}, "test")
+    got = [(c.params["WG"], c.params["U"], c.params["SG"]) for c in tuner.candidates(use, info)]
+    assert got[0] == (64, 1, 32)  # the default (choose() without an entry) comes first
+    want = {(wg, u, sg) for wg in (64, 32, 128, 256) for u in (1, 2) for sg in (32, 64) if not (wg == 256 and u == 2)}
+    assert set(got) == want and len(got) == len(want)
+    pinned = Use(scale_rows, {"n": 5000}, {"U": 2}, {}, "test")
+    assert {c.params["U"] for c in tuner.candidates(pinned, info)} == {2}
+    assert all("U" not in c.tuned for c in tuner.candidates(pinned, info))
+
+
+def test_tune_values_must_name_parameters():
+    def k(A: Const = 1):
+        pass
+
+    assert zdsl.kernel(k, register=False).tune == {}  # kernels without tune= are as before
+    with pytest.raises(KernelError, match="'NOPE' is not a Const or Spec"):
+        zdsl.kernel(k, tune={"NOPE": [1]}, register=False)
+
+
+def test_measured_tuning_rejects_a_wrong_candidate_and_stores_a_verified_best(device, scale_use):
+    measure = tuner.Measure(device, warmup=1, repeats=3, warm_s=0.0, cache_bytes=1 << 16)
+    result = measure.tune(scale_use, time.monotonic() + 60)
+    assert result.method == "measured"
+    rejected = {c.params["WG"] for c in result.rejected}
+    assert rejected == {128}
+    assert all("wrong out" in c.error for c in result.rejected)
+    assert result.ranked and all(c.params["WG"] != 128 and c.us > 0 and c.spread >= 0 for c in result.ranked)
+    assert {c.params["WG"] for c in result.ranked} == {32, 64, 256}
+    best = result.best
+    assert result.default.params == {"WG": 64, "U": 1, "SG": 8}
+
+    # stored in the user's database (the session's private ZDSL_CACHE_DIR) and used by choose()
+    path = db.user_path(device.info)
+    try:
+        store = db.Database([path])
+        for e in tuner.entries(result, device.info):
+            store.add(e)
+        store.save(path)
+        db.database.cache_clear()
+        chosen = db.choose(scale_rows, device.info, {"n": 5000})
+        assert chosen.params == best.params
+        x = np.random.default_rng(1).standard_normal(777).astype(np.float32)
+        out = chosen.run(device, -(-777 // (best.params["WG"] * best.params["U"])), x=x,
+                         out=np.zeros(777, np.float32), n=777, a=1.5)["out"]
+        np.testing.assert_allclose(out, scale_rows_ref(x, 1.5), rtol=1e-6)
+    finally:
+        path.unlink(missing_ok=True)
+        db.database.cache_clear()
+
+
+def test_database_entries_change_choose_with_fallbacks(tmp_path, monkeypatch):
+    info = fake_info(name="AMD Radeon RX 9070 XT (RADV GFX1201)", identity="1002:7550:radv:100", subgroup=64)
+    path = tmp_path / "db.json"
+    store = db.Database([path])
+    monkeypatch.setattr(db, "database", lambda: db.Database([path]))
+    assert db.choose(scale_rows, info, {"n": 10}).params == {"WG": 64, "U": 1, "SG": 64}  # defaults
+    # a modelled entry of the null device: another identity, the same RADV family
+    store.add(db.Entry("1002:0101:radv", "Null hardware (RADV GFX1201)", "99", "scale_rows_test", {"n": 10},
+                       {"WG": 32, "SG": 32, "GONE": 1}, 1.0, "modelled", family="gfx1201"))
+    store.save(path)
+    assert db.choose(scale_rows, info, {"n": 10}).params == {"WG": 32, "U": 1, "SG": 32}  # unknown GONE ignored
+    assert db.choose(scale_rows, info, {"n": 11}).params["WG"] == 64  # other shape: defaults
+    # an entry of this very device wins over the family's, and fixed parameters win over entries
+    store.add(db.Entry("1002:7550:radv", info.name, "100", "scale_rows_test", {"n": 10, "U": 2}, {"WG": 256, "U": 1}))
+    store.add(db.Entry("1002:7550:radv", info.name, "100", "scale_rows_test", {"n": 10}, {"WG": 128}))
+    store.save(path)
+    assert db.choose(scale_rows, info, {"n": 10}).params["WG"] == 128
+    assert db.choose(scale_rows, info, {"n": 10}, U=2).params == {"WG": 256, "U": 2, "SG": 64}
+    other = fake_info(name="NVIDIA H100", identity="10de:2330:NVIDIA:580")
+    assert db.choose(scale_rows, other, {"n": 10}).params["WG"] == 64
+    assert json.loads(path.read_text())["entries"][0]["kernel"] == "scale_rows_test"
+
+
+def test_workload_is_what_the_decode_graph_asks_for(device, tmp_path, monkeypatch):
+    """Record the graph's choose() calls (dispatches are skipped: nothing compiles) and compare."""
+    from zdsl.lang.kernel import Variant
+    from zdsl.models.qwen35 import graph, synth
+    from zdsl.models.qwen35.gguf_file import open_model
+
+    calls = []
+
+    def recording(kernel, info, shape, **fixed):
+        calls.append((kernel.name, json.dumps({**shape, **fixed}, sort_keys=True)))
+        return db.choose(kernel, info, shape, **fixed)
+
+    monkeypatch.setattr(graph, "choose", recording)
+    monkeypatch.setattr(Variant, "dispatch", lambda self, *a, **k: None)
+    for preset in ("tiny", "tiny-dense"):
+        path = tmp_path / f"{preset}.gguf"
+        synth.write(path, preset, seed=1)
+        calls.clear()
+        g = graph.DecodeGraph(open_model(path), device, n_ctx=256, progress=False)
+        g.close()
+        per_step = {}
+        for c in calls:
+            per_step[c] = per_step.get(c, 0) + 1
+        uses = decode_uses(Tensors.from_file(path), n_ctx=256, caps=(1,))
+        want = {(u.kernel.name, json.dumps(u.key, sort_keys=True)): u.count for u in uses}
+        for u in uses:
+            for kernel, key, _ in problems.companions(u, tuner.default_params(u, device.info)):
+                want[(kernel, json.dumps(key, sort_keys=True))] = 1
+        # the graph records two steps (from the host, from the GPU); the sampler is chosen once
+        got = {c: n // 2 if not c[0].startswith("sample") else n for c, n in per_step.items()}
+        assert got == want
+
+
+def test_cost_model_terms():
+    c = cost_model.card("gfx1201")
+    stats = {"Subgroups per SIMD": 16, "VMEM": 8, "VALU": 100, "SALU": 10}
+    big = cost_model.Dispatch(stats, 4096, 64, 64)
+    t = cost_model.estimate(c, big, 64e6)
+    assert t["occupancy_factor"] == 1.0 and t["us"] == pytest.approx(64e6 / 640e3 + cost_model.LAUNCH_US)
+    few = cost_model.Dispatch({**stats, "Subgroups per SIMD": 1}, 64, 64, 64)
+    more = cost_model.Dispatch(stats, 64, 64, 64)
+    assert cost_model.estimate(c, few, 4e6)["us"] >= cost_model.estimate(c, more, 4e6)["us"]
+    assert cost_model.estimate(c, cost_model.Dispatch({**stats, "Spilled VGPRs": 20}, 4096, 64, 64), 64e6)["us"] > t["us"]
+    heavy = cost_model.Dispatch({**stats, "VALU": 20000}, 4096, 64, 64)
+    assert cost_model.estimate(c, heavy, 64e6)["issue_us"] > cost_model.estimate(c, heavy, 64e6)["memory_us"]
+    with pytest.raises(ZdslError, match="no cost-model figures for 'gfx9'"):
+        cost_model.card("gfx9")
+
+
+def test_cli_measured_json(tmp_path, capsys):
+    from zdsl.cli import main
+
+    out = tmp_path / "lavapipe.json"
+    rc = main(["tune", "--device", "lavapipe", "--preset", "tiny-dense", "--kernels", "rms_norm", "--repeats", "3",
+               "--warmup", "1", "--warm-ms", "0", "--cache-mb", "0", "--out", str(out), "--json"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["method"] == "measured" and report["entries_written"] == 1
+    (use,) = report["uses"]
+    assert use["kernel"] == "rms_norm" and use["key"] == {"n": 256} and use["count"] == 4
+    assert use["best"]["us"] > 0 and not use["rejected"]
+    (entry,) = json.loads(out.read_text())["entries"]
+    assert entry["kernel"] == "rms_norm" and entry["method"] == "measured" and entry["params"] == use["best"]["params"]
+
+
+def test_cli_errors(capsys):
+    from zdsl.cli import main
+
+    assert main(["tune", "--device", "lavapipe", "--preset", "tiny", "--kernels", "rms_norm"]) == 2
+    assert "dispatches no kernel rms_norm" in capsys.readouterr().err
+    assert main(["tune", "--device", "gfx9", "--preset", "tiny"]) == 2
+    assert "no cost-model figures for 'gfx9'" in capsys.readouterr().err
+
+
+def _radeon():
+    from zdsl.runtime.nulldevice import radeon_icd
+    try:
+        radeon_icd()
+    except ZdslError as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.nulldevice
+def test_modelled_ranking_on_gfx1201_compares_wave32_and_wave64():
+    from zdsl.kernels import dmmv
+    from zdsl.runtime.nulldevice import target_info
+
+    _radeon()
+    info = target_info("gfx1201")
+    use = Use(dmmv.dmmv_norm, {"QTYPE": "q4_k", "k": 2048, "m": 512}, {"QTYPE": "q4_k"}, {}, "test")
+    result = tuner.Model("gfx1201", info).tune(use, time.monotonic() + 60)
+    assert result.method == "modelled" and not result.rejected
+    assert {c.params["SG"] for c in result.ranked} == {32, 64}
+    for c in result.ranked:
+        assert c.us > cost_model.LAUNCH_US and c.figures["VGPRs"] > 0 and c.figures["Subgroups per SIMD"] > 0
+        assert 0 < c.figures["occupancy_factor"] <= 1
+    times = [c.us for c in result.ranked[1:]]
+    assert times == sorted(times) and result.default.params["SG"] == 64
+    (entry,) = tuner.entries(result, info)
+    assert entry.method == "modelled" and entry.family == "gfx1201" and entry.shape == use.key
+
+
+@pytest.mark.nulldevice
+def test_cli_modelled_says_so(tmp_path, capsys):
+    from zdsl.cli import main
+
+    _radeon()
+    out = tmp_path / "gfx1201.json"
+    assert main(["tune", "--device", "gfx1201", "--preset", "tiny-dense", "--kernels", "rms_norm,deltanet_step",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "MODELLED" in text and "not measured" in text
+    entries = json.loads(out.read_text())["entries"]
+    assert {e["kernel"] for e in entries} == {"rms_norm", "deltanet_step"}
+    assert all(e["method"] == "modelled" and e["family"] == "gfx1201" for e in entries)
