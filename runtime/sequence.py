@@ -3,7 +3,9 @@
 Why: every call through cffi costs microseconds and a decode step has hundreds of dispatches,
 so per token the only Python work left is one vkQueueSubmit. Barriers are placed at record
 time from the byte ranges each command reads and writes: only where a command touches what an
-earlier one since the last barrier wrote (RAW, WAW), or writes what it read (WAR).
+earlier one since the last barrier wrote (RAW, WAW), or writes what it read (WAR). Each barrier
+names only the pipeline stages involved (dispatches after dispatches: compute → compute), and a
+command of a stage the last barrier did not cover gets one of its own.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import numpy as np
 
 from zdsl.errors import MissingFeatureError, ZdslError
 from zdsl.runtime import vk
-from zdsl.runtime.vk import DEPENDENCY, TO_HOST, Keep, ffi, lib
+from zdsl.runtime.vk import COMPUTE, DEPENDENCY, INDIRECT, TO_HOST, TRANSFER, Keep, barrier, ffi, lib
 
 MAX_TIMESTAMPS = 16384
 _COMPUTE = vk.VK_PIPELINE_BIND_POINT_COMPUTE
@@ -68,6 +70,9 @@ class Sequence:
         self._keep = Keep()
         self._labels: list[str] = []
         self._hazards = Hazards()
+        self._since = 0     # stages of the commands since the last barrier
+        self._seen = 0      # stages of every command recorded
+        self._covered = DEPENDENCY.dst  # stages the last barrier ordered after everything before it
         self._bound = None
         self._recording, self._pending, self._runs = True, False, 0
         self._submits: dict[int, object] = {}
@@ -113,7 +118,7 @@ class Sequence:
         if not (0 <= x <= limit[0] and 0 <= y <= limit[1] and 0 <= z <= limit[2]):
             raise ZdslError(f"dispatch of {pipe.name}: {x}x{y}x{z} workgroups exceeds the device limit "
                             f"{limit[0]}x{limit[1]}x{limit[2]}")
-        self._bind(pipe, buffers, push, ())
+        self._bind(pipe, buffers, push, (), COMPUTE)
         lib.vkCmdDispatch(self.cb, x, y, z)
         self._done(label or pipe.name)
 
@@ -122,7 +127,7 @@ class Sequence:
             raise ZdslError(f"indirect arguments {args.name or '(unnamed)'} need 12 bytes (3 x u32), "
                             f"it has {args.nbytes}")
         block, lo, _ = _range(args)
-        self._bind(pipe, buffers, push, ((block, lo, lo + 12),))
+        self._bind(pipe, buffers, push, ((block, lo, lo + 12),), COMPUTE | INDIRECT)
         lib.vkCmdDispatchIndirect(self.cb, block.buffer, lo)
         self._done(label or pipe.name)
 
@@ -132,7 +137,7 @@ class Sequence:
             raise ZdslError(f"copy of {n} bytes from {src.name or 'a buffer'} ({src.nbytes} bytes) to "
                             f"{dst.name or 'a buffer'} ({dst.nbytes} bytes) does not fit")
         s, d = _range(src), _range(dst)
-        self._order(((s[0], s[1], s[1] + n),), ((d[0], d[1], d[1] + n),))
+        self._order(((s[0], s[1], s[1] + n),), ((d[0], d[1], d[1] + n),), TRANSFER)
         self._region.srcOffset, self._region.dstOffset, self._region.size = s[1], d[1], n
         lib.vkCmdCopyBuffer(self.cb, s[0].buffer, d[0].buffer, 1, self._region)
         self._done(f"copy {src.name} -> {dst.name}")
@@ -141,7 +146,7 @@ class Sequence:
         if dst.nbytes % 4:
             raise ZdslError(f"fill of {dst.name or 'a buffer'}: {dst.nbytes} bytes is not a whole number of u32")
         d = _range(dst)
-        self._order((), (d,))
+        self._order((), (d,), TRANSFER)
         lib.vkCmdFillBuffer(self.cb, d[0].buffer, d[1], dst.nbytes, value & 0xFFFFFFFF)
         self._done(f"fill {dst.name}")
 
@@ -149,15 +154,25 @@ class Sequence:
         if not self._recording or self.cb is None:
             raise ZdslError("this sequence has already run, so it can no longer record: make a new one")
 
-    def _order(self, reads, writes) -> None:
+    def _order(self, reads, writes, stage: int) -> None:
+        """Record the barrier the next command (of pipeline stages `stage`) needs, if any."""
         self._check_recording()
-        if self._hazards.conflict(reads, writes):
-            DEPENDENCY.record(self.cb)
+        conflict = self._hazards.conflict(reads, writes)
+        uncovered = stage & ~self._covered
+        if conflict or uncovered:
+            # A conflict is with commands since the last barrier; a stage the last barrier did not
+            # cover may depend on anything before it, and must keep what that barrier covered.
+            src = self._seen if uncovered else self._since
+            dst = stage if conflict else self._covered | stage
+            barrier(src, dst).record(self.cb)
             self.barriers += 1
             self._hazards.clear()
+            self._since, self._covered = 0, dst
         self._hazards.add(reads, writes)
+        self._since |= stage
+        self._seen |= stage
 
-    def _bind(self, pipe, buffers, push: bytes, extra_reads) -> None:
+    def _bind(self, pipe, buffers, push: bytes, extra_reads, stage: int) -> None:
         if pipe.device is not self.device:
             raise ZdslError(f"pipeline {pipe.name} belongs to another device")
         if len(buffers) != len(pipe.bindings):
@@ -176,7 +191,7 @@ class Sequence:
                 reads.append(rng)
             if w:
                 writes.append(rng)
-        self._order(reads, writes)
+        self._order(reads, writes, stage)
         cb = self.cb
         if self._bound is not pipe:
             lib.vkCmdBindPipeline(cb, _COMPUTE, pipe.handle)

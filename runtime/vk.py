@@ -10,6 +10,8 @@ and a decode step records hundreds of commands. Failures become one-line zdsl er
 
 from __future__ import annotations
 
+import functools
+
 from zdsl.errors import MissingFeatureError, NoDeviceError, OutOfMemoryError, ZdslError
 
 try:
@@ -133,13 +135,30 @@ class Barrier:
         lib.vkCmdPipelineBarrier(cb, self.src, self.dst, 0, 1, self._struct, 0, NULL, 0, NULL)
 
 
-_WORK = _vulkan.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | _vulkan.VK_PIPELINE_STAGE_TRANSFER_BIT
+COMPUTE = _vulkan.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT
+INDIRECT = _vulkan.VK_PIPELINE_STAGE_DRAW_INDIRECT_BIT   # an indirect dispatch reading its arguments
+TRANSFER = _vulkan.VK_PIPELINE_STAGE_TRANSFER_BIT
+_WORK = COMPUTE | TRANSFER
 _WRITES = _vulkan.VK_ACCESS_SHADER_WRITE_BIT | _vulkan.VK_ACCESS_TRANSFER_WRITE_BIT
-# Everything zdsl records is a compute dispatch, an indirect dispatch, a copy or a fill, so one
-# barrier orders any of them after any other: earlier writes → later reads and writes.
-DEPENDENCY = Barrier(_WORK, _WRITES, _WORK | _vulkan.VK_PIPELINE_STAGE_DRAW_INDIRECT_BIT,
-                     _WRITES | _vulkan.VK_ACCESS_SHADER_READ_BIT | _vulkan.VK_ACCESS_TRANSFER_READ_BIT
-                     | _vulkan.VK_ACCESS_INDIRECT_COMMAND_READ_BIT)
+
+
+@functools.cache
+def barrier(src: int, dst: int) -> Barrier:
+    """The barrier ordering earlier commands of stages `src` before later ones of stages `dst`:
+    their writes become visible to the later reads and writes. Only the stages at hand go in,
+    because a wider mask costs: on NVIDIA a compute→compute dependency is about 2.5 µs cheaper
+    than one that also names the transfer and indirect-argument stages."""
+    src_access = ((_vulkan.VK_ACCESS_SHADER_WRITE_BIT if src & COMPUTE else 0)
+                  | (_vulkan.VK_ACCESS_TRANSFER_WRITE_BIT if src & TRANSFER else 0))
+    dst_access = ((_vulkan.VK_ACCESS_SHADER_READ_BIT | _vulkan.VK_ACCESS_SHADER_WRITE_BIT if dst & COMPUTE else 0)
+                  | (_vulkan.VK_ACCESS_TRANSFER_READ_BIT | _vulkan.VK_ACCESS_TRANSFER_WRITE_BIT if dst & TRANSFER else 0)
+                  | (_vulkan.VK_ACCESS_INDIRECT_COMMAND_READ_BIT if dst & INDIRECT else 0))
+    return Barrier(src, src_access, dst, dst_access)
+
+
+# Everything zdsl records is a compute dispatch, an indirect dispatch, a copy or a fill, so this
+# barrier orders any of them after any other (what a sequence starts with).
+DEPENDENCY = barrier(_WORK, _WORK | INDIRECT)
 # Device writes become visible to the host only through a barrier (a fence alone does not).
 TO_HOST = Barrier(_WORK, _WRITES, _vulkan.VK_PIPELINE_STAGE_HOST_BIT, _vulkan.VK_ACCESS_HOST_READ_BIT)
 

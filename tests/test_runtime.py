@@ -321,7 +321,14 @@ def test_replay_has_n_times_the_effect(device, add, times):
     x.free()
 
 
-def test_barriers_only_between_dependent_commands(device, double):
+def test_barriers_only_between_dependent_commands(device, double, monkeypatch):
+    """Barriers go only where a command depends on an earlier one, and name only the stages
+    involved; a stage the last barrier left out gets its own."""
+    from zdsl.runtime import sequence as sequence_module
+    from zdsl.runtime.vk import COMPUTE, TRANSFER, barrier
+
+    recorded = []
+    monkeypatch.setattr(sequence_module, "barrier", lambda src, dst: recorded.append((src, dst)) or barrier(src, dst))
     n = 500
     x0 = np.arange(n, dtype=np.float32)
     x = device.upload(x0, "x")
@@ -332,20 +339,20 @@ def test_barriers_only_between_dependent_commands(device, double):
     seq.dispatch(double, groups(n), [x, z], push)      # reads x, writes z: independent
     assert seq.barriers == 0
     seq.dispatch(double, groups(n), [y, w], push)      # reads y: read after write
-    assert seq.barriers == 1
     seq.dispatch(double, groups(n), [z, y], push)      # writes y, which the previous one read
-    assert seq.barriers == 2
     seq.dispatch(double, groups(n), [x, y], push)      # writes y again: write after write
-    assert seq.barriers == 3
-    seq.fill(w, 0)                                     # w untouched since the last barrier
-    assert seq.barriers == 3
-    seq.copy(w, x)                                     # reads what the fill wrote (transfer → transfer)
+    assert seq.barriers == 3 and recorded == [(COMPUTE, COMPUTE)] * 3
+    seq.fill(w, 0)             # no conflict since the last barrier, but that one did not cover transfers
+    assert recorded[3] == (COMPUTE, COMPUTE | TRANSFER)
+    seq.fill(z, 0)             # covered now, and z untouched since
     assert seq.barriers == 4
-    seq.dispatch(double, groups(n), [z, w], push)      # writes w, which the copy read
-    assert seq.barriers == 5
+    seq.copy(w, x)                                     # reads what the fill wrote (transfer → transfer)
+    assert recorded[4] == (TRANSFER, TRANSFER)
+    seq.dispatch(double, groups(n), [y, w], push)      # writes w, which the copy read; compute uncovered
+    assert recorded[5] == (COMPUTE | TRANSFER, COMPUTE) and seq.barriers == 6
     seq.run()
     np.testing.assert_array_equal(x.read(np.float32), np.zeros(n, np.float32))
-    np.testing.assert_array_equal(y.read(np.float32), 2 * x0)
+    np.testing.assert_array_equal(z.read(np.float32), np.zeros(n, np.float32))
     np.testing.assert_array_equal(w.read(np.float32), 4 * x0)
     seq.free()
     for b in (x, y, z, w):
