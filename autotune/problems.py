@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 
 from zdsl.bench_kernels import synthetic_rows
-from zdsl.kernels import attention, deltanet, dmmv, norm, sampling
+from zdsl.kernels import attention, deltanet, dmmv, moe, norm, sampling
 from zdsl.kernels.quant import FORMATS
 from zdsl.lang.kernel import Variant
 from zdsl.lang.language import cdiv
@@ -177,24 +177,35 @@ def _moe_down(use, rng, check):
                 slots * (m * _row_bytes(q, k) + 4 * k) + 8 * m, expect if check else None, rotate)
 
 
+def _moe_route(use, rng, check):
+    n_exp, K = use.shape["n_expert"], use.fixed["K"]
+    a = dict(logits=_normal(rng, n_exp), ids=np.zeros(K, np.uint32), weights=np.zeros(K, np.float32))
+
+    def expect(p):
+        ids, weights = moe.moe_route_ref(a["logits"], K)
+        return {"ids": (ids[0], 0), "weights": (weights[0], 1e-5)}
+    return Case(_one(use, lambda v: 1), a, dict(n_expert=n_exp), _total(a), expect if check else None,
+                lambda n: {"logits": [_normal(rng, n_exp) for _ in range(n - 1)]})
+
+
 def _moe_gate_up(use, rng, check):
     q, k, m, K = use.shape["QTYPE"], use.shape["k"], use.shape["m"], use.fixed["K"]
     m = min(m, CHECK_ROWS) if check else m
     n_exp = min(use.sizes["experts"], K + 4) if check else use.sizes["experts"]
     eps = use.sizes["eps"]
     a = dict(wg=_rows(rng, q, n_exp * m, k), wu=_rows(rng, q, n_exp * m, k), wg_sh=_rows(rng, q, m, k),
-             wu_sh=_rows(rng, q, m, k), router=_normal(rng, n_exp), sh_gate_w=_normal(rng, k, 0.05),
-             x=_normal(rng, k), norm_w=rng.uniform(0.5, 1.5, k).astype(np.float32), ids=np.zeros(K, np.uint32),
+             wu_sh=_rows(rng, q, m, k), ids=rng.permutation(n_exp)[:K].astype(np.uint32),
+             sh_gate_w=_normal(rng, k, 0.05), x=_normal(rng, k), norm_w=rng.uniform(0.5, 1.5, k).astype(np.float32),
              weights=np.zeros(K + 1, np.float32), act=np.zeros((K + 1) * m, np.float32))
 
     def expect(p):
-        act, ids, weights = dmmv.moe_gate_up_ref(a["wg"], a["wu"], a["wg_sh"], a["wu_sh"], a["router"], a["sh_gate_w"],
-                                                 a["x"], a["norm_w"], eps, q, m, k, K)
-        return {"act": (act, 5e-4), "ids": (np.asarray(ids, np.uint32), 0), "weights": (weights, 1e-4)}
-    read = 2 * (K + 1) * m * _row_bytes(q, k) + 4 * (n_exp + 3 * k)
-    return Case(_one(use, lambda v: (cdiv(m, v.params["ROWS"]), K + 1)), a, dict(k=k, m=m, n_expert=n_exp, eps=eps),
-                read + 4 * (K + 1) * (m + 2), expect if check else None,
-                lambda n: {"router": [_normal(rng, n_exp) for _ in range(n - 1)]})
+        act, gate = dmmv.moe_gate_up_ref(a["wg"], a["wu"], a["wg_sh"], a["wu_sh"], a["ids"], a["sh_gate_w"],
+                                         a["x"], a["norm_w"], eps, q, m, k)
+        return {"act": (act, 5e-4), "weights": (np.append(np.zeros(K), gate), 1e-4)}
+    read = 2 * (K + 1) * m * _row_bytes(q, k) + 4 * (K + 3 * k)
+    return Case(_one(use, lambda v: (cdiv(m, v.params["ROWS"]), K + 1)), a, dict(k=k, m=m, eps=eps),
+                read + 4 * ((K + 1) * m + 1), expect if check else None,
+                lambda n: {"ids": [rng.permutation(n_exp)[:K].astype(np.uint32) for _ in range(n - 1)]})
 
 
 def _moe_down_all(use, rng, check):
@@ -362,7 +373,7 @@ def _sampling(use, rng, check):
 
 BUILDERS = {
     "dmmv": _dmmv, "dmmv_norm": _dmmv_norm, "ffn_gate_up": _ffn_gate_up, "moe_down": _moe_down,
-    "moe_gate_up": _moe_gate_up, "moe_down_all": _moe_down_all, "rms_norm": _rms_norm, "attn_prep": _attn_prep,
+    "moe_route": _moe_route, "moe_gate_up": _moe_gate_up, "moe_down_all": _moe_down_all, "rms_norm": _rms_norm, "attn_prep": _attn_prep,
     "attn_decode": _attn_decode, "attn_combine": _attn_combine, "deltanet_conv": _deltanet_conv,
     "deltanet_step": _deltanet_step, "sample_candidates": _sampling,
 }

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from zdsl.errors import ZdslError
-from zdsl.kernels import attention, deltanet, dmmv, norm, sampling
+from zdsl.kernels import attention, deltanet, dmmv, moe, norm, sampling
 from zdsl.kernels.quant import FORMATS
 from zdsl.lang.kernel import KernelDef
 from zdsl.lang.language import cdiv
@@ -141,6 +141,7 @@ def _moe(model: Tensors, p: str, add, normed_matvec) -> None:
     hp = model.hparams
     K, E = hp.n_experts_used, hp.n_experts
     normed_matvec(p + "ffn_gate_inp.weight")
+    add(moe.moe_route, {"n_expert": E}, {"K": K}, {}, p + "moe_route")
     m, k = model.shape(p + "ffn_gate_exps.weight")[-2:]
     q = model.qtype(p + "ffn_gate_exps.weight")
     add(dmmv.moe_gate_up, {"QTYPE": q, "k": k, "m": m, "K": K}, {"QTYPE": q, "K": K}, dict(experts=E, eps=hp.eps),

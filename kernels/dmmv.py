@@ -333,40 +333,25 @@ EXPERT_QTYPES = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q8_0", "iq4_xs"]
 
 
 @zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": EXPERT_QTYPES, "ROWS": [1, 2], "K": [8], "SG": SUBGROUPS})
-def moe_gate_up(wg: Buffer[u8], wu: Buffer[u8], wg_sh: Buffer[u8], wu_sh: Buffer[u8], router: Buffer[f32],
-                sh_gate_w: Buffer[f32], x: Buffer[f32], norm_w: Buffer[f32], ids: Buffer[u32],
-                weights: Buffer[f32], act: Buffer[f32], k: u32, m: u32, n_expert: u32, eps: f32,
+def moe_gate_up(wg: Buffer[u8], wu: Buffer[u8], wg_sh: Buffer[u8], wu_sh: Buffer[u8], ids: Buffer[u32],
+                sh_gate_w: Buffer[f32], x: Buffer[f32], norm_w: Buffer[f32], weights: Buffer[f32],
+                act: Buffer[f32], k: u32, m: u32, eps: f32,
                 QTYPE: Const = "q4_k", K: Const = 8, ROWS: Const = 1, SG: Const = 32, WG: Const = 0):
     """The MoE up-projections of one token from the residual x, in one dispatch: hn = rmsnorm(x)
-    · norm_w; slot s < K takes the expert with the s-th largest router logit (each workgroup
-    picks them from `router` itself: no routing pass) and slot K the shared expert;
-    act[s·m + r] = silu(Wg[r]·hn) · (Wu[r]·hn). Workgroup (0, 0) also writes ids[0:K] and
-    their renormalised softmax weights, workgroup (0, K) the shared expert's gate
-    weights[K] = sigmoid(sh_gate_w · hn), for moe_down_all. Grid: (ceil(m / ROWS), K + 1)."""
-    from zdsl.kernels.sampling import block_topk
-
+    · norm_w; slot s < K takes expert ids[s] (picked by moe.moe_route: picking them here, in each
+    of the thousands of workgroups, cost more than the dispatch it saved) and slot K the shared
+    expert; act[s·m + r] = silu(Wg[r]·hn) · (Wu[r]·hn). Workgroup (0, K) also writes the shared
+    expert's gate weights[K] = sigmoid(sh_gate_w · hn), for moe_down_all.
+    Grid: (ceil(m / ROWS), K + 1)."""
     f = fmt(QTYPE)
     ctx = f.setup()
     WG = zdsl.workgroup_size()
     nblocks = k // f.block
     row_bytes = nblocks * f.nbytes
     slot, row0 = zdsl.workgroup_id(1), zdsl.workgroup_id() * ROWS
-
-    def load(index, valid):
-        return router.load(index, mask=valid, other=0.0), index
-
-    val_sh, id_sh, first = block_topk(load, n_expert, K, max(1, 256 // WG), WG, SG)  # one round for 256 experts
-    expert = id_sh[first + zdsl.min(slot, K - 1)]
-    with zdsl.if_((zdsl.workgroup_id() == 0) & (slot == 0) & (zdsl.local_index() < K)):
-        z0 = val_sh[first]
-        total = zdsl.var(0.0)
-        for s in range(K):
-            total += zdsl.exp(val_sh[first + s] - z0)
-        j = zdsl.local_index()
-        ids[j] = id_sh[first + j]
-        weights[j] = zdsl.exp(val_sh[first + j] - z0) / total
     routed = NormedX(x, norm_w)
     shared = NormedX(x, norm_w)
+
     def swiglu_rows(w_gate, w_up, expert_base, xin):
         sums = _gate_up_rows(f, ctx, w_gate, w_up, expert_base, row0, m, row_bytes, xin, nblocks, ROWS, WG, SG)
         scale = xin.scale(sums[-1], k, eps)
@@ -377,7 +362,7 @@ def moe_gate_up(wg: Buffer[u8], wu: Buffer[u8], wg_sh: Buffer[u8], wu_sh: Buffer
         return scale
 
     with zdsl.if_(slot < K):
-        swiglu_rows(wg, wu, expert * (m * row_bytes), routed)
+        swiglu_rows(wg, wu, ids[zdsl.min(slot, K - 1)] * (m * row_bytes), routed)
     with zdsl.else_():
         scale = swiglu_rows(wg_sh, wu_sh, 0, shared)
         with zdsl.if_(zdsl.workgroup_id() == 0):
@@ -390,13 +375,9 @@ def moe_gate_up(wg: Buffer[u8], wu: Buffer[u8], wg_sh: Buffer[u8], wu_sh: Buffer
 
 
 @moe_gate_up.reference
-def moe_gate_up_ref(wg_bytes, wu_bytes, wg_sh_bytes, wu_sh_bytes, router, sh_gate_w, x, norm_w, eps, qtype, m, k, K=8):
-    """(act, ids, weights) as moe_gate_up writes them."""
-    from zdsl.kernels.moe import moe_route_ref
-
+def moe_gate_up_ref(wg_bytes, wu_bytes, wg_sh_bytes, wu_sh_bytes, ids, sh_gate_w, x, norm_w, eps, qtype, m, k):
+    """(act, shared gate) as moe_gate_up writes them (act for every slot; the gate goes to weights[K])."""
     hn = rms_normed(x, norm_w, eps)
-    ids, w = moe_route_ref(np.asarray(router, np.float32)[None], K)
-    ids, w = ids[0], w[0]
     silu = lambda a: a / (1 + np.exp(-a))  # noqa: E731
     nexp = experts_of(wg_bytes, qtype, m, k)
     g = dequant_rows(wg_bytes, qtype, nexp * m, k).reshape(nexp, m, k)
@@ -405,7 +386,7 @@ def moe_gate_up_ref(wg_bytes, wu_bytes, wg_sh_bytes, wu_sh_bytes, router, sh_gat
     with np.errstate(over="ignore"):
         act = np.concatenate([silu(g[e] @ hn) * (u[e] @ hn) for e in ids] + [silu(gs @ hn) * (us @ hn)])
     gate = 1 / (1 + np.exp(-(np.asarray(sh_gate_w, np.float64) @ hn)))
-    return act, ids, np.concatenate([w, [gate]])
+    return act, gate
 
 
 @zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": EXPERT_QTYPES, "QTYPE_SH": ["", "q6_k"],

@@ -1,6 +1,6 @@
-"""Mixture-of-experts routing on the GPU: which experts a token uses and with what weights, and
-the shared expert's scalar gate. The routed products themselves are `dmmv.ffn_gate_up` and
-`dmmv.moe_down`, which read the `ids` and `weights` written here."""
+"""Mixture-of-experts routing on the GPU: which experts a token uses and with what weights. The
+products themselves are `dmmv.moe_gate_up` and `dmmv.moe_down_all` (or `dmmv.ffn_gate_up` and
+`dmmv.moe_down`), which read the `ids` and `weights` written here."""
 
 from __future__ import annotations
 
@@ -48,29 +48,3 @@ def moe_route_ref(logits, K=8):
     p /= p.sum(axis=1, keepdims=True)
     picked = np.take_along_axis(p, ids, axis=1)
     return ids.astype(np.uint32), (picked / picked.sum(axis=1, keepdims=True)).astype(np.float32)
-
-
-@zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [64, 256], "SG": SUBGROUPS})
-def shared_gate(w: Buffer[f32], x: Buffer[f32], gate: Buffer[f32], n: u32, WG: Const = 256, SG: Const = 32):
-    """gate[t] = sigmoid(w · x[t·n : (t+1)·n]) — the shared expert's scale for token t
-    (`ffn_gate_inp_shexp.weight` is one F32 row). Grid: number of tokens."""
-    row = zdsl.workgroup_id()
-    acc = zdsl.var(0.0)
-    for j in zdsl.range(zdsl.local_index(), n, WG):
-        acc += w[j] * x[row * n + j]
-    partial = zdsl.shared(f32, WG // SG)
-    total = zdsl.subgroup_sum(acc)
-    with zdsl.if_(zdsl.lane_id() == 0):
-        partial[zdsl.subgroup_id()] = total
-    zdsl.barrier()
-    with zdsl.if_(zdsl.local_index() == 0):
-        dot = zdsl.var(partial[0])
-        for s in range(1, WG // SG):
-            dot += partial[s]
-        gate[row] = zdsl.sigmoid(dot)
-
-
-@shared_gate.reference
-def shared_gate_ref(w, x):
-    x = np.atleast_2d(np.asarray(x, np.float64))
-    return (1 / (1 + np.exp(-(x @ np.asarray(w, np.float64))))).astype(np.float32)

@@ -1,5 +1,5 @@
-"""The fused decode kernels (RMSNorm folded into projections; experts picked inside the expert
-kernels, shared expert as an extra slot) against numpy, in the interpreter and on lavapipe."""
+"""The fused decode kernels (RMSNorm folded into projections; the shared expert as an extra
+slot of the routed experts' kernels) against numpy, in the interpreter and on lavapipe."""
 
 import numpy as np
 import pytest
@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from zdsl.kernels import dmmv as D
 from zdsl.kernels import formats as F
+from zdsl.kernels.moe import moe_route_ref
 
 BACKENDS = ["interp", "lavapipe"]
 QTYPES = ["q4_k", "q6_k", "q8_0", "f32"]
@@ -58,17 +59,19 @@ def test_moe_gate_up_and_down_all(backend, request, qtype, K, n_expert, rows, se
     x = rng.standard_normal(H).astype(np.float32)
     nw = rng.uniform(0.5, 1.5, H).astype(np.float32)
     sg = sg_for(backend, request, seed)
+    ids, routed_w = moe_route_ref(router, K)
+    ids, routed_w = ids[0], routed_w[0]
     up = D.moe_gate_up.specialize(QTYPE=qtype, K=K, ROWS=rows, SG=sg)
-    out = run(up, backend, request, (-(-Fd // rows), K + 1), wg=wg, wu=wu, wg_sh=wg_sh, wu_sh=wu_sh, router=router,
-              sh_gate_w=sh_gate_w, x=x, norm_w=nw, ids=np.zeros(K, np.uint32), weights=np.zeros(K + 1, np.float32),
-              act=np.zeros((K + 1) * Fd, np.float32), k=H, m=Fd, n_expert=n_expert, eps=1e-6)
-    act_ref, ids_ref, w_ref = D.moe_gate_up_ref(wg, wu, wg_sh, wu_sh, router, sh_gate_w, x, nw, 1e-6, qtype, Fd, H, K)
-    np.testing.assert_array_equal(out["ids"], ids_ref)
-    np.testing.assert_allclose(out["weights"], w_ref, rtol=1e-4, atol=1e-6)
+    out = run(up, backend, request, (-(-Fd // rows), K + 1), wg=wg, wu=wu, wg_sh=wg_sh, wu_sh=wu_sh, ids=ids,
+              sh_gate_w=sh_gate_w, x=x, norm_w=nw, weights=np.append(routed_w, np.float32(np.nan)),
+              act=np.zeros((K + 1) * Fd, np.float32), k=H, m=Fd, eps=1e-6)
+    act_ref, gate_ref = D.moe_gate_up_ref(wg, wu, wg_sh, wu_sh, ids, sh_gate_w, x, nw, 1e-6, qtype, Fd, H)
+    np.testing.assert_array_equal(out["weights"][:K], routed_w)  # the routed weights are left alone
+    np.testing.assert_allclose(out["weights"][K], gate_ref, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(out["act"], act_ref, rtol=5e-4, atol=5e-4 * np.abs(act_ref).max())
     y0 = rng.standard_normal(H).astype(np.float32)
     down = D.moe_down_all.specialize(QTYPE=qtype, K=K, ROWS=rows, SG=sg)
-    y = run(down, backend, request, -(-H // rows), w=wd, w_sh=wd_sh, ids=out["ids"], weights=out["weights"],
+    y = run(down, backend, request, -(-H // rows), w=wd, w_sh=wd_sh, ids=ids, weights=out["weights"],
             act=out["act"], y=y0, k=Fd, m=H)["y"]
-    ref = D.moe_down_all_ref(wd, wd_sh, out["ids"], out["weights"], out["act"], y0, qtype, H, Fd)
+    ref = D.moe_down_all_ref(wd, wd_sh, ids, out["weights"], out["act"], y0, qtype, H, Fd)
     np.testing.assert_allclose(y, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())

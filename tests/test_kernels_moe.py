@@ -53,15 +53,3 @@ def test_route_the_model_shape():
     np.testing.assert_array_equal(out["ids"], np.argsort(-logits)[:8])
     p = np.exp(logits[out["ids"]] - logits.max())
     np.testing.assert_allclose(out["weights"], p / p.sum(), rtol=1e-5)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@given(n=st.integers(1, 3000), tokens=st.integers(1, 3), wg=st.sampled_from([64, 256]), sg_pick=st.integers(0, 3),
-       seed=st.integers(0, 99))
-def test_shared_gate(backend, request, n, tokens, wg, sg_pick, seed):
-    rng = np.random.default_rng(seed)
-    w = (rng.standard_normal(n) / np.sqrt(n)).astype(np.float32)
-    x = rng.standard_normal((tokens, n), dtype=np.float32)
-    gate = run(moe.shared_gate.specialize(WG=wg, SG=subgroup(backend, request, sg_pick)), backend, request, tokens,
-               w=w, x=x, gate=np.full(tokens, np.nan, np.float32), n=n)["gate"]
-    np.testing.assert_allclose(gate, moe.shared_gate_ref(w, x), rtol=1e-5, atol=1e-6)

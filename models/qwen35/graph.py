@@ -17,7 +17,7 @@ import numpy as np
 
 from zdsl.autotune.database import choose
 from zdsl.errors import ZdslError
-from zdsl.kernels import attention, deltanet, dmmv, embedding, norm, sampling, steps
+from zdsl.kernels import attention, deltanet, dmmv, embedding, moe, norm, sampling, steps
 from zdsl.kernels.quant import FORMATS
 from zdsl.lang.language import cdiv
 from zdsl.models.qwen35.gguf_file import ModelFile
@@ -244,11 +244,15 @@ class DecodeGraph:
                    y=self.buf.x, k=k, m=m, slots=slots)
 
     def _moe(self, seq, i: int) -> None:
-        """Router, then one dispatch for every expert's gate·up (experts picked on the GPU, the
-        shared expert as one more slot), then one for every down projection added to x."""
+        """Router logits, the experts picked from them (one workgroup), then one dispatch for
+        every expert's gate·up (the shared expert as one more slot), then one for every down
+        projection added to x."""
         hp, p, b = self.hp, f"blk.{i}.", self.buf
         K, E = hp.n_experts_used, hp.n_experts
         self._normed_matvec(seq, p + "ffn_gate_inp.weight", p + "post_attention_norm.weight", self.router)
+        route = choose(moe.moe_route, self.info, {"n_expert": E}, K=K)
+        route.dispatch(seq, 1, label=p + "moe_route", logits=self.router, ids=self.route_ids,
+                       weights=self.route_w, n_expert=E)
         m, k = self.model.shape(p + "ffn_gate_exps.weight")[-2:]
         q = self._qname(p + "ffn_gate_exps.weight")
         for t in ("ffn_up_exps", "ffn_gate_shexp", "ffn_up_shexp"):
@@ -259,9 +263,9 @@ class DecodeGraph:
         up.dispatch(seq, (cdiv(m, up.params["ROWS"]), K + 1), label=p + "ffn_gate_up_exps+shexp",
                     wg=self.weights[p + "ffn_gate_exps.weight"], wu=self.weights[p + "ffn_up_exps.weight"],
                     wg_sh=self.weights[p + "ffn_gate_shexp.weight"], wu_sh=self.weights[p + "ffn_up_shexp.weight"],
-                    router=self.router, sh_gate_w=self.weights[p + "ffn_gate_inp_shexp.weight"], x=b.x,
-                    norm_w=self.weights[p + "post_attention_norm.weight"], ids=self.route_ids, weights=self.route_w,
-                    act=self.act, k=k, m=m, n_expert=E, eps=hp.eps)
+                    ids=self.route_ids, sh_gate_w=self.weights[p + "ffn_gate_inp_shexp.weight"], x=b.x,
+                    norm_w=self.weights[p + "post_attention_norm.weight"], weights=self.route_w,
+                    act=self.act, k=k, m=m, eps=hp.eps)
         md, kd = self.model.shape(p + "ffn_down_exps.weight")[-2:]
         qd, qs = self._qname(p + "ffn_down_exps.weight"), self._qname(p + "ffn_down_shexp.weight")
         fd, fs = FORMATS[qd], FORMATS[qs]

@@ -15,7 +15,7 @@ PHASES = [  # (phase, pattern on the dispatch label "<role>:<kernel variant>")
     ("norms", r"norm(?!_w)[^:]*:rms_norm"),
     ("attention", r"\.attn_(q|k|v|output|prep|decode|combine)\b"),
     ("delta-net", r"\.(attn_qkv|attn_gate|ssm_\w+)\b"),
-    ("moe router", r"\.(ffn_gate_inp|moe_route|shared_gate)\b"),
+    ("moe router", r"\.(ffn_gate_inp|moe_route)\b"),
     ("moe experts", r"_exps"),
     ("moe shared", r"_shexp"),
     ("ffn", r"\.ffn_(gate|up|down)\b"),
