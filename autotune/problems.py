@@ -103,7 +103,7 @@ def _one(use: Use, groups) -> list[Step]:
 
 
 def _rows_grid(m):
-    return lambda v: cdiv(m, v.params["ROWS"])
+    return lambda v: cdiv(m, dmmv.rows_per_workgroup(v))
 
 
 def _copies(array, n):
@@ -155,7 +155,7 @@ def _ffn_gate_up(use, rng, check):
         if experts:
             return {"ids": [rng.permutation(n_exp)[:slots].astype(np.uint32) for _ in range(n - 1)]}
         return {"wg": _copies(a["wg"], n), "wu": _copies(a["wu"], n)}
-    return Case(_one(use, lambda v: (cdiv(m, v.params["ROWS"]), slots)), a, dict(k=k, m=m),
+    return Case(_one(use, lambda v: (cdiv(m, dmmv.rows_per_workgroup(v)), slots)), a, dict(k=k, m=m),
                 read + 4 * (k + slots * m), expect if check else None, rotate)
 
 
@@ -203,7 +203,7 @@ def _moe_gate_up(use, rng, check):
                                          a["x"], a["norm_w"], eps, q, m, k)
         return {"act": (act, 5e-4), "weights": (np.append(np.zeros(K), gate), 1e-4)}
     read = 2 * (K + 1) * m * _row_bytes(q, k) + 4 * (K + 3 * k)
-    return Case(_one(use, lambda v: (cdiv(m, v.params["ROWS"]), K + 1)), a, dict(k=k, m=m, eps=eps),
+    return Case(_one(use, lambda v: (cdiv(m, dmmv.rows_per_workgroup(v)), K + 1)), a, dict(k=k, m=m, eps=eps),
                 read + 4 * ((K + 1) * m + 1), expect if check else None,
                 lambda n: {"ids": [rng.permutation(n_exp)[:K].astype(np.uint32) for _ in range(n - 1)]})
 

@@ -23,19 +23,60 @@ from zdsl.kernels.quant import FORMATS, Factored, fmt
 
 QTYPES = list(FORMATS)
 SUBGROUPS = [8, 16, 32, 64]
+NSUBS = [1, 2, 4]  # subgroups per workgroup, each with rows of its own (the tuner's choice; see Rows)
 
 
 def workgroup(v) -> int:
     """WG = 0 picks the smallest workgroup that is whole subgroups and whole blocks; the tuner
-    may ask for more subgroups per workgroup."""
+    may ask for more subgroups per workgroup (sharing its rows), or for NSUB subgroups with
+    rows of their own."""
     return workgroup_of(v, FORMATS[v.QTYPE].parts)
 
 
 def workgroup_of(v, parts: int) -> int:
+    if v.NSUB > 1:
+        if v.WG or v.SG % parts:
+            raise zdsl.ZdslError(f"NSUB = {v.NSUB} subgroups with rows of their own need WG = 0 and a subgroup "
+                                 f"size that is whole blocks ({parts} invocations), not WG = {v.WG}, SG = {v.SG}")
+        return v.NSUB * v.SG
     wg = v.WG or max(v.SG, parts)
     if wg % v.SG or wg % parts:
         raise zdsl.ZdslError(f"workgroup {wg} must be a multiple of the subgroup size {v.SG} and of {parts}")
     return wg
+
+
+class Rows:
+    """Which rows an invocation works on, and with whom. A group of invocations owns ROWS
+    consecutive rows and walks their blocks together: the whole workgroup (NSUB = 1), or each
+    of its NSUB subgroups. Subgroups with rows of their own need no shared memory or barrier
+    to finish, and let a short row (one subgroup's work) run in workgroups big enough to fill
+    a GPU that caps the workgroups resident per core."""
+
+    def __init__(self, ROWS: int, NSUB: int, SG: int):
+        if NSUB == 1:
+            self.index, self.size = zdsl.local_index(), zdsl.workgroup_size()
+            self.first = zdsl.workgroup_id() * ROWS
+        else:
+            self.index, self.size = zdsl.lane_id(), SG
+            self.first = (zdsl.workgroup_id() * NSUB + zdsl.subgroup_id()) * ROWS
+        self.count, self.SG = ROWS, SG
+
+    def clamped(self, m):
+        """The row indices, the ones past m clamped to m − 1 (their loads stay in bounds; their
+        results are not stored)."""
+        return [zdsl.min(self.first + r, m - 1) for r in range(self.count)]
+
+    def sums(self, values):
+        """Each value summed over the group; valid in every invocation of it."""
+        return workgroup_sums(values, self.size, self.SG)
+
+    def leader(self):
+        return self.index == 0
+
+
+def rows_per_workgroup(v) -> int:
+    """The grid of a matrix-vector variant is ceil(m / rows_per_workgroup(v))."""
+    return v.params["ROWS"] * v.params["NSUB"]
 
 
 def block_step(f, ctx, rows, x, x_bases, b, part):
@@ -87,18 +128,18 @@ def factored_dot(share, xs, sums, shifts):
     return total if mins is None else zdsl.fma(share.m, mins, total)
 
 
-def block_dots(f, ctx, rows, x, x_bases, nblocks, WG):
+def block_dots(f, ctx, rows, x, x_bases, nblocks, group: Rows):
     """Per-invocation partial dot products over all blocks; returns acc[row][col] (zdsl vars)."""
-    return block_loop(f.parts, nblocks, WG, len(rows), len(x_bases),
+    return block_loop(f.parts, nblocks, group, len(rows), len(x_bases),
                       lambda b, part: block_step(f, ctx, rows, x, x_bases, b, part))
 
 
-def block_loop(parts, nblocks, WG, nrows, ncols, step):
+def block_loop(parts, nblocks, group: Rows, nrows, ncols, step):
     """Sum step(b, part) — [row][col] values — over the blocks this invocation visits: `parts`
-    invocations per block, WG / parts blocks at a time."""
-    part = zdsl.local_index() % parts
+    invocations per block, group.size / parts blocks at a time."""
+    part = group.index % parts
     acc = [[zdsl.var(0.0) for _ in range(ncols)] for _ in range(nrows)]
-    for b in zdsl.range(zdsl.local_index() // parts, nblocks, WG // parts):
+    for b in zdsl.range(group.index // parts, nblocks, group.size // parts):
         values = step(b, part)
         for r in range(nrows):
             for c in range(ncols):
@@ -149,32 +190,31 @@ def workgroup_sums(values, WG, SG):
     return out
 
 
-def store_rows(y, sums, row0, m, ROWS, COLS, ADD):
-    """y[c·m + row0 + r] (+)= sums[r·COLS + c] for the rows that exist."""
-    with zdsl.if_(zdsl.local_index() == 0):
-        for r in range(ROWS):
-            with zdsl.if_(row0 + r < m):
+def store_rows(y, sums, group: Rows, m, COLS, ADD):
+    """y[c·m + row] (+)= sums[r·COLS + c] for the group's rows that exist."""
+    with zdsl.if_(group.leader()):
+        for r in range(group.count):
+            with zdsl.if_(group.first + r < m):
                 for c in range(COLS):
-                    out = c * m + row0 + r
+                    out = c * m + group.first + r
                     y[out] = sums[r * COLS + c] + y.load(out, mask=ADD, other=0.0)
 
 
 @zdsl.kernel(workgroup=workgroup, subgroup="SG",
              variants={"QTYPE": QTYPES, "COLS": list(range(1, 9)), "ROWS": [1, 2, 4], "SG": SUBGROUPS},
-             where=lambda v: v.COLS == 1 or v.ROWS == 1)
+             tune={"NSUB": NSUBS}, where=lambda v: v.COLS == 1 or v.ROWS == 1)
 def dmmv(w: Buffer[u8], x: Buffer[f32], y: Buffer[f32], k: u32, m: u32, ADD: Spec[boolean] = False,
-         QTYPE: Const = "q4_k", COLS: Const = 1, ROWS: Const = 1, SG: Const = 32, WG: Const = 0):
+         QTYPE: Const = "q4_k", COLS: Const = 1, ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
     """y[c·m + r] (+)= Σ_k W[r, k] · x[c·k + k] for COLS activation vectors; ADD accumulates
-    into y (a residual connection). Grid: ceil(m / ROWS) workgroups."""
+    into y (a residual connection). Grid: ceil(m / rows_per_workgroup)."""
     f = fmt(QTYPE)
     ctx = f.setup()
-    WG = zdsl.workgroup_size()
     nblocks = k // f.block
-    row0 = zdsl.workgroup_id() * ROWS
-    rows = [(w, zdsl.min(row0 + r, m - 1) * (nblocks * f.nbytes)) for r in range(ROWS)]
-    acc = block_dots(f, ctx, rows, x, [c * k for c in range(COLS)], nblocks, WG)
-    sums = workgroup_sums([acc[r][c] for r in range(ROWS) for c in range(COLS)], WG, SG)
-    store_rows(y, sums, row0, m, ROWS, COLS, ADD)
+    group = Rows(ROWS, NSUB, SG)
+    rows = [(w, r * (nblocks * f.nbytes)) for r in group.clamped(m)]
+    acc = block_dots(f, ctx, rows, x, [c * k for c in range(COLS)], nblocks, group)
+    sums = group.sums([acc[r][c] for r in range(ROWS) for c in range(COLS)])
+    store_rows(y, sums, group, m, COLS, ADD)
 
 
 def dequant_rows(w_bytes, qtype: str, m: int, k: int) -> np.ndarray:
@@ -188,29 +228,29 @@ def dmmv_ref(w_bytes, x, qtype, m, k, y=None):
     return out if y is None else out + y
 
 
-@zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": QTYPES, "ROWS": [1, 2, 4], "SG": SUBGROUPS})
+@zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": QTYPES, "ROWS": [1, 2, 4], "SG": SUBGROUPS},
+             tune={"NSUB": NSUBS})
 def ffn_gate_up(wg: Buffer[u8], wu: Buffer[u8], ids: Buffer[u32], x: Buffer[f32], act: Buffer[f32],
                 k: u32, m: u32, EXPERTS: Spec[boolean] = True, QTYPE: Const = "q4_k", ROWS: Const = 1,
-                SG: Const = 32, WG: Const = 0):
+                NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
     """act[s·m + r] = silu(Wg_e[r]·x) · (Wu_e[r]·x) for the expert e = ids[s] of slot
     s = workgroup_id(1) (EXPERTS), or for the single matrix pair (not EXPERTS: a dense FFN or the
     shared expert; `ids` is then unused). Gate and up rows are read in one pass over x.
-    Grid: (ceil(m / ROWS), slots)."""
+    Grid: (ceil(m / rows_per_workgroup), slots)."""
     f = fmt(QTYPE)
     ctx = f.setup()
-    WG = zdsl.workgroup_size()
     nblocks = k // f.block
     row_bytes = nblocks * f.nbytes
     slot = zdsl.workgroup_id(1)
     expert_base = ids.load(slot, mask=EXPERTS, other=0) * (m * row_bytes)
-    row0 = zdsl.workgroup_id() * ROWS
-    bases = [expert_base + zdsl.min(row0 + r, m - 1) * row_bytes for r in range(ROWS)]
-    acc = block_dots(f, ctx, [(wg, b) for b in bases] + [(wu, b) for b in bases], x, [0], nblocks, WG)
-    sums = workgroup_sums([a[0] for a in acc], WG, SG)
-    with zdsl.if_(zdsl.local_index() == 0):
+    group = Rows(ROWS, NSUB, SG)
+    bases = [expert_base + r * row_bytes for r in group.clamped(m)]
+    acc = block_dots(f, ctx, [(wg, b) for b in bases] + [(wu, b) for b in bases], x, [0], nblocks, group)
+    sums = group.sums([a[0] for a in acc])
+    with zdsl.if_(group.leader()):
         for r in range(ROWS):
-            with zdsl.if_(row0 + r < m):
-                act[slot * m + row0 + r] = zdsl.silu(sums[r]) * sums[ROWS + r]
+            with zdsl.if_(group.first + r < m):
+                act[slot * m + group.first + r] = zdsl.silu(sums[r]) * sums[ROWS + r]
 
 
 def experts_of(w_bytes, qtype, m, k) -> int:
@@ -230,31 +270,30 @@ def ffn_gate_up_ref(wg_bytes, wu_bytes, ids, x, qtype, m, k, experts=True):
     return np.concatenate(out)
 
 
-@zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": QTYPES, "ROWS": [1, 2, 4], "SG": SUBGROUPS})
+@zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": QTYPES, "ROWS": [1, 2, 4], "SG": SUBGROUPS},
+             tune={"NSUB": NSUBS})
 def moe_down(w: Buffer[u8], ids: Buffer[u32], weights: Buffer[f32], act: Buffer[f32], y: Buffer[f32],
              k: u32, m: u32, slots: u32, ADD: Spec[boolean] = True, QTYPE: Const = "q4_k", ROWS: Const = 1,
-             SG: Const = 32, WG: Const = 0):
+             NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
     """y[r] (+)= Σ_s weights[s] · (W_{ids[s]}[r] · act[s·k : s·k + k]) — the routed experts' down
     projection and their weighted sum in one dispatch (also the shared expert, with one slot
-    whose weight is its sigmoid gate). Grid: ceil(m / ROWS)."""
+    whose weight is its sigmoid gate). Grid: ceil(m / rows_per_workgroup)."""
     f = fmt(QTYPE)
     ctx = f.setup()
-    WG = zdsl.workgroup_size()
     nblocks = k // f.block
     row_bytes = nblocks * f.nbytes
-    row0 = zdsl.workgroup_id() * ROWS
-    offsets = [zdsl.min(row0 + r, m - 1) * row_bytes for r in range(ROWS)]
-    part = zdsl.local_index() % f.parts
+    group = Rows(ROWS, NSUB, SG)
+    offsets = [r * row_bytes for r in group.clamped(m)]
+    part = group.index % f.parts
     total = [zdsl.var(0.0) for _ in range(ROWS)]
-    for item in zdsl.range(zdsl.local_index() // f.parts, slots * nblocks, WG // f.parts):
+    for item in zdsl.range(group.index // f.parts, slots * nblocks, group.size // f.parts):
         s = item // nblocks
         base = ids[s] * (m * row_bytes)
         step = block_step(f, ctx, [(w, base + o) for o in offsets], act, [s * k], item - s * nblocks, part)
         weight = weights[s]
         for r in range(ROWS):
             total[r] += weight * step[r][0]
-    sums = workgroup_sums(total, WG, SG)
-    store_rows(y, sums, row0, m, ROWS, 1, ADD)
+    store_rows(y, group.sums(total), group, m, 1, ADD)
 
 
 @moe_down.reference
@@ -294,22 +333,22 @@ def load_x(x, start, count):  # noqa: F811 — activations may come through a pr
     return x.load(start, count) if isinstance(x, NormedX) else _plain_load_x(x, start, count)
 
 
-@zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": QTYPES, "ROWS": [1, 2, 4], "SG": SUBGROUPS})
+@zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": QTYPES, "ROWS": [1, 2, 4], "SG": SUBGROUPS},
+             tune={"NSUB": NSUBS})
 def dmmv_norm(w: Buffer[u8], x: Buffer[f32], norm_w: Buffer[f32], y: Buffer[f32], k: u32, m: u32, eps: f32,
-              QTYPE: Const = "q4_k", ROWS: Const = 1, SG: Const = 32, WG: Const = 0):
+              QTYPE: Const = "q4_k", ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
     """y[r] = Σ_k W[r, k] · rmsnorm(x)[k] · norm_w[k]: a projection of a normed vector, with the
-    norm folded in. Grid: ceil(m / ROWS)."""
+    norm folded in. Grid: ceil(m / rows_per_workgroup)."""
     f = fmt(QTYPE)
     ctx = f.setup()
-    WG = zdsl.workgroup_size()
     nblocks = k // f.block
-    row0 = zdsl.workgroup_id() * ROWS
-    rows = [(w, zdsl.min(row0 + r, m - 1) * (nblocks * f.nbytes)) for r in range(ROWS)]
+    group = Rows(ROWS, NSUB, SG)
+    rows = [(w, r * (nblocks * f.nbytes)) for r in group.clamped(m)]
     xin = NormedX(x, norm_w)
-    acc = block_dots(f, ctx, rows, xin, [0], nblocks, WG)
-    sums = workgroup_sums([acc[r][0] for r in range(ROWS)] + [xin.sq], WG, SG)
+    acc = block_dots(f, ctx, rows, xin, [0], nblocks, group)
+    sums = group.sums([acc[r][0] for r in range(ROWS)] + [xin.sq])
     scale = xin.scale(sums[-1], k, eps)
-    store_rows(y, [s * scale for s in sums[:-1]], row0, m, ROWS, 1, False)
+    store_rows(y, [s * scale for s in sums[:-1]], group, m, 1, False)
 
 
 def rms_normed(x, norm_w, eps):
@@ -322,55 +361,57 @@ def dmmv_norm_ref(w_bytes, x, norm_w, eps, qtype, m, k):
     return dequant_rows(w_bytes, qtype, m, k) @ rms_normed(x, norm_w, eps)
 
 
-def _gate_up_rows(f, ctx, wg, wu, expert_base, row0, m, row_bytes, xin, nblocks, ROWS, WG, SG):
-    bases = [expert_base + zdsl.min(row0 + r, m - 1) * row_bytes for r in range(ROWS)]
-    acc = block_dots(f, ctx, [(wg, b) for b in bases] + [(wu, b) for b in bases], xin, [0], nblocks, WG)
-    return workgroup_sums([a[0] for a in acc] + [xin.sq], WG, SG)
+def _gate_up_rows(f, ctx, wg, wu, expert_base, group: Rows, m, row_bytes, xin, nblocks):
+    bases = [expert_base + r * row_bytes for r in group.clamped(m)]
+    acc = block_dots(f, ctx, [(wg, b) for b in bases] + [(wu, b) for b in bases], xin, [0], nblocks, group)
+    return group.sums([a[0] for a in acc] + [xin.sq])
 
 
 # The types GGUF files use for expert tensors (other types and K still specialize on demand).
 EXPERT_QTYPES = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q8_0", "iq4_xs"]
 
 
-@zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": EXPERT_QTYPES, "ROWS": [1, 2], "K": [8], "SG": SUBGROUPS})
+@zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": EXPERT_QTYPES, "ROWS": [1, 2], "K": [8], "SG": SUBGROUPS},
+             tune={"NSUB": NSUBS})
 def moe_gate_up(wg: Buffer[u8], wu: Buffer[u8], wg_sh: Buffer[u8], wu_sh: Buffer[u8], ids: Buffer[u32],
                 sh_gate_w: Buffer[f32], x: Buffer[f32], norm_w: Buffer[f32], weights: Buffer[f32],
                 act: Buffer[f32], k: u32, m: u32, eps: f32,
-                QTYPE: Const = "q4_k", K: Const = 8, ROWS: Const = 1, SG: Const = 32, WG: Const = 0):
+                QTYPE: Const = "q4_k", K: Const = 8, ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32,
+                WG: Const = 0):
     """The MoE up-projections of one token from the residual x, in one dispatch: hn = rmsnorm(x)
     · norm_w; slot s < K takes expert ids[s] (picked by moe.moe_route: picking them here, in each
     of the thousands of workgroups, cost more than the dispatch it saved) and slot K the shared
-    expert; act[s·m + r] = silu(Wg[r]·hn) · (Wu[r]·hn). Workgroup (0, K) also writes the shared
-    expert's gate weights[K] = sigmoid(sh_gate_w · hn), for moe_down_all.
-    Grid: (ceil(m / ROWS), K + 1)."""
+    expert; act[s·m + r] = silu(Wg[r]·hn) · (Wu[r]·hn). The group of row 0 in slot K also writes
+    the shared expert's gate weights[K] = sigmoid(sh_gate_w · hn), for moe_down_all.
+    Grid: (ceil(m / rows_per_workgroup), K + 1)."""
     f = fmt(QTYPE)
     ctx = f.setup()
-    WG = zdsl.workgroup_size()
     nblocks = k // f.block
     row_bytes = nblocks * f.nbytes
-    slot, row0 = zdsl.workgroup_id(1), zdsl.workgroup_id() * ROWS
+    slot = zdsl.workgroup_id(1)
+    group = Rows(ROWS, NSUB, SG)
     routed = NormedX(x, norm_w)
     shared = NormedX(x, norm_w)
 
     def swiglu_rows(w_gate, w_up, expert_base, xin):
-        sums = _gate_up_rows(f, ctx, w_gate, w_up, expert_base, row0, m, row_bytes, xin, nblocks, ROWS, WG, SG)
+        sums = _gate_up_rows(f, ctx, w_gate, w_up, expert_base, group, m, row_bytes, xin, nblocks)
         scale = xin.scale(sums[-1], k, eps)
-        with zdsl.if_(zdsl.local_index() == 0):
+        with zdsl.if_(group.leader()):
             for r in range(ROWS):
-                with zdsl.if_(row0 + r < m):
-                    act[slot * m + row0 + r] = zdsl.silu(sums[r] * scale) * (sums[ROWS + r] * scale)
+                with zdsl.if_(group.first + r < m):
+                    act[slot * m + group.first + r] = zdsl.silu(sums[r] * scale) * (sums[ROWS + r] * scale)
         return scale
 
     with zdsl.if_(slot < K):
         swiglu_rows(wg, wu, ids[zdsl.min(slot, K - 1)] * (m * row_bytes), routed)
     with zdsl.else_():
         scale = swiglu_rows(wg_sh, wu_sh, 0, shared)
-        with zdsl.if_(zdsl.workgroup_id() == 0):
+        with zdsl.if_(group.first == 0):
             dot = zdsl.var(0.0)
-            for j in zdsl.range(zdsl.local_index(), k, WG):
+            for j in zdsl.range(group.index, k, group.size):
                 dot += sh_gate_w[j] * x[j] * norm_w[j]
-            total = workgroup_sums([dot], WG, SG)[0]
-            with zdsl.if_(zdsl.local_index() == 0):
+            total = group.sums([dot])[0]
+            with zdsl.if_(group.leader()):
                 weights[K] = zdsl.sigmoid(total * scale)
 
 
@@ -391,27 +432,27 @@ def moe_gate_up_ref(wg_bytes, wu_bytes, wg_sh_bytes, wu_sh_bytes, ids, sh_gate_w
 
 @zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": EXPERT_QTYPES, "QTYPE_SH": ["", "q6_k"],
                                                            "ROWS": [1, 2], "K": [8], "SG": SUBGROUPS},
+             tune={"NSUB": NSUBS},
              where=lambda v: v.QTYPE_SH == "" or (FORMATS[v.QTYPE].block, FORMATS[v.QTYPE].parts) == (256, FORMATS["q6_k"].parts))
 def moe_down_all(w: Buffer[u8], w_sh: Buffer[u8], ids: Buffer[u32], weights: Buffer[f32], act: Buffer[f32],
                  y: Buffer[f32], k: u32, m: u32, QTYPE: Const = "q4_k", QTYPE_SH: Const = "", K: Const = 8,
-                 ROWS: Const = 1, SG: Const = 32, WG: Const = 0):
+                 ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
     """y[r] += Σ_{s<K} weights[s] · (W_{ids[s]}[r] · act[s·k:]) + weights[K] · (W_sh[r] · act[K·k:]):
     the routed experts and the shared expert (slot K, whose type QTYPE_SH may differ: files keep
-    it at more bits) in one pass, added to the residual. Grid: ceil(m / ROWS)."""
+    it at more bits) in one pass, added to the residual. Grid: ceil(m / rows_per_workgroup)."""
     f = fmt(QTYPE)
     f_sh = fmt(QTYPE_SH or QTYPE)
     if (f_sh.block, f_sh.parts) != (f.block, f.parts):
         raise zdsl.ZdslError(f"moe_down_all needs the shared expert's blocks shaped like the experts' "
                              f"({f_sh.name} vs {f.name})")
     ctx, ctx_sh = f.setup(), (f_sh.setup() if f_sh is not f else None)
-    WG = zdsl.workgroup_size()
     nblocks = k // f.block
     row_bytes = nblocks * f.nbytes
-    row0 = zdsl.workgroup_id() * ROWS
-    offsets = [zdsl.min(row0 + r, m - 1) * row_bytes for r in range(ROWS)]
-    part = zdsl.local_index() % f.parts
+    group = Rows(ROWS, NSUB, SG)
+    offsets = [r * row_bytes for r in group.clamped(m)]
+    part = group.index % f.parts
     total = [zdsl.var(0.0) for _ in range(ROWS)]
-    for item in zdsl.range(zdsl.local_index() // f.parts, (K + 1) * nblocks, WG // f.parts):
+    for item in zdsl.range(group.index // f.parts, (K + 1) * nblocks, group.size // f.parts):
         s = item // nblocks
         b = item - s * nblocks
         weight = weights[s]
@@ -422,12 +463,11 @@ def moe_down_all(w: Buffer[u8], w_sh: Buffer[u8], ids: Buffer[u32], weights: Buf
                 total[r] += weight * step[r][0]
         with zdsl.else_():
             sh_bytes = nblocks * f_sh.nbytes
-            rows_sh = [(w_sh, zdsl.min(row0 + r, m - 1) * sh_bytes) for r in range(ROWS)]
+            rows_sh = [(w_sh, r * sh_bytes) for r in group.clamped(m)]
             step = block_step(f_sh, ctx_sh if ctx_sh is not None else ctx, rows_sh, act, [s * k], b, part)
             for r in range(ROWS):
                 total[r] += weight * step[r][0]
-    sums = workgroup_sums(total, WG, SG)
-    store_rows(y, sums, row0, m, ROWS, 1, True)
+    store_rows(y, group.sums(total), group, m, 1, True)
 
 
 @moe_down_all.reference

@@ -19,7 +19,7 @@ import numpy as np
 
 import zdsl
 from zdsl import Buffer, Const, Spec, boolean, f32, i32, u8, u32
-from zdsl.kernels.dmmv import SUBGROUPS, block_loop, dequant_rows, store_rows, workgroup_of, workgroup_sums
+from zdsl.kernels.dmmv import NSUBS, SUBGROUPS, Rows, block_loop, dequant_rows, store_rows, workgroup_of
 from zdsl.kernels.formats import q8_1_quantize
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS, fmt
 
@@ -114,23 +114,22 @@ def workgroup(v) -> int:
 
 @zdsl.kernel(workgroup=workgroup, subgroup="SG",
              variants={"QTYPE": INT8_FORMATS, "COLS": list(range(1, 9)), "ROWS": [1, 2, 4], "SG": SUBGROUPS},
-             where=lambda v: v.COLS == 1 or v.ROWS == 1)
+             tune={"NSUB": NSUBS}, where=lambda v: v.COLS == 1 or v.ROWS == 1)
 def dmmv_q8(w: Buffer[u8], xq: Buffer[u32], xd: Buffer[f32], y: Buffer[f32], k: u32, m: u32,
             ADD: Spec[boolean] = False, QTYPE: Const = "q4_k", COLS: Const = 1, ROWS: Const = 1,
-            SG: Const = 32, WG: Const = 0):
+            NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
     """y[c·m + r] (+)= Σ_k W[r, k] · x̂[c·k + k] for COLS vectors given as Q8_1 (quantize_q8_1
-    of the COLS·k activations); ADD accumulates into y. Grid: ceil(m / ROWS) workgroups."""
+    of the COLS·k activations); ADD accumulates into y. Grid: ceil(m / rows_per_workgroup)."""
     f = fmt(QTYPE)
     if not f.iparts:
         raise zdsl.ZdslError(f"dmmv_q8 has no int8 decoder for {QTYPE} (have: {', '.join(INT8_FORMATS)})")
-    WG = zdsl.workgroup_size()
     nblocks = k // f.block
-    row0 = zdsl.workgroup_id() * ROWS
-    rows = [(w, zdsl.min(row0 + r, m - 1) * (nblocks * f.nbytes)) for r in range(ROWS)]
+    group = Rows(ROWS, NSUB, SG)
+    rows = [(w, r * (nblocks * f.nbytes)) for r in group.clamped(m)]
     x_bases = [c * k for c in range(COLS)]
-    acc = block_loop(f.iparts, nblocks, WG, ROWS, COLS, lambda b, part: q8_step(f, rows, xq, xd, x_bases, b, part))
-    sums = workgroup_sums([acc[r][c] for r in range(ROWS) for c in range(COLS)], WG, SG)
-    store_rows(y, sums, row0, m, ROWS, COLS, ADD)
+    acc = block_loop(f.iparts, nblocks, group, ROWS, COLS, lambda b, part: q8_step(f, rows, xq, xd, x_bases, b, part))
+    sums = group.sums([acc[r][c] for r in range(ROWS) for c in range(COLS)])
+    store_rows(y, sums, group, m, COLS, ADD)
 
 
 @dmmv_q8.reference

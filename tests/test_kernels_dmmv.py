@@ -84,8 +84,8 @@ def abs_dot(w_bytes, qtype, rows, k, x):
 @pytest.mark.parametrize("qtype", QTYPES)
 @settings(max_examples=20)
 @given(m=st.integers(1, 9), nb=st.integers(0, 5), shape=st.integers(0, len(SHAPES) - 1), add=st.booleans(),
-       quantizer=st.booleans(), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
-def test_dmmv(backend, request, qtype, m, nb, shape, add, quantizer, sg_pick, seed):
+       quantizer=st.booleans(), sg_pick=st.integers(0, 3), nsub=st.sampled_from([1, 2, 4]), seed=st.integers(0, 99))
+def test_dmmv(backend, request, qtype, m, nb, shape, add, quantizer, sg_pick, nsub, seed):
     rng = np.random.default_rng(seed)
     cols, rows = SHAPES[pick(backend, qtype, shape, len(SHAPES))]
     add = bool(pick(backend, qtype, add, 2))
@@ -93,8 +93,10 @@ def test_dmmv(backend, request, qtype, m, nb, shape, add, quantizer, sg_pick, se
     w = weights(rng, qtype, m, k, quantizer)
     x = rng.standard_normal(cols * k).astype(np.float32)
     y0 = rng.standard_normal(cols * m).astype(np.float32)
-    v = dm.dmmv.specialize(QTYPE=qtype, COLS=cols, ROWS=rows, ADD=add, SG=subgroup(backend, request, sg_pick))
-    y = run(v, backend, request, -(-m // rows), w=w, x=x, y=y0, k=k, m=m)["y"]
+    sg = subgroup(backend, request, sg_pick)
+    nsub = nsub if sg % FORMATS[qtype].parts == 0 else 1  # rows per subgroup need whole blocks in one
+    v = dm.dmmv.specialize(QTYPE=qtype, COLS=cols, ROWS=rows, NSUB=nsub, ADD=add, SG=sg)
+    y = run(v, backend, request, -(-m // dm.rows_per_workgroup(v)), w=w, x=x, y=y0, k=k, m=m)["y"]
     assert_within(y, dm.dmmv_ref(w, x, qtype, m, k, y0 if add else None), RTOL * abs_dot(w, qtype, m, k, x) + 1e-6)
 
 

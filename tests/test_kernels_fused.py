@@ -31,15 +31,15 @@ def sg_for(backend, request, pick):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @given(qtype=st.sampled_from(QTYPES), m=st.integers(1, 19), kb=st.integers(1, 3), rows=st.sampled_from([1, 2, 4]),
-       pick=st.integers(0, 1), seed=st.integers(0, 99))
-def test_dmmv_norm(backend, request, qtype, m, kb, rows, pick, seed):
+       nsub=st.sampled_from([1, 2, 4]), pick=st.integers(0, 1), seed=st.integers(0, 99))
+def test_dmmv_norm(backend, request, qtype, m, kb, rows, nsub, pick, seed):
     rng = np.random.default_rng(seed)
     k = 256 * kb
     w = quantized(rng, m, k, qtype)
     x = rng.standard_normal(k).astype(np.float32) * 3
     nw = rng.uniform(0.5, 1.5, k).astype(np.float32)
-    v = D.dmmv_norm.specialize(QTYPE=qtype, ROWS=rows, SG=sg_for(backend, request, pick))
-    y = run(v, backend, request, -(-m // rows), w=w, x=x, norm_w=nw, y=np.full(m, np.nan, np.float32), k=k, m=m,
+    v = D.dmmv_norm.specialize(QTYPE=qtype, ROWS=rows, NSUB=nsub, SG=sg_for(backend, request, pick))
+    y = run(v, backend, request, -(-m // D.rows_per_workgroup(v)), w=w, x=x, norm_w=nw, y=np.full(m, np.nan, np.float32), k=k, m=m,
             eps=1e-6)["y"]
     ref = D.dmmv_norm_ref(w, x, nw, 1e-6, qtype, m, k)
     np.testing.assert_allclose(y, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())
@@ -47,8 +47,8 @@ def test_dmmv_norm(backend, request, qtype, m, kb, rows, pick, seed):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @given(qtype=st.sampled_from(["q4_k", "q8_0"]), K=st.sampled_from([4, 8]), n_expert=st.integers(9, 40),
-       rows=st.sampled_from([1, 2]), seed=st.integers(0, 99))
-def test_moe_gate_up_and_down_all(backend, request, qtype, K, n_expert, rows, seed):
+       rows=st.sampled_from([1, 2]), nsub=st.sampled_from([1, 2, 4]), seed=st.integers(0, 99))
+def test_moe_gate_up_and_down_all(backend, request, qtype, K, n_expert, rows, nsub, seed):
     rng = np.random.default_rng(seed)
     H, Fd = 256, 256
     wg, wu, wd = (quantized(rng, n_expert * Fd, H, qtype) for _ in range(3))
@@ -61,8 +61,8 @@ def test_moe_gate_up_and_down_all(backend, request, qtype, K, n_expert, rows, se
     sg = sg_for(backend, request, seed)
     ids, routed_w = moe_route_ref(router, K)
     ids, routed_w = ids[0], routed_w[0]
-    up = D.moe_gate_up.specialize(QTYPE=qtype, K=K, ROWS=rows, SG=sg)
-    out = run(up, backend, request, (-(-Fd // rows), K + 1), wg=wg, wu=wu, wg_sh=wg_sh, wu_sh=wu_sh, ids=ids,
+    up = D.moe_gate_up.specialize(QTYPE=qtype, K=K, ROWS=rows, NSUB=nsub, SG=sg)
+    out = run(up, backend, request, (-(-Fd // D.rows_per_workgroup(up)), K + 1), wg=wg, wu=wu, wg_sh=wg_sh, wu_sh=wu_sh, ids=ids,
               sh_gate_w=sh_gate_w, x=x, norm_w=nw, weights=np.append(routed_w, np.float32(np.nan)),
               act=np.zeros((K + 1) * Fd, np.float32), k=H, m=Fd, eps=1e-6)
     act_ref, gate_ref = D.moe_gate_up_ref(wg, wu, wg_sh, wu_sh, ids, sh_gate_w, x, nw, 1e-6, qtype, Fd, H)
@@ -70,8 +70,8 @@ def test_moe_gate_up_and_down_all(backend, request, qtype, K, n_expert, rows, se
     np.testing.assert_allclose(out["weights"][K], gate_ref, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(out["act"], act_ref, rtol=5e-4, atol=5e-4 * np.abs(act_ref).max())
     y0 = rng.standard_normal(H).astype(np.float32)
-    down = D.moe_down_all.specialize(QTYPE=qtype, K=K, ROWS=rows, SG=sg)
-    y = run(down, backend, request, -(-H // rows), w=wd, w_sh=wd_sh, ids=ids, weights=out["weights"],
+    down = D.moe_down_all.specialize(QTYPE=qtype, K=K, ROWS=rows, NSUB=nsub, SG=sg)
+    y = run(down, backend, request, -(-H // D.rows_per_workgroup(down)), w=wd, w_sh=wd_sh, ids=ids, weights=out["weights"],
             act=out["act"], y=y0, k=Fd, m=H)["y"]
     ref = D.moe_down_all_ref(wd, wd_sh, ids, out["weights"], out["act"], y0, qtype, H, Fd)
     np.testing.assert_allclose(y, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())

@@ -132,6 +132,12 @@ def synthetic_rows(rng, qtype: str, rows: int, k: int) -> np.ndarray:
     return w.reshape(rows, -1)
 
 
+def _rows_per_workgroup(v) -> int:
+    from zdsl.kernels.dmmv import rows_per_workgroup
+
+    return rows_per_workgroup(v)
+
+
 class Bench:
     def __init__(self, device, warmup: int, repeats: int, warm_s: float, cache_bytes: int, sweep: bool):
         self.device, self.warmup, self.repeats, self.warm_s = device, warmup, repeats, warm_s
@@ -186,7 +192,7 @@ class Bench:
     # -- kernels --------------------------------------------------------------------------------
     def variants(self, case: Case):
         """The variant the tuning database picks for this device, or with --sweep every ROWS and
-        workgroup of 1-4 subgroups."""
+        workgroup of 1-4 subgroups (sharing the rows, or 2 and 4 with rows of their own)."""
         from zdsl.autotune.database import choose
         from zdsl.kernels import dmmv, dmmv_q8
 
@@ -200,9 +206,9 @@ class Bench:
         sg = self.device.info.subgroup_size
         out = []
         for rows in (1, 2, 4):
-            for wg in (0, 2 * sg, 4 * sg):
+            for wg, nsub in ((0, 1), (2 * sg, 1), (4 * sg, 1), (0, 2), (0, 4)):
                 try:
-                    v = kernel.specialize(**fixed, ROWS=rows, WG=wg, SG=sg)
+                    v = kernel.specialize(**fixed, ROWS=rows, WG=wg, NSUB=nsub, SG=sg)
                     v.ir
                 except ZdslError:
                     continue  # a workgroup that is not whole blocks
@@ -223,7 +229,8 @@ class Bench:
                 best = (us, v)
         self.free()
         us, v = best
-        params = {"ROWS": v.params.get("ROWS", "-"), "WG": v.ir.workgroup[0], "SG": v.params["SG"]}
+        params = {"ROWS": v.params.get("ROWS", "-"), "NSUB": v.params.get("NSUB", "-"), "WG": v.ir.workgroup[0],
+                  "SG": v.params["SG"]}
         gbps = nbytes / us / 1e3
         return Result(case.kernel, case.label, params, us, nbytes, gbps, 100 * gbps / copy_gbps)
 
@@ -237,7 +244,7 @@ class Bench:
         y = self.zeros(4 * case.m, "y")
 
         def record(v, seq, i):
-            v.dispatch(seq, -(-case.m // v.params["ROWS"]), w=w[i % len(w)], x=x, y=y, k=case.k, m=case.m)
+            v.dispatch(seq, -(-case.m // _rows_per_workgroup(v)), w=w[i % len(w)], x=x, y=y, k=case.k, m=case.m)
         return record, case.m * rb + 4 * case.k + 4 * case.m
 
     def _dmmv_q8(self, case, rb):
@@ -247,7 +254,7 @@ class Bench:
         y = self.zeros(4 * case.m, "y")
 
         def record(v, seq, i):
-            v.dispatch(seq, -(-case.m // v.params["ROWS"]), w=w[i % len(w)], xq=xq, xd=xd, y=y, k=case.k, m=case.m)
+            v.dispatch(seq, -(-case.m // _rows_per_workgroup(v)), w=w[i % len(w)], xq=xq, xd=xd, y=y, k=case.k, m=case.m)
         return record, case.m * rb + case.k + case.k // 4 + 4 * case.m
 
     def _quantize_q8_1(self, case, rb):
@@ -277,7 +284,7 @@ class Bench:
         act = self.zeros(4 * case.slots * case.m, "act")
 
         def record(v, seq, i):
-            v.dispatch(seq, (-(-case.m // v.params["ROWS"]), case.slots), wg=wg, wu=wu, ids=ids[i], x=x, act=act,
+            v.dispatch(seq, (-(-case.m // _rows_per_workgroup(v)), case.slots), wg=wg, wu=wu, ids=ids[i], x=x, act=act,
                        k=case.k, m=case.m)
         return record, 2 * case.slots * case.m * rb + 4 * case.k + 4 * case.slots + 4 * case.slots * case.m
 
@@ -289,7 +296,7 @@ class Bench:
         y = self.zeros(4 * case.m, "y")
 
         def record(v, seq, i):
-            v.dispatch(seq, -(-case.m // v.params["ROWS"]), w=w, ids=ids[i], weights=weights, act=act, y=y,
+            v.dispatch(seq, -(-case.m // _rows_per_workgroup(v)), w=w, ids=ids[i], weights=weights, act=act, y=y,
                        k=case.k, m=case.m, slots=case.slots)
         return record, case.slots * (case.m * rb + 4 * case.k + 8) + 8 * case.m  # y read and written (ADD)
 

@@ -147,7 +147,7 @@ class DecodeGraph:
     def _matvec(self, seq, tensor: str, x, y, add: bool = False) -> None:
         m, k = self.model.shape(tensor)[-2:]
         v = choose(dmmv.dmmv, self.info, {"QTYPE": self._qname(tensor), "k": k, "m": m}, QTYPE=self._qname(tensor), ADD=add)
-        v.dispatch(seq, cdiv(m, v.params["ROWS"]), label=tensor.removesuffix(".weight"), w=self.weights[tensor],
+        v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=tensor.removesuffix(".weight"), w=self.weights[tensor],
                    x=x, y=y, k=k, m=m)
 
     def _record(self, from_host: bool, timestamps: bool = False):
@@ -180,7 +180,7 @@ class DecodeGraph:
         m, k = self.model.shape(tensor)[-2:]
         q = self._qname(tensor)
         v = choose(dmmv.dmmv_norm, self.info, {"QTYPE": q, "k": k, "m": m}, QTYPE=q)
-        v.dispatch(seq, cdiv(m, v.params["ROWS"]), label=tensor.removesuffix(".weight"), w=self.weights[tensor],
+        v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=tensor.removesuffix(".weight"), w=self.weights[tensor],
                    x=self.buf.x, norm_w=self.weights[norm], y=y, k=k, m=m, eps=self.hp.eps)
 
     def _norm(self, seq, x, weight: str, out) -> None:
@@ -231,7 +231,7 @@ class DecodeGraph:
         if self._qname(up) != q:
             raise ZdslError(f"{gate} and {up} have different types; zdsl's fused gate·up needs one type")
         v = choose(dmmv.ffn_gate_up, self.info, {"QTYPE": q, "k": k, "m": m}, QTYPE=q, EXPERTS=ids is not None)
-        v.dispatch(seq, (cdiv(m, v.params["ROWS"]), slots), label=gate.removesuffix(".weight") + "+up",
+        v.dispatch(seq, (cdiv(m, dmmv.rows_per_workgroup(v)), slots), label=gate.removesuffix(".weight") + "+up",
                    wg=self.weights[gate], wu=self.weights[up],
                    ids=ids if ids is not None else self.step, x=x, act=act, k=k, m=m)
 
@@ -239,7 +239,7 @@ class DecodeGraph:
         m, k = self.model.shape(tensor)[-2:]
         q = self._qname(tensor)
         v = choose(dmmv.moe_down, self.info, {"QTYPE": q, "k": k, "m": m}, QTYPE=q, ADD=True)
-        v.dispatch(seq, cdiv(m, v.params["ROWS"]), label=tensor.removesuffix(".weight"), w=self.weights[tensor],
+        v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=tensor.removesuffix(".weight"), w=self.weights[tensor],
                    ids=ids, weights=weights, act=act,
                    y=self.buf.x, k=k, m=m, slots=slots)
 
@@ -260,7 +260,7 @@ class DecodeGraph:
                 raise ZdslError(f"{p}{t} differs in type or shape from {p}ffn_gate_exps; zdsl's fused MoE needs "
                                 "one type and one width for the routed and shared gate/up projections")
         up = choose(dmmv.moe_gate_up, self.info, {"QTYPE": q, "k": k, "m": m, "K": K}, QTYPE=q, K=K)
-        up.dispatch(seq, (cdiv(m, up.params["ROWS"]), K + 1), label=p + "ffn_gate_up_exps+shexp",
+        up.dispatch(seq, (cdiv(m, dmmv.rows_per_workgroup(up)), K + 1), label=p + "ffn_gate_up_exps+shexp",
                     wg=self.weights[p + "ffn_gate_exps.weight"], wu=self.weights[p + "ffn_up_exps.weight"],
                     wg_sh=self.weights[p + "ffn_gate_shexp.weight"], wu_sh=self.weights[p + "ffn_up_shexp.weight"],
                     ids=self.route_ids, sh_gate_w=self.weights[p + "ffn_gate_inp_shexp.weight"], x=b.x,
@@ -275,7 +275,7 @@ class DecodeGraph:
             return
         down = choose(dmmv.moe_down_all, self.info, {"QTYPE": qd, "QTYPE_SH": qs, "k": kd, "m": md, "K": K},
                       QTYPE=qd, QTYPE_SH="" if qs == qd else qs, K=K)
-        down.dispatch(seq, cdiv(md, down.params["ROWS"]), label=p + "ffn_down_exps+shexp",
+        down.dispatch(seq, cdiv(md, dmmv.rows_per_workgroup(down)), label=p + "ffn_down_exps+shexp",
                       w=self.weights[p + "ffn_down_exps.weight"], w_sh=self.weights[p + "ffn_down_shexp.weight"],
                       ids=self.route_ids, weights=self.route_w, act=self.act, y=b.x, k=kd, m=md)
 
