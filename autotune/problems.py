@@ -305,32 +305,25 @@ def _attn_combine(use, rng, check):
     return Case(_one(use, lambda v: nh), a, dict(nsplit=nsplit, min_chunk=min_chunk), moved, expect if check else None)
 
 
-def _deltanet_conv(use, rng, check):
-    C, KC = use.shape["channels"], use.fixed["KC"]
-    a = dict(mix=_normal(rng, C), w=_normal(rng, C * KC, 0.5), state=_normal(rng, (KC - 1) * C),
-             out=np.zeros(C, np.float32))
-    s0 = a["state"].copy()
-
-    def expect(p):
-        out, state = deltanet.deltanet_conv_ref(a["mix"], a["w"].reshape(C, KC), s0.reshape(KC - 1, C))
-        return {"out": (out, 1e-5), "state": (state, 0)}
-    return Case(_one(use, lambda v: cdiv(C, v.params["WG"])), a, dict(channels=C), _total(a) + s0.nbytes,
-                expect if check else None)
-
-
 def _deltanet_step(use, rng, check):
-    D, Hk, Hv = use.fixed["D"], use.sizes["k_heads"], use.sizes["v_heads"]
+    D, KC, Hk, Hv = use.fixed["D"], use.fixed["KC"], use.sizes["k_heads"], use.sizes["v_heads"]
     eps = use.sizes["eps"]
-    a = dict(conv=_normal(rng, (2 * Hk + Hv) * D), z=_normal(rng, Hv * D, 2.0), b=_normal(rng, Hv, 2.0),
+    C = (2 * Hk + Hv) * D
+    pos = 1001  # the taps read a wrapped ring
+    a = dict(mix=_normal(rng, C), conv_w=_normal(rng, C * KC, 0.5), conv_state=_normal(rng, KC * C),
+             step=_step_words(pos, pos + 1), z=_normal(rng, Hv * D, 2.0), b=_normal(rng, Hv, 2.0),
              a=_normal(rng, Hv, 2.0), ssm_a=-np.exp(rng.standard_normal(Hv)).astype(np.float32),
              dt_bias=_normal(rng, Hv), norm_w=_normal(rng, D), state=_normal(rng, Hv * D * D, 0.5),
              out=np.zeros(Hv * D, np.float32))
-    s0 = a["state"].copy()
+    s0, ring0 = a["state"].copy(), a["conv_state"].copy()
 
     def expect(p):
-        inputs = {n: a[n] for n in ("conv", "z", "b", "a", "ssm_a", "dt_bias", "norm_w")}
-        out, state = deltanet.deltanet_step_ref(**inputs, state=s0.reshape(Hv, D, D), n_k_heads=Hk, eps=eps)
-        return {"out": (out, 1e-4), "state": (state, 1e-5)}
+        inputs = {n: a[n] for n in ("mix", "z", "b", "a", "ssm_a", "dt_bias", "norm_w")}
+        out, state, ring = deltanet.deltanet_step_ref(**inputs, conv_w=a["conv_w"].reshape(C, KC),
+                                                      conv_state=ring0.reshape(KC, C), pos=pos,
+                                                      state=s0.reshape(Hv, D, D), n_k_heads=Hk, eps=eps)
+        return {"out": (out, 1e-4), "state": (state, 1e-5), "conv_state": (ring, 0)}
+    # every buffer once (the ring: KC − 1 slots read, one written), and the state written back
     return Case(_one(use, lambda v: Hv), a, dict(n_k_heads=Hk, eps=eps), _total(a) + s0.nbytes,
                 expect if check else None, lambda n: {"state": _copies(a["state"], n)})
 
@@ -374,6 +367,6 @@ def _sampling(use, rng, check):
 BUILDERS = {
     "dmmv": _dmmv, "dmmv_norm": _dmmv_norm, "ffn_gate_up": _ffn_gate_up, "moe_down": _moe_down,
     "moe_route": _moe_route, "moe_gate_up": _moe_gate_up, "moe_down_all": _moe_down_all, "rms_norm": _rms_norm, "attn_prep": _attn_prep,
-    "attn_decode": _attn_decode, "attn_combine": _attn_combine, "deltanet_conv": _deltanet_conv,
-    "deltanet_step": _deltanet_step, "sample_candidates": _sampling,
+    "attn_decode": _attn_decode, "attn_combine": _attn_combine, "deltanet_step": _deltanet_step,
+    "sample_candidates": _sampling,
 }

@@ -118,9 +118,8 @@ def decode_uses(model: Tensors, n_ctx: int = 4096, caps: tuple[int, ...] = (1,))
         else:
             for name in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"):
                 normed_matvec(p + name + ".weight")
-            add(deltanet.deltanet_conv, {"channels": hp.conv_channels}, {"KC": hp.conv_kernel}, {}, p + "ssm_conv")
-            add(deltanet.deltanet_step, {"D": hp.ssm_head_dim}, {"D": hp.ssm_head_dim},
-                dict(k_heads=hp.ssm_k_heads, v_heads=hp.ssm_v_heads, eps=hp.eps), p + "ssm_step")
+            add(deltanet.deltanet_step, {"D": hp.ssm_head_dim}, {"D": hp.ssm_head_dim, "KC": hp.conv_kernel},
+                dict(k_heads=hp.ssm_k_heads, v_heads=hp.ssm_v_heads, eps=hp.eps), p + "ssm_conv+step")
             matvec(p + "ssm_out.weight")
         if hp.moe:
             _moe(model, p, add, normed_matvec)

@@ -1,18 +1,20 @@
 """Gated delta-net layers at decode time (one new token), after the model doc's DELTANET section.
 
-Two dispatches per layer, between the input projections and the output projection:
-
-- `deltanet_conv`: the causal depthwise conv over the last 4 inputs of every q|k|v channel, silu,
-  and the shift of the conv state.
-- `deltanet_step`: per value head, L2-normalised q and k, the gated delta rule on the f32 state,
-  the read-out o and the gated RMSNorm of o, fused: the state (64 KiB per head at d = 128) is read
-  once and written once, and o never leaves the workgroup.
+One dispatch per layer, between the input projections and the output projection: `deltanet_step`,
+per value head, the causal depthwise conv (+ silu) of the q, k and v channels it reads, L2-normalised
+q and k, the gated delta rule on the f32 state, the read-out o and the gated RMSNorm of o, fused:
+the state (64 KiB per head at d = 128) is read once and written once, and neither the conv output
+nor o leaves the workgroup.
 
 Layouts (all f32):
 
-- conv weight `ssm_conv1d.weight` as stored ({4, C} in GGUF order): [channel][tap], tap 3 the
+- conv weight `ssm_conv1d.weight` as stored ({4, C} in GGUF order): [channel][tap], tap KC − 1 the
   current token.
-- conv state: [tap][channel], (KC − 1) × C; row 0 the oldest input.
+- conv state: a ring of KC slots of C channels, [slot][channel]: the input (`mix`) of position p is
+  stored in slot p % KC, so the taps of position p read slots (p − KC + 1) % KC … (p − 1) % KC and
+  nobody reads the slot being written. Workgroups that share a key head read the same q and k
+  channels, so an in-place shift would race; the ring never moves a value. It is zeroed with the
+  sequence (inputs before position 0 are zeros), and the position advances by one per step.
 - delta state: [value head][i = key dim][j = value dim], row-major (j contiguous).
 """
 
@@ -30,44 +32,23 @@ from zdsl.kernels.dmmv import workgroup_sums
 SUBGROUPS = [8, 16, 32, 64]
 
 
-@zdsl.kernel(workgroup="WG", variants={"WG": [64, 256]})
-def deltanet_conv(mix: Buffer[f32], w: Buffer[f32], state: Buffer[f32], out: Buffer[f32], channels: u32,
-                  KC: Const = 4, WG: Const = 256):
-    """out[c] = silu(Σ_k w[c, k] · hist_c[k]) with hist_c = (state[0, c], …, state[KC−2, c], mix[c]);
-    then state[k, c] = hist_c[k + 1]. One invocation per channel (no subgroup operations).
-    Grid: ceil(channels / WG)."""
-    c = zdsl.global_id()
-    with zdsl.if_(c < channels):
-        hist = [state[k * channels + c] for k in range(KC - 1)] + [mix[c]]
-        acc = w[c * KC] * hist[0]
-        for k in range(1, KC):
-            acc = zdsl.fma(w[c * KC + k], hist[k], acc)
-        out[c] = zdsl.silu(acc)
-        for k in range(KC - 1):
-            state[k * channels + c] = hist[k + 1]
-
-
-@deltanet_conv.reference
-def deltanet_conv_ref(mix, w, state):
-    """mix: (C,); w: (C, KC); state: (KC − 1, C). Returns (out, new state)."""
-    hist = np.concatenate([np.asarray(state, np.float64), np.asarray(mix, np.float64)[None]], axis=0)
-    pre = (hist * np.asarray(w, np.float64).T).sum(axis=0)
-    return (pre / (1 + np.exp(-pre))).astype(np.float32), hist[1:].astype(np.float32)
-
-
 def _step_fits(v) -> bool:
     quads = v.D // 4  # invocations per state row, four value columns each
     return v.D % 4 == 0 and v.WG % quads == 0 and v.D % (v.WG // quads) == 0 and v.WG % v.SG == 0
 
 
 @zdsl.kernel(workgroup="WG", subgroup="SG", variants={"D": [128], "WG": [256, 512], "SG": SUBGROUPS}, where=_step_fits)
-def deltanet_step(conv: Buffer[f32], z: Buffer[f32], b: Buffer[f32], a: Buffer[f32], ssm_a: Buffer[f32],
-                  dt_bias: Buffer[f32], norm_w: Buffer[f32], state: Buffer[f32], out: Buffer[f32],
-                  n_k_heads: u32, eps: f32, D: Const = 128, WG: Const = 256, SG: Const = 32):
-    """Value head h = workgroup_id, key head kh = h % n_k_heads; conv = [q (n_k_heads × D) |
-    k (n_k_heads × D) | v (heads × D)] after deltanet_conv; b, a: the head's raw beta and alpha
-    projections. With q, k L2-normalised (eps), β = sigmoid(b_h), g = ssm_a_h · softplus(a_h +
-    dt_bias_h), S the head's D × D state:
+def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32], step: Buffer[u32], z: Buffer[f32],
+                  b: Buffer[f32], a: Buffer[f32], ssm_a: Buffer[f32], dt_bias: Buffer[f32], norm_w: Buffer[f32],
+                  state: Buffer[f32], out: Buffer[f32], n_k_heads: u32, eps: f32,
+                  D: Const = 128, KC: Const = 4, WG: Const = 256, SG: Const = 32):
+    """Value head h = workgroup_id, key head kh = h % n_k_heads, position p = step[0]; mix = the
+    raw [q (n_k_heads × D) | k (n_k_heads × D) | v (heads × D)] projection, C channels. The
+    workgroup first convolves the channels it reads (q and k of kh, v of h): conv_c =
+    silu(Σ_k conv_w[c, k] · x_c(p − KC + 1 + k)), the past inputs from the ring `conv_state`
+    (module doc), and stores mix_c in slot p % KC (q and k by workgroup kh only, so each value
+    has one writer). b, a: the head's raw beta and alpha projections. With q, k L2-normalised
+    (eps), β = sigmoid(b_h), g = ssm_a_h · softplus(a_h + dt_bias_h), S the head's D × D state:
         S ← e^g S;  u = Sᵀk;  S ← S + k (β (v − u))ᵀ;  o = Sᵀq / √D
     computed in one pass as o = (e^g S_oldᵀq + (k·q) δ) / √D with δ = β (v − e^g S_oldᵀk), then
     out_h = rmsnorm(o) · norm_w · silu(z_h). Invocation (row part p, column quad c) keeps rows
@@ -79,20 +60,38 @@ def deltanet_step(conv: Buffer[f32], z: Buffer[f32], b: Buffer[f32], a: Buffer[f
     RP = WG // quads
     h = zdsl.workgroup_id()
     kh = h % n_k_heads
+    C = (2 * n_k_heads + zdsl.num_workgroups()) * D
     t = zdsl.local_index()
     c, part = t % quads, t // quads
     rows = [part + RP * r for r in range(D // RP)]
-    # every load first: the state's are in flight while q and k are normalised
+    # every load first: the state's are in flight while the conv runs and q and k are normalised
     S = [state.vec4[(h * D + i) * quads + c] for i in rows]
-    v = conv.vec4[(2 * n_k_heads * D + h * D) // 4 + c]
     gate = z.vec4[h * quads + c]
     decay = zdsl.exp(ssm_a[h] * zdsl.softplus(a[h] + dt_bias[h]))
     beta = zdsl.sigmoid(b[h])
+    now = step[0] % KC
+    past = [(now + 1 + k) % KC for k in range(KC - 1)]  # ring slot of tap k's input, oldest first
+    owner = h < n_k_heads  # the one workgroup of key head kh that stores its q and k inputs
 
-    qs, ks = zdsl.shared(f32, D), zdsl.shared(f32, D)
+    def conv(ch, write=None):
+        """silu of channel ch's causal conv; stores its input in the ring (where `write`)."""
+        x = mix[ch]
+        acc = conv_w[ch * KC + KC - 1] * x
+        for k in range(KC - 1):
+            acc = zdsl.fma(conv_w[ch * KC + k], conv_state[past[k] * C + ch], acc)
+        if write is None:
+            conv_state[now * C + ch] = x
+        else:
+            with zdsl.if_(write):
+                conv_state[now * C + ch] = x
+        return zdsl.silu(acc)
+
+    qs, ks, vs = zdsl.shared(f32, D), zdsl.shared(f32, D), zdsl.shared(f32, D)
     qq, kk, qk = zdsl.var(0.0), zdsl.var(0.0), zdsl.var(0.0)
     for i in zdsl.range(t, D, WG):
-        qi, ki = conv[kh * D + i], conv[(n_k_heads + kh) * D + i]
+        qi = conv(kh * D + i, owner)
+        ki = conv((n_k_heads + kh) * D + i, owner)
+        vs[i] = conv((2 * n_k_heads + h) * D + i)
         qs[i], ks[i] = qi, ki
         qq.set(zdsl.fma(qi, qi, qq))
         kk.set(zdsl.fma(ki, ki, kk))
@@ -100,6 +99,7 @@ def deltanet_step(conv: Buffer[f32], z: Buffer[f32], b: Buffer[f32], a: Buffer[f
     zdsl.barrier()
     qq_all, kk_all, qk_all = workgroup_sums([qq, kk, qk], WG, SG)
     rq, rk = zdsl.rsqrt(qq_all + eps), zdsl.rsqrt(kk_all + eps)
+    v = zdsl.vec(*[vs[4 * c + e] for e in range(4)])
 
     k_rows = [ks[i] * rk for i in rows]
     u = S[0] * k_rows[0]
@@ -131,13 +131,21 @@ def deltanet_step(conv: Buffer[f32], z: Buffer[f32], b: Buffer[f32], a: Buffer[f
 
 
 @deltanet_step.reference
-def deltanet_step_ref(conv, z, b, a, ssm_a, dt_bias, norm_w, state, n_k_heads, eps):
-    """Straight from the model doc, in float64. conv: (C,) after deltanet_conv; z: (Hv·D,);
-    b, a, ssm_a, dt_bias: (Hv,); norm_w: (D,); state: (Hv, D, D). Returns (out (Hv·D,), new state)."""
+def deltanet_step_ref(mix, conv_w, conv_state, pos, z, b, a, ssm_a, dt_bias, norm_w, state, n_k_heads, eps):
+    """Straight from the model doc, in float64. mix: (C,) the raw q|k|v projection; conv_w: (C, KC);
+    conv_state: (KC, C), the ring (module doc: slot s holds the input of the last position ≡ s mod
+    KC); pos: the position; z: (Hv·D,); b, a, ssm_a, dt_bias: (Hv,); norm_w: (D,); state:
+    (Hv, D, D). Returns (out (Hv·D,), new delta state, new conv state)."""
     f = lambda x: np.asarray(x, np.float64)  # noqa: E731
     Hv, D = state.shape[0], state.shape[1]
     Hk = n_k_heads
-    conv = f(conv)
+    KC = conv_state.shape[0]
+    # the inputs of positions pos − KC + 1 … pos, oldest first; tap KC − 1 is the current token
+    hist = [f(conv_state[(pos - KC + 1 + k) % KC]) for k in range(KC - 1)] + [f(mix)]
+    pre = sum(f(conv_w)[:, k] * hist[k] for k in range(KC))
+    conv = pre / (1 + np.exp(-pre))
+    ring = np.array(conv_state, np.float32, copy=True)
+    ring[pos % KC] = mix
     q = conv[:Hk * D].reshape(Hk, D)
     k = conv[Hk * D:2 * Hk * D].reshape(Hk, D)
     v = conv[2 * Hk * D:].reshape(Hv, D)
@@ -155,4 +163,4 @@ def deltanet_step_ref(conv, z, b, a, ssm_a, dt_bias, norm_w, state, n_k_heads, e
         S[h] += np.outer(k[kh], beta[h] * (v[h] - u))
         o = S[h].T @ q[kh] / np.sqrt(D)
         out[h] = o / np.sqrt(np.mean(o * o) + eps) * f(norm_w) * z[h] / (1 + np.exp(-z[h]))
-    return out.reshape(-1).astype(np.float32), S.astype(np.float32)
+    return out.reshape(-1).astype(np.float32), S.astype(np.float32), ring

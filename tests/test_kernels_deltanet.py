@@ -1,7 +1,9 @@
-"""Delta-net decode kernels against numpy (float64) in the interpreter (every subgroup size) and on
-lavapipe (its own): the conv and its state shift for any channel count, the fused step over
-random shapes, thread layouts and states, the model's shape, and several tokens in a row against
-the model reference's `deltanet_recurrent`. Tolerances: f32 to ~1e-5 relative."""
+"""The fused delta-net decode step (conv + silu + ring update, then the gated delta rule and the
+gated norm) against numpy (float64) in the interpreter (every subgroup size) and on lavapipe (its
+own): random shapes, thread layouts, states and positions (the conv ring before, at and after its
+first wrap, and far out), the model's shape, and several tokens in a row from zero states against
+the model reference's conv, `deltanet_recurrent` and gated norm. Tolerances: f32 to ~1e-5 relative;
+the conv ring only moves values, so it must match exactly."""
 
 import numpy as np
 import pytest
@@ -13,6 +15,9 @@ from zdsl.models.qwen35 import reference as model
 
 BACKENDS = ["interp", "lavapipe"]
 EPS = 1e-6
+# before the ring is full (0, 1, 2), its first wrap (3 → slot 3, 5 → slot 1), a long context and
+# the last u32 position (the slot arithmetic must not overflow)
+POSITIONS = [0, 1, 2, 3, 5, 262_141, 2**32 - 1]
 
 
 def run(variant, backend, request, groups, **args):
@@ -25,21 +30,22 @@ def subgroup_sizes(backend, request):
     return [8, 16, 32, 64] if backend == "interp" else [request.getfixturevalue("device").info.subgroup_size]
 
 
-def conv(backend, request, mix, w, state, wg=64):
-    C, KC = w.shape
-    return run(dn.deltanet_conv.specialize(KC=KC, WG=wg), backend, request, -(-C // wg), mix=mix, w=w, state=state,
-               out=np.full(C, np.nan, np.float32), channels=C)
-
-
-def step(backend, request, x, state, n_k_heads, wg, sg):
-    """x: the step's inputs (conv, z, b, a, ssm_a, dt_bias, norm_w)."""
+def step(backend, request, x, state, pos, n_k_heads, wg, sg):
+    """x: the step's inputs (mix, conv_w, conv_state, z, b, a, ssm_a, dt_bias, norm_w)."""
     Hv, D = state.shape[:2]
-    return run(dn.deltanet_step.specialize(D=D, WG=wg, SG=sg), backend, request, Hv, **x, state=state,
-               out=np.full(Hv * D, np.nan, np.float32), n_k_heads=n_k_heads, eps=EPS)
+    KC = x["conv_state"].shape[0]
+    words = np.zeros(8, np.uint32)
+    words[0], words[1] = pos, (pos + 1) % 2**32
+    args = dict(x, conv_w=x["conv_w"].reshape(-1), conv_state=x["conv_state"].reshape(-1))
+    return run(dn.deltanet_step.specialize(D=D, KC=KC, WG=wg, SG=sg), backend, request, Hv, **args, step=words,
+               state=state, out=np.full(Hv * D, np.nan, np.float32), n_k_heads=n_k_heads, eps=EPS)
 
 
-def step_inputs(rng, Hk, Hv, D, conv_scale=1.0):
-    return dict(conv=(rng.standard_normal((2 * Hk + Hv) * D) * conv_scale).astype(np.float32),
+def step_inputs(rng, Hk, Hv, D, KC=4, mix_scale=1.0):
+    C = (2 * Hk + Hv) * D
+    return dict(mix=(rng.standard_normal(C) * mix_scale).astype(np.float32),
+                conv_w=(rng.standard_normal((C, KC)) * 0.7).astype(np.float32),
+                conv_state=(rng.standard_normal((KC, C)) * mix_scale).astype(np.float32),
                 z=(rng.standard_normal(Hv * D) * 2).astype(np.float32),
                 b=(rng.standard_normal(Hv) * 2).astype(np.float32),
                 a=(rng.standard_normal(Hv) * 2).astype(np.float32),
@@ -48,17 +54,12 @@ def step_inputs(rng, Hk, Hv, D, conv_scale=1.0):
                 norm_w=rng.standard_normal(D, dtype=np.float32))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@given(channels=st.integers(1, 3000), kc=st.integers(2, 5), wg=st.sampled_from([64, 256]), seed=st.integers(0, 99))
-def test_conv(backend, request, channels, kc, wg, seed):
-    rng = np.random.default_rng(seed)
-    mix = (rng.standard_normal(channels) * 3).astype(np.float32)
-    w = rng.standard_normal((channels, kc), dtype=np.float32)
-    state = (rng.standard_normal((kc - 1, channels)) * 3).astype(np.float32)
-    out = conv(backend, request, mix, w, state, wg)
-    want, want_state = dn.deltanet_conv_ref(mix, w, state)
-    np.testing.assert_allclose(out["out"], want, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(out["state"], want_state)  # the shift moves values, exactly
+def check(got, x, state, pos, Hk):
+    Hv, D = state.shape[:2]
+    want, want_state, want_ring = dn.deltanet_step_ref(**x, pos=pos, state=state, n_k_heads=Hk, eps=EPS)
+    np.testing.assert_array_equal(got["conv_state"].reshape(want_ring.shape), want_ring)
+    np.testing.assert_allclose(got["state"].reshape(Hv, D, D), want_state, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got["out"], want, rtol=2e-5, atol=2e-5)
 
 
 # (D, WG) layouts for lavapipe, whose LLVM takes seconds per new pipeline: one and several rows
@@ -69,9 +70,11 @@ LAVAPIPE_LAYOUTS = [(8, 16), (16, 32), (24, 48), (32, 64)]
 @pytest.mark.parametrize("backend", BACKENDS)
 @given(hk=st.integers(1, 3), ratio=st.integers(1, 3), d=st.sampled_from([8, 16, 24, 32, 64]),
        rp_log=st.integers(0, 6), sg_pick=st.integers(0, 3), layout=st.sampled_from(LAVAPIPE_LAYOUTS),
-       state_scale=st.sampled_from([0.0, 0.1, 3.0]), conv_scale=st.sampled_from([1e-3, 1.0]), seed=st.integers(0, 99))
-def test_step(backend, request, hk, ratio, d, rp_log, sg_pick, layout, state_scale, conv_scale, seed):
-    """Value head h reads key head h % n_k_heads; any split of the rows over row parts (RP)."""
+       kc=st.integers(1, 5), pos=st.sampled_from(POSITIONS),
+       state_scale=st.sampled_from([0.0, 0.1, 3.0]), mix_scale=st.sampled_from([1e-3, 1.0]), seed=st.integers(0, 99))
+def test_step(backend, request, hk, ratio, d, rp_log, sg_pick, layout, kc, pos, state_scale, mix_scale, seed):
+    """Value head h reads key head h % n_k_heads; any split of the rows over row parts (RP); any
+    number of conv taps (lavapipe: the model's 4) at any position."""
     sizes = subgroup_sizes(backend, request)
     sg = sizes[sg_pick % len(sizes)]
     if backend == "interp":
@@ -79,15 +82,26 @@ def test_step(backend, request, hk, ratio, d, rp_log, sg_pick, layout, state_sca
         wg = d // 4 * rp
         assume(d % rp == 0 and wg % sg == 0 and wg <= 1024)
     else:
-        d, wg = layout
+        (d, wg), kc = layout, 4
     rng = np.random.default_rng(seed)
     hv = hk * ratio
-    x = step_inputs(rng, hk, hv, d, conv_scale)
+    x = step_inputs(rng, hk, hv, d, kc, mix_scale)
     state = (rng.standard_normal((hv, d, d)) * state_scale).astype(np.float32)
-    out = step(backend, request, x, state, hk, wg, sg)
-    want, want_state = dn.deltanet_step_ref(**x, state=state, n_k_heads=hk, eps=EPS)
-    np.testing.assert_allclose(out["state"].reshape(hv, d, d), want_state, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(out["out"], want, rtol=2e-5, atol=2e-5)
+    check(step(backend, request, x, state, pos, hk, wg, sg), x, state, pos, hk)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("pos", POSITIONS)
+def test_positions_odd_heads(backend, request, pos):
+    """Every listed position with odd head counts (3 key heads, 9 value heads: three workgroups
+    read each key head's q and k, one stores them); the slot being written holds stale values,
+    which no tap may read."""
+    rng = np.random.default_rng(pos % 1000)
+    hk, hv, d, wg = 3, 9, 16, 32
+    x = step_inputs(rng, hk, hv, d)
+    state = (rng.standard_normal((hv, d, d)) * 0.5).astype(np.float32)
+    sg = [s for s in subgroup_sizes(backend, request) if wg % s == 0][-1]
+    check(step(backend, request, x, state, pos, hk, wg, sg), x, state, pos, hk)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -96,35 +110,31 @@ def test_model_shape(backend, request):
     rng = np.random.default_rng(4)
     x = step_inputs(rng, 16, 32, 128)
     state = (rng.standard_normal((32, 128, 128)) * 0.5).astype(np.float32)
-    want, want_state = dn.deltanet_step_ref(**x, state=state, n_k_heads=16, eps=EPS)
     for v in dn.deltanet_step.space(tuple(subgroup_sizes(backend, request))):
         if backend == "interp" and v["SG"] in (8, 16):
             continue  # the layouts differ only in the subgroup reduction: 32 and 64 cover it
-        out = step(backend, request, x, state, 16, v["WG"], v["SG"])
-        np.testing.assert_allclose(out["state"].reshape(32, 128, 128), want_state, rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(out["out"], want, rtol=2e-5, atol=2e-5)
+        check(step(backend, request, x, state, 7, 16, v["WG"], v["SG"]), x, state, 7, 16)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_several_tokens(backend, request):
-    """conv → step for T tokens from a zero state, conv and delta states carried, against the
-    model reference (conv, l2norm, deltanet_recurrent, gated rmsnorm) run token by token."""
+    """The step for T tokens from zero conv and delta states (positions 0 .. T − 1: the ring
+    fills, then wraps), both states carried, against the model reference (conv over the last 4
+    inputs with zeros before the first, l2norm, deltanet_recurrent, gated rmsnorm) token by token."""
     rng = np.random.default_rng(9)
-    Hk, Hv, D, T = 2, 4, 16, 7
+    Hk, Hv, D, T = 3, 6, 16, 9
     C = (2 * Hk + Hv) * D
     sg = subgroup_sizes(backend, request)[-1]
-    taps = (rng.standard_normal((C, 4)) * 0.7).astype(np.float32)
     x = step_inputs(rng, Hk, Hv, D)
-    conv_state, state = np.zeros((3, C), np.float32), np.zeros((Hv, D, D), np.float32)
-    ref_hist, ref_S = np.zeros((3, C), np.float32), np.zeros((Hv, D, D), np.float32)
-    for _ in range(T):
+    taps = x["conv_w"]
+    ring, state = np.zeros((4, C), np.float32), np.zeros((Hv, D, D), np.float32)
+    ref_hist, ref_S = np.zeros((3, C), np.float64), np.zeros((Hv, D, D), np.float64)
+    for pos in range(T):
         mix = rng.standard_normal(C, dtype=np.float32)
         z, b, a = rng.standard_normal(Hv * D, dtype=np.float32), rng.standard_normal(Hv, dtype=np.float32), \
             rng.standard_normal(Hv, dtype=np.float32)
-        c = conv(backend, request, mix, taps, conv_state)
-        conv_state = c["state"]
-        s = step(backend, request, dict(x, conv=c["out"], z=z, b=b, a=a), state, Hk, 64, sg)
-        state = s["state"]
+        s = step(backend, request, dict(x, mix=mix, conv_state=ring, z=z, b=b, a=a), state, pos, Hk, 64, sg)
+        ring, state = s["conv_state"].reshape(4, C), s["state"].reshape(Hv, D, D)
 
         hist = np.concatenate([ref_hist, mix[None]])
         mixed = model.silu((hist * taps.T).sum(axis=0))
@@ -136,6 +146,5 @@ def test_several_tokens(backend, request):
         o = model.deltanet_recurrent(np.tile(q, (Hv // Hk, 1))[None], np.tile(k, (Hv // Hk, 1))[None], v[None],
                                      g[None], model.sigmoid(b)[None], ref_S)[0]
         expect = model.rmsnorm(o, x["norm_w"], EPS) * model.silu(z.reshape(Hv, D))
-        np.testing.assert_allclose(c["out"], mixed, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(state, ref_S, rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(s["out"].reshape(Hv, D), expect, rtol=1e-4, atol=1e-5)

@@ -38,7 +38,7 @@ def test_tiny_by_hand(plan):
     assert plan.kv_bytes_per_token == {"f16": 1 * 2 * 256 * 2 * 2, "q8_0": 1 * 2 * 256 * 2 * 34 // 32,
                                        "q4_0/q8_0": 2 * 256 * (18 + 34) // 32}
     assert plan.ssm_state_bytes == 3 * 4 * 128 * 128 * 4
-    assert plan.conv_state_bytes == 3 * 3 * 1024 * 4
+    assert plan.conv_state_bytes == 3 * 4 * 1024 * 4                  # a ring of 4 slots for the 3 past inputs
 
 
 def test_max_context(plan):
@@ -66,7 +66,7 @@ def test_35b_a3b_figures_from_the_model_doc():
     assert p.kv_bytes_per_token["f16"] == 20 * 1024                       # 20 KiB per token at f16
     assert p.kv_bytes_per_token["q8_0"] == 10880                           # ~10 KiB at 8 bits
     assert p.ssm_state_bytes == 60 * (1 << 20)                             # 60 MiB of delta-net state
-    assert p.conv_state_bytes == 30 * 3 * 8192 * 4
+    assert p.conv_state_bytes == 30 * 4 * 8192 * 4                         # the doc's 3 past inputs, in a ring of 4
     head = 248320 * 2048 // 256 * 210                                      # Q6_K output head, ~0.4 GB
     assert 0.4e9 < head < 0.45e9 and head < p.read_per_token
     assert 1.7e9 < p.read_per_token < 2.1e9                                # "about 1.9 GB"

@@ -49,7 +49,7 @@ def scratch_bytes(hp, n_ctx: int) -> int:
     K = hp.n_experts_used
     ffn = (K + 1) * hp.expert_ffn + hp.n_experts + 3 * (K + 1) if hp.moe else hp.ffn
     words = (2 * hp.hidden + 4 * hp.vocab + 4 * qd + 2 * kvd + hp.n_heads * splits * (hp.head_dim + 2)
-             + 2 * hp.conv_channels + 2 * hp.ssm_value_dim + 2 * hp.ssm_v_heads + ffn + n_ctx)
+             + hp.conv_channels + 2 * hp.ssm_value_dim + 2 * hp.ssm_v_heads + ffn + n_ctx)
     return 4 * words + SCRATCH_SLACK
 
 
@@ -92,8 +92,10 @@ def bytes_per_token(plan, depth: int, tokens: int) -> dict:
     """Bytes one decoded token moves at `depth`: the `tokens` timed steps at positions depth ..
     depth+tokens-1 read depth+1 .. depth+tokens cache rows, (tokens+1)/2 more than `depth` on average."""
     kv = plan.kv_bytes_per_token["f16"]
+    # the delta rule's state is read and written; of the conv ring, all slots but one are read
+    # and that one is written
     b = {"weights": plan.read_per_token, "kv_read": kv * (depth + (tokens + 1) / 2), "kv_written": kv,
-         "state": 2 * plan.recurrent_state_bytes}
+         "state": 2 * plan.ssm_state_bytes + plan.conv_state_bytes}
     b["total"] = sum(b.values())
     return b
 

@@ -90,13 +90,14 @@ class DecodeGraph:
         self.attn_splits = max(1, min(ATTN_MAX_SPLITS, cdiv(self.n_ctx, ATTN_MIN_CHUNK)))
         self.attn_part = self._f32(hp.n_heads * self.attn_splits * (hp.head_dim + 2), "attn_partials")
         C, vd = hp.conv_channels, hp.ssm_value_dim
-        self.mix, self.conv_out = self._f32(C, "mix"), self._f32(C, "conv_out")
+        self.mix = self._f32(C, "mix")
         self.z, self.dn_out = self._f32(vd, "z"), self._f32(vd, "deltanet_out")
         self.beta, self.alpha = self._f32(hp.ssm_v_heads, "beta"), self._f32(hp.ssm_v_heads, "alpha")
         # per-layer state
         self.kv = {i: (dev.alloc(2 * self.n_ctx * kvd, name=f"k_cache.{i}"), dev.alloc(2 * self.n_ctx * kvd, name=f"v_cache.{i}"))
                    for i in hp.attention_layers}
-        self.conv_state = {i: self._f32((hp.conv_kernel - 1) * C, f"conv_state.{i}") for i in hp.deltanet_layers}
+        # the conv inputs as a ring of conv_kernel slots indexed by position (kernels/deltanet.py)
+        self.conv_state = {i: self._f32(hp.conv_kernel * C, f"conv_state.{i}") for i in hp.deltanet_layers}
         self.ssm_state = {i: self._f32(hp.ssm_v_heads * hp.ssm_head_dim ** 2, f"ssm_state.{i}") for i in hp.deltanet_layers}
         # FFN
         if hp.moe:
@@ -210,18 +211,16 @@ class DecodeGraph:
 
     def _deltanet(self, seq, i: int) -> None:
         hp, p, b = self.hp, f"blk.{i}.", self.buf
-        C = hp.conv_channels
         for name, out in (("attn_qkv", self.mix), ("attn_gate", self.z), ("ssm_beta", self.beta),
                           ("ssm_alpha", self.alpha)):
             self._normed_matvec(seq, p + name + ".weight", p + "attn_norm.weight", out)
-        conv = choose(deltanet.deltanet_conv, self.info, {"channels": C}, KC=hp.conv_kernel)
-        conv.dispatch(seq, cdiv(C, conv.params["WG"]), label=p + "ssm_conv", mix=self.mix, w=self.weights[p + "ssm_conv1d.weight"],
-                      state=self.conv_state[i], out=self.conv_out, channels=C)
-        step = choose(deltanet.deltanet_step, self.info, {"D": hp.ssm_head_dim}, D=hp.ssm_head_dim)
-        step.dispatch(seq, hp.ssm_v_heads, label=p + "ssm_step", conv=self.conv_out, z=self.z, b=self.beta, a=self.alpha,
-                      ssm_a=self.weights[p + "ssm_a"], dt_bias=self.weights[p + "ssm_dt.bias"],
-                      norm_w=self.weights[p + "ssm_norm.weight"], state=self.ssm_state[i], out=self.dn_out,
-                      n_k_heads=hp.ssm_k_heads, eps=hp.eps)
+        # one dispatch: the conv of the channels each head reads, then the delta rule
+        step = choose(deltanet.deltanet_step, self.info, {"D": hp.ssm_head_dim}, D=hp.ssm_head_dim, KC=hp.conv_kernel)
+        step.dispatch(seq, hp.ssm_v_heads, label=p + "ssm_conv+step", mix=self.mix,
+                      conv_w=self.weights[p + "ssm_conv1d.weight"], conv_state=self.conv_state[i], step=self.step,
+                      z=self.z, b=self.beta, a=self.alpha, ssm_a=self.weights[p + "ssm_a"],
+                      dt_bias=self.weights[p + "ssm_dt.bias"], norm_w=self.weights[p + "ssm_norm.weight"],
+                      state=self.ssm_state[i], out=self.dn_out, n_k_heads=hp.ssm_k_heads, eps=hp.eps)
         self._matvec(seq, p + "ssm_out.weight", self.dn_out, b.x, add=True)
 
     def _ffn_gate_up(self, seq, gate: str, up: str, x, act, ids=None, slots: int = 1) -> None:

@@ -40,7 +40,7 @@ class MemoryPlan:
     expert_bytes: int                  # all routed-expert tensors (of which n_used/n_experts are read)
     kv_bytes_per_token: dict[str, int]  # KV format -> bytes per token of context, all attention layers
     ssm_state_bytes: int               # delta-net S matrices, f32, per sequence
-    conv_state_bytes: int              # delta-net conv windows, f32, per sequence
+    conv_state_bytes: int              # delta-net conv inputs, a ring of conv_kernel slots, f32, per sequence
 
     @property
     def recurrent_state_bytes(self) -> int:
@@ -100,5 +100,7 @@ def plan_tensors(hp: Hparams, tensors: Iterable[tuple[str, QuantType, tuple[int,
         expert_bytes=expert,
         kv_bytes_per_token={f: round(kv_elems * (k + v)) for f, (k, v) in KV_FORMATS.items()},
         ssm_state_bytes=n_dn * hp.ssm_v_heads * hp.ssm_head_dim * hp.ssm_head_dim * F32,
-        conv_state_bytes=n_dn * (hp.conv_kernel - 1) * hp.conv_channels * F32,
+        # the model needs the last conv_kernel − 1 inputs; the decode kernel keeps conv_kernel slots
+        # (kernels/deltanet.py: the slot written is never one being read)
+        conv_state_bytes=n_dn * hp.conv_kernel * hp.conv_channels * F32,
     )
