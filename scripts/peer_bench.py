@@ -144,15 +144,9 @@ def cli(model, binary, zdsl_json, llama_json, depths):
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        cli.main(args=argv, prog_name="peer_bench.py", standalone_mode=False)
-    except ZdslError as e:
-        click.echo(f"error: {e}", err=True)
-        return e.exit_code
-    except click.ClickException as e:
-        e.show()
-        return e.exit_code
-    return 0
+    from zdsl.cli import run
+
+    return run(cli, argv, "peer_bench.py")
 
 
 if __name__ == "__main__":

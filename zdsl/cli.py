@@ -52,8 +52,14 @@ def cli():
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run(cli, argv, "zdsl")
+
+
+def run(command: click.Command, argv: list[str] | None, prog_name: str) -> int:
+    """Run a click command the zdsl way: a ZdslError or usage error is one line on stderr and
+    its exit code, never a traceback. (Also used by scripts/ that stand beside the CLI.)"""
     try:
-        cli.main(args=argv, prog_name="zdsl", standalone_mode=False)
+        command.main(args=argv, prog_name=prog_name, standalone_mode=False)
     except ZdslError as e:
         click.echo(f"error: {e}", err=True)
         return e.exit_code
