@@ -232,6 +232,9 @@ def test_bench_kernels_on_lavapipe():
         assert r["us"] > 0 and r["bytes"] > 0 and r["params"]["SG"] == 8
         assert r["gbps"] == pytest.approx(r["bytes"] / r["us"] / 1e3)
         assert r["pct_copy"] == pytest.approx(100 * r["gbps"] / report["copy_gbps"])
+        assert r["back_to_back_us"] > 0 and r["copy_alone_pct"] > 0
+        assert r["back_to_back_gbps"] == pytest.approx(r["bytes"] / r["back_to_back_us"] / 1e3)
+        assert r["back_to_back_pct_copy"] == pytest.approx(100 * r["back_to_back_gbps"] / report["copy_gbps"])
 
 
 @pytest.mark.parametrize("shape", ["dmmv:q9_k:256:4", "dmmv:q4_k:250:4", "dmmv_q8:iq4_xs:256:4",

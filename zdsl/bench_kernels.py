@@ -4,12 +4,19 @@ device's memory bandwidth.
 Decode is bandwidth-bound: a kernel is as fast as it can be when it moves its bytes (weights
 read, activations read, outputs written) at the rate a plain copy does. So the copy rate is
 measured first, with a DSL copy kernel (16-byte loads and stores over large buffers, read plus
-write bytes), and each kernel's bytes over its median GPU time are reported against it. Times
-come from GPU timestamps around each dispatch (end of the previous to end of this one: the
-launch and barrier cost a decode step pays too). Before timing, the recorded dispatches are
-replayed for a while: GPUs raise their clocks only under sustained load, and a short burst would
-time an idling GPU. Consecutive dispatches read different weight copies (or, for experts,
-different experts) so that small weights are not served from the cache.
+write bytes), and each kernel's bytes over its median GPU time are reported against it. Each
+kernel is timed two ways, because at a few MB a dispatch's launch and drain cost as much as its
+bytes:
+- alone: GPU timestamps around each dispatch (end of the previous to end of this one), what a
+  dispatch costs when the next one depends on it, as in a decode step's chain. Beside it, a copy
+  of the same number of bytes timed the same way: the roofline at that size.
+- back to back: many independent dispatches with nothing between them (each writes its own
+  output), timed by the wall clock over whole submissions: what the kernel sustains when
+  launches overlap, the regime the copy bandwidth itself is measured in.
+Before timing, the recorded dispatches are replayed for a while: GPUs raise their clocks only
+under sustained load, and a short burst would time an idling GPU. Consecutive dispatches read
+different weight copies (or, for experts, different experts) so that small weights are not
+served from the cache.
 """
 
 from __future__ import annotations
@@ -72,15 +79,22 @@ class Case:
         return f"{self.qtype} {self.k}→{self.m}" + (f" ×{self.slots}/{self.experts}" if experts else "")
 
 
+BACK_TO_BACK = 128  # independent dispatches per submission when timing back to back
+
+
 @dataclass
 class Result:
     kernel: str
     shape: str
     params: dict
-    us: float
+    us: float                # alone: one dependent dispatch
     bytes: int
     gbps: float
     pct_copy: float
+    copy_alone_pct: float    # a copy of `bytes` timed alone, % of the copy bandwidth: the roofline at this size
+    back_to_back_us: float   # per dispatch, back to back
+    back_to_back_gbps: float
+    back_to_back_pct_copy: float
 
 
 def parse_case(text: str) -> Case:
@@ -179,15 +193,37 @@ class Bench:
             seq.free()
         return statistics.median(ms) * 1e3
 
+    def time_back_to_back(self, record) -> float:
+        """Wall-clock µs per dispatch of BACK_TO_BACK independent record(seq, i) dispatches
+        submitted together, replayed until warm_s has passed (the submit and the wait count)."""
+        seq = self.device.sequence()
+        try:
+            for i in range(BACK_TO_BACK):
+                record(seq, i)
+            seq.run()
+            times, spent = 1, 0.0
+            while True:
+                start = perf_counter()
+                seq.run(times=times)
+                spent = perf_counter() - start
+                if spent >= max(self.warm_s, 1e-3) or times >= 1 << 12:
+                    break
+                times *= 2
+        finally:
+            seq.free()
+        return spent / (times * BACK_TO_BACK) * 1e6
+
     # -- copy bandwidth ---------------------------------------------------------------------------
     def copy_bandwidth(self, nbytes: int) -> float:
-        n4 = nbytes // 16
-        src, dst = self.zeros(16 * n4, "copy_src"), self.zeros(16 * n4, "copy_dst")
+        """GB/s (read + written) of the copy kernel over two buffers of nbytes, timed alone."""
+        n4 = max(1, nbytes // 16)
+        srcs = [self.zeros(16 * n4, f"copy_src{i}") for i in range(self.copies(16 * n4))]
+        dst = self.zeros(16 * n4, "copy_dst")
         v = copy_vec4.specialize()
         groups = math.ceil(n4 / (256 * v.params["UNROLL"]))
-        us = self.time(lambda seq, i: v.dispatch(seq, groups, src=src, dst=dst, n4=n4))
+        us = self.time(lambda seq, i: v.dispatch(seq, groups, src=srcs[i % len(srcs)], dst=dst, n4=n4))
         self.free()
-        return 2 * 16 * n4 / us / 1e3  # GB/s
+        return 2 * 16 * n4 / us / 1e3
 
     # -- kernels --------------------------------------------------------------------------------
     def variants(self, case: Case):
@@ -227,12 +263,19 @@ class Bench:
             us = self.time(lambda seq, i, v=v: record(v, seq, i))
             if best is None or us < best[0]:
                 best = (us, v)
-        self.free()
         us, v = best
+        b2b_us = self.time_back_to_back(lambda seq, i: record(v, seq, i))
+        self.free()
+        copy_alone = self.copy_bandwidth(nbytes // 2)
         params = {"ROWS": v.params.get("ROWS", "-"), "NSUB": v.params.get("NSUB", "-"), "WG": v.ir.workgroup[0],
                   "SG": v.params["SG"]}
-        gbps = nbytes / us / 1e3
-        return Result(case.kernel, case.label, params, us, nbytes, gbps, 100 * gbps / copy_gbps)
+        gbps, b2b_gbps = nbytes / us / 1e3, nbytes / b2b_us / 1e3
+        return Result(case.kernel, case.label, params, us, nbytes, gbps, 100 * gbps / copy_gbps,
+                      100 * copy_alone / copy_gbps, b2b_us, b2b_gbps, 100 * b2b_gbps / copy_gbps)
+
+    def outputs(self, nbytes: int, name: str) -> list:
+        """One output buffer per back-to-back dispatch, so that no dispatch waits on another."""
+        return [self.zeros(nbytes, f"{name}{i}") for i in range(BACK_TO_BACK)]
 
     def _weights(self, rows: int, case: Case, rb: int, name: str):
         data = synthetic_rows(self.rng, case.qtype, rows, case.k)
@@ -241,28 +284,30 @@ class Bench:
     def _dmmv(self, case, rb):
         w = self._weights(case.m, case, rb, "w")
         x = self.upload(self.rng.standard_normal(case.k, dtype=np.float32), "x")
-        y = self.zeros(4 * case.m, "y")
+        y = self.outputs(4 * case.m, "y")
 
         def record(v, seq, i):
-            v.dispatch(seq, -(-case.m // _rows_per_workgroup(v)), w=w[i % len(w)], x=x, y=y, k=case.k, m=case.m)
+            v.dispatch(seq, -(-case.m // _rows_per_workgroup(v)), w=w[i % len(w)], x=x, y=y[i % len(y)], k=case.k,
+                       m=case.m)
         return record, case.m * rb + 4 * case.k + 4 * case.m
 
     def _dmmv_q8(self, case, rb):
         w = self._weights(case.m, case, rb, "w")
         xq = self.upload(self.rng.integers(-127, 128, case.k, dtype=np.int8).view(np.uint32), "xq")
         xd = self.upload(np.tile(np.float32([0.01, 0.0]), case.k // 32), "xd")
-        y = self.zeros(4 * case.m, "y")
+        y = self.outputs(4 * case.m, "y")
 
         def record(v, seq, i):
-            v.dispatch(seq, -(-case.m // _rows_per_workgroup(v)), w=w[i % len(w)], xq=xq, xd=xd, y=y, k=case.k, m=case.m)
+            v.dispatch(seq, -(-case.m // _rows_per_workgroup(v)), w=w[i % len(w)], xq=xq, xd=xd, y=y[i % len(y)],
+                       k=case.k, m=case.m)
         return record, case.m * rb + case.k + case.k // 4 + 4 * case.m
 
     def _quantize_q8_1(self, case, rb):
         x = self.upload(self.rng.standard_normal(case.k, dtype=np.float32), "x")
-        xq, xd = self.zeros(case.k, "xq"), self.zeros(case.k // 4, "xd")
+        xq, xd = self.outputs(case.k, "xq"), self.outputs(case.k // 4, "xd")
 
         def record(v, seq, i):
-            v.dispatch(seq, -(-case.k // 256), x=x, xq=xq, xd=xd, n=case.k)
+            v.dispatch(seq, -(-case.k // 256), x=x, xq=xq[i % len(xq)], xd=xd[i % len(xd)], n=case.k)
         return record, 4 * case.k + case.k + case.k // 4
 
     def _id_sets(self, case):
@@ -270,7 +315,7 @@ class Bench:
         the experts run out, then a new random order starts."""
         per_round = case.experts // case.slots
         order, out = None, []
-        for i in range(self.warmup + self.repeats):
+        for i in range(max(self.warmup + self.repeats, BACK_TO_BACK)):
             if i % per_round == 0:
                 order = self.rng.permutation(case.experts).astype(np.uint32)
             out.append(self.upload(order[i % per_round * case.slots:][:case.slots], f"ids{i}"))
@@ -281,11 +326,11 @@ class Bench:
         wg, wu = self.upload(data, "gate"), self.upload(data, "up")
         ids = self._id_sets(case)
         x = self.upload(self.rng.standard_normal(case.k, dtype=np.float32), "x")
-        act = self.zeros(4 * case.slots * case.m, "act")
+        act = self.outputs(4 * case.slots * case.m, "act")
 
         def record(v, seq, i):
-            v.dispatch(seq, (-(-case.m // _rows_per_workgroup(v)), case.slots), wg=wg, wu=wu, ids=ids[i], x=x, act=act,
-                       k=case.k, m=case.m)
+            v.dispatch(seq, (-(-case.m // _rows_per_workgroup(v)), case.slots), wg=wg, wu=wu, ids=ids[i], x=x,
+                       act=act[i % len(act)], k=case.k, m=case.m)
         return record, 2 * case.slots * case.m * rb + 4 * case.k + 4 * case.slots + 4 * case.slots * case.m
 
     def _moe_down(self, case, rb):
@@ -293,11 +338,11 @@ class Bench:
         ids = self._id_sets(case)
         weights = self.upload(np.full(case.slots, 1 / case.slots, np.float32), "weights")
         act = self.upload(self.rng.standard_normal(case.slots * case.k, dtype=np.float32), "act")
-        y = self.zeros(4 * case.m, "y")
+        y = self.outputs(4 * case.m, "y")
 
         def record(v, seq, i):
-            v.dispatch(seq, -(-case.m // _rows_per_workgroup(v)), w=w, ids=ids[i], weights=weights, act=act, y=y,
-                       k=case.k, m=case.m, slots=case.slots)
+            v.dispatch(seq, -(-case.m // _rows_per_workgroup(v)), w=w, ids=ids[i], weights=weights, act=act,
+                       y=y[i % len(y)], k=case.k, m=case.m, slots=case.slots)
         return record, case.slots * (case.m * rb + 4 * case.k + 8) + 8 * case.m  # y read and written (ADD)
 
 
@@ -307,12 +352,19 @@ def print_table(device_name: str, copy_gbps: float, copy_bytes: int, results: li
 
     from zdsl.runtime.memory import fmt_bytes
 
-    table = Table(title=f"{device_name}: copy {copy_gbps:,.0f} GB/s ({fmt_bytes(copy_bytes)} read + written)")
-    for col in ("kernel", "shape", "variant", "µs", "bytes", "GB/s", "% of copy"):
+    table = Table(title=f"{device_name}: copy {copy_gbps:,.0f} GB/s ({fmt_bytes(copy_bytes)} read + written); "
+                        "alone = one dispatch between timestamps; same-size copy = a copy of those bytes timed "
+                        "alone; b2b = back to back, independent dispatches overlapping")
+    for col in ("kernel", "shape", "variant", "bytes", "alone µs", "GB/s", "% copy", "same-size copy",
+                "b2b µs", "b2b GB/s", "b2b % copy"):
         table.add_column(col, justify="left" if col in ("kernel", "shape", "variant") else "right")
+
+    def rate(g):
+        return f"{g:,.{0 if g >= 10 else 2}f}"
     for r in results:
-        table.add_row(r.kernel, r.shape, " ".join(f"{k}={v}" for k, v in r.params.items()), f"{r.us:,.1f}",
-                      fmt_bytes(r.bytes), f"{r.gbps:,.{0 if r.gbps >= 10 else 2}f}", f"{r.pct_copy:.0f}%")
+        table.add_row(r.kernel, r.shape, " ".join(f"{k}{v}" for k, v in r.params.items()), fmt_bytes(r.bytes),
+                      f"{r.us:,.1f}", rate(r.gbps), f"{r.pct_copy:.0f}%", f"{r.copy_alone_pct:.0f}%",
+                      f"{r.back_to_back_us:,.1f}", rate(r.back_to_back_gbps), f"{r.back_to_back_pct_copy:.0f}%")
     Console().print(table)
 
 
