@@ -4,7 +4,9 @@ On a device that runs code every candidate is checked against its numpy referenc
 on a compile-only RADV target (gfx1201, navi31, ...) candidates are compiled by the null device
 and ranked by a cost model — modelled, not measured, and the output says so. The choices go to
 a tuning database file (the user's own for the device by default, or --out), where `choose()`
-finds them at run time.
+finds them at run time. Given a model file on a device that runs code, the kernel-by-kernel
+winners are only nominees: each is tried in the model's real decode step and kept only if whole
+steps get faster (`in_place.py`), so a tuned decode is never slower than an untuned one.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ def _select(uses, names: str | None):
               help="GGUF file whose shapes to tune (default: the --preset's).")
 @click.option("--preset", default="35b-a3b", show_default=True, help="Synthetic preset used when no --model is given.")
 @click.option("--kernels", "names", default=None, help="Comma-separated kernel names (default: every kernel the step uses).")
-@click.option("--budget", default=600.0, show_default=True, help="Seconds to spend; uses left when it runs out stay untuned.")
+@click.option("--budget", default=600.0, show_default=True, help="Seconds to spend; uses left when it runs out stay untuned. With --model on a device "
+                   "that runs code, half times kernels alone and the rest tries the winners in the decode step.")
 @click.option("--ctx", "n_ctx", default=4096, show_default=True, help="Context length the attention kernels are timed at.")
 @click.option("--caps", default="1,64", show_default=True, help="Sampler candidate caps to tune (1 is greedy decoding).")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -91,16 +94,21 @@ def tune(device_name, model_path, preset, names, budget, n_ctx, caps, out_path, 
     method, info, dev = _open(device_name, warmup, repeats, warm_ms, cache_mb)
     console = Console(stderr=as_json)
     modelled = isinstance(method, tuner.Model)
+    in_place = model_path is not None and not modelled
+    report = None
     try:
         if not as_json:
-            _header(console, info, model, len(uses), method)
-        results = _run(method, uses, budget, console)
+            _header(console, info, model, len(uses), method, in_place)
+        deadline = time.monotonic() + budget
+        results = _run(method, uses, budget / 2 if in_place else budget, console)
+        if in_place:
+            report = _in_place(dev, model_path, n_ctx, results, info, deadline, console)
     finally:
         if dev is not None:
             dev.close()
     path = out_path or user_path(info)
     db = Database([path])
-    added = [e for r in results for e in tuner.entries(r, info)]
+    added = report.entries if report is not None else [e for r in results for e in tuner.entries(r, info)]
     for e in added:
         db.add(e)
     if added:
@@ -108,12 +116,36 @@ def tune(device_name, model_path, preset, names, budget, n_ctx, caps, out_path, 
         db.save(path)
         database.cache_clear()
     if as_json:
-        click.echo(json.dumps(_as_json(info, model, results, modelled, path, len(added)), indent=1))
+        out = _as_json(info, model, results, modelled, path, len(added))
+        if report is not None:
+            out["in_place"] = _in_place_json(report)
+        click.echo(json.dumps(out, indent=1))
         return
     for r in results:
         _use_table(console, r)
-    _summary(console, results, modelled)
+    _summary(console, results, modelled, alone=in_place)
+    if report is not None:
+        _in_place_table(console, report)
     console.print(f"{len(added)} entries written to {path}" if added else "nothing tuned, nothing written")
+
+
+def _in_place(dev, model_path, n_ctx: int, results, info, deadline: float, console):
+    """Build the model's decode step on the device and keep only the choices that speed it up."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from zdsl.models.qwen35.gguf_file import open_model
+    from zdsl.models.qwen35.graph import DecodeGraph
+
+    from .in_place import InPlace
+
+    graph = DecodeGraph(open_model(model_path), dev, n_ctx, progress=console.is_terminal)
+    try:
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                      transient=True, disable=not console.is_terminal) as bar:
+            task = bar.add_task("in place")
+            return InPlace(graph).run(results, info, deadline, lambda text: bar.update(task, description=text))
+    finally:
+        graph.close()
 
 
 def _run(method, uses, budget: float, console) -> list[tuner.Result]:
@@ -134,7 +166,7 @@ def _run(method, uses, budget: float, console) -> list[tuner.Result]:
     return results
 
 
-def _header(console, info, model, n: int, method) -> None:
+def _header(console, info, model, n: int, method, in_place: bool) -> None:
     if isinstance(method, tuner.Model):
         console.print(f"[bold]{info.name}[/bold]: {n} kernel uses of {model.source}, [bold yellow]MODELLED[/bold yellow] "
                       f"with the {method.target} cost model ({method.card.name}, {method.card.bandwidth_gbs:.0f} GB/s, "
@@ -142,7 +174,8 @@ def _header(console, info, model, n: int, method) -> None:
     else:
         console.print(f"[bold]{info.name}[/bold]: {n} kernel uses of {model.source}, measured: each candidate checked "
                       f"against its numpy reference, then timed ({method.warmup} warm-up + {method.repeats} timed dispatches, "
-                      f"median)")
+                      f"median)" + ("; then the winners are tried in the model's decode step and kept only if whole "
+                                    "steps get faster" if in_place else ""))
 
 
 def _use_table(console, r: tuner.Result) -> None:
@@ -176,9 +209,11 @@ def _use_table(console, r: tuner.Result) -> None:
         console.print(f"  [red]rejected[/red] {c.label}: {c.error}", highlight=False)
 
 
-def _summary(console, results, modelled: bool) -> None:
+def _summary(console, results, modelled: bool, alone: bool = False) -> None:
     unit = "modelled µs" if modelled else "µs"
-    table = Table(title="chosen vs default" + (" (MODELLED, not measured)" if modelled else ""), title_justify="left")
+    title = "chosen vs default" + (" (MODELLED, not measured)" if modelled else "") + \
+        (", each timed alone (nominees for the decode step)" if alone else "")
+    table = Table(title=title, title_justify="left")
     for c in ("kernel", "shape", "×/token", "default", "chosen", f"default {unit}", f"chosen {unit}", "speed-up"):
         table.add_column(c, justify="left" if c in ("kernel", "shape", "default", "chosen") else "right")
     before = after = 0.0
@@ -211,4 +246,37 @@ def _as_json(info, model, results, modelled: bool, path: Path, written: int) -> 
                   "default": _candidate(r.default), "best": _candidate(r.best) if r.best else None,
                   "speedup": r.speedup, "candidates": [_candidate(c) for c in r.ranked],
                   "rejected": [_candidate(c) for c in r.rejected], "skipped": r.skipped} for r in results],
+    }
+
+
+def _in_place_table(console, report) -> None:
+    table = Table(title="in the decode step: each nominee against the current choice, whole steps interleaved",
+                  title_justify="left")
+    for c in ("kernel", "shape", "nominee", "ms/token before", "ms/token with it", "gain", "noise", "kept"):
+        table.add_column(c, justify="left" if c in ("kernel", "shape", "nominee") else "right")
+    for t in report.trials:
+        c = t.comparison
+        table.add_row(t.result.use.kernel.name, t.result.use.label, t.nominee.label, f"{c.a_ms:.4f}", f"{c.b_ms:.4f}",
+                      f"{c.gain:.4f}×", f"±{c.noise:.4f}", "yes" if t.kept else "no")
+    console.print(table)
+    for r in report.untried:
+        console.print(f"  [yellow]not tried in place (time budget spent)[/yellow]: {r.use.kernel.name} {r.use.label}")
+    f = report.final
+    if f is None:
+        console.print("no nominee made the decode step faster: the defaults stay")
+    else:
+        verdict = "kept" if report.entries else "[red]not a gain: nothing kept[/red]"
+        console.print(f"decode step, untuned → tuned: {f.a_ms:.4f} → {f.b_ms:.4f} ms/token ({f.gain:.4f}× ± "
+                      f"{f.noise:.4f}, {f.rounds} interleaved rounds): {verdict}")
+
+
+def _in_place_json(report) -> dict:
+    def comparison(c):
+        return None if c is None else {"a_ms": c.a_ms, "b_ms": c.b_ms, "gain": c.gain, "noise": c.noise,
+                                       "rounds": c.rounds}
+    return {
+        "trials": [{"kernel": t.result.use.kernel.name, "key": t.result.use.key, "nominee": t.nominee.tuned,
+                    "comparison": comparison(t.comparison), "kept": t.kept} for t in report.trials],
+        "untried": [{"kernel": r.use.kernel.name, "key": r.use.key} for r in report.untried],
+        "final": comparison(report.final), "entries_kept": len(report.entries),
     }

@@ -75,6 +75,14 @@ class Database:
             for e in _load(p):
                 self.entries[e.key()] = e
 
+    @classmethod
+    def of(cls, entries) -> "Database":
+        """An in-memory database holding `entries` (later ones win), backed by no file."""
+        db = cls([])
+        for e in entries:
+            db.add(e)
+        return db
+
     def lookup(self, info, kernel: str, shape: dict) -> Entry | None:
         device, driver = device_key(info)
         skey = shape_key(shape)
@@ -113,13 +121,14 @@ def database() -> Database:
     return Database(sorted(SHIPPED.glob("*.json")) + sorted(cache_dir("tuning").glob("*.json")))
 
 
-def choose(kernel, info, shape: dict, **fixed):
+def choose(kernel, info, shape: dict, db: Database | None = None, **fixed):
     """The variant of `kernel` to run on device `info` for `shape`: the tuned entry if the
-    database has one, else the kernel's defaults at the device's subgroup size."""
+    database (`db`, or the shipped and user files) has one, else the kernel's defaults at the
+    device's subgroup size."""
     params = dict(fixed)
     if kernel.subgroup and kernel.subgroup not in params:
         params[kernel.subgroup] = info.subgroup_size
-    entry = database().lookup(info, kernel.name, {**shape, **fixed})
+    entry = (db if db is not None else database()).lookup(info, kernel.name, {**shape, **fixed})
     if entry is not None:
         known = {p.name for p in kernel.params if p.kind in ("const", "spec")}
         # a parameter the kernel no longer has (an entry older than the kernel) is ignored

@@ -142,18 +142,20 @@ def _finish(use: Use, method: str, default_ident: dict, accepted: list[Candidate
     return Result(use, method, default, accepted, rejected, skipped)
 
 
-def entries(result: Result, info) -> list[Entry]:
-    """Database entries for the best candidate (and what it implies for companion kernels)."""
-    best = result.best
+def entries(result: Result, info, chosen: Candidate | None = None, **extra) -> list[Entry]:
+    """Database entries for the best candidate, or for `chosen` (and what it implies for
+    companion kernels); `extra` figures are added to the entry."""
+    best = chosen or result.best
     if best is None:
         return []
     device, driver = device_key(info)
     base = dict(device=device, device_name=info.name, driver=driver, method=result.method, family=family(info))
     figures = {k: v for k, v in best.figures.items() if isinstance(v, (int, float))}
-    if result.speedup:
-        figures["speedup"] = round(result.speedup, 3)
+    if result.default.us and best.us:
+        figures["speedup"] = round(result.default.us / best.us, 3)
     if best.spread is not None:
         figures["spread"] = round(best.spread, 3)
+    figures.update(extra)
     out = [Entry(kernel=result.use.kernel.name, shape=result.use.key, params=best.tuned, us=round(best.us, 3),
                  figures=figures, **base)]
     for kernel, key, params in problems.companions(result.use, best.params):

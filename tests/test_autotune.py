@@ -138,9 +138,11 @@ def test_workload_is_what_the_decode_graph_asks_for(device, tmp_path, monkeypatc
 
     calls = []
 
-    def recording(kernel, info, shape, **fixed):
+    choose = db.choose
+
+    def recording(kernel, info, shape, db=None, **fixed):
         calls.append((kernel.name, json.dumps({**shape, **fixed}, sort_keys=True)))
-        return db.choose(kernel, info, shape, **fixed)
+        return choose(kernel, info, shape, db=db, **fixed)
 
     monkeypatch.setattr(graph, "choose", recording)
     monkeypatch.setattr(Variant, "dispatch", lambda self, *a, **k: None)
@@ -245,3 +247,104 @@ def test_cli_modelled_says_so(tmp_path, capsys):
     entries = json.loads(out.read_text())["entries"]
     assert {e["kernel"] for e in entries} == {"rms_norm", "deltanet_step"}
     assert all(e["method"] == "modelled" and e["family"] == "gfx1201" for e in entries)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from zdsl.models.qwen35 import synth
+
+    path = tmp_path_factory.mktemp("inplace") / "tiny.gguf"
+    synth.write(path, "tiny", seed=5)
+    return path
+
+
+def _measured(device, path, kernel: str):
+    uses = [u for u in decode_uses(Tensors.from_file(path), n_ctx=64, caps=(1,)) if u.kernel.name == kernel]
+    measure = tuner.Measure(device, warmup=1, repeats=3, warm_s=0.0, cache_bytes=1 << 16)
+    return [measure.tune(u, time.monotonic() + 60) for u in uses]
+
+
+def test_retuned_step_runs_the_entry_and_decodes_the_same(device, tiny_model):
+    """An entry recorded into the step by retune() changes the variant the step dispatches, and
+    greedy decoding gives the same tokens (same math, another variant)."""
+    from zdsl.models.qwen35.gguf_file import open_model
+    from zdsl.models.qwen35.graph import DecodeGraph
+
+    (result,) = _measured(device, tiny_model, "moe_down_all")[:1]
+    other = next(c for c in result.ranked + result.rejected if c.error is None and c.params != result.default.params)
+    g = DecodeGraph(open_model(tiny_model), device, 24, progress=False)
+    try:
+        key = (result.use.kernel.name, db.shape_key(result.use.key))
+        assert g.chosen[key].params == result.default.params
+        first = [g.decode(3)] + g.decode_burst(7)
+        g.retune(db.Database.of(tuner.entries(result, device.info, other)))
+        assert g.chosen[key].params == other.params
+        g.reset()
+        assert [g.decode(3)] + g.decode_burst(7) == first
+    finally:
+        g.close()
+
+
+def test_in_place_keeps_a_nominee_only_when_the_step_gets_faster(device, tiny_model, monkeypatch):
+    """The keep/drop logic with a step clock that depends on what the graph really recorded: a
+    step is 1% faster per kept variant of one kind, so exactly those are kept, the final run
+    confirms a gain, and the graph is back on the defaults afterwards."""
+    from zdsl.autotune import in_place
+    from zdsl.models.qwen35.gguf_file import open_model
+    from zdsl.models.qwen35.graph import DecodeGraph
+
+    results = _measured(device, tiny_model, "dmmv_norm")
+    g = DecodeGraph(open_model(tiny_model), device, 24, progress=False)
+    faster = {r.use.ident: _nominees_alone(r)[0].params for r in results[:2] if _nominees_alone(r)}
+    assert faster, "no candidate beat the default alone: widen the test's candidate space"
+    clock = iter(np.linspace(1.0, 1.0001, 10000))  # a slow drift both sides see alike
+
+    def step_ms(self, database, sampler):
+        self.graph.retune(database, sampler)
+        hits = sum(self.graph.chosen.get((r.use.kernel.name, db.shape_key(r.use.key))).params == faster.get(r.use.ident)
+                   for r in results)
+        return next(clock) * (1 - 0.01 * hits)
+
+    monkeypatch.setattr(in_place.InPlace, "step_ms", step_ms)
+    try:
+        report = in_place.InPlace(g, rounds=3, final_rounds=3, nominees=1).run(results, device.info,
+                                                                              time.monotonic() + 120)
+        kept = {t.result.use.ident for t in report.trials if t.kept}
+        assert kept == set(faster)
+        assert report.final.gain == pytest.approx(1 / (1 - 0.01 * len(faster)), rel=1e-3)
+        assert {(e.kernel, db.shape_key(e.shape)) for e in report.entries} == {
+            (r.use.kernel.name, db.shape_key(r.use.key)) for r in results if r.use.ident in faster}
+        assert all(e.figures["step_gain"] > 1 for e in report.entries)
+        assert g.tuning is None and all(
+            g.chosen[(r.use.kernel.name, db.shape_key(r.use.key))].params == r.default.params for r in results)
+    finally:
+        g.close()
+
+
+def _nominees_alone(r):
+    from zdsl.autotune.in_place import _nominees
+
+    return _nominees(r, 1)
+
+
+def test_tune_with_a_model_file_tries_nominees_in_the_decode_step(tiny_model, tmp_path, capsys):
+    """`zdsl tune --model` on lavapipe end to end: the JSON has the in-place trials and the
+    entries written are exactly the kept ones (after a confirming final run)."""
+    from zdsl.cli import main
+
+    out = tmp_path / "db.json"
+    assert main(["tune", "--device", "lavapipe", "--model", str(tiny_model), "--kernels", "moe_route,dmmv",
+                 "--ctx", "64", "--budget", "60", "--repeats", "3", "--warm-ms", "0", "--out", str(out),
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    ip = report["in_place"]
+    kept = [t for t in ip["trials"] if t["kept"]]
+    assert report["entries_written"] == ip["entries_kept"]
+    if ip["entries_kept"]:
+        assert ip["final"]["gain"] > 1 and ip["entries_kept"] == len(kept)
+        assert len(json.loads(out.read_text())["entries"]) == len(kept)
+    else:
+        assert not out.exists()
+    for t in ip["trials"]:
+        c = t["comparison"]
+        assert t["kept"] == (c["gain"] - 1 > max(0.002, 2 * c["noise"]))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from zdsl.autotune.database import choose
+from zdsl.autotune.database import Database, choose, shape_key
 from zdsl.errors import ZdslError
 from zdsl.kernels import attention, deltanet, dmmv, embedding, moe, norm, sampling, steps
 from zdsl.kernels.quant import FORMATS
@@ -42,20 +42,42 @@ class Buffers:
 
 class DecodeGraph:
     def __init__(self, model: ModelFile, device, n_ctx: int, sampler: SamplerConfig | None = None,
-                 progress: bool = True):
+                 progress: bool = True, tuning: Database | None = None):
         self.model, self.device, self.hp = model, device, model.hparams
         self.info = device.info
         if n_ctx < 1:
             raise ZdslError(f"context length must be at least 1, got {n_ctx}")
         self.n_ctx = n_ctx
         self.sampler = sampler or SamplerConfig(temperature=0)
+        self.tuning = tuning  # None: the shipped and the user's tuning databases
+        self.chosen: dict[tuple[str, str], object] = {}  # (kernel, key) → the variant the step runs
         self.weights: dict[str, object] = {}
         self._upload_weights(progress)
         self._allocate()
+        self.seq = self.seq_next = self._timed = None
+        self._record_steps()
+        self._synced = False  # whether the device's step values are the ones the host last saw
+
+    def _record_steps(self) -> None:
         self.seq = self._record(from_host=True)   # a step that starts from values the host wrote
         self.seq_next = self._record(from_host=False)  # a step that continues on the GPU
-        self._timed = None
-        self._synced = False  # whether the device's step values are the ones the host last saw
+
+    def retune(self, tuning: Database | None, sampler: SamplerConfig | None = None) -> None:
+        """Record the step again with the variants `tuning` picks (and another sampler, if given);
+        weights, caches and states stay. The tuner times candidates in place this way."""
+        self._free_steps()
+        self.tuning = tuning
+        if sampler is not None:
+            self.sampler = sampler
+        self.chosen.clear()
+        self._choose_sampler()
+        self._record_steps()
+        self._synced = False
+
+    def _choose(self, kernel, shape: dict, **fixed):
+        v = choose(kernel, self.info, shape, db=self.tuning, **fixed)
+        self.chosen[(kernel.name, shape_key({**shape, **fixed}))] = v
+        return v
 
     # -- set-up ----------------------------------------------------------------------------
     def _upload_weights(self, progress: bool) -> None:
@@ -114,16 +136,25 @@ class DecodeGraph:
             self.zero_id = dev.upload(np.zeros(1, np.uint32), name="zero_id")
         else:
             self.act = self._f32(hp.ffn, "ffn_act")
-        # sampler: per-workgroup candidates (logit bits, id) of the first pass
-        shape, cap = {"n_vocab": hp.vocab}, self.sampler.kernel_cap
-        self.sample_pass = choose(sampling.sample_candidates, self.info, shape, CAP=cap)
-        self.sample_draw = choose(sampling.sample_draw, self.info, shape, CAP=cap, WG=self.sample_pass.params["WG"],
-                                  R=self.sample_pass.params["R"])
-        self.sample_groups = cdiv(hp.vocab, self.sample_pass.params["WG"] * self.sample_pass.params["R"])
         self.counts = dev.alloc(4 * hp.vocab, name="token_counts")
-        self.cand = dev.alloc(8 * cap * self.sample_groups, name="candidates")
         self.tokens_out = dev.alloc(4 * self.n_ctx, name="tokens_out")
+        self.cand = None
+        self._choose_sampler()
         self.reset()
+
+    def _choose_sampler(self) -> None:
+        """The sampler's two kernels, and room for the first pass's per-workgroup candidates
+        (logit bits, id)."""
+        shape, cap = {"n_vocab": self.hp.vocab}, self.sampler.kernel_cap
+        self.sample_pass = self._choose(sampling.sample_candidates, shape, CAP=cap)
+        self.sample_draw = self._choose(sampling.sample_draw, shape, CAP=cap, WG=self.sample_pass.params["WG"],
+                                        R=self.sample_pass.params["R"])
+        self.sample_groups = cdiv(self.hp.vocab, self.sample_pass.params["WG"] * self.sample_pass.params["R"])
+        nbytes = 8 * cap * self.sample_groups
+        if self.cand is None or self.cand.nbytes < nbytes:
+            if self.cand is not None:
+                self.cand.free()
+            self.cand = self.device.alloc(nbytes, name="candidates")
 
     def reset(self) -> None:
         """Forget the sequence: zero the caches, recurrent states and penalty counts."""
@@ -147,7 +178,7 @@ class DecodeGraph:
 
     def _matvec(self, seq, tensor: str, x, y, add: bool = False) -> None:
         m, k = self.model.shape(tensor)[-2:]
-        v = choose(dmmv.dmmv, self.info, {"QTYPE": self._qname(tensor), "k": k, "m": m}, QTYPE=self._qname(tensor), ADD=add)
+        v = self._choose(dmmv.dmmv, {"QTYPE": self._qname(tensor), "k": k, "m": m}, QTYPE=self._qname(tensor), ADD=add)
         v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=tensor.removesuffix(".weight"), w=self.weights[tensor],
                    x=x, y=y, k=k, m=m)
 
@@ -180,13 +211,13 @@ class DecodeGraph:
         """y = W · (rmsnorm(x) · norm_w): the norm folded into the projection (no separate pass)."""
         m, k = self.model.shape(tensor)[-2:]
         q = self._qname(tensor)
-        v = choose(dmmv.dmmv_norm, self.info, {"QTYPE": q, "k": k, "m": m}, QTYPE=q)
+        v = self._choose(dmmv.dmmv_norm, {"QTYPE": q, "k": k, "m": m}, QTYPE=q)
         v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=tensor.removesuffix(".weight"), w=self.weights[tensor],
                    x=self.buf.x, norm_w=self.weights[norm], y=y, k=k, m=m, eps=self.hp.eps)
 
     def _norm(self, seq, x, weight: str, out) -> None:
         n = self.hp.hidden
-        v = choose(norm.rms_norm, self.info, {"n": n})
+        v = self._choose(norm.rms_norm, {"n": n})
         v.dispatch(seq, 1, label=weight.removesuffix(".weight"), x=x, w=self.weights[weight], out=out, n=n,
                    eps=self.hp.eps)
 
@@ -196,15 +227,15 @@ class DecodeGraph:
         for name, out in (("attn_q", self.qg), ("attn_k", self.k), ("attn_v", self.v)):
             self._normed_matvec(seq, p + name + ".weight", p + "attn_norm.weight", out)
         k_cache, v_cache = self.kv[i]
-        prep = choose(attention.attn_prep, self.info, {"d": d})
+        prep = self._choose(attention.attn_prep, {"d": d})
         prep.dispatch(seq, nh + nkv, label=p + "attn_prep", qg=self.qg, k=self.k, v=self.v, q_norm=self.weights[p + "attn_q_norm.weight"],
                       k_norm=self.weights[p + "attn_k_norm.weight"], step=self.step, q=self.q, k_cache=k_cache,
                       v_cache=v_cache, n_head=nh, n_kv=nkv, d=d, rope_dims=hp.rope_dims, rope_base=hp.rope_base,
                       eps=hp.eps)
-        dec = choose(attention.attn_decode, self.info, {"D": d, "G": nh // nkv}, D=d, G=nh // nkv)
+        dec = self._choose(attention.attn_decode, {"D": d, "G": nh // nkv}, D=d, G=nh // nkv)
         dec.dispatch(seq, (self.attn_splits, nkv), label=p + "attn_decode", q=self.q, k_cache=k_cache,
                      v_cache=v_cache, step=self.step, part=self.attn_part, n_kv=nkv, min_chunk=ATTN_MIN_CHUNK)
-        comb = choose(attention.attn_combine, self.info, {"D": d}, D=d)
+        comb = self._choose(attention.attn_combine, {"D": d}, D=d)
         comb.dispatch(seq, nh, label=p + "attn_combine", part=self.attn_part, qg=self.qg, step=self.step,
                       o=self.attn_o, nsplit=self.attn_splits, min_chunk=ATTN_MIN_CHUNK)
         self._matvec(seq, p + "attn_output.weight", self.attn_o, b.x, add=True)
@@ -215,7 +246,7 @@ class DecodeGraph:
                           ("ssm_alpha", self.alpha)):
             self._normed_matvec(seq, p + name + ".weight", p + "attn_norm.weight", out)
         # one dispatch: the conv of the channels each head reads, then the delta rule
-        step = choose(deltanet.deltanet_step, self.info, {"D": hp.ssm_head_dim}, D=hp.ssm_head_dim, KC=hp.conv_kernel)
+        step = self._choose(deltanet.deltanet_step, {"D": hp.ssm_head_dim}, D=hp.ssm_head_dim, KC=hp.conv_kernel)
         step.dispatch(seq, hp.ssm_v_heads, label=p + "ssm_conv+step", mix=self.mix,
                       conv_w=self.weights[p + "ssm_conv1d.weight"], conv_state=self.conv_state[i], step=self.step,
                       z=self.z, b=self.beta, a=self.alpha, ssm_a=self.weights[p + "ssm_a"],
@@ -229,7 +260,7 @@ class DecodeGraph:
         q = self._qname(gate)
         if self._qname(up) != q:
             raise ZdslError(f"{gate} and {up} have different types; zdsl's fused gate·up needs one type")
-        v = choose(dmmv.ffn_gate_up, self.info, {"QTYPE": q, "k": k, "m": m}, QTYPE=q, EXPERTS=ids is not None)
+        v = self._choose(dmmv.ffn_gate_up, {"QTYPE": q, "k": k, "m": m}, QTYPE=q, EXPERTS=ids is not None)
         v.dispatch(seq, (cdiv(m, dmmv.rows_per_workgroup(v)), slots), label=gate.removesuffix(".weight") + "+up",
                    wg=self.weights[gate], wu=self.weights[up],
                    ids=ids if ids is not None else self.step, x=x, act=act, k=k, m=m)
@@ -237,7 +268,7 @@ class DecodeGraph:
     def _down(self, seq, tensor: str, ids, weights, act, slots: int) -> None:
         m, k = self.model.shape(tensor)[-2:]
         q = self._qname(tensor)
-        v = choose(dmmv.moe_down, self.info, {"QTYPE": q, "k": k, "m": m}, QTYPE=q, ADD=True)
+        v = self._choose(dmmv.moe_down, {"QTYPE": q, "k": k, "m": m}, QTYPE=q, ADD=True)
         v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=tensor.removesuffix(".weight"), w=self.weights[tensor],
                    ids=ids, weights=weights, act=act,
                    y=self.buf.x, k=k, m=m, slots=slots)
@@ -249,7 +280,7 @@ class DecodeGraph:
         hp, p, b = self.hp, f"blk.{i}.", self.buf
         K, E = hp.n_experts_used, hp.n_experts
         self._normed_matvec(seq, p + "ffn_gate_inp.weight", p + "post_attention_norm.weight", self.router)
-        route = choose(moe.moe_route, self.info, {"n_expert": E}, K=K)
+        route = self._choose(moe.moe_route, {"n_expert": E}, K=K)
         route.dispatch(seq, 1, label=p + "moe_route", logits=self.router, ids=self.route_ids,
                        weights=self.route_w, n_expert=E)
         m, k = self.model.shape(p + "ffn_gate_exps.weight")[-2:]
@@ -258,7 +289,7 @@ class DecodeGraph:
             if self._qname(p + t + ".weight") != q or self.model.shape(p + t + ".weight")[-2:] != (m, k):
                 raise ZdslError(f"{p}{t} differs in type or shape from {p}ffn_gate_exps; zdsl's fused MoE needs "
                                 "one type and one width for the routed and shared gate/up projections")
-        up = choose(dmmv.moe_gate_up, self.info, {"QTYPE": q, "k": k, "m": m, "K": K}, QTYPE=q, K=K)
+        up = self._choose(dmmv.moe_gate_up, {"QTYPE": q, "k": k, "m": m, "K": K}, QTYPE=q, K=K)
         up.dispatch(seq, (cdiv(m, dmmv.rows_per_workgroup(up)), K + 1), label=p + "ffn_gate_up_exps+shexp",
                     wg=self.weights[p + "ffn_gate_exps.weight"], wu=self.weights[p + "ffn_up_exps.weight"],
                     wg_sh=self.weights[p + "ffn_gate_shexp.weight"], wu_sh=self.weights[p + "ffn_up_shexp.weight"],
@@ -272,8 +303,8 @@ class DecodeGraph:
             self._down(seq, p + "ffn_down_exps.weight", self.route_ids, self.route_w, self.act, K)
             self._down(seq, p + "ffn_down_shexp.weight", self.zero_id, self.route_w_shared, self.act_shared, 1)
             return
-        down = choose(dmmv.moe_down_all, self.info, {"QTYPE": qd, "QTYPE_SH": qs, "k": kd, "m": md, "K": K},
-                      QTYPE=qd, QTYPE_SH="" if qs == qd else qs, K=K)
+        down = self._choose(dmmv.moe_down_all, {"QTYPE": qd, "QTYPE_SH": qs, "k": kd, "m": md, "K": K},
+                            QTYPE=qd, QTYPE_SH="" if qs == qd else qs, K=K)
         down.dispatch(seq, cdiv(md, dmmv.rows_per_workgroup(down)), label=p + "ffn_down_exps+shexp",
                       w=self.weights[p + "ffn_down_exps.weight"], w_sh=self.weights[p + "ffn_down_shexp.weight"],
                       ids=self.route_ids, weights=self.route_w, act=self.act, y=b.x, k=kd, m=md)
@@ -352,10 +383,13 @@ class DecodeGraph:
     def logits(self) -> np.ndarray:
         return self.buf.logits.read(np.float32, (self.hp.vocab,))
 
+    def _free_steps(self) -> None:
+        for seq in (self.seq, self.seq_next, self._timed):
+            if seq is not None:
+                seq.free()
+        self.seq = self.seq_next = self._timed = None
+
     def close(self) -> None:
-        self.seq.free()
-        self.seq_next.free()
-        if self._timed is not None:
-            self._timed.free()
+        self._free_steps()
         for buf in self.weights.values():
             buf.free()
