@@ -246,11 +246,16 @@ def ffn_gate_up(wg: Buffer[u8], wu: Buffer[u8], ids: Buffer[u32], x: Buffer[f32]
     group = Rows(ROWS, NSUB, SG)
     bases = [expert_base + r * row_bytes for r in group.clamped(m)]
     acc = block_dots(f, ctx, [(wg, b) for b in bases] + [(wu, b) for b in bases], x, [0], nblocks, group)
-    sums = group.sums([a[0] for a in acc])
+    store_swiglu(act, group.sums([a[0] for a in acc]), group, m, slot)
+
+
+def store_swiglu(act, sums, group: Rows, m, slot):
+    """act[slot·m + row] = silu(gate) · up, from sums = the group's gate rows, then its up rows."""
+    n = group.count
     with zdsl.if_(group.leader()):
-        for r in range(ROWS):
+        for r in range(n):
             with zdsl.if_(group.first + r < m):
-                act[slot * m + group.first + r] = zdsl.silu(sums[r]) * sums[ROWS + r]
+                act[slot * m + group.first + r] = zdsl.silu(sums[r]) * sums[n + r]
 
 
 def experts_of(w_bytes, qtype, m, k) -> int:

@@ -19,7 +19,8 @@ import numpy as np
 
 import zdsl
 from zdsl import Buffer, Const, Spec, boolean, f32, i32, u8, u32
-from zdsl.kernels.dmmv import NSUBS, SUBGROUPS, Rows, block_loop, dequant_rows, store_rows, workgroup_of
+from zdsl.kernels.dmmv import (NSUBS, SUBGROUPS, Rows, block_loop, dequant_rows, ffn_gate_up_ref, store_rows,
+                               store_swiglu, workgroup_of)
 from zdsl.kernels.formats import q8_1_quantize
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS, fmt
 
@@ -112,6 +113,13 @@ def workgroup(v) -> int:
     return workgroup_of(v, FORMATS[v.QTYPE].iparts)
 
 
+def int8_decoder(QTYPE: str):
+    f = fmt(QTYPE)
+    if not f.iparts:
+        raise zdsl.ZdslError(f"no int8 decoder for {QTYPE} (have: {', '.join(INT8_FORMATS)})")
+    return f
+
+
 @zdsl.kernel(workgroup=workgroup, subgroup="SG",
              variants={"QTYPE": INT8_FORMATS, "COLS": list(range(1, 9)), "ROWS": [1, 2, 4], "SG": SUBGROUPS},
              tune={"NSUB": NSUBS}, where=lambda v: v.COLS == 1 or v.ROWS == 1)
@@ -120,9 +128,7 @@ def dmmv_q8(w: Buffer[u8], xq: Buffer[u32], xd: Buffer[f32], y: Buffer[f32], k: 
             NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
     """y[c·m + r] (+)= Σ_k W[r, k] · x̂[c·k + k] for COLS vectors given as Q8_1 (quantize_q8_1
     of the COLS·k activations); ADD accumulates into y. Grid: ceil(m / rows_per_workgroup)."""
-    f = fmt(QTYPE)
-    if not f.iparts:
-        raise zdsl.ZdslError(f"dmmv_q8 has no int8 decoder for {QTYPE} (have: {', '.join(INT8_FORMATS)})")
+    f = int8_decoder(QTYPE)
     nblocks = k // f.block
     group = Rows(ROWS, NSUB, SG)
     rows = [(w, r * (nblocks * f.nbytes)) for r in group.clamped(m)]
@@ -137,3 +143,29 @@ def dmmv_q8_ref(w_bytes, xq, xd, qtype, m, k, y=None):
     """dequant(W) @ the Q8_1 activations, in float64."""
     out = (q8_1_values(xq, xd).reshape(-1, k) @ dequant_rows(w_bytes, qtype, m, k).T).reshape(-1)
     return out if y is None else out + y
+
+
+@zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": INT8_FORMATS, "ROWS": [1, 2, 4], "SG": SUBGROUPS},
+             tune={"NSUB": NSUBS})
+def ffn_gate_up_q8(wg: Buffer[u8], wu: Buffer[u8], ids: Buffer[u32], xq: Buffer[u32], xd: Buffer[f32],
+                   act: Buffer[f32], k: u32, m: u32, EXPERTS: Spec[boolean] = True, QTYPE: Const = "q4_k",
+                   ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
+    """dmmv.ffn_gate_up with Q8_1 activations: act[s·m + r] = silu(Wg_e[r]·x̂) · (Wu_e[r]·x̂) for
+    the expert e = ids[s] of slot s = workgroup_id(1) (EXPERTS), or the single pair (not EXPERTS).
+    Grid: (ceil(m / rows_per_workgroup), slots)."""
+    f = int8_decoder(QTYPE)
+    nblocks = k // f.block
+    row_bytes = nblocks * f.nbytes
+    slot = zdsl.workgroup_id(1)
+    expert_base = ids.load(slot, mask=EXPERTS, other=0) * (m * row_bytes)
+    group = Rows(ROWS, NSUB, SG)
+    bases = [expert_base + r * row_bytes for r in group.clamped(m)]
+    rows = [(wg, b) for b in bases] + [(wu, b) for b in bases]
+    acc = block_loop(f.iparts, nblocks, group, 2 * ROWS, 1, lambda b, part: q8_step(f, rows, xq, xd, [0], b, part))
+    store_swiglu(act, group.sums([a[0] for a in acc]), group, m, slot)
+
+
+@ffn_gate_up_q8.reference
+def ffn_gate_up_q8_ref(wg_bytes, wu_bytes, ids, xq, xd, qtype, m, k, experts=True):
+    """ffn_gate_up_ref on the activations the Q8_1 buffers stand for."""
+    return ffn_gate_up_ref(wg_bytes, wu_bytes, ids, q8_1_values(xq, xd), qtype, m, k, experts)

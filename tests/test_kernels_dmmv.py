@@ -1,6 +1,6 @@
 """The matrix-vector family against numpy, for every weight type: dmmv (COLS, ROWS, ADD),
 ffn_gate_up (experts chosen by id, and the dense pair), moe_down (several slots), the embedding
-lookup, and the int8 path (quantize_q8_1 + dmmv_q8). Weights are random bytes with small finite
+lookup, and the int8 path (quantize_q8_1 + dmmv_q8, ffn_gate_up_q8). Weights are random bytes with small finite
 f16 scale fields, or formats.quantize of Gaussian values; references dequantize with gguf-py.
 Shapes: odd row counts (not multiples of ROWS) and K any number of blocks (not a multiple of
 what a workgroup reduces per step). Interpreter at every subgroup size and variant; lavapipe at
@@ -212,6 +212,38 @@ def test_dmmv_q8(backend, request, qtype, m, nb, shape, add, quantizer, sg_pick,
     step = np.repeat(xq8["xd"][0::2], 32) / 2  # |x − x̂| ≤ d/2 per element
     quant_bound = abs_dot(w, qtype, m, k, step) + RTOL * abs_dot(w, qtype, m, k, x) + 1e-6
     assert_within(y, dm.dmmv_ref(w, x, qtype, m, k, base), quant_bound)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("qtype", INT8_FORMATS)
+@settings(max_examples=10)
+@given(m=st.integers(1, 7), nb=st.integers(0, 5), nexp=st.integers(1, 4), slots=st.integers(1, 3),
+       experts=st.booleans(), rows=st.integers(0, 2), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
+def test_ffn_gate_up_q8(backend, request, qtype, m, nb, nexp, slots, experts, rows, sg_pick, seed):
+    """Gate·up by expert id over Q8_1 activations: against the f64 product on the kernel's own x̂."""
+    rng = np.random.default_rng(seed)
+    rows = [1, 2, 4][pick(backend, qtype, rows, 3)]
+    experts = bool(pick(backend, qtype, experts, 2))
+    k = FORMATS[qtype].block * block_count(qtype, nb)
+    nexp, slots = (nexp, slots) if experts else (1, 1)
+    sg = subgroup(backend, request, sg_pick)
+    wg, wu = (weights(rng, qtype, nexp * m, k, quantizer=False) for _ in range(2))
+    ids = rng.integers(0, nexp, slots).astype(np.uint32)
+    x = rng.standard_normal(k).astype(np.float32)
+    xq8 = run(dq.quantize_q8_1.specialize(SG=sg), backend, request, -(-k // 256), x=x,
+              xq=np.zeros(k // 4, np.uint32), xd=np.zeros(k // 16, np.float32), n=k)
+    v = dq.ffn_gate_up_q8.specialize(QTYPE=qtype, ROWS=rows, EXPERTS=experts, SG=sg)
+    act = run(v, backend, request, (-(-m // rows), slots), wg=wg, wu=wu, ids=ids, xq=xq8["xq"], xd=xq8["xd"],
+              act=np.full(slots * m, np.nan, np.float32), k=k, m=m)["act"]
+    xhat = dq.q8_1_values(xq8["xq"], xq8["xd"])
+    sel = ids if experts else [0]
+    g = dm.dmmv_ref(wg, xhat, qtype, nexp * m, k).reshape(nexp, m)[sel]
+    u = dm.dmmv_ref(wu, xhat, qtype, nexp * m, k).reshape(nexp, m)[sel]
+    ga = abs_dot(wg, qtype, nexp * m, k, xhat).reshape(nexp, m)[sel]
+    ua = abs_dot(wu, qtype, nexp * m, k, xhat).reshape(nexp, m)[sel]
+    ref = dq.ffn_gate_up_q8_ref(wg, wu, ids, xq8["xq"], xq8["xd"], qtype, m, k, experts)
+    bound = RTOL * ((np.abs(u) * 1.1 + np.abs(g)) * (ga + ua)).reshape(-1) + 1e-6
+    assert_within(act, ref, bound)
 
 
 def test_bench_kernels_on_lavapipe():

@@ -42,13 +42,15 @@ DEFAULT_SHAPES = (
     "dmmv:q6_k:2048:248320",
     "dmmv_q8:q4_k:2048:8192",
     "dmmv_q8:q6_k:2048:248320",
+    "ffn_gate_up_q8:q4_k:2048:512:256:8",
     "dmmv:q8_0:2048:8192",
     "dmmv:q5_k:2048:8192",
     "dmmv:q4_k:8192:2048",
 )
 TINY_SHAPES = ("dmmv:q4_k:512:96", "ffn_gate_up:q4_k:256:32:8:2", "moe_down:q4_k:256:64:8:2",
-               "dmmv:q6_k:256:96", "dmmv_q8:q4_k:512:96")
-KERNELS = ("dmmv", "dmmv_q8", "ffn_gate_up", "moe_down")
+               "dmmv:q6_k:256:96", "dmmv_q8:q4_k:512:96", "ffn_gate_up_q8:q4_k:512:32:8:2")
+KERNELS = ("dmmv", "dmmv_q8", "ffn_gate_up", "ffn_gate_up_q8", "moe_down")
+INT8_KERNELS = ("dmmv_q8", "ffn_gate_up_q8")  # they read Q8_1 activations
 
 
 @zdsl.kernel(workgroup=256, register=False)
@@ -75,7 +77,7 @@ class Case:
     def label(self) -> str:
         if self.kernel == "quantize_q8_1":
             return f"f32 {self.k} → q8_1"
-        experts = self.kernel in ("ffn_gate_up", "moe_down")
+        experts = self.kernel in ("ffn_gate_up", "ffn_gate_up_q8", "moe_down")
         return f"{self.qtype} {self.k}→{self.m}" + (f" ×{self.slots}/{self.experts}" if experts else "")
 
 
@@ -109,7 +111,7 @@ def parse_case(text: str) -> Case:
         raise ZdslError(f"shape '{text}': write KERNEL:QTYPE:K:M or KERNEL:QTYPE:K:M:EXPERTS:SLOTS with KERNEL one "
                         f"of {', '.join(KERNELS)} (e.g. dmmv:q4_k:2048:8192, moe_down:q4_k:512:2048:256:8)") from None
     case = Case(parts[0], parts[1].lower(), *nums)
-    have = INT8_FORMATS if case.kernel == "dmmv_q8" else list(FORMATS)
+    have = INT8_FORMATS if case.kernel in INT8_KERNELS else list(FORMATS)
     if case.qtype not in have:
         raise ZdslError(f"shape '{text}': {case.kernel} has no weight type {case.qtype} (have: {', '.join(have)})")
     block = FORMATS[case.qtype].block
@@ -120,11 +122,11 @@ def parse_case(text: str) -> Case:
 
 
 def with_quantizers(cases: list[Case]) -> list[Case]:
-    """Before the first dmmv_q8 case of each K, the quantize_q8_1 dispatch that feeds it (once per
+    """Before the first int8 case of each K, the quantize_q8_1 dispatch that feeds it (once per
     activation vector, however many matrices read it)."""
     out, seen = [], set()
     for c in cases:
-        if c.kernel == "dmmv_q8" and c.k not in seen:
+        if c.kernel in INT8_KERNELS and c.k not in seen:
             seen.add(c.k)
             out.append(Case("quantize_q8_1", "f32", c.k, 1))
         out.append(c)
@@ -235,7 +237,7 @@ class Bench:
         if case.kernel == "quantize_q8_1":
             return [dmmv_q8.quantize_q8_1.specialize(SG=self.device.info.subgroup_size)]
         kernel = {"dmmv": dmmv.dmmv, "dmmv_q8": dmmv_q8.dmmv_q8, "ffn_gate_up": dmmv.ffn_gate_up,
-                  "moe_down": dmmv.moe_down}[case.kernel]
+                  "ffn_gate_up_q8": dmmv_q8.ffn_gate_up_q8, "moe_down": dmmv.moe_down}[case.kernel]
         fixed = {"QTYPE": case.qtype}
         if not self.sweep:
             return [choose(kernel, self.device.info, {"QTYPE": case.qtype, "k": case.k, "m": case.m}, **fixed)]
@@ -332,6 +334,19 @@ class Bench:
             v.dispatch(seq, (-(-case.m // _rows_per_workgroup(v)), case.slots), wg=wg, wu=wu, ids=ids[i], x=x,
                        act=act[i % len(act)], k=case.k, m=case.m)
         return record, 2 * case.slots * case.m * rb + 4 * case.k + 4 * case.slots + 4 * case.slots * case.m
+
+    def _ffn_gate_up_q8(self, case, rb):
+        data = synthetic_rows(self.rng, case.qtype, case.experts * case.m, case.k)
+        wg, wu = self.upload(data, "gate"), self.upload(data, "up")
+        ids = self._id_sets(case)
+        xq = self.upload(self.rng.integers(-127, 128, case.k, dtype=np.int8).view(np.uint32), "xq")
+        xd = self.upload(np.tile(np.float32([0.01, 0.0]), case.k // 32), "xd")
+        act = self.outputs(4 * case.slots * case.m, "act")
+
+        def record(v, seq, i):
+            v.dispatch(seq, (-(-case.m // _rows_per_workgroup(v)), case.slots), wg=wg, wu=wu, ids=ids[i], xq=xq,
+                       xd=xd, act=act[i % len(act)], k=case.k, m=case.m)
+        return record, 2 * case.slots * case.m * rb + case.k + case.k // 4 + 4 * case.slots + 4 * case.slots * case.m
 
     def _moe_down(self, case, rb):
         w = self.upload(synthetic_rows(self.rng, case.qtype, case.experts * case.m, case.k), "down")
