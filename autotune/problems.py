@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 
 from zdsl.bench_kernels import synthetic_rows
-from zdsl.kernels import attention, deltanet, dmmv, moe, norm, sampling
+from zdsl.kernels import attention, deltanet, dmmv, dmmv_q8, moe, norm, sampling
 from zdsl.kernels.quant import FORMATS
 from zdsl.lang.kernel import Variant
 from zdsl.lang.language import cdiv
@@ -136,6 +136,37 @@ def _dmmv_norm(use, rng, check):
              y=np.zeros(m, np.float32))
     expect = (lambda p: {"y": (dmmv.dmmv_norm_ref(a["w"], a["x"], a["norm_w"], eps, q, m, k), 1e-4)}) if check else None
     return Case(_one(use, _rows_grid(m)), a, dict(k=k, m=m, eps=eps), _total(a), expect, lambda n: {"w": _copies(a["w"], n)})
+
+
+def _q8_1(x):
+    """Q8_1 buffers (xq words, xd (d, s) pairs) of x, as quantize_q8_1 writes them."""
+    q, d, s = dmmv_q8.quantize_q8_1_ref(x)
+    return q.reshape(-1).view(np.uint32), np.stack([d.reshape(-1), s.reshape(-1)], axis=1).astype(np.float32).reshape(-1)
+
+
+def _dmmv_q8(use, rng, check):
+    q, k, m = use.shape["QTYPE"], use.shape["k"], use.shape["m"]
+    m = min(m, CHECK_ROWS) if check else m
+    add = use.fixed["ADD"]
+    xq, xd = _q8_1(_normal(rng, k))
+    a = dict(w=_rows(rng, q, m, k), xq=xq, xd=xd, y=_normal(rng, m) if add else np.zeros(m, np.float32))
+    y0 = a["y"].copy()
+    expect = (lambda p: {"y": (dmmv_q8.dmmv_q8_ref(a["w"], xq, xd, q, m, k, y0 if add else None), 1e-4)}) if check \
+        else None
+    return Case(_one(use, _rows_grid(m)), a, dict(k=k, m=m), _total(a) + (a["y"].nbytes if add else 0), expect,
+                lambda n: {"w": _copies(a["w"], n)})
+
+
+def _quantize_q8_1_norm(use, rng, check):
+    n = use.shape["n"]
+    a = dict(x=_normal(rng, n, 3.0), norm_w=rng.uniform(0.5, 1.5, n).astype(np.float32),
+             xq=np.zeros(n // 4, np.uint32), xd=np.zeros(n // 16, np.float32))
+
+    def expect(p):  # the scales d (the quants may differ from the f64 reference by a step at halves)
+        hn = dmmv.rms_normed(a["x"], a["norm_w"], 1e-6)
+        return {"xd": (np.stack([np.abs(hn.reshape(-1, 32)).max(axis=1) / 127, np.full(n // 32, np.nan)],
+                                axis=1).reshape(-1), 1e-5)}
+    return Case(_one(use, lambda v: cdiv(n, 256)), a, dict(n=n, eps=1e-6), _total(a), expect if check else None)
 
 
 def _ffn_gate_up(use, rng, check):
@@ -365,7 +396,7 @@ def _sampling(use, rng, check):
 
 
 BUILDERS = {
-    "dmmv": _dmmv, "dmmv_norm": _dmmv_norm, "ffn_gate_up": _ffn_gate_up, "moe_down": _moe_down,
+    "dmmv": _dmmv, "dmmv_norm": _dmmv_norm, "dmmv_q8": _dmmv_q8, "quantize_q8_1_norm": _quantize_q8_1_norm, "ffn_gate_up": _ffn_gate_up, "moe_down": _moe_down,
     "moe_route": _moe_route, "moe_gate_up": _moe_gate_up, "moe_down_all": _moe_down_all, "rms_norm": _rms_norm, "attn_prep": _attn_prep,
     "attn_decode": _attn_decode, "attn_combine": _attn_combine, "deltanet_step": _deltanet_step,
     "sample_candidates": _sampling,

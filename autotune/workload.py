@@ -10,14 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from zdsl.errors import ZdslError
-from zdsl.kernels import attention, deltanet, dmmv, moe, norm, sampling
+from zdsl.kernels import attention, deltanet, dmmv, dmmv_q8, moe, norm, sampling
 from zdsl.kernels.quant import FORMATS
 from zdsl.lang.kernel import KernelDef
 from zdsl.lang.language import cdiv
 
 # as in the decode graph
-from zdsl.models.qwen35.graph import ATTN_MAX_SPLITS, ATTN_MIN_CHUNK
+from zdsl.models.qwen35.graph import ATTN_MAX_SPLITS, ATTN_MIN_CHUNK, int8_input
 
 
 @dataclass
@@ -75,6 +77,11 @@ class Tensors:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.shapes[name]
 
+    def nbytes(self, name: str) -> int:
+        f = FORMATS[self.qtype(name)]
+        *rest, k = self.shapes[name]
+        return int(np.prod(rest, dtype=np.int64)) * (k // f.block) * f.nbytes
+
     def qtype(self, name: str) -> str:
         q = self.qtypes[name]
         if q not in FORMATS:
@@ -100,6 +107,10 @@ def decode_uses(model: Tensors, n_ctx: int = 4096, caps: tuple[int, ...] = (1,))
     def normed_matvec(tensor):
         m, k = model.shape(tensor)[-2:]
         q = model.qtype(tensor)
+        if int8_input(q, model.nbytes(tensor)):
+            add(dmmv_q8.quantize_q8_1_norm, {"n": k}, {}, {}, tensor)
+            add(dmmv_q8.dmmv_q8, {"QTYPE": q, "k": k, "m": m}, {"QTYPE": q, "ADD": False}, {}, tensor, {"COLS": 1})
+            return
         add(dmmv.dmmv_norm, {"QTYPE": q, "k": k, "m": m}, {"QTYPE": q}, {}, tensor)
 
     nh, nkv, d = hp.n_heads, hp.n_kv_heads, hp.head_dim

@@ -22,6 +22,7 @@ from zdsl import Buffer, Const, Spec, boolean, f32, i32, u8, u32
 from zdsl.kernels.dmmv import (NSUBS, SUBGROUPS, Rows, block_loop, dequant_rows, ffn_gate_up_ref, store_rows,
                                store_swiglu, workgroup_of)
 from zdsl.kernels.formats import q8_1_quantize
+from zdsl.kernels.norm import rms_norm_ref, rms_scale
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS, fmt
 
 
@@ -32,7 +33,24 @@ def quantize_q8_1(x: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], n: u32, SG: 
     Grid: ceil(n / 256)."""
     i = zdsl.global_id()
     n4 = n >> 2
-    v = x.vec4[zdsl.min(i, n4 - 1)]
+    store_q8_1(x.vec4[zdsl.min(i, n4 - 1)], i, n4, xq, xd)
+
+
+@zdsl.kernel(workgroup=64, subgroup="SG", variants={"SG": SUBGROUPS})
+def quantize_q8_1_norm(x: Buffer[f32], norm_w: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], n: u32, eps: f32,
+                       SG: Const = 32):
+    """Q8_1 blocks of rmsnorm(x[0:n]) · norm_w (one vector, n a multiple of 32): the int8
+    products' input where a projection reads a normed vector. Every workgroup sums x² itself (n
+    is a hidden size: a few KB), so the norm costs no dispatch of its own. Grid: ceil(n / 256)."""
+    i = zdsl.global_id()
+    n4 = n >> 2
+    scale = rms_scale(lambda j: x[j], n, eps, 64, SG)
+    at = zdsl.min(i, n4 - 1)
+    store_q8_1(x.vec4[at] * norm_w.vec4[at] * scale, i, n4, xq, xd)
+
+
+def store_q8_1(v, i, n4, xq, xd):
+    """Invocation i's four values v into Q8_1 block i // 8 (eight invocations per block)."""
     a = zdsl.abs(v)
     amax = zdsl.subgroup_max(zdsl.max(zdsl.max(a.x, a.y), zdsl.max(a.z, a.w)), cluster=8)
     d = amax / 127.0
@@ -61,6 +79,11 @@ def quantize_q8_1_ref(x):
     """(q int8, d, s) per block of 32 as ggml makes them; ggml rounds d and s to f16, the kernel
     keeps them f32 (and its 1/d may differ by an ulp, moving a q that sits on a half by one)."""
     return q8_1_quantize(np.asarray(x, np.float32).reshape(-1, 32))
+
+
+@quantize_q8_1_norm.reference
+def quantize_q8_1_norm_ref(x, norm_w, eps):
+    return quantize_q8_1_ref(rms_norm_ref(x, norm_w, eps))
 
 
 def q8_1_values(xq, xd) -> np.ndarray:

@@ -348,3 +348,17 @@ def test_tune_with_a_model_file_tries_nominees_in_the_decode_step(tiny_model, tm
     for t in ip["trials"]:
         c = t["comparison"]
         assert t["kept"] == (c["gain"] - 1 > max(0.002, 2 * c["noise"]))
+
+
+def test_the_35b_head_is_an_int8_use_with_checkable_problems(device):
+    """In the 35B preset only the 400 MB output head crosses the int8 bar: its quantize and
+    product are workload uses, and the default variants pass their problems' reference checks."""
+    uses = decode_uses(Tensors.from_preset("35b-a3b"), caps=(1,))
+    int8 = [u for u in uses if u.kernel.name in ("quantize_q8_1_norm", "dmmv_q8")]
+    assert [(u.kernel.name, u.count, u.role) for u in int8] == [("quantize_q8_1_norm", 1, "output.weight"),
+                                                                ("dmmv_q8", 1, "output.weight")]
+    measure = tuner.Measure(device, warmup=1, repeats=3, warm_s=0.0)
+    for u in int8:
+        check = problems.case(u, np.random.default_rng(0), check=True)
+        (default,) = tuner.prepare(check, tuner.candidates(u, device.info)[:1], device.info)
+        assert measure.check(check, default) is None

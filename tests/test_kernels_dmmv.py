@@ -188,6 +188,27 @@ def test_quantize_q8_1(backend, request, nb, spread, ties, sg_pick, seed):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=15)
+@given(blocks=st.integers(1, 100), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
+def test_quantize_q8_1_norm(backend, request, blocks, sg_pick, seed):
+    """Q8_1 of rmsnorm(x)·w: the scale d to f32 rounding of the f64 norm, each q within one step
+    of ggml's quantization of the f64-normed vector (a value on a half may round either way)."""
+    rng = np.random.default_rng(seed)
+    n = 32 * blocks
+    x = (rng.standard_normal(n) * rng.uniform(0.1, 10)).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    out = run(dq.quantize_q8_1_norm.specialize(SG=subgroup(backend, request, sg_pick)), backend, request,
+              -(-n // 256), x=x, norm_w=w, xq=np.zeros(n // 4, np.uint32), xd=np.full(n // 16, np.nan, np.float32),
+              n=n, eps=1e-6)
+    q, d, _ = dq.quantize_q8_1_norm_ref(x, w, 1e-6)
+    qg = out["xq"].view(np.int8).reshape(-1, 32).astype(np.int32)
+    assert np.abs(qg - q).max() <= 1 and (qg == q).mean() > 0.99
+    hn = x.astype(np.float64) / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-6) * w
+    np.testing.assert_allclose(out["xd"][0::2], np.abs(hn.reshape(-1, 32)).max(axis=1) / 127, rtol=1e-5)
+    np.testing.assert_allclose(out["xd"][1::2], out["xd"][0::2] * qg.sum(axis=1), rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("qtype", INT8_FORMATS)
 @settings(max_examples=15)
 @given(m=st.integers(1, 9), nb=st.integers(0, 5), shape=st.integers(0, len(SHAPES) - 1), add=st.booleans(),

@@ -17,8 +17,8 @@ import numpy as np
 
 from zdsl.autotune.database import Database, choose, shape_key
 from zdsl.errors import ZdslError
-from zdsl.kernels import attention, deltanet, dmmv, embedding, moe, norm, sampling, steps
-from zdsl.kernels.quant import FORMATS
+from zdsl.kernels import attention, deltanet, dmmv, dmmv_q8, embedding, moe, norm, sampling, steps
+from zdsl.kernels.quant import FORMATS, INT8_FORMATS
 from zdsl.lang.language import cdiv
 from zdsl.models.qwen35.gguf_file import ModelFile
 from zdsl.models.qwen35.sampler import SamplerConfig
@@ -29,6 +29,16 @@ STEP_WORDS = 8  # step[0] position, [1] length, [2] token id, [3] sampler counte
 # serves every length: short contexts use few splits, long ones up to ATTN_MAX_SPLITS per KV head.
 ATTN_MIN_CHUNK = 64
 ATTN_MAX_SPLITS = 256
+# A normed projection this large reads its input as Q8_1 (int8 products): on the H100 the
+# 400 MB Q6_K output head takes 173 µs instead of 211 µs, far more than the ~4 µs of the one
+# dispatch that norms and quantizes x; for the few-MB projections that dispatch would cost more
+# than it saves (docs/PERF.md).
+INT8_MIN_BYTES = 64 << 20
+
+
+def int8_input(qtype: str, nbytes: int) -> bool:
+    """Whether a normed projection of this weight type and size runs on Q8_1 activations."""
+    return qtype in INT8_FORMATS and nbytes >= INT8_MIN_BYTES
 
 
 @dataclass
@@ -105,6 +115,7 @@ class DecodeGraph:
         self.step_words = self.step_host.view(np.uint32)
         self.step = dev.alloc(4 * STEP_WORDS, name="step")
         self.buf = Buffers(self._f32(H, "x"), self._f32(H, "hn"), self._f32(hp.vocab, "logits"))
+        self.xq, self.xd = dev.alloc(H, name="x_q8_1"), self._f32(H // 16, "x_q8_1_scales")  # int8 inputs
         qd, kvd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
         self.qg, self.q = self._f32(2 * qd, "qg"), self._f32(qd, "q")
         self.k, self.v = self._f32(kvd, "k"), self._f32(kvd, "v")
@@ -208,9 +219,18 @@ class DecodeGraph:
         return seq
 
     def _normed_matvec(self, seq, tensor: str, norm: str, y) -> None:
-        """y = W · (rmsnorm(x) · norm_w): the norm folded into the projection (no separate pass)."""
+        """y = W · (rmsnorm(x) · norm_w): the norm folded into the projection (no separate pass),
+        or, for a large W, into the dispatch that quantizes x for the int8 product."""
         m, k = self.model.shape(tensor)[-2:]
         q = self._qname(tensor)
+        if int8_input(q, self.model.info(tensor).nbytes):
+            quant = self._choose(dmmv_q8.quantize_q8_1_norm, {"n": k})
+            quant.dispatch(seq, cdiv(k, 256), label=norm.removesuffix(".weight") + "+q8_1", x=self.buf.x,
+                           norm_w=self.weights[norm], xq=self.xq, xd=self.xd, n=k, eps=self.hp.eps)
+            v = self._choose(dmmv_q8.dmmv_q8, {"QTYPE": q, "k": k, "m": m}, QTYPE=q, ADD=False)
+            v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=tensor.removesuffix(".weight"),
+                       w=self.weights[tensor], xq=self.xq, xd=self.xd, y=y, k=k, m=m)
+            return
         v = self._choose(dmmv.dmmv_norm, {"QTYPE": q, "k": k, "m": m}, QTYPE=q)
         v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=tensor.removesuffix(".weight"), w=self.weights[tensor],
                    x=self.buf.x, norm_w=self.weights[norm], y=y, k=k, m=m, eps=self.hp.eps)
