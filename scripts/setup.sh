@@ -13,8 +13,11 @@ have_mesa25() {
 
 if ! have_mesa25 || ! dpkg-query -W libvulkan1 >/dev/null 2>&1; then
     # Use the mirror the machine already uses for bookworm.
-    mirror=$(grep -rhoE 'https?://[^ ]+/debian/?' /etc/apt/sources.list /etc/apt/sources.list.d/ 2>/dev/null \
-             | grep -v security | head -1)
+    # Active lines only (one-line `deb` entries or deb822 `URIs:`, not comments); a missing
+    # sources.list (deb822-only machines) is not an error.
+    mirror=$(cat /etc/apt/sources.list /etc/apt/sources.list.d/* 2>/dev/null \
+             | awk '/^[[:space:]]*(deb|URIs:)/ { for (i = 1; i <= NF; i++) if (!found && $i ~ /^https?:\/\/.*\/debian\/?$/) found = $i }
+                    END { print found }') || true
     mirror=${mirror:-http://deb.debian.org/debian}
     list=/etc/apt/sources.list.d/zdsl-bookworm-backports.list
     if ! grep -rqs 'bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/; then
