@@ -208,15 +208,30 @@ def _moe_down(use, rng, check):
                 slots * (m * _row_bytes(q, k) + 4 * k) + 8 * m, expect if check else None, rotate)
 
 
-def _moe_route(use, rng, check):
-    n_exp, K = use.shape["n_expert"], use.fixed["K"]
-    a = dict(logits=_normal(rng, n_exp), ids=np.zeros(K, np.uint32), weights=np.zeros(K, np.float32))
+def _moe_router(use, rng, check):
+    q, k, n_exp, K = use.shape["QTYPE"], use.shape["k"], use.shape["n_expert"], use.fixed["K"]
+    n_exp = min(n_exp, CHECK_ROWS) if check else n_exp
+    eps = use.sizes["eps"]
+    a = dict(w=_rows(rng, q, n_exp, k), x=_normal(rng, k, 3.0), norm_w=rng.uniform(0.5, 1.5, k).astype(np.float32),
+             logits=np.zeros(n_exp, np.float32), arrivals=np.zeros(1, np.uint32), ids=np.zeros(K, np.uint32),
+             weights=np.zeros(K, np.float32))
+
+    def reference():
+        return moe.moe_router_ref(a["w"], a["x"], a["norm_w"], eps, q, n_exp, k, K)
+    while check and not _clear_picks(reference()[0], K):  # the ids are checked exactly: no near ties
+        a["x"] = _normal(rng, k, 3.0)
 
     def expect(p):
-        ids, weights = moe.moe_route_ref(a["logits"], K)
-        return {"ids": (ids[0], 0), "weights": (weights[0], 1e-5)}
-    return Case(_one(use, lambda v: 1), a, dict(n_expert=n_exp), _total(a), expect if check else None,
-                lambda n: {"logits": [_normal(rng, n_exp) for _ in range(n - 1)]})
+        logits, ids, weights = reference()
+        return {"logits": (logits, 1e-4), "ids": (ids, 0), "weights": (weights, 1e-4), "arrivals": (np.zeros(1), 0)}
+    return Case(_one(use, _rows_grid(n_exp)), a, dict(k=k, n_expert=n_exp, eps=eps), _total(a) + a["logits"].nbytes,
+                expect if check else None, lambda n: {"w": _copies(a["w"], n)})
+
+
+def _clear_picks(logits, K) -> bool:
+    """Whether the K + 1 largest logits are further apart than rounding moves them."""
+    top = np.sort(logits)[::-1][:K + 1]
+    return bool(np.all(-np.diff(top) > 1e-3 * np.abs(logits).max()))
 
 
 def _moe_gate_up(use, rng, check):
@@ -397,7 +412,7 @@ def _sampling(use, rng, check):
 
 BUILDERS = {
     "dmmv": _dmmv, "dmmv_norm": _dmmv_norm, "dmmv_q8": _dmmv_q8, "quantize_q8_1_norm": _quantize_q8_1_norm, "ffn_gate_up": _ffn_gate_up, "moe_down": _moe_down,
-    "moe_route": _moe_route, "moe_gate_up": _moe_gate_up, "moe_down_all": _moe_down_all, "rms_norm": _rms_norm, "attn_prep": _attn_prep,
+    "moe_router": _moe_router, "moe_gate_up": _moe_gate_up, "moe_down_all": _moe_down_all, "rms_norm": _rms_norm, "attn_prep": _attn_prep,
     "attn_decode": _attn_decode, "attn_combine": _attn_combine, "deltanet_step": _deltanet_step,
     "sample_candidates": _sampling,
 }

@@ -133,7 +133,7 @@ def decode_uses(model: Tensors, n_ctx: int = 4096, caps: tuple[int, ...] = (1,))
                 dict(k_heads=hp.ssm_k_heads, v_heads=hp.ssm_v_heads, eps=hp.eps), p + "ssm_conv+step")
             matvec(p + "ssm_out.weight")
         if hp.moe:
-            _moe(model, p, add, normed_matvec)
+            _moe(model, p, add)
         else:
             add(norm.rms_norm, {"n": hp.hidden}, {}, dict(eps=hp.eps), p + "post_attention_norm")
             m, k = model.shape(p + "ffn_gate.weight")[-2:]
@@ -147,11 +147,13 @@ def decode_uses(model: Tensors, n_ctx: int = 4096, caps: tuple[int, ...] = (1,))
     return merge(uses)
 
 
-def _moe(model: Tensors, p: str, add, normed_matvec) -> None:
+def _moe(model: Tensors, p: str, add) -> None:
     hp = model.hparams
     K, E = hp.n_experts_used, hp.n_experts
-    normed_matvec(p + "ffn_gate_inp.weight")
-    add(moe.moe_route, {"n_expert": E}, {"K": K}, {}, p + "moe_route")
+    router = p + "ffn_gate_inp.weight"
+    qr, kr = model.qtype(router), model.shape(router)[-1]
+    add(moe.moe_router, {"QTYPE": qr, "k": kr, "n_expert": E}, {"QTYPE": qr, "K": K}, dict(eps=hp.eps),
+        p + "ffn_gate_inp+moe_route")
     m, k = model.shape(p + "ffn_gate_exps.weight")[-2:]
     q = model.qtype(p + "ffn_gate_exps.weight")
     add(dmmv.moe_gate_up, {"QTYPE": q, "k": k, "m": m, "K": K}, {"QTYPE": q, "K": K}, dict(experts=E, eps=hp.eps),

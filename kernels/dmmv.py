@@ -344,6 +344,11 @@ def dmmv_norm(w: Buffer[u8], x: Buffer[f32], norm_w: Buffer[f32], y: Buffer[f32]
               QTYPE: Const = "q4_k", ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
     """y[r] = Σ_k W[r, k] · rmsnorm(x)[k] · norm_w[k]: a projection of a normed vector, with the
     norm folded in. Grid: ceil(m / rows_per_workgroup)."""
+    normed_rows(w, x, norm_w, y, k, m, eps, QTYPE, ROWS, NSUB, SG)
+
+
+def normed_rows(w, x, norm_w, y, k, m, eps, QTYPE, ROWS, NSUB, SG):
+    """dmmv_norm's rows of this workgroup: also the first half of the MoE router (moe.moe_router)."""
     f = fmt(QTYPE)
     ctx = f.setup()
     nblocks = k // f.block
@@ -384,7 +389,7 @@ def moe_gate_up(wg: Buffer[u8], wu: Buffer[u8], wg_sh: Buffer[u8], wu_sh: Buffer
                 QTYPE: Const = "q4_k", K: Const = 8, ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32,
                 WG: Const = 0):
     """The MoE up-projections of one token from the residual x, in one dispatch: hn = rmsnorm(x)
-    · norm_w; slot s < K takes expert ids[s] (picked by moe.moe_route: picking them here, in each
+    · norm_w; slot s < K takes expert ids[s] (picked by moe.moe_router: picking them here, in each
     of the thousands of workgroups, cost more than the dispatch it saved) and slot K the shared
     expert; act[s·m + r] = silu(Wg[r]·hn) · (Wu[r]·hn). The group of row 0 in slot K also writes
     the shared expert's gate weights[K] = sigmoid(sh_gate_w · hn), for moe_down_all.

@@ -7,40 +7,53 @@ from __future__ import annotations
 import numpy as np
 
 import zdsl
-from zdsl import Buffer, Const, f32, u32
+from zdsl import Buffer, Coherent, Const, f32, u8, u32
+from zdsl.kernels import dmmv
 from zdsl.kernels.sampling import SUBGROUPS, block_topk
 
 
-@zdsl.kernel(workgroup="WG", subgroup="SG", variants={"K": [8, 10], "WG": [64, 256], "R": [1, 4], "SG": SUBGROUPS})
-def moe_route(logits: Buffer[f32], ids: Buffer[u32], weights: Buffer[f32], n_expert: u32,
-              K: Const = 8, WG: Const = 64, R: Const = 4, SG: Const = 32):
-    """Token t = workgroup_id: ids[t·K + j] = the expert with the j-th largest router logit among
-    logits[t·n_expert : (t+1)·n_expert] (equal logits: lower expert first), weights[t·K + j] = its
-    softmax probability renormalised over the K picked. The full softmax denominator cancels in
-    that renormalisation, so only the picked logits are exponentiated. Needs n_expert ≥ K.
-    Grid: number of tokens."""
-    row = zdsl.workgroup_id()
+@zdsl.kernel(workgroup=dmmv.workgroup, subgroup="SG", variants={"QTYPE": ["f32"], "K": [8], "ROWS": [1, 2, 4],
+                                                               "SG": SUBGROUPS},
+             tune={"NSUB": dmmv.NSUBS, "R": [1, 4, 8]})
+def moe_router(w: Buffer[u8], x: Buffer[f32], norm_w: Buffer[f32], logits: Coherent[f32], arrivals: Buffer[u32],
+               ids: Buffer[u32], weights: Buffer[f32], k: u32, n_expert: u32, eps: f32, QTYPE: Const = "f32",
+               K: Const = 8, R: Const = 8, ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
+    """The experts of one token, from the residual x, in one dispatch: each workgroup writes its
+    rows of the router logits[e] = W[e] · rmsnorm(x) · norm_w as dmmv_norm does; the one that
+    finishes last (arrivals[0] counts them: 0 before, 0 after) picks ids[j] = the expert with the
+    j-th largest logit (equal logits: lower expert first) and weights[j] = its softmax probability
+    renormalised over the K picked. The full softmax denominator cancels in that renormalisation,
+    so only the picked logits are exponentiated. Needs n_expert ≥ K.
+    Grid: ceil(n_expert / rows_per_workgroup)."""
+    dmmv.normed_rows(w, x, norm_w, logits, k, n_expert, eps, QTYPE, ROWS, NSUB, SG)
+    with zdsl.if_(zdsl.last_workgroup(arrivals)):
+        def load(index, valid):
+            return logits.load(index, mask=valid, other=0.0), index
 
-    def load(index, valid):
-        return logits.load(row * n_expert + index, mask=valid, other=0.0), index
-
-    val_sh, id_sh, first = block_topk(load, n_expert, K, R, WG, SG)
-    with zdsl.if_(zdsl.local_index() < K):
+        WG = zdsl.workgroup_size()
+        val_sh, id_sh, first = block_topk(load, n_expert, K, R, WG, SG)
         z0 = val_sh[first]
-        total = zdsl.var(0.0)
-        for s in range(K):
-            total += zdsl.exp(val_sh[first + s] - z0)
-        j = zdsl.local_index()
-        ids[row * K + j] = id_sh[first + j]
-        weights[row * K + j] = zdsl.exp(val_sh[first + j] - z0) / total
+        for j in zdsl.range(zdsl.local_index(), K, WG):
+            total = zdsl.var(0.0)
+            for s in range(K):
+                total += zdsl.exp(val_sh[first + s] - z0)
+            ids[j] = id_sh[first + j]
+            weights[j] = zdsl.exp(val_sh[first + j] - z0) / total
 
 
-@moe_route.reference
-def moe_route_ref(logits, K=8):
-    """(ids, weights) per token row of `logits` (tokens × n_expert)."""
+@moe_router.reference
+def moe_router_ref(w_bytes, x, norm_w, eps, qtype, n_expert, k, K=8):
+    """(logits, ids, weights) of one token."""
+    logits = dmmv.dmmv_norm_ref(w_bytes, x, norm_w, eps, qtype, n_expert, k)
+    ids, weights = route_ref(logits, K)
+    return logits, ids[0], weights[0]
+
+
+def route_ref(logits, K=8):
+    """(ids, weights) per token row of `logits` (tokens × n_expert), the router's picks."""
     logits = np.atleast_2d(np.asarray(logits, np.float32))
     if logits.shape[1] < K:
-        raise ValueError(f"moe_route needs at least K={K} experts, got {logits.shape[1]}")
+        raise ValueError(f"routing needs at least K={K} experts, got {logits.shape[1]}")
     experts = np.arange(logits.shape[1])
     ids = np.stack([np.lexsort((experts, -row.astype(np.float64)))[:K] for row in logits])
     z = logits.astype(np.float64)

@@ -333,7 +333,7 @@ def test_tune_with_a_model_file_tries_nominees_in_the_decode_step(tiny_model, tm
     from zdsl.cli import main
 
     out = tmp_path / "db.json"
-    assert main(["tune", "--device", "lavapipe", "--model", str(tiny_model), "--kernels", "moe_route,dmmv",
+    assert main(["tune", "--device", "lavapipe", "--model", str(tiny_model), "--kernels", "moe_router,dmmv",
                  "--ctx", "64", "--budget", "60", "--repeats", "3", "--warm-ms", "0", "--out", str(out),
                  "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

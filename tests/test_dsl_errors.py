@@ -114,3 +114,11 @@ def test_shared_memory_overwrite_before_barrier():
         s[zdsl.local_id()] = t  # MARK
         x[zdsl.local_id()] = t
     expect_error_at(bad, "# MARK", "overwrites element")
+
+
+def test_last_workgroup_needs_a_u32_counter():
+    @zdsl.kernel(register=False)
+    def bad(x: Buffer[f32], n: u32):
+        with zdsl.if_(zdsl.last_workgroup(x)):  # MARK
+            x[0] = 1.0
+    expect_error_at(bad, "# MARK", "counts arrivals in a Buffer\\[u32\\]")

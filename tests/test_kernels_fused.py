@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from zdsl.kernels import dmmv as D
 from zdsl.kernels import formats as F
-from zdsl.kernels.moe import moe_route_ref
+from zdsl.kernels.moe import route_ref
 
 BACKENDS = ["interp", "lavapipe"]
 QTYPES = ["q4_k", "q6_k", "q8_0", "f32"]
@@ -59,7 +59,7 @@ def test_moe_gate_up_and_down_all(backend, request, qtype, K, n_expert, rows, ns
     x = rng.standard_normal(H).astype(np.float32)
     nw = rng.uniform(0.5, 1.5, H).astype(np.float32)
     sg = sg_for(backend, request, seed)
-    ids, routed_w = moe_route_ref(router, K)
+    ids, routed_w = route_ref(router, K)
     ids, routed_w = ids[0], routed_w[0]
     up = D.moe_gate_up.specialize(QTYPE=qtype, K=K, ROWS=rows, NSUB=nsub, SG=sg)
     out = run(up, backend, request, (-(-Fd // D.rows_per_workgroup(up)), K + 1), wg=wg, wu=wu, wg_sh=wg_sh, wu_sh=wu_sh, ids=ids,

@@ -1,13 +1,15 @@
-"""MoE routing and the shared-expert gate against numpy, in the interpreter (every subgroup
-size) and on lavapipe (its own): top-k expert ids exactly (ties to the lower expert), weights to
-rounding."""
+"""The MoE router (normed router logits, then the top-k experts and their weights picked by the
+workgroup that finishes last) against numpy, in the interpreter (every subgroup size) and on
+lavapipe (its own): logits to rounding; expert ids exactly (ties to the lower expert) and weights
+to rounding, from the logits the kernel wrote; the arrival count back at 0."""
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zdsl.kernels import moe
+from zdsl.kernels import dmmv, moe
+from zdsl.kernels import formats as F
 
 BACKENDS = ["interp", "lavapipe"]
 
@@ -23,33 +25,83 @@ def subgroup(backend, request, pick):
     return sizes[pick % len(sizes)]
 
 
-def router_logits(rng, tokens, n, ties):
-    if ties:  # few distinct values: many equal logits, also across the top-k boundary
-        return rng.integers(-3, 3, (tokens, n)).astype(np.float32)
-    return rng.standard_normal((tokens, n), dtype=np.float32) * 2
+def router_weights(rng, n, k, qtype, ties):
+    """n router rows; with ties, copies of a few distinct rows: equal logits, also across the
+    top-k boundary."""
+    rows = rng.standard_normal((n, k)).astype(np.float32) * 0.1
+    if ties:
+        rows = rows[rng.integers(0, max(2, n // 4), n)]
+    return F.quantize(rows, F.QuantType[qtype.upper()]).reshape(-1)
+
+
+def route(variant, backend, request, w, x, norm_w, n, k, K, eps=1e-6):
+    return run(variant, backend, request, -(-n // dmmv.rows_per_workgroup(variant)), w=w, x=x, norm_w=norm_w,
+               logits=np.full(n, np.nan, np.float32), arrivals=np.zeros(1, np.uint32),
+               ids=np.zeros(K, np.uint32), weights=np.zeros(K, np.float32), k=k, n_expert=n, eps=eps)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@given(k=st.sampled_from([4, 8, 10]), extra=st.integers(0, 600), tokens=st.integers(1, 3), ties=st.booleans(),
-       wg=st.sampled_from([64, 256]), r=st.sampled_from([1, 4]), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
-def test_route(backend, request, k, extra, tokens, ties, wg, r, sg_pick, seed):
-    n = k + extra
-    logits = router_logits(np.random.default_rng(seed), tokens, n, ties)
-    out = run(moe.moe_route.specialize(K=k, WG=wg, R=r, SG=subgroup(backend, request, sg_pick)), backend, request,
-              tokens, logits=logits, ids=np.zeros(tokens * k, np.uint32), weights=np.zeros(tokens * k, np.float32),
-              n_expert=n)
-    ids, weights = moe.moe_route_ref(logits, k)
-    np.testing.assert_array_equal(out["ids"].reshape(tokens, k), ids)
-    np.testing.assert_allclose(out["weights"].reshape(tokens, k), weights, rtol=2e-6, atol=1e-7)
-    np.testing.assert_allclose(out["weights"].reshape(tokens, k).sum(axis=1), 1, rtol=1e-5)
+@settings(max_examples=20)
+@given(K=st.sampled_from([4, 8, 10]), extra=st.integers(0, 70), kb=st.integers(1, 4), qtype=st.sampled_from(["f32", "q8_0"]),
+       ties=st.booleans(), rows=st.sampled_from([1, 2, 4]), nsub=st.sampled_from([1, 2, 4]), r=st.sampled_from([1, 4]),
+       sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
+def test_router(backend, request, K, extra, kb, qtype, ties, rows, nsub, r, sg_pick, seed):
+    rng = np.random.default_rng(seed)
+    n, k = K + extra, 32 * kb
+    w = router_weights(rng, n, k, qtype, ties)
+    x = rng.standard_normal(k).astype(np.float32) * 3
+    norm_w = rng.uniform(0.5, 1.5, k).astype(np.float32)
+    v = moe.moe_router.specialize(QTYPE=qtype, K=K, R=r, ROWS=rows, NSUB=nsub, SG=subgroup(backend, request, sg_pick))
+    out = route(v, backend, request, w, x, norm_w, n, k, K)
+    logits, _, _ = moe.moe_router_ref(w, x, norm_w, 1e-6, qtype, n, k, K)
+    np.testing.assert_allclose(out["logits"], logits, rtol=2e-5, atol=2e-5 * np.abs(logits).max())
+    ids, weights = moe.route_ref(out["logits"], K)
+    np.testing.assert_array_equal(out["ids"], ids[0])
+    np.testing.assert_allclose(out["weights"], weights[0], rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(out["weights"].sum(), 1, rtol=1e-5)
+    assert out["arrivals"][0] == 0
 
 
-def test_route_the_model_shape():
-    """256 experts, 8 used, as Qwen3.5-35B-A3B, with the picks' order independent of the
-    reference's: the k largest logits, largest first."""
-    logits = np.random.default_rng(7).standard_normal(256, dtype=np.float32)
-    out = moe.moe_route.specialize(K=8, WG=64, R=4, SG=32).interpret(
-        1, logits=logits, ids=np.zeros(8, np.uint32), weights=np.zeros(8, np.float32), n_expert=256)
+def test_router_twice_in_one_sequence(device):
+    """Two tokens routed back to back in one command buffer: the second dispatch finds the count
+    the first left at 0 and picks its own experts."""
+    rng = np.random.default_rng(3)
+    n, k, K = 61, 256, 8
+    w = router_weights(rng, n, k, "f32", ties=False)
+    norm_w = rng.uniform(0.5, 1.5, k).astype(np.float32)
+    xs = [rng.standard_normal(k).astype(np.float32) for _ in range(2)]
+    v = moe.moe_router.specialize(K=K, ROWS=2, SG=device.info.subgroup_size)
+    up = lambda a, name: device.upload(np.ascontiguousarray(a), name=name)  # noqa: E731
+    shared = dict(w=up(w, "w"), norm_w=up(norm_w, "norm_w"), arrivals=up(np.zeros(1, np.uint32), "arrivals"))
+    own = [dict(x=up(x, "x"), logits=up(np.zeros(n, np.float32), "logits"), ids=up(np.zeros(K, np.uint32), "ids"),
+                weights=up(np.zeros(K, np.float32), "weights")) for x in xs]
+    try:
+        seq = device.sequence()
+        for bufs in own:
+            v.dispatch(seq, -(-n // dmmv.rows_per_workgroup(v)), k=k, n_expert=n, eps=1e-6, **shared, **bufs)
+        seq.run()
+        seq.free()
+        for x, bufs in zip(xs, own):
+            want_logits, want_ids, want_weights = moe.moe_router_ref(w, x, norm_w, 1e-6, "f32", n, k, K)
+            np.testing.assert_allclose(bufs["logits"].read(np.float32, (n,)), want_logits, rtol=1e-5, atol=1e-5)
+            np.testing.assert_array_equal(bufs["ids"].read(np.uint32, (K,)), want_ids)
+            np.testing.assert_allclose(bufs["weights"].read(np.float32, (K,)), want_weights, rtol=1e-5)
+        assert shared["arrivals"].read(np.uint32, (1,))[0] == 0
+    finally:
+        for b in list(shared.values()) + [b for bufs in own for b in bufs.values()]:
+            b.free()
+
+
+def test_router_the_model_shape():
+    """256 experts of 2048 f32 weights, 8 used, as Qwen3.5-35B-A3B, with the picks' order
+    independent of the reference's: the k largest logits, largest first."""
+    rng = np.random.default_rng(7)
+    n, k = 256, 2048
+    w = rng.standard_normal((n, k), dtype=np.float32) * 0.02
+    x = rng.standard_normal(k, dtype=np.float32)
+    norm_w = rng.uniform(0.5, 1.5, k).astype(np.float32)
+    out = route(moe.moe_router.specialize(K=8, SG=32), "interp", None, w.reshape(-1).view(np.uint8), x, norm_w, n, k, 8)
+    logits = out["logits"]
     np.testing.assert_array_equal(out["ids"], np.argsort(-logits)[:8])
     p = np.exp(logits[out["ids"]] - logits.max())
     np.testing.assert_allclose(out["weights"], p / p.sum(), rtol=1e-5)

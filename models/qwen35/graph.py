@@ -139,6 +139,7 @@ class DecodeGraph:
             if S != F:
                 raise ZdslError(f"shared expert width {S} differs from the experts' {F}; zdsl runs the shared "
                                 "expert as one more expert slot, which needs one width")
+            self.router_arrivals = dev.alloc(4, name="router_arrivals")  # moe_router's count: 0 between dispatches
             self.route_ids = dev.alloc(4 * K, name="route_ids")
             self.route_w = self._f32(K + 1, "route_weights")  # [K] is the shared expert's gate
             self.act = self._f32((K + 1) * F, "expert_act")  # slot K: the shared expert
@@ -168,13 +169,16 @@ class DecodeGraph:
             self.cand = self.device.alloc(nbytes, name="candidates")
 
     def reset(self) -> None:
-        """Forget the sequence: zero the caches, recurrent states and penalty counts."""
+        """Forget the sequence: zero the caches, recurrent states and penalty counts (and the
+        router's arrival count, which every dispatch leaves at 0 anyway)."""
         seq = self.device.sequence()
         for k, v in self.kv.values():
             seq.fill(k), seq.fill(v)
         for b in list(self.conv_state.values()) + list(self.ssm_state.values()):
             seq.fill(b)
         seq.fill(self.counts)
+        if self.hp.moe:
+            seq.fill(self.router_arrivals)
         seq.run()
         seq.free()
         self.position = 0
@@ -294,15 +298,18 @@ class DecodeGraph:
                    y=self.buf.x, k=k, m=m, slots=slots)
 
     def _moe(self, seq, i: int) -> None:
-        """Router logits, the experts picked from them (one workgroup), then one dispatch for
-        every expert's gate·up (the shared expert as one more slot), then one for every down
-        projection added to x."""
+        """Router logits and the experts picked from them (by the workgroup that finishes last),
+        then one dispatch for every expert's gate·up (the shared expert as one more slot), then
+        one for every down projection added to x."""
         hp, p, b = self.hp, f"blk.{i}.", self.buf
         K, E = hp.n_experts_used, hp.n_experts
-        self._normed_matvec(seq, p + "ffn_gate_inp.weight", p + "post_attention_norm.weight", self.router)
-        route = self._choose(moe.moe_route, {"n_expert": E}, K=K)
-        route.dispatch(seq, 1, label=p + "moe_route", logits=self.router, ids=self.route_ids,
-                       weights=self.route_w, n_expert=E)
+        router = p + "ffn_gate_inp.weight"
+        qr, kr = self._qname(router), self.model.shape(router)[-1]
+        route = self._choose(moe.moe_router, {"QTYPE": qr, "k": kr, "n_expert": E}, QTYPE=qr, K=K)
+        route.dispatch(seq, cdiv(E, dmmv.rows_per_workgroup(route)), label=p + "ffn_gate_inp+moe_route",
+                       w=self.weights[router], x=b.x, norm_w=self.weights[p + "post_attention_norm.weight"],
+                       logits=self.router, arrivals=self.router_arrivals, ids=self.route_ids, weights=self.route_w,
+                       k=kr, n_expert=E, eps=hp.eps)
         m, k = self.model.shape(p + "ffn_gate_exps.weight")[-2:]
         q = self._qname(p + "ffn_gate_exps.weight")
         for t in ("ffn_up_exps", "ffn_gate_shexp", "ffn_up_shexp"):

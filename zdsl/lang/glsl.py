@@ -233,6 +233,8 @@ class Emitter:
             self.line(depth, "}")
         elif isinstance(s, ir.Barrier):
             self.line(depth, "barrier();")
+        elif isinstance(s, ir.MemoryBarrier):
+            self.line(depth, "memoryBarrierBuffer();")
         else:
             raise NotImplementedError(type(s))
 
@@ -271,6 +273,8 @@ class Emitter:
             if name not in used:
                 qual = "readonly "
             restrict = "restrict " if len(views) == 1 else ""
+            if name in k.coherent:
+                qual = "coherent " + qual
             for v in views:
                 vn = view_name(v, self.declared)
                 out.append(f"layout(set = 0, binding = {binding}, std430) {restrict}{qual}buffer B_{vn} "

@@ -300,6 +300,8 @@ class Run:
                                   "(a barrier must be in uniform control flow)")
             for w in list(self.writer.values()) + list(self.reader.values()):
                 w.fill(-1)
+        elif isinstance(s, ir.MemoryBarrier):
+            pass  # numpy memory is always coherent; workgroups run in order (see `interpret`)
         else:
             raise NotImplementedError(type(s))
 
@@ -341,7 +343,10 @@ class Run:
 
 def interpret(k: ir.Kernel, groups: tuple[int, int, int], buffers: dict[str, np.ndarray], scalars: dict,
               specs: dict) -> None:
-    """Run kernel `k` over `groups` workgroups, updating the numpy `buffers` in place."""
+    """Run kernel `k` over `groups` workgroups, updating the numpy `buffers` in place. Chunks of
+    workgroups run one after the other, and atomics in workgroup order within a statement: one
+    legal GPU schedule, in which the workgroup that counts last (`last_workgroup`) comes after
+    every other workgroup's earlier writes."""
     wg = k.workgroup[0] * k.workgroup[1] * k.workgroup[2]
     total = groups[0] * groups[1] * groups[2]
     per_chunk = max(1, MAX_LANES // wg)

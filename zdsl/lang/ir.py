@@ -166,6 +166,12 @@ class Barrier:
 
 
 @dataclass
+class MemoryBarrier:
+    """This invocation's buffer writes before it are visible device-wide before its accesses after it."""
+    loc: Loc
+
+
+@dataclass
 class Kernel:
     """A traced kernel variant, ready for a backend."""
     name: str
@@ -182,3 +188,4 @@ class Kernel:
     label: str = ""
     locals: list = field(default_factory=list)
     tables: list = field(default_factory=list)
+    coherent: frozenset = frozenset()  # names of the buffers declared Coherent

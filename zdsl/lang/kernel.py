@@ -1,9 +1,10 @@
 """`@zdsl.kernel`: a Python function becomes a family of specialized kernel variants.
 
-Parameters are classified by annotation: `Buffer[T]` → storage buffers (bindings in order),
-a scalar type (`u32`, `f32`, ...) → push constants, `Spec[T]` → specialization constants,
-`Const` → trace-time Python values. A `Variant` is one choice of Const and Spec values: it
-traces once, emits GLSL, compiles (cached) and runs on a device or in the interpreter.
+Parameters are classified by annotation: `Buffer[T]` (or `Coherent[T]`) → storage buffers
+(bindings in order), a scalar type (`u32`, `f32`, ...) → push constants, `Spec[T]` →
+specialization constants, `Const` → trace-time Python values. A `Variant` is one choice of
+Const and Spec values: it traces once, emits GLSL, compiles (cached) and runs on a device or in
+the interpreter.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Param:
     kind: str  # "buffer", "scalar", "spec", "const"
     dtype: DType | None
     default: object
+    coherent: bool = False  # a buffer declared Coherent[T]
 
 
 class KernelDef:
@@ -77,7 +79,7 @@ class KernelDef:
             ann = hints.get(p.name)
             default = None if p.default is inspect.Parameter.empty else p.default
             if isinstance(ann, BufferAnnotation):
-                params.append(Param(p.name, "buffer", ann.dtype, None))
+                params.append(Param(p.name, "buffer", ann.dtype, None, ann.coherent))
             elif isinstance(ann, SpecAnnotation):
                 params.append(Param(p.name, "spec", ann.dtype, default))
             elif isinstance(ann, DType):
@@ -85,8 +87,8 @@ class KernelDef:
             elif ann is Const:
                 params.append(Param(p.name, "const", None, default))
             else:
-                raise self._error(f"parameter '{p.name}' needs an annotation: Buffer[T], a scalar type "
-                                  f"(u32, i32, f32), Spec[T] or Const")
+                raise self._error(f"parameter '{p.name}' needs an annotation: Buffer[T] (or Coherent[T]), a "
+                                  f"scalar type (u32, i32, f32), Spec[T] or Const")
         return params
 
     def reference(self, fn: Callable) -> Callable:
@@ -186,8 +188,9 @@ class KernelDef:
                   for b in buffers]
         views = [v for b in buffers for v in b.views.values()]
         label = f"{self.name}[{','.join(f'{k}={v}' for k, v in consts.items())}]" if consts else self.name
+        coherent = frozenset(p.name for p in self.params if p.coherent)
         return ir.Kernel(self.name, tracer.blocks[0], workgroup, sg, access, views, scalars, specs,
-                         tracer.shared, tracer.features, self.source, label, tracer.locals, tracer.tables)
+                         tracer.shared, tracer.features, self.source, label, tracer.locals, tracer.tables, coherent)
 
     def _locate(self, e: Exception) -> KernelError:
         file = self.source[0]

@@ -25,9 +25,18 @@ class Buffer:
         return BufferAnnotation(dtype)
 
 
+class Coherent:
+    """`x: Coherent[f32]`: a storage buffer whose loads see what other workgroups of the same
+    dispatch wrote before a `memory_barrier()` (GLSL `coherent`: no stale cached copy), as the
+    workgroup that `last_workgroup()` picks must when it reads the others' results."""
+
+    def __class_getitem__(cls, dtype: DType):
+        return BufferAnnotation(dtype, coherent=True)
+
+
 class BufferAnnotation:
-    def __init__(self, dtype: DType):
-        self.dtype = dtype
+    def __init__(self, dtype: DType, coherent: bool = False):
+        self.dtype, self.coherent = dtype, coherent
 
 
 class Spec:
@@ -207,6 +216,35 @@ def table(dtype: DType, values) -> TableArray:
 def barrier() -> None:
     """Every invocation of the workgroup waits here; shared-memory writes before it are visible after."""
     tracer().emit(ir.Barrier(user_loc()))
+
+
+def memory_barrier() -> None:
+    """This invocation's buffer writes before it reach device memory before its buffer accesses
+    after it (GLSL memoryBarrierBuffer): how one workgroup hands results to another within a
+    dispatch. Not a barrier() — nobody waits."""
+    tracer().emit(ir.MemoryBarrier(user_loc()))
+
+
+def last_workgroup(counter: BufferParam, index=0) -> Value:
+    """True, in all its invocations, in the one workgroup of the dispatch that gets here last;
+    its reads of `Coherent` buffers see every buffer write the others made before getting here.
+    counter[index] (u32) counts the arrivals: it must be 0 when the dispatch starts, and the
+    last workgroup puts it back to 0 for the next one. Call it in uniform control flow. The
+    "last workgroup finishes" reduction: a dependent step without a second dispatch."""
+    if not isinstance(counter, BufferParam) or counter.dtype.name != "u32":
+        raise fail("zdsl.last_workgroup counts arrivals in a Buffer[u32]")
+    groups = num_workgroups(0) * num_workgroups(1) * num_workgroups(2)
+    memory_barrier()  # release: this invocation's writes before the arrival that announces them
+    barrier()         # ... and those of every invocation of the workgroup
+    flag = shared(u32, 1)
+    with if_(local_index() == 0):
+        last = atomic_add(counter, index, 1) == groups - 1
+        memory_barrier()  # acquire: the others' writes, before this workgroup's reads
+        flag[0] = where(last, 1, 0, u32)
+        with if_(last):
+            counter[index] = 0
+    barrier()
+    return flag[0] == 1
 
 
 # ---- math -------------------------------------------------------------------------------------
@@ -407,9 +445,9 @@ def cdiv(a: int, b: int) -> int:
 
 
 __all__ = [
-    "Buffer", "Spec", "Const", "workgroup_id", "num_workgroups", "local_id", "local_index", "global_id",
+    "Buffer", "Coherent", "Spec", "Const", "workgroup_id", "num_workgroups", "local_id", "local_index", "global_id",
     "workgroup_size", "subgroup_size", "subgroup_id", "lane_id", "var", "range", "if_", "else_", "where",
-    "shared", "local_array", "table", "barrier", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "sin", "cos", "tanh", "floor",
+    "shared", "local_array", "table", "barrier", "memory_barrier", "last_workgroup", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "sin", "cos", "tanh", "floor",
     "ceil", "round", "sigmoid", "silu", "softplus", "abs", "isnan", "min", "max", "pow", "clamp", "fma",
     "bitcast", "f16_bits", "bf16_bits", "unpack_bytes", "vec", "dot", "dot4_i8", "subgroup_sum", "subgroup_max",
     "subgroup_min", "subgroup_prefix_sum", "subgroup_ballot_count", "subgroup_broadcast", "subgroup_shuffle", "subgroup_shuffle_xor", "atomic_add",
