@@ -68,6 +68,19 @@ def test_seed_and_layers(tmp_path):
     assert not np.array_equal(ra, rc)
 
 
+def test_a_pool_of_writers_writes_the_same_file(tmp_path, monkeypatch):
+    """Large files are written by a pool of processes; the bytes must not depend on it (tall
+    tensors drawn from pools of rows included: POOL_ROWS shrunk so the tiny preset has them)."""
+    monkeypatch.setattr(synth, "POOL_ROWS", 64)
+    monkeypatch.setattr(synth, "PARALLEL_BYTES", 1 << 62)
+    synth.write(tmp_path / "one.gguf", "tiny", seed=4)
+    monkeypatch.setattr(synth, "PARALLEL_BYTES", 0)
+    synth.write(tmp_path / "pool.gguf", "tiny", seed=4)
+    assert (tmp_path / "one.gguf").read_bytes() == (tmp_path / "pool.gguf").read_bytes()
+    embd = open_model(tmp_path / "pool.gguf").raw("token_embd.weight").reshape(1024, -1)
+    assert len(np.unique(embd, axis=0)) <= 64 < 1024  # rows really came from the pool
+
+
 def test_progress_reaches_the_data_size(tmp_path):
     calls = []
     synth.write(tmp_path / "m.gguf", "tiny", quant="f16", progress=lambda d, t: calls.append((d, t)))

@@ -3,13 +3,14 @@
 They let tests, the GPU decode path and benchmarks run without downloading 20 GB. Weights
 are scaled so every sub-block sees unit-RMS inputs and the head's logits have a spread of a
 few units: activations stay finite and the argmax moves from position to position.
-Files are written tensor by tensor, so the 35B-A3B preset never holds more than one
-tensor (at most a few hundred MB) in memory.
+Files are written tensor by tensor, so the 35B-A3B preset holds only the few tensors (at most a
+few hundred MB each) that its pool of writer processes has ready.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -140,20 +141,29 @@ def _values(name: str, shape: tuple[int, ...], hp: Hparams, rng: np.random.Gener
     return 1.0 / np.sqrt(shape[-1])                                        # unit-RMS outputs
 
 
-class _RowSource:
-    """Quantized random rows: exact for small tensors, drawn from a shared pool for tall ones."""
+# Files at least this large are written by a pool of processes (one tensor per task, written in
+# order); smaller ones in this process, where a pool would cost more than it saves.
+PARALLEL_BYTES = 256 << 20
+_pools: dict[tuple, np.ndarray] = {}  # per process: quantized rows by (seed, width, type, std)
 
-    def __init__(self, rng: np.random.Generator):
-        self.rng = rng
-        self.pools: dict[tuple, np.ndarray] = {}
 
-    def rows(self, n: int, width: int, qtype: QuantType, std: float) -> np.ndarray:
-        if n <= POOL_ROWS:
-            return quantize(std * self.rng.standard_normal((n, width), dtype=np.float32), qtype)
-        key = (width, qtype, std)
-        if key not in self.pools:
-            self.pools[key] = quantize(std * self.rng.standard_normal((POOL_ROWS, width), dtype=np.float32), qtype)
-        return self.pools[key][self.rng.integers(0, POOL_ROWS, n)]
+def _tensor_data(task: tuple) -> np.ndarray:
+    """The bytes of one tensor. Each tensor draws from its own generator (seed, index), and the
+    pools of tall tensors from one per (seed, width, type, std), so a file is the same whichever
+    process writes which tensor."""
+    seed, index, name, shape, qtype, hp = task
+    rng = np.random.default_rng([seed, index])
+    values = _values(name, shape, hp, rng)
+    if isinstance(values, np.ndarray):
+        return quantize(values.reshape(-1, shape[-1]), qtype)
+    n, width = int(np.prod(shape[:-1], dtype=np.int64)), shape[-1]
+    if n <= POOL_ROWS:
+        return quantize(values * rng.standard_normal((n, width), dtype=np.float32), qtype)
+    key = (seed, width, qtype, values)
+    if key not in _pools:
+        pool_rng = np.random.default_rng([seed, width, int(qtype), int(values * 1e9)])
+        _pools[key] = quantize(values * pool_rng.standard_normal((POOL_ROWS, width), dtype=np.float32), qtype)
+    return _pools[key][rng.integers(0, POOL_ROWS, n)]
 
 
 def _vocab(size: int) -> tuple[list[str], list[int], list[str]]:
@@ -244,9 +254,8 @@ def write(path: str | os.PathLike, preset_name: str = "tiny", *, layers: int | N
     hp = preset(preset_name, layers)
     tensors = plan(hp, quant)
     path = Path(path)
-    rng = np.random.default_rng(seed)
-    source = _RowSource(rng)
     w = GGUFWriter(path, hp.arch)
+    pool = None
     try:
         _metadata(w, hp, preset_name)
         sizes = []
@@ -258,12 +267,13 @@ def write(path: str | os.PathLike, preset_name: str = "tiny", *, layers: int | N
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         total, done = sum(sizes), 0
-        for (name, shape, qtype), size in zip(tensors, sizes):
-            values = _values(name, shape, hp, rng)
-            if isinstance(values, np.ndarray):
-                data = quantize(values.reshape(-1, shape[-1]), qtype)
-            else:
-                data = source.rows(int(np.prod(shape[:-1], dtype=np.int64)), shape[-1], qtype, values)
+        tasks = [(seed, i, name, shape, qtype, hp) for i, (name, shape, qtype) in enumerate(tensors)]
+        if total >= PARALLEL_BYTES and (os.cpu_count() or 1) > 1:
+            pool = multiprocessing.get_context("fork").Pool(os.cpu_count())
+            datas = pool.imap(_tensor_data, tasks)
+        else:
+            datas = map(_tensor_data, tasks)
+        for data, size in zip(datas, sizes):
             w.write_tensor_data(data)
             done += size
             if progress:
@@ -272,5 +282,7 @@ def write(path: str | os.PathLike, preset_name: str = "tiny", *, layers: int | N
         path.unlink(missing_ok=True)  # no truncated file left behind
         raise ModelError(f"cannot write {path}: {e.strerror}; check the directory and free space") from None
     finally:
+        if pool is not None:
+            pool.terminate()
         w.close()
     return hp
