@@ -119,6 +119,7 @@ class Device:
         self._layouts: dict[tuple[int, int], object] = {}
         self._arenas: dict[str, memory.Arena] = {}
         self._staging = None
+        self._placeholder = None
         self._oneoff = None           # (command buffer, fence) for staging copies
         self._cache_path = cache_dir("pipelines") / f"{content_key(self.info.identity)}.bin"
         self._cache_dirty = False
@@ -203,6 +204,13 @@ class Device:
         buf = self.alloc(array.nbytes, name)
         buf.write(array)
         return buf
+
+    @property
+    def placeholder(self) -> memory.Buffer:
+        """A small buffer bound where a kernel variant declares a buffer it never touches."""
+        if self._placeholder is None:
+            self._placeholder = self.alloc(16, name="placeholder")
+        return self._placeholder
 
     def host_buffer(self, nbytes: int, name: str = "") -> memory.HostBuffer:
         """Host-visible coherent memory that kernels can bind: per-step values (position, token)."""

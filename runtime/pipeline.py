@@ -2,7 +2,8 @@
 driver's own statistics (registers, spills, occupancy) and disassembly when it offers them.
 
 Every storage buffer is one binding of set 0, in order; the access string of each binding
-("r", "w", "rw") is what the Sequence uses to decide where barriers go.
+("r", "w", "rw", or "-" for one the variant never touches) is what the Sequence uses to decide
+where barriers go.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from zdsl.errors import MissingFeatureError, ZdslError
 from zdsl.runtime import vk
 from zdsl.runtime.vk import Keep, ffi, lib
 
-ACCESS = {"r": (True, False), "w": (False, True), "rw": (True, True)}
+ACCESS = {"r": (True, False), "w": (False, True), "rw": (True, True), "-": (False, False)}
 
 _OP_EXECUTION_MODE, _OP_EXECUTION_MODE_ID, _OP_DECORATE = 16, 331, 71
 _OP_CONSTANT, _OP_SPEC_CONSTANT, _OP_CONSTANT_COMPOSITE, _OP_SPEC_CONSTANT_COMPOSITE = 43, 50, 44, 51
@@ -106,7 +107,7 @@ def create(device, spirv: bytes, *, bindings, push_size: int, spec, subgroup_siz
     bindings = tuple(bindings)
     for b in bindings:
         if b not in ACCESS:
-            raise ZdslError(f"pipeline {name}: binding access {b!r} must be 'r', 'w' or 'rw'")
+            raise ZdslError(f"pipeline {name}: binding access {b!r} must be 'r', 'w', 'rw' or '-'")
     if push_size % 4 or push_size < 0 or push_size > phys.max_push_constants:
         raise ZdslError(f"pipeline {name}: push_size {push_size} must be a multiple of 4 and at most "
                         f"{phys.max_push_constants} on {info.name}")

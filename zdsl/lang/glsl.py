@@ -14,7 +14,7 @@ import numpy as np
 
 from zdsl.lang import ir
 from zdsl.lang.ops import BINARY, HELPER_TYPES, TERNARY, UNARY
-from zdsl.lang.types import DType, f32
+from zdsl.lang.types import DType, f32, u32
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -267,9 +267,11 @@ class Emitter:
         access = {name: acc for name, _, acc in k.buffers}
         used = {v.buffer for v in k.views}
         for name, dtype, acc in k.buffers:
-            views = [v for v in k.views if v.buffer == name] or [ir.View(name, len(out), dtype)]
+            # a buffer the variant never touches is declared as words (its own type may need an
+            # extension the variant does not enable)
+            views = [v for v in k.views if v.buffer == name] or [ir.View(name, len(out), u32)]
             binding = [i for i, b in enumerate(k.buffers) if b[0] == name][0]
-            qual = {"r": "readonly ", "w": "writeonly ", "rw": ""}[access[name]]
+            qual = {"r": "readonly ", "w": "writeonly ", "rw": "", "-": "readonly "}[access[name]]
             if name not in used:
                 qual = "readonly "
             restrict = "restrict " if len(views) == 1 else ""

@@ -189,3 +189,23 @@ class Kernel:
     locals: list = field(default_factory=list)
     tables: list = field(default_factory=list)
     coherent: frozenset = frozenset()  # names of the buffers declared Coherent
+
+
+def scalars_read(body) -> set[str]:
+    """Names of the push-constant parameters that the statements of `body` read."""
+    found: set[str] = set()
+
+    def visit(node) -> None:
+        if isinstance(node, Scalar):
+            found.add(node.name)
+        elif isinstance(node, (list, tuple)):
+            for item in node:
+                visit(item)
+        elif isinstance(node, dict):
+            for item in node.values():
+                visit(item)
+        elif hasattr(node, "__dataclass_fields__") and not isinstance(node, (Const, Temp, VarRef, Spec, Builtin, View)):
+            for name in node.__dataclass_fields__:
+                visit(getattr(node, name))
+    visit(body)
+    return found

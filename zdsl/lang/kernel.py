@@ -31,6 +31,8 @@ from zdsl.lang.language import BufferAnnotation, Const, SpecAnnotation
 from zdsl.lang.trace import BufferParam, Tracer, Value, fail
 from zdsl.lang.types import DType
 
+UNUSED = "-"  # the access of a buffer parameter a variant never touches: bound, never read or written
+
 REGISTRY: dict[str, "KernelDef"] = {}
 
 
@@ -184,7 +186,7 @@ class KernelDef:
             raise self._locate(e) from e
         finally:
             Tracer.current = None
-        access = [(b.name, b.dtype, "rw" if b.reads and b.writes else "w" if b.writes else "r")
+        access = [(b.name, b.dtype, "rw" if b.reads and b.writes else "w" if b.writes else "r" if b.reads else UNUSED)
                   for b in buffers]
         views = [v for b in buffers for v in b.views.values()]
         label = f"{self.name}[{','.join(f'{k}={v}' for k, v in consts.items())}]" if consts else self.name
@@ -305,10 +307,21 @@ class Variant:
             out[s.id] = float(v) if s.dtype.is_float else bool(v) if s.dtype.kind == "b" else int(v)
         return out
 
-    def pack_push(self, values: dict) -> bytes:
+    @cached_property
+    def _scalars_read(self) -> set[str]:
+        return ir.scalars_read(self.ir.body)
+
+    def _with_unread(self, values: dict) -> dict:
+        """Every scalar's value; one this variant never reads (a Const turned its use off) may be
+        left out: 0."""
+        values = {**{s.name: 0 for s in self.ir.scalars if s.name not in self._scalars_read}, **values}
         missing = [s.name for s in self.ir.scalars if s.name not in values]
         if missing:
             raise ZdslError(f"{self.label}: missing scalar argument(s) {', '.join(missing)}")
+        return values
+
+    def pack_push(self, values: dict) -> bytes:
+        values = self._with_unread(values)
         fmt = {"f": "f", "i": "i", "u": "I", "b": "I"}
         return b"".join(struct.pack("<" + fmt[s.dtype.kind], values[s.name]) for s in self.ir.scalars)
 
@@ -329,26 +342,29 @@ class Variant:
                 raise ZdslError(f"{self.label}: argument {name} is {a.dtype} but the kernel declares "
                                 f"Buffer[{dtype.name}] ({dtype.numpy}); convert it with .astype(np.{dtype.numpy})")
 
-    def _split_args(self, args: dict):
+    def _split_args(self, args: dict, placeholder):
+        """(buffers in binding order, scalars). A buffer this variant never touches (a Const
+        turned its use off) may be left out: `placeholder(dtype)` stands in for it."""
         names = [b[0] for b in self.ir.buffers]
         unknown = set(args) - set(names) - {s.name for s in self.ir.scalars}
         if unknown:
             raise ZdslError(f"{self.label} has no parameter {', '.join(sorted(unknown))}")
-        missing = [n for n in names if n not in args]
+        missing = [n for n, _, acc in self.ir.buffers if n not in args and acc != UNUSED]
         if missing:
             raise ZdslError(f"{self.label}: missing buffer argument(s) {', '.join(missing)}")
-        return [args[n] for n in names], {s.name: args[s.name] for s in self.ir.scalars if s.name in args}
+        buffers = [args[n] if n in args else placeholder(dtype) for n, dtype, _ in self.ir.buffers]
+        return buffers, {s.name: args[s.name] for s in self.ir.scalars if s.name in args}
 
     def dispatch(self, seq, groups, *, label: str | None = None, **args) -> None:
         """Record this variant into a runtime Sequence; buffers are runtime Buffers. `label`
         names the dispatch in timings (default: the variant's label)."""
-        buffers, scalars = self._split_args(args)
+        buffers, scalars = self._split_args(args, lambda dtype: seq.device.placeholder)
         seq.dispatch(self.pipeline(seq.device), _groups(groups), buffers, self.pack_push(scalars),
                      label=f"{label}:{self.label}" if label else self.label)
 
     def run(self, device, groups, **args) -> dict[str, np.ndarray]:
         """One-shot: upload numpy arrays, dispatch once, return the buffers the kernel writes."""
-        arrays, scalars = self._split_args(args)
+        arrays, scalars = self._split_args(args, _placeholder_array)
         self._check_arrays(arrays)
         bufs = [device.upload(np.ascontiguousarray(a), name=n) for a, (n, _, _) in zip(arrays, self.ir.buffers)]
         try:
@@ -365,11 +381,15 @@ class Variant:
         """Run on the CPU with numpy (subgroup semantics at this variant's subgroup size);
         returns copies of the buffers the kernel writes."""
         from zdsl.lang.interp import interpret
-        arrays, scalars = self._split_args(args)
+        arrays, scalars = self._split_args(args, _placeholder_array)
         self._check_arrays(arrays)
         work = {n: np.array(a, copy=True) for a, (n, _, _) in zip(arrays, self.ir.buffers)}
-        interpret(self.ir, _groups(groups), work, scalars, self.spec_values)
+        interpret(self.ir, _groups(groups), work, self._with_unread(scalars), self.spec_values)
         return {n: work[n] for n, _, acc in self.ir.buffers if "w" in acc}
+
+
+def _placeholder_array(dtype) -> np.ndarray:
+    return np.zeros(4, dtype.numpy)
 
 
 def _groups(groups) -> tuple[int, int, int]:
