@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 
 from zdsl.bench_kernels import synthetic_rows
-from zdsl.kernels import attention, deltanet, dmmv, dmmv_q8, moe, norm, sampling
+from zdsl.kernels import attention, deltanet, dmmv, dmmv_q8, moe, q8_1, sampling
 from zdsl.kernels.quant import FORMATS
 from zdsl.lang.kernel import Variant
 from zdsl.lang.language import cdiv
@@ -120,7 +120,7 @@ def _total(arrays) -> int:
 def _dmmv(use, rng, check):
     q, k, m = use.shape["QTYPE"], use.shape["k"], use.shape["m"]
     m = min(m, CHECK_ROWS) if check else m
-    add = use.fixed["ADD"]
+    add = use.fixed.get("ADD", False)
     a = dict(w=_rows(rng, q, m, k), x=_normal(rng, k), y=_normal(rng, m) if add else np.zeros(m, np.float32))
     y0 = a["y"].copy()
     expect = (lambda p: {"y": (dmmv.dmmv_ref(a["w"], a["x"], q, m, k, y0 if add else None), 1e-4)}) if check else None
@@ -128,66 +128,99 @@ def _dmmv(use, rng, check):
                 lambda n: {"w": _copies(a["w"], n)})
 
 
-def _dmmv_norm(use, rng, check):
-    q, k, m = use.shape["QTYPE"], use.shape["k"], use.shape["m"]
-    m = min(m, CHECK_ROWS) if check else m
-    eps = 1e-6
-    a = dict(w=_rows(rng, q, m, k), x=_normal(rng, k, 3.0), norm_w=rng.uniform(0.5, 1.5, k).astype(np.float32),
-             y=np.zeros(m, np.float32))
-    expect = (lambda p: {"y": (dmmv.dmmv_norm_ref(a["w"], a["x"], a["norm_w"], eps, q, m, k), 1e-4)}) if check else None
-    return Case(_one(use, _rows_grid(m)), a, dict(k=k, m=m, eps=eps), _total(a), expect, lambda n: {"w": _copies(a["w"], n)})
-
-
 def _q8_1(x):
-    """Q8_1 buffers (xq words, xd (d, s) pairs) of x, as quantize_q8_1 writes them."""
-    q, d, s = dmmv_q8.quantize_q8_1_ref(x)
+    """Q8_1 buffers (xq words, xd (d, s) pairs) of x, as q8_1.quantize_q8_1 writes them."""
+    q, d, s = q8_1.quantize_q8_1_ref(x)
     return q.reshape(-1).view(np.uint32), np.stack([d.reshape(-1), s.reshape(-1)], axis=1).astype(np.float32).reshape(-1)
+
+
+def _scales(x) -> np.ndarray:
+    """The Q8_1 scale pairs a kernel writes for x, to check against: d as the kernels compute it,
+    s unchecked (NaN). The quants themselves may differ from numpy's by a step where a value
+    sits on a rounding half; the scales may not."""
+    d = q8_1.q8_1_ref(x)[1].reshape(-1)
+    return np.stack([d, np.full(d.size, np.nan, np.float32)], axis=1).reshape(-1)
+
+
+def _normed_outputs(n: int) -> dict:
+    """The buffers a NORM epilogue (or norm_q8_1) writes, poisoned, with its norm weight."""
+    return dict(norm_w=np.linspace(0.5, 1.5, n, dtype=np.float32), hn=np.full(n, np.nan, np.float32),
+                yq=np.zeros(n // 4, np.uint32), yd=np.full(n // 16, np.nan, np.float32))
+
+
+def _normed_expect(y, norm_w, eps, names=("hn", "yd")) -> dict:
+    """What to check of a normed vector: hn to rounding, and its Q8_1 scales."""
+    hn = q8_1.norm_q8_1_ref(y, norm_w, eps)[0]
+    return {names[0]: (hn, 1e-4), names[1]: (_scales(hn), 1e-4)}
 
 
 def _dmmv_q8(use, rng, check):
     q, k, m = use.shape["QTYPE"], use.shape["k"], use.shape["m"]
     m = min(m, CHECK_ROWS) if check else m
-    add = use.fixed["ADD"]
+    add, norm = use.fixed.get("ADD", False), use.fixed.get("NORM", False)
+    m = m - m % 32 if norm else m  # a normed output has whole Q8_1 blocks
+    eps = use.sizes.get("eps", 1e-6)
     xq, xd = _q8_1(_normal(rng, k))
     a = dict(w=_rows(rng, q, m, k), xq=xq, xd=xd, y=_normal(rng, m) if add else np.zeros(m, np.float32))
+    if norm:
+        a.update(arrivals=np.zeros(1, np.uint32), **_normed_outputs(m))
     y0 = a["y"].copy()
-    expect = (lambda p: {"y": (dmmv_q8.dmmv_q8_ref(a["w"], xq, xd, q, m, k, y0 if add else None), 1e-4)}) if check \
-        else None
-    return Case(_one(use, _rows_grid(m)), a, dict(k=k, m=m), _total(a) + (a["y"].nbytes if add else 0), expect,
+
+    def expect(p):
+        y = dmmv_q8.dmmv_q8_ref(a["w"], xq, xd, q, m, k, y0 if add else None)
+        out = {"y": (y, 1e-4)}
+        if norm:
+            out.update(_normed_expect(y, a["norm_w"], eps), arrivals=(np.zeros(1), 0))
+        return out
+    moved = _total(a) + (a["y"].nbytes if add else 0) + (3 * a["y"].nbytes if norm else 0)
+    return Case(_one(use, _rows_grid(m)), a, dict(k=k, m=m, eps=eps), moved, expect if check else None,
                 lambda n: {"w": _copies(a["w"], n)})
 
 
-def _quantize_q8_1_norm(use, rng, check):
-    n = use.shape["n"]
-    a = dict(x=_normal(rng, n, 3.0), norm_w=rng.uniform(0.5, 1.5, n).astype(np.float32),
+def _norm_q8_1(use, rng, check):
+    n, eps = use.shape["n"], use.sizes["eps"]
+    a = dict(x=_normal(rng, n, 3.0), norm_w=rng.uniform(0.5, 1.5, n).astype(np.float32), hn=np.zeros(n, np.float32),
              xq=np.zeros(n // 4, np.uint32), xd=np.zeros(n // 16, np.float32))
-
-    def expect(p):  # the scales d (the quants may differ from the f64 reference by a step at halves)
-        hn = dmmv.rms_normed(a["x"], a["norm_w"], 1e-6)
-        return {"xd": (np.stack([np.abs(hn.reshape(-1, 32)).max(axis=1) / 127, np.full(n // 32, np.nan)],
-                                axis=1).reshape(-1), 1e-5)}
-    return Case(_one(use, lambda v: cdiv(n, 256)), a, dict(n=n, eps=1e-6), _total(a), expect if check else None)
+    expect = (lambda p: _normed_expect(a["x"], a["norm_w"], eps, ("hn", "xd"))) if check else None
+    return Case(_one(use, lambda v: 1), a, dict(n=n, eps=eps), _total(a) + a["x"].nbytes, expect)
 
 
 def _ffn_gate_up(use, rng, check):
-    q, k, m = use.shape["QTYPE"], use.shape["k"], use.shape["m"]
+    """ffn_gate_up and ffn_gate_up_q8: a dense pair (1 slot) or routed experts with the shared
+    pair as the last slot."""
+    q, k, m, slots = use.shape["QTYPE"], use.shape["k"], use.shape["m"], use.shape["slots"]
     m = min(m, CHECK_ROWS) if check else m
-    experts = use.fixed.get("EXPERTS", True)
-    n_exp, slots = (use.sizes["experts"], use.sizes["slots"]) if experts else (1, 1)
-    n_exp = min(n_exp, 2 * slots + 1) if check else n_exp
+    experts, shared = use.fixed["EXPERTS"], use.fixed["SHARED"]
+    routed = slots - 1 if shared else slots
+    n_exp = use.sizes["experts"]
+    n_exp = min(n_exp, 2 * routed + 1) if check and experts else n_exp
+    x = _normal(rng, k)
     a = dict(wg=_rows(rng, q, n_exp * m, k), wu=_rows(rng, q, n_exp * m, k),
-             ids=rng.permutation(n_exp)[:slots].astype(np.uint32), x=_normal(rng, k),
-             act=np.zeros(slots * m, np.float32))
+             ids=rng.permutation(n_exp)[:max(routed, 1)].astype(np.uint32), act=np.zeros(slots * m, np.float32))
+    if shared:
+        a.update(wg_sh=_rows(rng, q, m, k), wu_sh=_rows(rng, q, m, k))
+    int8 = use.kernel is dmmv_q8.ffn_gate_up_q8
+    if int8:
+        a["xq"], a["xd"] = _q8_1(x)
+    else:
+        a["x"] = x
 
     def expect(p):
-        return {"act": (dmmv.ffn_gate_up_ref(a["wg"], a["wu"], a["ids"], a["x"], q, m, k, experts=experts), 2e-4)}
+        pair = (a["wg_sh"], a["wu_sh"]) if shared else None
+        if int8:
+            want = dmmv_q8.ffn_gate_up_q8_ref(a["wg"], a["wu"], a["ids"], a["xq"], a["xd"], q, m, k, experts, pair)
+        else:
+            want = dmmv.ffn_gate_up_ref(a["wg"], a["wu"], a["ids"], x, q, m, k, experts, pair)
+        return {"act": (want, 2e-4)}
     read = 2 * slots * m * _row_bytes(q, k)
+
     def rotate(n):
         if experts:
-            return {"ids": [rng.permutation(n_exp)[:slots].astype(np.uint32) for _ in range(n - 1)]}
+            return {"ids": [rng.permutation(n_exp)[:routed].astype(np.uint32) for _ in range(n - 1)]}
         return {"wg": _copies(a["wg"], n), "wu": _copies(a["wu"], n)}
+    x_bytes = a["xq"].nbytes + a["xd"].nbytes if int8 else 4 * k
     return Case(_one(use, lambda v: (cdiv(m, dmmv.rows_per_workgroup(v)), slots)), a, dict(k=k, m=m),
-                read + 4 * (k + slots * m), expect if check else None, rotate)
+                read + x_bytes + 4 * slots * m, expect if check else None, rotate)
 
 
 def _moe_down(use, rng, check):
@@ -211,20 +244,19 @@ def _moe_down(use, rng, check):
 def _moe_router(use, rng, check):
     q, k, n_exp, K = use.shape["QTYPE"], use.shape["k"], use.shape["n_expert"], use.fixed["K"]
     n_exp = min(n_exp, CHECK_ROWS) if check else n_exp
-    eps = use.sizes["eps"]
-    a = dict(w=_rows(rng, q, n_exp, k), x=_normal(rng, k, 3.0), norm_w=rng.uniform(0.5, 1.5, k).astype(np.float32),
+    a = dict(w=_rows(rng, q, n_exp, k), sh_gate_w=_normal(rng, k, 0.05), hn=_normal(rng, k),
              logits=np.zeros(n_exp, np.float32), arrivals=np.zeros(1, np.uint32), ids=np.zeros(K, np.uint32),
-             weights=np.zeros(K, np.float32))
+             weights=np.zeros(K + 1, np.float32))
 
     def reference():
-        return moe.moe_router_ref(a["w"], a["x"], a["norm_w"], eps, q, n_exp, k, K)
+        return moe.moe_router_ref(a["w"], a["sh_gate_w"], a["hn"], q, n_exp, k, K)
     while check and not _clear_picks(reference()[0], K):  # the ids are checked exactly: no near ties
-        a["x"] = _normal(rng, k, 3.0)
+        a["hn"] = _normal(rng, k)
 
     def expect(p):
         logits, ids, weights = reference()
         return {"logits": (logits, 1e-4), "ids": (ids, 0), "weights": (weights, 1e-4), "arrivals": (np.zeros(1), 0)}
-    return Case(_one(use, _rows_grid(n_exp)), a, dict(k=k, n_expert=n_exp, eps=eps), _total(a) + a["logits"].nbytes,
+    return Case(_one(use, _rows_grid(n_exp)), a, dict(k=k, n_expert=n_exp), _total(a) + a["logits"].nbytes,
                 expect if check else None, lambda n: {"w": _copies(a["w"], n)})
 
 
@@ -234,53 +266,34 @@ def _clear_picks(logits, K) -> bool:
     return bool(np.all(-np.diff(top) > 1e-3 * np.abs(logits).max()))
 
 
-def _moe_gate_up(use, rng, check):
-    q, k, m, K = use.shape["QTYPE"], use.shape["k"], use.shape["m"], use.fixed["K"]
-    m = min(m, CHECK_ROWS) if check else m
-    n_exp = min(use.sizes["experts"], K + 4) if check else use.sizes["experts"]
-    eps = use.sizes["eps"]
-    a = dict(wg=_rows(rng, q, n_exp * m, k), wu=_rows(rng, q, n_exp * m, k), wg_sh=_rows(rng, q, m, k),
-             wu_sh=_rows(rng, q, m, k), ids=rng.permutation(n_exp)[:K].astype(np.uint32),
-             sh_gate_w=_normal(rng, k, 0.05), x=_normal(rng, k), norm_w=rng.uniform(0.5, 1.5, k).astype(np.float32),
-             weights=np.zeros(K + 1, np.float32), act=np.zeros((K + 1) * m, np.float32))
-
-    def expect(p):
-        act, gate = dmmv.moe_gate_up_ref(a["wg"], a["wu"], a["wg_sh"], a["wu_sh"], a["ids"], a["sh_gate_w"],
-                                         a["x"], a["norm_w"], eps, q, m, k)
-        return {"act": (act, 5e-4), "weights": (np.append(np.zeros(K), gate), 1e-4)}
-    read = 2 * (K + 1) * m * _row_bytes(q, k) + 4 * (K + 3 * k)
-    return Case(_one(use, lambda v: (cdiv(m, dmmv.rows_per_workgroup(v)), K + 1)), a, dict(k=k, m=m, eps=eps),
-                read + 4 * ((K + 1) * m + 1), expect if check else None,
-                lambda n: {"ids": [rng.permutation(n_exp)[:K].astype(np.uint32) for _ in range(n - 1)]})
-
-
 def _moe_down_all(use, rng, check):
     q, k, m, K = use.shape["QTYPE"], use.shape["k"], use.shape["m"], use.fixed["K"]
     q_sh = use.fixed["QTYPE_SH"] or q
     m = min(m, CHECK_ROWS) if check else m
     n_exp = min(use.sizes["experts"], K + 4) if check else use.sizes["experts"]
+    norm, eps = use.fixed.get("NORM", False), use.sizes.get("eps", 1e-6)
+    m = m - m % 32 if norm else m  # a normed output has whole Q8_1 blocks
     a = dict(w=_rows(rng, q, n_exp * m, k), w_sh=_rows(rng, q_sh, m, k),
              ids=rng.permutation(n_exp)[:K].astype(np.uint32), weights=rng.uniform(0.05, 0.5, K + 1).astype(np.float32),
              act=_normal(rng, (K + 1) * k), y=_normal(rng, m))
+    if norm:
+        a.update(arrivals=np.zeros(1, np.uint32), **_normed_outputs(m))
     y0 = a["y"].copy()
 
     def expect(p):
         want = dmmv.moe_down_all_ref(a["w"], a["w_sh"], a["ids"], a["weights"], a["act"], y0, q, m, k,
                                      use.fixed["QTYPE_SH"] or None)
-        return {"y": (want, 1e-4)}
+        out = {"y": (want, 1e-4)}
+        if norm:
+            out.update(_normed_expect(want, a["norm_w"], eps), arrivals=(np.zeros(1), 0))
+        return out
     read = K * m * _row_bytes(q, k) + m * _row_bytes(q_sh, k) + 4 * (K + 1) * (k + 2)
-    return Case(_one(use, _rows_grid(m)), a, dict(k=k, m=m), read + 8 * m, expect if check else None,
+    return Case(_one(use, _rows_grid(m)), a, dict(k=k, m=m, eps=eps), read + (20 if norm else 8) * m,
+                expect if check else None,
                 lambda n: {"ids": [rng.permutation(n_exp)[:K].astype(np.uint32) for _ in range(n - 1)]})
 
 
 # -- norms, attention, delta-net ----------------------------------------------------------------------
-
-def _rms_norm(use, rng, check):
-    n, eps = use.shape["n"], use.sizes["eps"]
-    a = dict(x=_normal(rng, n, 2.0), w=rng.uniform(0.5, 1.5, n).astype(np.float32), out=np.zeros(n, np.float32))
-    expect = (lambda p: {"out": (norm.rms_norm_ref(a["x"], a["w"], eps), 1e-5)}) if check else None
-    return Case(_one(use, lambda v: 1), a, dict(n=n, eps=eps), _total(a), expect)
-
 
 def _step_words(pos: int, length: int, counter: int = 0) -> np.ndarray:
     s = np.zeros(STEP_WORDS, np.uint32)
@@ -341,11 +354,15 @@ def _attn_combine(use, rng, check):
     part[:, :, 0] = rng.standard_normal((nh, nsplit)) * 3
     part[:, :, 1] = rng.uniform(1, 20, (nh, nsplit))
     part[:, :, 2:] = rng.standard_normal((nh, nsplit, D))
+    q8 = use.fixed.get("Q8", False)
     a = dict(part=part.reshape(-1), qg=_normal(rng, nh * 2 * D), step=_step_words(ctx - 1, ctx),
              o=np.zeros(nh * D, np.float32))
+    if q8:
+        a.update(oq=np.zeros(nh * D // 4, np.uint32), od=np.zeros(nh * D // 16, np.float32))
 
     def expect(p):
-        return {"o": (attention.attn_combine_ref(part, a["qg"].reshape(nh, 2 * D), ctx, nsplit, min_chunk), 1e-4)}
+        o = attention.attn_combine_ref(part, a["qg"].reshape(nh, 2 * D), ctx, nsplit, min_chunk)
+        return {"o": (o, 1e-4), **({"od": (_scales(o), 1e-4)} if q8 else {})}
     used = len(attention.split_bounds(ctx, nsplit, min_chunk))
     moved = 4 * nh * (used * (D + 2) + 3 * D)
     return Case(_one(use, lambda v: nh), a, dict(nsplit=nsplit, min_chunk=min_chunk), moved, expect if check else None)
@@ -361,6 +378,9 @@ def _deltanet_step(use, rng, check):
              a=_normal(rng, Hv, 2.0), ssm_a=-np.exp(rng.standard_normal(Hv)).astype(np.float32),
              dt_bias=_normal(rng, Hv), norm_w=_normal(rng, D), state=_normal(rng, Hv * D * D, 0.5),
              out=np.zeros(Hv * D, np.float32))
+    q8 = use.fixed.get("Q8", False)
+    if q8:
+        a.update(oq=np.zeros(Hv * D // 4, np.uint32), od=np.zeros(Hv * D // 16, np.float32))
     s0, ring0 = a["state"].copy(), a["conv_state"].copy()
 
     def expect(p):
@@ -368,7 +388,8 @@ def _deltanet_step(use, rng, check):
         out, state, ring = deltanet.deltanet_step_ref(**inputs, conv_w=a["conv_w"].reshape(C, KC),
                                                       conv_state=ring0.reshape(KC, C), pos=pos,
                                                       state=s0.reshape(Hv, D, D), n_k_heads=Hk, eps=eps)
-        return {"out": (out, 1e-4), "state": (state, 1e-5), "conv_state": (ring, 0)}
+        q8_out = {"od": (_scales(out), 1e-4)} if q8 else {}
+        return {"out": (out, 1e-4), **q8_out, "state": (state, 1e-5), "conv_state": (ring, 0)}
     # every buffer once (the ring: KC − 1 slots read, one written), and the state written back
     return Case(_one(use, lambda v: Hv), a, dict(n_k_heads=Hk, eps=eps), _total(a) + s0.nbytes,
                 expect if check else None, lambda n: {"state": _copies(a["state"], n)})
@@ -411,8 +432,9 @@ def _sampling(use, rng, check):
 
 
 BUILDERS = {
-    "dmmv": _dmmv, "dmmv_norm": _dmmv_norm, "dmmv_q8": _dmmv_q8, "quantize_q8_1_norm": _quantize_q8_1_norm, "ffn_gate_up": _ffn_gate_up, "moe_down": _moe_down,
-    "moe_router": _moe_router, "moe_gate_up": _moe_gate_up, "moe_down_all": _moe_down_all, "rms_norm": _rms_norm, "attn_prep": _attn_prep,
+    "dmmv": _dmmv, "dmmv_q8": _dmmv_q8, "norm_q8_1": _norm_q8_1, "ffn_gate_up": _ffn_gate_up,
+    "ffn_gate_up_q8": _ffn_gate_up, "moe_down": _moe_down, "moe_router": _moe_router, "moe_down_all": _moe_down_all,
+    "attn_prep": _attn_prep,
     "attn_decode": _attn_decode, "attn_combine": _attn_combine, "deltanet_step": _deltanet_step,
     "sample_candidates": _sampling,
 }

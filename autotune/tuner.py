@@ -274,8 +274,11 @@ def _free(bufs: dict) -> None:
 
 
 def _args(v: Variant, bufs: dict, scalars: dict) -> dict:
+    """The arguments of v's dispatch: the case's buffers and scalars that v declares (a buffer or
+    scalar a variant never touches may be absent from the case; the dispatch fills it in)."""
     names = [b[0] for b in v.ir.buffers]
-    return {**{n: bufs[n] for n in names}, **{s.name: scalars[s.name] for s in v.ir.scalars}}
+    return {**{n: bufs[n] for n in names if n in bufs}, **{s.name: scalars[s.name] for s in v.ir.scalars
+                                                           if s.name in scalars}}
 
 
 # -- modelled ------------------------------------------------------------------------------------------

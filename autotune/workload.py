@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from zdsl.errors import ZdslError
-from zdsl.kernels import attention, deltanet, dmmv, dmmv_q8, moe, norm, sampling
-from zdsl.kernels.quant import FORMATS
+from zdsl.kernels import attention, deltanet, dmmv, dmmv_q8, moe, q8_1, sampling
+from zdsl.kernels.quant import FORMATS, INT8_FORMATS
 from zdsl.lang.kernel import KernelDef
 from zdsl.lang.language import cdiv
 
 # as in the decode graph
-from zdsl.models.qwen35.graph import ATTN_MAX_SPLITS, ATTN_MIN_CHUNK, int8_input
+from zdsl.models.qwen35.graph import ATTN_MAX_SPLITS, ATTN_MIN_CHUNK
 
 
 @dataclass
@@ -99,65 +99,80 @@ def decode_uses(model: Tensors, n_ctx: int = 4096, caps: tuple[int, ...] = (1,))
     def add(kernel, shape, fixed, sizes, role, pins=None):
         uses.append(Use(kernel, shape, fixed, sizes, role, pins or {}))
 
-    def matvec(tensor, add_=True):
-        m, k = model.shape(tensor)[-2:]
-        q = model.qtype(tensor)
-        add(dmmv.dmmv, {"QTYPE": q, "k": k, "m": m}, {"QTYPE": q, "ADD": add_}, {}, tensor, {"COLS": 1})
+    def int8(tensor):
+        return model.qtype(tensor) in INT8_FORMATS
 
-    def normed_matvec(tensor):
+    def norm(role):
+        add(q8_1.norm_q8_1, {"n": hp.hidden}, {}, dict(eps=hp.eps), role)
+
+    def project(tensor):
+        """graph._project: a projection of the normed input."""
         m, k = model.shape(tensor)[-2:]
         q = model.qtype(tensor)
-        if int8_input(q, model.nbytes(tensor)):
-            add(dmmv_q8.quantize_q8_1_norm, {"n": k}, {}, {}, tensor)
-            add(dmmv_q8.dmmv_q8, {"QTYPE": q, "k": k, "m": m}, {"QTYPE": q, "ADD": False}, {}, tensor, {"COLS": 1})
+        kernel = dmmv_q8.dmmv_q8 if int8(tensor) else dmmv.dmmv
+        add(kernel, {"QTYPE": q, "k": k, "m": m}, {"QTYPE": q}, {}, tensor, {"COLS": 1})
+
+    def residual(tensor, q8_input=True):
+        """graph._residual: x += W · input, then x normed for the next projections."""
+        m, k = model.shape(tensor)[-2:]
+        q = model.qtype(tensor)
+        if int8(tensor) and q8_input:
+            add(dmmv_q8.dmmv_q8, {"QTYPE": q, "k": k, "m": m}, {"QTYPE": q, "ADD": True, "NORM": True},
+                dict(eps=hp.eps), tensor, {"COLS": 1})
             return
-        add(dmmv.dmmv_norm, {"QTYPE": q, "k": k, "m": m}, {"QTYPE": q}, {}, tensor)
+        add(dmmv.dmmv, {"QTYPE": q, "k": k, "m": m}, {"QTYPE": q, "ADD": True}, {}, tensor, {"COLS": 1})
+        norm(tensor + "+norm")
 
     nh, nkv, d = hp.n_heads, hp.n_kv_heads, hp.head_dim
     splits = max(1, min(ATTN_MAX_SPLITS, cdiv(n_ctx, ATTN_MIN_CHUNK)))
     attn = dict(n_head=nh, n_kv=nkv, ctx=n_ctx, nsplit=splits, min_chunk=ATTN_MIN_CHUNK)
+    norm("blk.0.attn_norm")
     for i in range(hp.n_layers):
         p = f"blk.{i}."
         if hp.attention[i]:
             for name in ("attn_q", "attn_k", "attn_v"):
-                normed_matvec(p + name + ".weight")
+                project(p + name + ".weight")
             add(attention.attn_prep, {"d": d}, {},
                 dict(attn, d=d, rope_dims=hp.rope_dims, rope_base=hp.rope_base, eps=hp.eps), p + "attn_prep")
             add(attention.attn_decode, {"D": d, "G": nh // nkv}, {"D": d, "G": nh // nkv}, attn, p + "attn_decode")
-            add(attention.attn_combine, {"D": d}, {"D": d}, attn, p + "attn_combine")
-            matvec(p + "attn_output.weight")
+            add(attention.attn_combine, {"D": d}, {"D": d, "Q8": int8(p + "attn_output.weight")}, attn,
+                p + "attn_combine")
+            residual(p + "attn_output.weight")
         else:
             for name in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"):
-                normed_matvec(p + name + ".weight")
-            add(deltanet.deltanet_step, {"D": hp.ssm_head_dim}, {"D": hp.ssm_head_dim, "KC": hp.conv_kernel},
+                project(p + name + ".weight")
+            add(deltanet.deltanet_step, {"D": hp.ssm_head_dim},
+                {"D": hp.ssm_head_dim, "KC": hp.conv_kernel, "Q8": int8(p + "ssm_out.weight")},
                 dict(k_heads=hp.ssm_k_heads, v_heads=hp.ssm_v_heads, eps=hp.eps), p + "ssm_conv+step")
-            matvec(p + "ssm_out.weight")
+            residual(p + "ssm_out.weight")
         if hp.moe:
-            _moe(model, p, add)
+            _moe(model, p, add, norm)
         else:
-            add(norm.rms_norm, {"n": hp.hidden}, {}, dict(eps=hp.eps), p + "post_attention_norm")
-            m, k = model.shape(p + "ffn_gate.weight")[-2:]
-            q = model.qtype(p + "ffn_gate.weight")
-            add(dmmv.ffn_gate_up, {"QTYPE": q, "k": k, "m": m}, {"QTYPE": q, "EXPERTS": False}, dict(experts=1, slots=1),
-                p + "ffn_gate+up")
-            matvec(p + "ffn_down.weight")
-    normed_matvec(model.output_name)
+            gate_up(add, model, p + "ffn_gate.weight", 1, False)
+            residual(p + "ffn_down.weight", q8_input=False)
+    project(model.output_name)
     for cap in caps:
         add(sampling.sample_candidates, {"n_vocab": hp.vocab}, {"CAP": cap}, {}, "sample")
     return merge(uses)
 
 
-def _moe(model: Tensors, p: str, add) -> None:
+def gate_up(add, model: Tensors, gate: str, slots: int, experts: bool) -> None:
+    """graph._gate_up: SwiGLU gate·up of the normed input, per slot (MoE: the shared expert last)."""
+    m, k = model.shape(gate)[-2:]
+    q = model.qtype(gate)
+    kernel = dmmv_q8.ffn_gate_up_q8 if q in INT8_FORMATS else dmmv.ffn_gate_up
+    n_exp = model.hparams.n_experts if experts else 1
+    add(kernel, {"QTYPE": q, "k": k, "m": m, "slots": slots}, {"QTYPE": q, "EXPERTS": experts, "SHARED": experts},
+        dict(experts=n_exp, slots=slots), gate.removesuffix(".weight") + "+up")
+
+
+def _moe(model: Tensors, p: str, add, norm) -> None:
     hp = model.hparams
     K, E = hp.n_experts_used, hp.n_experts
     router = p + "ffn_gate_inp.weight"
     qr, kr = model.qtype(router), model.shape(router)[-1]
-    add(moe.moe_router, {"QTYPE": qr, "k": kr, "n_expert": E}, {"QTYPE": qr, "K": K}, dict(eps=hp.eps),
-        p + "ffn_gate_inp+moe_route")
-    m, k = model.shape(p + "ffn_gate_exps.weight")[-2:]
-    q = model.qtype(p + "ffn_gate_exps.weight")
-    add(dmmv.moe_gate_up, {"QTYPE": q, "k": k, "m": m, "K": K}, {"QTYPE": q, "K": K}, dict(experts=E, eps=hp.eps),
-        p + "ffn_gate_up_exps+shexp")
+    add(moe.moe_router, {"QTYPE": qr, "k": kr, "n_expert": E}, {"QTYPE": qr, "K": K}, {}, p + "ffn_gate_inp+moe_route")
+    gate_up(add, model, p + "ffn_gate_exps.weight", K + 1, True)
     md, kd = model.shape(p + "ffn_down_exps.weight")[-2:]
     qd, qs = model.qtype(p + "ffn_down_exps.weight"), model.qtype(p + "ffn_down_shexp.weight")
     fd, fs = FORMATS[qd], FORMATS[qs]
@@ -165,9 +180,11 @@ def _moe(model: Tensors, p: str, add) -> None:
         for tensor, q_, slots, experts in ((p + "ffn_down_exps.weight", qd, K, E), (p + "ffn_down_shexp.weight", qs, 1, 1)):
             add(dmmv.moe_down, {"QTYPE": q_, "k": kd, "m": md}, {"QTYPE": q_, "ADD": True},
                 dict(experts=experts, slots=slots), tensor)
+        norm(p + "ffn_down+norm")
         return
     add(dmmv.moe_down_all, {"QTYPE": qd, "QTYPE_SH": qs, "k": kd, "m": md, "K": K},
-        {"QTYPE": qd, "QTYPE_SH": "" if qs == qd else qs, "K": K}, dict(experts=E), p + "ffn_down_exps+shexp")
+        {"QTYPE": qd, "QTYPE_SH": "" if qs == qd else qs, "K": K, "NORM": True}, dict(experts=E, eps=hp.eps),
+        p + "ffn_down_exps+shexp")
 
 
 def merge(uses: list[Use]) -> list[Use]:

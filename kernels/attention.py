@@ -28,8 +28,9 @@ import numpy as np
 import zdsl
 from zdsl import Buffer, Const, f16, f32, u32
 from zdsl.kernels.norm import rms_scale
+from zdsl.kernels.q8_1 import store_q8_1
+from zdsl.kernels.reduce import SUBGROUPS
 
-SUBGROUPS = [8, 16, 32, 64]
 LOWEST = float(np.finfo(np.float32).min)  # the "no score yet" max: finite, so empty merges give 0, not NaN
 
 
@@ -292,15 +293,19 @@ def attn_decode_ref(q, k_cache, v_cache, length, nsplit, min_chunk=1):
 
 # ---- merge the splits, gate ------------------------------------------------------------------------
 
-@zdsl.kernel(workgroup="WG", variants={"D": [128, 256], "WG": [64, 256], "SP": [1, 4], "R": [1, 4]},
+@zdsl.kernel(workgroup="WG", subgroup="SG",
+             variants={"D": [128, 256], "WG": [64, 256], "SP": [1, 4], "R": [1, 4], "Q8": [False, True], "SG": SUBGROUPS},
              where=lambda v: v.WG % v.SP == 0 and v.D % (v.WG // v.SP) == 0)
-def attn_combine(part: Buffer[f32], qg: Buffer[f32], step: Buffer[u32], o: Buffer[f32], nsplit: u32,
-                 min_chunk: u32, D: Const = 256, WG: Const = 256, SP: Const = 4, R: Const = 4):
+def attn_combine(part: Buffer[f32], qg: Buffer[f32], step: Buffer[u32], o: Buffer[f32], oq: Buffer[u32],
+                 od: Buffer[f32], nsplit: u32, min_chunk: u32, D: Const = 256, WG: Const = 256, SP: Const = 4,
+                 R: Const = 4, Q8: Const = False, SG: Const = 32):
     """o[h] = (Σ_s e^(m_s − M) acc_s) / (Σ_s e^(m_s − M) l_s) · sigmoid(gate_h) over the splits
     attn_decode used (same nsplit, min_chunk), M = max_s m_s; gate_h = qg[h, D:2D]. The
     workgroup's invocations are SP groups that merge alternate blocks of R splits (R records
     loaded before any is used), each invocation of a group owning D / (WG / SP) dims; the groups
-    then merge through shared memory. Grid: n_head."""
+    then merge through shared memory. With Q8, o also goes out as Q8_1 (oq, od: the output
+    projection's int8 input; q8_1.py; D a multiple of 32), four consecutive dims per invocation
+    through shared memory. Grid: n_head."""
     JW = WG // SP  # invocations along the dims
     if WG % SP or D % JW:
         raise zdsl.ZdslError(f"attn_combine needs SP | WG and WG / SP | D, not WG={WG}, SP={SP}, D={D}")
@@ -354,9 +359,23 @@ def attn_combine(part: Buffer[f32], qg: Buffer[f32], step: Buffer[u32], o: Buffe
                 num = num + acc_sh[p * D + j] * weights[p]
             x.set(num)
         total.set(denom)
+    o_sh = zdsl.shared(f32, D) if Q8 else None
     with zdsl.if_(sp == 0):
         for x, j in zip(acc, dims):
-            o[h * D + j] = x / total * zdsl.sigmoid(qg[h * 2 * D + D + j])
+            value = x / total * zdsl.sigmoid(qg[h * 2 * D + D + j])
+            o[h * D + j] = value
+            if Q8:
+                o_sh[j] = value
+    if not Q8:
+        return
+    if D % 32:
+        raise zdsl.ZdslError(f"attn_combine writes Q8_1 blocks of 32 dims: D = {D} is not a multiple of 32")
+    zdsl.barrier()
+    for first in range(0, D // 4, WG):
+        quad = first + t
+        at = zdsl.min(quad, D // 4 - 1)
+        v = zdsl.vec(*[o_sh[4 * at + e] for e in range(4)])
+        store_q8_1(v, h * (D // 4) + quad, quad < D // 4, oq, od)
 
 
 @attn_combine.reference

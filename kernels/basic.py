@@ -7,8 +7,8 @@ import numpy as np
 
 import zdsl
 from zdsl import Buffer, Const, Spec, f32, i32, u32
+from zdsl.kernels.reduce import SUBGROUPS
 
-SUBGROUPS = [8, 16, 32, 64]
 
 
 # ---- elementwise -------------------------------------------------------------------------------

@@ -27,9 +27,8 @@ import numpy as np
 
 import zdsl
 from zdsl import Buffer, Const, f32, u32
-from zdsl.kernels.dmmv import workgroup_sums
-
-SUBGROUPS = [8, 16, 32, 64]
+from zdsl.kernels.q8_1 import store_q8_1
+from zdsl.kernels.reduce import SUBGROUPS, workgroup_sums
 
 
 def _step_fits(v) -> bool:
@@ -37,11 +36,12 @@ def _step_fits(v) -> bool:
     return v.D % 4 == 0 and v.WG % quads == 0 and v.D % (v.WG // quads) == 0 and v.WG % v.SG == 0
 
 
-@zdsl.kernel(workgroup="WG", subgroup="SG", variants={"D": [128], "WG": [256, 512], "SG": SUBGROUPS}, where=_step_fits)
+@zdsl.kernel(workgroup="WG", subgroup="SG", variants={"D": [128], "WG": [256, 512], "Q8": [False, True], "SG": SUBGROUPS},
+             where=_step_fits)
 def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32], step: Buffer[u32], z: Buffer[f32],
                   b: Buffer[f32], a: Buffer[f32], ssm_a: Buffer[f32], dt_bias: Buffer[f32], norm_w: Buffer[f32],
-                  state: Buffer[f32], out: Buffer[f32], n_k_heads: u32, eps: f32,
-                  D: Const = 128, KC: Const = 4, WG: Const = 256, SG: Const = 32):
+                  state: Buffer[f32], out: Buffer[f32], oq: Buffer[u32], od: Buffer[f32], n_k_heads: u32, eps: f32,
+                  D: Const = 128, KC: Const = 4, WG: Const = 256, Q8: Const = False, SG: Const = 32):
     """Value head h = workgroup_id, key head kh = h % n_k_heads, position p = step[0]; mix = the
     raw [q (n_k_heads × D) | k (n_k_heads × D) | v (heads × D)] projection, C channels. The
     workgroup first convolves the channels it reads (q and k of kh, v of h): conv_c =
@@ -51,7 +51,8 @@ def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32]
     (eps), β = sigmoid(b_h), g = ssm_a_h · softplus(a_h + dt_bias_h), S the head's D × D state:
         S ← e^g S;  u = Sᵀk;  S ← S + k (β (v − u))ᵀ;  o = Sᵀq / √D
     computed in one pass as o = (e^g S_oldᵀq + (k·q) δ) / √D with δ = β (v − e^g S_oldᵀk), then
-    out_h = rmsnorm(o) · norm_w · silu(z_h). Invocation (row part p, column quad c) keeps rows
+    out_h = rmsnorm(o) · norm_w · silu(z_h); with Q8 also as Q8_1 (oq, od: the output
+    projection's int8 input; q8_1.py; D a multiple of 32). Invocation (row part p, column quad c) keeps rows
     p, p + RP, … of columns 4c..4c+3 in registers (RP = 4·WG / D row parts), so each row of S
     is one contiguous read and write per D/4 invocations. Grid: number of value heads."""
     if not _step_fits(SimpleNamespace(D=D, WG=WG, SG=SG)):
@@ -126,8 +127,13 @@ def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32]
     o = (decay * y + (qk_all * rq * rk) * delta) * (1.0 / math.sqrt(D))
 
     (ss,) = workgroup_sums([zdsl.where(part == 0, zdsl.dot(o, o), 0.0)], WG, SG)
+    value = o * zdsl.rsqrt(ss / D + eps) * norm_w.vec4[c] * (gate / (1.0 + zdsl.exp(-gate)))
     with zdsl.if_(part == 0):
-        out.vec4[h * quads + c] = o * zdsl.rsqrt(ss / D + eps) * norm_w.vec4[c] * (gate / (1.0 + zdsl.exp(-gate)))
+        out.vec4[h * quads + c] = value
+    if Q8:
+        if D % 32:
+            raise zdsl.ZdslError(f"deltanet_step writes Q8_1 blocks of 32 values: D = {D} is not a multiple of 32")
+        store_q8_1(value, h * quads + c, part == 0, oq, od)  # every row part has the value; part 0 stores
 
 
 @deltanet_step.reference

@@ -16,13 +16,16 @@ from __future__ import annotations
 import numpy as np
 
 import zdsl
-from zdsl import Buffer, Const, Spec, boolean, f32, u8, u32
+from zdsl import Buffer, Coherent, Const, Spec, boolean, f32, u8, u32
 from gguf import GGMLQuantizationType as QuantType
 from gguf.quants import dequantize
 from zdsl.kernels.quant import FORMATS, Factored, fmt
+from zdsl.kernels.q8_1 import write_normed_last
+from zdsl.kernels.reduce import SUBGROUPS, workgroup_sums
 
 QTYPES = list(FORMATS)
-SUBGROUPS = [8, 16, 32, 64]
+# The types GGUF files use for expert tensors (other types and K still specialize on demand).
+EXPERT_QTYPES = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q8_0", "iq4_xs"]
 NSUBS = [1, 2, 4]  # subgroups per workgroup, each with rows of its own (the tuner's choice; see Rows)
 
 
@@ -170,26 +173,6 @@ def sum_values(a):
     return total
 
 
-def workgroup_sums(values, WG, SG):
-    """Sum each value over the workgroup; the results are valid in every invocation."""
-    sums = [zdsl.subgroup_sum(v) for v in values]
-    nsub = WG // SG
-    if nsub == 1:
-        return sums
-    partial = zdsl.shared(f32, len(values) * nsub)
-    with zdsl.if_(zdsl.lane_id() == 0):
-        for i, s in enumerate(sums):
-            partial[i * nsub + zdsl.subgroup_id()] = s
-    zdsl.barrier()
-    out = []
-    for i in range(len(values)):
-        total = partial[i * nsub]
-        for n in range(1, nsub):
-            total = total + partial[i * nsub + n]
-        out.append(total)
-    return out
-
-
 def store_rows(y, sums, group: Rows, m, COLS, ADD):
     """y[c·m + row] (+)= sums[r·COLS + c] for the group's rows that exist."""
     with zdsl.if_(group.leader()):
@@ -228,25 +211,43 @@ def dmmv_ref(w_bytes, x, qtype, m, k, y=None):
     return out if y is None else out + y
 
 
-@zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": QTYPES, "ROWS": [1, 2, 4], "SG": SUBGROUPS},
-             tune={"NSUB": NSUBS})
-def ffn_gate_up(wg: Buffer[u8], wu: Buffer[u8], ids: Buffer[u32], x: Buffer[f32], act: Buffer[f32],
-                k: u32, m: u32, EXPERTS: Spec[boolean] = True, QTYPE: Const = "q4_k", ROWS: Const = 1,
-                NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
-    """act[s·m + r] = silu(Wg_e[r]·x) · (Wu_e[r]·x) for the expert e = ids[s] of slot
-    s = workgroup_id(1) (EXPERTS), or for the single matrix pair (not EXPERTS: a dense FFN or the
-    shared expert; `ids` is then unused). Gate and up rows are read in one pass over x.
+@zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": QTYPES, "SHARED": [False, True], "ROWS": [1, 2, 4],
+                                                           "SG": SUBGROUPS},
+             tune={"NSUB": NSUBS}, where=lambda v: not v.SHARED or v.QTYPE in EXPERT_QTYPES)
+def ffn_gate_up(wg: Buffer[u8], wu: Buffer[u8], wg_sh: Buffer[u8], wu_sh: Buffer[u8], ids: Buffer[u32],
+                x: Buffer[f32], act: Buffer[f32], k: u32, m: u32, EXPERTS: Spec[boolean] = True,
+                SHARED: Const = False, QTYPE: Const = "q4_k", ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32,
+                WG: Const = 0):
+    """act[s·m + r] = silu(Wg[r]·x) · (Wu[r]·x) for slot s = workgroup_id(1): the pair of expert
+    ids[s] (EXPERTS) or the single pair (not EXPERTS: a dense FFN; `ids` unused). With SHARED the
+    last slot takes the shared expert's pair (wg_sh, wu_sh): a MoE layer's routed and shared
+    experts in one dispatch. Gate and up rows are read in one pass over x.
     Grid: (ceil(m / rows_per_workgroup), slots)."""
     f = fmt(QTYPE)
     ctx = f.setup()
     nblocks = k // f.block
     row_bytes = nblocks * f.nbytes
     slot = zdsl.workgroup_id(1)
-    expert_base = ids.load(slot, mask=EXPERTS, other=0) * (m * row_bytes)
     group = Rows(ROWS, NSUB, SG)
-    bases = [expert_base + r * row_bytes for r in group.clamped(m)]
-    acc = block_dots(f, ctx, [(wg, b) for b in bases] + [(wu, b) for b in bases], x, [0], nblocks, group)
-    store_swiglu(act, group.sums([a[0] for a in acc]), group, m, slot)
+
+    def swiglu(w_gate, w_up, expert_base):
+        bases = [expert_base + r * row_bytes for r in group.clamped(m)]
+        acc = block_dots(f, ctx, [(w_gate, b) for b in bases] + [(w_up, b) for b in bases], x, [0], nblocks, group)
+        store_swiglu(act, group.sums([a[0] for a in acc]), group, m, slot)
+
+    each_slot(SHARED, slot, lambda: swiglu(wg, wu, ids.load(slot, mask=EXPERTS, other=0) * (m * row_bytes)),
+              lambda: swiglu(wg_sh, wu_sh, 0))
+
+
+def each_slot(SHARED: bool, slot, routed, shared):
+    """Run routed() for the slot, or, with SHARED, shared() for the last slot of the grid."""
+    if not SHARED:
+        routed()
+        return
+    with zdsl.if_(slot + 1 < zdsl.num_workgroups(1)):
+        routed()
+    with zdsl.else_():
+        shared()
 
 
 def store_swiglu(act, sums, group: Rows, m, slot):
@@ -264,14 +265,17 @@ def experts_of(w_bytes, qtype, m, k) -> int:
 
 
 @ffn_gate_up.reference
-def ffn_gate_up_ref(wg_bytes, wu_bytes, ids, x, qtype, m, k, experts=True):
+def ffn_gate_up_ref(wg_bytes, wu_bytes, ids, x, qtype, m, k, experts=True, shared=None):
+    """act of every slot; `shared` = (gate bytes, up bytes) of the shared expert, the last slot."""
     nexp = experts_of(wg_bytes, qtype, m, k)
     g = dequant_rows(wg_bytes, qtype, nexp * m, k).reshape(nexp, m, k)
     u = dequant_rows(wu_bytes, qtype, nexp * m, k).reshape(nexp, m, k)
-    sel = list(ids) if experts else [0]
-    xv = x.astype(np.float64)
+    pairs = [(g[e], u[e]) for e in (list(ids) if experts else [0])]
+    if shared is not None:
+        pairs.append(tuple(dequant_rows(b, qtype, m, k) for b in shared))
+    xv = np.asarray(x, np.float64)
     with np.errstate(over="ignore"):  # silu of a large negative gate: −0, as on the GPU
-        out = [(lambda a: a / (1 + np.exp(-a)))(g[e] @ xv) * (u[e] @ xv) for e in sel]
+        out = [(lambda a: a / (1 + np.exp(-a)))(gm @ xv) * (um @ xv) for gm, um in pairs]
     return np.concatenate(out)
 
 
@@ -310,146 +314,22 @@ def moe_down_ref(w_bytes, ids, weights, act, qtype, m, k, y=None):
     return out if y is None else out + y
 
 
-# ---- fused decode steps: the RMSNorm folded into its consumers, routing inside the experts ----
-
-class NormedX:
-    """Activations read through an RMSNorm prologue: the products see x ⊙ norm_w, and Σx² is
-    summed from the same loads, so the norm's scale rsqrt(mean(x²) + eps) multiplies the
-    finished sums. Every workgroup reads all of x anyway: the norm costs no extra pass and no
-    dependent dispatch. (One activation vector; its element k pairs with norm_w[k].)"""
-
-    def __init__(self, x, norm_w):
-        self.x, self.norm_w = x, norm_w
-        self.sq = zdsl.var(0.0)
-
-    def load(self, start, count):
-        xs, ws = load_x(self.x, start, count), load_x(self.norm_w, start, count)
-        self.sq += sum_products(xs, xs)
-        return [a * b for a, b in zip(xs, ws)]
-
-    def scale(self, sq_total, k, eps):
-        return zdsl.rsqrt(sq_total / k.to(f32) + eps)
-
-
-_plain_load_x = load_x
-
-
-def load_x(x, start, count):  # noqa: F811 — activations may come through a prologue
-    return x.load(start, count) if isinstance(x, NormedX) else _plain_load_x(x, start, count)
-
-
-@zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": QTYPES, "ROWS": [1, 2, 4], "SG": SUBGROUPS},
-             tune={"NSUB": NSUBS})
-def dmmv_norm(w: Buffer[u8], x: Buffer[f32], norm_w: Buffer[f32], y: Buffer[f32], k: u32, m: u32, eps: f32,
-              QTYPE: Const = "q4_k", ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
-    """y[r] = Σ_k W[r, k] · rmsnorm(x)[k] · norm_w[k]: a projection of a normed vector, with the
-    norm folded in. Grid: ceil(m / rows_per_workgroup)."""
-    normed_rows(w, x, norm_w, y, k, m, eps, QTYPE, ROWS, NSUB, SG)
-
-
-def normed_rows(w, x, norm_w, y, k, m, eps, QTYPE, ROWS, NSUB, SG):
-    """dmmv_norm's rows of this workgroup: also the first half of the MoE router (moe.moe_router)."""
-    f = fmt(QTYPE)
-    ctx = f.setup()
-    nblocks = k // f.block
-    group = Rows(ROWS, NSUB, SG)
-    rows = [(w, r * (nblocks * f.nbytes)) for r in group.clamped(m)]
-    xin = NormedX(x, norm_w)
-    acc = block_dots(f, ctx, rows, xin, [0], nblocks, group)
-    sums = group.sums([acc[r][0] for r in range(ROWS)] + [xin.sq])
-    scale = xin.scale(sums[-1], k, eps)
-    store_rows(y, [s * scale for s in sums[:-1]], group, m, 1, False)
-
-
-def rms_normed(x, norm_w, eps):
-    x = np.asarray(x, np.float64)
-    return x / np.sqrt(np.mean(x * x) + eps) * np.asarray(norm_w, np.float64)
-
-
-@dmmv_norm.reference
-def dmmv_norm_ref(w_bytes, x, norm_w, eps, qtype, m, k):
-    return dequant_rows(w_bytes, qtype, m, k) @ rms_normed(x, norm_w, eps)
-
-
-def _gate_up_rows(f, ctx, wg, wu, expert_base, group: Rows, m, row_bytes, xin, nblocks):
-    bases = [expert_base + r * row_bytes for r in group.clamped(m)]
-    acc = block_dots(f, ctx, [(wg, b) for b in bases] + [(wu, b) for b in bases], xin, [0], nblocks, group)
-    return group.sums([a[0] for a in acc] + [xin.sq])
-
-
-# The types GGUF files use for expert tensors (other types and K still specialize on demand).
-EXPERT_QTYPES = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q8_0", "iq4_xs"]
-
-
-@zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": EXPERT_QTYPES, "ROWS": [1, 2], "K": [8], "SG": SUBGROUPS},
-             tune={"NSUB": NSUBS})
-def moe_gate_up(wg: Buffer[u8], wu: Buffer[u8], wg_sh: Buffer[u8], wu_sh: Buffer[u8], ids: Buffer[u32],
-                sh_gate_w: Buffer[f32], x: Buffer[f32], norm_w: Buffer[f32], weights: Buffer[f32],
-                act: Buffer[f32], k: u32, m: u32, eps: f32,
-                QTYPE: Const = "q4_k", K: Const = 8, ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32,
-                WG: Const = 0):
-    """The MoE up-projections of one token from the residual x, in one dispatch: hn = rmsnorm(x)
-    · norm_w; slot s < K takes expert ids[s] (picked by moe.moe_router: picking them here, in each
-    of the thousands of workgroups, cost more than the dispatch it saved) and slot K the shared
-    expert; act[s·m + r] = silu(Wg[r]·hn) · (Wu[r]·hn). The group of row 0 in slot K also writes
-    the shared expert's gate weights[K] = sigmoid(sh_gate_w · hn), for moe_down_all.
-    Grid: (ceil(m / rows_per_workgroup), K + 1)."""
-    f = fmt(QTYPE)
-    ctx = f.setup()
-    nblocks = k // f.block
-    row_bytes = nblocks * f.nbytes
-    slot = zdsl.workgroup_id(1)
-    group = Rows(ROWS, NSUB, SG)
-    routed = NormedX(x, norm_w)
-    shared = NormedX(x, norm_w)
-
-    def swiglu_rows(w_gate, w_up, expert_base, xin):
-        sums = _gate_up_rows(f, ctx, w_gate, w_up, expert_base, group, m, row_bytes, xin, nblocks)
-        scale = xin.scale(sums[-1], k, eps)
-        with zdsl.if_(group.leader()):
-            for r in range(ROWS):
-                with zdsl.if_(group.first + r < m):
-                    act[slot * m + group.first + r] = zdsl.silu(sums[r] * scale) * (sums[ROWS + r] * scale)
-        return scale
-
-    with zdsl.if_(slot < K):
-        swiglu_rows(wg, wu, ids[zdsl.min(slot, K - 1)] * (m * row_bytes), routed)
-    with zdsl.else_():
-        scale = swiglu_rows(wg_sh, wu_sh, 0, shared)
-        with zdsl.if_(group.first == 0):
-            dot = zdsl.var(0.0)
-            for j in zdsl.range(group.index, k, group.size):
-                dot += sh_gate_w[j] * x[j] * norm_w[j]
-            total = group.sums([dot])[0]
-            with zdsl.if_(group.leader()):
-                weights[K] = zdsl.sigmoid(total * scale)
-
-
-@moe_gate_up.reference
-def moe_gate_up_ref(wg_bytes, wu_bytes, wg_sh_bytes, wu_sh_bytes, ids, sh_gate_w, x, norm_w, eps, qtype, m, k):
-    """(act, shared gate) as moe_gate_up writes them (act for every slot; the gate goes to weights[K])."""
-    hn = rms_normed(x, norm_w, eps)
-    silu = lambda a: a / (1 + np.exp(-a))  # noqa: E731
-    nexp = experts_of(wg_bytes, qtype, m, k)
-    g = dequant_rows(wg_bytes, qtype, nexp * m, k).reshape(nexp, m, k)
-    u = dequant_rows(wu_bytes, qtype, nexp * m, k).reshape(nexp, m, k)
-    gs, us = dequant_rows(wg_sh_bytes, qtype, m, k), dequant_rows(wu_sh_bytes, qtype, m, k)
-    with np.errstate(over="ignore"):
-        act = np.concatenate([silu(g[e] @ hn) * (u[e] @ hn) for e in ids] + [silu(gs @ hn) * (us @ hn)])
-    gate = 1 / (1 + np.exp(-(np.asarray(sh_gate_w, np.float64) @ hn)))
-    return act, gate
-
+# ---- the MoE down projection of a decode step: every expert, added to x, x normed for the next layer ----
 
 @zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": EXPERT_QTYPES, "QTYPE_SH": ["", "q6_k"],
                                                            "ROWS": [1, 2], "K": [8], "SG": SUBGROUPS},
              tune={"NSUB": NSUBS},
              where=lambda v: v.QTYPE_SH == "" or (FORMATS[v.QTYPE].block, FORMATS[v.QTYPE].parts) == (256, FORMATS["q6_k"].parts))
 def moe_down_all(w: Buffer[u8], w_sh: Buffer[u8], ids: Buffer[u32], weights: Buffer[f32], act: Buffer[f32],
-                 y: Buffer[f32], k: u32, m: u32, QTYPE: Const = "q4_k", QTYPE_SH: Const = "", K: Const = 8,
-                 ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
+                 y: Coherent[f32], arrivals: Buffer[u32], norm_w: Buffer[f32], hn: Buffer[f32], yq: Buffer[u32],
+                 yd: Buffer[f32], k: u32, m: u32, eps: f32, NORM: Const = False, QTYPE: Const = "q4_k",
+                 QTYPE_SH: Const = "", K: Const = 8, ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32,
+                 WG: Const = 0):
     """y[r] += Σ_{s<K} weights[s] · (W_{ids[s]}[r] · act[s·k:]) + weights[K] · (W_sh[r] · act[K·k:]):
     the routed experts and the shared expert (slot K, whose type QTYPE_SH may differ: files keep
-    it at more bits) in one pass, added to the residual. Grid: ceil(m / rows_per_workgroup)."""
+    it at more bits) in one pass, added to the residual. NORM: the workgroup that finishes last
+    then writes the next layer's normed input from y (q8_1.write_normed: hn, and Q8_1 in yq, yd;
+    `arrivals` counts the workgroups, 0 before and after). Grid: ceil(m / rows_per_workgroup)."""
     f = fmt(QTYPE)
     f_sh = fmt(QTYPE_SH or QTYPE)
     if (f_sh.block, f_sh.parts) != (f.block, f.parts):
@@ -478,6 +358,8 @@ def moe_down_all(w: Buffer[u8], w_sh: Buffer[u8], ids: Buffer[u32], weights: Buf
             for r in range(ROWS):
                 total[r] += weight * step[r][0]
     store_rows(y, group.sums(total), group, m, 1, True)
+    if NORM:
+        write_normed_last(arrivals, y, norm_w, hn, yq, yd, m, eps, SG)
 
 
 @moe_down_all.reference

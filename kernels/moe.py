@@ -1,6 +1,6 @@
 """Mixture-of-experts routing on the GPU: which experts a token uses and with what weights. The
-products themselves are `dmmv.moe_gate_up` and `dmmv.moe_down_all` (or `dmmv.ffn_gate_up` and
-`dmmv.moe_down`), which read the `ids` and `weights` written here."""
+products themselves are `dmmv.ffn_gate_up` / `dmmv_q8.ffn_gate_up_q8` (routed and shared
+experts, SHARED) and `dmmv.moe_down_all`, which read the `ids` and `weights` written here."""
 
 from __future__ import annotations
 
@@ -9,28 +9,44 @@ import numpy as np
 import zdsl
 from zdsl import Buffer, Coherent, Const, f32, u8, u32
 from zdsl.kernels import dmmv
-from zdsl.kernels.sampling import SUBGROUPS, block_topk
+from zdsl.kernels.quant import fmt
+from zdsl.kernels.reduce import SUBGROUPS, workgroup_sums
+from zdsl.kernels.sampling import block_topk
 
 
 @zdsl.kernel(workgroup=dmmv.workgroup, subgroup="SG", variants={"QTYPE": ["f32"], "K": [8], "ROWS": [1, 2, 4],
                                                                "SG": SUBGROUPS},
              tune={"NSUB": dmmv.NSUBS, "R": [1, 4, 8]})
-def moe_router(w: Buffer[u8], x: Buffer[f32], norm_w: Buffer[f32], logits: Coherent[f32], arrivals: Buffer[u32],
-               ids: Buffer[u32], weights: Buffer[f32], k: u32, n_expert: u32, eps: f32, QTYPE: Const = "f32",
-               K: Const = 8, R: Const = 8, ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
-    """The experts of one token, from the residual x, in one dispatch: each workgroup writes its
-    rows of the router logits[e] = W[e] · rmsnorm(x) · norm_w as dmmv_norm does; the one that
-    finishes last (arrivals[0] counts them: 0 before, 0 after) picks ids[j] = the expert with the
-    j-th largest logit (equal logits: lower expert first) and weights[j] = its softmax probability
-    renormalised over the K picked. The full softmax denominator cancels in that renormalisation,
-    so only the picked logits are exponentiated. Needs n_expert ≥ K.
+def moe_router(w: Buffer[u8], sh_gate_w: Buffer[f32], hn: Buffer[f32], logits: Coherent[f32], arrivals: Buffer[u32],
+               ids: Buffer[u32], weights: Buffer[f32], k: u32, n_expert: u32, QTYPE: Const = "f32", K: Const = 8,
+               R: Const = 8, ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
+    """The experts of one token, from its normed input hn, in one dispatch: each workgroup writes
+    its rows of the router logits[e] = W[e] · hn as dmmv does; the one that finishes last
+    (arrivals[0] counts them: 0 before, 0 after) picks ids[j] = the expert with the j-th largest
+    logit (equal logits: lower expert first) and weights[j] = its softmax probability
+    renormalised over the K picked. The full softmax denominator cancels in that
+    renormalisation, so only the picked logits are exponentiated. Workgroup 0 also writes the
+    shared expert's gate weights[K] = sigmoid(sh_gate_w · hn). Needs n_expert ≥ K.
     Grid: ceil(n_expert / rows_per_workgroup)."""
-    dmmv.normed_rows(w, x, norm_w, logits, k, n_expert, eps, QTYPE, ROWS, NSUB, SG)
+    f = fmt(QTYPE)
+    ctx = f.setup()
+    nblocks = k // f.block
+    group = dmmv.Rows(ROWS, NSUB, SG)
+    rows = [(w, r * (nblocks * f.nbytes)) for r in group.clamped(n_expert)]
+    acc = dmmv.block_dots(f, ctx, rows, hn, [0], nblocks, group)
+    dmmv.store_rows(logits, group.sums([acc[r][0] for r in range(ROWS)]), group, n_expert, 1, False)
+    WG = zdsl.workgroup_size()
+    with zdsl.if_(zdsl.workgroup_id() == 0):
+        dot = zdsl.var(0.0)
+        for i in zdsl.range(zdsl.local_index(), k >> 2, WG):
+            dot += zdsl.dot(sh_gate_w.vec4[i], hn.vec4[i])
+        (total,) = workgroup_sums([dot], WG, SG)
+        with zdsl.if_(zdsl.local_index() == 0):
+            weights[K] = zdsl.sigmoid(total)
     with zdsl.if_(zdsl.last_workgroup(arrivals)):
         def load(index, valid):
             return logits.load(index, mask=valid, other=0.0), index
 
-        WG = zdsl.workgroup_size()
         val_sh, id_sh, first = block_topk(load, n_expert, K, R, WG, SG)
         z0 = val_sh[first]
         for j in zdsl.range(zdsl.local_index(), K, WG):
@@ -42,11 +58,12 @@ def moe_router(w: Buffer[u8], x: Buffer[f32], norm_w: Buffer[f32], logits: Coher
 
 
 @moe_router.reference
-def moe_router_ref(w_bytes, x, norm_w, eps, qtype, n_expert, k, K=8):
-    """(logits, ids, weights) of one token."""
-    logits = dmmv.dmmv_norm_ref(w_bytes, x, norm_w, eps, qtype, n_expert, k)
+def moe_router_ref(w_bytes, sh_gate_w, hn, qtype, n_expert, k, K=8):
+    """(logits, ids, weights) of one token; weights[K] is the shared expert's gate."""
+    logits = dmmv.dmmv_ref(w_bytes, np.asarray(hn, np.float32), qtype, n_expert, k)
     ids, weights = route_ref(logits, K)
-    return logits, ids[0], weights[0]
+    gate = 1 / (1 + np.exp(-(np.asarray(sh_gate_w, np.float64) @ np.asarray(hn, np.float64))))
+    return logits, ids[0], np.append(weights[0], np.float32(gate))
 
 
 def route_ref(logits, K=8):

@@ -18,8 +18,8 @@ import numpy as np
 
 import zdsl
 from zdsl import Buffer, Const, f32, u32
+from zdsl.kernels.reduce import SUBGROUPS
 
-SUBGROUPS = [8, 16, 32, 64]
 CAPS = [1, 64, 256]  # candidates kept; 1 is the greedy variant
 SENTINEL = 0xFFFFFFFF  # id of an empty candidate slot
 NEG_INF_BITS = 0xFF800000

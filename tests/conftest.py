@@ -16,9 +16,11 @@ settings.load_profile("zdsl")
 
 @pytest.fixture(scope="session")
 def device():
-    """lavapipe: the conformant CPU Vulkan driver every CI machine has after scripts/setup.sh."""
+    """lavapipe: the conformant CPU Vulkan driver every CI machine has after scripts/setup.sh.
+    ZDSL_TEST_DEVICE names another (e.g. 0 on a GPU machine), to run the kernel tests on real
+    hardware, where thousands of workgroups are in flight at once."""
     from zdsl.runtime import open_device
 
-    dev = open_device("lavapipe")
+    dev = open_device(os.environ.get("ZDSL_TEST_DEVICE", "lavapipe"))
     yield dev
     dev.close()

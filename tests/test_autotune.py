@@ -185,23 +185,24 @@ def test_cli_measured_json(tmp_path, capsys):
     from zdsl.cli import main
 
     out = tmp_path / "lavapipe.json"
-    rc = main(["tune", "--device", "lavapipe", "--preset", "tiny-dense", "--kernels", "rms_norm", "--repeats", "3",
+    rc = main(["tune", "--device", "lavapipe", "--preset", "tiny-dense", "--kernels", "norm_q8_1", "--repeats", "3",
                "--warmup", "1", "--warm-ms", "0", "--cache-mb", "0", "--out", str(out), "--json"])
     assert rc == 0
     report = json.loads(capsys.readouterr().out)
     assert report["method"] == "measured" and report["entries_written"] == 1
     (use,) = report["uses"]
-    assert use["kernel"] == "rms_norm" and use["key"] == {"n": 256} and use["count"] == 4
+    # the first layer's norm, and after each dense FFN's down projection (f32 input: no NORM epilogue)
+    assert use["kernel"] == "norm_q8_1" and use["key"] == {"n": 256} and use["count"] == 5
     assert use["best"]["us"] > 0 and not use["rejected"]
     (entry,) = json.loads(out.read_text())["entries"]
-    assert entry["kernel"] == "rms_norm" and entry["method"] == "measured" and entry["params"] == use["best"]["params"]
+    assert entry["kernel"] == "norm_q8_1" and entry["method"] == "measured" and entry["params"] == use["best"]["params"]
 
 
 def test_cli_errors(capsys):
     from zdsl.cli import main
 
-    assert main(["tune", "--device", "lavapipe", "--preset", "tiny", "--kernels", "rms_norm"]) == 2
-    assert "dispatches no kernel rms_norm" in capsys.readouterr().err
+    assert main(["tune", "--device", "lavapipe", "--preset", "tiny", "--kernels", "quantize_q8_1"]) == 2
+    assert "dispatches no kernel quantize_q8_1" in capsys.readouterr().err
     assert main(["tune", "--device", "gfx9", "--preset", "tiny"]) == 2
     assert "no cost-model figures for 'gfx9'" in capsys.readouterr().err
 
@@ -216,12 +217,12 @@ def _radeon():
 
 @pytest.mark.nulldevice
 def test_modelled_ranking_on_gfx1201_compares_wave32_and_wave64():
-    from zdsl.kernels import dmmv
+    from zdsl.kernels import dmmv_q8
     from zdsl.runtime.nulldevice import target_info
 
     _radeon()
     info = target_info("gfx1201")
-    use = Use(dmmv.dmmv_norm, {"QTYPE": "q4_k", "k": 2048, "m": 512}, {"QTYPE": "q4_k"}, {}, "test")
+    use = Use(dmmv_q8.dmmv_q8, {"QTYPE": "q4_k", "k": 2048, "m": 512}, {"QTYPE": "q4_k"}, {}, "test")
     result = tuner.Model("gfx1201", info).tune(use, time.monotonic() + 60)
     assert result.method == "modelled" and not result.rejected
     assert {c.params["SG"] for c in result.ranked} == {32, 64}
@@ -240,12 +241,12 @@ def test_cli_modelled_says_so(tmp_path, capsys):
 
     _radeon()
     out = tmp_path / "gfx1201.json"
-    assert main(["tune", "--device", "gfx1201", "--preset", "tiny-dense", "--kernels", "rms_norm,deltanet_step",
+    assert main(["tune", "--device", "gfx1201", "--preset", "tiny-dense", "--kernels", "norm_q8_1,deltanet_step",
                  "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "MODELLED" in text and "not measured" in text
     entries = json.loads(out.read_text())["entries"]
-    assert {e["kernel"] for e in entries} == {"rms_norm", "deltanet_step"}
+    assert {e["kernel"] for e in entries} == {"norm_q8_1", "deltanet_step"}
     assert all(e["method"] == "modelled" and e["family"] == "gfx1201" for e in entries)
 
 
@@ -293,7 +294,7 @@ def test_in_place_keeps_a_nominee_only_when_the_step_gets_faster(device, tiny_mo
     from zdsl.models.qwen35.gguf_file import open_model
     from zdsl.models.qwen35.graph import DecodeGraph
 
-    results = _measured(device, tiny_model, "dmmv_norm")
+    results = _measured(device, tiny_model, "dmmv_q8")
     g = DecodeGraph(open_model(tiny_model), device, 24, progress=False)
     faster = {r.use.ident: _nominees_alone(r)[0].params for r in results[:2] if _nominees_alone(r)}
     assert faster, "no candidate beat the default alone: widen the test's candidate space"
@@ -333,7 +334,7 @@ def test_tune_with_a_model_file_tries_nominees_in_the_decode_step(tiny_model, tm
     from zdsl.cli import main
 
     out = tmp_path / "db.json"
-    assert main(["tune", "--device", "lavapipe", "--model", str(tiny_model), "--kernels", "moe_router,dmmv",
+    assert main(["tune", "--device", "lavapipe", "--model", str(tiny_model), "--kernels", "moe_router,dmmv_q8",
                  "--ctx", "64", "--budget", "60", "--repeats", "3", "--warm-ms", "0", "--out", str(out),
                  "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -350,15 +351,22 @@ def test_tune_with_a_model_file_tries_nominees_in_the_decode_step(tiny_model, tm
         assert t["kept"] == (c["gain"] - 1 > max(0.002, 2 * c["noise"]))
 
 
-def test_the_35b_head_is_an_int8_use_with_checkable_problems(device):
-    """In the 35B preset only the 400 MB output head crosses the int8 bar: its quantize and
-    product are workload uses, and the default variants pass their problems' reference checks."""
+def test_the_35b_step_runs_on_int8_inputs_with_checkable_problems(device):
+    """In the 35B preset every projection has an int8 decoder: no f32 matrix-vector product but
+    the router's, the residual norms ride in the products that add to x (one norm_q8_1 for the
+    first layer), and the default variant of each new kind of use passes its problem's check."""
     uses = decode_uses(Tensors.from_preset("35b-a3b"), caps=(1,))
-    int8 = [u for u in uses if u.kernel.name in ("quantize_q8_1_norm", "dmmv_q8")]
-    assert [(u.kernel.name, u.count, u.role) for u in int8] == [("quantize_q8_1_norm", 1, "output.weight"),
-                                                                ("dmmv_q8", 1, "output.weight")]
+    count = {}
+    for u in uses:
+        count[u.kernel.name] = count.get(u.kernel.name, 0) + u.count
+    assert "dmmv" not in count and "ffn_gate_up" not in count and count["norm_q8_1"] == 1
+    assert count["ffn_gate_up_q8"] == count["moe_down_all"] == count["moe_router"] == 40
+    residual = [u for u in uses if u.kernel.name == "dmmv_q8" and u.fixed.get("NORM")]
+    assert sum(u.count for u in residual) == 40  # ssm_out and attn_output
     measure = tuner.Measure(device, warmup=1, repeats=3, warm_s=0.0)
-    for u in int8:
+    picked = [next(u for u in uses if u.kernel.name == name) for name in ("norm_q8_1", "moe_router", "ffn_gate_up_q8")]
+    picked += residual[:1] + [next(u for u in uses if u.kernel.name == "moe_down_all")]
+    for u in picked:
         check = problems.case(u, np.random.default_rng(0), check=True)
         (default,) = tuner.prepare(check, tuner.candidates(u, device.info)[:1], device.info)
-        assert measure.check(check, default) is None
+        assert measure.check(check, default) is None, u.kernel.name

@@ -180,3 +180,20 @@ def test_peer_script_without_llama_bench(tmp_path, monkeypatch, capsys):
     assert err.startswith("error: no llama-bench found") and len(err.strip().splitlines()) == 1
     assert peer.main(["--model", "x.gguf", "--llama-bench", str(tmp_path / "nope")]) == 2
     assert "is not an executable file" in capsys.readouterr().err
+
+
+def test_profile_on_lavapipe(tiny, tmp_path):
+    """`zdsl profile`: every dispatch of the step timed (medians over the timed steps), phases and
+    kernels adding up to the total, the norms and the MoE router found in their phases."""
+    path, hp = tiny
+    assert main(["profile", str(path), "--device", "lavapipe", "--ctx", "64", "--position", "5", "--steps", "2",
+                 "--warm-ms", "0", "--out", str(tmp_path)]) == 0
+    p = json.loads((tmp_path / "profile.json").read_text())
+    assert p["position"] == 5 and p["steps"] == 2
+    assert p["dispatches"] == len(p["top"]) and all(ms > 0 for _, ms in p["top"])
+    assert sum(p["phases"].values()) == pytest.approx(p["total_ms"])
+    assert sum(k["ms"] for k in p["kernels"].values()) == pytest.approx(p["total_ms"])
+    assert p["kernels"]["moe_router"]["count"] == hp.n_layers and p["kernels"]["norm_q8_1"]["count"] == 1
+    assert p["phases"]["moe router"] > 0 and p["phases"]["norms"] > 0
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert len(trace["traceEvents"]) == p["dispatches"]

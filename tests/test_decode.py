@@ -1,9 +1,14 @@
 """The GPU decode path against the numpy reference forward, on lavapipe.
 
-Tolerance: over 64 positions, the max |logit difference| stays below 2% of the logits' standard
-deviation (seen: ~1e-3 against a spread of ~3, i.e. 0.03%), and greedy tokens are identical.
-The GPU path accumulates in f32 with a different summation order and stores the KV cache in f16;
-the reference is f32 numpy.
+The GPU's projections read their inputs quantized to Q8_1 wherever the weight type has an int8
+decoder, so the reference does too (`int8_activations`). Tolerance: over 64 positions, the max
+|logit difference| stays below 5% of the logits' standard deviation. Most of that is not the
+kernels' f32 arithmetic (0.03% with f32 activations) but the quantization's discreteness: where
+an activation lands on a rounding half, a different summation order moves its quant by a whole
+step, and four random layers amplify that (the reference alone, f32 against f64, differs by
+~4%). Greedy tokens are identical wherever the reference's lead is larger than twice the
+tolerance, and at 90% of positions or more in all (seen: all, or all but two near-ties); the
+GPU's sampled token is always the argmax of its own logits.
 """
 
 import numpy as np
@@ -16,10 +21,13 @@ from zdsl.models.qwen35.reference import ReferenceModel
 from zdsl.models.qwen35.sampler import SamplerConfig
 
 POSITIONS = 64
+TOLERANCE = 0.05  # of the logits' standard deviation
 
 
-@pytest.fixture(scope="module", params=[("tiny", "q4_k_m"), ("tiny-dense", "q4_k_m"), ("tiny", "q8_0")])
+@pytest.fixture(scope="module", params=[("tiny", "q4_k_m"), ("tiny-dense", "q4_k_m"), ("tiny", "q8_0"), ("tiny", "f16")])
 def model(request, tmp_path_factory):
+    """Q4_K_M and Q8_0 run the int8 products; F16 weights (no int8 decoder) the f32 path, where
+    the residual norm is a dispatch of its own."""
     preset, quant = request.param
     path = tmp_path_factory.mktemp("models") / f"{preset}-{quant}.gguf"
     synth.write(path, preset, quant=quant, seed=3)
@@ -28,20 +36,25 @@ def model(request, tmp_path_factory):
 
 def test_logits_and_greedy_tokens_match_reference(model, device):
     graph = DecodeGraph(model, device, POSITIONS + 1, SamplerConfig(temperature=0), progress=False)
-    ref = ReferenceModel(model)
+    ref = ReferenceModel(model, int8_activations=True)
     state = ref.new_state()
     rng = np.random.default_rng(0)
-    token, worst = None, 0.0
+    token, worst, agree = None, 0.0, 0
     for pos in range(POSITIONS):
         # prompt tokens for the first half, then the model's own greedy tokens (fed back on the GPU)
         feed = int(rng.integers(model.hparams.vocab)) if pos < POSITIONS // 2 else None
-        expected_logits = ref.forward([token if feed is None else feed], state)[0]
+        expected = ref.forward([token if feed is None else feed], state)[0]
         sampled = graph.decode(feed)
         got = graph.logits()
-        worst = max(worst, np.abs(got - expected_logits).max() / expected_logits.std())
-        assert sampled == int(np.argmax(got)) == int(np.argmax(expected_logits)), f"position {pos}"
+        worst = max(worst, np.abs(got - expected).max() / expected.std())
+        assert sampled == int(np.argmax(got)), f"position {pos}"
+        first, second = np.sort(expected)[::-1][:2]
+        if first - second > 2 * TOLERANCE * expected.std():
+            assert sampled == int(np.argmax(expected)), f"position {pos}"
+        agree += sampled == int(np.argmax(expected))
         token = sampled
-    assert worst < 0.02
+    assert worst < TOLERANCE
+    assert agree >= 0.9 * POSITIONS  # near-ties aside, the same tokens
     graph.close()
 
 
@@ -80,35 +93,3 @@ def test_bursts_equal_single_steps(model, device):
         assert two == one
         assert burst.position == 21
         burst.close()
-
-
-def test_int8_head_tracks_the_reference(model, device, monkeypatch):
-    """The output head on Q8_1 inputs (what a real model's large head runs, here forced by
-    lowering the size bar to the head's own bytes; in tiny-dense the last layer's q projection is
-    as large and comes along). Over 24 positions each logit stays within the f32 path's tolerance
-    (2% of the spread) plus the quantization bound Σ_j |W_rj| · d_j / 2 for the scales d the GPU
-    used, and the greedy token is the reference's wherever its lead exceeds twice that."""
-    from zdsl.kernels.dmmv import dequant_rows
-    from zdsl.models.qwen35 import graph as graph_module
-
-    head = model.output_name
-    monkeypatch.setattr(graph_module, "INT8_MIN_BYTES", model.info(head).nbytes)
-    graph = DecodeGraph(model, device, 25, SamplerConfig(temperature=0), progress=False)
-    assert head.removesuffix(".weight") in [label.split(":")[0] for label, _ in graph.profile() if ":dmmv_q8" in label]
-    graph.reset()
-    m, k = model.shape(head)[-2:]
-    w_abs = np.abs(dequant_rows(model.raw(head), model.qtype(head).name.lower(), m, k))
-    ref = ReferenceModel(model)
-    state = ref.new_state()
-    token = 7
-    for pos in range(24):
-        expected = ref.forward([token], state)[0]
-        sampled = graph.decode(token)
-        d = graph.xd.read(np.float32, (k // 16,))[0::2]
-        bound = 0.02 * expected.std() + w_abs @ np.repeat(d, 32) / 2
-        assert np.all(np.abs(graph.logits() - expected) <= bound), f"position {pos}"
-        first, second = np.argsort(expected)[::-1][:2]
-        if expected[first] - expected[second] > bound[first] + bound[second]:
-            assert sampled == first, f"position {pos}"
-        token = sampled
-    graph.close()

@@ -6,15 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kernel_testing import BACKENDS, run
 from zdsl.kernels import basic as k
-
-BACKENDS = ["interp", "lavapipe"]
-
-
-def run(variant, backend, request, groups, **args):
-    if backend == "interp":
-        return variant.interpret(groups, **args)
-    return variant.run(request.getfixturevalue("device"), groups, **args)
 
 
 def sizes_for(backend, request):
@@ -96,7 +89,7 @@ def test_spec_constant_does_not_recompile():
 # ---- language features beyond the sample kernels -------------------------------------------------
 
 import zdsl  # noqa: E402
-from zdsl import Buffer, Const, f32, u32  # noqa: E402
+from zdsl import Buffer, Const, f32, u8, u32  # noqa: E402
 
 
 @zdsl.kernel(workgroup=64, subgroup="SG", register=False)
@@ -234,3 +227,32 @@ def test_coherent_buffers_and_memory_barriers_in_glsl():
     glsl = _double_then_sum.specialize().glsl
     assert "coherent buffer B_doubled" in glsl and "coherent buffer B_x" not in glsl
     assert glsl.count("memoryBarrierBuffer();") == 2
+
+
+@zdsl.kernel(workgroup=64, register=False)
+def _scaled_copy(x: Buffer[f32], scale_buf: Buffer[f32], bias: Buffer[u8], y: Buffer[f32], n: u32, s: f32,
+                 SCALED: Const = False):
+    """y = x, times scale_buf[0] · s when SCALED: without it, scale_buf, bias and s go unused."""
+    i = zdsl.global_id()
+    with zdsl.if_(i < n):
+        y[i] = x[i] * scale_buf[0] * s if SCALED else x[i]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_buffers_and_scalars_a_variant_never_touches_may_be_left_out(backend, request):
+    """A Const that turns a buffer's use off: the variant binds a placeholder there (declared as
+    words: its own type could need an extension), the Sequence sees no access to it, and an
+    unread scalar packs as 0. Leaving out one that is used is still an error."""
+    x = np.arange(100, dtype=np.float32)
+    plain = _scaled_copy.specialize()
+    assert [acc for _, _, acc in plain.ir.buffers] == ["r", "-", "-", "w"]
+    assert "uint bias_u32[]" in plain.glsl and "uint8_t" not in plain.glsl
+    out = run(plain, backend, request, 2, x=x, y=np.zeros(100, np.float32), n=100)
+    np.testing.assert_array_equal(out["y"], x)
+    scaled = _scaled_copy.specialize(SCALED=True)
+    out = run(scaled, backend, request, 2, x=x, scale_buf=np.float32([2.0]), y=np.zeros(100, np.float32), n=100, s=1.5)
+    np.testing.assert_array_equal(out["y"], 3 * x)
+    with pytest.raises(zdsl.ZdslError, match="missing buffer argument.*scale_buf"):
+        run(scaled, backend, request, 2, x=x, y=np.zeros(100, np.float32), n=100, s=1.5)
+    with pytest.raises(zdsl.ZdslError, match="missing scalar argument.*s"):
+        run(scaled, backend, request, 2, x=x, scale_buf=np.float32([2.0]), y=np.zeros(100, np.float32), n=100)

@@ -13,20 +13,9 @@ from hypothesis import strategies as st
 
 from zdsl.kernels import attention as att
 from zdsl.models.qwen35 import reference as model
+from kernel_testing import BACKENDS, assert_q8_1_of, run, subgroup
 
-BACKENDS = ["interp", "lavapipe"]
 EPS = 1e-6
-
-
-def run(variant, backend, request, groups, **args):
-    if backend == "interp":
-        return variant.interpret(groups, **args)
-    return variant.run(request.getfixturevalue("device"), groups, **args)
-
-
-def subgroup(backend, request, pick):
-    sizes = [8, 16, 32, 64] if backend == "interp" else [request.getfixturevalue("device").info.subgroup_size]
-    return sizes[pick % len(sizes)]
 
 
 def step_buffer(pos):
@@ -60,9 +49,14 @@ def decode(backend, request, q, k_cache, v_cache, qg, length, nsplit, sg, *, min
     part = run(att.attn_decode.specialize(G=n_head // n_kv, D=d, NW=nw, U=u, SG=sg), backend, request, (nsplit, n_kv),
                q=q, k_cache=k_cache, v_cache=v_cache, step=step,
                part=np.full(n_head * nsplit * (d + 2), np.nan, np.float32), n_kv=n_kv, min_chunk=min_chunk)["part"]
-    o = run(att.attn_combine.specialize(D=d, WG=wg, SP=max(sp, wg // d), R=r), backend, request, n_head, part=part,
-            qg=qg, step=step, o=np.full((n_head, d), np.nan, np.float32), nsplit=nsplit, min_chunk=min_chunk)["o"]
-    return part.reshape(n_head, nsplit, d + 2), o
+    q8 = d % 32 == 0  # o also as Q8_1 where it is whole blocks
+    q8_out = dict(oq=np.zeros(n_head * d // 4, np.uint32), od=np.full(n_head * d // 16, np.nan, np.float32)) if q8 else {}
+    out = run(att.attn_combine.specialize(D=d, WG=wg, SP=max(sp, wg // d), R=r, Q8=q8, SG=sg), backend, request, n_head,
+              part=part, qg=qg, step=step, o=np.full((n_head, d), np.nan, np.float32), nsplit=nsplit,
+              min_chunk=min_chunk, **q8_out)
+    if q8:
+        assert_q8_1_of(out["oq"], out["od"], out["o"])
+    return part.reshape(n_head, nsplit, d + 2), out["o"]
 
 
 def random_cache(rng, n_ctx, n_kv, d, scale=1.0):

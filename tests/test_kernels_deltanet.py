@@ -12,18 +12,12 @@ from hypothesis import strategies as st
 
 from zdsl.kernels import deltanet as dn
 from zdsl.models.qwen35 import reference as model
+from kernel_testing import BACKENDS, assert_q8_1_of, run
 
-BACKENDS = ["interp", "lavapipe"]
 EPS = 1e-6
 # before the ring is full (0, 1, 2), its first wrap (3 → slot 3, 5 → slot 1), a long context and
 # the last u32 position (the slot arithmetic must not overflow)
 POSITIONS = [0, 1, 2, 3, 5, 262_141, 2**32 - 1]
-
-
-def run(variant, backend, request, groups, **args):
-    if backend == "interp":
-        return variant.interpret(groups, **args)
-    return variant.run(request.getfixturevalue("device"), groups, **args)
 
 
 def subgroup_sizes(backend, request):
@@ -37,8 +31,13 @@ def step(backend, request, x, state, pos, n_k_heads, wg, sg):
     words = np.zeros(8, np.uint32)
     words[0], words[1] = pos, (pos + 1) % 2**32
     args = dict(x, conv_w=x["conv_w"].reshape(-1), conv_state=x["conv_state"].reshape(-1))
-    return run(dn.deltanet_step.specialize(D=D, KC=KC, WG=wg, SG=sg), backend, request, Hv, **args, step=words,
-               state=state, out=np.full(Hv * D, np.nan, np.float32), n_k_heads=n_k_heads, eps=EPS)
+    q8 = D % 32 == 0  # the output also as Q8_1 where it is whole blocks
+    q8_out = dict(oq=np.zeros(Hv * D // 4, np.uint32), od=np.full(Hv * D // 16, np.nan, np.float32)) if q8 else {}
+    out = run(dn.deltanet_step.specialize(D=D, KC=KC, WG=wg, Q8=q8, SG=sg), backend, request, Hv, **args, step=words,
+              state=state, out=np.full(Hv * D, np.nan, np.float32), n_k_heads=n_k_heads, eps=EPS, **q8_out)
+    if q8:
+        assert_q8_1_of(out["oq"], out["od"], out["out"])
+    return out
 
 
 def step_inputs(rng, Hk, Hv, D, KC=4, mix_scale=1.0):
@@ -110,10 +109,10 @@ def test_model_shape(backend, request):
     rng = np.random.default_rng(4)
     x = step_inputs(rng, 16, 32, 128)
     state = (rng.standard_normal((32, 128, 128)) * 0.5).astype(np.float32)
-    for v in dn.deltanet_step.space(tuple(subgroup_sizes(backend, request))):
-        if backend == "interp" and v["SG"] in (8, 16):
+    for wg, sg in sorted({(v["WG"], v["SG"]) for v in dn.deltanet_step.space(tuple(subgroup_sizes(backend, request)))}):
+        if backend == "interp" and sg in (8, 16):
             continue  # the layouts differ only in the subgroup reduction: 32 and 64 cover it
-        check(step(backend, request, x, state, 7, 16, v["WG"], v["SG"]), x, state, 7, 16)
+        check(step(backend, request, x, state, 7, 16, wg, sg), x, state, 7, 16)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

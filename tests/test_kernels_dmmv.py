@@ -28,9 +28,11 @@ from zdsl.kernels import dmmv as dm
 from zdsl.kernels import dmmv_q8 as dq
 from zdsl.kernels import embedding as emb
 from zdsl.kernels import formats
+from zdsl.kernels import q8_1 as q8
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS
+from kernel_testing import BACKENDS, assert_q8_1_of, q8_1_buffers, run, subgroup
+from zdsl.kernels.norm import rms_norm_ref
 
-BACKENDS = ["interp", "lavapipe"]
 QTYPES = list(FORMATS)
 RTOL = 2e-6
 
@@ -38,20 +40,9 @@ FLOATS = ("f32", "f16", "bf16")
 SHAPES = [(1, 1), (1, 2), (3, 1), (1, 4), (2, 1), (4, 1), (5, 1), (6, 1), (7, 1), (8, 1)]  # (COLS, ROWS)
 
 
-def run(variant, backend, request, groups, **args):
-    if backend == "interp":
-        return variant.interpret(groups, **args)
-    return variant.run(request.getfixturevalue("device"), groups, **args)
-
-
 def pick(backend, qtype, draw, n):
     """An option index: drawn in the interpreter, fixed per weight type on lavapipe."""
     return draw % n if backend == "interp" else QTYPES.index(qtype) % n
-
-
-def subgroup(backend, request, pick):
-    sizes = [8, 16, 32, 64] if backend == "interp" else [request.getfixturevalue("device").info.subgroup_size]
-    return sizes[pick % len(sizes)]
 
 
 def weights(rng, qtype, rows, k, quantizer):
@@ -177,35 +168,14 @@ def test_quantize_q8_1(backend, request, nb, spread, ties, sg_pick, seed):
     if ties:  # max |x| = 127: x / d lands on halves
         x[:32] = np.arange(32) - 15.5
         x[0] = 127
-    out = run(dq.quantize_q8_1.specialize(SG=subgroup(backend, request, sg_pick)), backend, request, -(-n // 256),
+    out = run(q8.quantize_q8_1.specialize(SG=subgroup(backend, request, sg_pick)), backend, request, -(-n // 256),
               x=x, xq=np.zeros(n // 4, np.uint32), xd=np.full(n // 16, np.nan, np.float32), n=n)
-    q, d, s = dq.quantize_q8_1_ref(x)
+    q, d, s = q8.quantize_q8_1_ref(x)
     qg = out["xq"].view(np.int8).reshape(-1, 32)
     np.testing.assert_array_equal(qg, q)
     dg, sg = out["xd"][0::2], out["xd"][1::2]
     np.testing.assert_array_equal(dg.astype("<f2").astype(np.float32), d.reshape(-1))
     np.testing.assert_allclose(sg, dg * qg.sum(axis=1, dtype=np.int32), rtol=1e-6)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=15)
-@given(blocks=st.integers(1, 100), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
-def test_quantize_q8_1_norm(backend, request, blocks, sg_pick, seed):
-    """Q8_1 of rmsnorm(x)·w: the scale d to f32 rounding of the f64 norm, each q within one step
-    of ggml's quantization of the f64-normed vector (a value on a half may round either way)."""
-    rng = np.random.default_rng(seed)
-    n = 32 * blocks
-    x = (rng.standard_normal(n) * rng.uniform(0.1, 10)).astype(np.float32)
-    w = rng.uniform(0.5, 1.5, n).astype(np.float32)
-    out = run(dq.quantize_q8_1_norm.specialize(SG=subgroup(backend, request, sg_pick)), backend, request,
-              -(-n // 256), x=x, norm_w=w, xq=np.zeros(n // 4, np.uint32), xd=np.full(n // 16, np.nan, np.float32),
-              n=n, eps=1e-6)
-    q, d, _ = dq.quantize_q8_1_norm_ref(x, w, 1e-6)
-    qg = out["xq"].view(np.int8).reshape(-1, 32).astype(np.int32)
-    assert np.abs(qg - q).max() <= 1 and (qg == q).mean() > 0.99
-    hn = x.astype(np.float64) / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-6) * w
-    np.testing.assert_allclose(out["xd"][0::2], np.abs(hn.reshape(-1, 32)).max(axis=1) / 127, rtol=1e-5)
-    np.testing.assert_allclose(out["xd"][1::2], out["xd"][0::2] * qg.sum(axis=1), rtol=1e-5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -221,18 +191,48 @@ def test_dmmv_q8(backend, request, qtype, m, nb, shape, add, quantizer, sg_pick,
     sg = subgroup(backend, request, sg_pick)
     w = weights(rng, qtype, m, k, quantizer)
     x = (rng.standard_normal(cols * k) * rng.uniform(0.1, 10, cols * k // 32).repeat(32)).astype(np.float32)
-    xq8 = run(dq.quantize_q8_1.specialize(SG=sg), backend, request, -(-cols * k // 256), x=x,
+    xq8 = run(q8.quantize_q8_1.specialize(SG=sg), backend, request, -(-cols * k // 256), x=x,
               xq=np.zeros(cols * k // 4, np.uint32), xd=np.zeros(cols * k // 16, np.float32), n=cols * k)
     y0 = rng.standard_normal(cols * m).astype(np.float32)
     v = dq.dmmv_q8.specialize(QTYPE=qtype, COLS=cols, ROWS=rows, ADD=add, SG=sg)
     y = run(v, backend, request, -(-m // rows), w=w, xq=xq8["xq"], xd=xq8["xd"], y=y0, k=k, m=m)["y"]
-    xhat = dq.q8_1_values(xq8["xq"], xq8["xd"])
+    xhat = q8.q8_1_values(xq8["xq"], xq8["xd"])
     base = y0 if add else None
     assert_within(y, dq.dmmv_q8_ref(w, xq8["xq"], xq8["xd"], qtype, m, k, base),
                   RTOL * abs_dot(w, qtype, m, k, xhat) + 1e-6)
     step = np.repeat(xq8["xd"][0::2], 32) / 2  # |x − x̂| ≤ d/2 per element
     quant_bound = abs_dot(w, qtype, m, k, step) + RTOL * abs_dot(w, qtype, m, k, x) + 1e-6
     assert_within(y, dm.dmmv_ref(w, x, qtype, m, k, base), quant_bound)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=12)
+@given(qtype=st.sampled_from(["q4_k", "q6_k", "q8_0", "q5_0"]), mb=st.integers(1, 5), nb=st.integers(0, 3),
+       rows=st.sampled_from([1, 2, 4]), nsub=st.sampled_from([1, 2, 4]), sg_pick=st.integers(0, 3),
+       seed=st.integers(0, 99))
+def test_dmmv_q8_residual_norm(backend, request, qtype, mb, nb, rows, nsub, sg_pick, seed):
+    """y += W·x̂, then (NORM) the workgroup that finishes last writes rmsnorm(y) · norm_w, in f32
+    and as Q8_1, from the y every workgroup wrote; the arrival count is back at 0. Twice in a
+    row from the interpreter's results, as one command buffer would run it every layer."""
+    rng = np.random.default_rng(seed)
+    m, k = 32 * mb, FORMATS[qtype].block * block_count(qtype, nb)
+    sg = subgroup(backend, request, sg_pick)
+    w = weights(rng, qtype, m, k, quantizer=True)
+    xq, xd = (a for a in q8_1_buffers(rng.standard_normal(k).astype(np.float32)))
+    nw = rng.uniform(0.5, 1.5, m).astype(np.float32)
+    v = dq.dmmv_q8.specialize(QTYPE=qtype, ROWS=rows, NSUB=nsub, ADD=True, NORM=True, SG=sg)
+    state = dict(y=rng.standard_normal(m).astype(np.float32), arrivals=np.zeros(1, np.uint32))
+    for _ in range(2):
+        y0 = state["y"].copy()
+        out = run(v, backend, request, -(-m // dm.rows_per_workgroup(v)), w=w, xq=xq, xd=xd, norm_w=nw,
+                  hn=np.full(m, np.nan, np.float32), yq=np.zeros(m // 4, np.uint32),
+                  yd=np.full(m // 16, np.nan, np.float32), k=k, m=m, eps=1e-6, **state)
+        assert_within(out["y"], dq.dmmv_q8_ref(w, xq, xd, qtype, m, k, y0),
+                      RTOL * abs_dot(w, qtype, m, k, q8.q8_1_values(xq, xd)) + 1e-6)
+        np.testing.assert_allclose(out["hn"], rms_norm_ref(out["y"], nw, 1e-6), rtol=2e-5, atol=2e-6)
+        assert_q8_1_of(out["yq"], out["yd"], out["hn"])
+        assert out["arrivals"][0] == 0
+        state = dict(y=out["y"], arrivals=out["arrivals"])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -251,12 +251,12 @@ def test_ffn_gate_up_q8(backend, request, qtype, m, nb, nexp, slots, experts, ro
     wg, wu = (weights(rng, qtype, nexp * m, k, quantizer=False) for _ in range(2))
     ids = rng.integers(0, nexp, slots).astype(np.uint32)
     x = rng.standard_normal(k).astype(np.float32)
-    xq8 = run(dq.quantize_q8_1.specialize(SG=sg), backend, request, -(-k // 256), x=x,
+    xq8 = run(q8.quantize_q8_1.specialize(SG=sg), backend, request, -(-k // 256), x=x,
               xq=np.zeros(k // 4, np.uint32), xd=np.zeros(k // 16, np.float32), n=k)
     v = dq.ffn_gate_up_q8.specialize(QTYPE=qtype, ROWS=rows, EXPERTS=experts, SG=sg)
     act = run(v, backend, request, (-(-m // rows), slots), wg=wg, wu=wu, ids=ids, xq=xq8["xq"], xd=xq8["xd"],
               act=np.full(slots * m, np.nan, np.float32), k=k, m=m)["act"]
-    xhat = dq.q8_1_values(xq8["xq"], xq8["xd"])
+    xhat = q8.q8_1_values(xq8["xq"], xq8["xd"])
     sel = ids if experts else [0]
     g = dm.dmmv_ref(wg, xhat, qtype, nexp * m, k).reshape(nexp, m)[sel]
     u = dm.dmmv_ref(wu, xhat, qtype, nexp * m, k).reshape(nexp, m)[sel]

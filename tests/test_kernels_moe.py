@@ -1,7 +1,8 @@
-"""The MoE router (normed router logits, then the top-k experts and their weights picked by the
-workgroup that finishes last) against numpy, in the interpreter (every subgroup size) and on
-lavapipe (its own): logits to rounding; expert ids exactly (ties to the lower expert) and weights
-to rounding, from the logits the kernel wrote; the arrival count back at 0."""
+"""The MoE router (router logits of the normed input, then the top-k experts and their weights
+picked by the workgroup that finishes last, and the shared expert's gate) against numpy, in the
+interpreter (every subgroup size) and on lavapipe (its own): logits to rounding; expert ids
+exactly (ties to the lower expert) and weights to rounding, from the logits the kernel wrote;
+the arrival count back at 0."""
 
 import numpy as np
 import pytest
@@ -10,19 +11,7 @@ from hypothesis import strategies as st
 
 from zdsl.kernels import dmmv, moe
 from zdsl.kernels import formats as F
-
-BACKENDS = ["interp", "lavapipe"]
-
-
-def run(variant, backend, request, groups, **args):
-    if backend == "interp":
-        return variant.interpret(groups, **args)
-    return variant.run(request.getfixturevalue("device"), groups, **args)
-
-
-def subgroup(backend, request, pick):
-    sizes = [8, 16, 32, 64] if backend == "interp" else [request.getfixturevalue("device").info.subgroup_size]
-    return sizes[pick % len(sizes)]
+from kernel_testing import BACKENDS, run, subgroup
 
 
 def router_weights(rng, n, k, qtype, ties):
@@ -34,10 +23,10 @@ def router_weights(rng, n, k, qtype, ties):
     return F.quantize(rows, F.QuantType[qtype.upper()]).reshape(-1)
 
 
-def route(variant, backend, request, w, x, norm_w, n, k, K, eps=1e-6):
-    return run(variant, backend, request, -(-n // dmmv.rows_per_workgroup(variant)), w=w, x=x, norm_w=norm_w,
+def route(variant, backend, request, w, sh_gate_w, hn, n, k, K):
+    return run(variant, backend, request, -(-n // dmmv.rows_per_workgroup(variant)), w=w, sh_gate_w=sh_gate_w, hn=hn,
                logits=np.full(n, np.nan, np.float32), arrivals=np.zeros(1, np.uint32),
-               ids=np.zeros(K, np.uint32), weights=np.zeros(K, np.float32), k=k, n_expert=n, eps=eps)
+               ids=np.zeros(K, np.uint32), weights=np.full(K + 1, np.nan, np.float32), k=k, n_expert=n)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -49,16 +38,17 @@ def test_router(backend, request, K, extra, kb, qtype, ties, rows, nsub, r, sg_p
     rng = np.random.default_rng(seed)
     n, k = K + extra, 32 * kb
     w = router_weights(rng, n, k, qtype, ties)
-    x = rng.standard_normal(k).astype(np.float32) * 3
-    norm_w = rng.uniform(0.5, 1.5, k).astype(np.float32)
+    hn = rng.standard_normal(k).astype(np.float32) * 3
+    sh_gate_w = rng.standard_normal(k).astype(np.float32) * 0.1
     v = moe.moe_router.specialize(QTYPE=qtype, K=K, R=r, ROWS=rows, NSUB=nsub, SG=subgroup(backend, request, sg_pick))
-    out = route(v, backend, request, w, x, norm_w, n, k, K)
-    logits, _, _ = moe.moe_router_ref(w, x, norm_w, 1e-6, qtype, n, k, K)
+    out = route(v, backend, request, w, sh_gate_w, hn, n, k, K)
+    logits, _, want = moe.moe_router_ref(w, sh_gate_w, hn, qtype, n, k, K)
     np.testing.assert_allclose(out["logits"], logits, rtol=2e-5, atol=2e-5 * np.abs(logits).max())
     ids, weights = moe.route_ref(out["logits"], K)
     np.testing.assert_array_equal(out["ids"], ids[0])
-    np.testing.assert_allclose(out["weights"], weights[0], rtol=2e-6, atol=1e-7)
-    np.testing.assert_allclose(out["weights"].sum(), 1, rtol=1e-5)
+    np.testing.assert_allclose(out["weights"][:K], weights[0], rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(out["weights"][:K].sum(), 1, rtol=1e-5)
+    np.testing.assert_allclose(out["weights"][K], want[K], rtol=1e-5)  # the shared expert's gate
     assert out["arrivals"][0] == 0
 
 
@@ -68,24 +58,24 @@ def test_router_twice_in_one_sequence(device):
     rng = np.random.default_rng(3)
     n, k, K = 61, 256, 8
     w = router_weights(rng, n, k, "f32", ties=False)
-    norm_w = rng.uniform(0.5, 1.5, k).astype(np.float32)
-    xs = [rng.standard_normal(k).astype(np.float32) for _ in range(2)]
+    sh_gate_w = rng.standard_normal(k).astype(np.float32) * 0.1
+    hns = [rng.standard_normal(k).astype(np.float32) for _ in range(2)]
     v = moe.moe_router.specialize(K=K, ROWS=2, SG=device.info.subgroup_size)
     up = lambda a, name: device.upload(np.ascontiguousarray(a), name=name)  # noqa: E731
-    shared = dict(w=up(w, "w"), norm_w=up(norm_w, "norm_w"), arrivals=up(np.zeros(1, np.uint32), "arrivals"))
-    own = [dict(x=up(x, "x"), logits=up(np.zeros(n, np.float32), "logits"), ids=up(np.zeros(K, np.uint32), "ids"),
-                weights=up(np.zeros(K, np.float32), "weights")) for x in xs]
+    shared = dict(w=up(w, "w"), sh_gate_w=up(sh_gate_w, "sh_gate_w"), arrivals=up(np.zeros(1, np.uint32), "arrivals"))
+    own = [dict(hn=up(hn, "hn"), logits=up(np.zeros(n, np.float32), "logits"), ids=up(np.zeros(K, np.uint32), "ids"),
+                weights=up(np.zeros(K + 1, np.float32), "weights")) for hn in hns]
     try:
         seq = device.sequence()
         for bufs in own:
-            v.dispatch(seq, -(-n // dmmv.rows_per_workgroup(v)), k=k, n_expert=n, eps=1e-6, **shared, **bufs)
+            v.dispatch(seq, -(-n // dmmv.rows_per_workgroup(v)), k=k, n_expert=n, **shared, **bufs)
         seq.run()
         seq.free()
-        for x, bufs in zip(xs, own):
-            want_logits, want_ids, want_weights = moe.moe_router_ref(w, x, norm_w, 1e-6, "f32", n, k, K)
+        for hn, bufs in zip(hns, own):
+            want_logits, want_ids, want_weights = moe.moe_router_ref(w, sh_gate_w, hn, "f32", n, k, K)
             np.testing.assert_allclose(bufs["logits"].read(np.float32, (n,)), want_logits, rtol=1e-5, atol=1e-5)
             np.testing.assert_array_equal(bufs["ids"].read(np.uint32, (K,)), want_ids)
-            np.testing.assert_allclose(bufs["weights"].read(np.float32, (K,)), want_weights, rtol=1e-5)
+            np.testing.assert_allclose(bufs["weights"].read(np.float32, (K + 1,)), want_weights, rtol=1e-5)
         assert shared["arrivals"].read(np.uint32, (1,))[0] == 0
     finally:
         for b in list(shared.values()) + [b for bufs in own for b in bufs.values()]:
@@ -98,10 +88,12 @@ def test_router_the_model_shape():
     rng = np.random.default_rng(7)
     n, k = 256, 2048
     w = rng.standard_normal((n, k), dtype=np.float32) * 0.02
-    x = rng.standard_normal(k, dtype=np.float32)
-    norm_w = rng.uniform(0.5, 1.5, k).astype(np.float32)
-    out = route(moe.moe_router.specialize(K=8, SG=32), "interp", None, w.reshape(-1).view(np.uint8), x, norm_w, n, k, 8)
+    hn = rng.standard_normal(k, dtype=np.float32)
+    sh_gate_w = rng.standard_normal(k, dtype=np.float32) * 0.02
+    out = route(moe.moe_router.specialize(K=8, SG=32), "interp", None, w.reshape(-1).view(np.uint8), sh_gate_w, hn,
+                n, k, 8)
     logits = out["logits"]
     np.testing.assert_array_equal(out["ids"], np.argsort(-logits)[:8])
     p = np.exp(logits[out["ids"]] - logits.max())
-    np.testing.assert_allclose(out["weights"], p / p.sum(), rtol=1e-5)
+    np.testing.assert_allclose(out["weights"][:8], p / p.sum(), rtol=1e-5)
+    np.testing.assert_allclose(out["weights"][8], 1 / (1 + np.exp(-(sh_gate_w.astype(np.float64) @ hn))), rtol=1e-5)

@@ -11,14 +11,9 @@ from hypothesis import strategies as st
 from zdsl.errors import ZdslError
 from zdsl.kernels import sampling as k
 from zdsl.models.qwen35.sampler import SamplerConfig, sample_reference
+from kernel_testing import BACKENDS, subgroup
 
-BACKENDS = ["interp", "lavapipe"]
 SHAPES = [(64, 4), (256, 4), (64, 16), (256, 16)]  # (WG, R)
-
-
-def subgroup(backend, request, pick):
-    sizes = [8, 16, 32, 64] if backend == "interp" else [request.getfixturevalue("device").info.subgroup_size]
-    return sizes[pick % len(sizes)]
 
 
 def fits(cap, wg, r, sg):

@@ -232,10 +232,10 @@ class Bench:
         """The variant the tuning database picks for this device, or with --sweep every ROWS and
         workgroup of 1-4 subgroups (sharing the rows, or 2 and 4 with rows of their own)."""
         from zdsl.autotune.database import choose
-        from zdsl.kernels import dmmv, dmmv_q8
+        from zdsl.kernels import dmmv, dmmv_q8, q8_1
 
         if case.kernel == "quantize_q8_1":
-            return [dmmv_q8.quantize_q8_1.specialize(SG=self.device.info.subgroup_size)]
+            return [q8_1.quantize_q8_1.specialize(SG=self.device.info.subgroup_size)]
         kernel = {"dmmv": dmmv.dmmv, "dmmv_q8": dmmv_q8.dmmv_q8, "ffn_gate_up": dmmv.ffn_gate_up,
                   "ffn_gate_up_q8": dmmv_q8.ffn_gate_up_q8, "moe_down": dmmv.moe_down}[case.kernel]
         fixed = {"QTYPE": case.qtype}

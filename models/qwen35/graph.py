@@ -5,8 +5,13 @@ cache and recurrent state gets its buffer, and the step is recorded into a `Sequ
 replayed for every token. Per-token values (position, length, the input token id, the sampler's
 counter) live in the small host-visible `step` buffer; the sampler writes the next token id there
 on the GPU, so the host only reads one integer back per token. Independent dispatches (q/k/v,
-the delta-net projections, routed and shared experts) carry no barrier between them; the
-runtime inserts barriers only where one dispatch reads what another wrote.
+the delta-net projections) carry no barrier between them; the runtime inserts barriers only
+where one dispatch reads what another wrote.
+
+Every projection reads its input once quantized to Q8_1 (int8 products; f32 for weight types
+without an int8 decoder, and for the router): the normed residual stream is written, in f32 and
+Q8_1, by the last workgroup of the dispatch that adds to the residual (NORM), and the attention
+and delta-net outputs by the kernels that finish them (kernels/q8_1.py).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import numpy as np
 
 from zdsl.autotune.database import Database, choose, shape_key
 from zdsl.errors import ZdslError
-from zdsl.kernels import attention, deltanet, dmmv, dmmv_q8, embedding, moe, norm, sampling, steps
+from zdsl.kernels import attention, deltanet, dmmv, dmmv_q8, embedding, moe, q8_1, sampling, steps
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS
 from zdsl.lang.language import cdiv
 from zdsl.models.qwen35.gguf_file import ModelFile
@@ -29,25 +34,15 @@ STEP_WORDS = 8  # step[0] position, [1] length, [2] token id, [3] sampler counte
 # serves every length: short contexts use few splits, long ones up to ATTN_MAX_SPLITS per KV head.
 ATTN_MIN_CHUNK = 64
 ATTN_MAX_SPLITS = 256
-# A normed projection this large reads its input as Q8_1 (int8 products): on the H100 the
-# 400 MB Q6_K output head takes 173 µs instead of 211 µs, far more than the ~4 µs of the one
-# dispatch that norms and quantizes x; for the few-MB projections that dispatch would cost more
-# than it saves (docs/PERF.md).
-INT8_MIN_BYTES = 64 << 20
-
-
-def int8_input(qtype: str, nbytes: int) -> bool:
-    """Whether a normed projection of this weight type and size runs on Q8_1 activations."""
-    return qtype in INT8_FORMATS and nbytes >= INT8_MIN_BYTES
 
 
 @dataclass
-class Buffers:
-    """Activations of one token (all f32)."""
+class Vector:
+    """One activation vector as the projections read it: f32, and Q8_1 (q, d: q8_1.py)."""
 
-    x: object       # residual stream (hidden)
-    hn: object      # normed input of a dense FFN (the other norms are folded into their consumers)
-    logits: object
+    f32: object
+    q: object
+    d: object
 
 
 class DecodeGraph:
@@ -105,6 +100,12 @@ class DecodeGraph:
     def _f32(self, n: int, name: str):
         return self.device.alloc(4 * max(n, 1), name=name)
 
+    def _vector(self, n: int, name: str) -> Vector:
+        if n % 32:
+            raise ZdslError(f"{name} has {n} values; zdsl's Q8_1 activations need a multiple of 32")
+        return Vector(self._f32(n, name), self.device.alloc(n, name=name + "_q8_1"),
+                      self._f32(n // 16, name + "_q8_1_scales"))
+
     def _allocate(self) -> None:
         hp, dev = self.hp, self.device
         H = hp.hidden
@@ -114,17 +115,20 @@ class DecodeGraph:
         self.step_host = dev.host_buffer(4 * STEP_WORDS, name="step_host")
         self.step_words = self.step_host.view(np.uint32)
         self.step = dev.alloc(4 * STEP_WORDS, name="step")
-        self.buf = Buffers(self._f32(H, "x"), self._f32(H, "hn"), self._f32(hp.vocab, "logits"))
-        self.xq, self.xd = dev.alloc(H, name="x_q8_1"), self._f32(H // 16, "x_q8_1_scales")  # int8 inputs
+        self.x, self.logits_out = self._f32(H, "x"), self._f32(hp.vocab, "logits")  # the residual stream
+        self.normed = self._vector(H, "normed")  # rmsnorm(x) · the next consumer's norm weight
+        # Each dispatch that counts its workgroups (last_workgroup) leaves its counter at 0.
+        self.arrivals = dev.alloc(32, name="arrivals")  # two counters, 16 bytes apart (binding alignment)
+        self.norm_arrivals, self.router_arrivals = self.arrivals.slice(0, 4), self.arrivals.slice(16, 4)
         qd, kvd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
         self.qg, self.q = self._f32(2 * qd, "qg"), self._f32(qd, "q")
         self.k, self.v = self._f32(kvd, "k"), self._f32(kvd, "v")
-        self.attn_o = self._f32(qd, "attn_o")
+        self.attn_o = self._vector(qd, "attn_o")
         self.attn_splits = max(1, min(ATTN_MAX_SPLITS, cdiv(self.n_ctx, ATTN_MIN_CHUNK)))
         self.attn_part = self._f32(hp.n_heads * self.attn_splits * (hp.head_dim + 2), "attn_partials")
         C, vd = hp.conv_channels, hp.ssm_value_dim
         self.mix = self._f32(C, "mix")
-        self.z, self.dn_out = self._f32(vd, "z"), self._f32(vd, "deltanet_out")
+        self.z, self.dn_out = self._f32(vd, "z"), self._vector(vd, "deltanet_out")
         self.beta, self.alpha = self._f32(hp.ssm_v_heads, "beta"), self._f32(hp.ssm_v_heads, "alpha")
         # per-layer state
         self.kv = {i: (dev.alloc(2 * self.n_ctx * kvd, name=f"k_cache.{i}"), dev.alloc(2 * self.n_ctx * kvd, name=f"v_cache.{i}"))
@@ -139,7 +143,6 @@ class DecodeGraph:
             if S != F:
                 raise ZdslError(f"shared expert width {S} differs from the experts' {F}; zdsl runs the shared "
                                 "expert as one more expert slot, which needs one width")
-            self.router_arrivals = dev.alloc(4, name="router_arrivals")  # moe_router's count: 0 between dispatches
             self.route_ids = dev.alloc(4 * K, name="route_ids")
             self.route_w = self._f32(K + 1, "route_weights")  # [K] is the shared expert's gate
             self.act = self._f32((K + 1) * F, "expert_act")  # slot K: the shared expert
@@ -170,15 +173,14 @@ class DecodeGraph:
 
     def reset(self) -> None:
         """Forget the sequence: zero the caches, recurrent states and penalty counts (and the
-        router's arrival count, which every dispatch leaves at 0 anyway)."""
+        arrival counters, which every dispatch leaves at 0 anyway)."""
         seq = self.device.sequence()
         for k, v in self.kv.values():
             seq.fill(k), seq.fill(v)
         for b in list(self.conv_state.values()) + list(self.ssm_state.values()):
             seq.fill(b)
         seq.fill(self.counts)
-        if self.hp.moe:
-            seq.fill(self.router_arrivals)
+        seq.fill(self.arrivals)
         seq.run()
         seq.free()
         self.position = 0
@@ -191,14 +193,58 @@ class DecodeGraph:
             raise ZdslError(f"tensor {tensor} is {q.upper()}, which has no GPU kernel yet")
         return q
 
-    def _matvec(self, seq, tensor: str, x, y, add: bool = False) -> None:
+    def _int8(self, tensor: str) -> bool:
+        return self._qname(tensor) in INT8_FORMATS
+
+    def _project(self, seq, tensor: str, y, x: Vector | None = None) -> None:
+        """y = W · x, x the normed input by default: int8 products where the weight type has an
+        int8 decoder, else f32."""
+        x = x or self.normed
         m, k = self.model.shape(tensor)[-2:]
-        v = self._choose(dmmv.dmmv, {"QTYPE": self._qname(tensor), "k": k, "m": m}, QTYPE=self._qname(tensor), ADD=add)
-        v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=tensor.removesuffix(".weight"), w=self.weights[tensor],
-                   x=x, y=y, k=k, m=m)
+        q, label = self._qname(tensor), tensor.removesuffix(".weight")
+        if self._int8(tensor):
+            v = self._choose(dmmv_q8.dmmv_q8, {"QTYPE": q, "k": k, "m": m}, QTYPE=q)
+            v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=label, w=self.weights[tensor], xq=x.q, xd=x.d,
+                       y=y, k=k, m=m)
+        else:
+            v = self._choose(dmmv.dmmv, {"QTYPE": q, "k": k, "m": m}, QTYPE=q)
+            v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=label, w=self.weights[tensor], x=x.f32, y=y,
+                       k=k, m=m)
+
+    def _residual(self, seq, tensor: str, x: Vector, next_norm: str) -> None:
+        """x += W · input, then the normed input of the next projections from it (rmsnorm(x) ·
+        next_norm): by the product's last workgroup where the weight has an int8 decoder and the
+        input comes in Q8_1, else by one more dispatch."""
+        m, k = self.model.shape(tensor)[-2:]
+        q, label = self._qname(tensor), tensor.removesuffix(".weight")
+        if self._int8(tensor) and x.q is not None:
+            v = self._choose(dmmv_q8.dmmv_q8, {"QTYPE": q, "k": k, "m": m}, QTYPE=q, ADD=True, NORM=True)
+            v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=label, w=self.weights[tensor], xq=x.q, xd=x.d,
+                       y=self.x, **self._norm_out(next_norm), k=k, m=m)
+            return
+        v = self._choose(dmmv.dmmv, {"QTYPE": q, "k": k, "m": m}, QTYPE=q, ADD=True)
+        v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=label, w=self.weights[tensor], x=x.f32, y=self.x,
+                   k=k, m=m)
+        self._norm(seq, next_norm)
+
+    def _norm_out(self, norm: str) -> dict:
+        """The arguments of a NORM epilogue that writes rmsnorm(x) · norm into `normed`."""
+        n = self.normed
+        return dict(arrivals=self.norm_arrivals, norm_w=self.weights[norm], hn=n.f32, yq=n.q, yd=n.d, eps=self.hp.eps)
+
+    def _norm(self, seq, norm: str) -> None:
+        """normed = rmsnorm(x) · norm, in one dispatch of one workgroup."""
+        n, H = self.normed, self.hp.hidden
+        v = self._choose(q8_1.norm_q8_1, {"n": H})
+        v.dispatch(seq, 1, label=norm.removesuffix(".weight"), x=self.x, norm_w=self.weights[norm], hn=n.f32, xq=n.q,
+                   xd=n.d, n=H, eps=self.hp.eps)
+
+    def _next_norm(self, i: int) -> str:
+        """The norm that the layer after layer i starts with (the output norm after the last)."""
+        return f"blk.{i + 1}.attn_norm.weight" if i + 1 < self.hp.n_layers else "output_norm.weight"
 
     def _record(self, from_host: bool, timestamps: bool = False):
-        hp, b = self.hp, self.buf
+        hp = self.hp
         seq = self.device.sequence(timestamps=timestamps)
         if from_host:
             seq.copy(self.step_host, self.step)
@@ -206,7 +252,8 @@ class DecodeGraph:
         q = self._qname(emb)
         embedding.embed.specialize(QTYPE=q).dispatch(seq, embedding.embed_groups(q, hp.hidden), label="embed",
                                                      table=self.weights[emb],
-                                                     ids=self.step, out=b.x, k=hp.hidden, index=2)
+                                                     ids=self.step, out=self.x, k=hp.hidden, index=2)
+        self._norm(seq, "blk.0.attn_norm.weight")
         for i in range(hp.n_layers):
             if hp.attention[i]:
                 self._attention(seq, i)
@@ -216,40 +263,17 @@ class DecodeGraph:
                 self._moe(seq, i)
             else:
                 self._ffn(seq, i)
-        self._normed_matvec(seq, self.model.output_name, "output_norm.weight", b.logits)
+        self._project(seq, self.model.output_name, self.logits_out)
         self._sample(seq)
         steps.advance.specialize().dispatch(seq, 1, label="advance", step=self.step)
         seq.copy(self.step, self.step_host)
         return seq
 
-    def _normed_matvec(self, seq, tensor: str, norm: str, y) -> None:
-        """y = W · (rmsnorm(x) · norm_w): the norm folded into the projection (no separate pass),
-        or, for a large W, into the dispatch that quantizes x for the int8 product."""
-        m, k = self.model.shape(tensor)[-2:]
-        q = self._qname(tensor)
-        if int8_input(q, self.model.info(tensor).nbytes):
-            quant = self._choose(dmmv_q8.quantize_q8_1_norm, {"n": k})
-            quant.dispatch(seq, cdiv(k, 256), label=norm.removesuffix(".weight") + "+q8_1", x=self.buf.x,
-                           norm_w=self.weights[norm], xq=self.xq, xd=self.xd, n=k, eps=self.hp.eps)
-            v = self._choose(dmmv_q8.dmmv_q8, {"QTYPE": q, "k": k, "m": m}, QTYPE=q, ADD=False)
-            v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=tensor.removesuffix(".weight"),
-                       w=self.weights[tensor], xq=self.xq, xd=self.xd, y=y, k=k, m=m)
-            return
-        v = self._choose(dmmv.dmmv_norm, {"QTYPE": q, "k": k, "m": m}, QTYPE=q)
-        v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=tensor.removesuffix(".weight"), w=self.weights[tensor],
-                   x=self.buf.x, norm_w=self.weights[norm], y=y, k=k, m=m, eps=self.hp.eps)
-
-    def _norm(self, seq, x, weight: str, out) -> None:
-        n = self.hp.hidden
-        v = self._choose(norm.rms_norm, {"n": n})
-        v.dispatch(seq, 1, label=weight.removesuffix(".weight"), x=x, w=self.weights[weight], out=out, n=n,
-                   eps=self.hp.eps)
-
     def _attention(self, seq, i: int) -> None:
-        hp, p, b = self.hp, f"blk.{i}.", self.buf
+        hp, p = self.hp, f"blk.{i}."
         nh, nkv, d = hp.n_heads, hp.n_kv_heads, hp.head_dim
         for name, out in (("attn_q", self.qg), ("attn_k", self.k), ("attn_v", self.v)):
-            self._normed_matvec(seq, p + name + ".weight", p + "attn_norm.weight", out)
+            self._project(seq, p + name + ".weight", out)
         k_cache, v_cache = self.kv[i]
         prep = self._choose(attention.attn_prep, {"d": d})
         prep.dispatch(seq, nh + nkv, label=p + "attn_prep", qg=self.qg, k=self.k, v=self.v, q_norm=self.weights[p + "attn_q_norm.weight"],
@@ -259,92 +283,99 @@ class DecodeGraph:
         dec = self._choose(attention.attn_decode, {"D": d, "G": nh // nkv}, D=d, G=nh // nkv)
         dec.dispatch(seq, (self.attn_splits, nkv), label=p + "attn_decode", q=self.q, k_cache=k_cache,
                      v_cache=v_cache, step=self.step, part=self.attn_part, n_kv=nkv, min_chunk=ATTN_MIN_CHUNK)
-        comb = self._choose(attention.attn_combine, {"D": d}, D=d)
+        comb = self._choose(attention.attn_combine, {"D": d}, D=d, Q8=self._int8(p + "attn_output.weight"))
+        o = self.attn_o
         comb.dispatch(seq, nh, label=p + "attn_combine", part=self.attn_part, qg=self.qg, step=self.step,
-                      o=self.attn_o, nsplit=self.attn_splits, min_chunk=ATTN_MIN_CHUNK)
-        self._matvec(seq, p + "attn_output.weight", self.attn_o, b.x, add=True)
+                      o=o.f32, oq=o.q, od=o.d, nsplit=self.attn_splits, min_chunk=ATTN_MIN_CHUNK)
+        self._residual(seq, p + "attn_output.weight", o, p + "post_attention_norm.weight")
 
     def _deltanet(self, seq, i: int) -> None:
-        hp, p, b = self.hp, f"blk.{i}.", self.buf
+        hp, p = self.hp, f"blk.{i}."
         for name, out in (("attn_qkv", self.mix), ("attn_gate", self.z), ("ssm_beta", self.beta),
                           ("ssm_alpha", self.alpha)):
-            self._normed_matvec(seq, p + name + ".weight", p + "attn_norm.weight", out)
+            self._project(seq, p + name + ".weight", out)
         # one dispatch: the conv of the channels each head reads, then the delta rule
-        step = self._choose(deltanet.deltanet_step, {"D": hp.ssm_head_dim}, D=hp.ssm_head_dim, KC=hp.conv_kernel)
+        step = self._choose(deltanet.deltanet_step, {"D": hp.ssm_head_dim}, D=hp.ssm_head_dim, KC=hp.conv_kernel,
+                            Q8=self._int8(p + "ssm_out.weight"))
+        o = self.dn_out
         step.dispatch(seq, hp.ssm_v_heads, label=p + "ssm_conv+step", mix=self.mix,
                       conv_w=self.weights[p + "ssm_conv1d.weight"], conv_state=self.conv_state[i], step=self.step,
                       z=self.z, b=self.beta, a=self.alpha, ssm_a=self.weights[p + "ssm_a"],
                       dt_bias=self.weights[p + "ssm_dt.bias"], norm_w=self.weights[p + "ssm_norm.weight"],
-                      state=self.ssm_state[i], out=self.dn_out, n_k_heads=hp.ssm_k_heads, eps=hp.eps)
-        self._matvec(seq, p + "ssm_out.weight", self.dn_out, b.x, add=True)
+                      state=self.ssm_state[i], out=o.f32, oq=o.q, od=o.d, n_k_heads=hp.ssm_k_heads, eps=hp.eps)
+        self._residual(seq, p + "ssm_out.weight", o, p + "post_attention_norm.weight")
 
-    def _ffn_gate_up(self, seq, gate: str, up: str, x, act, ids=None, slots: int = 1) -> None:
-        shape = self.model.shape(gate)
-        m, k = shape[-2:]
+    def _gate_up(self, seq, gate: str, up: str, slots: int, shared: tuple[str, str] | None = None) -> None:
+        """act = silu(gate · normed) · (up · normed) per slot: the experts in route_ids (MoE,
+        with the shared expert's pair as the last slot) or the one pair (dense)."""
+        m, k = self.model.shape(gate)[-2:]
         q = self._qname(gate)
-        if self._qname(up) != q:
-            raise ZdslError(f"{gate} and {up} have different types; zdsl's fused gate·up needs one type")
-        v = self._choose(dmmv.ffn_gate_up, {"QTYPE": q, "k": k, "m": m}, QTYPE=q, EXPERTS=ids is not None)
-        v.dispatch(seq, (cdiv(m, dmmv.rows_per_workgroup(v)), slots), label=gate.removesuffix(".weight") + "+up",
-                   wg=self.weights[gate], wu=self.weights[up],
-                   ids=ids if ids is not None else self.step, x=x, act=act, k=k, m=m)
-
-    def _down(self, seq, tensor: str, ids, weights, act, slots: int) -> None:
-        m, k = self.model.shape(tensor)[-2:]
-        q = self._qname(tensor)
-        v = self._choose(dmmv.moe_down, {"QTYPE": q, "k": k, "m": m}, QTYPE=q, ADD=True)
-        v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=tensor.removesuffix(".weight"), w=self.weights[tensor],
-                   ids=ids, weights=weights, act=act,
-                   y=self.buf.x, k=k, m=m, slots=slots)
+        for t in (up, *(shared or ())):
+            if self._qname(t) != q or self.model.shape(t)[-2:] != (m, k):
+                raise ZdslError(f"{t} differs in type or shape from {gate}; zdsl's fused gate·up needs one type "
+                                "and one width")
+        experts = shared is not None
+        pairs = dict(wg=self.weights[gate], wu=self.weights[up])
+        if shared:
+            pairs.update(wg_sh=self.weights[shared[0]], wu_sh=self.weights[shared[1]])
+        ids = self.route_ids if experts else self.step
+        label = gate.removesuffix(".weight") + "+up" + ("+shexp" if experts else "")
+        if self._int8(gate):
+            v = self._choose(dmmv_q8.ffn_gate_up_q8, {"QTYPE": q, "k": k, "m": m, "slots": slots}, QTYPE=q,
+                             EXPERTS=experts, SHARED=experts)
+            args = dict(xq=self.normed.q, xd=self.normed.d)
+        else:
+            v = self._choose(dmmv.ffn_gate_up, {"QTYPE": q, "k": k, "m": m, "slots": slots}, QTYPE=q,
+                             EXPERTS=experts, SHARED=experts)
+            args = dict(x=self.normed.f32)
+        v.dispatch(seq, (cdiv(m, dmmv.rows_per_workgroup(v)), slots), label=label, **pairs, ids=ids, act=self.act,
+                   k=k, m=m, **args)
 
     def _moe(self, seq, i: int) -> None:
-        """Router logits and the experts picked from them (by the workgroup that finishes last),
-        then one dispatch for every expert's gate·up (the shared expert as one more slot), then
-        one for every down projection added to x."""
-        hp, p, b = self.hp, f"blk.{i}.", self.buf
+        """The router (its logits, then the experts picked by the workgroup that finishes last),
+        one dispatch for every expert's gate·up (the shared expert as one more slot), one for
+        every down projection added to x (which also norms x for the next layer)."""
+        hp, p = self.hp, f"blk.{i}."
         K, E = hp.n_experts_used, hp.n_experts
         router = p + "ffn_gate_inp.weight"
         qr, kr = self._qname(router), self.model.shape(router)[-1]
         route = self._choose(moe.moe_router, {"QTYPE": qr, "k": kr, "n_expert": E}, QTYPE=qr, K=K)
         route.dispatch(seq, cdiv(E, dmmv.rows_per_workgroup(route)), label=p + "ffn_gate_inp+moe_route",
-                       w=self.weights[router], x=b.x, norm_w=self.weights[p + "post_attention_norm.weight"],
-                       logits=self.router, arrivals=self.router_arrivals, ids=self.route_ids, weights=self.route_w,
-                       k=kr, n_expert=E, eps=hp.eps)
-        m, k = self.model.shape(p + "ffn_gate_exps.weight")[-2:]
-        q = self._qname(p + "ffn_gate_exps.weight")
-        for t in ("ffn_up_exps", "ffn_gate_shexp", "ffn_up_shexp"):
-            if self._qname(p + t + ".weight") != q or self.model.shape(p + t + ".weight")[-2:] != (m, k):
-                raise ZdslError(f"{p}{t} differs in type or shape from {p}ffn_gate_exps; zdsl's fused MoE needs "
-                                "one type and one width for the routed and shared gate/up projections")
-        up = self._choose(dmmv.moe_gate_up, {"QTYPE": q, "k": k, "m": m, "K": K}, QTYPE=q, K=K)
-        up.dispatch(seq, (cdiv(m, dmmv.rows_per_workgroup(up)), K + 1), label=p + "ffn_gate_up_exps+shexp",
-                    wg=self.weights[p + "ffn_gate_exps.weight"], wu=self.weights[p + "ffn_up_exps.weight"],
-                    wg_sh=self.weights[p + "ffn_gate_shexp.weight"], wu_sh=self.weights[p + "ffn_up_shexp.weight"],
-                    ids=self.route_ids, sh_gate_w=self.weights[p + "ffn_gate_inp_shexp.weight"], x=b.x,
-                    norm_w=self.weights[p + "post_attention_norm.weight"], weights=self.route_w,
-                    act=self.act, k=k, m=m, eps=hp.eps)
+                       w=self.weights[router], sh_gate_w=self.weights[p + "ffn_gate_inp_shexp.weight"],
+                       hn=self.normed.f32, logits=self.router, arrivals=self.router_arrivals, ids=self.route_ids,
+                       weights=self.route_w, k=kr, n_expert=E)
+        self._gate_up(seq, p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight", K + 1,
+                      shared=(p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"))
         md, kd = self.model.shape(p + "ffn_down_exps.weight")[-2:]
         qd, qs = self._qname(p + "ffn_down_exps.weight"), self._qname(p + "ffn_down_shexp.weight")
         fd, fs = FORMATS[qd], FORMATS[qs]
         if (fd.block, fd.parts) != (fs.block, fs.parts):
             self._down(seq, p + "ffn_down_exps.weight", self.route_ids, self.route_w, self.act, K)
             self._down(seq, p + "ffn_down_shexp.weight", self.zero_id, self.route_w_shared, self.act_shared, 1)
+            self._norm(seq, self._next_norm(i))
             return
         down = self._choose(dmmv.moe_down_all, {"QTYPE": qd, "QTYPE_SH": qs, "k": kd, "m": md, "K": K},
-                            QTYPE=qd, QTYPE_SH="" if qs == qd else qs, K=K)
+                            QTYPE=qd, QTYPE_SH="" if qs == qd else qs, K=K, NORM=True)
         down.dispatch(seq, cdiv(md, dmmv.rows_per_workgroup(down)), label=p + "ffn_down_exps+shexp",
                       w=self.weights[p + "ffn_down_exps.weight"], w_sh=self.weights[p + "ffn_down_shexp.weight"],
-                      ids=self.route_ids, weights=self.route_w, act=self.act, y=b.x, k=kd, m=md)
+                      ids=self.route_ids, weights=self.route_w, act=self.act, y=self.x,
+                      **self._norm_out(self._next_norm(i)), k=kd, m=md)
+
+    def _down(self, seq, tensor: str, ids, weights, act, slots: int) -> None:
+        m, k = self.model.shape(tensor)[-2:]
+        q = self._qname(tensor)
+        v = self._choose(dmmv.moe_down, {"QTYPE": q, "k": k, "m": m}, QTYPE=q, ADD=True)
+        v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=tensor.removesuffix(".weight"), w=self.weights[tensor],
+                   ids=ids, weights=weights, act=act, y=self.x, k=k, m=m, slots=slots)
 
     def _ffn(self, seq, i: int) -> None:
-        p, b = f"blk.{i}.", self.buf
-        self._norm(seq, b.x, p + "post_attention_norm.weight", b.hn)
-        self._ffn_gate_up(seq, p + "ffn_gate.weight", p + "ffn_up.weight", b.hn, self.act)
-        self._matvec(seq, p + "ffn_down.weight", self.act, b.x, add=True)
+        p = f"blk.{i}."
+        self._gate_up(seq, p + "ffn_gate.weight", p + "ffn_up.weight", 1)
+        self._residual(seq, p + "ffn_down.weight", Vector(self.act, None, None), self._next_norm(i))
 
     def _sample(self, seq) -> None:
         first, draw = self.sampler.push_constants(self.hp.vocab, self.n_ctx)
-        self.sample_pass.dispatch(seq, self.sample_groups, label="sample_candidates", logits=self.buf.logits, counts=self.counts,
+        self.sample_pass.dispatch(seq, self.sample_groups, label="sample_candidates", logits=self.logits_out, counts=self.counts,
                                   cand=self.cand, **first)
         self.sample_draw.dispatch(seq, 1, label="sample_draw", cand=self.cand, step=self.step, counts=self.counts,
                                   tokens=self.tokens_out, **draw)
@@ -408,7 +439,7 @@ class DecodeGraph:
         return self._timed.timings()
 
     def logits(self) -> np.ndarray:
-        return self.buf.logits.read(np.float32, (self.hp.vocab,))
+        return self.logits_out.read(np.float32, (self.hp.vocab,))
 
     def _free_steps(self) -> None:
         for seq in (self.seq, self.seq_next, self._timed):

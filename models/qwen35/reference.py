@@ -4,6 +4,9 @@ Written for clarity, not speed: one function per block, the math as in docs/qwen
 `ReferenceModel.forward(tokens, state)` runs any number of tokens and carries the KV cache,
 conv and delta-net states in `state`, so a prompt followed by one-token steps gives the same
 logits as one forward over everything. float32 by default; pass dtype=np.float64 to check.
+With `int8_activations=True` every projection whose weight type has an int8 decoder reads its
+input rounded to Q8_1, as the GPU's int8 products do (the SwiGLU outputs feeding the down
+projections excepted: the GPU keeps them f32); without it, the exact f32 forward.
 On the 35B-A3B shapes it keeps ~8 GB of dequantized non-expert weights and takes ~40 s per
 token on 2 cores: fine for spot checks, while tests use the tiny synthetic models.
 """
@@ -20,6 +23,14 @@ from .gguf_file import Hparams, ModelFile, open_model
 CHUNK = 64  # delta-net prefill chunk, as in llama.cpp and the fla kernels
 CACHE_WHOLE_BYTES = 256 << 20  # expert tensors smaller than this dequantized are kept whole; larger
                                # ones (35B-A3B: 1 GiB each) are dequantized one expert per use
+
+
+def q8_1_round(x):
+    """x with each block of 32 (along the last axis) rounded to Q8_1 as the GPU quantizes it."""
+    from zdsl.kernels.q8_1 import q8_1_ref
+
+    q, d = q8_1_ref(x)
+    return (q.reshape(-1, 32) * d.reshape(-1, 1)).reshape(np.shape(x)).astype(np.asarray(x).dtype)
 
 
 def rmsnorm(x, w, eps):
@@ -110,10 +121,11 @@ class State:
 class ReferenceModel:
     """numpy forward over a checked GGUF file. Weights are dequantized on first use and kept."""
 
-    def __init__(self, model: ModelFile | str | os.PathLike, *, dtype=np.float32):
+    def __init__(self, model: ModelFile | str | os.PathLike, *, dtype=np.float32, int8_activations: bool = False):
         self.file = model if isinstance(model, ModelFile) else open_model(model)
         self.hp: Hparams = self.file.hparams
         self.dtype = np.dtype(dtype)
+        self.int8_activations = int8_activations
         self._cache: dict[str, np.ndarray] = {}
 
     def new_state(self) -> State:
@@ -124,6 +136,18 @@ class ReferenceModel:
         if name not in self._cache:
             self._cache[name] = self.file.dequant(name).astype(self.dtype, copy=False)
         return self._cache[name]
+
+    def input_of(self, name: str, x):
+        """What a projection by weight `name` reads of x (module doc: int8_activations)."""
+        from zdsl.kernels.quant import INT8_FORMATS
+
+        if self.int8_activations and self.file.qtype(name).name.lower() in INT8_FORMATS:
+            return q8_1_round(x)
+        return x
+
+    def proj(self, x, name: str):
+        """x @ W(name)ᵀ, with x as that projection reads it."""
+        return self.input_of(name, x) @ self.w(name).T
 
     def expert(self, name: str, e: int) -> np.ndarray:
         if name in self._cache or np.prod(self.file.shape(name)) * self.dtype.itemsize <= CACHE_WHOLE_BYTES:
@@ -155,17 +179,17 @@ class ReferenceModel:
                 trace[f"layer{i}"] = x.copy()
         state.pos += len(tokens)
         h = rmsnorm(x, self.w("output_norm.weight"), hp.eps)
-        return h @ self.w(self.file.output_name).T
+        return self.proj(h, self.file.output_name)
 
     def attention(self, i: int, xn, positions, state: State):
         hp, p = self.hp, f"blk.{i}."
         T, nh, nkv, hd = len(xn), hp.n_heads, hp.n_kv_heads, hp.head_dim
         if p + "attn_qkv.weight" in self.file:
-            qkv = xn @ self.w(p + "attn_qkv.weight").T
+            qkv = self.proj(xn, p + "attn_qkv.weight")
             qg, k, v = np.split(qkv, [2 * nh * hd, 2 * nh * hd + nkv * hd], axis=-1)
         else:
-            qg = xn @ self.w(p + "attn_q.weight").T
-            k, v = xn @ self.w(p + "attn_k.weight").T, xn @ self.w(p + "attn_v.weight").T
+            qg = self.proj(xn, p + "attn_q.weight")
+            k, v = self.proj(xn, p + "attn_k.weight"), self.proj(xn, p + "attn_v.weight")
         qg = qg.reshape(T, nh, 2 * hd)
         q, gate = qg[..., :hd], qg[..., hd:]
         q = rmsnorm(q, self.w(p + "attn_q_norm.weight"), hp.eps)
@@ -185,15 +209,15 @@ class ReferenceModel:
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
         o = (probs @ Vh).transpose(1, 0, 2) * sigmoid(gate)                  # (T, nh, hd)
-        return o.reshape(T, nh * hd) @ self.w(p + "attn_output.weight").T
+        return self.proj(o.reshape(T, nh * hd), p + "attn_output.weight")
 
     def deltanet(self, i: int, xn, state: State):
         hp, p = self.hp, f"blk.{i}."
         T, Hk, Hv, d, Kc = len(xn), hp.ssm_k_heads, hp.ssm_v_heads, hp.ssm_head_dim, hp.conv_kernel
-        mix = xn @ self.w(p + "attn_qkv.weight").T                            # (T, C)
-        z = xn @ self.w(p + "attn_gate.weight").T
-        beta = sigmoid(xn @ self.w(p + "ssm_beta.weight").T)                  # (T, Hv)
-        g = self.w(p + "ssm_a") * softplus(xn @ self.w(p + "ssm_alpha.weight").T + self.w(p + "ssm_dt.bias"))
+        mix = self.proj(xn, p + "attn_qkv.weight")                            # (T, C)
+        z = self.proj(xn, p + "attn_gate.weight")
+        beta = sigmoid(self.proj(xn, p + "ssm_beta.weight"))                  # (T, Hv)
+        g = self.w(p + "ssm_a") * softplus(self.proj(xn, p + "ssm_alpha.weight") + self.w(p + "ssm_dt.bias"))
         prev = state.conv.get(i, np.zeros((Kc - 1, mix.shape[1]), self.dtype))
         buf = np.concatenate([prev, mix], 0)
         taps = self.w(p + "ssm_conv1d.weight")                                 # (C, Kc), tap Kc-1 = current
@@ -208,11 +232,11 @@ class ReferenceModel:
         S = state.ssm.setdefault(i, np.zeros((Hv, d, d), self.dtype))
         o = (deltanet_recurrent if T == 1 else deltanet_chunked)(q, k, v, g, beta, S)
         o = rmsnorm(o, self.w(p + "ssm_norm.weight"), hp.eps) * silu(z.reshape(T, Hv, d))
-        return o.reshape(T, Hv * d) @ self.w(p + "ssm_out.weight").T
+        return self.proj(o.reshape(T, Hv * d), p + "ssm_out.weight")
 
     def moe(self, i: int, hn):
         hp, p = self.hp, f"blk.{i}."
-        logits = hn @ self.w(p + "ffn_gate_inp.weight").T                     # (T, E)
+        logits = self.proj(hn, p + "ffn_gate_inp.weight")                     # (T, E)
         probs = np.exp(logits - logits.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
         top = np.argsort(-probs, axis=-1, kind="stable")[:, :hp.n_experts_used]
@@ -224,18 +248,18 @@ class ReferenceModel:
             rows, slot = np.nonzero(top == e)
             h = hn[rows]
             if fused:
-                gu = h @ self.expert(p + "ffn_gate_up_exps.weight", e).T
+                gu = self.input_of(p + "ffn_gate_up_exps.weight", h) @ self.expert(p + "ffn_gate_up_exps.weight", e).T
                 gate, up = gu[:, :hp.expert_ffn], gu[:, hp.expert_ffn:]
             else:
-                gate = h @ self.expert(p + "ffn_gate_exps.weight", e).T
-                up = h @ self.expert(p + "ffn_up_exps.weight", e).T
+                gate = self.input_of(p + "ffn_gate_exps.weight", h) @ self.expert(p + "ffn_gate_exps.weight", e).T
+                up = self.input_of(p + "ffn_up_exps.weight", h) @ self.expert(p + "ffn_up_exps.weight", e).T
             y = (silu(gate) * up) @ self.expert(p + "ffn_down_exps.weight", e).T
             out[rows] += weights[rows, slot][:, None] * y
-        shared = (silu(hn @ self.w(p + "ffn_gate_shexp.weight").T) * (hn @ self.w(p + "ffn_up_shexp.weight").T)
+        shared = (silu(self.proj(hn, p + "ffn_gate_shexp.weight")) * self.proj(hn, p + "ffn_up_shexp.weight")
                   ) @ self.w(p + "ffn_down_shexp.weight").T
         return out + shared * sigmoid(hn @ self.w(p + "ffn_gate_inp_shexp.weight"))[:, None]
 
     def ffn(self, i: int, hn):
         p = f"blk.{i}."
-        return (silu(hn @ self.w(p + "ffn_gate.weight").T) * (hn @ self.w(p + "ffn_up.weight").T)
+        return (silu(self.proj(hn, p + "ffn_gate.weight")) * self.proj(hn, p + "ffn_up.weight")
                 ) @ self.w(p + "ffn_down.weight").T

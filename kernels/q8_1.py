@@ -1,0 +1,130 @@
+"""Q8_1, the activation format of the int8 products, and the normed vectors projections read.
+
+Q8_1 here: per 32 activations, d = max|x| / 127, q = round(x / d) (halves away from zero, as
+ggml), s = d·Σq. On the GPU the quants are `xq` (u32, four int8 each, in element order: k/4
+words per vector) and the scales `xd` (f32 pairs (d, s) per block: k/16 floats per vector) —
+f32 rather than ggml's f16, so no rounding beyond the quants'.
+
+Every projection in a decode step reads one of three vectors: the residual stream normed
+(attn_norm, post_attention_norm, output_norm), the attention output, or the delta-net output.
+Each is written once, by whoever finishes it, in f32 (for weights without an int8 decoder and
+for the router's f32 weights) and as Q8_1, so no projection normalises or quantizes for itself:
+`write_normed` is that writer for the residual stream, run by the last workgroup of the dispatch
+that adds to it (see dmmv_q8.dmmv_q8 and dmmv.moe_down_all, NORM) or by `norm_q8_1` after the
+embedding.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import zdsl
+from zdsl import Buffer, Const, f32, i32, u32
+from zdsl.kernels.formats import q8_1_quantize
+from zdsl.kernels.norm import rms_norm_ref
+from zdsl.kernels.reduce import SUBGROUPS, workgroup_sums
+
+
+def store_q8_1(v, i, valid, xq, xd):
+    """Invocation i's four values v (a vec4) into Q8_1 block i // 8, where `valid`. Eight
+    consecutive invocations hold a block: call in control flow uniform over each eight."""
+    a = zdsl.abs(v)
+    amax = zdsl.subgroup_max(zdsl.max(zdsl.max(a.x, a.y), zdsl.max(a.z, a.w)), cluster=8)
+    d = amax / 127.0
+    inv = zdsl.where(amax > 0.0, 1.0 / d, 0.0)
+    lanes = [round_away(t * inv) for t in (v.x, v.y, v.z, v.w)]
+    packed = zdsl.bitcast(lanes[0], u32) & 0xFF
+    for j in range(1, 4):
+        packed = packed | ((zdsl.bitcast(lanes[j], u32) & 0xFF) << (8 * j))
+    qsum = zdsl.subgroup_sum(lanes[0] + lanes[1] + lanes[2] + lanes[3], cluster=8)
+    with zdsl.if_(valid):
+        xq[i] = packed
+        with zdsl.if_((i & 7) == 0):
+            xd.vec2[i >> 3] = zdsl.vec(d, d * qsum.to(f32))
+
+
+def round_away(v):
+    """C roundf (halves away from zero) as an i32, exactly: |v| − floor(|v|) is exact."""
+    a = zdsl.abs(v)
+    f = zdsl.floor(a)
+    r = (f + zdsl.where(a - f >= 0.5, 1.0, 0.0)).to(i32)
+    return zdsl.where(v < 0.0, -r, r)
+
+
+def write_normed(x, norm_w, hn, xq, xd, n, eps, WG: int, SG: int):
+    """hn = rmsnorm(x[0:n]) · norm_w, in f32 and as Q8_1 (xq, xd), by one workgroup of WG
+    invocations (n a multiple of 32). Two passes over x (Σx², then the outputs), both in
+    16-byte loads; invocation t takes quads t, t + WG, …, so eight neighbours hold a block."""
+    n4 = n >> 2
+    acc = zdsl.var(0.0)
+    for i in zdsl.range(zdsl.local_index(), n4, WG):
+        v = x.vec4[i]
+        acc += zdsl.dot(v, v)
+    (total,) = workgroup_sums([acc], WG, SG)
+    scale = zdsl.rsqrt(total / n.to(f32) + eps)
+    for base in zdsl.range(0, n4, WG):
+        i = base + zdsl.local_index()
+        at = zdsl.min(i, n4 - 1)
+        v = x.vec4[at] * norm_w.vec4[at] * scale
+        with zdsl.if_(i < n4):
+            hn.vec4[i] = v
+        store_q8_1(v, i, i < n4, xq, xd)
+
+
+def write_normed_last(arrivals, y, norm_w, hn, yq, yd, n, eps, SG: int):
+    """The NORM epilogue of a kernel that adds to the residual y (declared Coherent): the
+    workgroup that finishes the dispatch last (arrivals[0] counts them) writes the normed y for
+    the next projections. Call after the workgroup's stores, in uniform control flow."""
+    with zdsl.if_(zdsl.last_workgroup(arrivals)):
+        write_normed(y, norm_w, hn, yq, yd, n, eps, zdsl.workgroup_size(), SG)
+
+
+@zdsl.kernel(workgroup=64, subgroup="SG", variants={"SG": SUBGROUPS})
+def quantize_q8_1(x: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], n: u32, SG: Const = 32):
+    """Q8_1 blocks of x[0:n] (n a multiple of 32; several vectors back to back are one long
+    vector): eight invocations per block, four values each (one 16-byte load, one u32 store).
+    Grid: ceil(n / 256)."""
+    i = zdsl.global_id()
+    n4 = n >> 2
+    store_q8_1(x.vec4[zdsl.min(i, n4 - 1)], i, i < n4, xq, xd)
+
+
+@quantize_q8_1.reference
+def quantize_q8_1_ref(x):
+    """(q int8, d, s) per block of 32 as ggml makes them; ggml rounds d and s to f16, the kernel
+    keeps them f32 (and its 1/d may differ by an ulp, moving a q that sits on a half by one)."""
+    return q8_1_quantize(np.asarray(x, np.float32).reshape(-1, 32))
+
+
+@zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [64, 256], "SG": SUBGROUPS})
+def norm_q8_1(x: Buffer[f32], norm_w: Buffer[f32], hn: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], n: u32,
+              eps: f32, WG: Const = 256, SG: Const = 32):
+    """hn = rmsnorm(x[0:n]) · norm_w, in f32 and as Q8_1 (n a multiple of 32): the normed input
+    of the first layer (later ones get it from the dispatch that adds to x). Grid: 1."""
+    write_normed(x, norm_w, hn, xq, xd, n, eps, WG, SG)
+
+
+@norm_q8_1.reference
+def norm_q8_1_ref(x, norm_w, eps):
+    """(hn f32, q int8, d, s): the normed vector and the Q8_1 blocks of it."""
+    hn = rms_norm_ref(x, norm_w, eps)
+    return (hn, *quantize_q8_1_ref(hn))
+
+
+def q8_1_ref(x) -> tuple[np.ndarray, np.ndarray]:
+    """(q int8 (..., n), d f32 (..., n/32)) as the kernels quantize: d = max|x| / 127 and
+    q = round(x · (1/d)), halves away from zero, in f32. (ggml differs only in rounding d to f16.)"""
+    x = np.asarray(x, np.float32)
+    b = x.reshape(-1, 32)
+    d = np.abs(b).max(axis=1) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    t = b * inv[:, None]
+    q = (np.sign(t) * np.floor(np.abs(t) + np.float32(0.5))).astype(np.int8)
+    return q.reshape(x.shape), d.reshape(*x.shape[:-1], -1)
+
+
+def q8_1_values(xq, xd) -> np.ndarray:
+    """The activations the Q8_1 buffers stand for (q·d), as float64."""
+    q = np.asarray(xq, np.uint32).view(np.int8).reshape(-1, 32).astype(np.float64)
+    return (q * np.asarray(xd, np.float32).reshape(-1, 2)[:, :1]).reshape(-1)

@@ -1,0 +1,28 @@
+"""Reductions over a workgroup, and the subgroup sizes kernels are built for."""
+
+from __future__ import annotations
+
+import zdsl
+from zdsl import f32
+
+SUBGROUPS = [8, 16, 32, 64]  # lavapipe runs 8, NVIDIA 32, RDNA 32 or 64
+
+
+def workgroup_sums(values, WG: int, SG: int):
+    """Sum each value over the workgroup; the results are valid in every invocation."""
+    sums = [zdsl.subgroup_sum(v) for v in values]
+    nsub = WG // SG
+    if nsub == 1:
+        return sums
+    partial = zdsl.shared(f32, len(values) * nsub)
+    with zdsl.if_(zdsl.lane_id() == 0):
+        for i, s in enumerate(sums):
+            partial[i * nsub + zdsl.subgroup_id()] = s
+    zdsl.barrier()
+    out = []
+    for i in range(len(values)):
+        total = partial[i * nsub]
+        for n in range(1, nsub):
+            total = total + partial[i * nsub + n]
+        out.append(total)
+    return out

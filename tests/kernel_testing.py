@@ -1,0 +1,39 @@
+"""What the kernel tests share: the two backends, running a variant on either, subgroup sizes to
+try, and the check that a kernel's Q8_1 output is its f32 output quantized."""
+
+import numpy as np
+
+from zdsl.kernels.q8_1 import q8_1_ref
+
+BACKENDS = ["interp", "lavapipe"]
+
+
+def run(variant, backend, request, groups, **args):
+    if backend == "interp":
+        return variant.interpret(groups, **args)
+    return variant.run(request.getfixturevalue("device"), groups, **args)
+
+
+def subgroup(backend, request, pick):
+    """A subgroup size the backend runs: any of 8..64 in the interpreter, the device's own on lavapipe."""
+    sizes = [8, 16, 32, 64] if backend == "interp" else [request.getfixturevalue("device").info.subgroup_size]
+    return sizes[pick % len(sizes)]
+
+
+def assert_q8_1_of(xq, xd, x):
+    """(xq, xd) are the Q8_1 blocks of x as the kernels quantize (q8_1.q8_1_ref): scales d to f32
+    rounding, s = d·Σq, and each quant exact except where the GPU's 1/d and numpy's differ in the
+    last bit for a value on a rounding half (one step, rarely)."""
+    q, d = q8_1_ref(np.asarray(x, np.float32).reshape(-1))
+    got_q = np.asarray(xq, np.uint32).view(np.int8).astype(np.int32)
+    got = np.asarray(xd, np.float32).reshape(-1, 2)
+    np.testing.assert_allclose(got[:, 0], d, rtol=1e-6)
+    assert np.abs(got_q - q).max(initial=0) <= 1
+    assert (got_q != q).sum() <= max(1, got_q.size // 100)
+    np.testing.assert_allclose(got[:, 1], got[:, 0] * got_q.reshape(-1, 32).sum(axis=1), rtol=1e-5, atol=1e-30)
+
+
+def q8_1_buffers(x):
+    """(xq, xd): the Q8_1 buffers of x as the kernels write them."""
+    q, d = q8_1_ref(np.asarray(x, np.float32).reshape(-1))
+    return q.view(np.uint32), np.stack([d, d * q.reshape(-1, 32).sum(axis=1)], axis=1).astype(np.float32).reshape(-1)
