@@ -195,8 +195,13 @@ def _ffn_gate_up(use, rng, check):
     n_exp = use.sizes["experts"]
     n_exp = min(n_exp, 2 * routed + 1) if check and experts else n_exp
     x = _normal(rng, k)
+    q8_out = use.fixed.get("Q8_OUT", False)
+    m = m - m % 32 if q8_out else m  # a Q8_1 output has whole blocks
     a = dict(wg=_rows(rng, q, n_exp * m, k), wu=_rows(rng, q, n_exp * m, k),
              ids=rng.permutation(n_exp)[:max(routed, 1)].astype(np.uint32), act=np.zeros(slots * m, np.float32))
+    if q8_out:
+        a.update(act_arrivals=np.zeros(slots * m // 32, np.uint32), actq=np.zeros(slots * m // 4, np.uint32),
+                 actd=np.zeros(slots * m // 16, np.float32))
     if shared:
         a.update(wg_sh=_rows(rng, q, m, k), wu_sh=_rows(rng, q, m, k))
     int8 = use.kernel is dmmv_q8.ffn_gate_up_q8
@@ -211,7 +216,10 @@ def _ffn_gate_up(use, rng, check):
             want = dmmv_q8.ffn_gate_up_q8_ref(a["wg"], a["wu"], a["ids"], a["xq"], a["xd"], q, m, k, experts, pair)
         else:
             want = dmmv.ffn_gate_up_ref(a["wg"], a["wu"], a["ids"], x, q, m, k, experts, pair)
-        return {"act": (want, 2e-4)}
+        out = {"act": (want, 2e-4)}
+        if q8_out:
+            out.update(actd=(_scales(want), 1e-3), act_arrivals=(np.zeros(slots * m // 32), 0))
+        return out
     read = 2 * slots * m * _row_bytes(q, k)
 
     def rotate(n):
@@ -273,21 +281,28 @@ def _moe_down_all(use, rng, check):
     n_exp = min(use.sizes["experts"], K + 4) if check else use.sizes["experts"]
     norm, eps = use.fixed.get("NORM", False), use.sizes.get("eps", 1e-6)
     m = m - m % 32 if norm else m  # a normed output has whole Q8_1 blocks
+    act = _normal(rng, (K + 1) * k)
     a = dict(w=_rows(rng, q, n_exp * m, k), w_sh=_rows(rng, q_sh, m, k),
              ids=rng.permutation(n_exp)[:K].astype(np.uint32), weights=rng.uniform(0.05, 0.5, K + 1).astype(np.float32),
-             act=_normal(rng, (K + 1) * k), y=_normal(rng, m))
+             y=_normal(rng, m))
+    int8 = use.kernel is dmmv_q8.moe_down_all_q8
+    if int8:
+        a["actq"], a["actd"] = _q8_1(act)
+        act = q8_1.q8_1_values(a["actq"], a["actd"]).astype(np.float32)
+    else:
+        a["act"] = act
     if norm:
         a.update(arrivals=np.zeros(1, np.uint32), **_normed_outputs(m))
     y0 = a["y"].copy()
 
     def expect(p):
-        want = dmmv.moe_down_all_ref(a["w"], a["w_sh"], a["ids"], a["weights"], a["act"], y0, q, m, k,
+        want = dmmv.moe_down_all_ref(a["w"], a["w_sh"], a["ids"], a["weights"], act, y0, q, m, k,
                                      use.fixed["QTYPE_SH"] or None)
         out = {"y": (want, 1e-4)}
         if norm:
             out.update(_normed_expect(want, a["norm_w"], eps), arrivals=(np.zeros(1), 0))
         return out
-    read = K * m * _row_bytes(q, k) + m * _row_bytes(q_sh, k) + 4 * (K + 1) * (k + 2)
+    read = K * m * _row_bytes(q, k) + m * _row_bytes(q_sh, k) + (K + 1) * ((k + k // 4) if int8 else 4 * k) + 8 * K
     return Case(_one(use, _rows_grid(m)), a, dict(k=k, m=m, eps=eps), read + (20 if norm else 8) * m,
                 expect if check else None,
                 lambda n: {"ids": [rng.permutation(n_exp)[:K].astype(np.uint32) for _ in range(n - 1)]})
@@ -434,6 +449,7 @@ def _sampling(use, rng, check):
 BUILDERS = {
     "dmmv": _dmmv, "dmmv_q8": _dmmv_q8, "norm_q8_1": _norm_q8_1, "ffn_gate_up": _ffn_gate_up,
     "ffn_gate_up_q8": _ffn_gate_up, "moe_down": _moe_down, "moe_router": _moe_router, "moe_down_all": _moe_down_all,
+    "moe_down_all_q8": _moe_down_all,
     "attn_prep": _attn_prep,
     "attn_decode": _attn_decode, "attn_combine": _attn_combine, "deltanet_step": _deltanet_step,
     "sample_candidates": _sampling,

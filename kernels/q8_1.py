@@ -51,24 +51,41 @@ def round_away(v):
     return zdsl.where(v < 0.0, -r, r)
 
 
+NORM_BATCH = 4  # quads an invocation of write_normed loads before it uses any: their latencies overlap
+
+
 def write_normed(x, norm_w, hn, xq, xd, n, eps, WG: int, SG: int):
     """hn = rmsnorm(x[0:n]) · norm_w, in f32 and as Q8_1 (xq, xd), by one workgroup of WG
-    invocations (n a multiple of 32). Two passes over x (Σx², then the outputs), both in
-    16-byte loads; invocation t takes quads t, t + WG, …, so eight neighbours hold a block."""
+    invocations (n a multiple of 32). Two passes over x (Σx², then the outputs) in 16-byte
+    loads, NORM_BATCH per invocation in flight together (in a NORM epilogue x is read coherent,
+    past the caches, where one load at a time would cost an L2 round trip each); invocation t
+    takes quads t, t + WG, …, so eight neighbours hold a block."""
     n4 = n >> 2
+    step = WG * NORM_BATCH
+
+    def quads(base):
+        """This invocation's quad indices of the batch at `base`, and which exist."""
+        index = [base + u * WG + zdsl.local_index() for u in range(NORM_BATCH)]
+        return index, [i < n4 for i in index]
+
     acc = zdsl.var(0.0)
-    for i in zdsl.range(zdsl.local_index(), n4, WG):
-        v = x.vec4[i]
-        acc += zdsl.dot(v, v)
+    for base in zdsl.range(0, n4, step):
+        index, valid = quads(base)
+        vs = [x.vec4.load(i, mask=ok, other=0.0) for i, ok in zip(index, valid)]
+        for v in vs:
+            acc += zdsl.dot(v, v)
     (total,) = workgroup_sums([acc], WG, SG)
     scale = zdsl.rsqrt(total / n.to(f32) + eps)
-    for base in zdsl.range(0, n4, WG):
-        i = base + zdsl.local_index()
-        at = zdsl.min(i, n4 - 1)
-        v = x.vec4[at] * norm_w.vec4[at] * scale
-        with zdsl.if_(i < n4):
-            hn.vec4[i] = v
-        store_q8_1(v, i, i < n4, xq, xd)
+    for base in zdsl.range(0, n4, step):
+        index, valid = quads(base)
+        at = [zdsl.min(i, n4 - 1) for i in index]
+        ws = [norm_w.vec4[a] for a in at]
+        vs = [x.vec4[a] for a in at]
+        for i, ok, v, w in zip(index, valid, vs, ws):
+            v = v * w * scale
+            with zdsl.if_(ok):
+                hn.vec4[i] = v
+            store_q8_1(v, i, ok, xq, xd)
 
 
 def write_normed_last(arrivals, y, norm_w, hn, yq, yd, n, eps, SG: int):
@@ -77,6 +94,17 @@ def write_normed_last(arrivals, y, norm_w, hn, yq, yd, n, eps, SG: int):
     the next projections. Call after the workgroup's stores, in uniform control flow."""
     with zdsl.if_(zdsl.last_workgroup(arrivals)):
         write_normed(y, norm_w, hn, yq, yd, n, eps, zdsl.workgroup_size(), SG)
+
+
+def quantize_finished_block(values, counters, q, d, block, writers: int):
+    """Q8_1 block `block` of `values` (declared Coherent), quantized by the workgroup that
+    writes its last values: counters[block] counts the `writers` workgroups that write into it
+    (0 before and after). Eight invocations, one quad each. Call after the workgroup's stores,
+    in uniform control flow."""
+    with zdsl.if_(zdsl.last_workgroup(counters, block, of=writers)):
+        t = zdsl.local_index()
+        i = block * 8 + zdsl.min(t, 7)
+        store_q8_1(values.vec4[i], i, t < 8, q, d)
 
 
 @zdsl.kernel(workgroup=64, subgroup="SG", variants={"SG": SUBGROUPS})
@@ -96,7 +124,7 @@ def quantize_q8_1_ref(x):
     return q8_1_quantize(np.asarray(x, np.float32).reshape(-1, 32))
 
 
-@zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [64, 256], "SG": SUBGROUPS})
+@zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [64, 256, 512], "SG": SUBGROUPS})
 def norm_q8_1(x: Buffer[f32], norm_w: Buffer[f32], hn: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], n: u32,
               eps: f32, WG: Const = 256, SG: Const = 32):
     """hn = rmsnorm(x[0:n]) · norm_w, in f32 and as Q8_1 (n a multiple of 32): the normed input

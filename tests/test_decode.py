@@ -1,14 +1,17 @@
 """The GPU decode path against the numpy reference forward, on lavapipe.
 
 The GPU's projections read their inputs quantized to Q8_1 wherever the weight type has an int8
-decoder, so the reference does too (`int8_activations`). Tolerance: over 64 positions, the max
-|logit difference| stays below 5% of the logits' standard deviation. Most of that is not the
-kernels' f32 arithmetic (0.03% with f32 activations) but the quantization's discreteness: where
-an activation lands on a rounding half, a different summation order moves its quant by a whole
-step, and four random layers amplify that (the reference alone, f32 against f64, differs by
-~4%). Greedy tokens are identical wherever the reference's lead is larger than twice the
-tolerance, and at 90% of positions or more in all (seen: all, or all but two near-ties); the
-GPU's sampled token is always the argmax of its own logits.
+decoder, so the reference does too (`int8_activations`). Where an activation lands within
+rounding of a half step, the GPU's f32 arithmetic (another summation order) and numpy's put its
+quant a whole step apart, and four random layers carry that on: with f32 activations the two
+agree to 0.03% of the logits' spread, with Q8_1 ones to ~2% (the reference alone, f32 against
+f64, differs by as much once a flip happened). Bounds, in units of the logits' standard
+deviation per position: median ≤ 4%, max ≤ 8% (seen: medians 2.0–2.8%, max ≤ 5.7%). That the
+GPU computes the quantized forward and not merely something near the f32 one: its distance to
+the int8 reference stays under 0.6 of the int8 reference's own distance to the f32 forward
+(seen: 0.21–0.41; F16 weights, which nothing quantizes: 1e-4 against the one reference).
+Greedy tokens are identical wherever the reference's lead exceeds twice the max bound, and at
+90% of positions or more in all; the GPU's sampled token is always the argmax of its own logits.
 """
 
 import numpy as np
@@ -21,7 +24,7 @@ from zdsl.models.qwen35.reference import ReferenceModel
 from zdsl.models.qwen35.sampler import SamplerConfig
 
 POSITIONS = 64
-TOLERANCE = 0.05  # of the logits' standard deviation
+MEDIAN, WORST = 0.04, 0.08  # of the logits' standard deviation
 
 
 @pytest.fixture(scope="module", params=[("tiny", "q4_k_m"), ("tiny-dense", "q4_k_m"), ("tiny", "q8_0"), ("tiny", "f16")])
@@ -36,24 +39,28 @@ def model(request, tmp_path_factory):
 
 def test_logits_and_greedy_tokens_match_reference(model, device):
     graph = DecodeGraph(model, device, POSITIONS + 1, SamplerConfig(temperature=0), progress=False)
-    ref = ReferenceModel(model, int8_activations=True)
-    state = ref.new_state()
+    ref, exact = ReferenceModel(model, int8_activations=True), ReferenceModel(model)
+    state, exact_state = ref.new_state(), exact.new_state()
     rng = np.random.default_rng(0)
-    token, worst, agree = None, 0.0, 0
+    token, errors, gpu_gap, int8_gap, agree = None, [], 0.0, 0.0, 0
     for pos in range(POSITIONS):
         # prompt tokens for the first half, then the model's own greedy tokens (fed back on the GPU)
         feed = int(rng.integers(model.hparams.vocab)) if pos < POSITIONS // 2 else None
-        expected = ref.forward([token if feed is None else feed], state)[0]
+        t = [token if feed is None else feed]
+        expected, f32 = ref.forward(t, state)[0], exact.forward(t, exact_state)[0]
         sampled = graph.decode(feed)
         got = graph.logits()
-        worst = max(worst, np.abs(got - expected).max() / expected.std())
+        errors.append(np.abs(got - expected).max() / expected.std())
+        gpu_gap += np.linalg.norm(got - expected)
+        int8_gap += np.linalg.norm(f32 - expected)
         assert sampled == int(np.argmax(got)), f"position {pos}"
         first, second = np.sort(expected)[::-1][:2]
-        if first - second > 2 * TOLERANCE * expected.std():
+        if first - second > 2 * WORST * expected.std():
             assert sampled == int(np.argmax(expected)), f"position {pos}"
         agree += sampled == int(np.argmax(expected))
         token = sampled
-    assert worst < TOLERANCE
+    assert np.median(errors) <= MEDIAN and max(errors) <= WORST
+    assert gpu_gap <= 0.6 * int8_gap or int8_gap == 0  # (no int8 weights: the two references agree)
     assert agree >= 0.9 * POSITIONS  # near-ties aside, the same tokens
     graph.close()
 

@@ -298,3 +298,23 @@ def test_bench_kernels_bad_shapes(shape, capsys):
     assert main(["bench-kernels", "--device", "lavapipe", "--shapes", shape]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: shape") and err.count("\n") == 1
+
+
+def test_dmmv_q8_residual_norm_model_shape(device):
+    """The delta-net output projection of Qwen3.5-35B-A3B (Q4_K, 4096 → 2048: 2048 workgroups
+    arriving at the NORM epilogue's counter), on the device: y, hn and its Q8_1 as above."""
+    rng = np.random.default_rng(21)
+    m, k = 2048, 4096
+    w = weights(rng, "q4_k", m, k, quantizer=True)
+    xq, xd = q8_1_buffers(rng.standard_normal(k).astype(np.float32))
+    nw = rng.uniform(0.5, 1.5, m).astype(np.float32)
+    y0 = rng.standard_normal(m).astype(np.float32)
+    v = dq.dmmv_q8.specialize(QTYPE="q4_k", ADD=True, NORM=True, SG=device.info.subgroup_size)
+    out = v.run(device, m, w=w, xq=xq, xd=xd, y=y0, arrivals=np.zeros(1, np.uint32), norm_w=nw,
+                hn=np.full(m, np.nan, np.float32), yq=np.zeros(m // 4, np.uint32),
+                yd=np.full(m // 16, np.nan, np.float32), k=k, m=m, eps=1e-6)
+    assert_within(out["y"], dq.dmmv_q8_ref(w, xq, xd, "q4_k", m, k, y0),
+                  RTOL * abs_dot(w, "q4_k", m, k, q8.q8_1_values(xq, xd)) + 1e-6)
+    np.testing.assert_allclose(out["hn"], rms_norm_ref(out["y"], nw, 1e-6), rtol=2e-5, atol=2e-6)
+    assert_q8_1_of(out["yq"], out["yd"], out["hn"])
+    assert out["arrivals"][0] == 0
