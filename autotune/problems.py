@@ -142,47 +142,28 @@ def _scales(x) -> np.ndarray:
     return np.stack([d, np.full(d.size, np.nan, np.float32)], axis=1).reshape(-1)
 
 
-def _normed_outputs(n: int) -> dict:
-    """The buffers a NORM epilogue (or norm_q8_1) writes, poisoned, with its norm weight."""
-    return dict(norm_w=np.linspace(0.5, 1.5, n, dtype=np.float32), hn=np.full(n, np.nan, np.float32),
-                yq=np.zeros(n // 4, np.uint32), yd=np.full(n // 16, np.nan, np.float32))
-
-
-def _normed_expect(y, norm_w, eps, names=("hn", "yd")) -> dict:
-    """What to check of a normed vector: hn to rounding, and its Q8_1 scales."""
-    hn = q8_1.norm_q8_1_ref(y, norm_w, eps)[0]
-    return {names[0]: (hn, 1e-4), names[1]: (_scales(hn), 1e-4)}
-
-
 def _dmmv_q8(use, rng, check):
     q, k, m = use.shape["QTYPE"], use.shape["k"], use.shape["m"]
     m = min(m, CHECK_ROWS) if check else m
-    add, norm = use.fixed.get("ADD", False), use.fixed.get("NORM", False)
-    m = m - m % 32 if norm else m  # a normed output has whole Q8_1 blocks
-    eps = use.sizes.get("eps", 1e-6)
+    add = use.fixed.get("ADD", False)
     xq, xd = _q8_1(_normal(rng, k))
     a = dict(w=_rows(rng, q, m, k), xq=xq, xd=xd, y=_normal(rng, m) if add else np.zeros(m, np.float32))
-    if norm:
-        a.update(arrivals=np.zeros(1, np.uint32), **_normed_outputs(m))
     y0 = a["y"].copy()
 
     def expect(p):
-        y = dmmv_q8.dmmv_q8_ref(a["w"], xq, xd, q, m, k, y0 if add else None)
-        out = {"y": (y, 1e-4)}
-        if norm:
-            out.update(_normed_expect(y, a["norm_w"], eps), arrivals=(np.zeros(1), 0))
-        return out
-    moved = _total(a) + (a["y"].nbytes if add else 0) + (3 * a["y"].nbytes if norm else 0)
-    return Case(_one(use, _rows_grid(m)), a, dict(k=k, m=m, eps=eps), moved, expect if check else None,
-                lambda n: {"w": _copies(a["w"], n)})
+        return {"y": (dmmv_q8.dmmv_q8_ref(a["w"], xq, xd, q, m, k, y0 if add else None), 1e-4)}
+    return Case(_one(use, _rows_grid(m)), a, dict(k=k, m=m), _total(a) + (a["y"].nbytes if add else 0),
+                expect if check else None, lambda n: {"w": _copies(a["w"], n)})
 
 
 def _norm_q8_1(use, rng, check):
     n, eps = use.shape["n"], use.sizes["eps"]
     a = dict(x=_normal(rng, n, 3.0), norm_w=rng.uniform(0.5, 1.5, n).astype(np.float32), hn=np.zeros(n, np.float32),
              xq=np.zeros(n // 4, np.uint32), xd=np.zeros(n // 16, np.float32))
-    expect = (lambda p: _normed_expect(a["x"], a["norm_w"], eps, ("hn", "xd"))) if check else None
-    return Case(_one(use, lambda v: 1), a, dict(n=n, eps=eps), _total(a) + a["x"].nbytes, expect)
+    def expect(p):  # hn to rounding, and its Q8_1 scales
+        hn = q8_1.norm_q8_1_ref(a["x"], a["norm_w"], eps)[0]
+        return {"hn": (hn, 1e-4), "xd": (_scales(hn), 1e-4)}
+    return Case(_one(use, lambda v: 1), a, dict(n=n, eps=eps), _total(a) + a["x"].nbytes, expect if check else None)
 
 
 def _ffn_gate_up(use, rng, check):
@@ -279,8 +260,6 @@ def _moe_down_all(use, rng, check):
     q_sh = use.fixed["QTYPE_SH"] or q
     m = min(m, CHECK_ROWS) if check else m
     n_exp = min(use.sizes["experts"], K + 4) if check else use.sizes["experts"]
-    norm, eps = use.fixed.get("NORM", False), use.sizes.get("eps", 1e-6)
-    m = m - m % 32 if norm else m  # a normed output has whole Q8_1 blocks
     act = _normal(rng, (K + 1) * k)
     a = dict(w=_rows(rng, q, n_exp * m, k), w_sh=_rows(rng, q_sh, m, k),
              ids=rng.permutation(n_exp)[:K].astype(np.uint32), weights=rng.uniform(0.05, 0.5, K + 1).astype(np.float32),
@@ -291,20 +270,14 @@ def _moe_down_all(use, rng, check):
         act = q8_1.q8_1_values(a["actq"], a["actd"]).astype(np.float32)
     else:
         a["act"] = act
-    if norm:
-        a.update(arrivals=np.zeros(1, np.uint32), **_normed_outputs(m))
     y0 = a["y"].copy()
 
     def expect(p):
         want = dmmv.moe_down_all_ref(a["w"], a["w_sh"], a["ids"], a["weights"], act, y0, q, m, k,
                                      use.fixed["QTYPE_SH"] or None)
-        out = {"y": (want, 1e-4)}
-        if norm:
-            out.update(_normed_expect(want, a["norm_w"], eps), arrivals=(np.zeros(1), 0))
-        return out
+        return {"y": (want, 1e-4)}
     read = K * m * _row_bytes(q, k) + m * _row_bytes(q_sh, k) + (K + 1) * ((k + k // 4) if int8 else 4 * k) + 8 * K
-    return Case(_one(use, _rows_grid(m)), a, dict(k=k, m=m, eps=eps), read + (20 if norm else 8) * m,
-                expect if check else None,
+    return Case(_one(use, _rows_grid(m)), a, dict(k=k, m=m), read + 8 * m, expect if check else None,
                 lambda n: {"ids": [rng.permutation(n_exp)[:K].astype(np.uint32) for _ in range(n - 1)]})
 
 

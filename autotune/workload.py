@@ -116,11 +116,8 @@ def decode_uses(model: Tensors, n_ctx: int = 4096, caps: tuple[int, ...] = (1,))
         """graph._residual: x += W · input, then x normed for the next projections."""
         m, k = model.shape(tensor)[-2:]
         q = model.qtype(tensor)
-        if int8(tensor) and q8_input:
-            add(dmmv_q8.dmmv_q8, {"QTYPE": q, "k": k, "m": m}, {"QTYPE": q, "ADD": True, "NORM": True},
-                dict(eps=hp.eps), tensor, {"COLS": 1})
-            return
-        add(dmmv.dmmv, {"QTYPE": q, "k": k, "m": m}, {"QTYPE": q, "ADD": True}, {}, tensor, {"COLS": 1})
+        kernel = dmmv_q8.dmmv_q8 if int8(tensor) and q8_input else dmmv.dmmv
+        add(kernel, {"QTYPE": q, "k": k, "m": m}, {"QTYPE": q, "ADD": True}, {}, tensor, {"COLS": 1})
         norm(tensor + "+norm")
 
     nh, nkv, d = hp.n_heads, hp.n_kv_heads, hp.head_dim
@@ -190,11 +187,11 @@ def _moe(model: Tensors, p: str, add, norm) -> None:
         for tensor, q_, slots, experts in ((p + "ffn_down_exps.weight", qd, K, E), (p + "ffn_down_shexp.weight", qs, 1, 1)):
             add(dmmv.moe_down, {"QTYPE": q_, "k": kd, "m": md}, {"QTYPE": q_, "ADD": True},
                 dict(experts=experts, slots=slots), tensor)
-        norm(p + "ffn_down+norm")
-        return
-    add(dmmv_q8.moe_down_all_q8 if int8 else dmmv.moe_down_all, {"QTYPE": qd, "QTYPE_SH": qs, "k": kd, "m": md, "K": K},
-        {"QTYPE": qd, "QTYPE_SH": "" if qs == qd else qs, "K": K, "NORM": True}, dict(experts=E, eps=hp.eps),
-        p + "ffn_down_exps+shexp")
+    else:
+        add(dmmv_q8.moe_down_all_q8 if int8 else dmmv.moe_down_all,
+            {"QTYPE": qd, "QTYPE_SH": qs, "k": kd, "m": md, "K": K},
+            {"QTYPE": qd, "QTYPE_SH": "" if qs == qd else qs, "K": K}, dict(experts=E), p + "ffn_down_exps+shexp")
+    norm(p + "ffn_down+norm")
 
 
 def merge(uses: list[Use]) -> list[Use]:

@@ -20,7 +20,7 @@ from zdsl import Buffer, Coherent, Const, Spec, boolean, f32, u8, u32
 from gguf import GGMLQuantizationType as QuantType
 from gguf.quants import dequantize
 from zdsl.kernels.quant import FORMATS, Factored, fmt
-from zdsl.kernels.q8_1 import quantize_finished_block, write_normed_last
+from zdsl.kernels.q8_1 import quantize_finished_block
 from zdsl.kernels.reduce import SUBGROUPS, workgroup_sums
 
 QTYPES = list(FORMATS)
@@ -333,22 +333,18 @@ def moe_down_ref(w_bytes, ids, weights, act, qtype, m, k, y=None):
     return out if y is None else out + y
 
 
-# ---- the MoE down projection of a decode step: every expert, added to x, x normed for the next layer ----
+# ---- the MoE down projection of a decode step: every expert, added to x ----
 
 @zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": EXPERT_QTYPES, "QTYPE_SH": ["", "q6_k"],
                                                            "ROWS": [1, 2], "K": [8], "SG": SUBGROUPS},
              tune={"NSUB": NSUBS},
              where=lambda v: v.QTYPE_SH == "" or (FORMATS[v.QTYPE].block, FORMATS[v.QTYPE].parts) == (256, FORMATS["q6_k"].parts))
 def moe_down_all(w: Buffer[u8], w_sh: Buffer[u8], ids: Buffer[u32], weights: Buffer[f32], act: Buffer[f32],
-                 y: Coherent[f32], arrivals: Buffer[u32], norm_w: Buffer[f32], hn: Buffer[f32], yq: Buffer[u32],
-                 yd: Buffer[f32], k: u32, m: u32, eps: f32, NORM: Const = False, QTYPE: Const = "q4_k",
-                 QTYPE_SH: Const = "", K: Const = 8, ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32,
-                 WG: Const = 0):
+                 y: Buffer[f32], k: u32, m: u32, QTYPE: Const = "q4_k", QTYPE_SH: Const = "", K: Const = 8,
+                 ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
     """y[r] += Σ_{s<K} weights[s] · (W_{ids[s]}[r] · act[s·k:]) + weights[K] · (W_sh[r] · act[K·k:]):
     the routed experts and the shared expert (slot K, whose type QTYPE_SH may differ: files keep
-    it at more bits) in one pass, added to the residual. NORM: the workgroup that finishes last
-    then writes the next layer's normed input from y (q8_1.write_normed: hn, and Q8_1 in yq, yd;
-    `arrivals` counts the workgroups, 0 before and after). Grid: ceil(m / rows_per_workgroup)."""
+    it at more bits) in one pass, added to the residual. Grid: ceil(m / rows_per_workgroup)."""
     f = fmt(QTYPE)
     f_sh = fmt(QTYPE_SH or QTYPE)
     if (f_sh.block, f_sh.parts) != (f.block, f.parts):
@@ -377,8 +373,6 @@ def moe_down_all(w: Buffer[u8], w_sh: Buffer[u8], ids: Buffer[u32], weights: Buf
             for r in range(ROWS):
                 total[r] += weight * step[r][0]
     store_rows(y, group.sums(total), group, m, 1, True)
-    if NORM:
-        write_normed_last(arrivals, y, norm_w, hn, yq, yd, m, eps, SG)
 
 
 @moe_down_all.reference

@@ -16,7 +16,7 @@ from zdsl import Buffer, Coherent, Const, Spec, boolean, f32, u8, u32
 from zdsl.kernels.dmmv import (EXPERT_QTYPES, NSUBS, Rows, block_loop, dequant_rows, each_slot, ffn_gate_up_ref,
                                moe_down_all_ref, quantize_rows, rows_fit_blocks, store_rows, store_swiglu,
                                workgroup_of)
-from zdsl.kernels.q8_1 import q8_1_values, write_normed_last
+from zdsl.kernels.q8_1 import q8_1_values
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS, fmt
 from zdsl.kernels.reduce import SUBGROUPS
 
@@ -75,15 +75,12 @@ def int8_decoder(QTYPE: str):
 @zdsl.kernel(workgroup=workgroup, subgroup="SG",
              variants={"QTYPE": INT8_FORMATS, "COLS": list(range(1, 9)), "ROWS": [1, 2, 4], "SG": SUBGROUPS},
              tune={"NSUB": NSUBS}, where=lambda v: v.COLS == 1 or v.ROWS == 1)
-def dmmv_q8(w: Buffer[u8], xq: Buffer[u32], xd: Buffer[f32], y: Coherent[f32], arrivals: Buffer[u32],
-            norm_w: Buffer[f32], hn: Buffer[f32], yq: Buffer[u32], yd: Buffer[f32], k: u32, m: u32, eps: f32,
-            ADD: Spec[boolean] = False, NORM: Const = False, QTYPE: Const = "q4_k", COLS: Const = 1,
-            ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
+def dmmv_q8(w: Buffer[u8], xq: Buffer[u32], xd: Buffer[f32], y: Buffer[f32], k: u32, m: u32,
+            ADD: Spec[boolean] = False, QTYPE: Const = "q4_k", COLS: Const = 1, ROWS: Const = 1, NSUB: Const = 1,
+            SG: Const = 32, WG: Const = 0):
     """y[c·m + r] (+)= Σ_k W[r, k] · x̂[c·k + k] for COLS vectors given as Q8_1 (the COLS·k
-    activations quantized back to back); ADD accumulates into y (a residual connection). NORM
-    (ADD, one column): the workgroup that finishes last then writes the next projections' input
-    from y (q8_1.write_normed: hn, and Q8_1 in yq, yd; `arrivals` counts the workgroups, 0 before
-    and after). Grid: ceil(m / rows_per_workgroup)."""
+    activations quantized back to back); ADD accumulates into y (a residual connection).
+    Grid: ceil(m / rows_per_workgroup)."""
     f = int8_decoder(QTYPE)
     nblocks = k // f.block
     group = Rows(ROWS, NSUB, SG)
@@ -92,10 +89,6 @@ def dmmv_q8(w: Buffer[u8], xq: Buffer[u32], xd: Buffer[f32], y: Coherent[f32], a
     acc = block_loop(f.iparts, nblocks, group, ROWS, COLS, lambda b, part: q8_step(f, rows, xq, xd, x_bases, b, part))
     sums = group.sums([acc[r][c] for r in range(ROWS) for c in range(COLS)])
     store_rows(y, sums, group, m, COLS, ADD)
-    if NORM:
-        if COLS != 1:
-            raise zdsl.ZdslError("dmmv_q8 writes a normed output (NORM) for one column only")
-        write_normed_last(arrivals, y, norm_w, hn, yq, yd, m, eps, SG)
 
 
 @dmmv_q8.reference
@@ -148,14 +141,12 @@ def ffn_gate_up_q8_ref(wg_bytes, wu_bytes, ids, xq, xd, qtype, m, k, experts=Tru
                                                            "ROWS": [1, 2], "K": [8], "SG": SUBGROUPS},
              tune={"NSUB": NSUBS}, where=lambda v: v.QTYPE_SH == "" or v.QTYPE in ("q2_k", "q3_k", "q4_k", "q5_k"))
 def moe_down_all_q8(w: Buffer[u8], w_sh: Buffer[u8], ids: Buffer[u32], weights: Buffer[f32], actq: Buffer[u32],
-                    actd: Buffer[f32], y: Coherent[f32], arrivals: Buffer[u32], norm_w: Buffer[f32], hn: Buffer[f32],
-                    yq: Buffer[u32], yd: Buffer[f32], k: u32, m: u32, eps: f32, NORM: Const = False,
-                    QTYPE: Const = "q4_k", QTYPE_SH: Const = "", K: Const = 8, ROWS: Const = 1, NSUB: Const = 1,
-                    SG: Const = 32, WG: Const = 0):
+                    actd: Buffer[f32], y: Buffer[f32], k: u32, m: u32, QTYPE: Const = "q4_k",
+                    QTYPE_SH: Const = "", K: Const = 8, ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32,
+                    WG: Const = 0):
     """dmmv.moe_down_all over Q8_1 activations (ffn_gate_up_q8's Q8_OUT): y[r] += Σ_{s<K}
     weights[s] · (W_{ids[s]}[r] · â_s) + weights[K] · (W_sh[r] · â_K), the shared expert's type
-    QTYPE_SH (a K-quant, as the routed ones) allowed to differ; NORM as in dmmv_q8.
-    Grid: ceil(m / rows_per_workgroup)."""
+    QTYPE_SH (a K-quant, as the routed ones) allowed to differ. Grid: ceil(m / rows_per_workgroup)."""
     f = int8_decoder(QTYPE)
     f_sh = int8_decoder(QTYPE_SH or QTYPE)
     if (f_sh.block, f_sh.iparts) != (f.block, f.iparts):
@@ -181,8 +172,6 @@ def moe_down_all_q8(w: Buffer[u8], w_sh: Buffer[u8], ids: Buffer[u32], weights: 
             for r in range(ROWS):
                 total[r] += weight * step[r][0]
     store_rows(y, group.sums(total), group, m, 1, True)
-    if NORM:
-        write_normed_last(arrivals, y, norm_w, hn, yq, yd, m, eps, SG)
 
 
 @moe_down_all_q8.reference

@@ -5,13 +5,17 @@ ggml), s = d·Σq. On the GPU the quants are `xq` (u32, four int8 each, in eleme
 words per vector) and the scales `xd` (f32 pairs (d, s) per block: k/16 floats per vector) —
 f32 rather than ggml's f16, so no rounding beyond the quants'.
 
-Every projection in a decode step reads one of three vectors: the residual stream normed
-(attn_norm, post_attention_norm, output_norm), the attention output, or the delta-net output.
-Each is written once, by whoever finishes it, in f32 (for weights without an int8 decoder and
-for the router's f32 weights) and as Q8_1, so no projection normalises or quantizes for itself:
-`write_normed` is that writer for the residual stream, run by the last workgroup of the dispatch
-that adds to it (see dmmv_q8.dmmv_q8 and dmmv.moe_down_all, NORM) or by `norm_q8_1` after the
-embedding.
+Every projection in a decode step reads one of four vectors: the residual stream normed
+(attn_norm, post_attention_norm, output_norm), the attention output, the delta-net output, or
+the experts' SwiGLU output. Each is written once, by whoever finishes it, in f32 (for weights
+without an int8 decoder and for the router's f32 weights) and as Q8_1, so no projection
+normalises or quantizes for itself: `norm_q8_1` for the residual stream (one small dispatch
+after each addition to it), the attention and delta-net kernels for theirs, and the gate·up
+kernels for act (Q8_OUT: each block by the workgroup that writes its last values).
+
+A NORM epilogue in the dispatch that adds to the residual (its last workgroup writing the normed
+vector) was tried and dropped: on the H100, 2048 workgroups serializing on one arrival counter
+cost ~13 µs where the extra dispatch costs ~5 µs (docs/PERF.md).
 """
 
 from __future__ import annotations
@@ -57,9 +61,8 @@ NORM_BATCH = 4  # quads an invocation of write_normed loads before it uses any: 
 def write_normed(x, norm_w, hn, xq, xd, n, eps, WG: int, SG: int):
     """hn = rmsnorm(x[0:n]) · norm_w, in f32 and as Q8_1 (xq, xd), by one workgroup of WG
     invocations (n a multiple of 32). Two passes over x (Σx², then the outputs) in 16-byte
-    loads, NORM_BATCH per invocation in flight together (in a NORM epilogue x is read coherent,
-    past the caches, where one load at a time would cost an L2 round trip each); invocation t
-    takes quads t, t + WG, …, so eight neighbours hold a block."""
+    loads, NORM_BATCH per invocation in flight together; invocation t takes quads t, t + WG, …,
+    so eight neighbours hold a block."""
     n4 = n >> 2
     step = WG * NORM_BATCH
 
@@ -86,14 +89,6 @@ def write_normed(x, norm_w, hn, xq, xd, n, eps, WG: int, SG: int):
             with zdsl.if_(ok):
                 hn.vec4[i] = v
             store_q8_1(v, i, ok, xq, xd)
-
-
-def write_normed_last(arrivals, y, norm_w, hn, yq, yd, n, eps, SG: int):
-    """The NORM epilogue of a kernel that adds to the residual y (declared Coherent): the
-    workgroup that finishes the dispatch last (arrivals[0] counts them) writes the normed y for
-    the next projections. Call after the workgroup's stores, in uniform control flow."""
-    with zdsl.if_(zdsl.last_workgroup(arrivals)):
-        write_normed(y, norm_w, hn, yq, yd, n, eps, zdsl.workgroup_size(), SG)
 
 
 def quantize_finished_block(values, counters, q, d, block, writers: int):
@@ -126,9 +121,10 @@ def quantize_q8_1_ref(x):
 
 @zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [64, 256, 512], "SG": SUBGROUPS})
 def norm_q8_1(x: Buffer[f32], norm_w: Buffer[f32], hn: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], n: u32,
-              eps: f32, WG: Const = 256, SG: Const = 32):
-    """hn = rmsnorm(x[0:n]) · norm_w, in f32 and as Q8_1 (n a multiple of 32): the normed input
-    of the first layer (later ones get it from the dispatch that adds to x). Grid: 1."""
+              eps: f32, WG: Const = 512, SG: Const = 32):
+    """hn = rmsnorm(x[0:n]) · norm_w, in f32 and as Q8_1 (n a multiple of 32): what the next
+    projections read. One workgroup (a residual stream is a few thousand values).
+    Grid: 1."""
     write_normed(x, norm_w, hn, xq, xd, n, eps, WG, SG)
 
 

@@ -191,8 +191,8 @@ def test_cli_measured_json(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["method"] == "measured" and report["entries_written"] == 1
     (use,) = report["uses"]
-    # the first layer's norm only: the later ones ride in the products that add to x (NORM)
-    assert use["kernel"] == "norm_q8_1" and use["key"] == {"n": 256} and use["count"] == 1
+    # before each layer's two halves, and before the head
+    assert use["kernel"] == "norm_q8_1" and use["key"] == {"n": 256} and use["count"] == 9
     assert use["best"]["us"] > 0 and not use["rejected"]
     (entry,) = json.loads(out.read_text())["entries"]
     assert entry["kernel"] == "norm_q8_1" and entry["method"] == "measured" and entry["params"] == use["best"]["params"]
@@ -353,15 +353,15 @@ def test_tune_with_a_model_file_tries_nominees_in_the_decode_step(tiny_model, tm
 
 def test_the_35b_step_runs_on_int8_inputs_with_checkable_problems(device):
     """In the 35B preset every projection has an int8 decoder: no f32 matrix-vector product but
-    the router's, the residual norms ride in the products that add to x (one norm_q8_1 for the
-    first layer), and the default variant of each new kind of use passes its problem's check."""
+    the router's, one residual norm before each layer's two halves and before the head, and the
+    default variant of each new kind of use passes its problem's check."""
     uses = decode_uses(Tensors.from_preset("35b-a3b"), caps=(1,))
     count = {}
     for u in uses:
         count[u.kernel.name] = count.get(u.kernel.name, 0) + u.count
-    assert {"dmmv", "ffn_gate_up", "moe_down_all"}.isdisjoint(count) and count["norm_q8_1"] == 1
+    assert {"dmmv", "ffn_gate_up", "moe_down_all"}.isdisjoint(count) and count["norm_q8_1"] == 81
     assert count["ffn_gate_up_q8"] == count["moe_down_all_q8"] == count["moe_router"] == 40
-    residual = [u for u in uses if u.kernel.name == "dmmv_q8" and u.fixed.get("NORM")]
+    residual = [u for u in uses if u.kernel.name == "dmmv_q8" and u.fixed.get("ADD")]
     assert sum(u.count for u in residual) == 40  # ssm_out and attn_output
     measure = tuner.Measure(device, warmup=1, repeats=3, warm_s=0.0)
     picked = [next(u for u in uses if u.kernel.name == name) for name in ("norm_q8_1", "moe_router", "ffn_gate_up_q8")]

@@ -10,8 +10,8 @@ where one dispatch reads what another wrote.
 
 Every projection reads its input once quantized to Q8_1 (int8 products; f32 for weight types
 without an int8 decoder, and for the router): the normed residual stream is written, in f32 and
-Q8_1, by the last workgroup of the dispatch that adds to the residual (NORM), and the attention
-and delta-net outputs by the kernels that finish them (kernels/q8_1.py).
+Q8_1, by a small dispatch after each addition to the residual, and the attention, delta-net and
+expert outputs by the kernels that finish them (kernels/q8_1.py).
 """
 
 from __future__ import annotations
@@ -118,8 +118,7 @@ class DecodeGraph:
         self.x, self.logits_out = self._f32(H, "x"), self._f32(hp.vocab, "logits")  # the residual stream
         self.normed = self._vector(H, "normed")  # rmsnorm(x) · the next consumer's norm weight
         # Each dispatch that counts its workgroups (last_workgroup) leaves its counter at 0.
-        self.arrivals = dev.alloc(32, name="arrivals")  # two counters, 16 bytes apart (binding alignment)
-        self.norm_arrivals, self.router_arrivals = self.arrivals.slice(0, 4), self.arrivals.slice(16, 4)
+        self.router_arrivals = dev.alloc(4, name="router_arrivals")
         qd, kvd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
         self.qg, self.q = self._f32(2 * qd, "qg"), self._f32(qd, "q")
         self.k, self.v = self._f32(kvd, "k"), self._f32(kvd, "v")
@@ -182,7 +181,7 @@ class DecodeGraph:
         for b in list(self.conv_state.values()) + list(self.ssm_state.values()):
             seq.fill(b)
         seq.fill(self.counts)
-        seq.fill(self.arrivals)
+        seq.fill(self.router_arrivals)
         seq.fill(self.act_arrivals)
         seq.run()
         seq.free()
@@ -215,28 +214,22 @@ class DecodeGraph:
                        k=k, m=m)
 
     def _residual(self, seq, tensor: str, x: Vector, next_norm: str) -> None:
-        """x += W · input, then the normed input of the next projections from it (rmsnorm(x) ·
-        next_norm): by the product's last workgroup where the weight has an int8 decoder and the
-        input comes in Q8_1, else by one more dispatch."""
+        """x += W · input (int8 products where the weight has an int8 decoder and the input
+        comes in Q8_1), then the next projections' normed input from x (rmsnorm(x) · next_norm)."""
         m, k = self.model.shape(tensor)[-2:]
         q, label = self._qname(tensor), tensor.removesuffix(".weight")
         if self._int8(tensor) and x.q is not None:
-            v = self._choose(dmmv_q8.dmmv_q8, {"QTYPE": q, "k": k, "m": m}, QTYPE=q, ADD=True, NORM=True)
+            v = self._choose(dmmv_q8.dmmv_q8, {"QTYPE": q, "k": k, "m": m}, QTYPE=q, ADD=True)
             v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=label, w=self.weights[tensor], xq=x.q, xd=x.d,
-                       y=self.x, **self._norm_out(next_norm), k=k, m=m)
-            return
-        v = self._choose(dmmv.dmmv, {"QTYPE": q, "k": k, "m": m}, QTYPE=q, ADD=True)
-        v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=label, w=self.weights[tensor], x=x.f32, y=self.x,
-                   k=k, m=m)
+                       y=self.x, k=k, m=m)
+        else:
+            v = self._choose(dmmv.dmmv, {"QTYPE": q, "k": k, "m": m}, QTYPE=q, ADD=True)
+            v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=label, w=self.weights[tensor], x=x.f32,
+                       y=self.x, k=k, m=m)
         self._norm(seq, next_norm)
 
-    def _norm_out(self, norm: str) -> dict:
-        """The arguments of a NORM epilogue that writes rmsnorm(x) · norm into `normed`."""
-        n = self.normed
-        return dict(arrivals=self.norm_arrivals, norm_w=self.weights[norm], hn=n.f32, yq=n.q, yd=n.d, eps=self.hp.eps)
-
     def _norm(self, seq, norm: str) -> None:
-        """normed = rmsnorm(x) · norm, in one dispatch of one workgroup."""
+        """normed = rmsnorm(x) · norm, in f32 and Q8_1: one dispatch of one workgroup."""
         n, H = self.normed, self.hp.hidden
         v = self._choose(q8_1.norm_q8_1, {"n": H})
         v.dispatch(seq, 1, label=norm.removesuffix(".weight"), x=self.x, norm_w=self.weights[norm], hn=n.f32, xq=n.q,
@@ -345,7 +338,7 @@ class DecodeGraph:
     def _moe(self, seq, i: int) -> None:
         """The router (its logits, then the experts picked by the workgroup that finishes last),
         one dispatch for every expert's gate·up (the shared expert as one more slot), one for
-        every down projection added to x (which also norms x for the next layer)."""
+        every down projection added to x, then x normed for the next layer."""
         hp, p = self.hp, f"blk.{i}."
         K, E = hp.n_experts_used, hp.n_experts
         router = p + "ffn_gate_inp.weight"
@@ -365,15 +358,15 @@ class DecodeGraph:
         if not int8 and (fd.block, fd.parts) != (fs.block, fs.parts):
             self._down(seq, downs[0], self.route_ids, self.route_w, self.act.f32, K)
             self._down(seq, downs[1], self.zero_id, self.route_w_shared, self.act_shared, 1)
-            self._norm(seq, self._next_norm(i))
-            return
-        kernel = dmmv_q8.moe_down_all_q8 if int8 else dmmv.moe_down_all
-        down = self._choose(kernel, {"QTYPE": qd, "QTYPE_SH": qs, "k": kd, "m": md, "K": K},
-                            QTYPE=qd, QTYPE_SH="" if qs == qd else qs, K=K, NORM=True)
-        act = dict(actq=self.act.q, actd=self.act.d) if int8 else dict(act=self.act.f32)
-        down.dispatch(seq, cdiv(md, dmmv.rows_per_workgroup(down)), label=p + "ffn_down_exps+shexp",
-                      w=self.weights[downs[0]], w_sh=self.weights[downs[1]], ids=self.route_ids, weights=self.route_w,
-                      y=self.x, **act, **self._norm_out(self._next_norm(i)), k=kd, m=md)
+        else:
+            kernel = dmmv_q8.moe_down_all_q8 if int8 else dmmv.moe_down_all
+            down = self._choose(kernel, {"QTYPE": qd, "QTYPE_SH": qs, "k": kd, "m": md, "K": K},
+                                QTYPE=qd, QTYPE_SH="" if qs == qd else qs, K=K)
+            act = dict(actq=self.act.q, actd=self.act.d) if int8 else dict(act=self.act.f32)
+            down.dispatch(seq, cdiv(md, dmmv.rows_per_workgroup(down)), label=p + "ffn_down_exps+shexp",
+                          w=self.weights[downs[0]], w_sh=self.weights[downs[1]], ids=self.route_ids,
+                          weights=self.route_w, y=self.x, k=kd, m=md, **act)
+        self._norm(seq, self._next_norm(i))
 
     def _down(self, seq, tensor: str, ids, weights, act, slots: int) -> None:
         m, k = self.model.shape(tensor)[-2:]
