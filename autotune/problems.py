@@ -176,13 +176,8 @@ def _ffn_gate_up(use, rng, check):
     n_exp = use.sizes["experts"]
     n_exp = min(n_exp, 2 * routed + 1) if check and experts else n_exp
     x = _normal(rng, k)
-    q8_out = use.fixed.get("Q8_OUT", False)
-    m = m - m % 32 if q8_out else m  # a Q8_1 output has whole blocks
     a = dict(wg=_rows(rng, q, n_exp * m, k), wu=_rows(rng, q, n_exp * m, k),
              ids=rng.permutation(n_exp)[:max(routed, 1)].astype(np.uint32), act=np.zeros(slots * m, np.float32))
-    if q8_out:
-        a.update(act_arrivals=np.zeros(slots * m // 32, np.uint32), actq=np.zeros(slots * m // 4, np.uint32),
-                 actd=np.zeros(slots * m // 16, np.float32))
     if shared:
         a.update(wg_sh=_rows(rng, q, m, k), wu_sh=_rows(rng, q, m, k))
     int8 = use.kernel is dmmv_q8.ffn_gate_up_q8
@@ -197,10 +192,7 @@ def _ffn_gate_up(use, rng, check):
             want = dmmv_q8.ffn_gate_up_q8_ref(a["wg"], a["wu"], a["ids"], a["xq"], a["xd"], q, m, k, experts, pair)
         else:
             want = dmmv.ffn_gate_up_ref(a["wg"], a["wu"], a["ids"], x, q, m, k, experts, pair)
-        out = {"act": (want, 2e-4)}
-        if q8_out:
-            out.update(actd=(_scales(want), 1e-3), act_arrivals=(np.zeros(slots * m // 32), 0))
-        return out
+        return {"act": (want, 2e-4)}
     read = 2 * slots * m * _row_bytes(q, k)
 
     def rotate(n):
@@ -260,23 +252,16 @@ def _moe_down_all(use, rng, check):
     q_sh = use.fixed["QTYPE_SH"] or q
     m = min(m, CHECK_ROWS) if check else m
     n_exp = min(use.sizes["experts"], K + 4) if check else use.sizes["experts"]
-    act = _normal(rng, (K + 1) * k)
     a = dict(w=_rows(rng, q, n_exp * m, k), w_sh=_rows(rng, q_sh, m, k),
              ids=rng.permutation(n_exp)[:K].astype(np.uint32), weights=rng.uniform(0.05, 0.5, K + 1).astype(np.float32),
-             y=_normal(rng, m))
-    int8 = use.kernel is dmmv_q8.moe_down_all_q8
-    if int8:
-        a["actq"], a["actd"] = _q8_1(act)
-        act = q8_1.q8_1_values(a["actq"], a["actd"]).astype(np.float32)
-    else:
-        a["act"] = act
+             act=_normal(rng, (K + 1) * k), y=_normal(rng, m))
     y0 = a["y"].copy()
 
     def expect(p):
-        want = dmmv.moe_down_all_ref(a["w"], a["w_sh"], a["ids"], a["weights"], act, y0, q, m, k,
+        want = dmmv.moe_down_all_ref(a["w"], a["w_sh"], a["ids"], a["weights"], a["act"], y0, q, m, k,
                                      use.fixed["QTYPE_SH"] or None)
         return {"y": (want, 1e-4)}
-    read = K * m * _row_bytes(q, k) + m * _row_bytes(q_sh, k) + (K + 1) * ((k + k // 4) if int8 else 4 * k) + 8 * K
+    read = K * m * _row_bytes(q, k) + m * _row_bytes(q_sh, k) + 4 * (K + 1) * (k + 2)
     return Case(_one(use, _rows_grid(m)), a, dict(k=k, m=m), read + 8 * m, expect if check else None,
                 lambda n: {"ids": [rng.permutation(n_exp)[:K].astype(np.uint32) for _ in range(n - 1)]})
 
@@ -422,7 +407,6 @@ def _sampling(use, rng, check):
 BUILDERS = {
     "dmmv": _dmmv, "dmmv_q8": _dmmv_q8, "norm_q8_1": _norm_q8_1, "ffn_gate_up": _ffn_gate_up,
     "ffn_gate_up_q8": _ffn_gate_up, "moe_down": _moe_down, "moe_router": _moe_router, "moe_down_all": _moe_down_all,
-    "moe_down_all_q8": _moe_down_all,
     "attn_prep": _attn_prep,
     "attn_decode": _attn_decode, "attn_combine": _attn_combine, "deltanet_step": _deltanet_step,
     "sample_candidates": _sampling,

@@ -145,29 +145,22 @@ def decode_uses(model: Tensors, n_ctx: int = 4096, caps: tuple[int, ...] = (1,))
         if hp.moe:
             _moe(model, p, add, norm)
         else:
-            down = p + "ffn_down.weight"
-            gate_up(add, model, p + "ffn_gate.weight", 1, False, [down])
-            residual(down, q8_input=q8_act(model, [down]))
+            gate_up(add, model, p + "ffn_gate.weight", 1, False)
+            residual(p + "ffn_down.weight", q8_input=False)
     project(model.output_name)
     for cap in caps:
         add(sampling.sample_candidates, {"n_vocab": hp.vocab}, {"CAP": cap}, {}, "sample")
     return merge(uses)
 
 
-def q8_act(model: Tensors, downs: list[str]) -> bool:
-    """graph._q8_act: the down projections read act as Q8_1."""
-    shapes = {(FORMATS[model.qtype(t)].block, FORMATS[model.qtype(t)].iparts) for t in downs}
-    return all(model.qtype(t) in INT8_FORMATS for t in downs) and len(shapes) == 1
-
-
-def gate_up(add, model: Tensors, gate: str, slots: int, experts: bool, downs: list[str]) -> None:
+def gate_up(add, model: Tensors, gate: str, slots: int, experts: bool) -> None:
     """graph._gate_up: SwiGLU gate·up of the normed input, per slot (MoE: the shared expert last)."""
     m, k = model.shape(gate)[-2:]
     q = model.qtype(gate)
     kernel = dmmv_q8.ffn_gate_up_q8 if q in INT8_FORMATS else dmmv.ffn_gate_up
     n_exp = model.hparams.n_experts if experts else 1
     add(kernel, {"QTYPE": q, "k": k, "m": m, "slots": slots},
-        {"QTYPE": q, "EXPERTS": experts, "SHARED": experts, "Q8_OUT": q8_act(model, downs)},
+        {"QTYPE": q, "EXPERTS": experts, "SHARED": experts},
         dict(experts=n_exp, slots=slots), gate.removesuffix(".weight") + "+up")
 
 
@@ -177,19 +170,16 @@ def _moe(model: Tensors, p: str, add, norm) -> None:
     router = p + "ffn_gate_inp.weight"
     qr, kr = model.qtype(router), model.shape(router)[-1]
     add(moe.moe_router, {"QTYPE": qr, "k": kr, "n_expert": E}, {"QTYPE": qr, "K": K}, {}, p + "ffn_gate_inp+moe_route")
-    downs = [p + "ffn_down_exps.weight", p + "ffn_down_shexp.weight"]
-    gate_up(add, model, p + "ffn_gate_exps.weight", K + 1, True, downs)
-    md, kd = model.shape(downs[0])[-2:]
-    qd, qs = model.qtype(downs[0]), model.qtype(downs[1])
+    gate_up(add, model, p + "ffn_gate_exps.weight", K + 1, True)
+    md, kd = model.shape(p + "ffn_down_exps.weight")[-2:]
+    qd, qs = model.qtype(p + "ffn_down_exps.weight"), model.qtype(p + "ffn_down_shexp.weight")
     fd, fs = FORMATS[qd], FORMATS[qs]
-    int8 = q8_act(model, downs)
-    if not int8 and (fd.block, fd.parts) != (fs.block, fs.parts):
+    if (fd.block, fd.parts) != (fs.block, fs.parts):
         for tensor, q_, slots, experts in ((p + "ffn_down_exps.weight", qd, K, E), (p + "ffn_down_shexp.weight", qs, 1, 1)):
             add(dmmv.moe_down, {"QTYPE": q_, "k": kd, "m": md}, {"QTYPE": q_, "ADD": True},
                 dict(experts=experts, slots=slots), tensor)
     else:
-        add(dmmv_q8.moe_down_all_q8 if int8 else dmmv.moe_down_all,
-            {"QTYPE": qd, "QTYPE_SH": qs, "k": kd, "m": md, "K": K},
+        add(dmmv.moe_down_all, {"QTYPE": qd, "QTYPE_SH": qs, "k": kd, "m": md, "K": K},
             {"QTYPE": qd, "QTYPE_SH": "" if qs == qd else qs, "K": K}, dict(experts=E), p + "ffn_down_exps+shexp")
     norm(p + "ffn_down+norm")
 

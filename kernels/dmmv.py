@@ -16,11 +16,10 @@ from __future__ import annotations
 import numpy as np
 
 import zdsl
-from zdsl import Buffer, Coherent, Const, Spec, boolean, f32, u8, u32
+from zdsl import Buffer, Const, Spec, boolean, f32, u8, u32
 from gguf import GGMLQuantizationType as QuantType
 from gguf.quants import dequantize
 from zdsl.kernels.quant import FORMATS, Factored, fmt
-from zdsl.kernels.q8_1 import quantize_finished_block
 from zdsl.kernels.reduce import SUBGROUPS, workgroup_sums
 
 QTYPES = list(FORMATS)
@@ -211,26 +210,18 @@ def dmmv_ref(w_bytes, x, qtype, m, k, y=None):
     return out if y is None else out + y
 
 
-def rows_fit_blocks(v) -> bool:
-    """Whether a workgroup's rows lie inside one Q8_1 block of the output (Q8_OUT)."""
-    return not v.Q8_OUT or 32 % (v.ROWS * v.NSUB) == 0
-
-
 @zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": QTYPES, "SHARED": [False, True], "ROWS": [1, 2, 4],
                                                            "SG": SUBGROUPS},
-             tune={"NSUB": NSUBS},
-             where=lambda v: (not v.SHARED or v.QTYPE in EXPERT_QTYPES) and rows_fit_blocks(v))
+             tune={"NSUB": NSUBS}, where=lambda v: not v.SHARED or v.QTYPE in EXPERT_QTYPES)
 def ffn_gate_up(wg: Buffer[u8], wu: Buffer[u8], wg_sh: Buffer[u8], wu_sh: Buffer[u8], ids: Buffer[u32],
-                x: Buffer[f32], act: Coherent[f32], act_arrivals: Buffer[u32], actq: Buffer[u32], actd: Buffer[f32],
-                k: u32, m: u32, EXPERTS: Spec[boolean] = True, SHARED: Const = False, Q8_OUT: Const = False,
-                QTYPE: Const = "q4_k", ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
+                x: Buffer[f32], act: Buffer[f32], k: u32, m: u32, EXPERTS: Spec[boolean] = True,
+                SHARED: Const = False, QTYPE: Const = "q4_k", ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32,
+                WG: Const = 0):
     """act[s·m + r] = silu(Wg[r]·x) · (Wu[r]·x) for slot s = workgroup_id(1): the pair of expert
     ids[s] (EXPERTS) or the single pair (not EXPERTS: a dense FFN; `ids` unused). With SHARED the
     last slot takes the shared expert's pair (wg_sh, wu_sh): a MoE layer's routed and shared
-    experts in one dispatch. Gate and up rows are read in one pass over x. Q8_OUT: act also as
-    Q8_1 (actq, actd) for an int8 down projection, each block quantized by the workgroup that
-    finishes it (q8_1.quantize_finished_block; act_arrivals: a counter per block of 32 rows of
-    every slot; m a multiple of 32). Grid: (ceil(m / rows_per_workgroup), slots)."""
+    experts in one dispatch. Gate and up rows are read in one pass over x.
+    Grid: (ceil(m / rows_per_workgroup), slots)."""
     f = fmt(QTYPE)
     ctx = f.setup()
     nblocks = k // f.block
@@ -245,17 +236,6 @@ def ffn_gate_up(wg: Buffer[u8], wu: Buffer[u8], wg_sh: Buffer[u8], wu_sh: Buffer
 
     each_slot(SHARED, slot, lambda: swiglu(wg, wu, ids.load(slot, mask=EXPERTS, other=0) * (m * row_bytes)),
               lambda: swiglu(wg_sh, wu_sh, 0))
-    if Q8_OUT:
-        quantize_rows(act, act_arrivals, actq, actd, slot, m, ROWS * NSUB)
-
-
-def quantize_rows(act, counters, q, d, slot, m, per_group: int):
-    """Q8_OUT: the Q8_1 block that this workgroup's rows of slot `slot` fall in is quantized by
-    whichever of its writers finishes last."""
-    if 32 % per_group:
-        raise zdsl.ZdslError(f"a Q8_1 output needs a workgroup's {per_group} rows inside one block of 32")
-    block = (slot * m + zdsl.workgroup_id() * per_group) >> 5
-    quantize_finished_block(act, counters, q, d, block, 32 // per_group)
 
 
 def each_slot(SHARED: bool, slot, routed, shared):

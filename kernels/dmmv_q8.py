@@ -12,10 +12,9 @@ the quantization's, at most Σ_j |w_j| · d_j / 2 (d_j the scale of element j's 
 from __future__ import annotations
 
 import zdsl
-from zdsl import Buffer, Coherent, Const, Spec, boolean, f32, u8, u32
+from zdsl import Buffer, Const, Spec, boolean, f32, u8, u32
 from zdsl.kernels.dmmv import (EXPERT_QTYPES, NSUBS, Rows, block_loop, dequant_rows, each_slot, ffn_gate_up_ref,
-                               moe_down_all_ref, quantize_rows, rows_fit_blocks, store_rows, store_swiglu,
-                               workgroup_of)
+                               store_rows, store_swiglu, workgroup_of)
 from zdsl.kernels.q8_1 import q8_1_values
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS, fmt
 from zdsl.kernels.reduce import SUBGROUPS
@@ -99,20 +98,16 @@ def dmmv_q8_ref(w_bytes, xq, xd, qtype, m, k, y=None):
 
 
 @zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": INT8_FORMATS, "SHARED": [False, True],
-                                                           "Q8_OUT": [False, True], "ROWS": [1, 2, 4], "SG": SUBGROUPS},
-             tune={"NSUB": NSUBS},
-             where=lambda v: (not (v.SHARED or v.Q8_OUT) or v.QTYPE in EXPERT_QTYPES) and rows_fit_blocks(v))
+                                                           "ROWS": [1, 2, 4], "SG": SUBGROUPS},
+             tune={"NSUB": NSUBS}, where=lambda v: not v.SHARED or v.QTYPE in EXPERT_QTYPES)
 def ffn_gate_up_q8(wg: Buffer[u8], wu: Buffer[u8], wg_sh: Buffer[u8], wu_sh: Buffer[u8], ids: Buffer[u32],
-                   xq: Buffer[u32], xd: Buffer[f32], act: Coherent[f32], act_arrivals: Buffer[u32], actq: Buffer[u32],
-                   actd: Buffer[f32], k: u32, m: u32, EXPERTS: Spec[boolean] = True, SHARED: Const = False,
-                   Q8_OUT: Const = False, QTYPE: Const = "q4_k", ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32,
-                   WG: Const = 0):
+                   xq: Buffer[u32], xd: Buffer[f32], act: Buffer[f32], k: u32, m: u32,
+                   EXPERTS: Spec[boolean] = True, SHARED: Const = False, QTYPE: Const = "q4_k", ROWS: Const = 1,
+                   NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
     """dmmv.ffn_gate_up with Q8_1 activations: act[s·m + r] = silu(Wg[r]·x̂) · (Wu[r]·x̂) for slot
     s = workgroup_id(1): the pair of expert ids[s] (EXPERTS) or the single pair (not EXPERTS);
-    with SHARED the last slot takes the shared expert's pair (wg_sh, wu_sh). Q8_OUT: act also
-    as Q8_1 (actq, actd), the down projection's input, each block quantized by the workgroup
-    that finishes it (act_arrivals: one counter per block of 32 rows of every slot; m a
-    multiple of 32). Grid: (ceil(m / rows_per_workgroup), slots)."""
+    with SHARED the last slot takes the shared expert's pair (wg_sh, wu_sh).
+    Grid: (ceil(m / rows_per_workgroup), slots)."""
     f = int8_decoder(QTYPE)
     nblocks = k // f.block
     row_bytes = nblocks * f.nbytes
@@ -127,54 +122,9 @@ def ffn_gate_up_q8(wg: Buffer[u8], wu: Buffer[u8], wg_sh: Buffer[u8], wu_sh: Buf
 
     each_slot(SHARED, slot, lambda: swiglu(wg, wu, ids.load(slot, mask=EXPERTS, other=0) * (m * row_bytes)),
               lambda: swiglu(wg_sh, wu_sh, 0))
-    if Q8_OUT:
-        quantize_rows(act, act_arrivals, actq, actd, slot, m, ROWS * NSUB)
 
 
 @ffn_gate_up_q8.reference
 def ffn_gate_up_q8_ref(wg_bytes, wu_bytes, ids, xq, xd, qtype, m, k, experts=True, shared=None):
     """ffn_gate_up_ref on the activations the Q8_1 buffers stand for."""
     return ffn_gate_up_ref(wg_bytes, wu_bytes, ids, q8_1_values(xq, xd), qtype, m, k, experts, shared)
-
-
-@zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": ["q4_k", "q6_k", "q8_0"], "QTYPE_SH": ["", "q6_k"],
-                                                           "ROWS": [1, 2], "K": [8], "SG": SUBGROUPS},
-             tune={"NSUB": NSUBS}, where=lambda v: v.QTYPE_SH == "" or v.QTYPE in ("q2_k", "q3_k", "q4_k", "q5_k"))
-def moe_down_all_q8(w: Buffer[u8], w_sh: Buffer[u8], ids: Buffer[u32], weights: Buffer[f32], actq: Buffer[u32],
-                    actd: Buffer[f32], y: Buffer[f32], k: u32, m: u32, QTYPE: Const = "q4_k",
-                    QTYPE_SH: Const = "", K: Const = 8, ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32,
-                    WG: Const = 0):
-    """dmmv.moe_down_all over Q8_1 activations (ffn_gate_up_q8's Q8_OUT): y[r] += Σ_{s<K}
-    weights[s] · (W_{ids[s]}[r] · â_s) + weights[K] · (W_sh[r] · â_K), the shared expert's type
-    QTYPE_SH (a K-quant, as the routed ones) allowed to differ. Grid: ceil(m / rows_per_workgroup)."""
-    f = int8_decoder(QTYPE)
-    f_sh = int8_decoder(QTYPE_SH or QTYPE)
-    if (f_sh.block, f_sh.iparts) != (f.block, f.iparts):
-        raise zdsl.ZdslError(f"moe_down_all_q8 needs the shared expert's blocks shaped like the experts' "
-                             f"({f_sh.name} vs {f.name})")
-    nblocks = k // f.block
-    row_bytes, sh_bytes = nblocks * f.nbytes, nblocks * f_sh.nbytes
-    group = Rows(ROWS, NSUB, SG)
-    rows = group.clamped(m)
-    part = group.index % f.iparts
-    total = [zdsl.var(0.0) for _ in range(ROWS)]
-    for item in zdsl.range(group.index // f.iparts, (K + 1) * nblocks, group.size // f.iparts):
-        s = item // nblocks
-        b = item - s * nblocks
-        weight = weights[s]
-        with zdsl.if_(s < K):
-            base = ids[zdsl.min(s, K - 1)] * (m * row_bytes)
-            step = q8_step(f, [(w, base + r * row_bytes) for r in rows], actq, actd, [s * k], b, part)
-            for r in range(ROWS):
-                total[r] += weight * step[r][0]
-        with zdsl.else_():
-            step = q8_step(f_sh, [(w_sh, r * sh_bytes) for r in rows], actq, actd, [s * k], b, part)
-            for r in range(ROWS):
-                total[r] += weight * step[r][0]
-    store_rows(y, group.sums(total), group, m, 1, True)
-
-
-@moe_down_all_q8.reference
-def moe_down_all_q8_ref(w_bytes, w_sh_bytes, ids, weights, actq, actd, y, qtype, m, k, qtype_sh=None):
-    """moe_down_all_ref on the activations the Q8_1 buffers stand for."""
-    return moe_down_all_ref(w_bytes, w_sh_bytes, ids, weights, q8_1_values(actq, actd), y, qtype, m, k, qtype_sh)

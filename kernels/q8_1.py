@@ -5,17 +5,18 @@ ggml), s = d·Σq. On the GPU the quants are `xq` (u32, four int8 each, in eleme
 words per vector) and the scales `xd` (f32 pairs (d, s) per block: k/16 floats per vector) —
 f32 rather than ggml's f16, so no rounding beyond the quants'.
 
-Every projection in a decode step reads one of four vectors: the residual stream normed
-(attn_norm, post_attention_norm, output_norm), the attention output, the delta-net output, or
-the experts' SwiGLU output. Each is written once, by whoever finishes it, in f32 (for weights
-without an int8 decoder and for the router's f32 weights) and as Q8_1, so no projection
-normalises or quantizes for itself: `norm_q8_1` for the residual stream (one small dispatch
-after each addition to it), the attention and delta-net kernels for theirs, and the gate·up
-kernels for act (Q8_OUT: each block by the workgroup that writes its last values).
+The projections of a decode step read three vectors in Q8_1: the residual stream normed
+(attn_norm, post_attention_norm, output_norm), the attention output and the delta-net output.
+Each is written once, by whoever finishes it, in f32 (for weights without an int8 decoder and
+for the router's f32 weights) and as Q8_1, so no projection normalises or quantizes for itself:
+`norm_q8_1` for the residual stream (one small dispatch after each addition to it), the
+attention and delta-net kernels for theirs. The SwiGLU output feeding the down projections
+stays f32 (see docs/PERF.md).
 
-A NORM epilogue in the dispatch that adds to the residual (its last workgroup writing the normed
-vector) was tried and dropped: on the H100, 2048 workgroups serializing on one arrival counter
-cost ~13 µs where the extra dispatch costs ~5 µs (docs/PERF.md).
+Tried and dropped, on the H100: the residual norm in the last workgroup of the dispatch that adds
+to x (2048 workgroups serializing on one arrival counter: ~13 µs against ~5 µs for the extra
+dispatch), and the SwiGLU output quantized by the last writer of each block (the fences and
+atomics of thousands of workgroups cost more than the smaller reads saved: 3% slower).
 """
 
 from __future__ import annotations
@@ -89,17 +90,6 @@ def write_normed(x, norm_w, hn, xq, xd, n, eps, WG: int, SG: int):
             with zdsl.if_(ok):
                 hn.vec4[i] = v
             store_q8_1(v, i, ok, xq, xd)
-
-
-def quantize_finished_block(values, counters, q, d, block, writers: int):
-    """Q8_1 block `block` of `values` (declared Coherent), quantized by the workgroup that
-    writes its last values: counters[block] counts the `writers` workgroups that write into it
-    (0 before and after). Eight invocations, one quad each. Call after the workgroup's stores,
-    in uniform control flow."""
-    with zdsl.if_(zdsl.last_workgroup(counters, block, of=writers)):
-        t = zdsl.local_index()
-        i = block * 8 + zdsl.min(t, 7)
-        store_q8_1(values.vec4[i], i, t < 8, q, d)
 
 
 @zdsl.kernel(workgroup=64, subgroup="SG", variants={"SG": SUBGROUPS})

@@ -271,7 +271,7 @@ def test_retuned_step_runs_the_entry_and_decodes_the_same(device, tiny_model):
     from zdsl.models.qwen35.gguf_file import open_model
     from zdsl.models.qwen35.graph import DecodeGraph
 
-    (result,) = _measured(device, tiny_model, "moe_down_all_q8")[:1]
+    (result,) = _measured(device, tiny_model, "moe_down_all")[:1]
     other = next(c for c in result.ranked + result.rejected if c.error is None and c.params != result.default.params)
     g = DecodeGraph(open_model(tiny_model), device, 24, progress=False)
     try:
@@ -359,13 +359,13 @@ def test_the_35b_step_runs_on_int8_inputs_with_checkable_problems(device):
     count = {}
     for u in uses:
         count[u.kernel.name] = count.get(u.kernel.name, 0) + u.count
-    assert {"dmmv", "ffn_gate_up", "moe_down_all"}.isdisjoint(count) and count["norm_q8_1"] == 81
-    assert count["ffn_gate_up_q8"] == count["moe_down_all_q8"] == count["moe_router"] == 40
+    assert {"dmmv", "ffn_gate_up"}.isdisjoint(count) and count["norm_q8_1"] == 81
+    assert count["ffn_gate_up_q8"] == count["moe_down_all"] == count["moe_router"] == 40
     residual = [u for u in uses if u.kernel.name == "dmmv_q8" and u.fixed.get("ADD")]
     assert sum(u.count for u in residual) == 40  # ssm_out and attn_output
     measure = tuner.Measure(device, warmup=1, repeats=3, warm_s=0.0)
     picked = [next(u for u in uses if u.kernel.name == name) for name in ("norm_q8_1", "moe_router", "ffn_gate_up_q8")]
-    picked += residual[:1] + [next(u for u in uses if u.kernel.name == "moe_down_all_q8")]
+    picked += residual[:1]
     for u in picked:
         check = problems.case(u, np.random.default_rng(0), check=True)
         (default,) = tuner.prepare(check, tuner.candidates(u, device.info)[:1], device.info)

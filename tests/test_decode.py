@@ -5,13 +5,17 @@ decoder, so the reference does too (`int8_activations`). Where an activation lan
 rounding of a half step, the GPU's f32 arithmetic (another summation order) and numpy's put its
 quant a whole step apart, and four random layers carry that on: with f32 activations the two
 agree to 0.03% of the logits' spread, with Q8_1 ones to ~2% (the reference alone, f32 against
-f64, differs by as much once a flip happened). Bounds, in units of the logits' standard
-deviation per position: median ≤ 4%, max ≤ 8% (seen: medians 2.0–2.8%, max ≤ 5.7%). That the
-GPU computes the quantized forward and not merely something near the f32 one: its distance to
+f64, differs by ~3% once a flip happened). Where such a difference meets a near-tie of the MoE
+router, one position's experts differ and its logits jump (the reference against itself:
+isolated positions at 22% and 44%), then the next positions are back. Bounds, in units of the
+logits' standard deviation per position: median ≤ 4%, 95th percentile ≤ 8%, max ≤ 50% (seen:
+medians 1.4–2.2%, maxima 3.3–4.7% but one position at 22%). That the GPU computes the
+quantized forward and not merely something near the f32 one: its distance to
 the int8 reference stays under 0.6 of the int8 reference's own distance to the f32 forward
-(seen: 0.21–0.41; F16 weights, which nothing quantizes: 1e-4 against the one reference).
-Greedy tokens are identical wherever the reference's lead exceeds twice the max bound, and at
-90% of positions or more in all; the GPU's sampled token is always the argmax of its own logits.
+(seen: 0.16–0.32; F16 weights, which nothing quantizes: 1e-4 against the one reference).
+Greedy tokens are identical wherever the reference's lead exceeds twice the 95th-percentile
+bound, and at 90% of positions or more in all; the GPU's sampled token is always the argmax of
+its own logits.
 """
 
 import numpy as np
@@ -24,7 +28,7 @@ from zdsl.models.qwen35.reference import ReferenceModel
 from zdsl.models.qwen35.sampler import SamplerConfig
 
 POSITIONS = 64
-MEDIAN, WORST = 0.04, 0.08  # of the logits' standard deviation
+MEDIAN, P95, WORST = 0.04, 0.08, 0.5  # of the logits' standard deviation
 
 
 @pytest.fixture(scope="module", params=[("tiny", "q4_k_m"), ("tiny-dense", "q4_k_m"), ("tiny", "q8_0"), ("tiny", "f16")])
@@ -55,11 +59,11 @@ def test_logits_and_greedy_tokens_match_reference(model, device):
         int8_gap += np.linalg.norm(f32 - expected)
         assert sampled == int(np.argmax(got)), f"position {pos}"
         first, second = np.sort(expected)[::-1][:2]
-        if first - second > 2 * WORST * expected.std():
+        if first - second > 2 * P95 * expected.std():
             assert sampled == int(np.argmax(expected)), f"position {pos}"
         agree += sampled == int(np.argmax(expected))
         token = sampled
-    assert np.median(errors) <= MEDIAN and max(errors) <= WORST
+    assert np.median(errors) <= MEDIAN and np.percentile(errors, 95) <= P95 and max(errors) <= WORST
     assert gpu_gap <= 0.6 * int8_gap or int8_gap == 0  # (no int8 weights: the two references agree)
     assert agree >= 0.9 * POSITIONS  # near-ties aside, the same tokens
     graph.close()

@@ -10,8 +10,8 @@ where one dispatch reads what another wrote.
 
 Every projection reads its input once quantized to Q8_1 (int8 products; f32 for weight types
 without an int8 decoder, and for the router): the normed residual stream is written, in f32 and
-Q8_1, by a small dispatch after each addition to the residual, and the attention, delta-net and
-expert outputs by the kernels that finish them (kernels/q8_1.py).
+Q8_1, by a small dispatch after each addition to the residual, and the attention and delta-net
+outputs by the kernels that finish them (kernels/q8_1.py).
 """
 
 from __future__ import annotations
@@ -144,14 +144,12 @@ class DecodeGraph:
                                 "expert as one more expert slot, which needs one width")
             self.route_ids = dev.alloc(4 * K, name="route_ids")
             self.route_w = self._f32(K + 1, "route_weights")  # [K] is the shared expert's gate
-            self.act = self._vector((K + 1) * F, "expert_act")  # slot K: the shared expert
-            self.act_shared = self.act.f32.slice(4 * K * F, 4 * F)
+            self.act = self._f32((K + 1) * F, "expert_act")  # slot K: the shared expert
+            self.act_shared = self.act.slice(4 * K * F, 4 * F)
             self.route_w_shared = self.route_w.slice(4 * K, 4)
             self.zero_id = dev.upload(np.zeros(1, np.uint32), name="zero_id")
         else:
-            self.act = self._vector(hp.ffn, "ffn_act")
-        # one counter per Q8_1 block of act (Q8_OUT: the block's last writer quantizes it)
-        self.act_arrivals = dev.alloc(self.act.q.nbytes // 8, name="act_arrivals")
+            self.act = self._f32(hp.ffn, "ffn_act")
         self.counts = dev.alloc(4 * hp.vocab, name="token_counts")
         self.tokens_out = dev.alloc(4 * self.n_ctx, name="tokens_out")
         self.cand = None
@@ -182,7 +180,6 @@ class DecodeGraph:
             seq.fill(b)
         seq.fill(self.counts)
         seq.fill(self.router_arrivals)
-        seq.fill(self.act_arrivals)
         seq.run()
         seq.free()
         self.position = 0
@@ -301,11 +298,9 @@ class DecodeGraph:
                       state=self.ssm_state[i], out=o.f32, oq=o.q, od=o.d, n_k_heads=hp.ssm_k_heads, eps=hp.eps)
         self._residual(seq, p + "ssm_out.weight", o, p + "post_attention_norm.weight")
 
-    def _gate_up(self, seq, gate: str, up: str, slots: int, downs: list[str],
-                 shared: tuple[str, str] | None = None) -> None:
+    def _gate_up(self, seq, gate: str, up: str, slots: int, shared: tuple[str, str] | None = None) -> None:
         """act = silu(gate · normed) · (up · normed) per slot: the experts in route_ids (MoE,
-        with the shared expert's pair as the last slot) or the one pair (dense); also as Q8_1
-        where the down projections (`downs`) read it so."""
+        with the shared expert's pair as the last slot) or the one pair (dense)."""
         m, k = self.model.shape(gate)[-2:]
         q = self._qname(gate)
         for t in (up, *(shared or ())):
@@ -318,22 +313,15 @@ class DecodeGraph:
             pairs.update(wg_sh=self.weights[shared[0]], wu_sh=self.weights[shared[1]])
         ids = self.route_ids if experts else self.step
         label = gate.removesuffix(".weight") + "+up" + ("+shexp" if experts else "")
-        fixed = dict(QTYPE=q, EXPERTS=experts, SHARED=experts, Q8_OUT=self._q8_act(downs))
+        shape, fixed = {"QTYPE": q, "k": k, "m": m, "slots": slots}, dict(QTYPE=q, EXPERTS=experts, SHARED=experts)
         if self._int8(gate):
-            v = self._choose(dmmv_q8.ffn_gate_up_q8, {"QTYPE": q, "k": k, "m": m, "slots": slots}, **fixed)
+            v = self._choose(dmmv_q8.ffn_gate_up_q8, shape, **fixed)
             args = dict(xq=self.normed.q, xd=self.normed.d)
         else:
-            v = self._choose(dmmv.ffn_gate_up, {"QTYPE": q, "k": k, "m": m, "slots": slots}, **fixed)
+            v = self._choose(dmmv.ffn_gate_up, shape, **fixed)
             args = dict(x=self.normed.f32)
-        a = self.act
-        v.dispatch(seq, (cdiv(m, dmmv.rows_per_workgroup(v)), slots), label=label, **pairs, ids=ids, act=a.f32,
-                   act_arrivals=self.act_arrivals, actq=a.q, actd=a.d, k=k, m=m, **args)
-
-    def _q8_act(self, downs: list[str]) -> bool:
-        """Whether the down projections read act as Q8_1: all have int8 decoders, with blocks
-        of one shape (the routed and shared ones run in one dispatch)."""
-        shapes = {(FORMATS[self._qname(t)].block, FORMATS[self._qname(t)].iparts) for t in downs}
-        return all(self._int8(t) for t in downs) and len(shapes) == 1
+        v.dispatch(seq, (cdiv(m, dmmv.rows_per_workgroup(v)), slots), label=label, **pairs, ids=ids, act=self.act,
+                   k=k, m=m, **args)
 
     def _moe(self, seq, i: int) -> None:
         """The router (its logits, then the experts picked by the workgroup that finishes last),
@@ -348,24 +336,21 @@ class DecodeGraph:
                        w=self.weights[router], sh_gate_w=self.weights[p + "ffn_gate_inp_shexp.weight"],
                        hn=self.normed.f32, logits=self.router, arrivals=self.router_arrivals, ids=self.route_ids,
                        weights=self.route_w, k=kr, n_expert=E)
-        downs = [p + "ffn_down_exps.weight", p + "ffn_down_shexp.weight"]
-        self._gate_up(seq, p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight", K + 1, downs,
+        self._gate_up(seq, p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight", K + 1,
                       shared=(p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"))
-        md, kd = self.model.shape(downs[0])[-2:]
-        qd, qs = self._qname(downs[0]), self._qname(downs[1])
+        down, down_sh = p + "ffn_down_exps.weight", p + "ffn_down_shexp.weight"
+        md, kd = self.model.shape(down)[-2:]
+        qd, qs = self._qname(down), self._qname(down_sh)
         fd, fs = FORMATS[qd], FORMATS[qs]
-        int8 = self._q8_act(downs)
-        if not int8 and (fd.block, fd.parts) != (fs.block, fs.parts):
-            self._down(seq, downs[0], self.route_ids, self.route_w, self.act.f32, K)
-            self._down(seq, downs[1], self.zero_id, self.route_w_shared, self.act_shared, 1)
+        if (fd.block, fd.parts) != (fs.block, fs.parts):
+            self._down(seq, down, self.route_ids, self.route_w, self.act, K)
+            self._down(seq, down_sh, self.zero_id, self.route_w_shared, self.act_shared, 1)
         else:
-            kernel = dmmv_q8.moe_down_all_q8 if int8 else dmmv.moe_down_all
-            down = self._choose(kernel, {"QTYPE": qd, "QTYPE_SH": qs, "k": kd, "m": md, "K": K},
-                                QTYPE=qd, QTYPE_SH="" if qs == qd else qs, K=K)
-            act = dict(actq=self.act.q, actd=self.act.d) if int8 else dict(act=self.act.f32)
-            down.dispatch(seq, cdiv(md, dmmv.rows_per_workgroup(down)), label=p + "ffn_down_exps+shexp",
-                          w=self.weights[downs[0]], w_sh=self.weights[downs[1]], ids=self.route_ids,
-                          weights=self.route_w, y=self.x, k=kd, m=md, **act)
+            v = self._choose(dmmv.moe_down_all, {"QTYPE": qd, "QTYPE_SH": qs, "k": kd, "m": md, "K": K},
+                             QTYPE=qd, QTYPE_SH="" if qs == qd else qs, K=K)
+            v.dispatch(seq, cdiv(md, dmmv.rows_per_workgroup(v)), label=p + "ffn_down_exps+shexp",
+                       w=self.weights[down], w_sh=self.weights[down_sh], ids=self.route_ids, weights=self.route_w,
+                       act=self.act, y=self.x, k=kd, m=md)
         self._norm(seq, self._next_norm(i))
 
     def _down(self, seq, tensor: str, ids, weights, act, slots: int) -> None:
@@ -377,10 +362,8 @@ class DecodeGraph:
 
     def _ffn(self, seq, i: int) -> None:
         p = f"blk.{i}."
-        down = p + "ffn_down.weight"
-        self._gate_up(seq, p + "ffn_gate.weight", p + "ffn_up.weight", 1, [down])
-        self._residual(seq, down, self.act if self._q8_act([down]) else Vector(self.act.f32, None, None),
-                       self._next_norm(i))
+        self._gate_up(seq, p + "ffn_gate.weight", p + "ffn_up.weight", 1)
+        self._residual(seq, p + "ffn_down.weight", Vector(self.act, None, None), self._next_norm(i))
 
     def _sample(self, seq) -> None:
         first, draw = self.sampler.push_constants(self.hp.vocab, self.n_ctx)
