@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from zdsl.build import add_target_statistics, build, variants_for
+from zdsl.build import add_target_statistics, build, spill_summary, variants_for
 from zdsl.cli import main
 
 
@@ -51,3 +51,7 @@ def test_gfx1201_statistics_differ_between_wave32_and_wave64(tmp_path):
         by_sg.setdefault(r.variant.params["SG"], []).append((r.stats["VGPRs"], r.stats["Subgroups per SIMD"]))
     assert by_sg[32] != by_sg[64]
     assert any((tmp_path / "isa").glob("*.s"))
+    summary = spill_summary(results, "gfx1201")
+    assert summary.startswith(f"gfx1201: {len(results)} variants compiled") and summary.endswith("none spills registers")
+    results[0].stats["Spilled VGPRs"] = 3
+    assert spill_summary(results, "gfx1201").endswith(f"1 spill registers: {results[0].variant.label}")

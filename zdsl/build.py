@@ -124,6 +124,20 @@ def print_table(results: list[BuildResult], target: str | None) -> None:
     failed = sum(1 for r in results if r.error)
     cached = sum(1 for r in results if r.cached)
     console.print(f"{len(results)} variants, {cached} from cache, {failed} failed")
+    if target:
+        console.print(spill_summary(results, target), highlight=False)
+
+
+def spill_summary(results: list[BuildResult], target: str) -> str:
+    """One line: how many variants the target compiled, and which of them spill registers."""
+    compiled = [r for r in results if r.stats]
+    spilling = [r.variant.label for r in compiled
+                if r.stats.get("Spilled VGPRs", 0) or r.stats.get("Spilled SGPRs", 0)]
+    text = (f"{target}: {len(compiled)} variants compiled to machine code "
+            f"({len(results) - len(compiled)} skipped: a subgroup size the target lacks, or failed); ")
+    if not spilling:
+        return text + "none spills registers"
+    return text + f"{len(spilling)} spill registers: {', '.join(spilling)}"
 
 
 @click.command("build")
