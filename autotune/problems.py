@@ -128,12 +128,6 @@ def _dmmv(use, rng, check):
                 lambda n: {"w": _copies(a["w"], n)})
 
 
-def _q8_1(x):
-    """Q8_1 buffers (xq words, xd (d, s) pairs) of x, as q8_1.quantize_q8_1 writes them."""
-    q, d, s = q8_1.quantize_q8_1_ref(x)
-    return q.reshape(-1).view(np.uint32), np.stack([d.reshape(-1), s.reshape(-1)], axis=1).astype(np.float32).reshape(-1)
-
-
 def _scales(x) -> np.ndarray:
     """The Q8_1 scale pairs a kernel writes for x, to check against: d as the kernels compute it,
     s unchecked (NaN). The quants themselves may differ from numpy's by a step where a value
@@ -146,7 +140,7 @@ def _dmmv_q8(use, rng, check):
     q, k, m = use.shape["QTYPE"], use.shape["k"], use.shape["m"]
     m = min(m, CHECK_ROWS) if check else m
     add = use.fixed.get("ADD", False)
-    xq, xd = _q8_1(_normal(rng, k))
+    xq, xd = q8_1.q8_1_buffers(_normal(rng, k))
     a = dict(w=_rows(rng, q, m, k), xq=xq, xd=xd, y=_normal(rng, m) if add else np.zeros(m, np.float32))
     y0 = a["y"].copy()
 
@@ -182,7 +176,7 @@ def _ffn_gate_up(use, rng, check):
         a.update(wg_sh=_rows(rng, q, m, k), wu_sh=_rows(rng, q, m, k))
     int8 = use.kernel is dmmv_q8.ffn_gate_up_q8
     if int8:
-        a["xq"], a["xd"] = _q8_1(x)
+        a["xq"], a["xd"] = q8_1.q8_1_buffers(x)
     else:
         a["x"] = x
 

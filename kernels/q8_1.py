@@ -138,6 +138,12 @@ def q8_1_ref(x) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(x.shape), d.reshape(*x.shape[:-1], -1)
 
 
+def q8_1_buffers(x) -> tuple[np.ndarray, np.ndarray]:
+    """(xq, xd): the Q8_1 buffers of x as the kernels write them (q8_1_ref; q8_1_values inverts)."""
+    q, d = q8_1_ref(np.asarray(x, np.float32).reshape(-1))
+    return q.view(np.uint32), np.stack([d, d * q.reshape(-1, 32).sum(axis=1)], axis=1).astype(np.float32).reshape(-1)
+
+
 def q8_1_values(xq, xd) -> np.ndarray:
     """The activations the Q8_1 buffers stand for (q·d), as float64."""
     q = np.asarray(xq, np.uint32).view(np.int8).reshape(-1, 32).astype(np.float64)

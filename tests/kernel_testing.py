@@ -32,8 +32,3 @@ def assert_q8_1_of(xq, xd, x):
     assert (got_q != q).sum() <= max(1, got_q.size // 100)
     np.testing.assert_allclose(got[:, 1], got[:, 0] * got_q.reshape(-1, 32).sum(axis=1), rtol=1e-5, atol=1e-30)
 
-
-def q8_1_buffers(x):
-    """(xq, xd): the Q8_1 buffers of x as the kernels write them."""
-    q, d = q8_1_ref(np.asarray(x, np.float32).reshape(-1))
-    return q.view(np.uint32), np.stack([d, d * q.reshape(-1, 32).sum(axis=1)], axis=1).astype(np.float32).reshape(-1)

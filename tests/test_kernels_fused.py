@@ -8,12 +8,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kernel_testing import BACKENDS, q8_1_buffers, run
+from kernel_testing import BACKENDS, run
 from zdsl.kernels import dmmv as D
 from zdsl.kernels import dmmv_q8 as DQ
 from zdsl.kernels import formats as F
 from zdsl.kernels.moe import route_ref
-from zdsl.kernels.q8_1 import q8_1_values
+from zdsl.kernels.q8_1 import q8_1_buffers, q8_1_values
 
 
 def quantized(rng, rows, k, qtype, scale=0.05):

@@ -195,34 +195,23 @@ class DecodeGraph:
     def _int8(self, tensor: str) -> bool:
         return self._qname(tensor) in INT8_FORMATS
 
-    def _project(self, seq, tensor: str, y, x: Vector | None = None) -> None:
-        """y = W · x, x the normed input by default: int8 products where the weight type has an
-        int8 decoder, else f32."""
+    def _project(self, seq, tensor: str, y, x: Vector | None = None, add: bool = False) -> None:
+        """y (+)= W · x, x the normed input by default: int8 products where the weight type has
+        an int8 decoder and x comes in Q8_1, else f32."""
         x = x or self.normed
         m, k = self.model.shape(tensor)[-2:]
-        q, label = self._qname(tensor), tensor.removesuffix(".weight")
-        if self._int8(tensor):
-            v = self._choose(dmmv_q8.dmmv_q8, {"QTYPE": q, "k": k, "m": m}, QTYPE=q)
-            v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=label, w=self.weights[tensor], xq=x.q, xd=x.d,
-                       y=y, k=k, m=m)
+        q = self._qname(tensor)
+        fixed = dict(QTYPE=q, ADD=True) if add else dict(QTYPE=q)
+        if self._int8(tensor) and x.q is not None:
+            v, args = self._choose(dmmv_q8.dmmv_q8, {"QTYPE": q, "k": k, "m": m}, **fixed), dict(xq=x.q, xd=x.d)
         else:
-            v = self._choose(dmmv.dmmv, {"QTYPE": q, "k": k, "m": m}, QTYPE=q)
-            v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=label, w=self.weights[tensor], x=x.f32, y=y,
-                       k=k, m=m)
+            v, args = self._choose(dmmv.dmmv, {"QTYPE": q, "k": k, "m": m}, **fixed), dict(x=x.f32)
+        v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=tensor.removesuffix(".weight"),
+                   w=self.weights[tensor], y=y, k=k, m=m, **args)
 
     def _residual(self, seq, tensor: str, x: Vector, next_norm: str) -> None:
-        """x += W · input (int8 products where the weight has an int8 decoder and the input
-        comes in Q8_1), then the next projections' normed input from x (rmsnorm(x) · next_norm)."""
-        m, k = self.model.shape(tensor)[-2:]
-        q, label = self._qname(tensor), tensor.removesuffix(".weight")
-        if self._int8(tensor) and x.q is not None:
-            v = self._choose(dmmv_q8.dmmv_q8, {"QTYPE": q, "k": k, "m": m}, QTYPE=q, ADD=True)
-            v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=label, w=self.weights[tensor], xq=x.q, xd=x.d,
-                       y=self.x, k=k, m=m)
-        else:
-            v = self._choose(dmmv.dmmv, {"QTYPE": q, "k": k, "m": m}, QTYPE=q, ADD=True)
-            v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=label, w=self.weights[tensor], x=x.f32,
-                       y=self.x, k=k, m=m)
+        """x += W · input, then the next projections' normed input from x (rmsnorm(x) · next_norm)."""
+        self._project(seq, tensor, self.x, x, add=True)
         self._norm(seq, next_norm)
 
     def _norm(self, seq, norm: str) -> None:

@@ -265,15 +265,12 @@ class Emitter:
             fields = " ".join(f"{s.dtype.glsl} {safe(s.name)};" for s in k.scalars)
             out.append(f"layout(push_constant) uniform Push {{ {fields} }} pc;")
         access = {name: acc for name, _, acc in k.buffers}
-        used = {v.buffer for v in k.views}
         for name, dtype, acc in k.buffers:
             # a buffer the variant never touches is declared as words (its own type may need an
             # extension the variant does not enable)
             views = [v for v in k.views if v.buffer == name] or [ir.View(name, len(out), u32)]
             binding = [i for i, b in enumerate(k.buffers) if b[0] == name][0]
             qual = {"r": "readonly ", "w": "writeonly ", "rw": "", "-": "readonly "}[access[name]]
-            if name not in used:
-                qual = "readonly "
             restrict = "restrict " if len(views) == 1 else ""
             if name in k.coherent:
                 qual = "coherent " + qual
