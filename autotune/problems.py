@@ -219,19 +219,22 @@ def _moe_down(use, rng, check):
 def _moe_router(use, rng, check):
     q, k, n_exp, K = use.shape["QTYPE"], use.shape["k"], use.shape["n_expert"], use.fixed["K"]
     n_exp = min(n_exp, CHECK_ROWS) if check else n_exp
-    a = dict(w=_rows(rng, q, n_exp, k), sh_gate_w=_normal(rng, k, 0.05), hn=_normal(rng, k),
-             logits=np.zeros(n_exp, np.float32), arrivals=np.zeros(1, np.uint32), ids=np.zeros(K, np.uint32),
-             weights=np.zeros(K + 1, np.float32))
+    eps = use.sizes.get("eps", 1e-6)
+    a = dict(w=_rows(rng, q, n_exp, k), sh_gate_w=_normal(rng, k, 0.05), x=_normal(rng, k, 3.0),
+             norm_w=_normal(rng, k), hn=np.zeros(k, np.float32), xq=np.zeros(k // 4, np.uint32),
+             xd=np.zeros(k // 16, np.float32), logits=np.zeros(n_exp, np.float32), arrivals=np.zeros(1, np.uint32),
+             ids=np.zeros(K, np.uint32), weights=np.zeros(K + 1, np.float32))
 
     def reference():
-        return moe.moe_router_ref(a["w"], a["sh_gate_w"], a["hn"], q, n_exp, k, K)
-    while check and not _clear_picks(reference()[0], K):  # the ids are checked exactly: no near ties
-        a["hn"] = _normal(rng, k)
+        return moe.moe_router_ref(a["w"], a["sh_gate_w"], a["x"], a["norm_w"], eps, q, n_exp, k, K)
+    while check and not _clear_picks(reference()[1], K):  # the ids are checked exactly: no near ties
+        a["x"] = _normal(rng, k, 3.0)
 
     def expect(p):
-        logits, ids, weights = reference()
-        return {"logits": (logits, 1e-4), "ids": (ids, 0), "weights": (weights, 1e-4), "arrivals": (np.zeros(1), 0)}
-    return Case(_one(use, _rows_grid(n_exp)), a, dict(k=k, n_expert=n_exp), _total(a) + a["logits"].nbytes,
+        hn, logits, ids, weights = reference()
+        return {"hn": (hn, 1e-4), "xd": (_scales(hn), 1e-4), "logits": (logits, 1e-4), "ids": (ids, 0),
+                "weights": (weights, 1e-4), "arrivals": (np.zeros(1), 0)}
+    return Case(_one(use, _rows_grid(n_exp)), a, dict(k=k, n_expert=n_exp, eps=eps), _total(a) + a["logits"].nbytes,
                 expect if check else None, lambda n: {"w": _copies(a["w"], n)})
 
 

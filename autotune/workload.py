@@ -112,13 +112,15 @@ def decode_uses(model: Tensors, n_ctx: int = 4096, caps: tuple[int, ...] = (1,))
         kernel = dmmv_q8.dmmv_q8 if int8(tensor) else dmmv.dmmv
         add(kernel, {"QTYPE": q, "k": k, "m": m}, {"QTYPE": q}, {}, tensor, {"COLS": 1})
 
-    def residual(tensor, q8_input=True):
-        """graph._residual: x += W · input, then x normed for the next projections."""
+    def residual(tensor, q8_input=True, normed=True):
+        """graph._residual: x += W · input, then x normed for the next projections (unless the
+        next consumer, the MoE router, norms it itself)."""
         m, k = model.shape(tensor)[-2:]
         q = model.qtype(tensor)
         kernel = dmmv_q8.dmmv_q8 if int8(tensor) and q8_input else dmmv.dmmv
         add(kernel, {"QTYPE": q, "k": k, "m": m}, {"QTYPE": q, "ADD": True}, {}, tensor, {"COLS": 1})
-        norm(tensor + "+norm")
+        if normed:
+            norm(tensor + "+norm")
 
     nh, nkv, d = hp.n_heads, hp.n_kv_heads, hp.head_dim
     splits = max(1, min(ATTN_MAX_SPLITS, cdiv(n_ctx, ATTN_MIN_CHUNK)))
@@ -134,14 +136,14 @@ def decode_uses(model: Tensors, n_ctx: int = 4096, caps: tuple[int, ...] = (1,))
             add(attention.attn_decode, {"D": d, "G": nh // nkv}, {"D": d, "G": nh // nkv}, attn, p + "attn_decode")
             add(attention.attn_combine, {"D": d}, {"D": d, "Q8": int8(p + "attn_output.weight")}, attn,
                 p + "attn_combine")
-            residual(p + "attn_output.weight")
+            residual(p + "attn_output.weight", normed=not hp.moe)
         else:
             for name in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"):
                 project(p + name + ".weight")
             add(deltanet.deltanet_step, {"D": hp.ssm_head_dim},
                 {"D": hp.ssm_head_dim, "KC": hp.conv_kernel, "Q8": int8(p + "ssm_out.weight")},
                 dict(k_heads=hp.ssm_k_heads, v_heads=hp.ssm_v_heads, eps=hp.eps), p + "ssm_conv+step")
-            residual(p + "ssm_out.weight")
+            residual(p + "ssm_out.weight", normed=not hp.moe)
         if hp.moe:
             _moe(model, p, add, norm)
         else:
@@ -169,7 +171,8 @@ def _moe(model: Tensors, p: str, add, norm) -> None:
     K, E = hp.n_experts_used, hp.n_experts
     router = p + "ffn_gate_inp.weight"
     qr, kr = model.qtype(router), model.shape(router)[-1]
-    add(moe.moe_router, {"QTYPE": qr, "k": kr, "n_expert": E}, {"QTYPE": qr, "K": K}, {}, p + "ffn_gate_inp+moe_route")
+    add(moe.moe_router, {"QTYPE": qr, "k": kr, "n_expert": E}, {"QTYPE": qr, "K": K}, dict(eps=hp.eps),
+        p + "ffn_gate_inp+moe_route")
     gate_up(add, model, p + "ffn_gate_exps.weight", K + 1, True)
     md, kd = model.shape(p + "ffn_down_exps.weight")[-2:]
     qd, qs = model.qtype(p + "ffn_down_exps.weight"), model.qtype(p + "ffn_down_shexp.weight")

@@ -317,7 +317,7 @@ def moe_down_ref(w_bytes, ids, weights, act, qtype, m, k, y=None):
 
 @zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": EXPERT_QTYPES, "QTYPE_SH": ["", "q6_k"],
                                                            "ROWS": [1, 2], "K": [8], "SG": SUBGROUPS},
-             tune={"NSUB": NSUBS},
+             tune={"NSUB": NSUBS, "WG": [0, 128, 256]},
              where=lambda v: v.QTYPE_SH == "" or (FORMATS[v.QTYPE].block, FORMATS[v.QTYPE].parts) == (256, FORMATS["q6_k"].parts))
 def moe_down_all(w: Buffer[u8], w_sh: Buffer[u8], ids: Buffer[u32], weights: Buffer[f32], act: Buffer[f32],
                  y: Buffer[f32], k: u32, m: u32, QTYPE: Const = "q4_k", QTYPE_SH: Const = "", K: Const = 8,

@@ -1,5 +1,6 @@
-"""Mixture-of-experts routing on the GPU: which experts a token uses and with what weights. The
-products themselves are `dmmv.ffn_gate_up` / `dmmv_q8.ffn_gate_up_q8` (routed and shared
+"""Mixture-of-experts routing on the GPU: which experts a token uses and with what weights, and
+the normed input the experts read (the router norms the residual stream itself). The products
+themselves are `dmmv.ffn_gate_up` / `dmmv_q8.ffn_gate_up_q8` (routed and shared
 experts, SHARED) and `dmmv.moe_down_all`, which read the `ids` and `weights` written here."""
 
 from __future__ import annotations
@@ -9,47 +10,82 @@ import numpy as np
 import zdsl
 from zdsl import Buffer, Coherent, Const, f32, u8, u32
 from zdsl.kernels import dmmv
+from zdsl.kernels.norm import rms_norm_ref
+from zdsl.kernels.q8_1 import store_q8_1
 from zdsl.kernels.quant import fmt
 from zdsl.kernels.reduce import SUBGROUPS, workgroup_sums
 from zdsl.kernels.sampling import block_topk
 
 
+class NormedInput:
+    """x ⊙ norm_w as the matrix-vector steps load activations (`.vec4[i]`), adding Σx² of every
+    quad it loads to `squares`: a workgroup that walks all of x once gets rmsnorm's sum on the way."""
+
+    def __init__(self, x, norm_w, squares):
+        self.x, self.norm_w, self.squares = x, norm_w, squares
+
+    @property
+    def vec4(self):
+        return self
+
+    def __getitem__(self, i):
+        v = self.x.vec4[i]
+        self.squares.set(zdsl.fma(v.x, v.x, zdsl.fma(v.y, v.y, zdsl.fma(v.z, v.z, zdsl.fma(v.w, v.w, self.squares)))))
+        return v * self.norm_w.vec4[i]
+
+
 @zdsl.kernel(workgroup=dmmv.workgroup, subgroup="SG", variants={"QTYPE": ["f32"], "K": [8], "ROWS": [1, 2, 4],
                                                                "SG": SUBGROUPS},
-             tune={"NSUB": dmmv.NSUBS, "R": [1, 4, 8]})
-def moe_router(w: Buffer[u8], sh_gate_w: Buffer[f32], hn: Buffer[f32], logits: Coherent[f32], arrivals: Buffer[u32],
-               ids: Buffer[u32], weights: Buffer[f32], k: u32, n_expert: u32, QTYPE: Const = "f32", K: Const = 8,
+             tune={"NSUB": dmmv.NSUBS, "R": [1, 4, 8], "WG": [0, 128, 256]})
+def moe_router(w: Buffer[u8], sh_gate_w: Buffer[f32], x: Buffer[f32], norm_w: Buffer[f32], hn: Buffer[f32],
+               xq: Buffer[u32], xd: Buffer[f32], logits: Coherent[f32], arrivals: Buffer[u32], ids: Buffer[u32],
+               weights: Buffer[f32], k: u32, n_expert: u32, eps: f32, QTYPE: Const = "f32", K: Const = 8,
                R: Const = 8, ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
-    """The experts of one token, from its normed input hn, in one dispatch: each workgroup writes
-    its rows of the router logits[e] = W[e] · hn as dmmv does; the one that finishes last
-    (arrivals[0] counts them: 0 before, 0 after) picks ids[j] = the expert with the j-th largest
-    logit (equal logits: lower expert first) and weights[j] = its softmax probability
-    renormalised over the K picked. The full softmax denominator cancels in that
+    """The experts of one token, from the residual stream x, in one dispatch. Each workgroup
+    computes its rows of the router logits[e] = W[e] · hn, hn = rmsnorm(x) · norm_w, as
+    (W[e] · (x ⊙ norm_w)) · rsqrt(mean(x²) + eps): it walks all of x for its rows anyway, so
+    it sums x² on the way and no norm dispatch comes first. Workgroups also write hn, in f32
+    and as Q8_1 (xq, xd: the experts' int8 input; q8_1.py), a few blocks of 32 each. The one
+    that finishes last (arrivals[0] counts them: 0 before, 0 after) picks ids[j] = the expert
+    with the j-th largest logit (equal logits: lower expert first) and weights[j] = its softmax
+    probability renormalised over the K picked. The full softmax denominator cancels in that
     renormalisation, so only the picked logits are exponentiated. Workgroup 0 also writes the
-    shared expert's gate weights[K] = sigmoid(sh_gate_w · hn). Needs n_expert ≥ K.
-    Grid: ceil(n_expert / rows_per_workgroup)."""
+    shared expert's gate weights[K] = sigmoid(sh_gate_w · hn). Needs n_expert ≥ K and k a
+    multiple of 32. Grid: ceil(n_expert / rows_per_workgroup)."""
     f = fmt(QTYPE)
     ctx = f.setup()
     nblocks = k // f.block
     group = dmmv.Rows(ROWS, NSUB, SG)
     rows = [(w, r * (nblocks * f.nbytes)) for r in group.clamped(n_expert)]
-    acc = dmmv.block_dots(f, ctx, rows, hn, [0], nblocks, group)
-    dmmv.store_rows(logits, group.sums([acc[r][0] for r in range(ROWS)]), group, n_expert, 1, False)
+    squares = zdsl.var(0.0)
+    acc = dmmv.block_dots(f, ctx, rows, NormedInput(x, norm_w, squares), [0], nblocks, group)
+    sums = group.sums([acc[r][0] for r in range(ROWS)] + [squares])
+    inv_rms = zdsl.rsqrt(sums[ROWS] / k.to(f32) + eps)
+    dmmv.store_rows(logits, [v * inv_rms for v in sums[:ROWS]], group, n_expert, 1, False)
     WG = zdsl.workgroup_size()
+    t = zdsl.local_index()
+    per_pass = WG // 8  # Q8_1 blocks a workgroup writes at a time: eight invocations, a quad each
+    for first in zdsl.range(zdsl.workgroup_id() * per_pass, k >> 5, zdsl.num_workgroups() * per_pass):
+        block = first + t // 8
+        i = zdsl.min(block, (k >> 5) - 1) * 8 + t % 8
+        value = x.vec4[i] * norm_w.vec4[i] * inv_rms
+        with zdsl.if_(block < (k >> 5)):
+            hn.vec4[i] = value
+        store_q8_1(value, i, block < (k >> 5), xq, xd)
     with zdsl.if_(zdsl.workgroup_id() == 0):
         dot = zdsl.var(0.0)
-        for i in zdsl.range(zdsl.local_index(), k >> 2, WG):
-            dot += zdsl.dot(sh_gate_w.vec4[i], hn.vec4[i])
+        for i in zdsl.range(t, k >> 2, WG):
+            dot += zdsl.dot(sh_gate_w.vec4[i], x.vec4[i] * norm_w.vec4[i])
         (total,) = workgroup_sums([dot], WG, SG)
-        with zdsl.if_(zdsl.local_index() == 0):
-            weights[K] = zdsl.sigmoid(total)
+        with zdsl.if_(t == 0):
+            weights[K] = zdsl.sigmoid(total * inv_rms)
     with zdsl.if_(zdsl.last_workgroup(arrivals)):
         def load(index, valid):
             return logits.load(index, mask=valid, other=0.0), index
 
         val_sh, id_sh, first = block_topk(load, n_expert, K, R, WG, SG)
         z0 = val_sh[first]
-        for j in zdsl.range(zdsl.local_index(), K, WG):
+        for j in zdsl.range(t, K, WG):
             total = zdsl.var(0.0)
             for s in range(K):
                 total += zdsl.exp(val_sh[first + s] - z0)
@@ -58,12 +94,13 @@ def moe_router(w: Buffer[u8], sh_gate_w: Buffer[f32], hn: Buffer[f32], logits: C
 
 
 @moe_router.reference
-def moe_router_ref(w_bytes, sh_gate_w, hn, qtype, n_expert, k, K=8):
-    """(logits, ids, weights) of one token; weights[K] is the shared expert's gate."""
-    logits = dmmv.dmmv_ref(w_bytes, np.asarray(hn, np.float32), qtype, n_expert, k)
+def moe_router_ref(w_bytes, sh_gate_w, x, norm_w, eps, qtype, n_expert, k, K=8):
+    """(hn, logits, ids, weights) of one token; weights[K] is the shared expert's gate."""
+    hn = rms_norm_ref(x, norm_w, eps)
+    logits = dmmv.dmmv_ref(w_bytes, hn, qtype, n_expert, k)
     ids, weights = route_ref(logits, K)
-    gate = 1 / (1 + np.exp(-(np.asarray(sh_gate_w, np.float64) @ np.asarray(hn, np.float64))))
-    return logits, ids[0], np.append(weights[0], np.float32(gate))
+    gate = 1 / (1 + np.exp(-(np.asarray(sh_gate_w, np.float64) @ hn.astype(np.float64))))
+    return hn, logits, ids[0], np.append(weights[0], np.float32(gate))
 
 
 def route_ref(logits, K=8):

@@ -7,10 +7,11 @@ f32 rather than ggml's f16, so no rounding beyond the quants'.
 
 The projections of a decode step read three vectors in Q8_1: the residual stream normed
 (attn_norm, post_attention_norm, output_norm), the attention output and the delta-net output.
-Each is written once, by whoever finishes it, in f32 (for weights without an int8 decoder and
-for the router's f32 weights) and as Q8_1, so no projection normalises or quantizes for itself:
-`norm_q8_1` for the residual stream (one small dispatch after each addition to it), the
-attention and delta-net kernels for theirs. The SwiGLU output feeding the down projections
+Each is written once, by whoever finishes it, in f32 (for weights without an int8 decoder) and
+as Q8_1, so no projection normalises or quantizes for itself: `norm_q8_1` for the residual
+stream (one small dispatch after each addition to it), except before a MoE block, where the
+router norms x itself as it reads it (moe.moe_router); the attention and delta-net kernels for
+their outputs. The SwiGLU output feeding the down projections
 stays f32 (see docs/PERF.md).
 
 Tried and dropped, on the H100: the residual norm in the last workgroup of the dispatch that adds

@@ -1,8 +1,8 @@
-"""The MoE router (router logits of the normed input, then the top-k experts and their weights
-picked by the workgroup that finishes last, and the shared expert's gate) against numpy, in the
-interpreter (every subgroup size) and on lavapipe (its own): logits to rounding; expert ids
-exactly (ties to the lower expert) and weights to rounding, from the logits the kernel wrote;
-the arrival count back at 0."""
+"""The MoE router (the residual stream normed, in f32 and Q8_1; router logits of it, then the
+top-k experts and their weights picked by the workgroup that finishes last, and the shared
+expert's gate) against numpy, in the interpreter (every subgroup size) and on lavapipe (its
+own): normed input and logits to rounding; expert ids exactly (ties to the lower expert) and
+weights to rounding, from the logits the kernel wrote; the arrival count back at 0."""
 
 import numpy as np
 import pytest
@@ -11,7 +11,10 @@ from hypothesis import strategies as st
 
 from zdsl.kernels import dmmv, moe
 from zdsl.kernels import formats as F
-from kernel_testing import BACKENDS, run, subgroup
+from zdsl.kernels.norm import rms_norm_ref
+from kernel_testing import BACKENDS, assert_q8_1_of, run, subgroup
+
+EPS = 1e-6
 
 
 def router_weights(rng, n, k, qtype, ties):
@@ -23,10 +26,23 @@ def router_weights(rng, n, k, qtype, ties):
     return F.quantize(rows, F.QuantType[qtype.upper()]).reshape(-1)
 
 
-def route(variant, backend, request, w, sh_gate_w, hn, n, k, K):
-    return run(variant, backend, request, -(-n // dmmv.rows_per_workgroup(variant)), w=w, sh_gate_w=sh_gate_w, hn=hn,
-               logits=np.full(n, np.nan, np.float32), arrivals=np.zeros(1, np.uint32),
-               ids=np.zeros(K, np.uint32), weights=np.full(K + 1, np.nan, np.float32), k=k, n_expert=n)
+def route(variant, backend, request, w, sh_gate_w, x, norm_w, n, k, K):
+    """Route x; check the normed input the router writes (f32 and Q8_1) against numpy."""
+    out = run(variant, backend, request, -(-n // dmmv.rows_per_workgroup(variant)), w=w, sh_gate_w=sh_gate_w, x=x,
+              norm_w=norm_w, hn=np.full(k, np.nan, np.float32), xq=np.zeros(k // 4, np.uint32),
+              xd=np.full(k // 16, np.nan, np.float32), logits=np.full(n, np.nan, np.float32),
+              arrivals=np.zeros(1, np.uint32), ids=np.zeros(K, np.uint32), weights=np.full(K + 1, np.nan, np.float32),
+              k=k, n_expert=n, eps=EPS)
+    hn = rms_norm_ref(x, norm_w, EPS)
+    np.testing.assert_allclose(out["hn"], hn, rtol=2e-5, atol=2e-5 * np.abs(hn).max())
+    assert_q8_1_of(out["xq"], out["xd"], out["hn"])
+    return out
+
+
+def inputs(rng, k):
+    """(x, norm_w, sh_gate_w): a residual stream far from unit scale, its norm weight, the shared gate."""
+    return (rng.standard_normal(k).astype(np.float32) * 7, rng.standard_normal(k).astype(np.float32) * 0.5,
+            rng.standard_normal(k).astype(np.float32) * 0.1)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -38,11 +54,10 @@ def test_router(backend, request, K, extra, kb, qtype, ties, rows, nsub, r, sg_p
     rng = np.random.default_rng(seed)
     n, k = K + extra, 32 * kb
     w = router_weights(rng, n, k, qtype, ties)
-    hn = rng.standard_normal(k).astype(np.float32) * 3
-    sh_gate_w = rng.standard_normal(k).astype(np.float32) * 0.1
+    x, norm_w, sh_gate_w = inputs(rng, k)
     v = moe.moe_router.specialize(QTYPE=qtype, K=K, R=r, ROWS=rows, NSUB=nsub, SG=subgroup(backend, request, sg_pick))
-    out = route(v, backend, request, w, sh_gate_w, hn, n, k, K)
-    logits, _, want = moe.moe_router_ref(w, sh_gate_w, hn, qtype, n, k, K)
+    out = route(v, backend, request, w, sh_gate_w, x, norm_w, n, k, K)
+    _, logits, _, want = moe.moe_router_ref(w, sh_gate_w, x, norm_w, EPS, qtype, n, k, K)
     np.testing.assert_allclose(out["logits"], logits, rtol=2e-5, atol=2e-5 * np.abs(logits).max())
     ids, weights = moe.route_ref(out["logits"], K)
     np.testing.assert_array_equal(out["ids"], ids[0])
@@ -58,21 +73,23 @@ def test_router_twice_in_one_sequence(device):
     rng = np.random.default_rng(3)
     n, k, K = 61, 256, 8
     w = router_weights(rng, n, k, "f32", ties=False)
-    sh_gate_w = rng.standard_normal(k).astype(np.float32) * 0.1
-    hns = [rng.standard_normal(k).astype(np.float32) for _ in range(2)]
+    _, norm_w, sh_gate_w = inputs(rng, k)
+    xs = [inputs(rng, k)[0] for _ in range(2)]
     v = moe.moe_router.specialize(K=K, ROWS=2, SG=device.info.subgroup_size)
     up = lambda a, name: device.upload(np.ascontiguousarray(a), name=name)  # noqa: E731
-    shared = dict(w=up(w, "w"), sh_gate_w=up(sh_gate_w, "sh_gate_w"), arrivals=up(np.zeros(1, np.uint32), "arrivals"))
-    own = [dict(hn=up(hn, "hn"), logits=up(np.zeros(n, np.float32), "logits"), ids=up(np.zeros(K, np.uint32), "ids"),
-                weights=up(np.zeros(K + 1, np.float32), "weights")) for hn in hns]
+    shared = dict(w=up(w, "w"), sh_gate_w=up(sh_gate_w, "sh_gate_w"), norm_w=up(norm_w, "norm_w"),
+                  arrivals=up(np.zeros(1, np.uint32), "arrivals"), hn=up(np.zeros(k, np.float32), "hn"),
+                  xq=up(np.zeros(k // 4, np.uint32), "xq"), xd=up(np.zeros(k // 16, np.float32), "xd"))
+    own = [dict(x=up(x, "x"), logits=up(np.zeros(n, np.float32), "logits"), ids=up(np.zeros(K, np.uint32), "ids"),
+                weights=up(np.zeros(K + 1, np.float32), "weights")) for x in xs]
     try:
         seq = device.sequence()
         for bufs in own:
-            v.dispatch(seq, -(-n // dmmv.rows_per_workgroup(v)), k=k, n_expert=n, **shared, **bufs)
+            v.dispatch(seq, -(-n // dmmv.rows_per_workgroup(v)), k=k, n_expert=n, eps=EPS, **shared, **bufs)
         seq.run()
         seq.free()
-        for hn, bufs in zip(hns, own):
-            want_logits, want_ids, want_weights = moe.moe_router_ref(w, sh_gate_w, hn, "f32", n, k, K)
+        for x, bufs in zip(xs, own):
+            _, want_logits, want_ids, want_weights = moe.moe_router_ref(w, sh_gate_w, x, norm_w, EPS, "f32", n, k, K)
             np.testing.assert_allclose(bufs["logits"].read(np.float32, (n,)), want_logits, rtol=1e-5, atol=1e-5)
             np.testing.assert_array_equal(bufs["ids"].read(np.uint32, (K,)), want_ids)
             np.testing.assert_allclose(bufs["weights"].read(np.float32, (K + 1,)), want_weights, rtol=1e-5)
@@ -88,10 +105,10 @@ def test_router_the_model_shape():
     rng = np.random.default_rng(7)
     n, k = 256, 2048
     w = rng.standard_normal((n, k), dtype=np.float32) * 0.02
-    hn = rng.standard_normal(k, dtype=np.float32)
-    sh_gate_w = rng.standard_normal(k, dtype=np.float32) * 0.02
-    out = route(moe.moe_router.specialize(K=8, SG=32), "interp", None, w.reshape(-1).view(np.uint8), sh_gate_w, hn,
-                n, k, 8)
+    x, norm_w, sh_gate_w = inputs(rng, k)
+    out = route(moe.moe_router.specialize(K=8, SG=32), "interp", None, w.reshape(-1).view(np.uint8), sh_gate_w, x,
+                norm_w, n, k, 8)
+    hn = rms_norm_ref(x, norm_w, EPS)
     logits = out["logits"]
     np.testing.assert_array_equal(out["ids"], np.argsort(-logits)[:8])
     p = np.exp(logits[out["ids"]] - logits.max())

@@ -10,8 +10,9 @@ where one dispatch reads what another wrote.
 
 Every projection reads its input once quantized to Q8_1 (int8 products; f32 for weight types
 without an int8 decoder, and for the router): the normed residual stream is written, in f32 and
-Q8_1, by a small dispatch after each addition to the residual, and the attention and delta-net
-outputs by the kernels that finish them (kernels/q8_1.py).
+Q8_1, by a small dispatch after each addition to the residual (before a MoE block, by the router,
+which norms x itself), and the attention and delta-net outputs by the kernels that finish them
+(kernels/q8_1.py).
 """
 
 from __future__ import annotations
@@ -209,10 +210,17 @@ class DecodeGraph:
         v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=tensor.removesuffix(".weight"),
                    w=self.weights[tensor], y=y, k=k, m=m, **args)
 
-    def _residual(self, seq, tensor: str, x: Vector, next_norm: str) -> None:
-        """x += W · input, then the next projections' normed input from x (rmsnorm(x) · next_norm)."""
+    def _residual(self, seq, tensor: str, x: Vector, next_norm: str | None) -> None:
+        """x += W · input, then the next projections' normed input from x (rmsnorm(x) · next_norm),
+        unless the next consumer norms x itself (None: the MoE router)."""
         self._project(seq, tensor, self.x, x, add=True)
-        self._norm(seq, next_norm)
+        if next_norm is not None:
+            self._norm(seq, next_norm)
+
+    def _post_attention_norm(self, i: int) -> str | None:
+        """The norm after layer i's mixer, where it needs a dispatch of its own (the MoE router
+        norms its input itself)."""
+        return None if self.hp.moe else f"blk.{i}.post_attention_norm.weight"
 
     def _norm(self, seq, norm: str) -> None:
         """normed = rmsnorm(x) · norm, in f32 and Q8_1: one dispatch of one workgroup."""
@@ -269,7 +277,7 @@ class DecodeGraph:
         o = self.attn_o
         comb.dispatch(seq, nh, label=p + "attn_combine", part=self.attn_part, qg=self.qg, step=self.step,
                       o=o.f32, oq=o.q, od=o.d, nsplit=self.attn_splits, min_chunk=ATTN_MIN_CHUNK)
-        self._residual(seq, p + "attn_output.weight", o, p + "post_attention_norm.weight")
+        self._residual(seq, p + "attn_output.weight", o, self._post_attention_norm(i))
 
     def _deltanet(self, seq, i: int) -> None:
         hp, p = self.hp, f"blk.{i}."
@@ -285,7 +293,7 @@ class DecodeGraph:
                       z=self.z, b=self.beta, a=self.alpha, ssm_a=self.weights[p + "ssm_a"],
                       dt_bias=self.weights[p + "ssm_dt.bias"], norm_w=self.weights[p + "ssm_norm.weight"],
                       state=self.ssm_state[i], out=o.f32, oq=o.q, od=o.d, n_k_heads=hp.ssm_k_heads, eps=hp.eps)
-        self._residual(seq, p + "ssm_out.weight", o, p + "post_attention_norm.weight")
+        self._residual(seq, p + "ssm_out.weight", o, self._post_attention_norm(i))
 
     def _gate_up(self, seq, gate: str, up: str, slots: int, shared: tuple[str, str] | None = None) -> None:
         """act = silu(gate · normed) · (up · normed) per slot: the experts in route_ids (MoE,
@@ -313,18 +321,19 @@ class DecodeGraph:
                    k=k, m=m, **args)
 
     def _moe(self, seq, i: int) -> None:
-        """The router (its logits, then the experts picked by the workgroup that finishes last),
-        one dispatch for every expert's gate·up (the shared expert as one more slot), one for
-        every down projection added to x, then x normed for the next layer."""
+        """The router (x normed, its logits, then the experts picked by the workgroup that
+        finishes last), one dispatch for every expert's gate·up (the shared expert as one more
+        slot), one for every down projection added to x, then x normed for the next layer."""
         hp, p = self.hp, f"blk.{i}."
         K, E = hp.n_experts_used, hp.n_experts
         router = p + "ffn_gate_inp.weight"
         qr, kr = self._qname(router), self.model.shape(router)[-1]
         route = self._choose(moe.moe_router, {"QTYPE": qr, "k": kr, "n_expert": E}, QTYPE=qr, K=K)
         route.dispatch(seq, cdiv(E, dmmv.rows_per_workgroup(route)), label=p + "ffn_gate_inp+moe_route",
-                       w=self.weights[router], sh_gate_w=self.weights[p + "ffn_gate_inp_shexp.weight"],
-                       hn=self.normed.f32, logits=self.router, arrivals=self.router_arrivals, ids=self.route_ids,
-                       weights=self.route_w, k=kr, n_expert=E)
+                       w=self.weights[router], sh_gate_w=self.weights[p + "ffn_gate_inp_shexp.weight"], x=self.x,
+                       norm_w=self.weights[p + "post_attention_norm.weight"], hn=self.normed.f32, xq=self.normed.q,
+                       xd=self.normed.d, logits=self.router, arrivals=self.router_arrivals, ids=self.route_ids,
+                       weights=self.route_w, k=kr, n_expert=E, eps=self.hp.eps)
         self._gate_up(seq, p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight", K + 1,
                       shared=(p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"))
         down, down_sh = p + "ffn_down_exps.weight", p + "ffn_down_shexp.weight"
