@@ -64,14 +64,14 @@ def moe_router(w: Buffer[u8], sh_gate_w: Buffer[f32], x: Buffer[f32], norm_w: Bu
     dmmv.store_rows(logits, [v * inv_rms for v in sums[:ROWS]], group, n_expert, 1, False)
     WG = zdsl.workgroup_size()
     t = zdsl.local_index()
-    per_pass = WG // 8  # Q8_1 blocks a workgroup writes at a time: eight invocations, a quad each
-    for first in zdsl.range(zdsl.workgroup_id() * per_pass, k >> 5, zdsl.num_workgroups() * per_pass):
+    blocks, per_pass = k >> 5, WG // 8  # Q8_1 blocks of hn, and a workgroup's per pass (eight quads each)
+    for first in zdsl.range(zdsl.workgroup_id() * per_pass, blocks, zdsl.num_workgroups() * per_pass):
         block = first + t // 8
-        i = zdsl.min(block, (k >> 5) - 1) * 8 + t % 8
+        i = zdsl.min(block, blocks - 1) * 8 + t % 8
         value = x.vec4[i] * norm_w.vec4[i] * inv_rms
-        with zdsl.if_(block < (k >> 5)):
+        with zdsl.if_(block < blocks):
             hn.vec4[i] = value
-        store_q8_1(value, i, block < (k >> 5), xq, xd)
+        store_q8_1(value, i, block < blocks, xq, xd)
     with zdsl.if_(zdsl.workgroup_id() == 0):
         dot = zdsl.var(0.0)
         for i in zdsl.range(t, k >> 2, WG):

@@ -1,25 +1,51 @@
-"""Usage: python3 arrivals.py [DEVICE (default 0)] [CHAIN (default 40)]. What an arrival counter costs: chains of dependent dispatches of N workgroups, each writing
-its share of a vector, with (a) nothing more, (b) last_workgroup on one counter, (c) a two-level
-counter (groups of 64, then one), (d)/(e) as (b)/(c) with the last doing a 2048-wide norm."""
-import sys, time, numpy as np
+"""What an arrival counter costs, against a dispatch of its own (docs/PERF.md, 2026-11-23).
+
+Usage: python3 arrivals.py [DEVICE (default 0)] [CHAIN (default 40)]
+
+Chains of dependent dispatches of N workgroups, each writing its share of a vector, then:
+mode 0, nothing more (norm: a norm_q8_1 dispatch after each); mode 1, zdsl.last_workgroup on
+one counter; mode 2, a two-level counter (groups of 64, then one). With norm, the last
+workgroup of modes 1 and 2 norms a 2048-wide vector (q8_1.write_normed)."""
+import sys
+import time
+
+import numpy as np
+
 import zdsl
 from zdsl import Buffer, Coherent, Const, f32, u32
-from zdsl.runtime import open_device
+from zdsl.autotune.database import choose
+from zdsl.kernels import q8_1
 from zdsl.kernels.q8_1 import write_normed
+from zdsl.runtime import open_device
+
+
+def last_of(counter, index, of):
+    """True in the last of `of` workgroups arriving at counter[index] (which it resets): the
+    same fence, barrier and atomic as zdsl.last_workgroup, with a count of our own."""
+    zdsl.memory_barrier()
+    zdsl.barrier()
+    flag = zdsl.shared(u32, 1)
+    with zdsl.if_(zdsl.local_index() == 0):
+        last = zdsl.atomic_add(counter, index, 1) == of - 1
+        zdsl.memory_barrier()
+        flag[0] = zdsl.where(last, 1, 0, u32)
+        with zdsl.if_(last):
+            counter[index] = 0
+    zdsl.barrier()
+    return flag[0] == 1
+
 
 def arrive(counter, MODE, G=64):
     if MODE == 1:
         return zdsl.last_workgroup(counter, 0)
     groups = zdsl.num_workgroups(0)
-    wg = zdsl.workgroup_id(0)
-    g = wg // G
-    ng = (groups + (G - 1)) // G
-    size = zdsl.min(groups - g * G, G)
+    g = zdsl.workgroup_id(0) // G
     flag = zdsl.var(0, u32)
-    with zdsl.if_(zdsl.last_workgroup(counter, 1 + g, of=size)):
-        with zdsl.if_(zdsl.last_workgroup(counter, 0, of=ng)):
+    with zdsl.if_(last_of(counter, 1 + g, zdsl.min(groups - g * G, G))):
+        with zdsl.if_(last_of(counter, 0, (groups + (G - 1)) // G)):
             flag.set(1)
     return flag == 1
+
 
 @zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [64, 256]})
 def chain(x: Coherent[f32], counter: Buffer[u32], norm_w: Buffer[f32], hn: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32],
@@ -36,11 +62,8 @@ def chain(x: Coherent[f32], counter: Buffer[u32], norm_w: Buffer[f32], hn: Buffe
                     hn[0] = x[0]
 
 dev = open_device(sys.argv[1] if len(sys.argv) > 1 else "0")
-from zdsl.autotune.database import choose
-from zdsl.kernels import q8_1
 nv = choose(q8_1.norm_q8_1, dev.info, {"n": 2048})
 L = int(sys.argv[2]) if len(sys.argv) > 2 else 40
-res = {}
 for WG in (64, 256):
     for N in ((256, 1024, 2048, 4096) if L > 4 else (3, 130)):
         n = N * WG

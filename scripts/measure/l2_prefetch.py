@@ -1,14 +1,24 @@
-"""Usage: python3 l2_prefetch.py [DEVICE (default 0)] [CHAIN (default 40)]. L2 prefetch experiment: a chain norm(1 WG) -> qkv Q5_K 2048x8192 + z Q4_K 2048x4096 -> consumer,
-over 40 layers of distinct weights (cold), with and without a prefetch of the next weights
-dispatched beside the norm."""
-import sys, time, numpy as np
+"""Whether prefetching weights into L2 beside a small dispatch pays (docs/PERF.md, 2026-11-23).
+
+Usage: python3 l2_prefetch.py [DEVICE (default 0)] [CHAIN (default 40)]
+
+A chain of layers: norm (one workgroup) -> qkv (Q5_K 2048 -> 8192) + gate (Q4_K 2048 -> 4096),
+each layer with weights of its own (cold): as is, with a kernel reading the layer's weights
+dispatched beside the norm (prefetch*), and with every layer on the first layer's weights (hot).
+Also the prefetches alone and a norm followed by a tiny projection."""
+import sys
+import time
+
+import numpy as np
+
 import zdsl
 from zdsl import Buffer, Const, u32
-from zdsl.runtime import open_device
 from zdsl.autotune.database import choose
-from zdsl.kernels import q8_1, dmmv_q8, dmmv
-from zdsl.kernels.quant import FORMATS
+from zdsl.autotune.problems import _rows
+from zdsl.kernels import dmmv, dmmv_q8, q8_1
 from zdsl.lang.language import cdiv
+from zdsl.runtime import open_device
+
 
 @zdsl.kernel(workgroup="WG", variants={"WG": [256]})
 def prefetch(w: Buffer[u32], sink: Buffer[u32], n4: u32, WG: Const = 256, PER: Const = 4):
@@ -26,15 +36,8 @@ dev = open_device(sys.argv[1] if len(sys.argv) > 1 else "0")
 info = dev.info
 H, L = 2048, int(sys.argv[2]) if len(sys.argv) > 2 else 40
 rng = np.random.default_rng(0)
-def wbytes(q, m, k):
-    f = FORMATS[q]
-    n = m * k // f.block * f.nbytes if hasattr(f, "nbytes") else None
-    return n
-def rand_w(q, m, k):
-    from zdsl.autotune import problems
-    return problems._rows(rng, q, m, k)
-qkv = [dev.upload(rand_w("q5_k", 8192, H), name=f"qkv{l}") for l in range(L)]
-zw = [dev.upload(rand_w("q4_k", 4096, H), name=f"z{l}") for l in range(L)]
+qkv = [dev.upload(_rows(rng, "q5_k", 8192, H), name=f"qkv{l}") for l in range(L)]
+zw = [dev.upload(_rows(rng, "q4_k", 4096, H), name=f"z{l}") for l in range(L)]
 norm_w = dev.upload(np.ones(H, np.float32))
 x = dev.upload(rng.standard_normal(H).astype(np.float32))
 hn = dev.alloc(4 * H); xq = dev.alloc(H); xd = dev.alloc(4 * H // 16)

@@ -1,5 +1,9 @@
-"""Usage: python3 moe_workgroups.py [DEVICE (default 0)] [CHAIN (default 40)]. Router and expert-down dispatches at the 35B shapes, in chains of 40 dependent dispatches over
-cold weights, by workgroup size (more invocations sharing a row's blocks: fewer serial steps)."""
+"""The MoE router and the expert down projection by workgroup size (docs/PERF.md, 2026-11-23).
+
+Usage: python3 moe_workgroups.py [DEVICE (default 0)] [CHAIN (default 40)]
+
+Both at the 35B shapes, in chains of dependent dispatches over cold weights: more invocations
+sharing a row's blocks means fewer of them walked one after another."""
 import sys, time, numpy as np
 from zdsl.runtime import open_device
 from zdsl.kernels import moe, dmmv
