@@ -16,7 +16,6 @@ from zdsl.errors import ZdslError
 from zdsl.kernels import attention, deltanet, dmmv, dmmv_q8, moe, q8_1, sampling
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS
 from zdsl.lang.kernel import KernelDef
-from zdsl.lang.language import cdiv
 
 # as in the decode graph
 from zdsl.models.qwen35.graph import ATTN_MAX_SPLITS, ATTN_MIN_CHUNK
@@ -123,7 +122,7 @@ def decode_uses(model: Tensors, n_ctx: int = 4096, caps: tuple[int, ...] = (1,))
             norm(tensor + "+norm")
 
     nh, nkv, d = hp.n_heads, hp.n_kv_heads, hp.head_dim
-    splits = max(1, min(ATTN_MAX_SPLITS, cdiv(n_ctx, ATTN_MIN_CHUNK)))
+    splits = attention.split_count(n_ctx, ATTN_MIN_CHUNK, ATTN_MAX_SPLITS)
     attn = dict(n_head=nh, n_kv=nkv, ctx=n_ctx, nsplit=splits, min_chunk=ATTN_MIN_CHUNK)
     norm("blk.0.attn_norm")
     for i in range(hp.n_layers):

@@ -4,7 +4,7 @@ Three dispatches per layer:
 
 - `attn_prep`: per-head RMSNorm of q and k, NEOX RoPE on the first `rope_dims` dims, q written
   out as f32, k and v appended to the f16 KV cache at the current position.
-- `attn_decode`: the context cut into at most `nsplit` chunks of at least `min_chunk` rows; one
+- `attn_decode`: the context cut into at most `nsplit` chunks (`split_rows`); one
   workgroup per (chunk, KV head) walks its chunk once and serves every query head of the group,
   writing partial softmax statistics.
 - `attn_combine`: merges the chunks per query head and applies the output gate.
@@ -104,16 +104,30 @@ def attn_prep_ref(qg, k, v, q_norm, k_norm, k_cache, v_cache, pos, rope_dims, ro
 
 # ---- split attention over the cache ----------------------------------------------------------------
 
+# Short contexts: up to SHORT_SPLITS chunks of at least SHORT_CHUNK rows (a workgroup walks its
+# chunk row after row, so at a few hundred rows more, shorter chunks finish sooner); longer
+# ones: chunks of min_chunk rows, so the partials stay a small fraction of the cache read.
+SHORT_CHUNK, SHORT_SPLITS = 16, 32
+
+
 def split_rows(length, nsplit, min_chunk):
     """(rows per split, splits in use): the rows 0..length−1 cut into at most nsplit chunks of at
-    least min_chunk rows, so short contexts use few splits and leave few partials to merge."""
-    chunk = zdsl.max((length + nsplit - 1) // nsplit, min_chunk)
+    least min(min_chunk, max(SHORT_CHUNK, length / SHORT_SPLITS)) rows."""
+    floor = zdsl.min(min_chunk, zdsl.max((length + SHORT_SPLITS - 1) // SHORT_SPLITS, SHORT_CHUNK))
+    chunk = zdsl.max((length + nsplit - 1) // nsplit, floor)
     return chunk, (length + chunk - 1) // chunk
+
+
+def split_count(n_ctx: int, min_chunk: int, max_splits: int) -> int:
+    """The splits to record (attn_decode's grid) for a context of n_ctx rows: enough for every
+    length up to n_ctx as split_rows cuts it, at most max_splits."""
+    return max(1, min(max_splits, max(-(-n_ctx // min_chunk), min(SHORT_SPLITS, -(-n_ctx // SHORT_CHUNK)))))
 
 
 def split_bounds(length: int, nsplit: int, min_chunk: int = 1) -> list[tuple[int, int]]:
     """The chunks [start, end) in use, as attn_decode and attn_combine cut them."""
-    chunk = max(-(-length // nsplit), min_chunk)
+    floor = min(min_chunk, max(-(-length // SHORT_SPLITS), SHORT_CHUNK))
+    chunk = max(-(-length // nsplit), floor)
     return [(a, min(a + chunk, length)) for a in range(0, length, chunk)]
 
 

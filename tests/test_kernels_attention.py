@@ -144,15 +144,37 @@ def test_split_edges(length, nsplit, min_chunk, d, sg, nw, u):
 
 
 def test_split_rows_on_the_host():
-    """The chunking both kernels share: never more than nsplit chunks, each ≥ min_chunk rows
-    except the last, covering every row once."""
-    for length in range(1, 300, 7):
+    """The chunking both kernels share: never more than nsplit chunks, covering every row once;
+    every chunk but the last at least min(min_chunk, SHORT_CHUNK) rows, and min_chunk rows once
+    the context is long (past SHORT_SPLITS chunks of min_chunk); at short lengths no more than
+    SHORT_SPLITS chunks."""
+    for length in range(1, 3000, 7):
         for nsplit in (1, 3, 8, 64, 512):
-            for min_chunk in (0, 1, 16, 32):
+            for min_chunk in (0, 1, 16, 32, 64):
                 bounds = att.split_bounds(length, nsplit, min_chunk)
                 assert len(bounds) <= nsplit and bounds[0][0] == 0 and bounds[-1][1] == length
                 assert all(a == b for (_, a), (b, _) in zip(bounds, bounds[1:]))
-                assert all(b - a >= min(min_chunk, length) for a, b in bounds[:-1])
+                sizes = [b - a for a, b in bounds[:-1]]
+                assert all(n >= min(min_chunk, att.SHORT_CHUNK) for n in sizes)
+                if length >= min_chunk * att.SHORT_SPLITS:
+                    assert all(n >= min_chunk for n in sizes)
+                elif min_chunk >= att.SHORT_CHUNK:
+                    assert len(bounds) <= att.SHORT_SPLITS
+
+
+def test_split_count_covers_every_length():
+    """The grid recorded for a context leaves room for the short-context chunks: a length of L ≤
+    512 rows uses ceil(L / 16) splits of 16 whatever the context allocated, and a long one
+    chunks of 64 rows, up to 256 of them."""
+    for n_ctx in (1, 15, 16, 100, 511, 512, 513, 2048, 4096, 20000):
+        grid = att.split_count(n_ctx, 64, 256)
+        assert 1 <= grid <= 256
+        for length in sorted({1, n_ctx // 3 + 1, n_ctx // 2 + 1, n_ctx}):
+            bounds = att.split_bounds(length, grid, 64)
+            if length <= 512:
+                assert len(bounds) == -(-length // 16)
+            elif length >= 2048:  # chunks of 64 rows, or as many as the grid holds
+                assert bounds[0][1] == max(64, -(-length // 256))
 
 
 def test_decode_model_shape():

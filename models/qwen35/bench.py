@@ -42,10 +42,11 @@ def scratch_bytes(hp, n_ctx: int) -> int:
     """An upper bound on the decode graph's buffers other than weights, KV and recurrent state
     (activations, attention partial results, greedy-sampler candidates and counts, the sampled-token
     list), so a context can be refused before anything is allocated."""
+    from zdsl.kernels.attention import split_count
     from zdsl.models.qwen35.graph import ATTN_MAX_SPLITS, ATTN_MIN_CHUNK
 
     qd, kvd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
-    splits = max(1, min(ATTN_MAX_SPLITS, -(-n_ctx // ATTN_MIN_CHUNK)))
+    splits = split_count(n_ctx, ATTN_MIN_CHUNK, ATTN_MAX_SPLITS)
     K = hp.n_experts_used
     ffn = (K + 1) * hp.expert_ffn + hp.n_experts + 3 * (K + 1) if hp.moe else hp.ffn
     words = (2 * hp.hidden + 4 * hp.vocab + 4 * qd + 2 * kvd + hp.n_heads * splits * (hp.head_dim + 2)

@@ -30,9 +30,10 @@ from zdsl.models.qwen35.gguf_file import ModelFile
 from zdsl.models.qwen35.sampler import SamplerConfig
 
 STEP_WORDS = 8  # step[0] position, [1] length, [2] token id, [3] sampler counter
-# Attention over the KV cache is cut into at most ATTN_MAX_SPLITS chunks of at least ATTN_MIN_CHUNK
-# rows; the chunk length is computed on the GPU from the current length, so one recorded step
-# serves every length: short contexts use few splits, long ones up to ATTN_MAX_SPLITS per KV head.
+# Attention over the KV cache is cut into at most ATTN_MAX_SPLITS chunks (attention.split_rows:
+# up to 32 chunks of at least 16 rows at short contexts, then chunks of ATTN_MIN_CHUNK rows);
+# the chunk length is computed on the GPU from the current length, so one recorded step serves
+# every length.
 ATTN_MIN_CHUNK = 64
 ATTN_MAX_SPLITS = 256
 
@@ -124,7 +125,7 @@ class DecodeGraph:
         self.qg, self.q = self._f32(2 * qd, "qg"), self._f32(qd, "q")
         self.k, self.v = self._f32(kvd, "k"), self._f32(kvd, "v")
         self.attn_o = self._vector(qd, "attn_o")
-        self.attn_splits = max(1, min(ATTN_MAX_SPLITS, cdiv(self.n_ctx, ATTN_MIN_CHUNK)))
+        self.attn_splits = attention.split_count(self.n_ctx, ATTN_MIN_CHUNK, ATTN_MAX_SPLITS)
         self.attn_part = self._f32(hp.n_heads * self.attn_splits * (hp.head_dim + 2), "attn_partials")
         C, vd = hp.conv_channels, hp.ssm_value_dim
         self.mix = self._f32(C, "mix")
