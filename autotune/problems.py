@@ -117,26 +117,14 @@ def _total(arrays) -> int:
 
 # -- the matrix-vector family -----------------------------------------------------------------------
 
-def _norm_input(use, rng, k, a) -> tuple[float, dict]:
-    """For a use with NORM: the input's block sums of squares (ss, into `a`), the rms they give,
-    and the push constants; else (1, {})."""
-    if not use.fixed.get("NORM"):
-        return 1.0, {}
-    x = _normal(rng, k, 3.0)
-    a["ss"] = q8_1.squares_ref(x).astype(np.float32)
-    eps = use.sizes["eps"]
-    return q8_1.rms_ref(a["ss"], eps), dict(eps=eps)
-
-
 def _dmmv(use, rng, check):
     q, k, m = use.shape["QTYPE"], use.shape["k"], use.shape["m"]
     m = min(m, CHECK_ROWS) if check else m
     add = use.fixed.get("ADD", False)
     a = dict(w=_rows(rng, q, m, k), x=_normal(rng, k), y=_normal(rng, m) if add else np.zeros(m, np.float32))
-    rms, norm = _norm_input(use, rng, k, a)
     y0 = a["y"].copy()
-    expect = (lambda p: {"y": (dmmv.dmmv_ref(a["w"], a["x"], q, m, k, y0 if add else None, rms), 1e-4)}) if check else None
-    return Case(_one(use, _rows_grid(m)), a, dict(k=k, m=m, **norm), _total(a) + (a["y"].nbytes if add else 0), expect,
+    expect = (lambda p: {"y": (dmmv.dmmv_ref(a["w"], a["x"], q, m, k, y0 if add else None), 1e-4)}) if check else None
+    return Case(_one(use, _rows_grid(m)), a, dict(k=k, m=m), _total(a) + (a["y"].nbytes if add else 0), expect,
                 lambda n: {"w": _copies(a["w"], n)})
 
 
@@ -154,32 +142,22 @@ def _dmmv_q8(use, rng, check):
     add = use.fixed.get("ADD", False)
     xq, xd = q8_1.q8_1_buffers(_normal(rng, k))
     a = dict(w=_rows(rng, q, m, k), xq=xq, xd=xd, y=_normal(rng, m) if add else np.zeros(m, np.float32))
-    rms, norm = _norm_input(use, rng, k, a)
     y0 = a["y"].copy()
 
     def expect(p):
-        return {"y": (dmmv_q8.dmmv_q8_ref(a["w"], xq, xd, q, m, k, y0 if add else None, rms), 1e-4)}
-    return Case(_one(use, _rows_grid(m)), a, dict(k=k, m=m, **norm), _total(a) + (a["y"].nbytes if add else 0),
+        return {"y": (dmmv_q8.dmmv_q8_ref(a["w"], xq, xd, q, m, k, y0 if add else None), 1e-4)}
+    return Case(_one(use, _rows_grid(m)), a, dict(k=k, m=m), _total(a) + (a["y"].nbytes if add else 0),
                 expect if check else None, lambda n: {"w": _copies(a["w"], n)})
 
 
-def _normed_outputs(n) -> dict:
-    """Zeroed buffers of a deferred normed vector of n values (q8_1.py)."""
-    return dict(hn=np.zeros(n, np.float32), xq=np.zeros(n // 4, np.uint32), xd=np.zeros(n // 16, np.float32),
-                ss=np.zeros(n // 32, np.float32))
-
-
-def _normed_expect(x, norm_w) -> dict:
-    """hn to rounding, its Q8_1 scales and its block sums of squares, as `expect` gives them."""
-    hn, ss = q8_1.norm_q8_1_ref(x, norm_w)
-    return {"hn": (hn, 1e-4), "xd": (_scales(hn), 1e-4), "ss": (ss, 1e-4)}
-
-
 def _norm_q8_1(use, rng, check):
-    n = use.shape["n"]
-    a = dict(x=_normal(rng, n, 3.0), norm_w=rng.uniform(0.5, 1.5, n).astype(np.float32), **_normed_outputs(n))
-    return Case(_one(use, lambda v: cdiv(n, 4 * v.params["WG"])), a, dict(n=n), _total(a) + a["x"].nbytes,
-                (lambda p: _normed_expect(a["x"], a["norm_w"])) if check else None)
+    n, eps = use.shape["n"], use.sizes["eps"]
+    a = dict(x=_normal(rng, n, 3.0), norm_w=rng.uniform(0.5, 1.5, n).astype(np.float32), hn=np.zeros(n, np.float32),
+             xq=np.zeros(n // 4, np.uint32), xd=np.zeros(n // 16, np.float32))
+    def expect(p):  # hn to rounding, and its Q8_1 scales
+        hn = q8_1.norm_q8_1_ref(a["x"], a["norm_w"], eps)[0]
+        return {"hn": (hn, 1e-4), "xd": (_scales(hn), 1e-4)}
+    return Case(_one(use, lambda v: 1), a, dict(n=n, eps=eps), _total(a) + a["x"].nbytes, expect if check else None)
 
 
 def _ffn_gate_up(use, rng, check):
@@ -194,7 +172,6 @@ def _ffn_gate_up(use, rng, check):
     x = _normal(rng, k)
     a = dict(wg=_rows(rng, q, n_exp * m, k), wu=_rows(rng, q, n_exp * m, k),
              ids=rng.permutation(n_exp)[:max(routed, 1)].astype(np.uint32), act=np.zeros(slots * m, np.float32))
-    rms, norm = _norm_input(use, rng, k, a)
     if shared:
         a.update(wg_sh=_rows(rng, q, m, k), wu_sh=_rows(rng, q, m, k))
     int8 = use.kernel is dmmv_q8.ffn_gate_up_q8
@@ -206,9 +183,9 @@ def _ffn_gate_up(use, rng, check):
     def expect(p):
         pair = (a["wg_sh"], a["wu_sh"]) if shared else None
         if int8:
-            want = dmmv_q8.ffn_gate_up_q8_ref(a["wg"], a["wu"], a["ids"], a["xq"], a["xd"], q, m, k, experts, pair, rms)
+            want = dmmv_q8.ffn_gate_up_q8_ref(a["wg"], a["wu"], a["ids"], a["xq"], a["xd"], q, m, k, experts, pair)
         else:
-            want = dmmv.ffn_gate_up_ref(a["wg"], a["wu"], a["ids"], x, q, m, k, experts, pair, rms)
+            want = dmmv.ffn_gate_up_ref(a["wg"], a["wu"], a["ids"], x, q, m, k, experts, pair)
         return {"act": (want, 2e-4)}
     read = 2 * slots * m * _row_bytes(q, k)
 
@@ -217,7 +194,7 @@ def _ffn_gate_up(use, rng, check):
             return {"ids": [rng.permutation(n_exp)[:routed].astype(np.uint32) for _ in range(n - 1)]}
         return {"wg": _copies(a["wg"], n), "wu": _copies(a["wu"], n)}
     x_bytes = a["xq"].nbytes + a["xd"].nbytes if int8 else 4 * k
-    return Case(_one(use, lambda v: (cdiv(m, dmmv.rows_per_workgroup(v)), slots)), a, dict(k=k, m=m, **norm),
+    return Case(_one(use, lambda v: (cdiv(m, dmmv.rows_per_workgroup(v)), slots)), a, dict(k=k, m=m),
                 read + x_bytes + 4 * slots * m, expect if check else None, rotate)
 
 
@@ -244,17 +221,18 @@ def _moe_router(use, rng, check):
     n_exp = min(n_exp, CHECK_ROWS) if check else n_exp
     eps = use.sizes.get("eps", 1e-6)
     a = dict(w=_rows(rng, q, n_exp, k), sh_gate_w=_normal(rng, k, 0.05), x=_normal(rng, k, 3.0),
-             norm_w=_normal(rng, k), **_normed_outputs(k), logits=np.zeros(n_exp, np.float32),
-             arrivals=np.zeros(1, np.uint32), ids=np.zeros(K, np.uint32), weights=np.zeros(K + 1, np.float32))
+             norm_w=_normal(rng, k), hn=np.zeros(k, np.float32), xq=np.zeros(k // 4, np.uint32),
+             xd=np.zeros(k // 16, np.float32), logits=np.zeros(n_exp, np.float32), arrivals=np.zeros(1, np.uint32),
+             ids=np.zeros(K, np.uint32), weights=np.zeros(K + 1, np.float32))
 
     def reference():
         return moe.moe_router_ref(a["w"], a["sh_gate_w"], a["x"], a["norm_w"], eps, q, n_exp, k, K)
-    while check and not _clear_picks(reference()[0], K):  # the ids are checked exactly: no near ties
+    while check and not _clear_picks(reference()[1], K):  # the ids are checked exactly: no near ties
         a["x"] = _normal(rng, k, 3.0)
 
     def expect(p):
-        logits, ids, weights = reference()
-        return {**_normed_expect(a["x"], a["norm_w"]), "logits": (logits, 1e-4), "ids": (ids, 0),
+        hn, logits, ids, weights = reference()
+        return {"hn": (hn, 1e-4), "xd": (_scales(hn), 1e-4), "logits": (logits, 1e-4), "ids": (ids, 0),
                 "weights": (weights, 1e-4), "arrivals": (np.zeros(1), 0)}
     return Case(_one(use, _rows_grid(n_exp)), a, dict(k=k, n_expert=n_exp, eps=eps), _total(a) + a["logits"].nbytes,
                 expect if check else None, lambda n: {"w": _copies(a["w"], n)})
@@ -271,19 +249,16 @@ def _moe_down_all(use, rng, check):
     q_sh = use.fixed["QTYPE_SH"] or q
     m = min(m, CHECK_ROWS) if check else m
     n_exp = min(use.sizes["experts"], K + 4) if check else use.sizes["experts"]
-    m = m - m % 32 if check else m  # whole blocks of x
     a = dict(w=_rows(rng, q, n_exp * m, k), w_sh=_rows(rng, q_sh, m, k),
              ids=rng.permutation(n_exp)[:K].astype(np.uint32), weights=rng.uniform(0.05, 0.5, K + 1).astype(np.float32),
              act=_normal(rng, (K + 1) * k), y=_normal(rng, m))
-    a.update(norm_w=rng.uniform(0.5, 1.5, m).astype(np.float32), **_normed_outputs(m))
     y0 = a["y"].copy()
 
     def expect(p):
         want = dmmv.moe_down_all_ref(a["w"], a["w_sh"], a["ids"], a["weights"], a["act"], y0, q, m, k,
                                      use.fixed["QTYPE_SH"] or None)
-        return {"y": (want, 1e-4), **_normed_expect(want, a["norm_w"])}
+        return {"y": (want, 1e-4)}
     read = K * m * _row_bytes(q, k) + m * _row_bytes(q_sh, k) + 4 * (K + 1) * (k + 2)
-    read += sum(a[b].nbytes for b in ("norm_w", "hn", "xq", "xd", "ss"))
     return Case(_one(use, _rows_grid(m)), a, dict(k=k, m=m), read + 8 * m, expect if check else None,
                 lambda n: {"ids": [rng.permutation(n_exp)[:K].astype(np.uint32) for _ in range(n - 1)]})
 

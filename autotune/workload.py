@@ -102,14 +102,14 @@ def decode_uses(model: Tensors, n_ctx: int = 4096, caps: tuple[int, ...] = (1,))
         return model.qtype(tensor) in INT8_FORMATS
 
     def norm(role):
-        add(q8_1.norm_q8_1, {"n": hp.hidden}, {}, {}, role)
+        add(q8_1.norm_q8_1, {"n": hp.hidden}, {}, dict(eps=hp.eps), role)
 
     def project(tensor):
         """graph._project: a projection of the normed input."""
         m, k = model.shape(tensor)[-2:]
         q = model.qtype(tensor)
         kernel = dmmv_q8.dmmv_q8 if int8(tensor) else dmmv.dmmv
-        add(kernel, {"QTYPE": q, "k": k, "m": m}, {"QTYPE": q, "NORM": True}, dict(eps=hp.eps), tensor, {"COLS": 1})
+        add(kernel, {"QTYPE": q, "k": k, "m": m}, {"QTYPE": q}, {}, tensor, {"COLS": 1})
 
     def residual(tensor, q8_input=True, normed=True):
         """graph._residual: x += W · input, then x normed for the next projections (unless the
@@ -161,8 +161,8 @@ def gate_up(add, model: Tensors, gate: str, slots: int, experts: bool) -> None:
     kernel = dmmv_q8.ffn_gate_up_q8 if q in INT8_FORMATS else dmmv.ffn_gate_up
     n_exp = model.hparams.n_experts if experts else 1
     add(kernel, {"QTYPE": q, "k": k, "m": m, "slots": slots},
-        {"QTYPE": q, "EXPERTS": experts, "SHARED": experts, "NORM": True},
-        dict(experts=n_exp, slots=slots, eps=model.hparams.eps), gate.removesuffix(".weight") + "+up")
+        {"QTYPE": q, "EXPERTS": experts, "SHARED": experts},
+        dict(experts=n_exp, slots=slots), gate.removesuffix(".weight") + "+up")
 
 
 def _moe(model: Tensors, p: str, add, norm) -> None:
@@ -180,11 +180,10 @@ def _moe(model: Tensors, p: str, add, norm) -> None:
         for tensor, q_, slots, experts in ((p + "ffn_down_exps.weight", qd, K, E), (p + "ffn_down_shexp.weight", qs, 1, 1)):
             add(dmmv.moe_down, {"QTYPE": q_, "k": kd, "m": md}, {"QTYPE": q_, "ADD": True},
                 dict(experts=experts, slots=slots), tensor)
-        norm(p + "ffn_down+norm")
-    else:  # the next layer's input normed by the same dispatch
+    else:
         add(dmmv.moe_down_all, {"QTYPE": qd, "QTYPE_SH": qs, "k": kd, "m": md, "K": K},
-            {"QTYPE": qd, "QTYPE_SH": "" if qs == qd else qs, "K": K}, dict(experts=E),
-            p + "ffn_down_exps+shexp+norm")
+            {"QTYPE": qd, "QTYPE_SH": "" if qs == qd else qs, "K": K}, dict(experts=E), p + "ffn_down_exps+shexp")
+    norm(p + "ffn_down+norm")
 
 
 def merge(uses: list[Use]) -> list[Use]:

@@ -19,7 +19,6 @@ import zdsl
 from zdsl import Buffer, Const, Spec, boolean, f32, u8, u32
 from gguf import GGMLQuantizationType as QuantType
 from gguf.quants import dequantize
-from zdsl.kernels.q8_1 import RmsPartials, store_normed
 from zdsl.kernels.quant import FORMATS, Factored, fmt
 from zdsl.kernels.reduce import SUBGROUPS, workgroup_sums
 
@@ -79,27 +78,7 @@ class Rows:
 
 def rows_per_workgroup(v) -> int:
     """The grid of a matrix-vector variant is ceil(m / rows_per_workgroup(v))."""
-    if v.kernel.name == "moe_down_all":
-        return NORM_ROWS
     return v.params["ROWS"] * v.params["NSUB"]
-
-
-def normed_input(NORM: bool, ss, k, COLS: int, SG: int):
-    """The rms partials of a deferred normed input (q8_1.py), their loads issued now; None
-    without NORM."""
-    if not NORM:
-        return None
-    if COLS != 1:
-        raise zdsl.ZdslError(f"a normed input is one vector, not COLS = {COLS}")
-    return RmsPartials(ss, k, SG)
-
-
-def scaled(sums, norm, eps):
-    """The finished dot products, times the input's rms where it is a deferred normed vector."""
-    if norm is None:
-        return sums
-    scale = norm.scale(eps)
-    return [s * scale for s in sums]
 
 
 def block_step(f, ctx, rows, x, x_bases, b, part):
@@ -206,21 +185,18 @@ def store_rows(y, sums, group: Rows, m, COLS, ADD):
 @zdsl.kernel(workgroup=workgroup, subgroup="SG",
              variants={"QTYPE": QTYPES, "COLS": list(range(1, 9)), "ROWS": [1, 2, 4], "SG": SUBGROUPS},
              tune={"NSUB": NSUBS}, where=lambda v: v.COLS == 1 or v.ROWS == 1)
-def dmmv(w: Buffer[u8], x: Buffer[f32], ss: Buffer[f32], y: Buffer[f32], k: u32, m: u32, eps: f32,
-         ADD: Spec[boolean] = False, NORM: Const = False, QTYPE: Const = "q4_k", COLS: Const = 1, ROWS: Const = 1,
-         NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
+def dmmv(w: Buffer[u8], x: Buffer[f32], y: Buffer[f32], k: u32, m: u32, ADD: Spec[boolean] = False,
+         QTYPE: Const = "q4_k", COLS: Const = 1, ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
     """y[c·m + r] (+)= Σ_k W[r, k] · x[c·k + k] for COLS activation vectors; ADD accumulates
-    into y (a residual connection); NORM: x is a deferred normed vector (q8_1.py), the products
-    scaled by its rms. Grid: ceil(m / rows_per_workgroup)."""
+    into y (a residual connection). Grid: ceil(m / rows_per_workgroup)."""
     f = fmt(QTYPE)
-    norm = normed_input(NORM, ss, k, COLS, SG)
     ctx = f.setup()
     nblocks = k // f.block
     group = Rows(ROWS, NSUB, SG)
     rows = [(w, r * (nblocks * f.nbytes)) for r in group.clamped(m)]
     acc = block_dots(f, ctx, rows, x, [c * k for c in range(COLS)], nblocks, group)
     sums = group.sums([acc[r][c] for r in range(ROWS) for c in range(COLS)])
-    store_rows(y, scaled(sums, norm, eps), group, m, COLS, ADD)
+    store_rows(y, sums, group, m, COLS, ADD)
 
 
 def dequant_rows(w_bytes, qtype: str, m: int, k: int) -> np.ndarray:
@@ -229,8 +205,8 @@ def dequant_rows(w_bytes, qtype: str, m: int, k: int) -> np.ndarray:
 
 
 @dmmv.reference
-def dmmv_ref(w_bytes, x, qtype, m, k, y=None, rms=1.0):
-    out = rms * (x.reshape(-1, k).astype(np.float64) @ dequant_rows(w_bytes, qtype, m, k).T).reshape(-1)
+def dmmv_ref(w_bytes, x, qtype, m, k, y=None):
+    out = (x.reshape(-1, k).astype(np.float64) @ dequant_rows(w_bytes, qtype, m, k).T).reshape(-1)
     return out if y is None else out + y
 
 
@@ -238,16 +214,15 @@ def dmmv_ref(w_bytes, x, qtype, m, k, y=None, rms=1.0):
                                                            "SG": SUBGROUPS},
              tune={"NSUB": NSUBS}, where=lambda v: not v.SHARED or v.QTYPE in EXPERT_QTYPES)
 def ffn_gate_up(wg: Buffer[u8], wu: Buffer[u8], wg_sh: Buffer[u8], wu_sh: Buffer[u8], ids: Buffer[u32],
-                x: Buffer[f32], ss: Buffer[f32], act: Buffer[f32], k: u32, m: u32, eps: f32,
-                EXPERTS: Spec[boolean] = True, SHARED: Const = False, NORM: Const = False, QTYPE: Const = "q4_k",
-                ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
+                x: Buffer[f32], act: Buffer[f32], k: u32, m: u32, EXPERTS: Spec[boolean] = True,
+                SHARED: Const = False, QTYPE: Const = "q4_k", ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32,
+                WG: Const = 0):
     """act[s·m + r] = silu(Wg[r]·x) · (Wu[r]·x) for slot s = workgroup_id(1): the pair of expert
     ids[s] (EXPERTS) or the single pair (not EXPERTS: a dense FFN; `ids` unused). With SHARED the
     last slot takes the shared expert's pair (wg_sh, wu_sh): a MoE layer's routed and shared
-    experts in one dispatch. Gate and up rows are read in one pass over x. NORM as dmmv.
+    experts in one dispatch. Gate and up rows are read in one pass over x.
     Grid: (ceil(m / rows_per_workgroup), slots)."""
     f = fmt(QTYPE)
-    norm = normed_input(NORM, ss, k, 1, SG)
     ctx = f.setup()
     nblocks = k // f.block
     row_bytes = nblocks * f.nbytes
@@ -257,7 +232,7 @@ def ffn_gate_up(wg: Buffer[u8], wu: Buffer[u8], wg_sh: Buffer[u8], wu_sh: Buffer
     def swiglu(w_gate, w_up, expert_base):
         bases = [expert_base + r * row_bytes for r in group.clamped(m)]
         acc = block_dots(f, ctx, [(w_gate, b) for b in bases] + [(w_up, b) for b in bases], x, [0], nblocks, group)
-        store_swiglu(act, scaled(group.sums([a[0] for a in acc]), norm, eps), group, m, slot)
+        store_swiglu(act, group.sums([a[0] for a in acc]), group, m, slot)
 
     each_slot(SHARED, slot, lambda: swiglu(wg, wu, ids.load(slot, mask=EXPERTS, other=0) * (m * row_bytes)),
               lambda: swiglu(wg_sh, wu_sh, 0))
@@ -289,16 +264,15 @@ def experts_of(w_bytes, qtype, m, k) -> int:
 
 
 @ffn_gate_up.reference
-def ffn_gate_up_ref(wg_bytes, wu_bytes, ids, x, qtype, m, k, experts=True, shared=None, rms=1.0):
-    """act of every slot; `shared` = (gate bytes, up bytes) of the shared expert, the last slot;
-    x is scaled by rms first (a deferred norm's scale)."""
+def ffn_gate_up_ref(wg_bytes, wu_bytes, ids, x, qtype, m, k, experts=True, shared=None):
+    """act of every slot; `shared` = (gate bytes, up bytes) of the shared expert, the last slot."""
     nexp = experts_of(wg_bytes, qtype, m, k)
     g = dequant_rows(wg_bytes, qtype, nexp * m, k).reshape(nexp, m, k)
     u = dequant_rows(wu_bytes, qtype, nexp * m, k).reshape(nexp, m, k)
     pairs = [(g[e], u[e]) for e in (list(ids) if experts else [0])]
     if shared is not None:
         pairs.append(tuple(dequant_rows(b, qtype, m, k) for b in shared))
-    xv = rms * np.asarray(x, np.float64)
+    xv = np.asarray(x, np.float64)
     with np.errstate(over="ignore"):  # silu of a large negative gate: −0, as on the GPU
         out = [(lambda a: a / (1 + np.exp(-a)))(gm @ xv) * (um @ xv) for gm, um in pairs]
     return np.concatenate(out)
@@ -339,46 +313,27 @@ def moe_down_ref(w_bytes, ids, weights, act, qtype, m, k, y=None):
     return out if y is None else out + y
 
 
-# ---- the MoE down projection of a decode step: every expert, added to x, x normed ----
+# ---- the MoE down projection of a decode step: every expert, added to x ----
 
-NORM_ROWS = 32  # rows a workgroup of moe_down_all owns: one Q8_1 block of x
-
-
-def down_all_workgroup(v) -> int:
-    """32 / ROWS subgroups of ROWS rows each: a workgroup finishes one block of x."""
-    return NORM_ROWS // v.ROWS * v.SG
-
-
-def _down_all_fits(v) -> bool:
-    if v.QTYPE_SH and (FORMATS[v.QTYPE].block, FORMATS[v.QTYPE].parts) != (256, FORMATS["q6_k"].parts):
-        return False
-    return down_all_workgroup(v) <= 1024
-
-
-@zdsl.kernel(workgroup=down_all_workgroup, subgroup="SG",
-             variants={"QTYPE": EXPERT_QTYPES, "QTYPE_SH": ["", "q6_k"], "ROWS": [1, 2, 4], "K": [8],
-                       "SG": SUBGROUPS}, where=_down_all_fits)
+@zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": EXPERT_QTYPES, "QTYPE_SH": ["", "q6_k"],
+                                                           "ROWS": [1, 2], "K": [8], "SG": SUBGROUPS},
+             tune={"NSUB": NSUBS, "WG": [0, 128, 256]},
+             where=lambda v: v.QTYPE_SH == "" or (FORMATS[v.QTYPE].block, FORMATS[v.QTYPE].parts) == (256, FORMATS["q6_k"].parts))
 def moe_down_all(w: Buffer[u8], w_sh: Buffer[u8], ids: Buffer[u32], weights: Buffer[f32], act: Buffer[f32],
-                 y: Buffer[f32], norm_w: Buffer[f32], hn: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32],
-                 ss: Buffer[f32], k: u32, m: u32, QTYPE: Const = "q4_k", QTYPE_SH: Const = "", K: Const = 8,
-                 ROWS: Const = 4, SG: Const = 32):
+                 y: Buffer[f32], k: u32, m: u32, QTYPE: Const = "q4_k", QTYPE_SH: Const = "", K: Const = 8,
+                 ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
     """y[r] += Σ_{s<K} weights[s] · (W_{ids[s]}[r] · act[s·k:]) + weights[K] · (W_sh[r] · act[K·k:]):
     the routed experts and the shared expert (slot K, whose type QTYPE_SH may differ: files keep
-    it at more bits) in one pass, added to the residual; then the next layer's input from it,
-    rmsnorm(y) · norm_w deferred (q8_1.py: hn, xq, xd, ss), so no norm dispatch follows. Each
-    workgroup owns 32 rows (32 / ROWS subgroups of ROWS rows; m a multiple of 32), the block of
-    y it normalises. Grid: m / 32."""
+    it at more bits) in one pass, added to the residual. Grid: ceil(m / rows_per_workgroup)."""
     f = fmt(QTYPE)
     f_sh = fmt(QTYPE_SH or QTYPE)
     if (f_sh.block, f_sh.parts) != (f.block, f.parts):
         raise zdsl.ZdslError(f"moe_down_all needs the shared expert's blocks shaped like the experts' "
                              f"({f_sh.name} vs {f.name})")
-    quad = zdsl.workgroup_id() * (NORM_ROWS // 4) + zdsl.min(zdsl.lane_id(), NORM_ROWS // 4 - 1)
-    weight_quad = norm_w.vec4[quad]  # loaded now, used at the end
     ctx, ctx_sh = f.setup(), (f_sh.setup() if f_sh is not f else None)
     nblocks = k // f.block
     row_bytes = nblocks * f.nbytes
-    group = Rows(ROWS, NORM_ROWS // ROWS, SG)
+    group = Rows(ROWS, NSUB, SG)
     offsets = [r * row_bytes for r in group.clamped(m)]
     part = group.index % f.parts
     total = [zdsl.var(0.0) for _ in range(ROWS)]
@@ -397,19 +352,7 @@ def moe_down_all(w: Buffer[u8], w_sh: Buffer[u8], ids: Buffer[u32], weights: Buf
             step = block_step(f_sh, ctx_sh if ctx_sh is not None else ctx, rows_sh, act, [s * k], b, part)
             for r in range(ROWS):
                 total[r] += weight * step[r][0]
-    sums = group.sums(total)
-    x_sh = zdsl.shared(f32, NORM_ROWS)
-    with zdsl.if_(group.leader()):
-        for r in range(ROWS):
-            row = group.first + r
-            value = sums[r] + y[row]
-            y[row] = value
-            x_sh[zdsl.subgroup_id() * ROWS + r] = value
-    zdsl.barrier()
-    with zdsl.if_(zdsl.subgroup_id() == 0):  # eight lanes hold the block, four values each
-        t = zdsl.min(zdsl.lane_id(), NORM_ROWS // 4 - 1)
-        v = zdsl.vec(*[x_sh[4 * t + e] for e in range(4)])
-        store_normed(v, weight_quad, quad, zdsl.lane_id() < NORM_ROWS // 4, hn, xq, xd, ss)
+    store_rows(y, group.sums(total), group, m, 1, True)
 
 
 @moe_down_all.reference

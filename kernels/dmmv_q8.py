@@ -14,7 +14,7 @@ from __future__ import annotations
 import zdsl
 from zdsl import Buffer, Const, Spec, boolean, f32, u8, u32
 from zdsl.kernels.dmmv import (EXPERT_QTYPES, NSUBS, Rows, block_loop, dequant_rows, each_slot, ffn_gate_up_ref,
-                               normed_input, scaled, store_rows, store_swiglu, workgroup_of)
+                               store_rows, store_swiglu, workgroup_of)
 from zdsl.kernels.q8_1 import q8_1_values
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS, fmt
 from zdsl.kernels.reduce import SUBGROUPS
@@ -74,28 +74,26 @@ def int8_decoder(QTYPE: str):
 @zdsl.kernel(workgroup=workgroup, subgroup="SG",
              variants={"QTYPE": INT8_FORMATS, "COLS": list(range(1, 9)), "ROWS": [1, 2, 4], "SG": SUBGROUPS},
              tune={"NSUB": NSUBS}, where=lambda v: v.COLS == 1 or v.ROWS == 1)
-def dmmv_q8(w: Buffer[u8], xq: Buffer[u32], xd: Buffer[f32], ss: Buffer[f32], y: Buffer[f32], k: u32, m: u32,
-            eps: f32, ADD: Spec[boolean] = False, NORM: Const = False, QTYPE: Const = "q4_k", COLS: Const = 1,
-            ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
+def dmmv_q8(w: Buffer[u8], xq: Buffer[u32], xd: Buffer[f32], y: Buffer[f32], k: u32, m: u32,
+            ADD: Spec[boolean] = False, QTYPE: Const = "q4_k", COLS: Const = 1, ROWS: Const = 1, NSUB: Const = 1,
+            SG: Const = 32, WG: Const = 0):
     """y[c·m + r] (+)= Σ_k W[r, k] · x̂[c·k + k] for COLS vectors given as Q8_1 (the COLS·k
-    activations quantized back to back); ADD accumulates into y (a residual connection). NORM:
-    x is a deferred normed vector (q8_1.py), its block sums of squares in ss, and the products
-    are scaled by its rms. Grid: ceil(m / rows_per_workgroup)."""
+    activations quantized back to back); ADD accumulates into y (a residual connection).
+    Grid: ceil(m / rows_per_workgroup)."""
     f = int8_decoder(QTYPE)
-    norm = normed_input(NORM, ss, k, COLS, SG)
     nblocks = k // f.block
     group = Rows(ROWS, NSUB, SG)
     rows = [(w, r * (nblocks * f.nbytes)) for r in group.clamped(m)]
     x_bases = [c * k for c in range(COLS)]
     acc = block_loop(f.iparts, nblocks, group, ROWS, COLS, lambda b, part: q8_step(f, rows, xq, xd, x_bases, b, part))
     sums = group.sums([acc[r][c] for r in range(ROWS) for c in range(COLS)])
-    store_rows(y, scaled(sums, norm, eps), group, m, COLS, ADD)
+    store_rows(y, sums, group, m, COLS, ADD)
 
 
 @dmmv_q8.reference
-def dmmv_q8_ref(w_bytes, xq, xd, qtype, m, k, y=None, rms=1.0):
-    """dequant(W) @ the Q8_1 activations, in float64, times rms (a deferred norm's scale)."""
-    out = rms * (q8_1_values(xq, xd).reshape(-1, k) @ dequant_rows(w_bytes, qtype, m, k).T).reshape(-1)
+def dmmv_q8_ref(w_bytes, xq, xd, qtype, m, k, y=None):
+    """dequant(W) @ the Q8_1 activations, in float64."""
+    out = (q8_1_values(xq, xd).reshape(-1, k) @ dequant_rows(w_bytes, qtype, m, k).T).reshape(-1)
     return out if y is None else out + y
 
 
@@ -103,15 +101,14 @@ def dmmv_q8_ref(w_bytes, xq, xd, qtype, m, k, y=None, rms=1.0):
                                                            "ROWS": [1, 2, 4], "SG": SUBGROUPS},
              tune={"NSUB": NSUBS}, where=lambda v: not v.SHARED or v.QTYPE in EXPERT_QTYPES)
 def ffn_gate_up_q8(wg: Buffer[u8], wu: Buffer[u8], wg_sh: Buffer[u8], wu_sh: Buffer[u8], ids: Buffer[u32],
-                   xq: Buffer[u32], xd: Buffer[f32], ss: Buffer[f32], act: Buffer[f32], k: u32, m: u32, eps: f32,
-                   EXPERTS: Spec[boolean] = True, SHARED: Const = False, NORM: Const = False, QTYPE: Const = "q4_k",
-                   ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
+                   xq: Buffer[u32], xd: Buffer[f32], act: Buffer[f32], k: u32, m: u32,
+                   EXPERTS: Spec[boolean] = True, SHARED: Const = False, QTYPE: Const = "q4_k", ROWS: Const = 1,
+                   NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
     """dmmv.ffn_gate_up with Q8_1 activations: act[s·m + r] = silu(Wg[r]·x̂) · (Wu[r]·x̂) for slot
     s = workgroup_id(1): the pair of expert ids[s] (EXPERTS) or the single pair (not EXPERTS);
-    with SHARED the last slot takes the shared expert's pair (wg_sh, wu_sh); NORM as dmmv_q8.
+    with SHARED the last slot takes the shared expert's pair (wg_sh, wu_sh).
     Grid: (ceil(m / rows_per_workgroup), slots)."""
     f = int8_decoder(QTYPE)
-    norm = normed_input(NORM, ss, k, 1, SG)
     nblocks = k // f.block
     row_bytes = nblocks * f.nbytes
     slot = zdsl.workgroup_id(1)
@@ -121,13 +118,13 @@ def ffn_gate_up_q8(wg: Buffer[u8], wu: Buffer[u8], wg_sh: Buffer[u8], wu_sh: Buf
         bases = [expert_base + r * row_bytes for r in group.clamped(m)]
         rows = [(w_gate, b) for b in bases] + [(w_up, b) for b in bases]
         acc = block_loop(f.iparts, nblocks, group, 2 * ROWS, 1, lambda b, part: q8_step(f, rows, xq, xd, [0], b, part))
-        store_swiglu(act, scaled(group.sums([a[0] for a in acc]), norm, eps), group, m, slot)
+        store_swiglu(act, group.sums([a[0] for a in acc]), group, m, slot)
 
     each_slot(SHARED, slot, lambda: swiglu(wg, wu, ids.load(slot, mask=EXPERTS, other=0) * (m * row_bytes)),
               lambda: swiglu(wg_sh, wu_sh, 0))
 
 
 @ffn_gate_up_q8.reference
-def ffn_gate_up_q8_ref(wg_bytes, wu_bytes, ids, xq, xd, qtype, m, k, experts=True, shared=None, rms=1.0):
-    """ffn_gate_up_ref on the activations the Q8_1 buffers stand for (times rms)."""
-    return ffn_gate_up_ref(wg_bytes, wu_bytes, ids, rms * q8_1_values(xq, xd), qtype, m, k, experts, shared)
+def ffn_gate_up_q8_ref(wg_bytes, wu_bytes, ids, xq, xd, qtype, m, k, experts=True, shared=None):
+    """ffn_gate_up_ref on the activations the Q8_1 buffers stand for."""
+    return ffn_gate_up_ref(wg_bytes, wu_bytes, ids, q8_1_values(xq, xd), qtype, m, k, experts, shared)

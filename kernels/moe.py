@@ -11,7 +11,7 @@ import zdsl
 from zdsl import Buffer, Coherent, Const, f32, u8, u32
 from zdsl.kernels import dmmv
 from zdsl.kernels.norm import rms_norm_ref
-from zdsl.kernels.q8_1 import store_normed
+from zdsl.kernels.q8_1 import store_q8_1
 from zdsl.kernels.quant import fmt
 from zdsl.kernels.reduce import SUBGROUPS, workgroup_sums
 from zdsl.kernels.sampling import block_topk
@@ -38,16 +38,14 @@ class NormedInput:
                                                                "SG": SUBGROUPS},
              tune={"NSUB": dmmv.NSUBS, "R": [1, 4, 8], "WG": [0, 128, 256]})
 def moe_router(w: Buffer[u8], sh_gate_w: Buffer[f32], x: Buffer[f32], norm_w: Buffer[f32], hn: Buffer[f32],
-               xq: Buffer[u32], xd: Buffer[f32], ss: Buffer[f32], logits: Coherent[f32], arrivals: Buffer[u32],
-               ids: Buffer[u32],
+               xq: Buffer[u32], xd: Buffer[f32], logits: Coherent[f32], arrivals: Buffer[u32], ids: Buffer[u32],
                weights: Buffer[f32], k: u32, n_expert: u32, eps: f32, QTYPE: Const = "f32", K: Const = 8,
                R: Const = 8, ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
     """The experts of one token, from the residual stream x, in one dispatch. Each workgroup
     computes its rows of the router logits[e] = W[e] · hn, hn = rmsnorm(x) · norm_w, as
     (W[e] · (x ⊙ norm_w)) · rsqrt(mean(x²) + eps): it walks all of x for its rows anyway, so
-    it sums x² on the way and no norm dispatch comes first. Workgroups also write hn for the
-    experts, deferred (q8_1.py: x ⊙ norm_w in f32 and Q8_1, Σx² per block in ss), a few blocks
-    of 32 each. The one
+    it sums x² on the way and no norm dispatch comes first. Workgroups also write hn, in f32
+    and as Q8_1 (xq, xd: the experts' int8 input; q8_1.py), a few blocks of 32 each. The one
     that finishes last (arrivals[0] counts them: 0 before, 0 after) picks ids[j] = the expert
     with the j-th largest logit (equal logits: lower expert first) and weights[j] = its softmax
     probability renormalised over the K picked. The full softmax denominator cancels in that
@@ -70,7 +68,10 @@ def moe_router(w: Buffer[u8], sh_gate_w: Buffer[f32], x: Buffer[f32], norm_w: Bu
     for first in zdsl.range(zdsl.workgroup_id() * per_pass, blocks, zdsl.num_workgroups() * per_pass):
         block = first + t // 8
         i = zdsl.min(block, blocks - 1) * 8 + t % 8
-        store_normed(x.vec4[i], norm_w.vec4[i], i, block < blocks, hn, xq, xd, ss)
+        value = x.vec4[i] * norm_w.vec4[i] * inv_rms
+        with zdsl.if_(block < blocks):
+            hn.vec4[i] = value
+        store_q8_1(value, i, block < blocks, xq, xd)
     with zdsl.if_(zdsl.workgroup_id() == 0):
         dot = zdsl.var(0.0)
         for i in zdsl.range(t, k >> 2, WG):
@@ -94,13 +95,12 @@ def moe_router(w: Buffer[u8], sh_gate_w: Buffer[f32], x: Buffer[f32], norm_w: Bu
 
 @moe_router.reference
 def moe_router_ref(w_bytes, sh_gate_w, x, norm_w, eps, qtype, n_expert, k, K=8):
-    """(logits, ids, weights) of one token; weights[K] is the shared expert's gate. (The hn it
-    writes is q8_1.norm_q8_1_ref's.)"""
+    """(hn, logits, ids, weights) of one token; weights[K] is the shared expert's gate."""
     hn = rms_norm_ref(x, norm_w, eps)
     logits = dmmv.dmmv_ref(w_bytes, hn, qtype, n_expert, k)
     ids, weights = route_ref(logits, K)
     gate = 1 / (1 + np.exp(-(np.asarray(sh_gate_w, np.float64) @ hn.astype(np.float64))))
-    return logits, ids[0], np.append(weights[0], np.float32(gate))
+    return hn, logits, ids[0], np.append(weights[0], np.float32(gate))
 
 
 def route_ref(logits, K=8):

@@ -1,7 +1,7 @@
 """RMS normalisation, `x · rsqrt(mean(x²) + eps) · w`, as the kernels that fold it in compute it
-(attention.attn_prep for the q/k norms, the delta-net step for its gated output norm; the layer
-norms are deferred to their consumers, q8_1.py). Every weight already carries the converter's
-"+1" (see the model doc), so there is no offset here.
+(q8_1.write_normed for the layer norms, attention.attn_prep for the q/k norms, the delta-net
+step for its gated output norm). Every weight already carries the converter's "+1" (see the
+model doc), so there is no offset here.
 """
 
 from __future__ import annotations

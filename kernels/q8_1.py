@@ -8,17 +8,10 @@ f32 rather than ggml's f16, so no rounding beyond the quants'.
 The projections of a decode step read three vectors in Q8_1: the residual stream normed
 (attn_norm, post_attention_norm, output_norm), the attention output and the delta-net output.
 Each is written once, by whoever finishes it, in f32 (for weights without an int8 decoder) and
-as Q8_1, so no projection quantizes for itself.
-
-A normed vector rmsnorm(x) · w is written *deferred*: hn = x ⊙ w (f32 and Q8_1) and `ss`, the
-Σx² of each block of 32; its consumers scale their dot products by rsqrt(Σ ss / n + eps)
-(`RmsPartials`). Every piece is local to a block of 32, so whoever finishes a block of x can
-write it — the expert down projection, whose workgroups own 32 rows each, writes the next
-layer's input that way (dmmv.moe_down_all), and the router the experts' — and no
-dispatch waits for the whole of x just to norm it. `norm_q8_1` writes it where no kernel
-before does (after the embedding; the dense FFN's residuals). The attention and delta-net
-kernels write their (unnormed) outputs. The SwiGLU output feeding the down projections stays
-f32 (see docs/PERF.md).
+as Q8_1, so no projection normalises or quantizes for itself: `norm_q8_1` for the residual
+stream (one small dispatch after each addition to it), except before a MoE block, where the
+router norms x itself as it reads it (moe.moe_router); the attention and delta-net kernels for
+their outputs. The SwiGLU output feeding the down projections stays f32 (see docs/PERF.md).
 
 Tried and dropped, on the H100: the residual norm in the last workgroup of the dispatch that adds
 to x (2048 workgroups serializing on one arrival counter: ~13 µs against ~5 µs for the extra
@@ -33,7 +26,8 @@ import numpy as np
 import zdsl
 from zdsl import Buffer, Const, f32, i32, u32
 from zdsl.kernels.formats import q8_1_quantize
-from zdsl.kernels.reduce import SUBGROUPS
+from zdsl.kernels.norm import rms_norm_ref
+from zdsl.kernels.reduce import SUBGROUPS, workgroup_sums
 
 
 def store_q8_1(v, i, valid, xq, xd):
@@ -62,45 +56,40 @@ def round_away(v):
     return zdsl.where(v < 0.0, -r, r)
 
 
-MAX_PARTIALS = 256  # blocks of a normed vector a consumer sums (n ≤ 8192): its loads are unrolled
+NORM_BATCH = 4  # quads an invocation of write_normed loads before it uses any: their latencies overlap
 
 
-class RmsPartials:
-    """The rms scale of a deferred normed vector, rsqrt(Σ ss / n + eps), for its consumer:
-    created at the top of a kernel (each lane loads its share of the per-block Σx², all in
-    flight together, ahead of the kernel's own loads), `.scale()` where the dot products are
-    finished. Valid in every lane of each subgroup; no barrier."""
+def write_normed(x, norm_w, hn, xq, xd, n, eps, WG: int, SG: int):
+    """hn = rmsnorm(x[0:n]) · norm_w, in f32 and as Q8_1 (xq, xd), by one workgroup of WG
+    invocations (n a multiple of 32). Two passes over x (Σx², then the outputs) in 16-byte
+    loads, NORM_BATCH per invocation in flight together; invocation t takes quads t, t + WG, …,
+    so eight neighbours hold a block."""
+    n4 = n >> 2
+    step = WG * NORM_BATCH
 
-    def __init__(self, ss, n, SG: int):
-        blocks, lane = n >> 5, zdsl.lane_id()
-        index = [lane + SG * j for j in range(-(-MAX_PARTIALS // SG))]
-        self.parts = [ss.load(i, mask=i < blocks, other=0.0) for i in index]
-        self.n = n
+    def quads(base):
+        """This invocation's quad indices of the batch at `base`, and which exist."""
+        index = [base + u * WG + zdsl.local_index() for u in range(NORM_BATCH)]
+        return index, [i < n4 for i in index]
 
-    def scale(self, eps):
-        total = self.parts[0]
-        for p in self.parts[1:]:
-            total = total + p
-        return zdsl.rsqrt(zdsl.subgroup_sum(total) / self.n.to(f32) + eps)
-
-
-def store_normed(v, w, i, valid, hn, xq, xd, ss):
-    """Quad i of a deferred normed vector from x's values v and the norm weights w (vec4s):
-    hn, its Q8_1, and the Σx² of its block. Eight consecutive invocations hold a block: call in
-    control flow uniform over each eight."""
-    value = v * w
-    with zdsl.if_(valid):
-        hn.vec4[i] = value
-    store_q8_1(value, i, valid, xq, xd)
-    squares = zdsl.subgroup_sum(zdsl.dot(v, v), cluster=8)
-    with zdsl.if_(valid & ((i & 7) == 0)):
-        ss[i >> 3] = squares
-
-
-def check_partials(n: int, name: str) -> None:
-    if n % 32 or n // 32 > MAX_PARTIALS:
-        raise zdsl.ZdslError(f"{name} is {n} wide; zdsl's normed vectors need a multiple of 32 up to "
-                             f"{32 * MAX_PARTIALS}")
+    acc = zdsl.var(0.0)
+    for base in zdsl.range(0, n4, step):
+        index, valid = quads(base)
+        vs = [x.vec4.load(i, mask=ok, other=0.0) for i, ok in zip(index, valid)]
+        for v in vs:
+            acc += zdsl.dot(v, v)
+    (total,) = workgroup_sums([acc], WG, SG)
+    scale = zdsl.rsqrt(total / n.to(f32) + eps)
+    for base in zdsl.range(0, n4, step):
+        index, valid = quads(base)
+        at = [zdsl.min(i, n4 - 1) for i in index]
+        ws = [norm_w.vec4[a] for a in at]
+        vs = [x.vec4[a] for a in at]
+        for i, ok, v, w in zip(index, valid, vs, ws):
+            v = v * w * scale
+            with zdsl.if_(ok):
+                hn.vec4[i] = v
+            store_q8_1(v, i, ok, xq, xd)
 
 
 @zdsl.kernel(workgroup=64, subgroup="SG", variants={"SG": SUBGROUPS})
@@ -120,34 +109,20 @@ def quantize_q8_1_ref(x):
     return q8_1_quantize(np.asarray(x, np.float32).reshape(-1, 32))
 
 
-@zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [64, 256], "SG": SUBGROUPS})
-def norm_q8_1(x: Buffer[f32], norm_w: Buffer[f32], hn: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32],
-              ss: Buffer[f32], n: u32, WG: Const = 64, SG: Const = 32):
-    """rmsnorm(x[0:n]) · norm_w deferred (n a multiple of 32): hn = x ⊙ norm_w in f32 and as
-    Q8_1, and ss = Σx² per block, which the next projections read. One quad per invocation.
-    Grid: ceil(n / (4·WG))."""
-    i = zdsl.global_id()
-    n4 = n >> 2
-    at = zdsl.min(i, n4 - 1)
-    store_normed(x.vec4[at], norm_w.vec4[at], i, i < n4, hn, xq, xd, ss)
+@zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [64, 256, 512], "SG": SUBGROUPS})
+def norm_q8_1(x: Buffer[f32], norm_w: Buffer[f32], hn: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], n: u32,
+              eps: f32, WG: Const = 512, SG: Const = 32):
+    """hn = rmsnorm(x[0:n]) · norm_w, in f32 and as Q8_1 (n a multiple of 32): what the next
+    projections read. One workgroup (a residual stream is a few thousand values).
+    Grid: 1."""
+    write_normed(x, norm_w, hn, xq, xd, n, eps, WG, SG)
 
 
 @norm_q8_1.reference
-def norm_q8_1_ref(x, norm_w):
-    """(hn f32, ss): the deferred normed vector (its Q8_1 is q8_1_ref(hn))."""
-    x = np.asarray(x, np.float32)
-    return x * np.asarray(norm_w, np.float32), squares_ref(x)
-
-
-def squares_ref(x) -> np.ndarray:
-    """Σx² per block of 32, as ss holds it."""
-    return (np.asarray(x, np.float64).reshape(-1, 32) ** 2).sum(axis=1)
-
-
-def rms_ref(ss, eps) -> float:
-    """The scale a consumer applies: rsqrt(mean(x²) + eps) from the block sums."""
-    ss = np.asarray(ss, np.float64)
-    return float(1 / np.sqrt(ss.sum() / (32 * ss.size) + eps))
+def norm_q8_1_ref(x, norm_w, eps):
+    """(hn f32, q int8, d, s): the normed vector and the Q8_1 blocks of it."""
+    hn = rms_norm_ref(x, norm_w, eps)
+    return (hn, *quantize_q8_1_ref(hn))
 
 
 def q8_1_ref(x) -> tuple[np.ndarray, np.ndarray]:

@@ -65,15 +65,6 @@ def assert_within(y, ref, bound):
     assert (err <= bound).all(), f"max error {err.max():.3g} (bound there {bound.reshape(-1)[np.argmax(err)]:.3g})"
 
 
-def normed_input(rng, k, on):
-    """(arguments, rms) for a NORM variant reading a deferred normed vector (q8_1.py): the block
-    sums of squares of some residual x of k values, and the scale they stand for; ({}, 1) off."""
-    if not on:
-        return {}, 1.0
-    ss = q8.squares_ref(rng.standard_normal(k) * rng.uniform(0.1, 10)).astype(np.float32)
-    return dict(ss=ss, eps=1e-5), q8.rms_ref(ss, 1e-5)
-
-
 def abs_dot(w_bytes, qtype, rows, k, x):
     """|W| @ |x| per row for each vector of x (cols × k): the magnitude f32 rounding scales with."""
     return (np.abs(x.reshape(-1, k)) @ np.abs(dm.dequant_rows(w_bytes, qtype, rows, k)).T).reshape(-1)
@@ -83,54 +74,44 @@ def abs_dot(w_bytes, qtype, rows, k, x):
 @pytest.mark.parametrize("qtype", QTYPES)
 @settings(max_examples=20)
 @given(m=st.integers(1, 9), nb=st.integers(0, 5), shape=st.integers(0, len(SHAPES) - 1), add=st.booleans(),
-       norm=st.integers(0, 2), quantizer=st.booleans(), sg_pick=st.integers(0, 3), nsub=st.sampled_from([1, 2, 4]),
-       seed=st.integers(0, 99))
-def test_dmmv(backend, request, qtype, m, nb, shape, add, norm, quantizer, sg_pick, nsub, seed):
-    """NORM (x a deferred normed vector, one column): the products times its rms."""
+       quantizer=st.booleans(), sg_pick=st.integers(0, 3), nsub=st.sampled_from([1, 2, 4]), seed=st.integers(0, 99))
+def test_dmmv(backend, request, qtype, m, nb, shape, add, quantizer, sg_pick, nsub, seed):
     rng = np.random.default_rng(seed)
     cols, rows = SHAPES[pick(backend, qtype, shape, len(SHAPES))]
     add = bool(pick(backend, qtype, add, 2))
-    norm = cols == 1 and pick(backend, qtype, norm, 3) == 1
     k = FORMATS[qtype].block * block_count(qtype, nb)
     w = weights(rng, qtype, m, k, quantizer)
     x = rng.standard_normal(cols * k).astype(np.float32)
     y0 = rng.standard_normal(cols * m).astype(np.float32)
     sg = subgroup(backend, request, sg_pick)
     nsub = nsub if sg % FORMATS[qtype].parts == 0 else 1  # rows per subgroup need whole blocks in one
-    norm_args, rms = normed_input(rng, k, norm)
-    v = dm.dmmv.specialize(QTYPE=qtype, COLS=cols, ROWS=rows, NSUB=nsub, ADD=add, NORM=norm, SG=sg)
-    y = run(v, backend, request, -(-m // dm.rows_per_workgroup(v)), w=w, x=x, y=y0, k=k, m=m, **norm_args)["y"]
-    assert_within(y, dm.dmmv_ref(w, x, qtype, m, k, y0 if add else None, rms),
-                  RTOL * rms * abs_dot(w, qtype, m, k, x) + 1e-6)
+    v = dm.dmmv.specialize(QTYPE=qtype, COLS=cols, ROWS=rows, NSUB=nsub, ADD=add, SG=sg)
+    y = run(v, backend, request, -(-m // dm.rows_per_workgroup(v)), w=w, x=x, y=y0, k=k, m=m)["y"]
+    assert_within(y, dm.dmmv_ref(w, x, qtype, m, k, y0 if add else None), RTOL * abs_dot(w, qtype, m, k, x) + 1e-6)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("qtype", QTYPES)
 @settings(max_examples=10)
 @given(m=st.integers(1, 7), nb=st.integers(0, 5), nexp=st.integers(1, 4), slots=st.integers(1, 3),
-       experts=st.booleans(), norm=st.booleans(), rows=st.integers(0, 2), sg_pick=st.integers(0, 3),
-       seed=st.integers(0, 99))
-def test_ffn_gate_up(backend, request, qtype, m, nb, nexp, slots, experts, norm, rows, sg_pick, seed):
+       experts=st.booleans(), rows=st.integers(0, 2), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
+def test_ffn_gate_up(backend, request, qtype, m, nb, nexp, slots, experts, rows, sg_pick, seed):
     rng = np.random.default_rng(seed)
     rows = [1, 2, 4][pick(backend, qtype, rows, 3)]
     experts = bool(pick(backend, qtype, experts, 2))
-    norm = pick(backend, qtype, norm, 3) == 2
     k = FORMATS[qtype].block * block_count(qtype, nb)
     nexp, slots = (nexp, slots) if experts else (1, 1)
     wg, wu = (weights(rng, qtype, nexp * m, k, quantizer=False) for _ in range(2))
     ids = rng.integers(0, nexp, slots).astype(np.uint32)
     x = rng.standard_normal(k).astype(np.float32)
-    norm_args, rms = normed_input(rng, k, norm)
-    v = dm.ffn_gate_up.specialize(QTYPE=qtype, ROWS=rows, EXPERTS=experts, NORM=norm,
-                                  SG=subgroup(backend, request, sg_pick))
+    v = dm.ffn_gate_up.specialize(QTYPE=qtype, ROWS=rows, EXPERTS=experts, SG=subgroup(backend, request, sg_pick))
     act = run(v, backend, request, (-(-m // rows), slots), wg=wg, wu=wu, ids=ids, x=x,
-              act=np.full(slots * m, np.nan, np.float32), k=k, m=m, **norm_args)["act"]
-    xs = x * rms  # the vector the kernel multiplies by, in float64 below
-    g = dm.dmmv_ref(wg, xs, qtype, nexp * m, k).reshape(nexp, m)[ids if experts else [0]]
-    u = dm.dmmv_ref(wu, xs, qtype, nexp * m, k).reshape(nexp, m)[ids if experts else [0]]
-    ga = abs_dot(wg, qtype, nexp * m, k, xs).reshape(nexp, m)[ids if experts else [0]]
-    ua = abs_dot(wu, qtype, nexp * m, k, xs).reshape(nexp, m)[ids if experts else [0]]
-    ref = dm.ffn_gate_up_ref(wg, wu, ids, x, qtype, m, k, experts, rms=rms)
+              act=np.full(slots * m, np.nan, np.float32), k=k, m=m)["act"]
+    g = dm.dmmv_ref(wg, x, qtype, nexp * m, k).reshape(nexp, m)[ids if experts else [0]]
+    u = dm.dmmv_ref(wu, x, qtype, nexp * m, k).reshape(nexp, m)[ids if experts else [0]]
+    ga = abs_dot(wg, qtype, nexp * m, k, x).reshape(nexp, m)[ids if experts else [0]]
+    ua = abs_dot(wu, qtype, nexp * m, k, x).reshape(nexp, m)[ids if experts else [0]]
+    ref = dm.ffn_gate_up_ref(wg, wu, ids, x, qtype, m, k, experts)
     # silu(g)·u moves by at most (|u|·1.1 + |silu(g)|)·(the errors of g and u)
     bound = RTOL * ((np.abs(u) * 1.1 + np.abs(g)) * (ga + ua)).reshape(-1) + 1e-6
     assert_within(act, ref, bound)
@@ -202,11 +183,9 @@ def test_quantize_q8_1(backend, request, nb, spread, ties, sg_pick, seed):
 @given(m=st.integers(1, 9), nb=st.integers(0, 5), shape=st.integers(0, len(SHAPES) - 1), add=st.booleans(),
        quantizer=st.booleans(), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
 def test_dmmv_q8(backend, request, qtype, m, nb, shape, add, quantizer, sg_pick, seed):
-    """NORM for every one-column case on lavapipe, half of them in the interpreter."""
     rng = np.random.default_rng(seed)
     cols, rows = SHAPES[pick(backend, qtype, shape, len(SHAPES))]
     add = bool(pick(backend, qtype, add, 2))
-    norm = cols == 1 and (backend == "lavapipe" or seed % 2 == 0)
     k = FORMATS[qtype].block * block_count(qtype, nb)
     sg = subgroup(backend, request, sg_pick)
     w = weights(rng, qtype, m, k, quantizer)
@@ -214,16 +193,15 @@ def test_dmmv_q8(backend, request, qtype, m, nb, shape, add, quantizer, sg_pick,
     xq8 = run(q8.quantize_q8_1.specialize(SG=sg), backend, request, -(-cols * k // 256), x=x,
               xq=np.zeros(cols * k // 4, np.uint32), xd=np.zeros(cols * k // 16, np.float32), n=cols * k)
     y0 = rng.standard_normal(cols * m).astype(np.float32)
-    norm_args, rms = normed_input(rng, k, norm)
-    v = dq.dmmv_q8.specialize(QTYPE=qtype, COLS=cols, ROWS=rows, ADD=add, NORM=norm, SG=sg)
-    y = run(v, backend, request, -(-m // rows), w=w, xq=xq8["xq"], xd=xq8["xd"], y=y0, k=k, m=m, **norm_args)["y"]
+    v = dq.dmmv_q8.specialize(QTYPE=qtype, COLS=cols, ROWS=rows, ADD=add, SG=sg)
+    y = run(v, backend, request, -(-m // rows), w=w, xq=xq8["xq"], xd=xq8["xd"], y=y0, k=k, m=m)["y"]
     xhat = q8.q8_1_values(xq8["xq"], xq8["xd"])
     base = y0 if add else None
-    assert_within(y, dq.dmmv_q8_ref(w, xq8["xq"], xq8["xd"], qtype, m, k, base, rms),
-                  RTOL * rms * abs_dot(w, qtype, m, k, xhat) + 1e-6)
+    assert_within(y, dq.dmmv_q8_ref(w, xq8["xq"], xq8["xd"], qtype, m, k, base),
+                  RTOL * abs_dot(w, qtype, m, k, xhat) + 1e-6)
     step = np.repeat(xq8["xd"][0::2], 32) / 2  # |x − x̂| ≤ d/2 per element
-    quant_bound = rms * (abs_dot(w, qtype, m, k, step) + RTOL * abs_dot(w, qtype, m, k, x)) + 1e-6
-    assert_within(y, dm.dmmv_ref(w, x, qtype, m, k, base, rms), quant_bound)
+    quant_bound = abs_dot(w, qtype, m, k, step) + RTOL * abs_dot(w, qtype, m, k, x) + 1e-6
+    assert_within(y, dm.dmmv_ref(w, x, qtype, m, k, base), quant_bound)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -232,10 +210,8 @@ def test_dmmv_q8(backend, request, qtype, m, nb, shape, add, quantizer, sg_pick,
 @given(m=st.integers(1, 7), nb=st.integers(0, 5), nexp=st.integers(1, 4), slots=st.integers(1, 3),
        experts=st.booleans(), rows=st.integers(0, 2), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
 def test_ffn_gate_up_q8(backend, request, qtype, m, nb, nexp, slots, experts, rows, sg_pick, seed):
-    """Gate·up by expert id over Q8_1 activations: against the f64 product on the kernel's own x̂
-    (NORM, as the decode step runs it, for all but a third of the cases in the interpreter)."""
+    """Gate·up by expert id over Q8_1 activations: against the f64 product on the kernel's own x̂."""
     rng = np.random.default_rng(seed)
-    norm = backend == "lavapipe" or seed % 3 != 0
     rows = [1, 2, 4][pick(backend, qtype, rows, 3)]
     experts = bool(pick(backend, qtype, experts, 2))
     k = FORMATS[qtype].block * block_count(qtype, nb)
@@ -246,17 +222,16 @@ def test_ffn_gate_up_q8(backend, request, qtype, m, nb, nexp, slots, experts, ro
     x = rng.standard_normal(k).astype(np.float32)
     xq8 = run(q8.quantize_q8_1.specialize(SG=sg), backend, request, -(-k // 256), x=x,
               xq=np.zeros(k // 4, np.uint32), xd=np.zeros(k // 16, np.float32), n=k)
-    norm_args, rms = normed_input(rng, k, norm)
-    v = dq.ffn_gate_up_q8.specialize(QTYPE=qtype, ROWS=rows, EXPERTS=experts, NORM=norm, SG=sg)
+    v = dq.ffn_gate_up_q8.specialize(QTYPE=qtype, ROWS=rows, EXPERTS=experts, SG=sg)
     act = run(v, backend, request, (-(-m // rows), slots), wg=wg, wu=wu, ids=ids, xq=xq8["xq"], xd=xq8["xd"],
-              act=np.full(slots * m, np.nan, np.float32), k=k, m=m, **norm_args)["act"]
-    xhat = rms * q8.q8_1_values(xq8["xq"], xq8["xd"])
+              act=np.full(slots * m, np.nan, np.float32), k=k, m=m)["act"]
+    xhat = q8.q8_1_values(xq8["xq"], xq8["xd"])
     sel = ids if experts else [0]
     g = dm.dmmv_ref(wg, xhat, qtype, nexp * m, k).reshape(nexp, m)[sel]
     u = dm.dmmv_ref(wu, xhat, qtype, nexp * m, k).reshape(nexp, m)[sel]
     ga = abs_dot(wg, qtype, nexp * m, k, xhat).reshape(nexp, m)[sel]
     ua = abs_dot(wu, qtype, nexp * m, k, xhat).reshape(nexp, m)[sel]
-    ref = dq.ffn_gate_up_q8_ref(wg, wu, ids, xq8["xq"], xq8["xd"], qtype, m, k, experts, rms=rms)
+    ref = dq.ffn_gate_up_q8_ref(wg, wu, ids, xq8["xq"], xq8["xd"], qtype, m, k, experts)
     bound = RTOL * ((np.abs(u) * 1.1 + np.abs(g)) * (ga + ua)).reshape(-1) + 1e-6
     assert_within(act, ref, bound)
 

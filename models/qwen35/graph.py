@@ -9,11 +9,10 @@ the delta-net projections) carry no barrier between them; the runtime inserts ba
 where one dispatch reads what another wrote.
 
 Every projection reads its input once quantized to Q8_1 (int8 products; f32 for weight types
-without an int8 decoder, and for the router). The normed residual stream is written deferred
-(kernels/q8_1.py: x ⊙ w and Σx² per block of 32; its consumers apply the rms) by whoever
-finishes x: the experts' down projection for the next layer, the router for the experts (it
-norms x itself), a small dispatch elsewhere (after the embedding; a dense model's residuals).
-The attention and delta-net outputs are written by the kernels that finish them.
+without an int8 decoder, and for the router): the normed residual stream is written, in f32 and
+Q8_1, by a small dispatch after each addition to the residual (before a MoE block, by the router,
+which norms x itself), and the attention and delta-net outputs by the kernels that finish them
+(kernels/q8_1.py).
 """
 
 from __future__ import annotations
@@ -41,13 +40,11 @@ ATTN_MAX_SPLITS = 256
 
 @dataclass
 class Vector:
-    """One activation vector as the projections read it: f32, and Q8_1 (q, d: q8_1.py); a
-    normed one also its Σx² per block (ss), whose rms its consumers apply."""
+    """One activation vector as the projections read it: f32, and Q8_1 (q, d: q8_1.py)."""
 
     f32: object
     q: object
     d: object
-    ss: object = None
 
 
 class DecodeGraph:
@@ -105,13 +102,11 @@ class DecodeGraph:
     def _f32(self, n: int, name: str):
         return self.device.alloc(4 * max(n, 1), name=name)
 
-    def _vector(self, n: int, name: str, normed: bool = False) -> Vector:
+    def _vector(self, n: int, name: str) -> Vector:
         if n % 32:
             raise ZdslError(f"{name} has {n} values; zdsl's Q8_1 activations need a multiple of 32")
-        if normed:
-            q8_1.check_partials(n, name)
         return Vector(self._f32(n, name), self.device.alloc(n, name=name + "_q8_1"),
-                      self._f32(n // 16, name + "_q8_1_scales"), self._f32(n // 32, name + "_squares") if normed else None)
+                      self._f32(n // 16, name + "_q8_1_scales"))
 
     def _allocate(self) -> None:
         hp, dev = self.hp, self.device
@@ -123,7 +118,7 @@ class DecodeGraph:
         self.step_words = self.step_host.view(np.uint32)
         self.step = dev.alloc(4 * STEP_WORDS, name="step")
         self.x, self.logits_out = self._f32(H, "x"), self._f32(hp.vocab, "logits")  # the residual stream
-        self.normed = self._vector(H, "normed", normed=True)  # rmsnorm(x) · the next consumer's norm weight
+        self.normed = self._vector(H, "normed")  # rmsnorm(x) · the next consumer's norm weight
         # Each dispatch that counts its workgroups (last_workgroup) leaves its counter at 0.
         self.router_arrivals = dev.alloc(4, name="router_arrivals")
         qd, kvd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
@@ -208,18 +203,11 @@ class DecodeGraph:
         x = x or self.normed
         m, k = self.model.shape(tensor)[-2:]
         q = self._qname(tensor)
-        fixed, args = dict(QTYPE=q), {}
-        if add:
-            fixed["ADD"] = True
-        if x.ss is not None:
-            fixed["NORM"] = True
-            args.update(ss=x.ss, eps=self.hp.eps)
+        fixed = dict(QTYPE=q, ADD=True) if add else dict(QTYPE=q)
         if self._int8(tensor) and x.q is not None:
-            v = self._choose(dmmv_q8.dmmv_q8, {"QTYPE": q, "k": k, "m": m}, **fixed)
-            args.update(xq=x.q, xd=x.d)
+            v, args = self._choose(dmmv_q8.dmmv_q8, {"QTYPE": q, "k": k, "m": m}, **fixed), dict(xq=x.q, xd=x.d)
         else:
-            v = self._choose(dmmv.dmmv, {"QTYPE": q, "k": k, "m": m}, **fixed)
-            args.update(x=x.f32)
+            v, args = self._choose(dmmv.dmmv, {"QTYPE": q, "k": k, "m": m}, **fixed), dict(x=x.f32)
         v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=tensor.removesuffix(".weight"),
                    w=self.weights[tensor], y=y, k=k, m=m, **args)
 
@@ -236,11 +224,11 @@ class DecodeGraph:
         return None if self.hp.moe else f"blk.{i}.post_attention_norm.weight"
 
     def _norm(self, seq, norm: str) -> None:
-        """normed = rmsnorm(x) · norm, deferred (q8_1.py), by a dispatch of its own."""
+        """normed = rmsnorm(x) · norm, in f32 and Q8_1: one dispatch of one workgroup."""
         n, H = self.normed, self.hp.hidden
         v = self._choose(q8_1.norm_q8_1, {"n": H})
-        v.dispatch(seq, cdiv(H, 4 * v.params["WG"]), label=norm.removesuffix(".weight"), x=self.x,
-                   norm_w=self.weights[norm], hn=n.f32, xq=n.q, xd=n.d, ss=n.ss, n=H)
+        v.dispatch(seq, 1, label=norm.removesuffix(".weight"), x=self.x, norm_w=self.weights[norm], hn=n.f32, xq=n.q,
+                   xd=n.d, n=H, eps=self.hp.eps)
 
     def _next_norm(self, i: int) -> str:
         """The norm that the layer after layer i starts with (the output norm after the last)."""
@@ -323,23 +311,20 @@ class DecodeGraph:
             pairs.update(wg_sh=self.weights[shared[0]], wu_sh=self.weights[shared[1]])
         ids = self.route_ids if experts else self.step
         label = gate.removesuffix(".weight") + "+up" + ("+shexp" if experts else "")
-        shape = {"QTYPE": q, "k": k, "m": m, "slots": slots}
-        fixed = dict(QTYPE=q, EXPERTS=experts, SHARED=experts, NORM=True)
-        n = self.normed
+        shape, fixed = {"QTYPE": q, "k": k, "m": m, "slots": slots}, dict(QTYPE=q, EXPERTS=experts, SHARED=experts)
         if self._int8(gate):
             v = self._choose(dmmv_q8.ffn_gate_up_q8, shape, **fixed)
-            args = dict(xq=n.q, xd=n.d)
+            args = dict(xq=self.normed.q, xd=self.normed.d)
         else:
             v = self._choose(dmmv.ffn_gate_up, shape, **fixed)
-            args = dict(x=n.f32)
+            args = dict(x=self.normed.f32)
         v.dispatch(seq, (cdiv(m, dmmv.rows_per_workgroup(v)), slots), label=label, **pairs, ids=ids, act=self.act,
-                   ss=n.ss, k=k, m=m, eps=self.hp.eps, **args)
+                   k=k, m=m, **args)
 
     def _moe(self, seq, i: int) -> None:
         """The router (x normed, its logits, then the experts picked by the workgroup that
         finishes last), one dispatch for every expert's gate·up (the shared expert as one more
-        slot), one for every down projection added to x that also writes x normed for the next
-        layer."""
+        slot), one for every down projection added to x, then x normed for the next layer."""
         hp, p = self.hp, f"blk.{i}."
         K, E = hp.n_experts_used, hp.n_experts
         router = p + "ffn_gate_inp.weight"
@@ -348,7 +333,7 @@ class DecodeGraph:
         route.dispatch(seq, cdiv(E, dmmv.rows_per_workgroup(route)), label=p + "ffn_gate_inp+moe_route",
                        w=self.weights[router], sh_gate_w=self.weights[p + "ffn_gate_inp_shexp.weight"], x=self.x,
                        norm_w=self.weights[p + "post_attention_norm.weight"], hn=self.normed.f32, xq=self.normed.q,
-                       xd=self.normed.d, ss=self.normed.ss, logits=self.router, arrivals=self.router_arrivals, ids=self.route_ids,
+                       xd=self.normed.d, logits=self.router, arrivals=self.router_arrivals, ids=self.route_ids,
                        weights=self.route_w, k=kr, n_expert=E, eps=self.hp.eps)
         self._gate_up(seq, p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight", K + 1,
                       shared=(p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"))
@@ -359,15 +344,13 @@ class DecodeGraph:
         if (fd.block, fd.parts) != (fs.block, fs.parts):
             self._down(seq, down, self.route_ids, self.route_w, self.act, K)
             self._down(seq, down_sh, self.zero_id, self.route_w_shared, self.act_shared, 1)
-            self._norm(seq, self._next_norm(i))
         else:
             v = self._choose(dmmv.moe_down_all, {"QTYPE": qd, "QTYPE_SH": qs, "k": kd, "m": md, "K": K},
                              QTYPE=qd, QTYPE_SH="" if qs == qd else qs, K=K)
-            n, norm = self.normed, self._next_norm(i)
-            v.dispatch(seq, cdiv(md, dmmv.rows_per_workgroup(v)), label=p + "ffn_down_exps+shexp+" + norm.split(".")[-2],
+            v.dispatch(seq, cdiv(md, dmmv.rows_per_workgroup(v)), label=p + "ffn_down_exps+shexp",
                        w=self.weights[down], w_sh=self.weights[down_sh], ids=self.route_ids, weights=self.route_w,
-                       act=self.act, y=self.x, norm_w=self.weights[norm], hn=n.f32, xq=n.q, xd=n.d, ss=n.ss, k=kd,
-                       m=md)
+                       act=self.act, y=self.x, k=kd, m=md)
+        self._norm(seq, self._next_norm(i))
 
     def _down(self, seq, tensor: str, ids, weights, act, slots: int) -> None:
         m, k = self.model.shape(tensor)[-2:]

@@ -3,10 +3,9 @@
 Usage: python3 arrivals.py [DEVICE (default 0)] [CHAIN (default 40)]
 
 Chains of dependent dispatches of N workgroups, each writing its share of a vector, then:
-mode 0, nothing more (norm: a one-workgroup norm dispatch after each); mode 1,
-zdsl.last_workgroup on one counter; mode 2, a two-level counter (groups of 64, then one). With
-norm, the last workgroup of modes 1 and 2 norms a 2048-wide vector (`write_normed`: the whole
-norm by one workgroup, as norm_q8_1 did until the norm was deferred to its consumers)."""
+mode 0, nothing more (norm: a norm_q8_1 dispatch after each); mode 1, zdsl.last_workgroup on
+one counter; mode 2, a two-level counter (groups of 64, then one). With norm, the last
+workgroup of modes 1 and 2 norms a 2048-wide vector (q8_1.write_normed)."""
 import sys
 import time
 
@@ -14,45 +13,10 @@ import numpy as np
 
 import zdsl
 from zdsl import Buffer, Coherent, Const, f32, u32
-from zdsl.kernels.q8_1 import store_q8_1
-from zdsl.kernels.reduce import workgroup_sums
+from zdsl.autotune.database import choose
+from zdsl.kernels import q8_1
+from zdsl.kernels.q8_1 import write_normed
 from zdsl.runtime import open_device
-
-NORM_BATCH = 4  # quads an invocation loads before it uses any
-
-
-def write_normed(x, norm_w, hn, xq, xd, n, eps, WG: int, SG: int):
-    """hn = rmsnorm(x[0:n]) · norm_w, in f32 and as Q8_1, by one workgroup: Σx² over x, then
-    the outputs, NORM_BATCH 16-byte loads per invocation in flight together."""
-    n4 = n >> 2
-    step = WG * NORM_BATCH
-
-    def quads(base):
-        index = [base + u * WG + zdsl.local_index() for u in range(NORM_BATCH)]
-        return index, [i < n4 for i in index]
-
-    acc = zdsl.var(0.0)
-    for base in zdsl.range(0, n4, step):
-        index, valid = quads(base)
-        for v in [x.vec4.load(i, mask=ok, other=0.0) for i, ok in zip(index, valid)]:
-            acc += zdsl.dot(v, v)
-    (total,) = workgroup_sums([acc], WG, SG)
-    scale = zdsl.rsqrt(total / n.to(f32) + eps)
-    for base in zdsl.range(0, n4, step):
-        index, valid = quads(base)
-        at = [zdsl.min(i, n4 - 1) for i in index]
-        for i, ok, v, w in zip(index, valid, [x.vec4[a] for a in at], [norm_w.vec4[a] for a in at]):
-            v = v * w * scale
-            with zdsl.if_(ok):
-                hn.vec4[i] = v
-            store_q8_1(v, i, ok, xq, xd)
-
-
-@zdsl.kernel(workgroup=512, subgroup="SG", register=False)
-def norm_dispatch(x: Buffer[f32], norm_w: Buffer[f32], hn: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], n: u32,
-                  SG: Const = 32):
-    """The norm as a dispatch of its own (mode 0 with norm). Grid: 1."""
-    write_normed(x, norm_w, hn, xq, xd, n, 1e-6, 512, SG)
 
 
 def last_of(counter, index, of):
@@ -98,7 +62,7 @@ def chain(x: Coherent[f32], counter: Buffer[u32], norm_w: Buffer[f32], hn: Buffe
                     hn[0] = x[0]
 
 dev = open_device(sys.argv[1] if len(sys.argv) > 1 else "0")
-nv = norm_dispatch.specialize(SG=dev.info.subgroup_size)
+nv = choose(q8_1.norm_q8_1, dev.info, {"n": 2048})
 L = int(sys.argv[2]) if len(sys.argv) > 2 else 40
 for WG in (64, 256):
     for N in ((256, 1024, 2048, 4096) if L > 4 else (3, 130)):
@@ -112,7 +76,7 @@ for WG in (64, 256):
             for l in range(L):
                 v.dispatch(seq, N, x=x, counter=cnt, norm_w=norm_w, hn=hn, xq=xq, xd=xd, n=n, nn=2048)
                 if norm and mode == 0:  # the current design: a norm dispatch of its own
-                    nv.dispatch(seq, 1, x=x, norm_w=norm_w, hn=hn, xq=xq, xd=xd, n=2048)
+                    nv.dispatch(seq, 1, x=x, norm_w=norm_w, hn=hn, xq=xq, xd=xd, n=2048, eps=1e-6)
             seq.run(3)
             ts = []
             for r in range(7):

@@ -2,8 +2,7 @@
 
 Usage: python3 l2_prefetch.py [DEVICE (default 0)] [CHAIN (default 40)]
 
-A chain of layers: norm (a small dispatch; since the norm is deferred, q8_1.norm_q8_1 over a few
-workgroups) -> qkv (Q5_K 2048 -> 8192) + gate (Q4_K 2048 -> 4096),
+A chain of layers: norm (one workgroup) -> qkv (Q5_K 2048 -> 8192) + gate (Q4_K 2048 -> 4096),
 each layer with weights of its own (cold): as is, with a kernel reading the layer's weights
 dispatched beside the norm (prefetch*), and with every layer on the first layer's weights (hot).
 Also the prefetches alone and a norm followed by a tiny projection."""
@@ -41,7 +40,7 @@ qkv = [dev.upload(_rows(rng, "q5_k", 8192, H), name=f"qkv{l}") for l in range(L)
 zw = [dev.upload(_rows(rng, "q4_k", 4096, H), name=f"z{l}") for l in range(L)]
 norm_w = dev.upload(np.ones(H, np.float32))
 x = dev.upload(rng.standard_normal(H).astype(np.float32))
-hn = dev.alloc(4 * H); xq = dev.alloc(H); xd = dev.alloc(4 * H // 16); ss = dev.alloc(4 * H // 32)
+hn = dev.alloc(4 * H); xq = dev.alloc(H); xd = dev.alloc(4 * H // 16)
 mix = dev.alloc(4 * 8192); z = dev.alloc(4 * 4096)
 sink = dev.alloc(4 * 1 << 22)
 print("weights MB", qkv[0].nbytes / 1e6, zw[0].nbytes / 1e6, flush=True)
@@ -58,7 +57,7 @@ def record(mode):
     seq = dev.sequence()
     for l in range(L):
         lw = 0 if mode == "hot" else l
-        norm.dispatch(seq, cdiv(H, 4 * norm.params["WG"]), x=x, norm_w=norm_w, hn=hn, xq=xq, xd=xd, ss=ss, n=H)
+        norm.dispatch(seq, 1, x=x, norm_w=norm_w, hn=hn, xq=xq, xd=xd, n=H, eps=1e-6)
         if mode == "prefetch":
             pf(seq, qkv[lw], 0); pf(seq, zw[lw], 1)
         if mode == "prefetch8":
@@ -72,12 +71,12 @@ def prefetch_only():
     seq = dev.sequence()
     for l in range(L):
         pf(seq, qkv[l], 0); pf(seq, zw[l], 1)
-        norm.dispatch(seq, cdiv(H, 4 * norm.params["WG"]), x=x, norm_w=norm_w, hn=hn, xq=xq, xd=xd, ss=ss, n=H)
+        norm.dispatch(seq, 1, x=x, norm_w=norm_w, hn=hn, xq=xq, xd=xd, n=H, eps=1e-6)
     return seq
 def normonly():
     seq = dev.sequence()
     for l in range(L):
-        norm.dispatch(seq, cdiv(H, 4 * norm.params["WG"]), x=x, norm_w=norm_w, hn=hn, xq=xq, xd=xd, ss=ss, n=H)
+        norm.dispatch(seq, 1, x=x, norm_w=norm_w, hn=hn, xq=xq, xd=xd, n=H, eps=1e-6)
         proj(seq, zw[0], z, "q4_k", 32)  # tiny dependent
     return seq
 seqs = {m: record(m) for m in ("cold", "prefetch", "prefetch8", "prefetch_qkv", "hot")}

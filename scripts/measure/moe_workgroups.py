@@ -3,8 +3,7 @@
 Usage: python3 moe_workgroups.py [DEVICE (default 0)] [CHAIN (default 40)]
 
 Both at the 35B shapes, in chains of dependent dispatches over cold weights: more invocations
-sharing a row's blocks means fewer of them walked one after another. (The down projection now
-has workgroups of 32 rows, ROWS per subgroup: it norms the block of x it finishes.)"""
+sharing a row's blocks means fewer of them walked one after another."""
 import sys, time, numpy as np
 from zdsl.runtime import open_device
 from zdsl.kernels import moe, dmmv
@@ -28,7 +27,7 @@ rw = [dev.upload(rng.standard_normal(E * H).astype(np.float32)) for _ in range(L
 sh = dev.upload(rng.standard_normal(H).astype(np.float32) * 0.02)
 x = dev.upload(rng.standard_normal(H).astype(np.float32))
 norm_w = dev.upload(np.ones(H, np.float32))
-hn, xq, xd, ss = dev.alloc(4 * H), dev.alloc(H), dev.alloc(H // 4), dev.alloc(H // 8)
+hn, xq, xd = dev.alloc(4 * H), dev.alloc(H), dev.alloc(H // 4)
 logits, arr, ids, wts = dev.alloc(4 * E), dev.alloc(4), dev.alloc(4 * K * L), dev.alloc(4 * (K + 1) * L)
 s = dev.sequence(); s.fill(arr); s.run(); s.free()
 for rows in (1, 2, 4):
@@ -36,7 +35,7 @@ for rows in (1, 2, 4):
         try:
             v = moe.moe_router.specialize(QTYPE="f32", K=K, ROWS=rows, SG=SG, WG=wg)
             t = timeit(lambda seq: [v.dispatch(seq, cdiv(E, dmmv.rows_per_workgroup(v)), w=rw[l], sh_gate_w=sh, x=x,
-                norm_w=norm_w, hn=hn, xq=xq, xd=xd, ss=ss, eps=1e-6, logits=logits, arrivals=arr, ids=ids.slice(0, 4 * K), weights=wts.slice(0, 4 * (K + 1)), k=H,
+                norm_w=norm_w, hn=hn, xq=xq, xd=xd, eps=1e-6, logits=logits, arrivals=arr, ids=ids.slice(0, 4 * K), weights=wts.slice(0, 4 * (K + 1)), k=H,
                 n_expert=E) for l in range(L)])
             d = dmmv.dmmv.specialize(QTYPE="f32", ROWS=rows, SG=SG, WG=wg)
             t2 = timeit(lambda seq: [d.dispatch(seq, cdiv(E, dmmv.rows_per_workgroup(d)), w=rw[l], x=x, y=logits, k=H, m=E)
@@ -53,12 +52,14 @@ idb = dev.upload(idv.reshape(-1))
 wv = dev.upload(np.pad(np.abs(rng.standard_normal((L, K + 1))), ((0, 0), (0, 3))).astype(np.float32).reshape(-1))
 act = dev.upload(rng.standard_normal((K + 1) * F).astype(np.float32))
 y = dev.alloc(4 * H)
-for rows in (1, 2, 4):
-    try:
-        v = dmmv.moe_down_all.specialize(QTYPE="q6_k", QTYPE_SH="", K=K, ROWS=rows, SG=SG)
-        t = timeit(lambda seq: [v.dispatch(seq, cdiv(H, dmmv.rows_per_workgroup(v)), w=wd, w_sh=wsh,
-            ids=idb.slice(4 * K * l, 4 * K), weights=wv.slice(4 * (K + 4) * l, 4 * (K + 1)), act=act, y=y,
-            norm_w=norm_w, hn=hn, xq=xq, xd=xd, ss=ss, k=F, m=H) for l in range(L)])
-        print(f"moe_down_all ROWS={rows} (workgroup {32 // rows * SG}): {t:6.2f} us", flush=True)
-    except Exception as e:
-        print("down", rows, "failed:", str(e)[:200])
+for rows in (1, 2):
+    for wg in (0, 64, 128, 256):
+        for nsub in ((1, 2, 4) if wg == 0 else (1,)):
+            try:
+                v = dmmv.moe_down_all.specialize(QTYPE="q6_k", QTYPE_SH="", K=K, ROWS=rows, NSUB=nsub, SG=SG, WG=wg)
+                t = timeit(lambda seq: [v.dispatch(seq, cdiv(H, dmmv.rows_per_workgroup(v)), w=wd, w_sh=wsh,
+                    ids=idb.slice(4 * K * l, 4 * K), weights=wv.slice(4 * (K + 4) * l, 4 * (K + 1)), act=act, y=y, k=F, m=H)
+                    for l in range(L)])
+                print(f"moe_down_all ROWS={rows} WG={wg:3d} NSUB={nsub}: {t:6.2f} us", flush=True)
+            except Exception as e:
+                print("down", rows, wg, nsub, "failed:", str(e)[:200])
