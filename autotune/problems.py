@@ -219,7 +219,7 @@ def _moe_down(use, rng, check):
 def _moe_router(use, rng, check):
     q, k, n_exp, K = use.shape["QTYPE"], use.shape["k"], use.shape["n_expert"], use.fixed["K"]
     n_exp = min(n_exp, CHECK_ROWS) if check else n_exp
-    eps = use.sizes.get("eps", 1e-6)
+    eps = use.sizes["eps"]
     a = dict(w=_rows(rng, q, n_exp, k), sh_gate_w=_normal(rng, k, 0.05), x=_normal(rng, k, 3.0),
              norm_w=_normal(rng, k), hn=np.zeros(k, np.float32), xq=np.zeros(k // 4, np.uint32),
              xd=np.zeros(k // 16, np.float32), logits=np.zeros(n_exp, np.float32), arrivals=np.zeros(1, np.uint32),
@@ -324,7 +324,7 @@ def _attn_combine(use, rng, check):
     part[:, :, 0] = rng.standard_normal((nh, nsplit)) * 3
     part[:, :, 1] = rng.uniform(1, 20, (nh, nsplit))
     part[:, :, 2:] = rng.standard_normal((nh, nsplit, D))
-    q8 = use.fixed.get("Q8", False)
+    q8 = use.fixed["Q8"]
     a = dict(part=part.reshape(-1), qg=_normal(rng, nh * 2 * D), step=_step_words(ctx - 1, ctx),
              o=np.zeros(nh * D, np.float32))
     if q8:
@@ -348,7 +348,7 @@ def _deltanet_step(use, rng, check):
              a=_normal(rng, Hv, 2.0), ssm_a=-np.exp(rng.standard_normal(Hv)).astype(np.float32),
              dt_bias=_normal(rng, Hv), norm_w=_normal(rng, D), state=_normal(rng, Hv * D * D, 0.5),
              out=np.zeros(Hv * D, np.float32))
-    q8 = use.fixed.get("Q8", False)
+    q8 = use.fixed["Q8"]
     if q8:
         a.update(oq=np.zeros(Hv * D // 4, np.uint32), od=np.zeros(Hv * D // 16, np.float32))
     s0, ring0 = a["state"].copy(), a["conv_state"].copy()
