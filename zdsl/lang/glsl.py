@@ -235,6 +235,9 @@ class Emitter:
             self.line(depth, "barrier();")
         elif isinstance(s, ir.MemoryBarrier):
             self.line(depth, "memoryBarrierBuffer();")
+        elif isinstance(s, ir.WaitAtLeast):
+            target = f"{view_name(s.view, self.declared)}[{self.op(s.index)}]"
+            self.line(depth, f"while (atomicAdd({target}, 0u) < {self.op(s.target)}) {{}}")
         else:
             raise NotImplementedError(type(s))
 

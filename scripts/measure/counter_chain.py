@@ -1,0 +1,107 @@
+"""Dependent dispatches ordered by arrival counters instead of barriers (docs/PERF.md).
+
+Usage: python3 counter_chain.py [DEVICE (default 0)] [CHAIN (default 40)]
+
+A chain of matrix-vector links (4-bit weights, K = 2048 inputs), each reading the vector the
+previous one wrote into shared memory, then its rows. Modes: "barrier", a pipeline barrier between links (as the decode step is
+recorded today), the input read through the cache as today or coherent (from L2, as the other
+modes must); "counter", no barriers: each workgroup waits until every workgroup of the
+previous link has arrived (zdsl.wait_at_least), then arrives itself; "prefetch", the same with
+the workgroup's weights loaded before it waits; "free", no ordering at all (wrong results, the
+floor of what the links cost)."""
+import sys
+import time
+
+import numpy as np
+
+import zdsl
+from zdsl import Buffer, Coherent, Const, f32, u32
+from zdsl.runtime import open_device
+
+K = 2048
+KW = K // 8  # words of 8 nibbles per row
+
+
+def make_link(X):
+    """The link kernel, reading its input vector through X (Buffer or Coherent)."""
+    @zdsl.kernel(workgroup="WG", subgroup="SG")
+    def link(w: Buffer[u32], x: X[f32], counter: Buffer[u32], src: u32, dst: u32, l: u32, N: u32,
+             WAIT: Const = False, PREFETCH: Const = False, ROWS: Const = 1, WG: Const = 64, SG: Const = 32):
+        lane = zdsl.lane_id()
+        row0 = (zdsl.workgroup_id(0) * (WG // SG) + zdsl.subgroup_id()) * ROWS
+        per = KW // SG
+        words = zdsl.local_array(u32, ROWS * per)
+        if PREFETCH:
+            for r in range(ROWS):
+                for j in range(per):
+                    words[r * per + j] = w[(row0 + r) * KW + j * SG + lane]
+        if WAIT:
+            zdsl.wait_at_least(counter, zdsl.max(l, 1) - 1, zdsl.where(l > 0, zdsl.num_workgroups(0), 0, u32))
+        xs = zdsl.shared(f32, K)
+        for i in range(K // WG):
+            xs[i * WG + zdsl.local_index()] = x[src * N + i * WG + zdsl.local_index()]
+        zdsl.barrier()
+        for r in range(ROWS):
+            acc = zdsl.var(0.0, f32)
+            for j in range(per):
+                word = words[r * per + j] if PREFETCH else w[(row0 + r) * KW + j * SG + lane]
+                for b in range(8):
+                    acc += ((word >> (4 * b)) & 15).to(f32) * xs[(j * 8 + b) * SG + lane]
+            total = zdsl.subgroup_sum(acc)
+            with zdsl.if_(lane == 0):
+                x[dst * N + row0 + r] = total * (1.0 / 16384.0)
+        if WAIT:
+            zdsl.memory_barrier()
+            zdsl.barrier()
+            with zdsl.if_(zdsl.local_index() == 0):
+                zdsl.atomic_add(counter, l, 1)
+    return link
+
+
+links = {"plain": make_link(Buffer), "coherent": make_link(Coherent)}
+MODES = ("barrier", "barrier+coherent", "counter", "prefetch", "free")
+
+
+def measure(dev, mode, rows, WG, ROWS, L):
+    sg = dev.info.subgroup_size
+    kernel = links["plain" if mode == "barrier" else "coherent"]
+    v = kernel.specialize(WAIT=mode in ("counter", "prefetch"), PREFETCH=mode == "prefetch", ROWS=ROWS, WG=WG, SG=sg)
+    groups = rows // (WG // sg * ROWS)
+    w = dev.upload(np.random.default_rng(0).integers(0, 2**32, rows * KW, dtype=np.uint32))
+    N = max(rows, K)
+    x = dev.upload(np.ones(2 * N, np.float32))
+    cnt = dev.alloc(4 * L)
+    seq = dev.sequence()
+    seq.fill(cnt)
+    if mode.startswith("barrier"):
+        for l in range(L):
+            v.dispatch(seq, groups, w=w, x=x, counter=cnt, src=l % 2, dst=(l + 1) % 2, l=l, N=N)
+    else:
+        with seq.self_ordered():
+            for l in range(L):
+                v.dispatch(seq, groups, w=w, x=x, counter=cnt, src=l % 2, dst=(l + 1) % 2, l=l, N=N)
+    seq.run(3)
+    result = x.read(np.float32, (2 * N,))[(L % 2) * N:][:rows].copy()
+    ts = []
+    for _ in range(7):
+        t = time.perf_counter(); seq.run(20); ts.append((time.perf_counter() - t) / 20 / L * 1e6)
+    seq.free()
+    for b in (w, x, cnt):
+        b.free()
+    return float(np.median(ts)), result
+
+
+dev = open_device(sys.argv[1] if len(sys.argv) > 1 else "0")
+L = int(sys.argv[2]) if len(sys.argv) > 2 else 40
+for rows in (64, 2048, 8192):
+    for WG, ROWS in ((64, 1), (64, 2), (128, 2), (256, 1)):
+        if rows < WG // dev.info.subgroup_size * ROWS:
+            continue
+        line, ref = [], None
+        for mode in MODES:
+            us, result = measure(dev, mode, rows, WG, ROWS, L)
+            ok = "" if mode == "free" or ref is None else ("" if np.allclose(result, ref, rtol=1e-5) else " WRONG")
+            ref = result if ref is None else ref
+            line.append(f"{mode} {us:6.2f}{ok}")
+        mb = rows * KW * 4 / 1e6
+        print(f"rows={rows:5d} ({mb:4.1f} MB) WG={WG:3d} ROWS={ROWS}: " + ", ".join(line) + " us/link", flush=True)
