@@ -91,17 +91,22 @@ def measure(dev, mode, rows, WG, ROWS, L):
     return float(np.median(ts)), result
 
 
-dev = open_device(sys.argv[1] if len(sys.argv) > 1 else "0")
-L = int(sys.argv[2]) if len(sys.argv) > 2 else 40
-for rows in (64, 2048, 8192):
-    for WG, ROWS in ((64, 1), (64, 2), (128, 2), (256, 1)):
-        if rows < WG // dev.info.subgroup_size * ROWS:
-            continue
-        line, ref = [], None
-        for mode in MODES:
-            us, result = measure(dev, mode, rows, WG, ROWS, L)
-            ok = "" if mode == "free" or ref is None else ("" if np.allclose(result, ref, rtol=1e-5) else " WRONG")
-            ref = result if ref is None else ref
-            line.append(f"{mode} {us:6.2f}{ok}")
-        mb = rows * KW * 4 / 1e6
-        print(f"rows={rows:5d} ({mb:4.1f} MB) WG={WG:3d} ROWS={ROWS}: " + ", ".join(line) + " us/link", flush=True)
+def main():
+    dev = open_device(sys.argv[1] if len(sys.argv) > 1 else "0")
+    L = int(sys.argv[2]) if len(sys.argv) > 2 else 40
+    for rows in (64, 2048, 8192):
+        for WG, ROWS in ((64, 1), (64, 2), (128, 2), (256, 1)):
+            if rows < WG // dev.info.subgroup_size * ROWS:
+                continue
+            line, ref = [], None
+            for mode in MODES:
+                us, result = measure(dev, mode, rows, WG, ROWS, L)
+                ok = "" if mode == "free" or ref is None else ("" if np.allclose(result, ref, rtol=1e-5) else " WRONG")
+                ref = result if ref is None else ref
+                line.append(f"{mode} {us:6.2f}{ok}")
+            mb = rows * KW * 4 / 1e6
+            print(f"rows={rows:5d} ({mb:4.1f} MB) WG={WG:3d} ROWS={ROWS}: " + ", ".join(line) + " us/link", flush=True)
+
+
+if __name__ == "__main__":
+    main()
