@@ -53,6 +53,12 @@ class Hazards:
         self.reads.clear()
         self.writes.clear()
 
+    def copy(self) -> "Hazards":
+        twin = Hazards()
+        twin.reads = {b: list(ranges) for b, ranges in self.reads.items()}
+        twin.writes = {b: list(ranges) for b, ranges in self.writes.items()}
+        return twin
+
 
 def _range(buf) -> tuple:
     if buf.block is None:
@@ -157,9 +163,7 @@ class Sequence:
     def self_ordered(self):
         """Commands recorded inside order themselves (arrival counters and zdsl.wait_at_least):
         barriers only order the first against what came before and what follows after the last."""
-        self._before = Hazards()
-        self._before.add([(b, lo, hi) for b, rs in self._hazards.reads.items() for lo, hi in rs],
-                         [(b, lo, hi) for b, rs in self._hazards.writes.items() for lo, hi in rs])
+        self._before = self._hazards.copy()
         try:
             yield
         finally:

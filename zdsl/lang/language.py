@@ -256,10 +256,8 @@ def wait_at_least(counter: BufferParam, index, target) -> None:
     terminates if that dispatch's workgroups were all started first, as in-order launch gives."""
     if not isinstance(counter, BufferParam) or counter.dtype.name != "u32":
         raise fail("zdsl.wait_at_least polls a Buffer[u32]")
-    counter.reads = counter.writes = True
-    view = counter.view(counter.dtype)._ir()
     with if_(local_index() == 0):
-        tracer().emit(ir.WaitAtLeast(view, operand(index, u32), operand(target, u32), user_loc()))
+        tracer().emit(ir.WaitAtLeast(_atomic_view(counter), operand(index, u32), operand(target, u32), user_loc()))
         memory_barrier()
     barrier()
 
@@ -438,9 +436,13 @@ def subgroup_shuffle_xor(x, mask: int) -> Value:
 def _atomic(op: str, buf: BufferParam, index, value) -> Value:
     if buf.dtype.name not in ("u32", "i32"):
         raise fail(f"atomics need a u32 or i32 buffer, not {buf.dtype!r}")
+    return tracer().let(op, (_atomic_view(buf), operand(index, u32), operand(value, buf.dtype)), buf.dtype)
+
+
+def _atomic_view(buf: BufferParam):
+    """The IR view of a buffer that atomics read and write."""
     buf.reads = buf.writes = True
-    view = buf.view(buf.dtype)._ir()
-    return tracer().let(op, (view, operand(index, u32), operand(value, buf.dtype)), buf.dtype)
+    return buf.view(buf.dtype)._ir()
 
 
 def atomic_add(buf: BufferParam, index, value) -> Value:
