@@ -56,40 +56,29 @@ def round_away(v):
     return zdsl.where(v < 0.0, -r, r)
 
 
-NORM_BATCH = 4  # quads an invocation of write_normed loads before it uses any: their latencies overlap
-
-
 def write_normed(x, norm_w, hn, xq, xd, n, eps, WG: int, SG: int):
     """hn = rmsnorm(x[0:n]) · norm_w, in f32 and as Q8_1 (xq, xd), by one workgroup of WG
     invocations (n a multiple of 32). Two passes over x (Σx², then the outputs) in 16-byte
-    loads, NORM_BATCH per invocation in flight together; invocation t takes quads t, t + WG, …,
-    so eight neighbours hold a block."""
+    loads; invocation t takes quads t, t + WG, …, so eight neighbours hold a block. The loops
+    are GPU loops, not unrolled: in the decode step this kernel's code comes from memory every
+    time (the weights streaming through L2 evict it), and code costs more than the latency that
+    unrolled loads would overlap (docs/PERF.md, 2026-11-24)."""
     n4 = n >> 2
-    step = WG * NORM_BATCH
-
-    def quads(base):
-        """This invocation's quad indices of the batch at `base`, and which exist."""
-        index = [base + u * WG + zdsl.local_index() for u in range(NORM_BATCH)]
-        return index, [i < n4 for i in index]
-
+    t = zdsl.local_index()
     acc = zdsl.var(0.0)
-    for base in zdsl.range(0, n4, step):
-        index, valid = quads(base)
-        vs = [x.vec4.load(i, mask=ok, other=0.0) for i, ok in zip(index, valid)]
-        for v in vs:
-            acc += zdsl.dot(v, v)
+    for i in zdsl.range(t, n4, WG):
+        v = x.vec4[i]
+        acc += zdsl.dot(v, v)
     (total,) = workgroup_sums([acc], WG, SG)
     scale = zdsl.rsqrt(total / n.to(f32) + eps)
-    for base in zdsl.range(0, n4, step):
-        index, valid = quads(base)
-        at = [zdsl.min(i, n4 - 1) for i in index]
-        ws = [norm_w.vec4[a] for a in at]
-        vs = [x.vec4[a] for a in at]
-        for i, ok, v, w in zip(index, valid, vs, ws):
-            v = v * w * scale
-            with zdsl.if_(ok):
-                hn.vec4[i] = v
-            store_q8_1(v, i, ok, xq, xd)
+    for base in zdsl.range(0, n4, WG):  # uniform trip count: store_q8_1 works across invocations
+        i = base + t
+        ok = i < n4
+        at = zdsl.min(i, n4 - 1)
+        v = x.vec4[at] * norm_w.vec4[at] * scale
+        with zdsl.if_(ok):
+            hn.vec4[i] = v
+        store_q8_1(v, i, ok, xq, xd)
 
 
 @zdsl.kernel(workgroup=64, subgroup="SG", variants={"SG": SUBGROUPS})
