@@ -9,9 +9,11 @@ interleaved rounds at the same position: the difference is that kind's marginal 
 barrier drain and bytes together. The step without it computes garbage, which does not change its
 timing (the experts it picks are whatever the stale ids say).
 
-Then the other way round: one empty stage added after each dispatch of a kind (a one-invocation
-dispatch per buffer that dispatch wrote, loading and storing back one word of it, so the next reader waits
-for it): what a dependent stage costs there with no work in it."""
+Then three more edits of some kinds: an empty stage added after each of their dispatches (a
+one-invocation dispatch per buffer the dispatch wrote, loading and storing back one word of it, so
+the next reader waits for it), what a dependent stage costs there with no work in it; that empty
+stage instead of the dispatch; and the dispatch recorded twice in a row (the second finds its code
+and data hot)."""
 import re
 import statistics
 import sys
