@@ -26,6 +26,16 @@ from .database import Database, Entry
 MIN_GAIN = 0.002  # a nominee must save at least this fraction of a step (and more than the noise)
 
 
+def step_ms(graph, position: int, warm: int, tokens: int) -> float:
+    """Wall ms per token of `tokens` steps of `graph` (a DecodeGraph) replayed back to back (one
+    submission), from `position`, after `warm` steps there."""
+    graph.seek(position)
+    graph.decode_burst(warm)
+    start = time.perf_counter()
+    graph.decode_burst(tokens)
+    return (time.perf_counter() - start) * 1e3 / tokens
+
+
 @dataclass
 class Comparison:
     a_ms: float      # median ms per token with the current choice
@@ -65,15 +75,8 @@ class InPlace:
         self.position = max(0, min(position, graph.n_ctx - warm - tokens))
 
     def step_ms(self, db: Database, sampler: SamplerConfig) -> float:
-        """Wall ms per token of `tokens` steps replayed back to back (one submission), at the
-        same position every time, after `warm` steps."""
-        g = self.graph
-        g.retune(db, sampler)
-        g.seek(self.position)
-        g.decode_burst(self.warm)
-        start = time.perf_counter()
-        g.decode_burst(self.tokens)
-        return (time.perf_counter() - start) * 1e3 / self.tokens
+        self.graph.retune(db, sampler)
+        return step_ms(self.graph, self.position, self.warm, self.tokens)
 
     def compare(self, a: Database, b: Database, sampler: SamplerConfig, rounds: int) -> Comparison:
         times = {"a": [], "b": []}

@@ -20,6 +20,8 @@ import numpy as np
 
 import zdsl
 from zdsl import Buffer, Const, u32
+from zdsl.bench_kernels import copy_vec4
+from zdsl.lang.language import cdiv
 from zdsl.runtime import open_device
 
 
@@ -36,19 +38,13 @@ def busy(src: Buffer[u32], dst: Buffer[u32], N: Const = 64, SALT: Const = 0):
     dst[i] = vs[0] ^ vs[1] ^ vs[2] ^ vs[3]
 
 
-@zdsl.kernel(workgroup=256)
-def copy(a: Buffer[u32], b: Buffer[u32]):
-    i, n = zdsl.global_id(), zdsl.num_workgroups() * 256
-    for k in range(4):
-        b.vec4[i + k * n] = a.vec4[i + k * n]
-
-
 def chain_us(dev, variants, flush, L, groups=132):
     bufs = [dev.alloc(4 * 64 * groups) for _ in range(2)]
     seq = dev.sequence()
     if flush:
         a, b = flush
-        copy.specialize().dispatch(seq, a.nbytes // 16 // 256 // 4, a=a, b=b)
+        v, n4 = copy_vec4.specialize(), a.nbytes // 16
+        v.dispatch(seq, cdiv(n4, 256 * v.params["UNROLL"]), src=a, dst=b, n4=n4)
     for l in range(L):
         if variants:
             src = flush[1] if flush and l == 0 else bufs[l % 2]

@@ -17,25 +17,14 @@ and data hot)."""
 import re
 import statistics
 import sys
-import time
 
 import zdsl
 from zdsl import Buffer, u32
+from zdsl.autotune import in_place
 from zdsl.models.qwen35.gguf_file import open_model
 from zdsl.models.qwen35.graph import DecodeGraph
 from zdsl.runtime import open_device
 from zdsl.runtime.sequence import Sequence
-
-ADDED = [  # an empty stage after these
-    ("residual norm", r":norm_q8_1"),
-    ("router", r"moe_route"),
-    ("experts gate·up", r"ffn_gate_exps"),
-    ("experts down", r"ffn_down_exps"),
-    ("delta-net qkv", r"\.attn_qkv:"),
-    ("delta-net step", r"ssm_conv\+step"),
-    ("delta-net out", r"\.ssm_out:"),
-    ("attention decode", r"attn_decode"),
-]
 
 KINDS = [  # (name, pattern on the dispatch label "<role>:<kernel variant>")
     ("residual norm", r":norm_q8_1"),
@@ -55,6 +44,9 @@ KINDS = [  # (name, pattern on the dispatch label "<role>:<kernel variant>")
     ("residual norm + router", r":norm_q8_1|moe_route"),
     ("router + experts", r"moe_route|_exps"),
 ]
+ADDED = [kind for kind in KINDS if kind[0] in (  # an empty stage after these, and so on
+    "residual norm", "router", "experts gate·up", "experts down", "delta-net qkv only", "delta-net step",
+    "delta-net out", "attention decode")]
 
 model, device = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "0"
 position = int(sys.argv[3]) if len(sys.argv) > 3 else 512
@@ -102,11 +94,7 @@ def use(steps):
 
 
 def step_ms():
-    g.seek(position)
-    g.decode_burst(4)
-    start = time.perf_counter()
-    g.decode_burst(TOKENS)
-    return (time.perf_counter() - start) * 1e3 / TOKENS
+    return in_place.step_ms(g, position, 4, TOKENS)
 
 
 full_steps, _ = recorded(None)

@@ -3,12 +3,12 @@
 
 Usage: python3 step_time.py MODEL.gguf [NAME (printed on each line)] [DEVICE (default 0)]
 
-Median over 7 bursts of 64 steps at position 512 (after 8 warm steps); the sizes are the
-driver's "Binary Size" statistic where it reports one (NVIDIA does)."""
+Median over 7 bursts of 64 steps at position 512 (each after 8 warm steps there); the sizes
+are the driver's "Binary Size" statistic where it reports one (NVIDIA does)."""
 import statistics
 import sys
-import time
 
+from zdsl.autotune import in_place
 from zdsl.models.qwen35.gguf_file import open_model
 from zdsl.models.qwen35.graph import DecodeGraph
 from zdsl.runtime import open_device
@@ -18,14 +18,7 @@ dev = open_device(sys.argv[3] if len(sys.argv) > 3 else "0")
 g = DecodeGraph(open_model(model), dev, n_ctx=1024, progress=False)
 sizes = [((v.pipeline(dev, statistics=True).statistics or {}).get("Binary Size"), v.label) for v in g.chosen.values()]
 print(name, "code bytes:", ", ".join(f"{label.split('[')[0]} {size}" for size, label in sizes), flush=True)
-times = []
-g.seek(512)
-g.decode_burst(8)
-for _ in range(7):
-    g.seek(512)
-    start = time.perf_counter()
-    g.decode_burst(64)
-    times.append((time.perf_counter() - start) * 1e6 / 64)
+times = [1e3 * in_place.step_ms(g, 512, 8, 64) for _ in range(7)]
 print(name, f"step {statistics.median(times):.1f} µs/token (min {min(times):.1f})", flush=True)
 g.close()
 dev.close()
