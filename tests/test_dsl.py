@@ -174,6 +174,24 @@ def test_vector_math_masked_vector_loads_and_f16_stores(backend, request):
 
 
 @zdsl.kernel(workgroup=64, register=False)
+def _reverse_quads(x: Buffer[f32], y: Buffer[f32]):
+    """y's quads = x's quads in reverse order within each workgroup, through a vec4 shared array."""
+    t = zdsl.local_index()
+    quads = zdsl.shared(f32.vec(4), 64)
+    quads[t] = x.vec4[zdsl.global_id()]
+    zdsl.barrier()
+    y.vec4[zdsl.global_id()] = quads[63 - t] * 2.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(groups=st.integers(1, 3), seed=st.integers(0, 99))
+def test_vector_shared_arrays(backend, request, groups, seed):
+    x = np.random.default_rng(seed).standard_normal(256 * groups, dtype=np.float32)
+    y = run(_reverse_quads.specialize(), backend, request, groups, x=x, y=np.full_like(x, np.nan))["y"]
+    np.testing.assert_array_equal(y.reshape(groups, 64, 4), 2 * x.reshape(groups, 64, 4)[:, ::-1])
+
+
+@zdsl.kernel(workgroup=64, register=False)
 def _double_then_sum(x: Buffer[f32], doubled: zdsl.Coherent[f32], arrivals: Buffer[u32], out: Buffer[f32], n: u32):
     """doubled = 2·x by every workgroup; then out[0] += Σ doubled by the workgroup that finishes last."""
     i = (zdsl.workgroup_id(1) * zdsl.num_workgroups(0) + zdsl.workgroup_id(0)) * 64 + zdsl.local_index()

@@ -76,7 +76,9 @@ class Run:
         self.reader = {}
         for s in k.shared:
             size = int(self.value(s.size)) if not isinstance(s.size, int) else s.size
-            self.shared[s.id] = np.full((ngroups, size), np.nan if s.dtype.is_float else 0, s.dtype.compute.numpy)
+            lanes = (s.dtype.lanes,) if s.dtype.lanes > 1 else ()
+            self.shared[s.id] = np.full((ngroups, size, *lanes), np.nan if s.dtype.is_float else 0,
+                                        s.dtype.compute.numpy)
             self.writer[s.id] = np.full((ngroups, size), -1, np.int64)
             self.reader[s.id] = np.full((ngroups, size), -1, np.int64)
         self.locals = {l.id: np.full((self.n, l.size), np.nan if l.dtype.is_float else 0, l.dtype.numpy)
