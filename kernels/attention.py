@@ -257,7 +257,8 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
                         for e in range(4):
                             part[record[h] + 2 + 4 * (r + C * p) + e] = acc[h][p][e]
         else:  # merge the subgroups: statistics first, then the rescaled sums one subgroup at a time
-            m_sh, l_sh, acc_sh = zdsl.shared(f32, NW * G), zdsl.shared(f32, NW * G), zdsl.shared(f32, G * D)
+            m_sh, l_sh = zdsl.shared(f32, NW * G), zdsl.shared(f32, NW * G)
+            acc_sh = zdsl.shared(f32.vec(4), G * D // 4)
             with zdsl.if_(lane == 0):
                 for h in range(G):
                     m_sh[sub * G + h] = m[h]
@@ -274,18 +275,19 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
                     part[record[h]] = top
                     part[record[h] + 1] = total
                 m[h].set(zdsl.exp(m[h] - top))  # from here on: this subgroup's weight
-            for w in range(NW):
+            for w in zdsl.range(NW):  # a GPU loop, as this code is fetched from memory at every use
                 with zdsl.if_((sub == w) & (lane < C)):
                     for h in range(G):
                         for p in range(P):
-                            for e in range(4):
-                                i = h * D + 4 * (r + C * p) + e
-                                mine = acc[h][p][e] * m[h]
-                                acc_sh[i] = mine if w == 0 else acc_sh[i] + mine
+                            i = h * (D // 4) + r + C * p
+                            mine = acc[h][p] * m[h]
+                            acc_sh[i] = zdsl.where(w == 0, mine, acc_sh[i] + mine)
                 zdsl.barrier()
-            for i in zdsl.range(zdsl.local_index(), G * D, NW * SG):
-                h = i // D
-                part[((g * G + h) * nsplit + s) * (D + 2) + 2 + i % D] = acc_sh[i]
+            for i in zdsl.range(zdsl.local_index(), G * D // 4, NW * SG):
+                first = ((g * G + i // (D // 4)) * nsplit + s) * (D + 2) + 2 + 4 * (i % (D // 4))
+                a = acc_sh[i]
+                for e in range(4):
+                    part[first + e] = a[e]
 
 
 @attn_decode.reference

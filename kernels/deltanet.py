@@ -109,18 +109,13 @@ def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32]
         u = u + s * k_i
         y = y + s * (qs[i] * rq)
     if RP > 1:  # sum the row parts of each column quad
-        red = zdsl.shared(f32, 8 * WG)
-        for e in range(4):
-            red[8 * t + e] = u[e]
-            red[8 * t + 4 + e] = y[e]
+        red_u, red_y = zdsl.shared(f32.vec(4), WG), zdsl.shared(f32.vec(4), WG)
+        red_u[t], red_y[t] = u, y
         zdsl.barrier()
-        sums = []
-        for e in range(8):
-            total = red[8 * c + e]
-            for p in range(1, RP):
-                total = total + red[8 * (p * quads + c) + e]
-            sums.append(total)
-        u, y = zdsl.vec(*sums[:4]), zdsl.vec(*sums[4:])
+        u, y = red_u[c], red_y[c]  # the same sums, in the same order, in every row part
+        for p in range(1, RP):
+            u = u + red_u[p * quads + c]
+            y = y + red_y[p * quads + c]
     delta = beta * (v - decay * u)
     for s, k_i, i in zip(S, k_rows, rows):
         state.vec4[(h * D + i) * quads + c] = s * decay + delta * k_i
