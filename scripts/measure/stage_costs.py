@@ -1,6 +1,6 @@
 """What each kind of dispatch costs inside the real decode step (docs/PERF.md, 2026-11-24).
 
-Usage: python3 stage_costs.py MODEL.gguf [DEVICE (default 0)] [POSITION (default 512)]
+Usage: python3 stage_costs.py MODEL.gguf [DEVICE (default 0)] [POSITION (default 512)] [NAME=PATTERN ...]
 
 A timestamp after every dispatch (`zdsl profile`) serializes the step and adds ~2 µs to each
 dispatch, so it says little about what a dispatch costs in the untimed chain. Here the step is
@@ -50,6 +50,8 @@ ADDED = [kind for kind in KINDS if kind[0] in (  # an empty stage after these, a
 
 model, device = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "0"
 position = int(sys.argv[3]) if len(sys.argv) > 3 else 512
+if len(sys.argv) > 4:  # kinds of one's own, NAME=PATTERN: only left out
+    KINDS, ADDED = [tuple(arg.split("=", 1)) for arg in sys.argv[4:]], []
 TOKENS, ROUNDS = 32, 5
 
 dev = open_device(device)
