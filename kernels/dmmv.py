@@ -172,14 +172,26 @@ def sum_values(a):
     return total
 
 
-def store_rows(y, sums, group: Rows, m, COLS, ADD):
-    """y[c·m + row] (+)= sums[r·COLS + c] for the group's rows that exist."""
+def old_rows(y, group: Rows, m, COLS, ADD):
+    """What store_rows adds to: y[c·m + row] for the group's rows (0 where not ADD), loaded by
+    its leader before the block loop so that the load's latency hides behind the blocks'.
+    ADD: a Spec or a Python bool (False: nothing to add, None)."""
+    if ADD is False:
+        return None
+    lead = group.leader()
+    return [y.load(c * m + zdsl.min(group.first + r, m - 1), mask=lead if ADD is True else ADD & lead, other=0.0)
+            for r in range(group.count) for c in range(COLS)]
+
+
+def store_rows(y, sums, group: Rows, m, COLS, old=None):
+    """y[c·m + row] = sums[r·COLS + c] (+ old[r·COLS + c], from old_rows) for the group's rows
+    that exist."""
     with zdsl.if_(group.leader()):
         for r in range(group.count):
             with zdsl.if_(group.first + r < m):
                 for c in range(COLS):
-                    out = c * m + group.first + r
-                    y[out] = sums[r * COLS + c] + y.load(out, mask=ADD, other=0.0)
+                    i = r * COLS + c
+                    y[c * m + group.first + r] = sums[i] + old[i] if old else sums[i]
 
 
 @zdsl.kernel(workgroup=workgroup, subgroup="SG",
@@ -194,9 +206,10 @@ def dmmv(w: Buffer[u8], x: Buffer[f32], y: Buffer[f32], k: u32, m: u32, ADD: Spe
     nblocks = k // f.block
     group = Rows(ROWS, NSUB, SG)
     rows = [(w, r * (nblocks * f.nbytes)) for r in group.clamped(m)]
+    old = old_rows(y, group, m, COLS, ADD)
     acc = block_dots(f, ctx, rows, x, [c * k for c in range(COLS)], nblocks, group)
     sums = group.sums([acc[r][c] for r in range(ROWS) for c in range(COLS)])
-    store_rows(y, sums, group, m, COLS, ADD)
+    store_rows(y, sums, group, m, COLS, old)
 
 
 def dequant_rows(w_bytes, qtype: str, m: int, k: int) -> np.ndarray:
@@ -293,6 +306,7 @@ def moe_down(w: Buffer[u8], ids: Buffer[u32], weights: Buffer[f32], act: Buffer[
     group = Rows(ROWS, NSUB, SG)
     offsets = [r * row_bytes for r in group.clamped(m)]
     part = group.index % f.parts
+    old = old_rows(y, group, m, 1, ADD)
     total = [zdsl.var(0.0) for _ in range(ROWS)]
     for item in zdsl.range(group.index // f.parts, slots * nblocks, group.size // f.parts):
         s = item // nblocks
@@ -301,7 +315,7 @@ def moe_down(w: Buffer[u8], ids: Buffer[u32], weights: Buffer[f32], act: Buffer[
         weight = weights[s]
         for r in range(ROWS):
             total[r] += weight * step[r][0]
-    store_rows(y, group.sums(total), group, m, 1, ADD)
+    store_rows(y, group.sums(total), group, m, 1, old)
 
 
 @moe_down.reference
@@ -317,7 +331,7 @@ def moe_down_ref(w_bytes, ids, weights, act, qtype, m, k, y=None):
 
 @zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": EXPERT_QTYPES, "QTYPE_SH": ["", "q6_k"],
                                                            "ROWS": [1, 2], "K": [8], "SG": SUBGROUPS},
-             tune={"NSUB": NSUBS, "WG": [0, 128, 256]},
+             tune={"NSUB": NSUBS, "WG": [0, 128, 160, 256]},
              where=lambda v: v.QTYPE_SH == "" or (FORMATS[v.QTYPE].block, FORMATS[v.QTYPE].parts) == (256, FORMATS["q6_k"].parts))
 def moe_down_all(w: Buffer[u8], w_sh: Buffer[u8], ids: Buffer[u32], weights: Buffer[f32], act: Buffer[f32],
                  y: Buffer[f32], k: u32, m: u32, QTYPE: Const = "q4_k", QTYPE_SH: Const = "", K: Const = 8,
@@ -336,6 +350,7 @@ def moe_down_all(w: Buffer[u8], w_sh: Buffer[u8], ids: Buffer[u32], weights: Buf
     group = Rows(ROWS, NSUB, SG)
     offsets = [r * row_bytes for r in group.clamped(m)]
     part = group.index % f.parts
+    old = old_rows(y, group, m, 1, True)
     total = [zdsl.var(0.0) for _ in range(ROWS)]
     for item in zdsl.range(group.index // f.parts, (K + 1) * nblocks, group.size // f.parts):
         s = item // nblocks
@@ -352,7 +367,7 @@ def moe_down_all(w: Buffer[u8], w_sh: Buffer[u8], ids: Buffer[u32], weights: Buf
             step = block_step(f_sh, ctx_sh if ctx_sh is not None else ctx, rows_sh, act, [s * k], b, part)
             for r in range(ROWS):
                 total[r] += weight * step[r][0]
-    store_rows(y, group.sums(total), group, m, 1, True)
+    store_rows(y, group.sums(total), group, m, 1, old)
 
 
 @moe_down_all.reference

@@ -14,7 +14,7 @@ from __future__ import annotations
 import zdsl
 from zdsl import Buffer, Const, Spec, boolean, f32, u8, u32
 from zdsl.kernels.dmmv import (EXPERT_QTYPES, NSUBS, Rows, block_loop, dequant_rows, each_slot, ffn_gate_up_ref,
-                               store_rows, store_swiglu, workgroup_of)
+                               old_rows, store_rows, store_swiglu, workgroup_of)
 from zdsl.kernels.q8_1 import q8_1_values
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS, fmt
 from zdsl.kernels.reduce import SUBGROUPS
@@ -85,9 +85,10 @@ def dmmv_q8(w: Buffer[u8], xq: Buffer[u32], xd: Buffer[f32], y: Buffer[f32], k: 
     group = Rows(ROWS, NSUB, SG)
     rows = [(w, r * (nblocks * f.nbytes)) for r in group.clamped(m)]
     x_bases = [c * k for c in range(COLS)]
+    old = old_rows(y, group, m, COLS, ADD)
     acc = block_loop(f.iparts, nblocks, group, ROWS, COLS, lambda b, part: q8_step(f, rows, xq, xd, x_bases, b, part))
     sums = group.sums([acc[r][c] for r in range(ROWS) for c in range(COLS)])
-    store_rows(y, sums, group, m, COLS, ADD)
+    store_rows(y, sums, group, m, COLS, old)
 
 
 @dmmv_q8.reference

@@ -61,7 +61,7 @@ def moe_router(w: Buffer[u8], sh_gate_w: Buffer[f32], x: Buffer[f32], norm_w: Bu
     acc = dmmv.block_dots(f, ctx, rows, NormedInput(x, norm_w, squares), [0], nblocks, group)
     sums = group.sums([acc[r][0] for r in range(ROWS)] + [squares])
     inv_rms = zdsl.rsqrt(sums[ROWS] / k.to(f32) + eps)
-    dmmv.store_rows(logits, [v * inv_rms for v in sums[:ROWS]], group, n_expert, 1, False)
+    dmmv.store_rows(logits, [v * inv_rms for v in sums[:ROWS]], group, n_expert, 1)
     WG = zdsl.workgroup_size()
     t = zdsl.local_index()
     blocks, per_pass = k >> 5, WG // 8  # Q8_1 blocks of hn, and a workgroup's per pass (eight quads each)
