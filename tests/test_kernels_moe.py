@@ -49,13 +49,14 @@ def inputs(rng, k):
 @settings(max_examples=20)
 @given(K=st.sampled_from([4, 8, 10]), extra=st.integers(0, 70), kb=st.integers(1, 4), qtype=st.sampled_from(["f32", "q8_0"]),
        ties=st.booleans(), rows=st.sampled_from([1, 2, 4]), nsub=st.sampled_from([1, 2, 4]), r=st.sampled_from([1, 4]),
-       sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
-def test_router(backend, request, K, extra, kb, qtype, ties, rows, nsub, r, sg_pick, seed):
+       wg=st.sampled_from([0, 0, 128, 256]), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
+def test_router(backend, request, K, extra, kb, qtype, ties, rows, nsub, r, wg, sg_pick, seed):
     rng = np.random.default_rng(seed)
     n, k = K + extra, 32 * kb
     w = router_weights(rng, n, k, qtype, ties)
     x, norm_w, sh_gate_w = inputs(rng, k)
-    v = moe.moe_router.specialize(QTYPE=qtype, K=K, R=r, ROWS=rows, NSUB=nsub, SG=subgroup(backend, request, sg_pick))
+    v = moe.moe_router.specialize(QTYPE=qtype, K=K, R=r, ROWS=rows, NSUB=nsub if wg == 0 else 1, WG=wg,
+                                  SG=subgroup(backend, request, sg_pick))
     out = route(v, backend, request, w, sh_gate_w, x, norm_w, n, k, K)
     _, logits, _, want = moe.moe_router_ref(w, sh_gate_w, x, norm_w, EPS, qtype, n, k, K)
     np.testing.assert_allclose(out["logits"], logits, rtol=2e-5, atol=2e-5 * np.abs(logits).max())
