@@ -275,31 +275,67 @@ def _cache(rng, ctx, n_kv, d):
     return (rng.standard_normal(ctx * n_kv * d)).astype(np.float16)
 
 
+def _attn_prep(use, rng, check):
+    s = use.sizes
+    nh, nkv, d = s["n_head"], s["n_kv"], s["d"]
+    ctx = min(s["ctx"], CHECK_CTX) if check else s["ctx"]
+    pos = ctx - 1
+    a = dict(qg=_normal(rng, nh * 2 * d), k=_normal(rng, nkv * d), v=_normal(rng, nkv * d),
+             q_norm=rng.uniform(0.5, 1.5, d).astype(np.float32), k_norm=rng.uniform(0.5, 1.5, d).astype(np.float32),
+             step=_step_words(pos, pos + 1), q=np.zeros(nh * d, np.float32),
+             k_cache=_cache(rng, ctx, nkv, d), v_cache=_cache(rng, ctx, nkv, d))
+    sc = dict(n_head=nh, n_kv=nkv, d=d, rope_dims=s["rope_dims"], rope_base=s["rope_base"], eps=s["eps"])
+
+    def expect(p):
+        q, kc, vc = attention.attn_prep_ref(a["qg"].reshape(nh, 2 * d), a["k"].reshape(nkv, d), a["v"].reshape(nkv, d),
+                                            a["q_norm"], a["k_norm"], a["k_cache"].reshape(ctx, nkv, d),
+                                            a["v_cache"].reshape(ctx, nkv, d), pos, s["rope_dims"], s["rope_base"],
+                                            s["eps"])
+        return {"q": (q, 1e-4), "k_cache": (kc.astype(np.float32), 2e-3), "v_cache": (vc.astype(np.float32), 1e-3)}
+    moved = 4 * (nh * 3 * d + 2 * nkv * d + 2 * d) + 2 * 2 * nkv * d
+    return Case(_one(use, lambda v: nh + nkv), a, sc, moved, expect if check else None)
+
+
 def _attn_decode(use, rng, check):
     s = use.sizes
-    nkv, D, G, q8 = s["n_kv"], use.fixed["D"], use.fixed["G"], use.fixed["Q8"]
+    nkv, D, G = s["n_kv"], use.fixed["D"], use.fixed["G"]
     nh = nkv * G
     ctx, nsplit, min_chunk = (CHECK_CTX, cdiv(CHECK_CTX, s["min_chunk"]), s["min_chunk"]) if check else \
         (s["ctx"], s["nsplit"], s["min_chunk"])
-    pos = ctx - 1
-    a = dict(qg=_normal(rng, nh * 2 * D), k=_normal(rng, nkv * D), v=_normal(rng, nkv * D),
-             q_norm=rng.uniform(0.5, 1.5, D).astype(np.float32), k_norm=rng.uniform(0.5, 1.5, D).astype(np.float32),
-             step=_step_words(pos, ctx), k_cache=_cache(rng, ctx, nkv, D), v_cache=_cache(rng, ctx, nkv, D),
-             part=np.zeros(nh * nsplit * (D + 4), np.float32), arrivals=np.zeros(nkv, np.uint32),
-             o=np.zeros(nh * D, np.float32), oq=np.zeros(nh * D // 4, np.uint32), od=np.zeros(nh * D // 16, np.float32))
-    sc = dict(n_kv=nkv, min_chunk=min_chunk, rope_dims=s["rope_dims"], rope_base=s["rope_base"], eps=s["eps"])
+    a = dict(q=_normal(rng, nh * D), k_cache=_cache(rng, ctx, nkv, D), v_cache=_cache(rng, ctx, nkv, D),
+             step=_step_words(ctx - 1, ctx), part=np.zeros(nh * nsplit * (D + 2), np.float32))
 
     def expect(p):
-        o, kc, vc = attention.attn_decode_ref(
-            a["qg"].reshape(nh, 2 * D), a["k"].reshape(nkv, D), a["v"].reshape(nkv, D), a["q_norm"], a["k_norm"],
-            a["k_cache"].reshape(ctx, nkv, D), a["v_cache"].reshape(ctx, nkv, D), pos, s["rope_dims"], s["rope_base"],
-            s["eps"])
-        return {"o": (o, 1e-3), "k_cache": (kc.astype(np.float32), 2e-3), "v_cache": (vc.astype(np.float32), 1e-3),
-                "arrivals": (np.zeros(nkv, np.uint32), 0), **({"od": (_scales(o), 1e-3)} if q8 else {})}
-    used = len(attention.split_bounds(ctx, nsplit, min_chunk))
-    moved = a["k_cache"].nbytes + a["v_cache"].nbytes + 4 * nh * (2 * used * (D + 4) + 4 * D)
-    return Case(_one(use, lambda v: (nsplit, nkv)), a, sc, moved, expect if check else None,
+        want = attention.attn_decode_ref(a["q"].reshape(nh, D), a["k_cache"].reshape(ctx, nkv, D),
+                                         a["v_cache"].reshape(ctx, nkv, D), ctx, nsplit, min_chunk)
+        return {"part": (want, 1e-4)}  # NaN where a split is not in use
+    moved = a["k_cache"].nbytes + a["v_cache"].nbytes + a["q"].nbytes + a["part"].nbytes
+    return Case(_one(use, lambda v: (nsplit, nkv)), a, dict(n_kv=nkv, min_chunk=min_chunk), moved,
+                expect if check else None,
                 lambda n: {"k_cache": _copies(a["k_cache"], n), "v_cache": _copies(a["v_cache"], n)})
+
+
+def _attn_combine(use, rng, check):
+    s = use.sizes
+    nh, D = s["n_head"], use.fixed["D"]
+    ctx, nsplit, min_chunk = (CHECK_CTX, cdiv(CHECK_CTX, s["min_chunk"]), s["min_chunk"]) if check else \
+        (s["ctx"], s["nsplit"], s["min_chunk"])
+    part = np.empty((nh, nsplit, D + 2), np.float32)
+    part[:, :, 0] = rng.standard_normal((nh, nsplit)) * 3
+    part[:, :, 1] = rng.uniform(1, 20, (nh, nsplit))
+    part[:, :, 2:] = rng.standard_normal((nh, nsplit, D))
+    q8 = use.fixed["Q8"]
+    a = dict(part=part.reshape(-1), qg=_normal(rng, nh * 2 * D), step=_step_words(ctx - 1, ctx),
+             o=np.zeros(nh * D, np.float32))
+    if q8:
+        a.update(oq=np.zeros(nh * D // 4, np.uint32), od=np.zeros(nh * D // 16, np.float32))
+
+    def expect(p):
+        o = attention.attn_combine_ref(part, a["qg"].reshape(nh, 2 * D), ctx, nsplit, min_chunk)
+        return {"o": (o, 1e-4), **({"od": (_scales(o), 1e-4)} if q8 else {})}
+    used = len(attention.split_bounds(ctx, nsplit, min_chunk))
+    moved = 4 * nh * (used * (D + 2) + 3 * D)
+    return Case(_one(use, lambda v: nh), a, dict(nsplit=nsplit, min_chunk=min_chunk), moved, expect if check else None)
 
 
 def _deltanet_step(use, rng, check):
@@ -368,6 +404,7 @@ def _sampling(use, rng, check):
 BUILDERS = {
     "dmmv": _dmmv, "dmmv_q8": _dmmv_q8, "norm_q8_1": _norm_q8_1, "ffn_gate_up": _ffn_gate_up,
     "ffn_gate_up_q8": _ffn_gate_up, "moe_down": _moe_down, "moe_router": _moe_router, "moe_down_all": _moe_down_all,
-    "attn_decode": _attn_decode, "deltanet_step": _deltanet_step,
+    "attn_prep": _attn_prep,
+    "attn_decode": _attn_decode, "attn_combine": _attn_combine, "deltanet_step": _deltanet_step,
     "sample_candidates": _sampling,
 }

@@ -130,9 +130,11 @@ def decode_uses(model: Tensors, n_ctx: int = 4096, caps: tuple[int, ...] = (1,))
         if hp.attention[i]:
             for name in ("attn_q", "attn_k", "attn_v"):
                 project(p + name + ".weight")
-            add(attention.attn_decode, {"D": d, "G": nh // nkv},
-                {"D": d, "G": nh // nkv, "Q8": int8(p + "attn_output.weight")},
-                dict(attn, rope_dims=hp.rope_dims, rope_base=hp.rope_base, eps=hp.eps), p + "attn_decode")
+            add(attention.attn_prep, {"d": d}, {},
+                dict(attn, d=d, rope_dims=hp.rope_dims, rope_base=hp.rope_base, eps=hp.eps), p + "attn_prep")
+            add(attention.attn_decode, {"D": d, "G": nh // nkv}, {"D": d, "G": nh // nkv}, attn, p + "attn_decode")
+            add(attention.attn_combine, {"D": d}, {"D": d, "Q8": int8(p + "attn_output.weight")}, attn,
+                p + "attn_combine")
             residual(p + "attn_output.weight", normed=not hp.moe)
         else:
             for name in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"):

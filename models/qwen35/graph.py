@@ -121,13 +121,12 @@ class DecodeGraph:
         self.normed = self._vector(H, "normed")  # rmsnorm(x) · the next consumer's norm weight
         # Each dispatch that counts its workgroups (last_workgroup) leaves its counter at 0.
         self.router_arrivals = dev.alloc(4, name="router_arrivals")
-        self.attn_arrivals = dev.alloc(4 * hp.n_kv_heads, name="attn_arrivals")
         qd, kvd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
-        self.qg = self._f32(2 * qd, "qg")
+        self.qg, self.q = self._f32(2 * qd, "qg"), self._f32(qd, "q")
         self.k, self.v = self._f32(kvd, "k"), self._f32(kvd, "v")
         self.attn_o = self._vector(qd, "attn_o")
         self.attn_splits = attention.split_count(self.n_ctx, ATTN_MIN_CHUNK, ATTN_MAX_SPLITS)
-        self.attn_part = self._f32(hp.n_heads * self.attn_splits * (hp.head_dim + 4), "attn_partials")
+        self.attn_part = self._f32(hp.n_heads * self.attn_splits * (hp.head_dim + 2), "attn_partials")
         C, vd = hp.conv_channels, hp.ssm_value_dim
         self.mix = self._f32(C, "mix")
         self.z, self.dn_out = self._f32(vd, "z"), self._vector(vd, "deltanet_out")
@@ -183,7 +182,6 @@ class DecodeGraph:
             seq.fill(b)
         seq.fill(self.counts)
         seq.fill(self.router_arrivals)
-        seq.fill(self.attn_arrivals)
         seq.run()
         seq.free()
         self.position = 0
@@ -268,14 +266,18 @@ class DecodeGraph:
         for name, out in (("attn_q", self.qg), ("attn_k", self.k), ("attn_v", self.v)):
             self._project(seq, p + name + ".weight", out)
         k_cache, v_cache = self.kv[i]
+        prep = self._choose(attention.attn_prep, {"d": d})
+        prep.dispatch(seq, nh + nkv, label=p + "attn_prep", qg=self.qg, k=self.k, v=self.v, q_norm=self.weights[p + "attn_q_norm.weight"],
+                      k_norm=self.weights[p + "attn_k_norm.weight"], step=self.step, q=self.q, k_cache=k_cache,
+                      v_cache=v_cache, n_head=nh, n_kv=nkv, d=d, rope_dims=hp.rope_dims, rope_base=hp.rope_base,
+                      eps=hp.eps)
+        dec = self._choose(attention.attn_decode, {"D": d, "G": nh // nkv}, D=d, G=nh // nkv)
+        dec.dispatch(seq, (self.attn_splits, nkv), label=p + "attn_decode", q=self.q, k_cache=k_cache,
+                     v_cache=v_cache, step=self.step, part=self.attn_part, n_kv=nkv, min_chunk=ATTN_MIN_CHUNK)
+        comb = self._choose(attention.attn_combine, {"D": d}, D=d, Q8=self._int8(p + "attn_output.weight"))
         o = self.attn_o
-        dec = self._choose(attention.attn_decode, {"D": d, "G": nh // nkv}, D=d, G=nh // nkv,
-                           Q8=self._int8(p + "attn_output.weight"))
-        dec.dispatch(seq, (self.attn_splits, nkv), label=p + "attn_decode", qg=self.qg, k=self.k, v=self.v,
-                     q_norm=self.weights[p + "attn_q_norm.weight"], k_norm=self.weights[p + "attn_k_norm.weight"],
-                     step=self.step, k_cache=k_cache, v_cache=v_cache, part=self.attn_part,
-                     arrivals=self.attn_arrivals, o=o.f32, oq=o.q, od=o.d, n_kv=nkv, min_chunk=ATTN_MIN_CHUNK,
-                     rope_dims=hp.rope_dims, rope_base=hp.rope_base, eps=hp.eps)
+        comb.dispatch(seq, nh, label=p + "attn_combine", part=self.attn_part, qg=self.qg, step=self.step,
+                      o=o.f32, oq=o.q, od=o.d, nsplit=self.attn_splits, min_chunk=ATTN_MIN_CHUNK)
         self._residual(seq, p + "attn_output.weight", o, self._post_attention_norm(i))
 
     def _deltanet(self, seq, i: int) -> None:

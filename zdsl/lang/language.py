@@ -225,19 +225,17 @@ def memory_barrier() -> None:
     tracer().emit(ir.MemoryBarrier(user_loc()))
 
 
-def last_workgroup(counter: BufferParam, index=0, of=None) -> Value:
+def last_workgroup(counter: BufferParam, index=0) -> Value:
     """True, in all its invocations, in the one workgroup of the dispatch that gets here last;
     its reads of `Coherent` buffers see every buffer write the others made before getting here.
     counter[index] (u32) counts the arrivals: it must be 0 when the dispatch starts, and the
-    last workgroup puts it back to 0 for the next one. `of`: how many workgroups arrive at this
-    counter, when not all of the dispatch (a counter per row of the grid, workgroups that skip
-    the work). Call it in control flow uniform over the workgroup. The
+    last workgroup puts it back to 0 for the next one. Call it in uniform control flow. The
     "last workgroup finishes" reduction: a dependent step without a second dispatch. Every
     workgroup pays a fence and an atomic on one address, so it suits dispatches of a few hundred
     workgroups (the MoE router); with thousands, a second dispatch is cheaper (docs/PERF.md)."""
     if not isinstance(counter, BufferParam) or counter.dtype.name != "u32":
         raise fail("zdsl.last_workgroup counts arrivals in a Buffer[u32]")
-    groups = num_workgroups(0) * num_workgroups(1) * num_workgroups(2) if of is None else of
+    groups = num_workgroups(0) * num_workgroups(1) * num_workgroups(2)
     memory_barrier()  # release: this invocation's writes before the arrival that announces them
     barrier()         # ... and those of every invocation of the workgroup
     flag = shared(u32, 1)
