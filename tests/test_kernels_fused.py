@@ -26,16 +26,19 @@ def sg_for(backend, request, pick):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@given(qtype=st.sampled_from(["q4_k", "q8_0"]), int8=st.booleans(), K=st.sampled_from([4, 8]),
-       n_expert=st.integers(9, 40), rows=st.sampled_from([1, 2]), nsub=st.sampled_from([1, 2, 4]), seed=st.integers(0, 99))
-def test_moe_experts(backend, request, qtype, int8, K, n_expert, rows, nsub, seed):
+@given(qtype=st.sampled_from(["q4_k", "q6_k", "q8_0"]), int8=st.booleans(), K=st.sampled_from([4, 8]),
+       n_expert=st.integers(9, 40), rows=st.sampled_from([1, 2]), nsub=st.sampled_from([1, 2, 4]),
+       down_wg=st.sampled_from([0, 0, 128, 160]), q6_shared=st.booleans(), seed=st.integers(0, 99))
+def test_moe_experts(backend, request, qtype, int8, K, n_expert, rows, nsub, down_wg, q6_shared, seed):
     """gate·up of the routed experts and the shared one (ffn_gate_up on f32 input, or
-    ffn_gate_up_q8 on Q8_1), then moe_down_all on the f32 act."""
+    ffn_gate_up_q8 on Q8_1), then moe_down_all on the f32 act: its workgroup sizes (160: a row's
+    blocks in one pass at the 35B shapes) and, with q4_k experts, a q6_k shared expert."""
     rng = np.random.default_rng(seed)
     H, Fd = 256, 256
     wg, wu = quantized(rng, n_expert * Fd, H, qtype), quantized(rng, n_expert * Fd, H, qtype)
     wd = quantized(rng, n_expert * H, Fd, qtype)
-    wg_sh, wu_sh, wd_sh = quantized(rng, Fd, H, qtype), quantized(rng, Fd, H, qtype), quantized(rng, H, Fd, qtype)
+    sh_type = "q6_k" if q6_shared and qtype == "q4_k" else qtype
+    wg_sh, wu_sh, wd_sh = quantized(rng, Fd, H, qtype), quantized(rng, Fd, H, qtype), quantized(rng, H, Fd, sh_type)
     hn = rng.standard_normal(H).astype(np.float32)
     sg = sg_for(backend, request, seed)
     ids, routed_w = route_ref(rng.standard_normal(n_expert).astype(np.float32), K)
@@ -53,8 +56,10 @@ def test_moe_experts(backend, request, qtype, int8, K, n_expert, rows, nsub, see
     np.testing.assert_allclose(act, act_ref, rtol=5e-4, atol=5e-4 * np.abs(act_ref).max())
 
     y0 = rng.standard_normal(H).astype(np.float32)
-    down = D.moe_down_all.specialize(QTYPE=qtype, K=K, ROWS=rows, NSUB=nsub, SG=sg)
+    down_wg = down_wg if down_wg % sg == 0 else 0
+    down = D.moe_down_all.specialize(QTYPE=qtype, QTYPE_SH="" if sh_type == qtype else sh_type, K=K, ROWS=rows,
+                                     NSUB=1 if down_wg else nsub, WG=down_wg, SG=sg)
     y = run(down, backend, request, -(-H // D.rows_per_workgroup(down)), w=wd, w_sh=wd_sh, ids=ids, weights=weights,
             act=act, y=y0, k=Fd, m=H)["y"]
-    ref = D.moe_down_all_ref(wd, wd_sh, ids, weights, act, y0, qtype, H, Fd)
+    ref = D.moe_down_all_ref(wd, wd_sh, ids, weights, act, y0, qtype, H, Fd, sh_type)
     np.testing.assert_allclose(y, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())
