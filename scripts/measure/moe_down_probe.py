@@ -4,7 +4,8 @@ the experts' gate·up, each in a chain of dependent dispatches over cold weights
 routed q4_k experts and a q6_k shared one, 512 -> 2048).
 
 Usage: python3 moe_down_probe.py [DEVICE (default 0)] [CHAIN (default 40)]"""
-import sys, time, numpy as np
+import sys, numpy as np
+from chains import chain_us
 import zdsl
 from zdsl import Buffer, Const, f32, u8, u32
 from zdsl.runtime import open_device
@@ -63,17 +64,9 @@ H, E, F, K = 2048, 256, 512, 8
 
 
 def timeit(record):
-    """µs per dispatch: the median of 7 timings of 10 runs of the chain, after 0.3 s of runs (a
-    pipeline's compilation idles the GPU, and its clocks take that long to come back)."""
-    seq = dev.sequence(); record(seq)
-    start = time.perf_counter()
-    while time.perf_counter() - start < 0.3:
-        seq.run(3)
-    ts = []
-    for r in range(7):
-        t = time.perf_counter(); seq.run(10); ts.append((time.perf_counter() - t) / 10 / L * 1e6)
-    seq.free()
-    return np.median(ts)
+    """µs per dispatch after 0.3 s of runs (a pipeline's compilation idles the GPU, and its
+    clocks take that long to come back)."""
+    return chain_us(dev, record, L, warm_s=0.3)
 
 
 E = E if "llvmpipe" not in dev.info.name else 64

@@ -4,7 +4,8 @@ Usage: python3 moe_workgroups.py [DEVICE (default 0)] [CHAIN (default 40)]
 
 Both at the 35B shapes, in chains of dependent dispatches over cold weights: more invocations
 sharing a row's blocks means fewer of them walked one after another."""
-import sys, time, numpy as np
+import sys, numpy as np
+from chains import chain_us
 from zdsl.runtime import open_device
 from zdsl.kernels import moe, dmmv
 from zdsl.autotune.problems import _rows
@@ -16,12 +17,7 @@ SG = dev.info.subgroup_size
 rng = np.random.default_rng(0)
 H, E, F, K = 2048, 256, 512, 8
 def timeit(record):
-    seq = dev.sequence(); record(seq); seq.run(3)
-    ts = []
-    for r in range(7):
-        t = time.perf_counter(); seq.run(10); ts.append((time.perf_counter() - t) / 10 / L * 1e6)
-    seq.free()
-    return np.median(ts)
+    return chain_us(dev, record, L)
 # router
 rw = [dev.upload(rng.standard_normal(E * H).astype(np.float32)) for _ in range(L)]
 sh = dev.upload(rng.standard_normal(H).astype(np.float32) * 0.02)

@@ -1,0 +1,22 @@
+"""Timing a chain of dependent dispatches, as the measurement scripts beside this file do."""
+import time
+
+import numpy as np
+
+
+def chain_us(dev, record, links: int, warm_s: float = 0.0) -> float:
+    """µs per link of the chain that record(seq) puts into a sequence of `dev`: the median of 7
+    timings of 10 runs, after runs of 3 for at least warm_s seconds (one run of 3 at least)."""
+    seq = dev.sequence()
+    record(seq)
+    start = time.perf_counter()
+    seq.run(3)
+    while time.perf_counter() - start < warm_s:
+        seq.run(3)
+    ts = []
+    for _ in range(7):
+        t = time.perf_counter()
+        seq.run(10)
+        ts.append((time.perf_counter() - t) / 10 / links * 1e6)
+    seq.free()
+    return float(np.median(ts))
