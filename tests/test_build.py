@@ -55,3 +55,29 @@ def test_gfx1201_statistics_differ_between_wave32_and_wave64(tmp_path):
     assert summary.startswith(f"gfx1201: {len(results)} variants compiled") and summary.endswith("none spills registers")
     results[0].stats["Spilled VGPRs"] = 3
     assert spill_summary(results, "gfx1201").endswith(f"1 spill registers: {results[0].variant.label}")
+
+
+def test_installed_layout_builds_with_the_same_library_digest(tmp_path):
+    """As pip installs it, kernels/ lives inside zdsl/: `zdsl build` must work there and key its
+    cache on the same sources as in a checkout."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from zdsl.lang.kernel import library_digest
+
+    repo = Path(__file__).resolve().parents[1]
+    staged = tmp_path / "staged"
+    subprocess.run([str(repo / "scripts" / "stage-package.sh"), str(repo), str(staged)], check=True)
+    env = {**os.environ, "PYTHONPATH": str(staged), "ZDSL_CACHE_DIR": str(tmp_path / "cache")}
+
+    def staged_python(*args):
+        return subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True)
+
+    digest = staged_python("-c", "from zdsl.lang.kernel import library_digest; print(library_digest())")
+    assert digest.returncode == 0, digest.stderr
+    assert digest.stdout.strip() == library_digest()
+    built = staged_python("-m", "zdsl.cli", "build", "--no-progress", "--kernels", "transpose")
+    assert built.returncode == 0, built.stderr
+    assert "2 variants, 0 from cache, 0 failed" in built.stdout

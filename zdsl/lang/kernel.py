@@ -221,14 +221,17 @@ def kernel(fn=None, *, workgroup=64, subgroup: str | None = None, variants: dict
 @functools.cache
 def library_digest() -> str:
     """A hash of every source file a kernel can depend on: the language and the kernel library.
-    Coarse on purpose: any edit there invalidates every cached variant, so none is ever stale."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    Coarse on purpose: any edit there invalidates every cached variant, so none is ever stale.
+    The folders are found through the import system, so a source checkout and an installed
+    package (where kernels/ lives inside zdsl/) hash alike."""
+    import zdsl.kernels
     parts = []
-    for folder in ("zdsl/lang", "kernels"):
-        for name in sorted(os.listdir(os.path.join(root, folder))):
+    for label, folder in (("zdsl/lang", os.path.dirname(os.path.abspath(__file__))),
+                          ("kernels", os.path.dirname(os.path.abspath(zdsl.kernels.__file__)))):
+        for name in sorted(os.listdir(folder)):
             if name.endswith(".py"):
-                with open(os.path.join(root, folder, name), "rb") as f:
-                    parts += [f"{folder}/{name}", f.read()]
+                with open(os.path.join(folder, name), "rb") as f:
+                    parts += [f"{label}/{name}", f.read()]
     return content_key(*parts)
 
 
