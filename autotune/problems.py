@@ -161,19 +161,16 @@ def _norm_q8_1(use, rng, check):
 
 
 def _ffn_gate_up(use, rng, check):
-    """ffn_gate_up and ffn_gate_up_q8: a dense pair (1 slot) or routed experts with the shared
-    pair as the last slot."""
+    """ffn_gate_up and ffn_gate_up_q8: a dense pair (1 slot) or experts picked from the stacks
+    (the shared expert is one of them)."""
     q, k, m, slots = use.shape["QTYPE"], use.shape["k"], use.shape["m"], use.shape["slots"]
     m = min(m, CHECK_ROWS) if check else m
-    experts, shared = use.fixed["EXPERTS"], use.fixed["SHARED"]
-    routed = slots - 1 if shared else slots
+    experts = use.fixed["EXPERTS"]
     n_exp = use.sizes["experts"]
-    n_exp = min(n_exp, 2 * routed + 1) if check and experts else n_exp
+    n_exp = min(n_exp, 2 * slots + 1) if check and experts else n_exp
     x = _normal(rng, k)
     a = dict(wg=_rows(rng, q, n_exp * m, k), wu=_rows(rng, q, n_exp * m, k),
-             ids=rng.permutation(n_exp)[:max(routed, 1)].astype(np.uint32), act=np.zeros(slots * m, np.float32))
-    if shared:
-        a.update(wg_sh=_rows(rng, q, m, k), wu_sh=_rows(rng, q, m, k))
+             ids=rng.permutation(n_exp)[:slots].astype(np.uint32), act=np.zeros(slots * m, np.float32))
     int8 = use.kernel is dmmv_q8.ffn_gate_up_q8
     if int8:
         a["xq"], a["xd"] = q8_1.q8_1_buffers(x)
@@ -181,17 +178,16 @@ def _ffn_gate_up(use, rng, check):
         a["x"] = x
 
     def expect(p):
-        pair = (a["wg_sh"], a["wu_sh"]) if shared else None
         if int8:
-            want = dmmv_q8.ffn_gate_up_q8_ref(a["wg"], a["wu"], a["ids"], a["xq"], a["xd"], q, m, k, experts, pair)
+            want = dmmv_q8.ffn_gate_up_q8_ref(a["wg"], a["wu"], a["ids"], a["xq"], a["xd"], q, m, k, experts)
         else:
-            want = dmmv.ffn_gate_up_ref(a["wg"], a["wu"], a["ids"], x, q, m, k, experts, pair)
+            want = dmmv.ffn_gate_up_ref(a["wg"], a["wu"], a["ids"], x, q, m, k, experts)
         return {"act": (want, 2e-4)}
     read = 2 * slots * m * _row_bytes(q, k)
 
     def rotate(n):
         if experts:
-            return {"ids": [rng.permutation(n_exp)[:routed].astype(np.uint32) for _ in range(n - 1)]}
+            return {"ids": [rng.permutation(n_exp)[:slots].astype(np.uint32) for _ in range(n - 1)]}
         return {"wg": _copies(a["wg"], n), "wu": _copies(a["wu"], n)}
     x_bytes = a["xq"].nbytes + a["xd"].nbytes if int8 else 4 * k
     return Case(_one(use, lambda v: (cdiv(m, dmmv.rows_per_workgroup(v)), slots)), a, dict(k=k, m=m),
@@ -223,7 +219,7 @@ def _moe_router(use, rng, check):
     a = dict(w=_rows(rng, q, n_exp, k), sh_gate_w=_normal(rng, k, 0.05), x=_normal(rng, k, 3.0),
              norm_w=_normal(rng, k), hn=np.zeros(k, np.float32), xq=np.zeros(k // 4, np.uint32),
              xd=np.zeros(k // 16, np.float32), logits=np.zeros(n_exp, np.float32), arrivals=np.zeros(1, np.uint32),
-             ids=np.zeros(K, np.uint32), weights=np.zeros(K + 1, np.float32))
+             ids=np.zeros(K + 1, np.uint32), weights=np.zeros(K + 1, np.float32))
 
     def reference():
         return moe.moe_router_ref(a["w"], a["sh_gate_w"], a["x"], a["norm_w"], eps, q, n_exp, k, K)
@@ -245,22 +241,24 @@ def _clear_picks(logits, K) -> bool:
 
 
 def _moe_down_all(use, rng, check):
+    """The shared expert appended to the experts' stack (QTYPE_SH empty), or apart in its own type."""
     q, k, m, K = use.shape["QTYPE"], use.shape["k"], use.shape["m"], use.fixed["K"]
-    q_sh = use.fixed["QTYPE_SH"] or q
+    apart = use.fixed["QTYPE_SH"] or None
     m = min(m, CHECK_ROWS) if check else m
     n_exp = min(use.sizes["experts"], K + 4) if check else use.sizes["experts"]
-    a = dict(w=_rows(rng, q, n_exp * m, k), w_sh=_rows(rng, q_sh, m, k),
-             ids=rng.permutation(n_exp)[:K].astype(np.uint32), weights=rng.uniform(0.05, 0.5, K + 1).astype(np.float32),
+    slots = K if apart else K + 1  # the experts the stack serves
+    a = dict(w=_rows(rng, q, n_exp * m, k), w_sh=_rows(rng, apart, m, k) if apart else np.zeros(16, np.uint8),
+             ids=rng.permutation(n_exp)[:K + 1].astype(np.uint32), weights=rng.uniform(0.05, 0.5, K + 1).astype(np.float32),
              act=_normal(rng, (K + 1) * k), y=_normal(rng, m))
     y0 = a["y"].copy()
 
     def expect(p):
-        want = dmmv.moe_down_all_ref(a["w"], a["w_sh"], a["ids"], a["weights"], a["act"], y0, q, m, k,
-                                     use.fixed["QTYPE_SH"] or None)
+        want = dmmv.moe_down_all_ref(a["w"], a["w_sh"] if apart else None, a["ids"][:slots], a["weights"], a["act"],
+                                     y0, q, m, k, apart)
         return {"y": (want, 1e-4)}
-    read = K * m * _row_bytes(q, k) + m * _row_bytes(q_sh, k) + 4 * (K + 1) * (k + 2)
+    read = slots * m * _row_bytes(q, k) + (m * _row_bytes(apart, k) if apart else 0) + 4 * (K + 1) * (k + 2)
     return Case(_one(use, _rows_grid(m)), a, dict(k=k, m=m), read + 8 * m, expect if check else None,
-                lambda n: {"ids": [rng.permutation(n_exp)[:K].astype(np.uint32) for _ in range(n - 1)]})
+                lambda n: {"ids": [rng.permutation(n_exp)[:K + 1].astype(np.uint32) for _ in range(n - 1)]})
 
 
 # -- norms, attention, delta-net ----------------------------------------------------------------------

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from zdsl.errors import ZdslError
 from zdsl.kernels import attention, deltanet, dmmv, dmmv_q8, moe, q8_1, sampling
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS
@@ -46,43 +44,41 @@ class Use:
 
 
 class Tensors:
-    """Hyperparameters, tensor shapes (numpy order) and types of a model file or a preset."""
+    """Hyperparameters, tensor shapes (numpy order) and types of a model file or a preset, by
+    the names the decode graph reads them under (models/qwen35/weights.py: fused tensors split,
+    shared experts stacked)."""
 
-    def __init__(self, hparams, shapes: dict[str, tuple[int, ...]], qtypes: dict[str, str], source: str):
-        self.hparams, self.shapes, self.qtypes, self.source = hparams, shapes, qtypes, source
+    def __init__(self, hparams, files: dict[str, tuple[tuple[int, ...], object]], source: str):
+        from zdsl.models.qwen35.weights import GraphWeights
+
+        self.hparams, self.weights, self.source = hparams, GraphWeights(hparams, files), source
 
     @classmethod
     def from_file(cls, path) -> "Tensors":
         from zdsl.models.qwen35.gguf_file import open_model
 
         model = open_model(path)
-        infos = model.tensors.values()
-        return cls(model.hparams, {t.name: t.shape for t in infos}, {t.name: t.qtype.name.lower() for t in infos},
-                   str(path))
+        return cls(model.hparams, {t.name: (t.shape, t.qtype) for t in model.tensors.values()}, str(path))
 
     @classmethod
     def from_preset(cls, name: str) -> "Tensors":
         from zdsl.models.qwen35.synth import plan, preset
 
         hp = preset(name)
-        tensors = plan(hp)
-        return cls(hp, {n: s for n, s, _ in tensors}, {n: q.name.lower() for n, _, q in tensors},
-                   f"preset {name} (Q4_K_M types)")
+        return cls(hp, {n: (s, q) for n, s, q in plan(hp)}, f"preset {name} (Q4_K_M types)")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weights
 
     @property
     def output_name(self) -> str:
-        return "output.weight" if "output.weight" in self.shapes else "token_embd.weight"
+        return self.weights.output_name
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self.shapes[name]
-
-    def nbytes(self, name: str) -> int:
-        f = FORMATS[self.qtype(name)]
-        *rest, k = self.shapes[name]
-        return int(np.prod(rest, dtype=np.int64)) * (k // f.block) * f.nbytes
+        return self.weights.shape(name)
 
     def qtype(self, name: str) -> str:
-        q = self.qtypes[name]
+        q = self.weights.qtype(name).name.lower()
         if q not in FORMATS:
             raise ZdslError(f"tensor {name} is {q.upper()}, which has no GPU kernel yet")
         return q
@@ -155,13 +151,14 @@ def decode_uses(model: Tensors, n_ctx: int = 4096, caps: tuple[int, ...] = (1,))
 
 
 def gate_up(add, model: Tensors, gate: str, slots: int, experts: bool) -> None:
-    """graph._gate_up: SwiGLU gate·up of the normed input, per slot (MoE: the shared expert last)."""
+    """graph._gate_up: SwiGLU gate·up of the normed input, per slot (MoE: the shared expert last,
+    appended to the experts' stacks)."""
     m, k = model.shape(gate)[-2:]
     q = model.qtype(gate)
     kernel = dmmv_q8.ffn_gate_up_q8 if q in INT8_FORMATS else dmmv.ffn_gate_up
-    n_exp = model.hparams.n_experts if experts else 1
+    n_exp = model.shape(gate)[0] if experts else 1
     add(kernel, {"QTYPE": q, "k": k, "m": m, "slots": slots},
-        {"QTYPE": q, "EXPERTS": experts, "SHARED": experts},
+        {"QTYPE": q, "EXPERTS": experts},
         dict(experts=n_exp, slots=slots), gate.removesuffix(".weight") + "+up")
 
 
@@ -173,16 +170,18 @@ def _moe(model: Tensors, p: str, add, norm) -> None:
     add(moe.moe_router, {"QTYPE": qr, "k": kr, "n_expert": E}, {"QTYPE": qr, "K": K}, dict(eps=hp.eps),
         p + "ffn_gate_inp+moe_route")
     gate_up(add, model, p + "ffn_gate_exps.weight", K + 1, True)
-    md, kd = model.shape(p + "ffn_down_exps.weight")[-2:]
-    qd, qs = model.qtype(p + "ffn_down_exps.weight"), model.qtype(p + "ffn_down_shexp.weight")
-    fd, fs = FORMATS[qd], FORMATS[qs]
+    down, down_sh = p + "ffn_down_exps.weight", p + "ffn_down_shexp.weight"
+    md, kd = model.shape(down)[-2:]
+    qd = model.qtype(down)
+    qs = model.qtype(down_sh) if down_sh in model else ""  # "": the stack's last expert
+    fd, fs = FORMATS[qd], FORMATS[qs or qd]
     if (fd.block, fd.parts) != (fs.block, fs.parts):
-        for tensor, q_, slots, experts in ((p + "ffn_down_exps.weight", qd, K, E), (p + "ffn_down_shexp.weight", qs, 1, 1)):
+        for tensor, q_, slots, experts in ((down, qd, K, E), (down_sh, qs, 1, 1)):
             add(dmmv.moe_down, {"QTYPE": q_, "k": kd, "m": md}, {"QTYPE": q_, "ADD": True},
                 dict(experts=experts, slots=slots), tensor)
     else:
         add(dmmv.moe_down_all, {"QTYPE": qd, "QTYPE_SH": qs, "k": kd, "m": md, "K": K},
-            {"QTYPE": qd, "QTYPE_SH": "" if qs == qd else qs, "K": K}, dict(experts=E), p + "ffn_down_exps+shexp")
+            {"QTYPE": qd, "QTYPE_SH": qs, "K": K}, dict(experts=model.shape(down)[0]), p + "ffn_down_exps+shexp")
     norm(p + "ffn_down+norm")
 
 

@@ -223,43 +223,26 @@ def dmmv_ref(w_bytes, x, qtype, m, k, y=None):
     return out if y is None else out + y
 
 
-@zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": QTYPES, "SHARED": [False, True], "ROWS": [1, 2, 4],
-                                                           "SG": SUBGROUPS},
-             tune={"NSUB": NSUBS}, where=lambda v: not v.SHARED or v.QTYPE in EXPERT_QTYPES)
-def ffn_gate_up(wg: Buffer[u8], wu: Buffer[u8], wg_sh: Buffer[u8], wu_sh: Buffer[u8], ids: Buffer[u32],
-                x: Buffer[f32], act: Buffer[f32], k: u32, m: u32, EXPERTS: Spec[boolean] = True,
-                SHARED: Const = False, QTYPE: Const = "q4_k", ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32,
-                WG: Const = 0):
-    """act[s·m + r] = silu(Wg[r]·x) · (Wu[r]·x) for slot s = workgroup_id(1): the pair of expert
-    ids[s] (EXPERTS) or the single pair (not EXPERTS: a dense FFN; `ids` unused). With SHARED the
-    last slot takes the shared expert's pair (wg_sh, wu_sh): a MoE layer's routed and shared
-    experts in one dispatch. Gate and up rows are read in one pass over x.
-    Grid: (ceil(m / rows_per_workgroup), slots)."""
+@zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": QTYPES, "ROWS": [1, 2, 4], "SG": SUBGROUPS},
+             tune={"NSUB": NSUBS})
+def ffn_gate_up(wg: Buffer[u8], wu: Buffer[u8], ids: Buffer[u32], x: Buffer[f32], act: Buffer[f32], k: u32, m: u32,
+                EXPERTS: Spec[boolean] = True, QTYPE: Const = "q4_k", ROWS: Const = 1, NSUB: Const = 1,
+                SG: Const = 32, WG: Const = 0):
+    """act[s·m + r] = silu(Wg[r]·x) · (Wu[r]·x) for slot s = workgroup_id(1), with the pair of
+    expert ids[s] (EXPERTS) or the single pair (not EXPERTS: a dense FFN; `ids` unused). A MoE
+    layer's shared expert is one more expert of the stacks (the graph appends it; the router
+    names it in ids[K]), so routed and shared experts are one dispatch with one code path.
+    Gate and up rows are read in one pass over x. Grid: (ceil(m / rows_per_workgroup), slots)."""
     f = fmt(QTYPE)
     ctx = f.setup()
     nblocks = k // f.block
     row_bytes = nblocks * f.nbytes
     slot = zdsl.workgroup_id(1)
     group = Rows(ROWS, NSUB, SG)
-
-    def swiglu(w_gate, w_up, expert_base):
-        bases = [expert_base + r * row_bytes for r in group.clamped(m)]
-        acc = block_dots(f, ctx, [(w_gate, b) for b in bases] + [(w_up, b) for b in bases], x, [0], nblocks, group)
-        store_swiglu(act, group.sums([a[0] for a in acc]), group, m, slot)
-
-    each_slot(SHARED, slot, lambda: swiglu(wg, wu, ids.load(slot, mask=EXPERTS, other=0) * (m * row_bytes)),
-              lambda: swiglu(wg_sh, wu_sh, 0))
-
-
-def each_slot(SHARED: bool, slot, routed, shared):
-    """Run routed() for the slot, or, with SHARED, shared() for the last slot of the grid."""
-    if not SHARED:
-        routed()
-        return
-    with zdsl.if_(slot + 1 < zdsl.num_workgroups(1)):
-        routed()
-    with zdsl.else_():
-        shared()
+    expert_base = ids.load(slot, mask=EXPERTS, other=0) * (m * row_bytes)
+    bases = [expert_base + r * row_bytes for r in group.clamped(m)]
+    acc = block_dots(f, ctx, [(wg, b) for b in bases] + [(wu, b) for b in bases], x, [0], nblocks, group)
+    store_swiglu(act, group.sums([a[0] for a in acc]), group, m, slot)
 
 
 def store_swiglu(act, sums, group: Rows, m, slot):
@@ -277,17 +260,15 @@ def experts_of(w_bytes, qtype, m, k) -> int:
 
 
 @ffn_gate_up.reference
-def ffn_gate_up_ref(wg_bytes, wu_bytes, ids, x, qtype, m, k, experts=True, shared=None):
-    """act of every slot; `shared` = (gate bytes, up bytes) of the shared expert, the last slot."""
+def ffn_gate_up_ref(wg_bytes, wu_bytes, ids, x, qtype, m, k, experts=True):
+    """act of every slot: the experts `ids` of the stacks (the shared one among them), or the
+    one pair (not experts)."""
     nexp = experts_of(wg_bytes, qtype, m, k)
     g = dequant_rows(wg_bytes, qtype, nexp * m, k).reshape(nexp, m, k)
     u = dequant_rows(wu_bytes, qtype, nexp * m, k).reshape(nexp, m, k)
-    pairs = [(g[e], u[e]) for e in (list(ids) if experts else [0])]
-    if shared is not None:
-        pairs.append(tuple(dequant_rows(b, qtype, m, k) for b in shared))
     xv = np.asarray(x, np.float64)
     with np.errstate(over="ignore"):  # silu of a large negative gate: −0, as on the GPU
-        out = [(lambda a: a / (1 + np.exp(-a)))(gm @ xv) * (um @ xv) for gm, um in pairs]
+        out = [(lambda a: a / (1 + np.exp(-a)))(g[e] @ xv) * (u[e] @ xv) for e in (list(ids) if experts else [0])]
     return np.concatenate(out)
 
 
@@ -336,15 +317,18 @@ def moe_down_ref(w_bytes, ids, weights, act, qtype, m, k, y=None):
 def moe_down_all(w: Buffer[u8], w_sh: Buffer[u8], ids: Buffer[u32], weights: Buffer[f32], act: Buffer[f32],
                  y: Buffer[f32], k: u32, m: u32, QTYPE: Const = "q4_k", QTYPE_SH: Const = "", K: Const = 8,
                  ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
-    """y[r] += Σ_{s<K} weights[s] · (W_{ids[s]}[r] · act[s·k:]) + weights[K] · (W_sh[r] · act[K·k:]):
-    the routed experts and the shared expert (slot K, whose type QTYPE_SH may differ: files keep
-    it at more bits) in one pass, added to the residual. Grid: ceil(m / rows_per_workgroup)."""
+    """y[r] += Σ_{s≤K} weights[s] · (W_s[r] · act[s·k:]): the K routed experts and the shared
+    expert (slot K) in one pass, added to the residual. W_s is expert ids[s] of w, the shared
+    expert too when it has the experts' type (the graph appends it to their stack); files that
+    keep it at more bits give it as w_sh, of type QTYPE_SH, which costs a second code path.
+    Grid: ceil(m / rows_per_workgroup)."""
     f = fmt(QTYPE)
     f_sh = fmt(QTYPE_SH or QTYPE)
     if (f_sh.block, f_sh.parts) != (f.block, f.parts):
         raise zdsl.ZdslError(f"moe_down_all needs the shared expert's blocks shaped like the experts' "
                              f"({f_sh.name} vs {f.name})")
-    ctx, ctx_sh = f.setup(), (f_sh.setup() if f_sh is not f else None)
+    ctx = f.setup()
+    ctx_sh = f_sh.setup() if f_sh is not f else ctx
     nblocks = k // f.block
     row_bytes = nblocks * f.nbytes
     group = Rows(ROWS, NSUB, SG)
@@ -352,26 +336,37 @@ def moe_down_all(w: Buffer[u8], w_sh: Buffer[u8], ids: Buffer[u32], weights: Buf
     part = group.index % f.parts
     old = old_rows(y, group, m, 1, True)
     total = [zdsl.var(0.0) for _ in range(ROWS)]
+
+    def add(step, weight):
+        for r in range(ROWS):
+            total[r] += weight * step[r][0]
+
     for item in zdsl.range(group.index // f.parts, (K + 1) * nblocks, group.size // f.parts):
         s = item // nblocks
         b = item - s * nblocks
         weight = weights[s]
-        with zdsl.if_(s < K):
-            base = ids[zdsl.min(s, K - 1)] * (m * row_bytes)
-            step = block_step(f, ctx, [(w, base + o) for o in offsets], act, [s * k], b, part)
-            for r in range(ROWS):
-                total[r] += weight * step[r][0]
-        with zdsl.else_():
-            sh_bytes = nblocks * f_sh.nbytes
-            rows_sh = [(w_sh, r * sh_bytes) for r in group.clamped(m)]
-            step = block_step(f_sh, ctx_sh if ctx_sh is not None else ctx, rows_sh, act, [s * k], b, part)
-            for r in range(ROWS):
-                total[r] += weight * step[r][0]
+
+        def routed(slot):
+            base = ids[slot] * (m * row_bytes)
+            add(block_step(f, ctx, [(w, base + o) for o in offsets], act, [s * k], b, part), weight)
+
+        if not QTYPE_SH:
+            routed(s)
+        else:
+            with zdsl.if_(s < K):
+                routed(zdsl.min(s, K - 1))
+            with zdsl.else_():
+                sh_bytes = nblocks * f_sh.nbytes
+                rows_sh = [(w_sh, r * sh_bytes) for r in group.clamped(m)]
+                add(block_step(f_sh, ctx_sh, rows_sh, act, [s * k], b, part), weight)
     store_rows(y, group.sums(total), group, m, 1, old)
 
 
 @moe_down_all.reference
 def moe_down_all_ref(w_bytes, w_sh_bytes, ids, weights, act, y, qtype, m, k, qtype_sh=None):
+    """`ids` names all K + 1 experts of w_bytes when w_sh_bytes is None, else the K routed ones."""
+    if w_sh_bytes is None:
+        return y + moe_down_ref(w_bytes, ids, weights, act, qtype, m, k)
     K = len(ids)
     routed = moe_down_ref(w_bytes, ids, weights[:K], act[:K * k], qtype, m, k)
     shared = float(weights[K]) * (dequant_rows(w_sh_bytes, qtype_sh or qtype, m, k) @ act[K * k:].astype(np.float64))

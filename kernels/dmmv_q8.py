@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import zdsl
 from zdsl import Buffer, Const, Spec, boolean, f32, u8, u32
-from zdsl.kernels.dmmv import (EXPERT_QTYPES, NSUBS, Rows, block_loop, dequant_rows, each_slot, ffn_gate_up_ref,
+from zdsl.kernels.dmmv import (NSUBS, Rows, block_loop, dequant_rows, ffn_gate_up_ref,
                                old_rows, store_rows, store_swiglu, workgroup_of)
 from zdsl.kernels.q8_1 import q8_1_values
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS, fmt
@@ -98,34 +98,28 @@ def dmmv_q8_ref(w_bytes, xq, xd, qtype, m, k, y=None):
     return out if y is None else out + y
 
 
-@zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": INT8_FORMATS, "SHARED": [False, True],
-                                                           "ROWS": [1, 2, 4], "SG": SUBGROUPS},
-             tune={"NSUB": NSUBS}, where=lambda v: not v.SHARED or v.QTYPE in EXPERT_QTYPES)
-def ffn_gate_up_q8(wg: Buffer[u8], wu: Buffer[u8], wg_sh: Buffer[u8], wu_sh: Buffer[u8], ids: Buffer[u32],
-                   xq: Buffer[u32], xd: Buffer[f32], act: Buffer[f32], k: u32, m: u32,
-                   EXPERTS: Spec[boolean] = True, SHARED: Const = False, QTYPE: Const = "q4_k", ROWS: Const = 1,
-                   NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
+@zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": INT8_FORMATS, "ROWS": [1, 2, 4], "SG": SUBGROUPS},
+             tune={"NSUB": NSUBS})
+def ffn_gate_up_q8(wg: Buffer[u8], wu: Buffer[u8], ids: Buffer[u32], xq: Buffer[u32], xd: Buffer[f32],
+                   act: Buffer[f32], k: u32, m: u32, EXPERTS: Spec[boolean] = True, QTYPE: Const = "q4_k",
+                   ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
     """dmmv.ffn_gate_up with Q8_1 activations: act[s·m + r] = silu(Wg[r]·x̂) · (Wu[r]·x̂) for slot
-    s = workgroup_id(1): the pair of expert ids[s] (EXPERTS) or the single pair (not EXPERTS);
-    with SHARED the last slot takes the shared expert's pair (wg_sh, wu_sh).
+    s = workgroup_id(1), with the pair of expert ids[s] (EXPERTS: the shared expert is one more
+    expert of the stacks) or the single pair (not EXPERTS).
     Grid: (ceil(m / rows_per_workgroup), slots)."""
     f = int8_decoder(QTYPE)
     nblocks = k // f.block
     row_bytes = nblocks * f.nbytes
     slot = zdsl.workgroup_id(1)
     group = Rows(ROWS, NSUB, SG)
-
-    def swiglu(w_gate, w_up, expert_base):
-        bases = [expert_base + r * row_bytes for r in group.clamped(m)]
-        rows = [(w_gate, b) for b in bases] + [(w_up, b) for b in bases]
-        acc = block_loop(f.iparts, nblocks, group, 2 * ROWS, 1, lambda b, part: q8_step(f, rows, xq, xd, [0], b, part))
-        store_swiglu(act, group.sums([a[0] for a in acc]), group, m, slot)
-
-    each_slot(SHARED, slot, lambda: swiglu(wg, wu, ids.load(slot, mask=EXPERTS, other=0) * (m * row_bytes)),
-              lambda: swiglu(wg_sh, wu_sh, 0))
+    expert_base = ids.load(slot, mask=EXPERTS, other=0) * (m * row_bytes)
+    bases = [expert_base + r * row_bytes for r in group.clamped(m)]
+    rows = [(wg, b) for b in bases] + [(wu, b) for b in bases]
+    acc = block_loop(f.iparts, nblocks, group, 2 * ROWS, 1, lambda b, part: q8_step(f, rows, xq, xd, [0], b, part))
+    store_swiglu(act, group.sums([a[0] for a in acc]), group, m, slot)
 
 
 @ffn_gate_up_q8.reference
-def ffn_gate_up_q8_ref(wg_bytes, wu_bytes, ids, xq, xd, qtype, m, k, experts=True, shared=None):
+def ffn_gate_up_q8_ref(wg_bytes, wu_bytes, ids, xq, xd, qtype, m, k, experts=True):
     """ffn_gate_up_ref on the activations the Q8_1 buffers stand for."""
-    return ffn_gate_up_ref(wg_bytes, wu_bytes, ids, q8_1_values(xq, xd), qtype, m, k, experts, shared)
+    return ffn_gate_up_ref(wg_bytes, wu_bytes, ids, q8_1_values(xq, xd), qtype, m, k, experts)

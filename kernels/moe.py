@@ -1,7 +1,8 @@
 """Mixture-of-experts routing on the GPU: which experts a token uses and with what weights, and
 the normed input the experts read (the router norms the residual stream itself). The products
-themselves are `dmmv.ffn_gate_up` / `dmmv_q8.ffn_gate_up_q8` (routed and shared
-experts, SHARED) and `dmmv.moe_down_all`, which read the `ids` and `weights` written here."""
+themselves are `dmmv.ffn_gate_up` / `dmmv_q8.ffn_gate_up_q8` and `dmmv.moe_down_all`, which
+read the `ids` and `weights` written here. The shared expert is slot K: expert n_expert of the
+stacks (the graph appends it to the routed experts' weights), with its sigmoid gate as weight."""
 
 from __future__ import annotations
 
@@ -49,9 +50,10 @@ def moe_router(w: Buffer[u8], sh_gate_w: Buffer[f32], x: Buffer[f32], norm_w: Bu
     that finishes last (arrivals[0] counts them: 0 before, 0 after) picks ids[j] = the expert
     with the j-th largest logit (equal logits: lower expert first) and weights[j] = its softmax
     probability renormalised over the K picked. The full softmax denominator cancels in that
-    renormalisation, so only the picked logits are exponentiated. Workgroup 0 also writes the
-    shared expert's gate weights[K] = sigmoid(sh_gate_w · hn). Needs n_expert ≥ K and k a
-    multiple of 32. Grid: ceil(n_expert / rows_per_workgroup)."""
+    renormalisation, so only the picked logits are exponentiated. Workgroup 0 also writes slot
+    K, the shared expert: ids[K] = n_expert (its place in the stacks) and its gate weights[K] =
+    sigmoid(sh_gate_w · hn). Needs n_expert ≥ K and k a multiple of 32.
+    Grid: ceil(n_expert / rows_per_workgroup)."""
     f = fmt(QTYPE)
     ctx = f.setup()
     nblocks = k // f.block
@@ -78,6 +80,7 @@ def moe_router(w: Buffer[u8], sh_gate_w: Buffer[f32], x: Buffer[f32], norm_w: Bu
             dot += zdsl.dot(sh_gate_w.vec4[i], x.vec4[i] * norm_w.vec4[i])
         (total,) = workgroup_sums([dot], WG, SG)
         with zdsl.if_(t == 0):
+            ids[K] = n_expert
             weights[K] = zdsl.sigmoid(total * inv_rms)
     with zdsl.if_(zdsl.last_workgroup(arrivals)):
         def load(index, valid):
@@ -95,12 +98,13 @@ def moe_router(w: Buffer[u8], sh_gate_w: Buffer[f32], x: Buffer[f32], norm_w: Bu
 
 @moe_router.reference
 def moe_router_ref(w_bytes, sh_gate_w, x, norm_w, eps, qtype, n_expert, k, K=8):
-    """(hn, logits, ids, weights) of one token; weights[K] is the shared expert's gate."""
+    """(hn, logits, ids, weights) of one token; slot K is the shared expert: ids[K] = n_expert,
+    weights[K] its gate."""
     hn = rms_norm_ref(x, norm_w, eps)
     logits = dmmv.dmmv_ref(w_bytes, hn, qtype, n_expert, k)
     ids, weights = route_ref(logits, K)
     gate = 1 / (1 + np.exp(-(np.asarray(sh_gate_w, np.float64) @ hn.astype(np.float64))))
-    return hn, logits, ids[0], np.append(weights[0], np.float32(gate))
+    return hn, logits, np.append(ids[0], np.uint32(n_expert)), np.append(weights[0], np.float32(gate))
 
 
 def route_ref(logits, K=8):

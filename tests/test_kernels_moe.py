@@ -31,7 +31,7 @@ def route(variant, backend, request, w, sh_gate_w, x, norm_w, n, k, K):
     out = run(variant, backend, request, -(-n // dmmv.rows_per_workgroup(variant)), w=w, sh_gate_w=sh_gate_w, x=x,
               norm_w=norm_w, hn=np.full(k, np.nan, np.float32), xq=np.zeros(k // 4, np.uint32),
               xd=np.full(k // 16, np.nan, np.float32), logits=np.full(n, np.nan, np.float32),
-              arrivals=np.zeros(1, np.uint32), ids=np.zeros(K, np.uint32), weights=np.full(K + 1, np.nan, np.float32),
+              arrivals=np.zeros(1, np.uint32), ids=np.full(K + 1, 7777, np.uint32), weights=np.full(K + 1, np.nan, np.float32),
               k=k, n_expert=n, eps=EPS)
     hn = rms_norm_ref(x, norm_w, EPS)
     np.testing.assert_allclose(out["hn"], hn, rtol=2e-5, atol=2e-5 * np.abs(hn).max())
@@ -61,7 +61,7 @@ def test_router(backend, request, K, extra, kb, qtype, ties, rows, nsub, r, wg, 
     _, logits, _, want = moe.moe_router_ref(w, sh_gate_w, x, norm_w, EPS, qtype, n, k, K)
     np.testing.assert_allclose(out["logits"], logits, rtol=2e-5, atol=2e-5 * np.abs(logits).max())
     ids, weights = moe.route_ref(out["logits"], K)
-    np.testing.assert_array_equal(out["ids"], ids[0])
+    np.testing.assert_array_equal(out["ids"], np.append(ids[0], n))  # [K]: the shared expert, appended to the stacks
     np.testing.assert_allclose(out["weights"][:K], weights[0], rtol=2e-6, atol=1e-7)
     np.testing.assert_allclose(out["weights"][:K].sum(), 1, rtol=1e-5)
     np.testing.assert_allclose(out["weights"][K], want[K], rtol=1e-5)  # the shared expert's gate
@@ -81,7 +81,7 @@ def test_router_twice_in_one_sequence(device):
     shared = dict(w=up(w, "w"), sh_gate_w=up(sh_gate_w, "sh_gate_w"), norm_w=up(norm_w, "norm_w"),
                   arrivals=up(np.zeros(1, np.uint32), "arrivals"), hn=up(np.zeros(k, np.float32), "hn"),
                   xq=up(np.zeros(k // 4, np.uint32), "xq"), xd=up(np.zeros(k // 16, np.float32), "xd"))
-    own = [dict(x=up(x, "x"), logits=up(np.zeros(n, np.float32), "logits"), ids=up(np.zeros(K, np.uint32), "ids"),
+    own = [dict(x=up(x, "x"), logits=up(np.zeros(n, np.float32), "logits"), ids=up(np.zeros(K + 1, np.uint32), "ids"),
                 weights=up(np.zeros(K + 1, np.float32), "weights")) for x in xs]
     try:
         seq = device.sequence()
@@ -92,7 +92,7 @@ def test_router_twice_in_one_sequence(device):
         for x, bufs in zip(xs, own):
             _, want_logits, want_ids, want_weights = moe.moe_router_ref(w, sh_gate_w, x, norm_w, EPS, "f32", n, k, K)
             np.testing.assert_allclose(bufs["logits"].read(np.float32, (n,)), want_logits, rtol=1e-5, atol=1e-5)
-            np.testing.assert_array_equal(bufs["ids"].read(np.uint32, (K,)), want_ids)
+            np.testing.assert_array_equal(bufs["ids"].read(np.uint32, (K + 1,)), want_ids)
             np.testing.assert_allclose(bufs["weights"].read(np.float32, (K + 1,)), want_weights, rtol=1e-5)
         assert shared["arrivals"].read(np.uint32, (1,))[0] == 0
     finally:
@@ -111,7 +111,7 @@ def test_router_the_model_shape():
                 norm_w, n, k, 8)
     hn = rms_norm_ref(x, norm_w, EPS)
     logits = out["logits"]
-    np.testing.assert_array_equal(out["ids"], np.argsort(-logits)[:8])
-    p = np.exp(logits[out["ids"]] - logits.max())
+    np.testing.assert_array_equal(out["ids"], np.append(np.argsort(-logits)[:8], n))
+    p = np.exp(logits[out["ids"][:8]] - logits.max())
     np.testing.assert_allclose(out["weights"][:8], p / p.sum(), rtol=1e-5)
     np.testing.assert_allclose(out["weights"][8], 1 / (1 + np.exp(-(sh_gate_w.astype(np.float64) @ hn))), rtol=1e-5)

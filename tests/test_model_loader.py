@@ -120,6 +120,56 @@ def test_fused_variants_load_and_give_the_same_logits(tiny, tmp_path):
                                rtol=0, atol=1e-4)
 
 
+def test_fused_files_decode_on_the_gpu_as_the_unfused(tiny, tmp_path, device):
+    """The decode graph reads fused tensors as their parts (weights.py): the same bytes reach
+    the same kernels, so the logits are identical, not merely close."""
+    from zdsl.models.qwen35.graph import DecodeGraph
+    from zdsl.models.qwen35.sampler import SamplerConfig
+
+    fused = open_model(rewrite(tiny, tmp_path / "fused.gguf", fuse=True))
+    logits = []
+    for m in (open_model(tiny), fused):
+        graph = DecodeGraph(m, device, 8, SamplerConfig(temperature=0), progress=False)
+        logits.append([(graph.decode(t), graph.logits()) for t in (1, 5, 300, None, None)])
+        graph.close()
+    for (tok_a, a), (tok_b, b) in zip(*logits):
+        assert tok_a == tok_b
+        np.testing.assert_array_equal(a, b)
+
+
+def test_graph_weights_split_fused_tensors_and_stack_shared_experts():
+    from zdsl.models.qwen35.weights import GraphWeights, Part
+
+    hp = synth.preset("tiny")
+    files = {n: (s, q) for n, s, q in synth.plan(hp, "q4_k_m")}
+    E, F, H = hp.n_experts, hp.expert_ffn, hp.hidden
+    q, kv = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
+    a = hp.attention.index(True)
+    qt, kt, vt = (files[f"blk.{a}.attn_{x}.weight"][1] for x in "qkv")
+    files[f"blk.{a}.attn_qkv.weight"] = ((2 * q + 2 * kv, H), qt)
+    for x in "qkv":
+        del files[f"blk.{a}.attn_{x}.weight"]
+    files["blk.0.ffn_gate_up_exps.weight"] = ((E, 2 * F, H), files.pop("blk.0.ffn_gate_exps.weight")[1])
+    del files["blk.0.ffn_up_exps.weight"]
+    w = GraphWeights(hp, files)
+    fused = f"blk.{a}.attn_qkv.weight"
+    assert [w.tensors[f"blk.{a}.attn_{x}.weight"].parts for x in "qkv"] == [
+        (Part(fused, (0, 2 * q)),), (Part(fused, (2 * q, 2 * q + kv)),), (Part(fused, (2 * q + kv, 2 * q + 2 * kv)),)]
+    assert w.shape(f"blk.{a}.attn_k.weight") == (kv, H) and fused not in w
+    assert w.shape("blk.0.ffn_up_exps.weight") == (E + 1, F, H)
+    assert w.tensors["blk.0.ffn_up_exps.weight"].parts == (Part("blk.0.ffn_gate_up_exps.weight", (F, 2 * F)),
+                                                           Part("blk.0.ffn_up_shexp.weight"))
+    assert "blk.0.ffn_gate_shexp.weight" not in w and "blk.0.ffn_up_shexp.weight" not in w
+    for i in range(hp.n_layers):  # the shared down joins the stack only in the experts' type
+        down, shared = f"blk.{i}.ffn_down_exps.weight", f"blk.{i}.ffn_down_shexp.weight"
+        same = files[down][1] == files[shared][1]
+        assert (shared in w) != same and w.shape(down)[0] == E + same
+    assert {files[f"blk.{i}.ffn_down_exps.weight"][1] for i in range(hp.n_layers)} == {QuantType.Q4_K, QuantType.Q6_K}
+    files["blk.1.ffn_up_shexp.weight"] = (files["blk.1.ffn_up_shexp.weight"][0], QuantType.Q8_0)
+    with pytest.raises(ModelError, match="blk.1.ffn_up_shexp.weight .Q8_0.* differs from the experts'"):
+        GraphWeights(hp, files)
+
+
 def test_layer_kinds_from_recurrent_layers_and_mtp_blocks(tiny, tmp_path):
     recurrent = [True, False, True, False, False]  # 4 trunk layers + 1 MTP block (never recurrent)
     kv = {"qwen35moe.attention.recurrent_layers": (recurrent, GGUFValueType.ARRAY, GGUFValueType.BOOL),

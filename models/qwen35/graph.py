@@ -28,6 +28,7 @@ from zdsl.kernels.quant import FORMATS, INT8_FORMATS
 from zdsl.lang.language import cdiv
 from zdsl.models.qwen35.gguf_file import ModelFile
 from zdsl.models.qwen35.sampler import SamplerConfig
+from zdsl.models.qwen35.weights import assemble, graph_weights
 
 STEP_WORDS = 8  # step[0] position, [1] length, [2] token id, [3] sampler counter
 # Attention over the KV cache is cut into at most ATTN_MAX_SPLITS chunks (attention.split_rows:
@@ -51,6 +52,7 @@ class DecodeGraph:
     def __init__(self, model: ModelFile, device, n_ctx: int, sampler: SamplerConfig | None = None,
                  progress: bool = True, tuning: Database | None = None):
         self.model, self.device, self.hp = model, device, model.hparams
+        self.tensors = graph_weights(model)  # what the graph reads, by its names (weights.py)
         self.info = device.info
         if n_ctx < 1:
             raise ZdslError(f"context length must be at least 1, got {n_ctx}")
@@ -90,14 +92,18 @@ class DecodeGraph:
     def _upload_weights(self, progress: bool) -> None:
         from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-        names = list(self.model.tensors)
-        total = sum(self.model.info(n).nbytes for n in names)
+        parts = {name: assemble(self.model, t) for name, t in self.tensors.tensors.items()}
+        total = sum(a.nbytes for arrays in parts.values() for a in arrays)
         with Progress(TextColumn("uploading weights"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                       disable=not progress, transient=True) as bar:
             task = bar.add_task("upload", total=total)
-            for name in names:
-                self.weights[name] = self.device.upload(np.ascontiguousarray(self.model.raw(name)), name=name)
-                bar.advance(task, self.model.info(name).nbytes)
+            for name, arrays in parts.items():
+                buf = self.weights[name] = self.device.alloc(sum(a.nbytes for a in arrays), name=name)
+                offset = 0
+                for a in arrays:
+                    buf.write(a, offset)
+                    offset += a.nbytes
+                    bar.advance(task, a.nbytes)
 
     def _f32(self, n: int, name: str):
         return self.device.alloc(4 * max(n, 1), name=name)
@@ -144,8 +150,8 @@ class DecodeGraph:
             if S != F:
                 raise ZdslError(f"shared expert width {S} differs from the experts' {F}; zdsl runs the shared "
                                 "expert as one more expert slot, which needs one width")
-            self.route_ids = dev.alloc(4 * K, name="route_ids")
-            self.route_w = self._f32(K + 1, "route_weights")  # [K] is the shared expert's gate
+            self.route_ids = dev.alloc(4 * (K + 1), name="route_ids")  # [K]: the shared expert, E
+            self.route_w = self._f32(K + 1, "route_weights")  # [K]: the shared expert's gate
             self.act = self._f32((K + 1) * F, "expert_act")  # slot K: the shared expert
             self.act_shared = self.act.slice(4 * K * F, 4 * F)
             self.route_w_shared = self.route_w.slice(4 * K, 4)
@@ -189,7 +195,7 @@ class DecodeGraph:
 
     # -- recording --------------------------------------------------------------------------
     def _qname(self, tensor: str) -> str:
-        q = self.model.qtype(tensor).name.lower()
+        q = self.tensors.qtype(tensor).name.lower()
         if q not in FORMATS:
             raise ZdslError(f"tensor {tensor} is {q.upper()}, which has no GPU kernel yet")
         return q
@@ -201,7 +207,7 @@ class DecodeGraph:
         """y (+)= W · x, x the normed input by default: int8 products where the weight type has
         an int8 decoder and x comes in Q8_1, else f32."""
         x = x or self.normed
-        m, k = self.model.shape(tensor)[-2:]
+        m, k = self.tensors.shape(tensor)[-2:]
         q = self._qname(tensor)
         fixed = dict(QTYPE=q, ADD=True) if add else dict(QTYPE=q)
         if self._int8(tensor) and x.q is not None:
@@ -254,7 +260,7 @@ class DecodeGraph:
                 self._moe(seq, i)
             else:
                 self._ffn(seq, i)
-        self._project(seq, self.model.output_name, self.logits_out)
+        self._project(seq, self.tensors.output_name, self.logits_out)
         self._sample(seq)
         steps.advance.specialize().dispatch(seq, 1, label="advance", step=self.step)
         seq.copy(self.step, self.step_host)
@@ -296,64 +302,60 @@ class DecodeGraph:
                       state=self.ssm_state[i], out=o.f32, oq=o.q, od=o.d, n_k_heads=hp.ssm_k_heads, eps=hp.eps)
         self._residual(seq, p + "ssm_out.weight", o, self._post_attention_norm(i))
 
-    def _gate_up(self, seq, gate: str, up: str, slots: int, shared: tuple[str, str] | None = None) -> None:
-        """act = silu(gate · normed) · (up · normed) per slot: the experts in route_ids (MoE,
-        with the shared expert's pair as the last slot) or the one pair (dense)."""
-        m, k = self.model.shape(gate)[-2:]
+    def _gate_up(self, seq, gate: str, up: str, slots: int, experts: bool) -> None:
+        """act = silu(gate · normed) · (up · normed) per slot: the experts in route_ids (MoE; the
+        shared expert is the stacks' last, slot K) or the one pair (dense)."""
+        m, k = self.tensors.shape(gate)[-2:]
         q = self._qname(gate)
-        for t in (up, *(shared or ())):
-            if self._qname(t) != q or self.model.shape(t)[-2:] != (m, k):
-                raise ZdslError(f"{t} differs in type or shape from {gate}; zdsl's fused gate·up needs one type "
-                                "and one width")
-        experts = shared is not None
-        pairs = dict(wg=self.weights[gate], wu=self.weights[up])
-        if shared:
-            pairs.update(wg_sh=self.weights[shared[0]], wu_sh=self.weights[shared[1]])
+        if self._qname(up) != q or self.tensors.shape(up)[-2:] != (m, k):
+            raise ZdslError(f"{up} differs in type or shape from {gate}; zdsl's fused gate·up needs one type "
+                            "and one width")
         ids = self.route_ids if experts else self.step
         label = gate.removesuffix(".weight") + "+up" + ("+shexp" if experts else "")
-        shape, fixed = {"QTYPE": q, "k": k, "m": m, "slots": slots}, dict(QTYPE=q, EXPERTS=experts, SHARED=experts)
+        shape, fixed = {"QTYPE": q, "k": k, "m": m, "slots": slots}, dict(QTYPE=q, EXPERTS=experts)
         if self._int8(gate):
             v = self._choose(dmmv_q8.ffn_gate_up_q8, shape, **fixed)
             args = dict(xq=self.normed.q, xd=self.normed.d)
         else:
             v = self._choose(dmmv.ffn_gate_up, shape, **fixed)
             args = dict(x=self.normed.f32)
-        v.dispatch(seq, (cdiv(m, dmmv.rows_per_workgroup(v)), slots), label=label, **pairs, ids=ids, act=self.act,
-                   k=k, m=m, **args)
+        v.dispatch(seq, (cdiv(m, dmmv.rows_per_workgroup(v)), slots), label=label, wg=self.weights[gate],
+                   wu=self.weights[up], ids=ids, act=self.act, k=k, m=m, **args)
 
     def _moe(self, seq, i: int) -> None:
         """The router (x normed, its logits, then the experts picked by the workgroup that
         finishes last), one dispatch for every expert's gate·up (the shared expert as one more
-        slot), one for every down projection added to x, then x normed for the next layer."""
+        slot: the stacks' last expert, weights.py), one for every down projection added to x,
+        then x normed for the next layer."""
         hp, p = self.hp, f"blk.{i}."
         K, E = hp.n_experts_used, hp.n_experts
         router = p + "ffn_gate_inp.weight"
-        qr, kr = self._qname(router), self.model.shape(router)[-1]
+        qr, kr = self._qname(router), self.tensors.shape(router)[-1]
         route = self._choose(moe.moe_router, {"QTYPE": qr, "k": kr, "n_expert": E}, QTYPE=qr, K=K)
         route.dispatch(seq, cdiv(E, dmmv.rows_per_workgroup(route)), label=p + "ffn_gate_inp+moe_route",
                        w=self.weights[router], sh_gate_w=self.weights[p + "ffn_gate_inp_shexp.weight"], x=self.x,
                        norm_w=self.weights[p + "post_attention_norm.weight"], hn=self.normed.f32, xq=self.normed.q,
                        xd=self.normed.d, logits=self.router, arrivals=self.router_arrivals, ids=self.route_ids,
                        weights=self.route_w, k=kr, n_expert=E, eps=self.hp.eps)
-        self._gate_up(seq, p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight", K + 1,
-                      shared=(p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"))
+        self._gate_up(seq, p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight", K + 1, experts=True)
         down, down_sh = p + "ffn_down_exps.weight", p + "ffn_down_shexp.weight"
-        md, kd = self.model.shape(down)[-2:]
-        qd, qs = self._qname(down), self._qname(down_sh)
-        fd, fs = FORMATS[qd], FORMATS[qs]
+        md, kd = self.tensors.shape(down)[-2:]
+        qd = self._qname(down)
+        qs = self._qname(down_sh) if down_sh in self.tensors else ""  # "": the stack's last expert
+        fd, fs = FORMATS[qd], FORMATS[qs or qd]
         if (fd.block, fd.parts) != (fs.block, fs.parts):
             self._down(seq, down, self.route_ids, self.route_w, self.act, K)
             self._down(seq, down_sh, self.zero_id, self.route_w_shared, self.act_shared, 1)
         else:
             v = self._choose(dmmv.moe_down_all, {"QTYPE": qd, "QTYPE_SH": qs, "k": kd, "m": md, "K": K},
-                             QTYPE=qd, QTYPE_SH="" if qs == qd else qs, K=K)
-            v.dispatch(seq, cdiv(md, dmmv.rows_per_workgroup(v)), label=p + "ffn_down_exps+shexp",
-                       w=self.weights[down], w_sh=self.weights[down_sh], ids=self.route_ids, weights=self.route_w,
-                       act=self.act, y=self.x, k=kd, m=md)
+                             QTYPE=qd, QTYPE_SH=qs, K=K)
+            v.dispatch(seq, cdiv(md, dmmv.rows_per_workgroup(v)), label=p + "ffn_down_exps+shexp", w=self.weights[down],
+                       w_sh=self.weights[down_sh] if qs else self.device.placeholder, ids=self.route_ids,
+                       weights=self.route_w, act=self.act, y=self.x, k=kd, m=md)
         self._norm(seq, self._next_norm(i))
 
     def _down(self, seq, tensor: str, ids, weights, act, slots: int) -> None:
-        m, k = self.model.shape(tensor)[-2:]
+        m, k = self.tensors.shape(tensor)[-2:]
         q = self._qname(tensor)
         v = self._choose(dmmv.moe_down, {"QTYPE": q, "k": k, "m": m}, QTYPE=q, ADD=True)
         v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=tensor.removesuffix(".weight"), w=self.weights[tensor],
@@ -361,7 +363,7 @@ class DecodeGraph:
 
     def _ffn(self, seq, i: int) -> None:
         p = f"blk.{i}."
-        self._gate_up(seq, p + "ffn_gate.weight", p + "ffn_up.weight", 1)
+        self._gate_up(seq, p + "ffn_gate.weight", p + "ffn_up.weight", 1, experts=False)
         self._residual(seq, p + "ffn_down.weight", Vector(self.act, None, None), self._next_norm(i))
 
     def _sample(self, seq) -> None:

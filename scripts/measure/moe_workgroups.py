@@ -24,14 +24,14 @@ sh = dev.upload(rng.standard_normal(H).astype(np.float32) * 0.02)
 x = dev.upload(rng.standard_normal(H).astype(np.float32))
 norm_w = dev.upload(np.ones(H, np.float32))
 hn, xq, xd = dev.alloc(4 * H), dev.alloc(H), dev.alloc(H // 4)
-logits, arr, ids, wts = dev.alloc(4 * E), dev.alloc(4), dev.alloc(4 * K * L), dev.alloc(4 * (K + 1) * L)
+logits, arr, ids, wts = dev.alloc(4 * E), dev.alloc(4), dev.alloc(4 * (K + 1) * L), dev.alloc(4 * (K + 1) * L)
 s = dev.sequence(); s.fill(arr); s.run(); s.free()
 for rows in (1, 2, 4):
     for wg in (0, 64, 128, 256):
         try:
             v = moe.moe_router.specialize(QTYPE="f32", K=K, ROWS=rows, SG=SG, WG=wg)
             t = timeit(lambda seq: [v.dispatch(seq, cdiv(E, dmmv.rows_per_workgroup(v)), w=rw[l], sh_gate_w=sh, x=x,
-                norm_w=norm_w, hn=hn, xq=xq, xd=xd, eps=1e-6, logits=logits, arrivals=arr, ids=ids.slice(0, 4 * K), weights=wts.slice(0, 4 * (K + 1)), k=H,
+                norm_w=norm_w, hn=hn, xq=xq, xd=xd, eps=1e-6, logits=logits, arrivals=arr, ids=ids.slice(0, 4 * (K + 1)), weights=wts.slice(0, 4 * (K + 1)), k=H,
                 n_expert=E) for l in range(L)])
             d = dmmv.dmmv.specialize(QTYPE="f32", ROWS=rows, SG=SG, WG=wg)
             t2 = timeit(lambda seq: [d.dispatch(seq, cdiv(E, dmmv.rows_per_workgroup(d)), w=rw[l], x=x, y=logits, k=H, m=E)
@@ -39,11 +39,11 @@ for rows in (1, 2, 4):
             print(f"router ROWS={rows} WG={wg:3d}: {t:6.2f} us   (its logits as a plain f32 dmmv: {t2:6.2f})", flush=True)
         except Exception as e:
             print("router", rows, wg, "failed:", str(e)[:200])
-# expert down (Q6_K), routed + shared
+# expert down (Q6_K), routed + shared (the stack's last expert, as ids[K] names it)
 ED = E if "llvmpipe" not in dev.info.name else 64
 wd = dev.upload(_rows(rng, "q6_k", ED * H, F))
 wsh = dev.upload(_rows(rng, "q6_k", H, F))
-idv = np.stack([rng.choice(ED, K, replace=False) for _ in range(L)]).astype(np.uint32)
+idv = np.pad(np.stack([rng.choice(ED, K + 1, replace=False) for _ in range(L)]), ((0, 0), (0, 3))).astype(np.uint32)
 idb = dev.upload(idv.reshape(-1))
 wv = dev.upload(np.pad(np.abs(rng.standard_normal((L, K + 1))), ((0, 0), (0, 3))).astype(np.float32).reshape(-1))
 act = dev.upload(rng.standard_normal((K + 1) * F).astype(np.float32))
@@ -54,7 +54,7 @@ for rows in (1, 2):
             try:
                 v = dmmv.moe_down_all.specialize(QTYPE="q6_k", QTYPE_SH="", K=K, ROWS=rows, NSUB=nsub, SG=SG, WG=wg)
                 t = timeit(lambda seq: [v.dispatch(seq, cdiv(H, dmmv.rows_per_workgroup(v)), w=wd, w_sh=wsh,
-                    ids=idb.slice(4 * K * l, 4 * K), weights=wv.slice(4 * (K + 4) * l, 4 * (K + 1)), act=act, y=y, k=F, m=H)
+                    ids=idb.slice(4 * (K + 4) * l, 4 * (K + 1)), weights=wv.slice(4 * (K + 4) * l, 4 * (K + 1)), act=act, y=y, k=F, m=H)
                     for l in range(L)])
                 print(f"moe_down_all ROWS={rows} WG={wg:3d} NSUB={nsub}: {t:6.2f} us", flush=True)
             except Exception as e:

@@ -1,0 +1,113 @@
+"""The weights as the decode graph reads them, assembled from the file's tensors.
+
+The graph projects with the unfused tensors (`attn_q`, `attn_k`, `attn_v`; `ffn_gate_exps`,
+`ffn_up_exps`), so a file that fuses them has them split here, row ranges of the fused tensor.
+A MoE layer's shared expert is appended to the experts' stacks as expert `n_experts`: the
+router names it in slot K, and routed and shared experts run as one dispatch with one code
+path. Its down projection joins the stack only when it has the experts' type (files often keep
+it at more bits); otherwise it stays a tensor of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zdsl.errors import ModelError
+
+FUSED = {  # fused tensor → its parts, in row order
+    "attn_qkv.weight": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
+    "ffn_gate_up_exps.weight": ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
+}
+
+
+@dataclass(frozen=True)
+class Part:
+    """Rows [start, stop) of a file tensor (along its second-innermost axis; every row if None)."""
+
+    tensor: str
+    rows: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class GraphTensor:
+    qtype: object                 # the GGUF quantization type
+    shape: tuple[int, ...]        # numpy order, as the graph sees it (a stack: experts + 1)
+    parts: tuple[Part, ...]       # whose bytes, one after another, make it up
+
+
+class GraphWeights:
+    """`shape`, `qtype` and `parts` of every tensor the graph reads, by the graph's names.
+    `files` maps a file tensor name to (numpy shape, quant type)."""
+
+    def __init__(self, hp, files: dict[str, tuple[tuple[int, ...], object]]):
+        self.hp = hp
+        self.tensors: dict[str, GraphTensor] = {}
+        for name, (shape, qtype) in files.items():
+            self.tensors[name] = GraphTensor(qtype, tuple(shape), (Part(name),))
+        for i in range(hp.n_layers):
+            self._split_fused(f"blk.{i}.", hp.attention[i])
+            if hp.moe:
+                self._stack_shared_expert(f"blk.{i}.")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.tensors[name].shape
+
+    def qtype(self, name: str):
+        return self.tensors[name].qtype
+
+    @property
+    def output_name(self) -> str:
+        """The head: `output.weight`, or the embedding when the file ties them."""
+        return "output.weight" if "output.weight" in self.tensors else "token_embd.weight"
+
+    def _split_fused(self, p: str, attention: bool) -> None:
+        for fused, names in FUSED.items():
+            if fused == "attn_qkv.weight" and not attention:
+                continue  # a delta-net layer's attn_qkv is one projection, not a fusion
+            t = self.tensors.pop(p + fused, None)
+            if t is None:
+                continue
+            sizes = self._part_rows(names)
+            start = 0
+            for name, rows in zip(names, sizes):
+                self.tensors[p + name] = GraphTensor(t.qtype, (*t.shape[:-2], rows, t.shape[-1]),
+                                                     (Part(p + fused, (start, start + rows)),))
+                start += rows
+
+    def _part_rows(self, names) -> list[int]:
+        hp = self.hp
+        q, kv = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
+        rows = {"attn_q.weight": 2 * q, "attn_k.weight": kv, "attn_v.weight": kv,
+                "ffn_gate_exps.weight": hp.expert_ffn, "ffn_up_exps.weight": hp.expert_ffn}
+        return [rows[n] for n in names]
+
+    def _stack_shared_expert(self, p: str) -> None:
+        for kind in ("gate", "up", "down"):
+            stack, shared = p + f"ffn_{kind}_exps.weight", p + f"ffn_{kind}_shexp.weight"
+            s, sh = self.tensors[stack], self.tensors[shared]
+            if (sh.qtype, sh.shape) != (s.qtype, s.shape[1:]):
+                if kind == "down":
+                    continue  # runs beside the stack, in its own type (moe_down_all's QTYPE_SH)
+                raise ModelError(f"{shared} ({sh.qtype.name} {list(reversed(sh.shape))}) differs from the experts' "
+                                 f"{stack} ({s.qtype.name} {list(reversed(s.shape[1:]))} per expert); zdsl runs the "
+                                 "shared expert as one more expert, which needs one type and shape")
+            self.tensors[stack] = GraphTensor(s.qtype, (s.shape[0] + 1, *s.shape[1:]), s.parts + sh.parts)
+            del self.tensors[shared]
+
+
+def graph_weights(model) -> GraphWeights:
+    """The graph's view of an open model file (gguf_file.ModelFile)."""
+    return GraphWeights(model.hparams, {t.name: (t.shape, t.qtype) for t in model.tensors.values()})
+
+
+def assemble(model, t: GraphTensor):
+    """The bytes of `t`, as a list of arrays to write one after another (views of the file where
+    they can be)."""
+    out = []
+    for part in t.parts:
+        raw = model.raw(part.tensor)
+        out.append(raw if part.rows is None else raw[..., part.rows[0]:part.rows[1], :])
+    return out
