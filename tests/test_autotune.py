@@ -371,3 +371,21 @@ def test_the_35b_step_runs_on_int8_inputs_with_checkable_problems(device):
         check = problems.case(u, np.random.default_rng(0), check=True)
         (default,) = tuner.prepare(check, tuner.candidates(u, device.info)[:1], device.info)
         assert measure.check(check, default) is None, u.kernel.name
+
+
+@pytest.mark.parametrize("shipped", ["gfx1201.json", "nvidia-h100-80gb-hbm3.json"])
+def test_every_shipped_entry_keys_a_use_of_the_35b_step(shipped):
+    """An entry whose key no dispatch asks for is dead weight that looks like tuning: it happens
+    when a kernel's parameters change under it. (sample_draw is keyed on the choice of its
+    sampler pass, which the step makes, not on a use of its own.)"""
+    from pathlib import Path
+
+    import zdsl.autotune
+
+    uses = decode_uses(Tensors.from_preset("35b-a3b"), caps=(1, 64))
+    keys = {(u.kernel.name, db.shape_key(u.key)) for u in uses}
+    entries = json.loads((Path(zdsl.autotune.__file__).parent / shipped).read_text())["entries"]
+    dead = [(e["kernel"], e["shape"]) for e in entries
+            if e["kernel"] != "sample_draw" and (e["kernel"], db.shape_key(e["shape"])) not in keys]
+    assert not dead
+    assert len(entries) > 10
