@@ -145,11 +145,8 @@ class DecodeGraph:
         self.ssm_state = {i: self._f32(hp.ssm_v_heads * hp.ssm_head_dim ** 2, f"ssm_state.{i}") for i in hp.deltanet_layers}
         # FFN
         if hp.moe:
-            E, K, F, S = hp.n_experts, hp.n_experts_used, hp.expert_ffn, hp.shared_ffn
+            E, K, F = hp.n_experts, hp.n_experts_used, hp.expert_ffn  # the shared expert's width is F (weights.py)
             self.router = self._f32(E, "router_logits")
-            if S != F:
-                raise ZdslError(f"shared expert width {S} differs from the experts' {F}; zdsl runs the shared "
-                                "expert as one more expert slot, which needs one width")
             self.route_ids = dev.alloc(4 * (K + 1), name="route_ids")  # [K]: the shared expert, E
             self.route_w = self._f32(K + 1, "route_weights")  # [K]: the shared expert's gate
             self.act = self._f32((K + 1) * F, "expert_act")  # slot K: the shared expert

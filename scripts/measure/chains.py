@@ -1,7 +1,15 @@
 """Timing a chain of dependent dispatches, as the measurement scripts beside this file do."""
+import sys
 import time
 
 import numpy as np
+
+
+def device_and_links():
+    """The device (argv[1], default 0) and the chain length (argv[2], default 40) a script measures with."""
+    from zdsl.runtime import open_device
+
+    return open_device(sys.argv[1] if len(sys.argv) > 1 else "0"), int(sys.argv[2]) if len(sys.argv) > 2 else 40
 
 
 def chain_us(dev, record, links: int, warm_s: float = 0.0) -> float:

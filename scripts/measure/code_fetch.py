@@ -13,16 +13,15 @@ integer steps (its code grows with N; every step is executed once), 132 workgrou
 - "distinct+flush": the same after 128 MB have been copied through the cache (the first link
   reads the copy, so it waits for it), so every link's code comes from memory (the flush is
   timed alone and subtracted)."""
-import sys
 import time
 
 import numpy as np
 
 import zdsl
+from chains import device_and_links
 from zdsl import Buffer, Const, u32
 from zdsl.bench_kernels import copy_vec4
 from zdsl.lang.language import cdiv
-from zdsl.runtime import open_device
 
 
 @zdsl.kernel(workgroup=64)
@@ -62,8 +61,7 @@ def chain_us(dev, variants, flush, L, groups=132):
 
 
 def main():
-    dev = open_device(sys.argv[1] if len(sys.argv) > 1 else "0")
-    L = int(sys.argv[2]) if len(sys.argv) > 2 else 40
+    dev, L = device_and_links()
     flush = (dev.alloc(128 << 20), dev.alloc(128 << 20))
     alone = chain_us(dev, [], flush, L)
     print(f"flush alone: {alone:.1f} us", flush=True)

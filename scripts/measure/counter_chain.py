@@ -9,14 +9,13 @@ modes must); "counter", no barriers: each workgroup waits until every workgroup 
 previous link has arrived (zdsl.wait_at_least), then arrives itself; "prefetch", the same with
 the workgroup's weights loaded before it waits; "free", no ordering at all (wrong results, the
 floor of what the links cost)."""
-import sys
 import time
 
 import numpy as np
 
 import zdsl
+from chains import device_and_links
 from zdsl import Buffer, Coherent, Const, f32, u32
-from zdsl.runtime import open_device
 
 K = 2048
 KW = K // 8  # words of 8 nibbles per row
@@ -92,8 +91,7 @@ def measure(dev, mode, rows, WG, ROWS, L):
 
 
 def main():
-    dev = open_device(sys.argv[1] if len(sys.argv) > 1 else "0")
-    L = int(sys.argv[2]) if len(sys.argv) > 2 else 40
+    dev, L = device_and_links()
     for rows in (64, 2048, 8192):
         for WG, ROWS in ((64, 1), (64, 2), (128, 2), (256, 1)):
             if rows < WG // dev.info.subgroup_size * ROWS:

@@ -4,11 +4,10 @@ the experts' gate·up, each in a chain of dependent dispatches over cold weights
 routed q4_k experts and a q6_k shared one, 512 -> 2048).
 
 Usage: python3 moe_down_probe.py [DEVICE (default 0)] [CHAIN (default 40)]"""
-import sys, numpy as np
-from chains import chain_us
+import numpy as np
+from chains import chain_us, device_and_links
 import zdsl
 from zdsl import Buffer, Const, f32, u8, u32
-from zdsl.runtime import open_device
 from zdsl.kernels import dmmv
 from zdsl.kernels.quant import fmt
 from zdsl.autotune.problems import _rows
@@ -56,8 +55,7 @@ def probe(w: Buffer[u8], w_sh: Buffer[u8], ids: Buffer[u32], weights: Buffer[f32
         old = [y[zdsl.min(group.first + r, m - 1)] for r in range(ROWS)]
     dmmv.store_rows(y, sums, group, m, 1, old)
 
-dev = open_device(sys.argv[1] if len(sys.argv) > 1 else "0")
-L = int(sys.argv[2]) if len(sys.argv) > 2 else 40
+dev, L = device_and_links()
 SG = dev.info.subgroup_size
 rng = np.random.default_rng(0)
 H, E, F, K = 2048, 256, 512, 8

@@ -4,15 +4,13 @@ Usage: python3 moe_workgroups.py [DEVICE (default 0)] [CHAIN (default 40)]
 
 Both at the 35B shapes, in chains of dependent dispatches over cold weights: more invocations
 sharing a row's blocks means fewer of them walked one after another."""
-import sys, numpy as np
-from chains import chain_us
-from zdsl.runtime import open_device
+import numpy as np
+from chains import chain_us, device_and_links
 from zdsl.kernels import moe, dmmv
 from zdsl.autotune.problems import _rows
 from zdsl.lang.language import cdiv
 
-dev = open_device(sys.argv[1] if len(sys.argv) > 1 else "0")
-L = int(sys.argv[2]) if len(sys.argv) > 2 else 40
+dev, L = device_and_links()
 SG = dev.info.subgroup_size
 rng = np.random.default_rng(0)
 H, E, F, K = 2048, 256, 512, 8
