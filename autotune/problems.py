@@ -93,6 +93,12 @@ def _rows(rng, qtype, rows, k):
     return synthetic_rows(rng, qtype, rows, k).reshape(-1)
 
 
+def _normed(rng, k):
+    """A normed input as the graph writes it: f32, and its Q8_1 buffers."""
+    x = _normal(rng, k)
+    return (x, *q8_1.q8_1_buffers(x))
+
+
 def _row_bytes(qtype, k):
     f = FORMATS[qtype]
     return k // f.block * f.nbytes
@@ -338,12 +344,13 @@ def _attn_combine(use, rng, check):
 
 def _deltanet_step(use, rng, check):
     D, KC, Hk, Hv = use.fixed["D"], use.fixed["KC"], use.sizes["k_heads"], use.sizes["v_heads"]
-    eps = use.sizes["eps"]
+    q, H, eps = use.fixed["QTYPE"], use.sizes["hidden"], use.sizes["eps"]
     C = (2 * Hk + Hv) * D
     pos = 1001  # the taps read a wrapped ring
+    x, xq, xd = _normed(rng, H)
     a = dict(mix=_normal(rng, C), conv_w=_normal(rng, C * KC, 0.5), conv_state=_normal(rng, KC * C),
-             step=_step_words(pos, pos + 1), z=_normal(rng, Hv * D, 2.0), b=_normal(rng, Hv, 2.0),
-             a=_normal(rng, Hv, 2.0), ssm_a=-np.exp(rng.standard_normal(Hv)).astype(np.float32),
+             step=_step_words(pos, pos + 1), z=_normal(rng, Hv * D, 2.0), w_ba=_rows(rng, q, 2 * Hv, H),
+             x=x, xq=xq, xd=xd, ssm_a=-np.exp(rng.standard_normal(Hv)).astype(np.float32),
              dt_bias=_normal(rng, Hv), norm_w=_normal(rng, D), state=_normal(rng, Hv * D * D, 0.5),
              out=np.zeros(Hv * D, np.float32))
     q8 = use.fixed["Q8"]
@@ -352,14 +359,14 @@ def _deltanet_step(use, rng, check):
     s0, ring0 = a["state"].copy(), a["conv_state"].copy()
 
     def expect(p):
-        inputs = {n: a[n] for n in ("mix", "z", "b", "a", "ssm_a", "dt_bias", "norm_w")}
-        out, state, ring = deltanet.deltanet_step_ref(**inputs, conv_w=a["conv_w"].reshape(C, KC),
+        inputs = {n: a[n] for n in ("mix", "z", "w_ba", "x", "xq", "xd", "ssm_a", "dt_bias", "norm_w")}
+        out, state, ring = deltanet.deltanet_step_ref(**inputs, qtype=q, conv_w=a["conv_w"].reshape(C, KC),
                                                       conv_state=ring0.reshape(KC, C), pos=pos,
                                                       state=s0.reshape(Hv, D, D), n_k_heads=Hk, eps=eps)
         q8_out = {"od": (_scales(out), 1e-4)} if q8 else {}
         return {"out": (out, 1e-4), **q8_out, "state": (state, 1e-5), "conv_state": (ring, 0)}
     # every buffer once (the ring: KC − 1 slots read, one written), and the state written back
-    return Case(_one(use, lambda v: Hv), a, dict(n_k_heads=Hk, eps=eps), _total(a) + s0.nbytes,
+    return Case(_one(use, lambda v: Hv), a, dict(n_k_heads=Hk, k=H, eps=eps), _total(a) + s0.nbytes,
                 expect if check else None, lambda n: {"state": _copies(a["state"], n)})
 
 

@@ -133,11 +133,13 @@ def decode_uses(model: Tensors, n_ctx: int = 4096, caps: tuple[int, ...] = (1,))
                 p + "attn_combine")
             residual(p + "attn_output.weight", normed=not hp.moe)
         else:
-            for name in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"):
+            for name in ("attn_qkv", "attn_gate"):
                 project(p + name + ".weight")
-            add(deltanet.deltanet_step, {"D": hp.ssm_head_dim},
-                {"D": hp.ssm_head_dim, "KC": hp.conv_kernel, "Q8": int8(p + "ssm_out.weight")},
-                dict(k_heads=hp.ssm_k_heads, v_heads=hp.ssm_v_heads, eps=hp.eps), p + "ssm_conv+step")
+            q = model.qtype(p + "ssm_beta_alpha.weight")
+            add(deltanet.deltanet_step, {"D": hp.ssm_head_dim, "QTYPE": q},
+                {"D": hp.ssm_head_dim, "KC": hp.conv_kernel, "Q8": int8(p + "ssm_out.weight"), "QTYPE": q},
+                dict(k_heads=hp.ssm_k_heads, v_heads=hp.ssm_v_heads, hidden=hp.hidden, eps=hp.eps),
+                p + "ssm_conv+step")
             residual(p + "ssm_out.weight", normed=not hp.moe)
         if hp.moe:
             _moe(model, p, add, norm)

@@ -1,10 +1,11 @@
 """Gated delta-net layers at decode time (one new token), after the model doc's DELTANET section.
 
 One dispatch per layer, between the input projections and the output projection: `deltanet_step`,
-per value head, the causal depthwise conv (+ silu) of the q, k and v channels it reads, L2-normalised
-q and k, the gated delta rule on the f32 state, the read-out o and the gated RMSNorm of o, fused:
-the state (64 KiB per head at d = 128) is read once and written once, and neither the conv output
-nor o leaves the workgroup.
+per value head, its two gate projections (β and α: one row each of the normed input, too small to
+be worth a dispatch of their own), the causal depthwise conv (+ silu) of the q, k and v channels it
+reads, L2-normalised q and k, the gated delta rule on the f32 state, the read-out o and the gated
+RMSNorm of o, fused: the state (64 KiB per head at d = 128) is read once and written once, and
+neither the conv output nor o leaves the workgroup.
 
 Layouts (all f32):
 
@@ -16,6 +17,8 @@ Layouts (all f32):
   channels, so an in-place shift would race; the ring never moves a value. It is zeroed with the
   sequence (inputs before position 0 are zeros), and the position advances by one per step.
 - delta state: [value head][i = key dim][j = value dim], row-major (j contiguous).
+- gate weights `w_ba`: `ssm_beta` then `ssm_alpha`, one buffer of 2 × heads rows in one GGUF type
+  (models/qwen35/weights.py stacks them).
 """
 
 from __future__ import annotations
@@ -26,28 +29,60 @@ from types import SimpleNamespace
 import numpy as np
 
 import zdsl
-from zdsl import Buffer, Const, f32, u32
-from zdsl.kernels.q8_1 import store_q8_1
+from zdsl import Buffer, Const, f32, u8, u32
+from zdsl.kernels import dmmv
+from zdsl.kernels.dmmv_q8 import q8_step
+from zdsl.kernels.q8_1 import q8_1_values, store_q8_1
+from zdsl.kernels.quant import FORMATS, fmt
 from zdsl.kernels.reduce import SUBGROUPS, workgroup_sums
+
+# the gate weights' types built ahead (others specialize on demand)
+GATE_QTYPES = ["q8_0", "q4_k", "q5_k", "q6_k", "f16", "f32"]
+
+
+def gate_parts(qtype: str) -> int:
+    """Invocations per block of the gate weights: the int8 path's where the type has one."""
+    f = FORMATS[qtype]
+    return f.iparts or f.parts
 
 
 def _step_fits(v) -> bool:
     quads = v.D // 4  # invocations per state row, four value columns each
-    return v.D % 4 == 0 and v.WG % quads == 0 and v.D % (v.WG // quads) == 0 and v.WG % v.SG == 0
+    return (v.D % 4 == 0 and v.WG % quads == 0 and v.D % (v.WG // quads) == 0 and v.WG % v.SG == 0
+            and v.WG % gate_parts(v.QTYPE) == 0)
 
 
-@zdsl.kernel(workgroup="WG", subgroup="SG", variants={"D": [128], "WG": [256, 512], "Q8": [False, True], "SG": SUBGROUPS},
+def gate_dots(w_ba, x, xq, xd, h, k, QTYPE: str, SG: int):
+    """This invocation's shares of β's and α's rows of head h times the normed input: int8
+    products with its Q8_1 form (xq, xd) where the type has an int8 decoder, as the graph's other
+    projections of it, else f32 with x. The whole workgroup walks the blocks."""
+    f = fmt(QTYPE)
+    nblocks = k // f.block
+    rows = [(w_ba, h * (nblocks * f.nbytes)), (w_ba, (zdsl.num_workgroups() + h) * (nblocks * f.nbytes))]
+    everyone = dmmv.Rows(2, 1, SG)
+    if f.iparts:
+        acc = dmmv.block_loop(f.iparts, nblocks, everyone, 2, 1, lambda b, part: q8_step(f, rows, xq, xd, [0], b, part))
+    else:
+        acc = dmmv.block_dots(f, f.setup(), rows, x, [0], nblocks, everyone)
+    return acc[0][0], acc[1][0]
+
+
+@zdsl.kernel(workgroup="WG", subgroup="SG",
+             variants={"D": [128], "WG": [256, 512], "Q8": [False, True], "QTYPE": GATE_QTYPES, "SG": SUBGROUPS},
              where=_step_fits)
 def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32], step: Buffer[u32], z: Buffer[f32],
-                  b: Buffer[f32], a: Buffer[f32], ssm_a: Buffer[f32], dt_bias: Buffer[f32], norm_w: Buffer[f32],
-                  state: Buffer[f32], out: Buffer[f32], oq: Buffer[u32], od: Buffer[f32], n_k_heads: u32, eps: f32,
-                  D: Const = 128, KC: Const = 4, WG: Const = 256, Q8: Const = False, SG: Const = 32):
+                  w_ba: Buffer[u8], x: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], ssm_a: Buffer[f32], dt_bias: Buffer[f32], norm_w: Buffer[f32],
+                  state: Buffer[f32], out: Buffer[f32], oq: Buffer[u32], od: Buffer[f32], n_k_heads: u32, k: u32,
+                  eps: f32, D: Const = 128, KC: Const = 4, WG: Const = 256, Q8: Const = False, QTYPE: Const = "q8_0",
+                  SG: Const = 32):
     """Value head h = workgroup_id, key head kh = h % n_k_heads, position p = step[0]; mix = the
     raw [q (n_k_heads × D) | k (n_k_heads × D) | v (heads × D)] projection, C channels. The
     workgroup first convolves the channels it reads (q and k of kh, v of h): conv_c =
     silu(Σ_k conv_w[c, k] · x_c(p − KC + 1 + k)), the past inputs from the ring `conv_state`
     (module doc), and stores mix_c in slot p % KC (q and k by workgroup kh only, so each value
-    has one writer). b, a: the head's raw beta and alpha projections. With q, k L2-normalised
+    has one writer). Meanwhile all its invocations project the head's gates from the normed
+    input x (k values; as Q8_1 in xq, xd for int8 types): b = w_ba[h] · x, a = w_ba[heads + h] · x
+    (QTYPE rows; WG a multiple of the type's invocations per block). With q, k L2-normalised
     (eps), β = sigmoid(b_h), g = ssm_a_h · softplus(a_h + dt_bias_h), S the head's D × D state:
         S ← e^g S;  u = Sᵀk;  S ← S + k (β (v − u))ᵀ;  o = Sᵀq / √D
     computed in one pass as o = (e^g S_oldᵀq + (k·q) δ) / √D with δ = β (v − e^g S_oldᵀk), then
@@ -55,8 +90,9 @@ def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32]
     projection's int8 input; q8_1.py; D a multiple of 32). Invocation (row part p, column quad c) keeps rows
     p, p + RP, … of columns 4c..4c+3 in registers (RP = 4·WG / D row parts), so each row of S
     is one contiguous read and write per D/4 invocations. Grid: number of value heads."""
-    if not _step_fits(SimpleNamespace(D=D, WG=WG, SG=SG)):
-        raise zdsl.ZdslError(f"deltanet_step needs 4 | D, D/4 | WG, and WG / (D/4) | D, not D={D}, WG={WG}")
+    if not _step_fits(SimpleNamespace(D=D, WG=WG, SG=SG, QTYPE=QTYPE)):
+        raise zdsl.ZdslError(f"deltanet_step needs 4 | D, D/4 | WG, WG / (D/4) | D and whole {QTYPE} blocks per "
+                             f"workgroup, not D={D}, WG={WG}")
     quads = D // 4
     RP = WG // quads
     h = zdsl.workgroup_id()
@@ -68,23 +104,22 @@ def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32]
     # every load first: the state's are in flight while the conv runs and q and k are normalised
     S = [state.vec4[(h * D + i) * quads + c] for i in rows]
     gate = z.vec4[h * quads + c]
-    decay = zdsl.exp(ssm_a[h] * zdsl.softplus(a[h] + dt_bias[h]))
-    beta = zdsl.sigmoid(b[h])
+    b_part, a_part = gate_dots(w_ba, x, xq, xd, h, k, QTYPE, SG)
     now = step[0] % KC
-    past = [(now + 1 + k) % KC for k in range(KC - 1)]  # ring slot of tap k's input, oldest first
+    past = [(now + 1 + j) % KC for j in range(KC - 1)]  # ring slot of tap j's input, oldest first
     owner = h < n_k_heads  # the one workgroup of key head kh that stores its q and k inputs
 
     def conv(ch, write=None):
         """silu of channel ch's causal conv; stores its input in the ring (where `write`)."""
-        x = mix[ch]
-        acc = conv_w[ch * KC + KC - 1] * x
-        for k in range(KC - 1):
-            acc = zdsl.fma(conv_w[ch * KC + k], conv_state[past[k] * C + ch], acc)
+        now_in = mix[ch]
+        acc = conv_w[ch * KC + KC - 1] * now_in
+        for j in range(KC - 1):
+            acc = zdsl.fma(conv_w[ch * KC + j], conv_state[past[j] * C + ch], acc)
         if write is None:
-            conv_state[now * C + ch] = x
+            conv_state[now * C + ch] = now_in
         else:
             with zdsl.if_(write):
-                conv_state[now * C + ch] = x
+                conv_state[now * C + ch] = now_in
         return zdsl.silu(acc)
 
     qs, ks, vs = zdsl.shared(f32, D), zdsl.shared(f32, D), zdsl.shared(f32, D)
@@ -98,7 +133,9 @@ def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32]
         kk.set(zdsl.fma(ki, ki, kk))
         qk.set(zdsl.fma(qi, ki, qk))
     zdsl.barrier()
-    qq_all, kk_all, qk_all = workgroup_sums([qq, kk, qk], WG, SG)
+    qq_all, kk_all, qk_all, b, a = workgroup_sums([qq, kk, qk, b_part, a_part], WG, SG)
+    decay = zdsl.exp(ssm_a[h] * zdsl.softplus(a + dt_bias[h]))
+    beta = zdsl.sigmoid(b)
     rq, rk = zdsl.rsqrt(qq_all + eps), zdsl.rsqrt(kk_all + eps)
     v = zdsl.vec(*[vs[4 * c + e] for e in range(4)])
 
@@ -132,13 +169,18 @@ def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32]
 
 
 @deltanet_step.reference
-def deltanet_step_ref(mix, conv_w, conv_state, pos, z, b, a, ssm_a, dt_bias, norm_w, state, n_k_heads, eps):
+def deltanet_step_ref(mix, conv_w, conv_state, pos, z, w_ba, x, xq, xd, qtype, ssm_a, dt_bias, norm_w, state, n_k_heads,
+                      eps):
     """Straight from the model doc, in float64. mix: (C,) the raw q|k|v projection; conv_w: (C, KC);
     conv_state: (KC, C), the ring (module doc: slot s holds the input of the last position ≡ s mod
-    KC); pos: the position; z: (Hv·D,); b, a, ssm_a, dt_bias: (Hv,); norm_w: (D,); state:
-    (Hv, D, D). Returns (out (Hv·D,), new delta state, new conv state)."""
+    KC); pos: the position; z: (Hv·D,); w_ba: the 2·Hv gate rows (β's, then α's) as `qtype`
+    bytes, dequantized by gguf-py; x: (k,) the normed input, xq, xd: its Q8_1 form (what the gates
+    read for types with an int8 decoder); ssm_a, dt_bias: (Hv,); norm_w: (D,);
+    state: (Hv, D, D). Returns (out (Hv·D,), new delta state, new conv state)."""
     f = lambda x: np.asarray(x, np.float64)  # noqa: E731
     Hv, D = state.shape[0], state.shape[1]
+    xs = q8_1_values(xq, xd) if FORMATS[qtype].iparts else f(x)
+    b, a = np.split(dmmv.dequant_rows(w_ba, qtype, 2 * Hv, len(x)) @ xs, 2)
     Hk = n_k_heads
     KC = conv_state.shape[0]
     # the inputs of positions pos − KC + 1 … pos, oldest first; tap KC − 1 is the current token

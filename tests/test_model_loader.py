@@ -137,7 +137,7 @@ def test_fused_files_decode_on_the_gpu_as_the_unfused(tiny, tmp_path, device):
         np.testing.assert_array_equal(a, b)
 
 
-def test_graph_weights_split_fused_tensors_and_stack_shared_experts():
+def test_graph_weights_split_fused_tensors_stack_shared_experts_and_join_gates():
     from zdsl.models.qwen35.weights import GraphWeights, Part
 
     hp = synth.preset("tiny")
@@ -165,8 +165,18 @@ def test_graph_weights_split_fused_tensors_and_stack_shared_experts():
         same = files[down][1] == files[shared][1]
         assert (shared in w) != same and w.shape(down)[0] == E + same
     assert {files[f"blk.{i}.ffn_down_exps.weight"][1] for i in range(hp.n_layers)} == {QuantType.Q4_K, QuantType.Q6_K}
+    d = hp.attention.index(False)  # a delta-net layer: β's rows, then α's, one tensor
+    beta, alpha = f"blk.{d}.ssm_beta.weight", f"blk.{d}.ssm_alpha.weight"
+    assert w.shape(f"blk.{d}.ssm_beta_alpha.weight") == (2 * hp.ssm_v_heads, H)
+    assert w.tensors[f"blk.{d}.ssm_beta_alpha.weight"].parts == (Part(beta), Part(alpha))
+    assert beta not in w and alpha not in w and f"blk.{a}.ssm_beta_alpha.weight" not in w
     files["blk.1.ffn_up_shexp.weight"] = (files["blk.1.ffn_up_shexp.weight"][0], QuantType.Q8_0)
     with pytest.raises(ModelError, match="blk.1.ffn_up_shexp.weight .Q8_0.* differs from the experts'"):
+        GraphWeights(hp, files)
+    del files["blk.1.ffn_up_shexp.weight"]
+    files["blk.1.ffn_up_shexp.weight"] = files["blk.1.ffn_gate_shexp.weight"]
+    files[alpha] = (files[alpha][0], QuantType.F16)
+    with pytest.raises(ModelError, match=f"{alpha} .F16.* differs from {beta}"):
         GraphWeights(hp, files)
 
 

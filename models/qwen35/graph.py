@@ -136,7 +136,6 @@ class DecodeGraph:
         C, vd = hp.conv_channels, hp.ssm_value_dim
         self.mix = self._f32(C, "mix")
         self.z, self.dn_out = self._f32(vd, "z"), self._vector(vd, "deltanet_out")
-        self.beta, self.alpha = self._f32(hp.ssm_v_heads, "beta"), self._f32(hp.ssm_v_heads, "alpha")
         # per-layer state
         self.kv = {i: (dev.alloc(2 * self.n_ctx * kvd, name=f"k_cache.{i}"), dev.alloc(2 * self.n_ctx * kvd, name=f"v_cache.{i}"))
                    for i in hp.attention_layers}
@@ -285,18 +284,21 @@ class DecodeGraph:
 
     def _deltanet(self, seq, i: int) -> None:
         hp, p = self.hp, f"blk.{i}."
-        for name, out in (("attn_qkv", self.mix), ("attn_gate", self.z), ("ssm_beta", self.beta),
-                          ("ssm_alpha", self.alpha)):
+        for name, out in (("attn_qkv", self.mix), ("attn_gate", self.z)):
             self._project(seq, p + name + ".weight", out)
-        # one dispatch: the conv of the channels each head reads, then the delta rule
-        step = self._choose(deltanet.deltanet_step, {"D": hp.ssm_head_dim}, D=hp.ssm_head_dim, KC=hp.conv_kernel,
-                            Q8=self._int8(p + "ssm_out.weight"))
+        # one dispatch: each head's gates β and α, the conv of the channels it reads, the delta rule
+        gates = p + "ssm_beta_alpha.weight"
+        q = self._qname(gates)
+        step = self._choose(deltanet.deltanet_step, {"D": hp.ssm_head_dim, "QTYPE": q}, D=hp.ssm_head_dim,
+                            KC=hp.conv_kernel, Q8=self._int8(p + "ssm_out.weight"), QTYPE=q)
         o = self.dn_out
         step.dispatch(seq, hp.ssm_v_heads, label=p + "ssm_conv+step", mix=self.mix,
                       conv_w=self.weights[p + "ssm_conv1d.weight"], conv_state=self.conv_state[i], step=self.step,
-                      z=self.z, b=self.beta, a=self.alpha, ssm_a=self.weights[p + "ssm_a"],
-                      dt_bias=self.weights[p + "ssm_dt.bias"], norm_w=self.weights[p + "ssm_norm.weight"],
-                      state=self.ssm_state[i], out=o.f32, oq=o.q, od=o.d, n_k_heads=hp.ssm_k_heads, eps=hp.eps)
+                      z=self.z, w_ba=self.weights[gates], x=self.normed.f32, xq=self.normed.q, xd=self.normed.d,
+                      ssm_a=self.weights[p + "ssm_a"], dt_bias=self.weights[p + "ssm_dt.bias"],
+                      norm_w=self.weights[p + "ssm_norm.weight"],
+                      state=self.ssm_state[i], out=o.f32, oq=o.q, od=o.d, n_k_heads=hp.ssm_k_heads,
+                      k=hp.hidden, eps=hp.eps)
         self._residual(seq, p + "ssm_out.weight", o, self._post_attention_norm(i))
 
     def _gate_up(self, seq, gate: str, up: str, slots: int, experts: bool) -> None:

@@ -5,7 +5,9 @@ The graph projects with the unfused tensors (`attn_q`, `attn_k`, `attn_v`; `ffn_
 A MoE layer's shared expert is appended to the experts' stacks as expert `n_experts`: the
 router names it in slot K, and routed and shared experts run as one dispatch with one code
 path. Its down projection joins the stack only when it has the experts' type (files often keep
-it at more bits); otherwise it stays a tensor of its own.
+it at more bits); otherwise it stays a tensor of its own. A delta-net layer's two gate
+projections, `ssm_beta` and `ssm_alpha` (one row per head each), become one tensor
+`ssm_beta_alpha`, which the delta-net step reads itself.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class GraphWeights:
             self.tensors[name] = GraphTensor(qtype, tuple(shape), (Part(name),))
         for i in range(hp.n_layers):
             self._split_fused(f"blk.{i}.", hp.attention[i])
+            if not hp.attention[i]:
+                self._join_gates(f"blk.{i}.")
             if hp.moe:
                 self._stack_shared_expert(f"blk.{i}.")
 
@@ -83,6 +87,16 @@ class GraphWeights:
         rows = {"attn_q.weight": 2 * q, "attn_k.weight": kv, "attn_v.weight": kv,
                 "ffn_gate_exps.weight": hp.expert_ffn, "ffn_up_exps.weight": hp.expert_ffn}
         return [rows[n] for n in names]
+
+    def _join_gates(self, p: str) -> None:
+        beta, alpha = p + "ssm_beta.weight", p + "ssm_alpha.weight"
+        b, a = self.tensors[beta], self.tensors[alpha]
+        if (b.qtype, b.shape) != (a.qtype, a.shape):
+            raise ModelError(f"{alpha} ({a.qtype.name} {list(reversed(a.shape))}) differs from {beta} "
+                             f"({b.qtype.name} {list(reversed(b.shape))}); zdsl's delta-net step reads both "
+                             "gates as one tensor, which needs one type and shape")
+        self.tensors[p + "ssm_beta_alpha.weight"] = GraphTensor(b.qtype, (2 * b.shape[0], b.shape[1]), b.parts + a.parts)
+        del self.tensors[beta], self.tensors[alpha]
 
     def _stack_shared_expert(self, p: str) -> None:
         for kind in ("gate", "up", "down"):

@@ -31,7 +31,7 @@ KINDS = [  # (name, pattern on the dispatch label "<role>:<kernel variant>")
     ("router", r"moe_route"),
     ("experts gate·up", r"ffn_gate_exps"),
     ("experts down", r"ffn_down_exps"),
-    ("delta-net projections", r"\.(attn_qkv|attn_gate|ssm_beta|ssm_alpha):"),
+    ("delta-net projections", r"\.(attn_qkv|attn_gate):"),
     ("delta-net qkv only", r"\.attn_qkv:"),
     ("delta-net step", r"ssm_conv\+step"),
     ("delta-net out", r"\.ssm_out:"),
