@@ -156,6 +156,21 @@ def _dmmv_q8(use, rng, check):
                 expect if check else None, lambda n: {"w": _copies(a["w"], n)})
 
 
+def _dmmv_q8_pair(use, rng, check):
+    q, q2, k, m, m2 = (use.shape[n] for n in ("QTYPE", "QTYPE2", "k", "m", "m2"))
+    m, m2 = (min(m, CHECK_ROWS), min(m2, CHECK_ROWS - 2)) if check else (m, m2)
+    xq, xd = q8_1.q8_1_buffers(_normal(rng, k))
+    a = dict(w=_rows(rng, q, m, k), w2=_rows(rng, q2, m2, k), xq=xq, xd=xd, y=np.zeros(m, np.float32),
+             y2=np.zeros(m2, np.float32))
+
+    def expect(p):
+        y, y2 = dmmv_q8.dmmv_q8_pair_ref(a["w"], a["w2"], xq, xd, q, q2, m, m2, k)
+        return {"y": (y, 1e-4), "y2": (y2, 1e-4)}
+    grid = lambda v: cdiv(m, dmmv.rows_per_workgroup(v)) + cdiv(m2, dmmv.rows_per_workgroup(v))  # noqa: E731
+    return Case(_one(use, grid), a, dict(k=k, m=m, m2=m2), _total(a), expect if check else None,
+                lambda n: {"w": _copies(a["w"], n), "w2": _copies(a["w2"], n)})
+
+
 def _norm_q8_1(use, rng, check):
     n, eps = use.shape["n"], use.sizes["eps"]
     a = dict(x=_normal(rng, n, 3.0), norm_w=rng.uniform(0.5, 1.5, n).astype(np.float32), hn=np.zeros(n, np.float32),
@@ -407,7 +422,7 @@ def _sampling(use, rng, check):
 
 
 BUILDERS = {
-    "dmmv": _dmmv, "dmmv_q8": _dmmv_q8, "norm_q8_1": _norm_q8_1, "ffn_gate_up": _ffn_gate_up,
+    "dmmv": _dmmv, "dmmv_q8": _dmmv_q8, "dmmv_q8_pair": _dmmv_q8_pair, "norm_q8_1": _norm_q8_1, "ffn_gate_up": _ffn_gate_up,
     "ffn_gate_up_q8": _ffn_gate_up, "moe_down": _moe_down, "moe_router": _moe_router, "moe_down_all": _moe_down_all,
     "attn_prep": _attn_prep,
     "attn_decode": _attn_decode, "attn_combine": _attn_combine, "deltanet_step": _deltanet_step,

@@ -107,6 +107,17 @@ def decode_uses(model: Tensors, n_ctx: int = 4096, caps: tuple[int, ...] = (1,))
         kernel = dmmv_q8.dmmv_q8 if int8(tensor) else dmmv.dmmv
         add(kernel, {"QTYPE": q, "k": k, "m": m}, {"QTYPE": q}, {}, tensor, {"COLS": 1})
 
+    def project_two(tensor, tensor2):
+        """graph._project_two: two projections of the normed input, one dispatch where both are int8."""
+        if not (int8(tensor) and int8(tensor2)):
+            project(tensor)
+            project(tensor2)
+            return
+        (m, k), (m2, _) = model.shape(tensor)[-2:], model.shape(tensor2)[-2:]
+        q, q2 = model.qtype(tensor), model.qtype(tensor2)
+        add(dmmv_q8.dmmv_q8_pair, {"QTYPE": q, "QTYPE2": q2, "k": k, "m": m, "m2": m2}, {"QTYPE": q, "QTYPE2": q2}, {},
+            tensor)
+
     def residual(tensor, q8_input=True, normed=True):
         """graph._residual: x += W · input, then x normed for the next projections (unless the
         next consumer, the MoE router, norms it itself)."""
@@ -133,8 +144,7 @@ def decode_uses(model: Tensors, n_ctx: int = 4096, caps: tuple[int, ...] = (1,))
                 p + "attn_combine")
             residual(p + "attn_output.weight", normed=not hp.moe)
         else:
-            for name in ("attn_qkv", "attn_gate"):
-                project(p + name + ".weight")
+            project_two(p + "attn_qkv.weight", p + "attn_gate.weight")
             q = model.qtype(p + "ssm_beta_alpha.weight")
             add(deltanet.deltanet_step, {"D": hp.ssm_head_dim, "QTYPE": q},
                 {"D": hp.ssm_head_dim, "KC": hp.conv_kernel, "Q8": int8(p + "ssm_out.weight"), "QTYPE": q},

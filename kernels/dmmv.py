@@ -54,13 +54,14 @@ class Rows:
     to finish, and let a short row (one subgroup's work) run in workgroups big enough to fill
     a GPU that caps the workgroups resident per core."""
 
-    def __init__(self, ROWS: int, NSUB: int, SG: int):
+    def __init__(self, ROWS: int, NSUB: int, SG: int, workgroup=None):
+        wg = zdsl.workgroup_id() if workgroup is None else workgroup  # the workgroup's index among the rows' owners
         if NSUB == 1:
             self.index, self.size = zdsl.local_index(), zdsl.workgroup_size()
-            self.first = zdsl.workgroup_id() * ROWS
+            self.first = wg * ROWS
         else:
             self.index, self.size = zdsl.lane_id(), SG
-            self.first = (zdsl.workgroup_id() * NSUB + zdsl.subgroup_id()) * ROWS
+            self.first = (wg * NSUB + zdsl.subgroup_id()) * ROWS
         self.count, self.SG = ROWS, SG
 
     def clamped(self, m):

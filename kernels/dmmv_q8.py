@@ -11,6 +11,8 @@ the quantization's, at most Σ_j |w_j| · d_j / 2 (d_j the scale of element j's 
 
 from __future__ import annotations
 
+import math
+
 import zdsl
 from zdsl import Buffer, Const, Spec, boolean, f32, u8, u32
 from zdsl.kernels.dmmv import (NSUBS, Rows, block_loop, dequant_rows, ffn_gate_up_ref,
@@ -80,14 +82,18 @@ def dmmv_q8(w: Buffer[u8], xq: Buffer[u32], xd: Buffer[f32], y: Buffer[f32], k: 
     """y[c·m + r] (+)= Σ_k W[r, k] · x̂[c·k + k] for COLS vectors given as Q8_1 (the COLS·k
     activations quantized back to back); ADD accumulates into y (a residual connection).
     Grid: ceil(m / rows_per_workgroup)."""
-    f = int8_decoder(QTYPE)
+    project_q8(w, xq, xd, y, k, m, int8_decoder(QTYPE), Rows(ROWS, NSUB, SG), COLS, ADD)
+
+
+def project_q8(w, xq, xd, y, k, m, f, group: Rows, COLS=1, ADD=False):
+    """The group's rows of y (+)= W · x̂ (dmmv_q8's body)."""
     nblocks = k // f.block
-    group = Rows(ROWS, NSUB, SG)
     rows = [(w, r * (nblocks * f.nbytes)) for r in group.clamped(m)]
     x_bases = [c * k for c in range(COLS)]
     old = old_rows(y, group, m, COLS, ADD)
-    acc = block_loop(f.iparts, nblocks, group, ROWS, COLS, lambda b, part: q8_step(f, rows, xq, xd, x_bases, b, part))
-    sums = group.sums([acc[r][c] for r in range(ROWS) for c in range(COLS)])
+    acc = block_loop(f.iparts, nblocks, group, group.count, COLS,
+                     lambda b, part: q8_step(f, rows, xq, xd, x_bases, b, part))
+    sums = group.sums([acc[r][c] for r in range(group.count) for c in range(COLS)])
     store_rows(y, sums, group, m, COLS, old)
 
 
@@ -96,6 +102,35 @@ def dmmv_q8_ref(w_bytes, xq, xd, qtype, m, k, y=None):
     """dequant(W) @ the Q8_1 activations, in float64."""
     out = (q8_1_values(xq, xd).reshape(-1, k) @ dequant_rows(w_bytes, qtype, m, k).T).reshape(-1)
     return out if y is None else out + y
+
+
+def pair_workgroup(v) -> int:
+    return workgroup_of(v, math.lcm(FORMATS[v.QTYPE].iparts, FORMATS[v.QTYPE2].iparts))
+
+
+@zdsl.kernel(workgroup=pair_workgroup, subgroup="SG",
+             variants={"QTYPE": ["q5_k"], "QTYPE2": ["q4_k"], "ROWS": [1, 2, 4], "SG": SUBGROUPS},
+             tune={"NSUB": NSUBS})
+def dmmv_q8_pair(w: Buffer[u8], w2: Buffer[u8], xq: Buffer[u32], xd: Buffer[f32], y: Buffer[f32], y2: Buffer[f32],
+                 k: u32, m: u32, m2: u32, QTYPE: Const = "q5_k", QTYPE2: Const = "q4_k", ROWS: Const = 1,
+                 NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
+    """y = W · x̂ and y2 = W2 · x̂: two projections of one Q8_1 input in one dispatch, each
+    weight in its own type (a delta-net layer's q5_k qkv and q4_k gate z in a Q4_K_M file); a
+    dispatch beside others in its stage still costs 1–3 µs (docs/PERF.md). The first
+    ceil(m / rows_per_workgroup) workgroups make y, the rest y2; only the types built ahead are
+    listed, others specialize on demand. Grid: ceil(m / rows_per_workgroup) + ceil(m2 / rows_per_workgroup)."""
+    split = (m + ROWS * NSUB - 1) // (ROWS * NSUB)
+    wid = zdsl.workgroup_id()
+    with zdsl.if_(wid < split):
+        project_q8(w, xq, xd, y, k, m, int8_decoder(QTYPE), Rows(ROWS, NSUB, SG, wid))
+    with zdsl.else_():
+        project_q8(w2, xq, xd, y2, k, m2, int8_decoder(QTYPE2), Rows(ROWS, NSUB, SG, wid - split))
+
+
+@dmmv_q8_pair.reference
+def dmmv_q8_pair_ref(w_bytes, w2_bytes, xq, xd, qtype, qtype2, m, m2, k):
+    """(y, y2): dmmv_q8_ref of each weight."""
+    return dmmv_q8_ref(w_bytes, xq, xd, qtype, m, k), dmmv_q8_ref(w2_bytes, xq, xd, qtype2, m2, k)
 
 
 @zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": INT8_FORMATS, "ROWS": [1, 2, 4], "SG": SUBGROUPS},

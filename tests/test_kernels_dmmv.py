@@ -205,6 +205,34 @@ def test_dmmv_q8(backend, request, qtype, m, nb, shape, add, quantizer, sg_pick,
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=12)
+@given(types=st.tuples(st.sampled_from(INT8_FORMATS), st.sampled_from(INT8_FORMATS)), m=st.integers(1, 9),
+       m2=st.integers(1, 9), nb=st.integers(0, 3), rows=st.sampled_from([1, 2, 4]), nsub=st.sampled_from([1, 2, 4]),
+       sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
+def test_dmmv_q8_pair(backend, request, types, m, m2, nb, rows, nsub, sg_pick, seed):
+    """Two projections of one Q8_1 input in one dispatch, each weight in its own type (lavapipe:
+    q5_k and q4_k, the pair the decode graph runs, at varied row layouts): each against the f64
+    product on the same x̂, row counts that are not multiples of a workgroup's."""
+    qtype, qtype2 = types if backend == "interp" else ("q5_k", "q4_k")
+    rng = np.random.default_rng(seed)
+    block = max(FORMATS[qtype].block, FORMATS[qtype2].block)
+    k = block * (nb + 1)
+    sg = subgroup(backend, request, sg_pick)
+    parts = max(FORMATS[qtype].iparts, FORMATS[qtype2].iparts)
+    nsub = nsub if sg % parts == 0 else 1
+    w, w2 = weights(rng, qtype, m, k, True), weights(rng, qtype2, m2, k, True)
+    xq, xd = q8.q8_1_buffers(rng.standard_normal(k).astype(np.float32))
+    v = dq.dmmv_q8_pair.specialize(QTYPE=qtype, QTYPE2=qtype2, ROWS=rows, NSUB=nsub, SG=sg)
+    per = dm.rows_per_workgroup(v)
+    out = run(v, backend, request, -(-m // per) - (-m2 // per), w=w, w2=w2, xq=xq, xd=xd,
+              y=np.full(m, np.nan, np.float32), y2=np.full(m2, np.nan, np.float32), k=k, m=m, m2=m2)
+    want, want2 = dq.dmmv_q8_pair_ref(w, w2, xq, xd, qtype, qtype2, m, m2, k)
+    xhat = q8.q8_1_values(xq, xd)
+    assert_within(out["y"], want, RTOL * abs_dot(w, qtype, m, k, xhat) + 1e-6)
+    assert_within(out["y2"], want2, RTOL * abs_dot(w2, qtype2, m2, k, xhat) + 1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("qtype", INT8_FORMATS)
 @settings(max_examples=10)
 @given(m=st.integers(1, 7), nb=st.integers(0, 5), nexp=st.integers(1, 4), slots=st.integers(1, 3),

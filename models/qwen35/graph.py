@@ -213,6 +213,21 @@ class DecodeGraph:
         v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=tensor.removesuffix(".weight"),
                    w=self.weights[tensor], y=y, k=k, m=m, **args)
 
+    def _project_two(self, seq, tensor: str, y, tensor2: str, y2) -> None:
+        """y = W · normed and y2 = W2 · normed: one dispatch where both types have int8 decoders
+        (dmmv_q8_pair), else one each."""
+        if not (self._int8(tensor) and self._int8(tensor2)):
+            self._project(seq, tensor, y)
+            self._project(seq, tensor2, y2)
+            return
+        (m, k), (m2, _) = self.tensors.shape(tensor)[-2:], self.tensors.shape(tensor2)[-2:]
+        q, q2 = self._qname(tensor), self._qname(tensor2)
+        v = self._choose(dmmv_q8.dmmv_q8_pair, {"QTYPE": q, "QTYPE2": q2, "k": k, "m": m, "m2": m2}, QTYPE=q, QTYPE2=q2)
+        rows = dmmv.rows_per_workgroup(v)
+        label = tensor.removesuffix(".weight") + "+" + tensor2.split(".")[-2]
+        v.dispatch(seq, cdiv(m, rows) + cdiv(m2, rows), label=label, w=self.weights[tensor], w2=self.weights[tensor2],
+                   xq=self.normed.q, xd=self.normed.d, y=y, y2=y2, k=k, m=m, m2=m2)
+
     def _residual(self, seq, tensor: str, x: Vector, next_norm: str | None) -> None:
         """x += W · input, then the next projections' normed input from x (rmsnorm(x) · next_norm),
         unless the next consumer norms x itself (None: the MoE router)."""
@@ -284,8 +299,7 @@ class DecodeGraph:
 
     def _deltanet(self, seq, i: int) -> None:
         hp, p = self.hp, f"blk.{i}."
-        for name, out in (("attn_qkv", self.mix), ("attn_gate", self.z)):
-            self._project(seq, p + name + ".weight", out)
+        self._project_two(seq, p + "attn_qkv.weight", self.mix, p + "attn_gate.weight", self.z)
         # one dispatch: each head's gates β and α, the conv of the channels it reads, the delta rule
         gates = p + "ssm_beta_alpha.weight"
         q = self._qname(gates)
