@@ -73,7 +73,9 @@ def _select(uses, names: str | None):
 @click.option("--ctx", "n_ctx", default=4096, show_default=True, help="Context length the attention kernels are timed at.")
 @click.option("--caps", default="1,64", show_default=True, help="Sampler candidate caps to tune (1 is greedy decoding).")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Database file to add the choices to (default: the user's file for this device).")
+              help="Database file to add the choices to (default: the user's file for this device, which run, bench "
+                   "and profile read; they do not read a file given here until it is merged into that one or the "
+                   "shipped one).")
 @click.option("--warmup", default=5, show_default=True, help="Untimed dispatches before the timed ones.")
 @click.option("--repeats", default=20, show_default=True, help="Timed dispatches per candidate (the median counts).")
 @click.option("--warm-ms", default=200, show_default=True, help="Replay each candidate this long before timing it.")
@@ -126,7 +128,13 @@ def tune(device_name, model_path, preset, names, budget, n_ctx, caps, out_path, 
     _summary(console, results, modelled, alone=in_place)
     if report is not None:
         _in_place_table(console, report)
-    console.print(f"{len(added)} entries written to {path}" if added else "nothing tuned, nothing written")
+    if not added:
+        console.print("nothing tuned, nothing written")
+    elif out_path is None:
+        console.print(f"{len(added)} entries written to {path} (decoding uses them from now on)")
+    else:
+        console.print(f"{len(added)} entries written to {path}; decoding does not read that file (it reads "
+                      f"{user_path(info)}): merge them there to use them")
 
 
 def _in_place(dev, model_path, n_ctx: int, results, info, deadline: float, console):
