@@ -108,7 +108,8 @@ def tune(device_name, model_path, preset, names, budget, n_ctx, caps, out_path, 
     finally:
         if dev is not None:
             dev.close()
-    path = out_path or user_path(info)
+    user = user_path(info)
+    path = out_path or user
     db = Database([path])
     added = report.entries if report is not None else [e for r in results for e in tuner.entries(r, info)]
     for e in added:
@@ -130,11 +131,11 @@ def tune(device_name, model_path, preset, names, budget, n_ctx, caps, out_path, 
         _in_place_table(console, report)
     if not added:
         console.print("nothing tuned, nothing written")
-    elif out_path is None:
+    elif path == user:
         console.print(f"{len(added)} entries written to {path} (decoding uses them from now on)")
     else:
         console.print(f"{len(added)} entries written to {path}; decoding does not read that file (it reads "
-                      f"{user_path(info)}): merge them there to use them")
+                      f"{user}): merge them there to use them")
 
 
 def _in_place(dev, model_path, n_ctx: int, results, info, deadline: float, console):

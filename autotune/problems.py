@@ -158,7 +158,7 @@ def _dmmv_q8(use, rng, check):
 
 def _dmmv_q8_pair(use, rng, check):
     q, q2, k, m, m2 = (use.shape[n] for n in ("QTYPE", "QTYPE2", "k", "m", "m2"))
-    m, m2 = (min(m, CHECK_ROWS), min(m2, CHECK_ROWS - 2)) if check else (m, m2)
+    m, m2 = (min(m, CHECK_ROWS), min(m2, CHECK_ROWS - 2)) if check else (m, m2)  # two counts: the split shows
     xq, xd = q8_1.q8_1_buffers(_normal(rng, k))
     a = dict(w=_rows(rng, q, m, k), w2=_rows(rng, q2, m2, k), xq=xq, xd=xd, y=np.zeros(m, np.float32),
              y2=np.zeros(m2, np.float32))
@@ -422,7 +422,8 @@ def _sampling(use, rng, check):
 
 
 BUILDERS = {
-    "dmmv": _dmmv, "dmmv_q8": _dmmv_q8, "dmmv_q8_pair": _dmmv_q8_pair, "norm_q8_1": _norm_q8_1, "ffn_gate_up": _ffn_gate_up,
+    "dmmv": _dmmv, "dmmv_q8": _dmmv_q8, "dmmv_q8_pair": _dmmv_q8_pair, "norm_q8_1": _norm_q8_1,
+    "ffn_gate_up": _ffn_gate_up,
     "ffn_gate_up_q8": _ffn_gate_up, "moe_down": _moe_down, "moe_router": _moe_router, "moe_down_all": _moe_down_all,
     "attn_prep": _attn_prep,
     "attn_decode": _attn_decode, "attn_combine": _attn_combine, "deltanet_step": _deltanet_step,

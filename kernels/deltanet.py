@@ -58,7 +58,7 @@ def gate_dots(w_ba, x, xq, xd, h, k, QTYPE: str, SG: int):
     projections of it, else f32 with x. The whole workgroup walks the blocks."""
     f = fmt(QTYPE)
     nblocks = k // f.block
-    rows = [(w_ba, h * (nblocks * f.nbytes)), (w_ba, (zdsl.num_workgroups() + h) * (nblocks * f.nbytes))]
+    rows = [(w_ba, r * (nblocks * f.nbytes)) for r in (h, zdsl.num_workgroups() + h)]
     everyone = dmmv.Rows(2, 1, SG)
     if f.iparts:
         acc = dmmv.block_loop(f.iparts, nblocks, everyone, 2, 1, lambda b, part: q8_step(f, rows, xq, xd, [0], b, part))
@@ -71,7 +71,8 @@ def gate_dots(w_ba, x, xq, xd, h, k, QTYPE: str, SG: int):
              variants={"D": [128], "WG": [256, 512], "Q8": [False, True], "QTYPE": GATE_QTYPES, "SG": SUBGROUPS},
              where=_step_fits)
 def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32], step: Buffer[u32], z: Buffer[f32],
-                  w_ba: Buffer[u8], x: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], ssm_a: Buffer[f32], dt_bias: Buffer[f32], norm_w: Buffer[f32],
+                  w_ba: Buffer[u8], x: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], ssm_a: Buffer[f32],
+                  dt_bias: Buffer[f32], norm_w: Buffer[f32],
                   state: Buffer[f32], out: Buffer[f32], oq: Buffer[u32], od: Buffer[f32], n_k_heads: u32, k: u32,
                   eps: f32, D: Const = 128, KC: Const = 4, WG: Const = 256, Q8: Const = False, QTYPE: Const = "q8_0",
                   SG: Const = 32):

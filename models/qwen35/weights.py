@@ -95,7 +95,8 @@ class GraphWeights:
             raise ModelError(f"{alpha} ({a.qtype.name} {list(reversed(a.shape))}) differs from {beta} "
                              f"({b.qtype.name} {list(reversed(b.shape))}); zdsl's delta-net step reads both "
                              "gates as one tensor, which needs one type and shape")
-        self.tensors[p + "ssm_beta_alpha.weight"] = GraphTensor(b.qtype, (2 * b.shape[0], b.shape[1]), b.parts + a.parts)
+        joined = GraphTensor(b.qtype, (2 * b.shape[0], b.shape[1]), b.parts + a.parts)
+        self.tensors[p + "ssm_beta_alpha.weight"] = joined
         del self.tensors[beta], self.tensors[alpha]
 
     def _stack_shared_expert(self, p: str) -> None:
