@@ -252,7 +252,7 @@ def last_workgroup(counter: BufferParam, index=0) -> Value:
 def wait_at_least(counter: BufferParam, index, target) -> None:
     """Wait until counter[index] (u32) is at least `target`; then this workgroup's reads of
     `Coherent` buffers see the writes made before the arrivals that got it there. One
-    invocation polls with relaxed atomic loads (an atomic add of 0 costs 0.5–1.8 µs more per
+    invocation polls with relaxed atomic loads (an atomic add of 0 costs up to 1.8 µs more per
     dependent link on the H100, docs/PERF.md), and the fence after it makes the last an
     acquire; call it in uniform control flow. Counting arrivals of another dispatch only
     terminates if that dispatch's workgroups were all started first, as in-order launch gives."""
