@@ -48,24 +48,23 @@ class Tensors:
     the names the decode graph reads them under (models/qwen35/weights.py: fused tensors split,
     shared experts stacked)."""
 
-    def __init__(self, hparams, files: dict[str, tuple[tuple[int, ...], object]], source: str):
-        from zdsl.models.qwen35.weights import GraphWeights
-
-        self.hparams, self.weights, self.source = hparams, GraphWeights(hparams, files), source
+    def __init__(self, weights, source: str):
+        self.hparams, self.weights, self.source = weights.hp, weights, source
 
     @classmethod
     def from_file(cls, path) -> "Tensors":
         from zdsl.models.qwen35.gguf_file import open_model
+        from zdsl.models.qwen35.weights import graph_weights
 
-        model = open_model(path)
-        return cls(model.hparams, {t.name: (t.shape, t.qtype) for t in model.tensors.values()}, str(path))
+        return cls(graph_weights(open_model(path)), str(path))
 
     @classmethod
     def from_preset(cls, name: str) -> "Tensors":
         from zdsl.models.qwen35.synth import plan, preset
+        from zdsl.models.qwen35.weights import GraphWeights
 
         hp = preset(name)
-        return cls(hp, {n: (s, q) for n, s, q in plan(hp)}, f"preset {name} (Q4_K_M types)")
+        return cls(GraphWeights(hp, {n: (s, q) for n, s, q in plan(hp)}), f"preset {name} (Q4_K_M types)")
 
     def __contains__(self, name: str) -> bool:
         return name in self.weights
