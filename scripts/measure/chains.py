@@ -12,15 +12,26 @@ def device_and_links():
     return open_device(sys.argv[1] if len(sys.argv) > 1 else "0"), int(sys.argv[2]) if len(sys.argv) > 2 else 40
 
 
-def chain_us(dev, record, links: int, warm_s: float = 0.0) -> float:
+WARM_S = 1.0
+
+
+def keep_busy(run, seconds: float = WARM_S) -> None:
+    """Call run() (it puts work on the GPU and waits) for at least `seconds`, at least once. An
+    idle GPU drops its clocks (the H100: 345 MHz idle, 1,980 MHz under load) and takes a second
+    or more to raise them again, so a timing taken right after compiling pipelines, or after any
+    pause, runs slow; the decode step, busy back to back, runs at the full clock."""
+    start = time.perf_counter()
+    run()
+    while time.perf_counter() - start < seconds:
+        run()
+
+
+def chain_us(dev, record, links: int, warm_s: float = WARM_S) -> float:
     """µs per link of the chain that record(seq) puts into a sequence of `dev`: the median of 7
-    timings of 10 runs, after runs of 3 for at least warm_s seconds (one run of 3 at least)."""
+    timings of 10 runs, after runs of 3 for at least warm_s seconds (keep_busy)."""
     seq = dev.sequence()
     record(seq)
-    start = time.perf_counter()
-    seq.run(3)
-    while time.perf_counter() - start < warm_s:
-        seq.run(3)
+    keep_busy(lambda: seq.run(3), warm_s)
     ts = []
     for _ in range(7):
         t = time.perf_counter()

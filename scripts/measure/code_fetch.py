@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 import zdsl
-from chains import device_and_links
+from chains import device_and_links, keep_busy
 from zdsl import Buffer, Const, u32
 from zdsl.bench_kernels import copy_vec4
 from zdsl.lang.language import cdiv
@@ -48,7 +48,7 @@ def chain_us(dev, variants, flush, L, groups=132):
         if variants:
             src = flush[1] if flush and l == 0 else bufs[l % 2]
             variants[l % len(variants)].dispatch(seq, groups, src=src, dst=bufs[(l + 1) % 2])
-    seq.run(3)
+    keep_busy(lambda: seq.run(3))
     ts = []
     for _ in range(9):
         t = time.perf_counter()

@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 import zdsl
-from chains import device_and_links
+from chains import device_and_links, keep_busy
 from zdsl import Buffer, Coherent, Const, f32, u32
 
 K = 2048
@@ -79,7 +79,7 @@ def measure(dev, mode, rows, WG, ROWS, L):
         with seq.self_ordered():
             for l in range(L):
                 v.dispatch(seq, groups, w=w, x=x, counter=cnt, src=l % 2, dst=(l + 1) % 2, l=l, N=N)
-    seq.run(3)
+    keep_busy(lambda: seq.run(3))
     result = x.read(np.float32, (2 * N,))[(L % 2) * N:][:rows].copy()
     ts = []
     for _ in range(7):

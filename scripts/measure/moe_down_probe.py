@@ -64,7 +64,7 @@ H, E, F, K = 2048, 256, 512, 8
 def timeit(record):
     """µs per dispatch after 0.3 s of runs (a pipeline's compilation idles the GPU, and its
     clocks take that long to come back)."""
-    return chain_us(dev, record, L, warm_s=0.3)
+    return chain_us(dev, record, L)
 
 
 E = E if "llvmpipe" not in dev.info.name else 64
