@@ -12,6 +12,8 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from zdsl.cli import main
 from zdsl.models.qwen35 import synth
@@ -180,6 +182,29 @@ def test_peer_script_without_llama_bench(tmp_path, monkeypatch, capsys):
     assert err.startswith("error: no llama-bench found") and len(err.strip().splitlines()) == 1
     assert peer.main(["--model", "x.gguf", "--llama-bench", str(tmp_path / "nope")]) == 2
     assert "is not an executable file" in capsys.readouterr().err
+
+
+@given(st.lists(st.tuples(st.sampled_from(["blk.0.a", "blk.1.b", "output"]),
+                          st.sampled_from(["k1[X=1]", "k1[X=2]", "k2[Y=1]"]),
+                          st.floats(0.001, 1.0)), min_size=1, max_size=12),
+       st.dictionaries(st.sampled_from(["k1[X=1]", "k1[X=2]", "k2[Y=1]"]), st.integers(1, 1 << 16)))
+def test_profile_sums_code_per_kernel(dispatches, sizes):
+    """Each kernel's code per step is the code bytes of the variant of each of its dispatches,
+    summed; variants the driver gave no size for add nothing, and with no sizes there is none."""
+    from zdsl.models.qwen35.profile import summarize
+
+    timings = [(f"{role}:{variant}", ms) for role, variant, ms in dispatches]
+    s = summarize(timings, sizes)
+    for name in ("k1", "k2"):
+        mine = [v for _, v, _ in dispatches if v.startswith(name + "[")]
+        known = [sizes[v] for v in mine if v in sizes]
+        if known:
+            assert s["kernels"][name]["code_bytes"] == sum(known)
+        elif mine:
+            assert "code_bytes" not in s["kernels"][name]
+    expected = sum(sizes.get(v, 0) for _, v, _ in dispatches)
+    assert s.get("code_bytes", 0) == expected and ("code_bytes" in s) == any(v in sizes for _, v, _ in dispatches)
+    assert "code_bytes" not in summarize(timings)
 
 
 def test_profile_on_lavapipe(tiny, tmp_path):

@@ -21,7 +21,8 @@ from zdsl.lang.kernel import Variant, all_kernels
 # RADV statistic names → short column headers
 STAT_COLUMNS = {"VGPRs": "VGPR", "SGPRs": "SGPR", "Spilled VGPRs": "spill V", "Spilled SGPRs": "spill S",
                 "LDS size": "LDS", "Scratch size": "scratch", "Subgroups per SIMD": "waves/SIMD",
-                "Instructions": "instr", "VALU": "VALU", "SALU": "SALU", "VMEM": "VMEM", "SMEM": "SMEM"}
+                "Instructions": "instr", "Code size": "code B", "VALU": "VALU", "SALU": "SALU", "VMEM": "VMEM",
+                "SMEM": "SMEM"}
 
 
 @dataclass

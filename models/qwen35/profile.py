@@ -31,6 +31,29 @@ PHASES = [  # (phase, pattern on the dispatch label "<role>:<kernel variant>")
 ]
 
 
+CODE_SIZE = ("Binary Size", "Code size")  # the driver statistic giving a shader's machine-code bytes: NVIDIA, RADV
+
+
+def code_sizes(device, labels) -> dict[str, int]:
+    """Machine-code bytes of each variant that `labels` ("<role>:<variant>") name, where the
+    driver reports them. Between two uses of a kernel the weights streaming through L2 evict its
+    code, so every dispatch fetches its code from memory again: about 0.3 µs per KB on the H100
+    (docs/PERF.md). Code per step is a cost the timings alone do not show."""
+    from zdsl.lang.kernel import REGISTRY
+
+    if "pipeline_stats" not in device.info.features:
+        return {}
+    wanted, sizes = {label.split(":", 1)[-1] for label in labels}, {}
+    for kernel in REGISTRY.values():
+        for v in kernel.specialized():
+            if v.label in wanted:
+                stats = v.pipeline(device, statistics=True).statistics or {}
+                size = next((stats[name] for name in CODE_SIZE if name in stats), None)
+                if size is not None:
+                    sizes[v.label] = int(size)
+    return sizes
+
+
 def phase_of(label: str) -> str:
     for name, pattern in PHASES:
         if re.search(pattern, label):
@@ -42,18 +65,26 @@ def kernel_of(label: str) -> str:
     return label.split(":", 1)[-1].split("[", 1)[0]
 
 
-def summarize(timings: list[tuple[str, float]]) -> dict:
-    by_phase, by_kernel = defaultdict(float), defaultdict(lambda: [0.0, 0])
+def summarize(timings: list[tuple[str, float]], code: dict[str, int] | None = None) -> dict:
+    """Phases and kernels with their ms and dispatch counts; with `code` (code_sizes), each
+    kernel's machine code run per step (its code bytes summed over its dispatches) and the step's."""
+    by_phase, by_kernel = defaultdict(float), defaultdict(lambda: {"ms": 0.0, "count": 0})
     for label, ms in timings:
         by_phase[phase_of(label)] += ms
         k = by_kernel[kernel_of(label)]
-        k[0] += ms
-        k[1] += 1
+        k["ms"] += ms
+        k["count"] += 1
+        size = (code or {}).get(label.split(":", 1)[-1])
+        if size is not None:
+            k["code_bytes"] = k.get("code_bytes", 0) + size
     total = sum(ms for _, ms in timings)
-    return {"total_ms": total, "dispatches": len(timings),
-            "phases": dict(sorted(by_phase.items(), key=lambda kv: -kv[1])),
-            "kernels": {k: {"ms": v[0], "count": v[1]} for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])},
-            "top": sorted(timings, key=lambda t: -t[1])}
+    s = {"total_ms": total, "dispatches": len(timings),
+         "phases": dict(sorted(by_phase.items(), key=lambda kv: -kv[1])),
+         "kernels": dict(sorted(by_kernel.items(), key=lambda kv: -kv[1]["ms"])),
+         "top": sorted(timings, key=lambda t: -t[1])}
+    if any("code_bytes" in k for k in by_kernel.values()):
+        s["code_bytes"] = sum(k.get("code_bytes", 0) for k in by_kernel.values())
+    return s
 
 
 def chrome_trace(timings: list[tuple[str, float]]) -> dict:
@@ -108,24 +139,29 @@ def profile(model, device, n_ctx, position, top, steps, warm_ms, out_dir):
         g.seek(at)
         runs.append(g.profile())
     timings = [(label, statistics.median(run[i][1] for run in runs)) for i, (label, _) in enumerate(runs[0])]
-    s = summarize(timings)
+    s = summarize(timings, code_sizes(gen.device, [label for label, _ in timings]))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "trace.json").write_text(json.dumps(chrome_trace(timings)))
     (out_dir / "profile.json").write_text(json.dumps({"model": str(gen.model.path), "device": gen.device.info.name,
                                                       "position": at, "steps": steps, **s}, indent=1))
     console = Console()
+    code = f", {s['code_bytes'] / 1024:,.0f} KB of machine code run" if "code_bytes" in s else ""
     console.print(f"{gen.model.path.name} on {gen.device.info.name}: a decode step at position {at}, "
-                  f"{s['dispatches']} dispatches, {s['total_ms']:.3f} ms GPU (median of {steps} timed steps, each "
-                  "dispatch timed alone: an upper bound)")
-    for title, rows in (("phase", [(k, v, None) for k, v in s["phases"].items()]),
-                        ("kernel", [(k, v["ms"], v["count"]) for k, v in s["kernels"].items()])):
+                  f"{s['dispatches']} dispatches{code}, {s['total_ms']:.3f} ms GPU (median of {steps} timed steps, "
+                  "each dispatch timed alone: an upper bound)")
+    for title, rows in (("phase", [(k, {"ms": v}) for k, v in s["phases"].items()]), ("kernel", s["kernels"].items())):
         t = Table(title=f"by {title}")
         t.add_column(title)
         t.add_column("ms", justify="right")
         t.add_column("%", justify="right")
         t.add_column("dispatches", justify="right")
-        for name, ms, count in rows:
-            t.add_row(name, f"{ms:.3f}", f"{100 * ms / s['total_ms']:.1f}", "" if count is None else str(count))
+        if title == "kernel" and code:
+            t.add_column("code KB per step", justify="right")
+        for name, k in rows:
+            cells = [name, f"{k['ms']:.3f}", f"{100 * k['ms'] / s['total_ms']:.1f}", str(k.get("count", ""))]
+            if title == "kernel" and code:
+                cells.append(f"{k['code_bytes'] / 1024:,.0f}" if "code_bytes" in k else "")
+            t.add_row(*cells)
         console.print(t)
     t = Table(title=f"slowest {top} dispatches")
     t.add_column("dispatch")

@@ -139,6 +139,10 @@ class KernelDef:
             self._variants[key] = Variant(self, params)
         return self._variants[key]
 
+    def specialized(self) -> list[Variant]:
+        """The variants made so far, e.g. to ask the driver about the pipelines a run used."""
+        return list(self._variants.values())
+
     def trace(self, consts: dict) -> ir.Kernel:
         key = tuple(sorted((k, repr(v)) for k, v in consts.items()))
         if key not in self._traces:
