@@ -43,7 +43,7 @@ def code_sizes(device, labels) -> dict[str, int]:
 
     if "pipeline_stats" not in device.info.features:
         return {}
-    wanted, sizes = {label.split(":", 1)[-1] for label in labels}, {}
+    wanted, sizes = {variant_of(label) for label in labels}, {}
     for kernel in REGISTRY.values():
         for v in kernel.specialized():
             if v.label in wanted:
@@ -61,8 +61,13 @@ def phase_of(label: str) -> str:
     return "other"
 
 
+def variant_of(label: str) -> str:
+    """The variant's label in a dispatch label "<role>:<variant>" (the whole label if it has no role)."""
+    return label.split(":", 1)[-1]
+
+
 def kernel_of(label: str) -> str:
-    return label.split(":", 1)[-1].split("[", 1)[0]
+    return variant_of(label).split("[", 1)[0]
 
 
 def summarize(timings: list[tuple[str, float]], code: dict[str, int] | None = None) -> dict:
@@ -74,7 +79,7 @@ def summarize(timings: list[tuple[str, float]], code: dict[str, int] | None = No
         k = by_kernel[kernel_of(label)]
         k["ms"] += ms
         k["count"] += 1
-        size = (code or {}).get(label.split(":", 1)[-1])
+        size = (code or {}).get(variant_of(label))
         if size is not None:
             k["code_bytes"] = k.get("code_bytes", 0) + size
     total = sum(ms for _, ms in timings)
