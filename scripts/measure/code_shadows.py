@@ -23,7 +23,7 @@ from zdsl.runtime.sequence import Sequence
 SKIP = ("sample", "advance", "embed")
 HOSTS = ("ssm_conv+step", "moe_route", "gate_exps", "down_exps", "attn_decode")
 plain = Sequence.dispatch
-state = {"scratch": None, "shadows": 0, "recorded": {}, "replay": {}}
+state = {"scratch": None, "shadows": 0, "made": [], "recorded": {}, "plans": [], "done": {}}
 
 
 def untracked(self, reads, writes, stage):
@@ -57,8 +57,8 @@ def before(self, pipe, groups, buffers, push=b"", label=""):
 
 def ahead(self, pipe, groups, buffers, push=b"", label=""):
     plain(self, pipe, groups, buffers, push, label)
-    plan, i = state["replay"][self]
-    state["replay"][self] = (plan, i + 1)
+    plan = state["plans"][state["made"].index(self)]
+    i = state["done"][self] = state["done"].get(self, -1) + 1
     if not any(h in label for h in HOSTS):
         return
     seen = set()
@@ -73,25 +73,25 @@ def ahead(self, pipe, groups, buffers, push=b"", label=""):
 
 
 def record(g, mode: str) -> None:
-    """g's steps recorded again, shadowed as `mode` says ("plain": none)."""
-    if mode == "ahead":  # record plainly once to learn each sequence's dispatches and stages
-        state["recorded"] = {}
-        Sequence.dispatch = recording
-        g.retune(None)
-        plans = list(state["recorded"].values())  # in the order the sequences were made
-        real_init = Sequence.__init__
+    """g's steps recorded again, shadowed as `mode` says ("plain": none). Sequences are told
+    apart by the order they are made in, which each recording of the graph repeats."""
+    real_init = Sequence.__init__
 
-        def init(self, *args, **kwargs):
-            real_init(self, *args, **kwargs)
-            state["replay"][self] = (plans.pop(0), 0)
-        Sequence.__init__ = init
-    Sequence.dispatch = {"plain": plain, "before": before, "ahead": ahead}[mode]
+    def numbered(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        state["made"].append(self)
+    Sequence.__init__ = numbered
     try:
+        if mode == "ahead":  # record plainly once to learn each sequence's dispatches and stages
+            state["made"], state["recorded"] = [], {}
+            Sequence.dispatch = recording
+            g.retune(None)
+            state["plans"] = [state["recorded"].get(seq, []) for seq in state["made"]]
+        state["made"], state["done"] = [], {}
+        Sequence.dispatch = {"plain": plain, "before": before, "ahead": ahead}[mode]
         g.retune(None)
     finally:
-        Sequence.dispatch = plain
-        if mode == "ahead":
-            Sequence.__init__ = real_init
+        Sequence.dispatch, Sequence.__init__ = plain, real_init
 
 
 def main():
