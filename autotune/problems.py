@@ -237,21 +237,21 @@ def _moe_router(use, rng, check):
     q, k, n_exp, K = use.shape["QTYPE"], use.shape["k"], use.shape["n_expert"], use.fixed["K"]
     n_exp = min(n_exp, CHECK_ROWS) if check else n_exp
     eps = use.sizes["eps"]
-    a = dict(w=_rows(rng, q, n_exp, k), sh_gate_w=_normal(rng, k, 0.05), x=_normal(rng, k, 3.0),
+    a = dict(w=_rows(rng, q, n_exp + 1, k), x=_normal(rng, k, 3.0),  # row n_exp: the shared expert's gate
              norm_w=_normal(rng, k), hn=np.zeros(k, np.float32), xq=np.zeros(k // 4, np.uint32),
-             xd=np.zeros(k // 16, np.float32), logits=np.zeros(n_exp, np.float32), arrivals=np.zeros(1, np.uint32),
+             xd=np.zeros(k // 16, np.float32), logits=np.zeros(n_exp + 1, np.float32), arrivals=np.zeros(1, np.uint32),
              ids=np.zeros(K + 1, np.uint32), weights=np.zeros(K + 1, np.float32))
 
     def reference():
-        return moe.moe_router_ref(a["w"], a["sh_gate_w"], a["x"], a["norm_w"], eps, q, n_exp, k, K)
-    while check and not _clear_picks(reference()[1], K):  # the ids are checked exactly: no near ties
+        return moe.moe_router_ref(a["w"], a["x"], a["norm_w"], eps, q, n_exp, k, K)
+    while check and not _clear_picks(reference()[1][:n_exp], K):  # the ids are checked exactly: no near ties
         a["x"] = _normal(rng, k, 3.0)
 
     def expect(p):
         hn, logits, ids, weights = reference()
         return {"hn": (hn, 1e-4), "xd": (_scales(hn), 1e-4), "logits": (logits, 1e-4), "ids": (ids, 0),
                 "weights": (weights, 1e-4), "arrivals": (np.zeros(1), 0)}
-    return Case(_one(use, _rows_grid(n_exp)), a, dict(k=k, n_expert=n_exp, eps=eps), _total(a) + a["logits"].nbytes,
+    return Case(_one(use, _rows_grid(n_exp + 1)), a, dict(k=k, n_expert=n_exp, eps=eps), _total(a) + a["logits"].nbytes,
                 expect if check else None, lambda n: {"w": _copies(a["w"], n)})
 
 

@@ -14,8 +14,8 @@ from zdsl.kernels import dmmv
 from zdsl.kernels.norm import rms_norm_ref
 from zdsl.kernels.q8_1 import store_q8_1
 from zdsl.kernels.quant import fmt
-from zdsl.kernels.reduce import SUBGROUPS, workgroup_sums
-from zdsl.kernels.sampling import block_topk
+from zdsl.kernels.reduce import SUBGROUPS
+from zdsl.kernels.sampling import few_topk
 
 
 class NormedInput:
@@ -37,33 +37,35 @@ class NormedInput:
 
 @zdsl.kernel(workgroup=dmmv.workgroup, subgroup="SG", variants={"QTYPE": ["f32"], "K": [8], "ROWS": [1, 2, 4],
                                                                "SG": SUBGROUPS},
-             tune={"NSUB": dmmv.NSUBS, "R": [1, 4, 8], "WG": [0, 128, 256]})
-def moe_router(w: Buffer[u8], sh_gate_w: Buffer[f32], x: Buffer[f32], norm_w: Buffer[f32], hn: Buffer[f32],
-               xq: Buffer[u32], xd: Buffer[f32], logits: Coherent[f32], arrivals: Buffer[u32], ids: Buffer[u32],
-               weights: Buffer[f32], k: u32, n_expert: u32, eps: f32, QTYPE: Const = "f32", K: Const = 8,
-               R: Const = 8, ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
+             tune={"NSUB": dmmv.NSUBS, "WG": [0, 128, 256]})
+def moe_router(w: Buffer[u8], x: Buffer[f32], norm_w: Buffer[f32], hn: Buffer[f32], xq: Buffer[u32],
+               xd: Buffer[f32], logits: Coherent[f32], arrivals: Buffer[u32], ids: Buffer[u32], weights: Buffer[f32],
+               k: u32, n_expert: u32, eps: f32, QTYPE: Const = "f32", K: Const = 8, ROWS: Const = 1,
+               NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
     """The experts of one token, from the residual stream x, in one dispatch. Each workgroup
     computes its rows of the router logits[e] = W[e] · hn, hn = rmsnorm(x) · norm_w, as
     (W[e] · (x ⊙ norm_w)) · rsqrt(mean(x²) + eps): it walks all of x for its rows anyway, so
-    it sums x² on the way and no norm dispatch comes first. Workgroups also write hn, in f32
-    and as Q8_1 (xq, xd: the experts' int8 input; q8_1.py), a few blocks of 32 each. The one
-    that finishes last (arrivals[0] counts them: 0 before, 0 after) picks ids[j] = the expert
-    with the j-th largest logit (equal logits: lower expert first) and weights[j] = its softmax
-    probability renormalised over the K picked. The full softmax denominator cancels in that
-    renormalisation, so only the picked logits are exponentiated. Workgroup 0 also writes slot
-    K, the shared expert: ids[K] = n_expert (its place in the stacks) and its gate weights[K] =
-    sigmoid(sh_gate_w · hn). Needs n_expert ≥ K and k a multiple of 32.
-    Grid: ceil(n_expert / rows_per_workgroup)."""
+    it sums x² on the way and no norm dispatch comes first. W has n_expert + 1 rows: the last is
+    the shared expert's gate (weights.py), so logits[n_expert] is its gate's logit. Workgroups
+    also write hn, in f32 and as Q8_1 (xq, xd: the experts' int8 input; q8_1.py), a few blocks
+    of 32 each. The one that finishes last (arrivals[0] counts them: 0 before, 0 after) picks
+    ids[j] = the expert with the j-th largest logit (equal logits: lower expert first) and
+    weights[j] = its softmax probability renormalised over the K picked. The full softmax
+    denominator cancels in that renormalisation, so only the picked logits are exponentiated.
+    Slot K is the shared expert: ids[K] = n_expert (its place in the stacks) and weights[K] =
+    sigmoid(logits[n_expert]). Needs n_expert ≥ K and k a multiple of 32.
+    Grid: ceil((n_expert + 1) / rows_per_workgroup)."""
     f = fmt(QTYPE)
     ctx = f.setup()
     nblocks = k // f.block
     group = dmmv.Rows(ROWS, NSUB, SG)
-    rows = [(w, r * (nblocks * f.nbytes)) for r in group.clamped(n_expert)]
+    m = n_expert + 1
+    rows = [(w, r * (nblocks * f.nbytes)) for r in group.clamped(m)]
     squares = zdsl.var(0.0)
     acc = dmmv.block_dots(f, ctx, rows, NormedInput(x, norm_w, squares), [0], nblocks, group)
     sums = group.sums([acc[r][0] for r in range(ROWS)] + [squares])
     inv_rms = zdsl.rsqrt(sums[ROWS] / k.to(f32) + eps)
-    dmmv.store_rows(logits, [v * inv_rms for v in sums[:ROWS]], group, n_expert, 1)
+    dmmv.store_rows(logits, [v * inv_rms for v in sums[:ROWS]], group, m, 1)
     WG = zdsl.workgroup_size()
     t = zdsl.local_index()
     blocks, per_pass = k >> 5, WG // 8  # Q8_1 blocks of hn, and a workgroup's per pass (eight quads each)
@@ -74,19 +76,11 @@ def moe_router(w: Buffer[u8], sh_gate_w: Buffer[f32], x: Buffer[f32], norm_w: Bu
         with zdsl.if_(block < blocks):
             hn.vec4[i] = value
         store_q8_1(value, i, block < blocks, xq, xd)
-    with zdsl.if_(zdsl.workgroup_id() == 0):
-        dot = zdsl.var(0.0)
-        for i in zdsl.range(t, k >> 2, WG):
-            dot += zdsl.dot(sh_gate_w.vec4[i], x.vec4[i] * norm_w.vec4[i])
-        (total,) = workgroup_sums([dot], WG, SG)
-        with zdsl.if_(t == 0):
-            ids[K] = n_expert
-            weights[K] = zdsl.sigmoid(total * inv_rms)
     with zdsl.if_(zdsl.last_workgroup(arrivals)):
         def load(index, valid):
             return logits.load(index, mask=valid, other=0.0), index
 
-        val_sh, id_sh, first = block_topk(load, n_expert, K, R, WG, SG)
+        val_sh, id_sh, first = few_topk(load, n_expert, K, WG, SG)
         z0 = val_sh[first]
         for j in zdsl.range(t, K, WG):
             total = zdsl.var(0.0)
@@ -94,16 +88,19 @@ def moe_router(w: Buffer[u8], sh_gate_w: Buffer[f32], x: Buffer[f32], norm_w: Bu
                 total += zdsl.exp(val_sh[first + s] - z0)
             ids[j] = id_sh[first + j]
             weights[j] = zdsl.exp(val_sh[first + j] - z0) / total
+        with zdsl.if_(t == 0):
+            ids[K] = n_expert
+            weights[K] = zdsl.sigmoid(logits[n_expert])
 
 
 @moe_router.reference
-def moe_router_ref(w_bytes, sh_gate_w, x, norm_w, eps, qtype, n_expert, k, K=8):
-    """(hn, logits, ids, weights) of one token; slot K is the shared expert: ids[K] = n_expert,
-    weights[K] its gate."""
+def moe_router_ref(w_bytes, x, norm_w, eps, qtype, n_expert, k, K=8):
+    """(hn, logits, ids, weights) of one token; w_bytes holds n_expert + 1 rows, the last the shared
+    expert's gate; slot K is the shared expert: ids[K] = n_expert, weights[K] its gate."""
     hn = rms_norm_ref(x, norm_w, eps)
-    logits = dmmv.dmmv_ref(w_bytes, hn, qtype, n_expert, k)
-    ids, weights = route_ref(logits, K)
-    gate = 1 / (1 + np.exp(-(np.asarray(sh_gate_w, np.float64) @ hn.astype(np.float64))))
+    logits = dmmv.dmmv_ref(w_bytes, hn, qtype, n_expert + 1, k)
+    ids, weights = route_ref(logits[:n_expert], K)
+    gate = 1 / (1 + np.exp(-np.float64(logits[n_expert])))
     return hn, logits, np.append(ids[0], np.uint32(n_expert)), np.append(weights[0], np.float32(gate))
 
 

@@ -109,6 +109,69 @@ def block_topk(load, n, C: int, R: int, WG: int, SG: int):
     return val_sh, id_sh, lists + cur * C
 
 
+def few_topk(load, n, C: int, WG: int, SG: int, UNROLL: int = 4):
+    """block_topk for a few C (MoE routing: 8 of 256), where the one workgroup's latency is the
+    cost: rounds of WG items, one per invocation. Each item's rank in its subgroup comes from one
+    pass over the subgroup's lanes (shuffles); the first min(C, SG) of every subgroup and the
+    running list are then ranked among each other, each candidate by a cluster of P lanes that
+    split the pass over them in shared memory, and ranks below C form the new running list.
+    The passes run over the items there are (a round's last subgroups may hold none), UNROLL
+    steps at a time: their lengths are not build-time constants, so the driver keeps them as
+    short loops, not straight-line code fetched from memory at every use. Same arguments and
+    result as block_topk (without R)."""
+    S, L = WG // SG, min(C, SG)
+    lists = S * L
+    P = min(SG, 1 << max(0, (WG // (lists + C)).bit_length() - 1))  # lanes per candidate: a power of two
+    val_sh, id_sh = zdsl.shared(f32, lists + 2 * C), zdsl.shared(u32, lists + 2 * C)
+    _fill(val_sh, id_sh, lists, C, WG)
+    cur = zdsl.var(0, u32)
+    lane = zdsl.lane_id()
+    for start in zdsl.range(0, n, WG):
+        items = zdsl.min(n - start, WG)
+        index = start + zdsl.local_index()
+        v, i = load(index, index < n)
+        # The valid lanes of a subgroup come first: each ranks among them; an empty lane after
+        # them takes its lane number, so that every slot of the subgroup's list is written.
+        valid_lanes = zdsl.min(items - zdsl.min(items, zdsl.subgroup_id() * SG), SG)
+        rank = zdsl.var(0, u32)
+        for first in zdsl.range(0, valid_lanes, UNROLL):
+            for u in range(UNROLL):
+                s = zdsl.min(first + u, SG - 1)
+                ahead = _precedes(zdsl.subgroup_shuffle(v, s), zdsl.subgroup_shuffle(i, s), v, i)
+                rank += zdsl.where(ahead & (first + u < valid_lanes), 1, 0, u32)
+        valid = lane < valid_lanes
+        rank = zdsl.where(valid, rank, lane)
+        with zdsl.if_(rank < L):
+            val_sh[zdsl.subgroup_id() * L + rank] = zdsl.where(valid, v, -np.inf)
+            id_sh[zdsl.subgroup_id() * L + rank] = zdsl.where(valid, i, SENTINEL)
+        used = (items + (SG - 1)) // SG * L  # the lists written this round
+        m = used + C                         # ... and the running list: the candidates
+        src, dst = lists + cur * C, lists + (cur ^ 1) * C
+        _fill(val_sh, id_sh, dst, C, WG)
+        zdsl.barrier()
+
+        def at(j):  # candidate j's slot
+            return zdsl.where(j < used, j, src + j - used)
+
+        part = zdsl.local_index() % P
+        for e in zdsl.range(zdsl.local_index() // P, (m + (WG // P - 1)) // (WG // P) * (WG // P), WG // P):
+            c = at(zdsl.min(e, m - 1))
+            v, i = val_sh[c], id_sh[c]
+            count = zdsl.var(0, u32)
+            for first in zdsl.range(part, m, P * UNROLL):
+                for u in range(UNROLL):
+                    j = first + u * P
+                    o = at(zdsl.min(j, m - 1))
+                    count += zdsl.where((j < m) & _precedes(val_sh[o], id_sh[o], v, i), 1, 0, u32)
+            rank = zdsl.subgroup_sum(count, cluster=P) if P > 1 else count
+            with zdsl.if_((part == 0) & (e < m) & (rank < C) & (i != SENTINEL)):
+                val_sh[dst + rank] = v
+                id_sh[dst + rank] = i
+        zdsl.barrier()
+        cur.set(cur ^ 1)
+    return val_sh, id_sh, lists + cur * C
+
+
 def topk_shared_bytes(C: int, R: int, WG: int, SG: int) -> int:
     return 8 * ((WG // SG) * min(C, SG * R) + 2 * C)
 

@@ -8,6 +8,8 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+import zdsl
+from zdsl import Buffer, Const, f32, u32
 from zdsl.errors import ZdslError
 from zdsl.kernels import sampling as k
 from zdsl.models.qwen35.sampler import SamplerConfig, sample_reference
@@ -133,6 +135,37 @@ def test_greedy_is_argmax(backend, request, n, ties, sg_pick, seed):
     sg = subgroup(backend, request, sg_pick)
     for config in (SamplerConfig(temperature=0, seed=seed), SamplerConfig(temperature=1.0, top_k=1, seed=seed)):
         assert Sampler(backend, request, config, n, sg=sg)(logits) == np.argmax(logits)
+
+
+@zdsl.kernel(workgroup="WG", subgroup="SG")
+def few_topk_of(values: Buffer[f32], top_v: Buffer[f32], top_i: Buffer[u32], n: u32, C: Const = 8, WG: Const = 64,
+                SG: Const = 32):
+    """The C first of values[0:n] (ids: their indices) by sampling.few_topk, in one workgroup."""
+    def load(index, valid):
+        return values.load(index, mask=valid, other=0.0), index
+
+    val_sh, id_sh, first = k.few_topk(load, n, C, WG, SG)
+    for j in zdsl.range(zdsl.local_index(), C, WG):
+        top_v[j] = val_sh[first + j]
+        top_i[j] = id_sh[first + j]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(n=st.integers(1, 700), C=st.sampled_from([1, 2, 8, 10, 40]), wg=st.sampled_from([64, 128, 256]),
+       ties=st.booleans(), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
+def test_few_topk(backend, request, n, C, wg, ties, sg_pick, seed):
+    """The MoE router's selection against topk_ref: one round or several (n > WG), C above the
+    subgroup size, equal values (lower id first), -inf values, fewer items than C (sentinels)."""
+    rng = np.random.default_rng(seed)
+    values = logits_for(rng, n, ties)
+    values[rng.random(n) < 0.05] = -np.inf
+    sg = subgroup(backend, request, sg_pick)
+    v = few_topk_of.specialize(C=C, WG=wg, SG=sg)
+    args = dict(values=values, top_v=np.full(C, np.nan, np.float32), top_i=np.zeros(C, np.uint32), n=n)
+    out = v.interpret(1, **args) if backend == "interp" else v.run(request.getfixturevalue("device"), 1, **args)
+    want_v, want_i = k.topk_ref(values, np.arange(n, dtype=np.uint32), C)
+    np.testing.assert_array_equal(out["top_i"], want_i)
+    np.testing.assert_array_equal(out["top_v"], want_v)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

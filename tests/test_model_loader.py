@@ -138,6 +138,8 @@ def test_fused_files_decode_on_the_gpu_as_the_unfused(tiny, tmp_path, device):
 
 
 def test_graph_weights_split_fused_tensors_stack_shared_experts_and_join_gates():
+    """Fused tensors split into row ranges, the shared expert stacked as expert E, its gate as
+    the router's last row, β and α joined; a part of another type is refused with the names."""
     from zdsl.models.qwen35.weights import GraphWeights, Part
 
     hp = synth.preset("tiny")
@@ -170,6 +172,9 @@ def test_graph_weights_split_fused_tensors_stack_shared_experts_and_join_gates()
     assert w.shape(f"blk.{d}.ssm_beta_alpha.weight") == (2 * hp.ssm_v_heads, H)
     assert w.tensors[f"blk.{d}.ssm_beta_alpha.weight"].parts == (Part(beta), Part(alpha))
     assert beta not in w and alpha not in w and f"blk.{a}.ssm_beta_alpha.weight" not in w
+    assert w.shape("blk.0.ffn_gate_inp.weight") == (E + 1, H) and "blk.0.ffn_gate_inp_shexp.weight" not in w
+    assert w.tensors["blk.0.ffn_gate_inp.weight"].parts == (Part("blk.0.ffn_gate_inp.weight"),
+                                                           Part("blk.0.ffn_gate_inp_shexp.weight"))
     files["blk.1.ffn_up_shexp.weight"] = (files["blk.1.ffn_up_shexp.weight"][0], QuantType.Q8_0)
     with pytest.raises(ModelError, match="blk.1.ffn_up_shexp.weight .Q8_0.* differs from the experts'"):
         GraphWeights(hp, files)
@@ -177,6 +182,10 @@ def test_graph_weights_split_fused_tensors_stack_shared_experts_and_join_gates()
     files["blk.1.ffn_up_shexp.weight"] = files["blk.1.ffn_gate_shexp.weight"]
     files[alpha] = (files[alpha][0], QuantType.F16)
     with pytest.raises(ModelError, match=f"{alpha} .F16.* differs from {beta}"):
+        GraphWeights(hp, files)
+    files[alpha] = files[beta]
+    files["blk.1.ffn_gate_inp_shexp.weight"] = (files["blk.1.ffn_gate_inp_shexp.weight"][0], QuantType.F16)
+    with pytest.raises(ModelError, match="blk.1.ffn_gate_inp_shexp.weight .F16.* differs from a row of blk.1.ffn_gate_inp"):
         GraphWeights(hp, files)
 
 

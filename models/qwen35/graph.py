@@ -145,7 +145,7 @@ class DecodeGraph:
         # FFN
         if hp.moe:
             E, K, F = hp.n_experts, hp.n_experts_used, hp.expert_ffn  # the shared expert's width is F (weights.py)
-            self.router = self._f32(E, "router_logits")
+            self.router = self._f32(E + 1, "router_logits")  # [E]: the shared expert's gate
             self.route_ids = dev.alloc(4 * (K + 1), name="route_ids")  # [K]: the shared expert, E
             self.route_w = self._f32(K + 1, "route_weights")  # [K]: the shared expert's gate
             self.act = self._f32((K + 1) * F, "expert_act")  # slot K: the shared expert
@@ -345,8 +345,8 @@ class DecodeGraph:
         router = p + "ffn_gate_inp.weight"
         qr, kr = self._qname(router), self.tensors.shape(router)[-1]
         route = self._choose(moe.moe_router, {"QTYPE": qr, "k": kr, "n_expert": E}, QTYPE=qr, K=K)
-        route.dispatch(seq, cdiv(E, dmmv.rows_per_workgroup(route)), label=p + "ffn_gate_inp+moe_route",
-                       w=self.weights[router], sh_gate_w=self.weights[p + "ffn_gate_inp_shexp.weight"], x=self.x,
+        route.dispatch(seq, cdiv(E + 1, dmmv.rows_per_workgroup(route)), label=p + "ffn_gate_inp+moe_route",
+                       w=self.weights[router], x=self.x,
                        norm_w=self.weights[p + "post_attention_norm.weight"], hn=self.normed.f32, xq=self.normed.q,
                        xd=self.normed.d, logits=self.router, arrivals=self.router_arrivals, ids=self.route_ids,
                        weights=self.route_w, k=kr, n_expert=E, eps=self.hp.eps)

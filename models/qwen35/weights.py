@@ -7,7 +7,9 @@ router names it in slot K, and routed and shared experts run as one dispatch wit
 path. Its down projection joins the stack only when it has the experts' type (files often keep
 it at more bits); otherwise it stays a tensor of its own. A delta-net layer's two gate
 projections, `ssm_beta` and `ssm_alpha` (one row per head each), become one tensor
-`ssm_beta_alpha`, which the delta-net step reads itself.
+`ssm_beta_alpha`, which the delta-net step reads itself. The shared expert's gate vector
+(`ffn_gate_inp_shexp`) becomes the router's last row, so the router computes it as one more
+logit, with the same code as the others.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class GraphWeights:
                 self._join_gates(f"blk.{i}.")
             if hp.moe:
                 self._stack_shared_expert(f"blk.{i}.")
+                self._join_router_gate(f"blk.{i}.")
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -111,6 +114,16 @@ class GraphWeights:
                                  "shared expert as one more expert, which needs one type and shape")
             self.tensors[stack] = GraphTensor(s.qtype, (s.shape[0] + 1, *s.shape[1:]), s.parts + sh.parts)
             del self.tensors[shared]
+
+    def _join_router_gate(self, p: str) -> None:
+        router, gate = p + "ffn_gate_inp.weight", p + "ffn_gate_inp_shexp.weight"
+        r, g = self.tensors[router], self.tensors[gate]
+        if (g.qtype, g.shape) != (r.qtype, r.shape[1:]):
+            raise ModelError(f"{gate} ({g.qtype.name} {list(reversed(g.shape))}) differs from a row of {router} "
+                             f"({r.qtype.name} {list(reversed(r.shape[1:]))}); zdsl computes the shared expert's gate "
+                             "as the router's last row, which needs one type and length")
+        self.tensors[router] = GraphTensor(r.qtype, (r.shape[0] + 1, r.shape[1]), r.parts + g.parts)
+        del self.tensors[gate]
 
 
 def graph_weights(model) -> GraphWeights:

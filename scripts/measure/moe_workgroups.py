@@ -17,18 +17,17 @@ H, E, F, K = 2048, 256, 512, 8
 def timeit(record):
     return chain_us(dev, record, L)
 # router
-rw = [dev.upload(rng.standard_normal(E * H).astype(np.float32)) for _ in range(L)]
-sh = dev.upload(rng.standard_normal(H).astype(np.float32) * 0.02)
+rw = [dev.upload(rng.standard_normal((E + 1) * H).astype(np.float32)) for _ in range(L)]  # row E: the shared gate
 x = dev.upload(rng.standard_normal(H).astype(np.float32))
 norm_w = dev.upload(np.ones(H, np.float32))
 hn, xq, xd = dev.alloc(4 * H), dev.alloc(H), dev.alloc(H // 4)
-logits, arr, ids, wts = dev.alloc(4 * E), dev.alloc(4), dev.alloc(4 * (K + 1) * L), dev.alloc(4 * (K + 1) * L)
+logits, arr, ids, wts = dev.alloc(4 * (E + 1)), dev.alloc(4), dev.alloc(4 * (K + 1) * L), dev.alloc(4 * (K + 1) * L)
 s = dev.sequence(); s.fill(arr); s.run(); s.free()
 for rows in (1, 2, 4):
     for wg in (0, 64, 128, 256):
         try:
             v = moe.moe_router.specialize(QTYPE="f32", K=K, ROWS=rows, SG=SG, WG=wg)
-            t = timeit(lambda seq: [v.dispatch(seq, cdiv(E, dmmv.rows_per_workgroup(v)), w=rw[l], sh_gate_w=sh, x=x,
+            t = timeit(lambda seq: [v.dispatch(seq, cdiv(E + 1, dmmv.rows_per_workgroup(v)), w=rw[l], x=x,
                 norm_w=norm_w, hn=hn, xq=xq, xd=xd, eps=1e-6, logits=logits, arrivals=arr, ids=ids.slice(0, 4 * (K + 1)), weights=wts.slice(0, 4 * (K + 1)), k=H,
                 n_expert=E) for l in range(L)])
             d = dmmv.dmmv.specialize(QTYPE="f32", ROWS=rows, SG=SG, WG=wg)
