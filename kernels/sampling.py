@@ -8,8 +8,9 @@ number. It writes the token where the next decode step reads it (`step[2]`) and 
 penalties, so a recorded command buffer can replay the whole decode loop.
 
 Order of candidates everywhere: larger logit first, equal logits by lower token id; NaN logits
-count as -inf. A free slot holds the sentinel (-inf, 0xFFFFFFFF). `block_topk` is the one
-selection routine, shared with MoE routing.
+count as -inf. A free slot holds the sentinel (-inf, 0xFFFFFFFF). `block_topk` selects for the
+sampler (up to 256 candidates); `few_topk`, the same selection for a few (the MoE router's 8 of
+256 experts), trades its searches for short passes, since the router waits on it every layer.
 """
 
 from __future__ import annotations
