@@ -61,26 +61,22 @@ links = {"plain": make_link(Buffer), "coherent": make_link(Coherent)}
 MODES = ("barrier", "barrier+coherent", "counter", "prefetch", "free")
 
 
-def measure(dev, mode, rows, WG, ROWS, L):
-    sg = dev.info.subgroup_size
-    kernel = links["plain" if mode == "barrier" else "coherent"]
-    v = kernel.specialize(WAIT=mode in ("counter", "prefetch"), PREFETCH=mode == "prefetch", ROWS=ROWS, WG=WG, SG=sg)
-    groups = rows // (WG // sg * ROWS)
+def timed_links(dev, rows, L, record, counters=1):
+    """(µs per link, the vector the last of L links wrote) of the chain record(seq, w, x, counter, N)
+    puts into a sequence: random 4-bit weights w of `rows` rows, x two vectors of N = max(rows, K)
+    (link l reads x[l % 2] and writes the other), counter zeroed at the start of every run. The
+    vector is read after one run from x = 1, the timing is the median of 7 timings of 20 runs,
+    after keep_busy."""
     w = dev.upload(np.random.default_rng(0).integers(0, 2**32, rows * KW, dtype=np.uint32))
     N = max(rows, K)
     x = dev.upload(np.ones(2 * N, np.float32))
-    cnt = dev.alloc(4 * L)
+    cnt = dev.alloc(4 * counters)
     seq = dev.sequence()
     seq.fill(cnt)
-    if mode.startswith("barrier"):
-        for l in range(L):
-            v.dispatch(seq, groups, w=w, x=x, counter=cnt, src=l % 2, dst=(l + 1) % 2, l=l, N=N)
-    else:
-        with seq.self_ordered():
-            for l in range(L):
-                v.dispatch(seq, groups, w=w, x=x, counter=cnt, src=l % 2, dst=(l + 1) % 2, l=l, N=N)
-    keep_busy(lambda: seq.run(3))
+    record(seq, w, x, cnt, N)
+    seq.run(1)
     result = x.read(np.float32, (2 * N,))[(L % 2) * N:][:rows].copy()
+    keep_busy(lambda: seq.run(3))
     ts = []
     for _ in range(7):
         t = time.perf_counter(); seq.run(20); ts.append((time.perf_counter() - t) / 20 / L * 1e6)
@@ -88,6 +84,23 @@ def measure(dev, mode, rows, WG, ROWS, L):
     for b in (w, x, cnt):
         b.free()
     return float(np.median(ts)), result
+
+
+def measure(dev, mode, rows, WG, ROWS, L):
+    sg = dev.info.subgroup_size
+    kernel = links["plain" if mode == "barrier" else "coherent"]
+    v = kernel.specialize(WAIT=mode in ("counter", "prefetch"), PREFETCH=mode == "prefetch", ROWS=ROWS, WG=WG, SG=sg)
+    groups = rows // (WG // sg * ROWS)
+
+    def record(seq, w, x, cnt, N):
+        if mode.startswith("barrier"):
+            for l in range(L):
+                v.dispatch(seq, groups, w=w, x=x, counter=cnt, src=l % 2, dst=(l + 1) % 2, l=l, N=N)
+        else:
+            with seq.self_ordered():
+                for l in range(L):
+                    v.dispatch(seq, groups, w=w, x=x, counter=cnt, src=l % 2, dst=(l + 1) % 2, l=l, N=N)
+    return timed_links(dev, rows, L, record, counters=L)
 
 
 def main():

@@ -12,8 +12,8 @@ could run as one persistent dispatch."""
 import numpy as np
 
 import zdsl
-from chains import device_and_links, keep_busy
-from counter_chain import K, KW, measure as measure_dispatches
+from chains import device_and_links
+from counter_chain import K, KW, measure as measure_dispatches, timed_links
 from zdsl import Buffer, Coherent, Const, f32, u32
 
 
@@ -55,23 +55,8 @@ SYNCS = ("full", "unfenced", "arrive", "none")
 
 def measure(dev, rows, WG, ROWS, G, L, sync="full"):
     v = persistent.specialize(SYNC=sync, ROWS=ROWS, WG=WG, SG=dev.info.subgroup_size)
-    w = dev.upload(np.random.default_rng(0).integers(0, 2**32, rows * KW, dtype=np.uint32))
-    N = max(rows, K)
-    x = dev.upload(np.ones(2 * N, np.float32))
-    cnt = dev.alloc(4)
-    seq = dev.sequence()
-    seq.fill(cnt)
-    v.dispatch(seq, G, w=w, x=x, counter=cnt, links=L, rows=rows, N=N)
-    keep_busy(lambda: seq.run(3))
-    result = x.read(np.float32, (2 * N,))[(L % 2) * N:][:rows].copy()
-    import time
-    ts = []
-    for _ in range(7):
-        t = time.perf_counter(); seq.run(20); ts.append((time.perf_counter() - t) / 20 / L * 1e6)
-    seq.free()
-    for b in (w, x, cnt):
-        b.free()
-    return float(np.median(ts)), result
+    return timed_links(dev, rows, L, lambda seq, w, x, cnt, N: v.dispatch(seq, G, w=w, x=x, counter=cnt, links=L,
+                                                                          rows=rows, N=N))
 
 
 def main():
