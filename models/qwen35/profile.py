@@ -47,11 +47,16 @@ def code_sizes(device, labels) -> dict[str, int]:
     for kernel in REGISTRY.values():
         for v in kernel.specialized():
             if v.label in wanted:
-                stats = v.pipeline(device, statistics=True).statistics or {}
-                size = next((stats[name] for name in CODE_SIZE if name in stats), None)
+                size = code_size(device, v)
                 if size is not None:
-                    sizes[v.label] = int(size)
+                    sizes[v.label] = size
     return sizes
+
+
+def code_size(device, variant) -> int | None:
+    """Machine-code bytes of one variant's pipeline on `device`, if its driver reports them."""
+    stats = variant.pipeline(device, statistics=True).statistics or {}
+    return next((int(stats[name]) for name in CODE_SIZE if name in stats), None)
 
 
 def phase_of(label: str) -> str:

@@ -12,6 +12,7 @@ per pipeline) measure two things:
   difference is what fetching code costs per link when a layer's kernels take turns."""
 from chains import chain_us, device_and_links
 from code_fetch import busy
+from zdsl.models.qwen35.profile import code_size
 
 SETS = {  # KB of NVIDIA binary per kernel, in the order a layer runs them
     "delta-net layer (HEAD)": (5.9, 13.7, 26.0, 3.7, 24.4, 5.9, 8.4),
@@ -38,13 +39,13 @@ def main():
 
     for N in (16, 64, 256):
         variants = [busy.specialize(N=N, SALT=s) for s in range(L)]
-        size = (variants[0].pipeline(dev, statistics=True).statistics or {}).get("Binary Size")
+        size = code_size(dev, variants[0])
         row = [f"P={P} {chain([variants[l % P] for l in range(L)]):.2f}" for P in (1, 2, 3, 4, 6, 8, 12, 16, 24, 48)
                if P <= L]
         print(f"N={N} binary {size} B: " + ", ".join(row) + " us/link", flush=True)
     for name, sizes in SETS.items():
         variants = [busy.specialize(N=steps_for(kb), SALT=100 + s) for s, kb in enumerate(sizes)]
-        real = [(v.pipeline(dev, statistics=True).statistics or {}).get("Binary Size") for v in variants]
+        real = [code_size(dev, v) for v in variants]
         reps = 6
         cycled = chain([v for _ in range(reps) for v in variants])
         grouped = chain([v for v in variants for _ in range(reps)])
