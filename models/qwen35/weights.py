@@ -112,8 +112,7 @@ class GraphWeights:
                 raise ModelError(f"{shared} ({sh.qtype.name} {list(reversed(sh.shape))}) differs from the experts' "
                                  f"{stack} ({s.qtype.name} {list(reversed(s.shape[1:]))} per expert); zdsl runs the "
                                  "shared expert as one more expert, which needs one type and shape")
-            self.tensors[stack] = GraphTensor(s.qtype, (s.shape[0] + 1, *s.shape[1:]), s.parts + sh.parts)
-            del self.tensors[shared]
+            self._append_slab(stack, shared)
 
     def _join_router_gate(self, p: str) -> None:
         router, gate = p + "ffn_gate_inp.weight", p + "ffn_gate_inp_shexp.weight"
@@ -122,8 +121,13 @@ class GraphWeights:
             raise ModelError(f"{gate} ({g.qtype.name} {list(reversed(g.shape))}) differs from a row of {router} "
                              f"({r.qtype.name} {list(reversed(r.shape[1:]))}); zdsl computes the shared expert's gate "
                              "as the router's last row, which needs one type and length")
-        self.tensors[router] = GraphTensor(r.qtype, (r.shape[0] + 1, r.shape[1]), r.parts + g.parts)
-        del self.tensors[gate]
+        self._append_slab(router, gate)
+
+    def _append_slab(self, base: str, extra: str) -> None:
+        """Tensor `extra`, of base's type and the shape of one slab of it (an expert's matrix, a
+        row), becomes base's last slab: one more expert, one more row."""
+        b, e = self.tensors[base], self.tensors.pop(extra)
+        self.tensors[base] = GraphTensor(b.qtype, (b.shape[0] + 1, *b.shape[1:]), b.parts + e.parts)
 
 
 def graph_weights(model) -> GraphWeights:

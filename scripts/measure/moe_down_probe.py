@@ -62,8 +62,8 @@ H, E, F, K = 2048, 256, 512, 8
 
 
 def timeit(record):
-    """µs per dispatch after 0.3 s of runs (a pipeline's compilation idles the GPU, and its
-    clocks take that long to come back)."""
+    """µs per dispatch, after chain_us has kept the GPU busy for a second (a pipeline's
+    compilation idles the GPU, and its clocks take that long to come back)."""
     return chain_us(dev, record, L)
 
 
