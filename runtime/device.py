@@ -268,10 +268,12 @@ class Device:
     # -- pipelines ------------------------------------------------------------------------
 
     def pipeline(self, spirv: bytes, *, bindings, push_size: int = 0, spec=None, subgroup_size: int | None = None,
-                 name: str = "kernel", statistics: bool = False, isa: bool = False) -> Pipeline:
+                 name: str = "kernel", statistics: bool = False, isa: bool = False,
+                 grid_ids: tuple[int, int, int] | None = None) -> Pipeline:
         self._check_open()
         pipe = pipeline.create(self, spirv, bindings=bindings, push_size=push_size, spec=spec,
-                               subgroup_size=subgroup_size, name=name, statistics=statistics, isa=isa)
+                               subgroup_size=subgroup_size, name=name, statistics=statistics, isa=isa,
+                               grid_ids=grid_ids)
         self._pipelines[pipe] = None
         self._cache_dirty = True
         return pipe

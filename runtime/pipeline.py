@@ -90,19 +90,35 @@ def pack_spec(spec: dict[int, int | float | bool]) -> tuple[list[dict], bytes]:
 
 class Pipeline:
     __slots__ = ("name", "bindings", "push_size", "subgroup_size", "statistics", "isa", "workgroup",
-                 "device", "handle", "layout", "access")
+                 "device", "handle", "layout", "access", "grid_ids", "_make", "_folded")
 
     def __repr__(self) -> str:
         wave = f" subgroup {self.subgroup_size}" if self.subgroup_size else ""
         return f"<Pipeline {self.name} bindings={','.join(self.bindings)}{wave}>"
 
+    def folded(self, grid: tuple[int, int, int]) -> "Pipeline":
+        """The twin of this pipeline that runs logical grid `grid` from any physical grid of at
+        least as many workgroups (the shader reads its ids through the specialization constants
+        `grid_ids`; zdsl's GLSL backend declares them). Made once per grid."""
+        if self.grid_ids is None:
+            raise ZdslError(f"pipeline {self.name} cannot run a folded grid (its shader does not declare one)")
+        twin = self._folded.get(grid)
+        if twin is None:
+            twin = self._folded[grid] = self._make(dict(zip(self.grid_ids, grid)))
+        return twin
+
     def free(self) -> None:
         """Destroy the VkPipeline now (a tuner makes thousands); the device also does it at close."""
+        for twin in self._folded.values():
+            self.device._forget_pipeline(twin)
+        self._folded.clear()
         self.device._forget_pipeline(self)
 
 
 def create(device, spirv: bytes, *, bindings, push_size: int, spec, subgroup_size: int | None, name: str,
-           statistics: bool, isa: bool) -> Pipeline:
+           statistics: bool, isa: bool, grid_ids: tuple[int, int, int] | None = None) -> Pipeline:
+    """`grid_ids`: the specialization constants through which the shader reads a folded grid
+    (None: it cannot run one)."""
     phys, info = device._phys, device.info
     bindings = tuple(bindings)
     for b in bindings:
@@ -163,6 +179,9 @@ def create(device, spirv: bytes, *, bindings, push_size: int, spec, subgroup_siz
     pipe.name, pipe.bindings, pipe.push_size, pipe.subgroup_size = name, bindings, push_size, subgroup_size
     pipe.device, pipe.handle, pipe.layout, pipe.workgroup = device, out[0], layout, wg
     pipe.access = tuple(ACCESS[b] for b in bindings)
+    pipe.grid_ids, pipe._folded = grid_ids, {}
+    pipe._make = lambda grid: device.pipeline(spirv, bindings=bindings, push_size=push_size, spec={**spec, **grid},
+                                              subgroup_size=subgroup_size, name=name)
     pipe.statistics = pipe.isa = None
     if capture:
         executable = _first_executable(device, out[0])

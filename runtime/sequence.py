@@ -60,6 +60,22 @@ class Hazards:
         return twin
 
 
+def fold(grid: tuple[int, int, int], limit: tuple[int, int, int]) -> tuple[int, int, int]:
+    """A physical grid of at least as many workgroups as `grid` (and fewer than one row more)
+    that the device can launch: real vocabularies need 248,320 rows of an output head, where
+    many drivers launch at most 65,535 workgroups per axis. The shader maps each physical
+    workgroup back to its place in `grid` (zdsl/lang/glsl.py) and the extra ones return."""
+    n = grid[0] * grid[1] * grid[2]
+    nz = -(-n // (limit[0] * limit[1]))
+    per_z = -(-n // nz)
+    ny = -(-per_z // limit[0])
+    nx = -(-per_z // ny)
+    if nz > limit[2] or n >= 1 << 32:
+        raise ZdslError(f"{grid[0]}x{grid[1]}x{grid[2]} workgroups are more than the device can launch "
+                        f"({limit[0]}x{limit[1]}x{limit[2]})")
+    return nx, ny, nz
+
+
 def _range(buf) -> tuple:
     if buf.block is None:
         raise ZdslError(f"buffer {buf.name or '(unnamed)'} was freed")
@@ -124,9 +140,15 @@ class Sequence:
         g = [groups] if isinstance(groups, (int, np.integer)) else list(groups)
         x, y, z = (int(v) for v in g + [1] * (3 - len(g)))
         limit = self.device._phys.max_group_count
-        if not (0 <= x <= limit[0] and 0 <= y <= limit[1] and 0 <= z <= limit[2]):
-            raise ZdslError(f"dispatch of {pipe.name}: {x}x{y}x{z} workgroups exceeds the device limit "
-                            f"{limit[0]}x{limit[1]}x{limit[2]}")
+        if min(x, y, z) < 0:
+            raise ZdslError(f"dispatch of {pipe.name}: {x}x{y}x{z} workgroups")
+        if x > limit[0] or y > limit[1] or z > limit[2]:
+            try:
+                physical = fold((x, y, z), limit)
+                pipe = pipe.folded((x, y, z))
+            except ZdslError as e:
+                raise ZdslError(f"dispatch of {pipe.name}: {e}") from None
+            x, y, z = physical
         self._bind(pipe, buffers, push, (), COMPUTE)
         lib.vkCmdDispatch(self.cb, x, y, z)
         self._done(label or pipe.name)

@@ -13,6 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import zdsl
+from zdsl import Buffer, u32
 from zdsl.errors import MissingFeatureError, NoDeviceError, OutOfMemoryError, ZdslError
 from zdsl.runtime import HostBuffer, open_device
 from zdsl.runtime import memory as rt_memory
@@ -265,6 +267,55 @@ def test_workgroup_size_from_spec(device, wg):
 def test_workgroup_over_limit(device):
     with pytest.raises(ZdslError, match="exceeds"):
         device.pipeline(spirv("wgsize"), bindings=["w"], spec={0: 4096}, name="wgsize")
+
+
+@zdsl.kernel(workgroup=(2, 1, 1), register=False)
+def _where_am_i(out: Buffer[u32]):
+    """Each workgroup writes its ids, the grid it sees (x, y) and the global id of its lane 1, at
+    its flat index."""
+    i = (zdsl.workgroup_id(2) * zdsl.num_workgroups(1) + zdsl.workgroup_id(1)) * zdsl.num_workgroups(0) \
+        + zdsl.workgroup_id(0)
+    with zdsl.if_(zdsl.local_id() == 1):
+        for axis in range(3):
+            out[6 * i + axis] = zdsl.workgroup_id(axis)
+        for axis in range(2):
+            out[6 * i + 3 + axis] = zdsl.num_workgroups(axis)
+        out[6 * i + 5] = zdsl.global_id(0)
+
+
+def _where_expected(grid):
+    g = np.indices(grid[::-1]).reshape(3, -1)[::-1].T  # x fastest
+    return np.column_stack([g, np.tile([grid[0], grid[1]], (len(g), 1)), 2 * g[:, 0] + 1]).astype(np.uint32)
+
+
+@given(grid=st.tuples(st.integers(1, 40), st.integers(1, 6), st.integers(1, 4)),
+       limit=st.tuples(st.integers(1, 9), st.integers(1, 9), st.just(65535)))
+def test_grids_past_the_device_limit_are_folded(device, monkeypatch, grid, limit):
+    """A grid larger than the device's per-axis limits runs folded into the other axes, and every
+    workgroup still sees its own place in the grid it was dispatched with (the limits are
+    lowered here so that small grids exercise it; real vocabularies need it on lavapipe)."""
+    monkeypatch.setattr(device._phys, "max_group_count", limit)
+    n = grid[0] * grid[1] * grid[2]
+    out = _where_am_i.specialize().run(device, grid, out=np.zeros(6 * n, np.uint32))["out"].reshape(n, 6)
+    np.testing.assert_array_equal(out, _where_expected(grid))
+
+
+def test_a_grid_past_lavapipes_real_limit(device):
+    """70,000 workgroups along x: lavapipe launches at most 65,535 per axis."""
+    grid = (70_000, 1, 1)
+    out = _where_am_i.specialize().run(device, grid, out=np.zeros(6 * grid[0], np.uint32))["out"].reshape(-1, 6)
+    np.testing.assert_array_equal(out, _where_expected(grid))
+
+
+def test_unfoldable_pipeline_past_the_limit_is_one_line(device, add):
+    """A pipeline whose shader does not come from zdsl cannot be folded: one line, no crash."""
+    limit = device._phys.max_group_count[0]
+    x = device.alloc(4 * 64, "x")
+    seq = device.sequence()
+    with pytest.raises(ZdslError, match="cannot run a folded grid"):
+        seq.dispatch(add, limit + 1, [x], struct.pack("<If", 0, 1.0))
+    seq.free()
+    x.free()
 
 
 def test_required_subgroup_size(device):

@@ -18,13 +18,26 @@ from zdsl.lang.types import DType, f32, u32
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-_BUILTIN = {"workgroup_id": "gl_WorkGroupID", "local_id": "gl_LocalInvocationID",
-            "global_id": "gl_GlobalInvocationID", "num_workgroups": "gl_NumWorkGroups",
-            "local_index": "gl_LocalInvocationIndex", "subgroup_id": "gl_SubgroupID",
+_BUILTIN = {"workgroup_id": "zdsl_wg", "local_id": "gl_LocalInvocationID",
+            "num_workgroups": "zdsl_nwg", "local_index": "gl_LocalInvocationIndex", "subgroup_id": "gl_SubgroupID",
             "lane_id": "gl_SubgroupInvocationID"}
 _SUBGROUP = {"sg_sum": "Add", "sg_max": "Max", "sg_min": "Min"}
 _BITCAST = {("u", "f"): "uintBitsToFloat", ("i", "f"): "intBitsToFloat",
             ("f", "u"): "floatBitsToUint", ("f", "i"): "floatBitsToInt", ("u", "i"): "int", ("i", "u"): "uint"}
+
+# The runtime folds a grid past the device's per-axis workgroup limits into the other axes
+# (runtime/sequence.py); a folded pipeline is specialized with its logical grid here, and every
+# kernel reads its workgroup ids through these, so no kernel works around the limit itself.
+# Unfolded (GRID_X = 0, the default) the driver's constant folding leaves the plain builtins.
+GRID_SPEC_IDS = (1000, 1001, 1002)
+_GRID_PROLOGUE = """\
+    uvec3 zdsl_wg = gl_WorkGroupID, zdsl_nwg = gl_NumWorkGroups;
+    if (zdsl_grid_x != 0u) {  // a folded grid: this workgroup's place in the logical one
+        uint zdsl_flat = gl_WorkGroupID.x + gl_NumWorkGroups.x * (gl_WorkGroupID.y + gl_NumWorkGroups.y * gl_WorkGroupID.z);
+        if (zdsl_flat >= zdsl_grid_x * zdsl_grid_y * zdsl_grid_z) return;
+        zdsl_wg = uvec3(zdsl_flat % zdsl_grid_x, zdsl_flat / zdsl_grid_x % zdsl_grid_y, zdsl_flat / (zdsl_grid_x * zdsl_grid_y));
+        zdsl_nwg = uvec3(zdsl_grid_x, zdsl_grid_y, zdsl_grid_z);
+    }"""
 
 DOT4_DECL = ('spirv_instruction(extensions = ["SPV_KHR_integer_dot_product"], capabilities = [6019, 6018], '
              'id = 4450) int zdot4_i8(int a, int b, spirv_literal int fmt);')
@@ -84,6 +97,7 @@ class Emitter:
         self.last_loc = None
         self.helpers: set[str] = set()
         self.uses_f16 = "f16" in k.features
+        self.uses_grid = False  # whether the body reads workgroup ids (then it declares the grid)
 
     # -- operands
     def op(self, o) -> str:
@@ -98,9 +112,14 @@ class Emitter:
         if isinstance(o, ir.Spec):
             return f"sc_{o.name}"
         if isinstance(o, ir.Builtin):
+            axis = "xyz"[o.axis]
+            if o.name in ("workgroup_id", "global_id", "num_workgroups"):
+                self.uses_grid = True
+            if o.name == "global_id":
+                return f"(zdsl_wg.{axis} * {self.k.workgroup[o.axis]}u + gl_LocalInvocationID.{axis})"
             base = _BUILTIN[o.name]
-            if o.name in ("workgroup_id", "local_id", "global_id", "num_workgroups"):
-                return f"{base}.{'xyz'[o.axis]}"
+            if o.name in ("workgroup_id", "local_id", "num_workgroups"):
+                return f"{base}.{axis}"
             return base
         if isinstance(o, ir.ConstExpr):
             return self.expr(o.op, o.args, o.dtype, {})
@@ -189,7 +208,7 @@ class Emitter:
 
     def mark(self, depth: int, loc) -> None:
         if loc != self.last_loc and loc[1] > 0:
-            src = linecache.getline(loc[0], loc[1]).strip()
+            src = linecache.getline(loc[0], loc[1]).strip().rstrip("\\")  # a trailing \ would continue the comment
             self.line(depth, f"// {relpath(loc[0])}:{loc[1]}: {src}")
             self.last_loc = loc
         self.locs.append((len(self.lines) + 1, loc[0], loc[1]))
@@ -267,6 +286,9 @@ class Emitter:
         for s in k.specs:
             default = 0 if s.dtype.kind != "b" else False
             out.append(f"layout(constant_id = {s.id}) const {s.dtype.glsl} sc_{s.name} = {literal(default, s.dtype)};")
+        if self.uses_grid:
+            for axis, cid in zip("xyz", GRID_SPEC_IDS):
+                out.append(f"layout(constant_id = {cid}) const uint zdsl_grid_{axis} = {0 if axis == 'x' else 1}u;")
         if k.scalars:
             fields = " ".join(f"{s.dtype.glsl} {safe(s.name)};" for s in k.scalars)
             out.append(f"layout(push_constant) uniform Push {{ {fields} }} pc;")
@@ -305,8 +327,9 @@ class Emitter:
         for name in sorted(self.helpers):
             for t in float_types:
                 helpers.append(UNARY[name].helper.replace("T", t))
-        text_lines = head + helpers + ["void main() {"] + body + ["}", ""]
-        offset = len(head) + len(helpers) + 1
+        prologue = _GRID_PROLOGUE.splitlines() if self.uses_grid else []
+        text_lines = head + helpers + ["void main() {"] + prologue + body + ["}", ""]
+        offset = len(head) + len(helpers) + 1 + len(prologue)
         locs = [(n + offset, f, l) for n, f, l in self.locs]
         return "\n".join(text_lines), locs
 

@@ -27,6 +27,7 @@ import numpy as np
 from zdsl.cache import cache_dir, content_key, write_atomic
 from zdsl.errors import CompileError, KernelError, ZdslError
 from zdsl.lang import ir
+from zdsl.lang.glsl import GRID_SPEC_IDS
 from zdsl.lang.language import BufferAnnotation, Const, SpecAnnotation
 from zdsl.lang.trace import BufferParam, Tracer, Value, fail
 from zdsl.lang.types import DType
@@ -337,7 +338,7 @@ class Variant:
         if pipe is None or (statistics and pipe.statistics is None):
             pipe = device.pipeline(self.spirv, bindings=self.bindings, push_size=self.push_size,
                                    spec=self.spec_constants(), subgroup_size=self.ir.subgroup_size,
-                                   name=self.label, statistics=statistics)
+                                   name=self.label, statistics=statistics, grid_ids=GRID_SPEC_IDS)
             self._pipelines[device] = pipe
         return pipe
 
