@@ -120,7 +120,6 @@ class Device:
         self._arenas: dict[str, memory.Arena] = {}
         self._staging = None
         self._placeholder = None
-        self._oneoff = None           # (command buffer, fence) for staging copies
         self._cache_path = cache_dir("pipelines") / f"{content_key(self.info.identity)}.bin"
         self._cache_dirty = False
         self._push_descriptors = "push_descriptors" in self.info.features
@@ -199,6 +198,54 @@ class Device:
         block, offset, size = arena.alloc(int(nbytes), name)
         return memory.Buffer(self, block, offset, int(nbytes), name, arena, size)
 
+    def alloc_many(self, requests: list[tuple[str, int]]) -> list[memory.Buffer]:
+        """Device-local buffers for (name, nbytes) requests known together (a model's weights,
+        caches and activations), packed into blocks of exactly the bytes they hold."""
+        for name, nbytes in requests:
+            if not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
+                raise ZdslError(f"alloc_many: {name or 'a buffer'} of {nbytes!r} bytes; sizes are non-negative integers")
+        arena = self._arena("device")
+        placed = arena.alloc_many([(int(n), name) for name, n in requests])
+        return [memory.Buffer(self, block, offset, int(n), name, arena, size)
+                for (name, n), (block, offset, size) in zip(requests, placed)]
+
+    def upload_file(self, path, jobs, progress=None) -> None:
+        """Copy file ranges into buffers: jobs are (Buffer, offset in it, offset in the file,
+        bytes). Several threads read while the GPU copies what they read before (a model loads at
+        the speed of the page cache, not of one thread's reads). `progress(bytes)` after each part."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        for buf, offset, _, n in jobs:
+            buf._check(offset, n, "upload")
+        jobs = [(buf.block, buf.offset + offset, file_offset, n) for buf, offset, file_offset, n in jobs if n]
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            with ThreadPoolExecutor(memory.READ_THREADS, thread_name_prefix="zdsl-read") as pool:
+                mapped = [j for j in jobs if j[0].mapped is not None]
+                if mapped:
+                    vk.check(lib.vkQueueWaitIdle(self._queue), "vkQueueWaitIdle")
+                    memory.read_file_into(fd, mapped, pool, progress)
+                staged = [j for j in jobs if j[0].mapped is None]
+                if staged:
+                    staging = memory.Staging(self, self._arena("host"), memory.UPLOAD_SLOTS, memory.UPLOAD_SLOT)
+                    try:
+                        staging.write_file(fd, staged, pool, progress)
+                    finally:
+                        staging.free()
+        finally:
+            os.close(fd)
+
+    def memory_available(self) -> int:
+        """Bytes of device-local memory zdsl may still take: the driver's budget for this process
+        where it reports one (VK_EXT_memory_budget), else the largest device-local heap, less
+        what zdsl holds."""
+        budget = physical.memory_budget(self._phys)
+        if budget is not None:
+            return max(budget[0] - budget[1], 0)
+        held = self._arenas["device"].reserved if "device" in self._arenas else 0
+        heap = max((size for size, local in self.info.heaps if local), default=0)
+        return max(heap - held, 0)
+
     def upload(self, array: np.ndarray, name: str = "") -> memory.Buffer:
         array = np.ascontiguousarray(array)
         buf = self.alloc(array.nbytes, name)
@@ -239,27 +286,27 @@ class Device:
             self._staging = memory.Staging(self, self._arena("host"))
         return self._staging
 
-    def _submit_now(self, record) -> None:
-        """Record one-off commands, submit them after everything queued so far, and wait."""
+    def _fence(self):
         keep = Keep()
-        if self._oneoff is None:
-            fence_info = keep.struct("VkFenceCreateInfo", sType=vk.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO)
-            fence = ffi.new("VkFence[1]")
-            vk.check(lib.vkCreateFence(self._dev, fence_info, ffi.NULL, fence), "vkCreateFence")
-            self._oneoff = (self._command_buffer(), fence)
-        cb, fence = self._oneoff
-        begin = keep.struct("VkCommandBufferBeginInfo", sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO,
-                            flags=vk.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT)
-        vk.check(lib.vkBeginCommandBuffer(cb, begin), "vkBeginCommandBuffer")
-        DEPENDENCY.record(cb)
-        record(cb)
-        TO_HOST.record(cb)
-        vk.check(lib.vkEndCommandBuffer(cb), "vkEndCommandBuffer")
+        info = keep.struct("VkFenceCreateInfo", sType=vk.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO)
+        fence = ffi.new("VkFence *")
+        vk.check(lib.vkCreateFence(self._dev, info, ffi.NULL, fence), "vkCreateFence")
+        return fence[0]
+
+    def _submit(self, cb, fence) -> None:
+        keep = Keep()
         submit = keep.struct("VkSubmitInfo", sType=vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, commandBufferCount=1,
                              pCommandBuffers=[cb])
-        vk.check(lib.vkQueueSubmit(self._queue, 1, submit, fence[0]), "vkQueueSubmit")
-        vk.check(lib.vkWaitForFences(self._dev, 1, fence, 1, NO_TIMEOUT), "vkWaitForFences")
-        vk.check(lib.vkResetFences(self._dev, 1, fence), "vkResetFences")
+        vk.check(lib.vkQueueSubmit(self._queue, 1, submit, fence), "vkQueueSubmit")
+
+    def _wait_fence(self, fence) -> None:
+        fences = ffi.new("VkFence[1]", [fence])
+        while True:     # in 1 s slices so that Ctrl-C gets through
+            result = lib.vkWaitForFences(self._dev, 1, fences, 1, 1_000_000_000)
+            if result != vk.VK_TIMEOUT:
+                break
+        vk.check(result, "vkWaitForFences")
+        vk.check(lib.vkResetFences(self._dev, 1, fences), "vkResetFences")
 
     def memory_report(self) -> dict:
         """Bytes reserved (blocks) and used (live buffers) per arena."""
@@ -378,10 +425,10 @@ class Device:
             if self._pipeline_cache is not None:
                 self._save_pipeline_cache()
                 lib.vkDestroyPipelineCache(dev, self._pipeline_cache, ffi.NULL)
+            if self._staging is not None:
+                self._staging.free()
             for arena in self._arenas.values():
                 arena.destroy()
-            if self._oneoff is not None:
-                lib.vkDestroyFence(dev, self._oneoff[1][0], ffi.NULL)
             if self._pool is not None:
                 lib.vkDestroyCommandPool(dev, self._pool, ffi.NULL)
             lib.vkDestroyDevice(dev, ffi.NULL)

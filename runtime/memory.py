@@ -1,27 +1,39 @@
-"""Device memory: large blocks, each one VkDeviceMemory with one VkBuffer over all of it,
-sub-allocated first-fit.
+"""Device memory: blocks of VkDeviceMemory, each with one VkBuffer over all of it, sub-allocated.
 
 Why blocks: drivers cap the number of allocations (often 4096) and each costs a kernel call,
 while a model has thousands of tensors. A Buffer is (block, offset, nbytes), so binding one is a
 descriptor with an offset, and barrier tracking compares byte ranges of the same block.
-Bytes move through one reusable host-visible staging buffer, or straight through the mapping
-when the device memory is host-visible (lavapipe, unified-memory APUs).
+What a model holds is known before it loads, so `Arena.alloc_many` packs such a set into blocks
+sized to what they hold: no block tail is left empty (a 32 GB card must hold a 19.7 GiB model
+and its context). Buffers made one at a time go first-fit into blocks that grow with what the
+arena holds. Bytes move through host-visible staging slots used in turn, so the CPU fills one
+while the GPU copies another, or straight through the mapping when the device memory is
+host-visible (lavapipe, unified-memory APUs); file ranges are read by several threads at once
+(`os.preadv` releases the GIL).
 """
 
 from __future__ import annotations
 
 import bisect
+import os
 
 import numpy as np
 
 from zdsl.errors import OutOfMemoryError, ZdslError
 from zdsl.runtime import vk
-from zdsl.runtime.vk import Keep, ffi, lib
+from zdsl.runtime.vk import DEPENDENCY, TO_HOST, Keep, ffi, lib
 
 MiB = 1 << 20
-BLOCK_SIZE = 256 * MiB
+GiB = 1 << 30
+BLOCK_SIZE = 256 * MiB    # the largest block made for buffers allocated one at a time
+FIRST_BLOCK = 4 * MiB     # ... and the smallest: each new one as large as what the arena holds
+PACKED_BLOCK = GiB        # the largest block `alloc_many` makes (fewer allocations, any driver)
+STAGING_SIZE = 16 * MiB   # one staging slot
+UPLOAD_SLOTS = 4          # slots in flight while a file is uploaded, of UPLOAD_SLOT bytes
+UPLOAD_SLOT = 64 * MiB
+READ_PIECE = 4 * MiB      # a file range is read in pieces of this size, by READ_THREADS at once
+READ_THREADS = min(8, os.cpu_count() or 1)
 HOST_BLOCK_SIZE = 64 * MiB
-STAGING_SIZE = 16 * MiB
 USAGE = (vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
          | vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT | vk.VK_BUFFER_USAGE_INDIRECT_BUFFER_BIT)
 HOST_VISIBLE = vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT
@@ -34,8 +46,27 @@ def fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def pack(sizes: list[int], cap: int) -> list[list[int]]:
+    """Indices of `sizes` grouped into bins of at most `cap` bytes (a larger size gets a bin of
+    its own): first fit, largest first, so few bins are needed and each can be allocated at
+    exactly the sum of its sizes."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        for b, left in enumerate(room):
+            if sizes[i] <= left:
+                bins[b].append(i)
+                room[b] -= sizes[i]
+                break
+        else:
+            bins.append([i])
+            room.append(max(cap - sizes[i], 0))
+    return bins
+
+
 class Block:
-    """One VkDeviceMemory bound to one VkBuffer; `free` is a sorted list of [offset, size]."""
+    """One VkDeviceMemory bound to one VkBuffer; `free` is a sorted list of [offset, size].
+    A `dedicated` block (one request, or a packed set) is released once all it holds is freed."""
 
     __slots__ = ("memory", "buffer", "size", "mapped", "free", "dedicated")
 
@@ -68,14 +99,15 @@ class Block:
 
 
 class Arena:
-    """Blocks of one memory type. Requests larger than a block get a dedicated block."""
+    """Blocks of one memory type."""
 
     def __init__(self, device, type_index: int, block_size: int, label: str):
         self.device, self.type_index, self.label = device, type_index, label
         flags, self.heap = device._phys.memory_types[type_index]
         self.host_visible = flags & HOST_VISIBLE == HOST_VISIBLE
         self.heap_size = device._phys.heap_sizes[self.heap]
-        self.block_size = min(block_size, device._phys.max_buffer_size, max(self.heap_size // 4, MiB))
+        self.largest = min(device._phys.max_buffer_size, device._phys.max_allocation_size)
+        self.block_size = min(block_size, self.largest, max(self.heap_size // 4, MiB))
         self.align = max(16, device._phys.min_storage_offset_alignment)
         self.blocks: list[Block] = []
         self.used = 0
@@ -84,17 +116,44 @@ class Arena:
     def reserved(self) -> int:
         return sum(b.size for b in self.blocks)
 
+    def _aligned(self, nbytes: int) -> int:
+        return max(self.align, -(-nbytes // self.align) * self.align)
+
     def alloc(self, nbytes: int, name: str) -> tuple[Block, int, int]:
-        size = max(self.align, -(-nbytes // self.align) * self.align)
+        size = self._aligned(nbytes)
         for block in self.blocks:
             offset = block.take(size)
             if offset is not None:
                 self.used += size
                 return block, offset, size
-        block = self._new_block(max(size, self.block_size), size > self.block_size, nbytes, name)
+        grown = min(self.block_size, max(FIRST_BLOCK, self.reserved))
+        block = self._new_block(max(size, grown), size > grown, nbytes, name)
         self.blocks.append(block)
         self.used += size
         return block, block.take(size), size
+
+    def alloc_many(self, requests: list[tuple[int, str]]) -> list[tuple[Block, int, int]]:
+        """(block, offset, size) for each (nbytes, name), packed into new blocks of exactly the
+        bytes they hold (each at most PACKED_BLOCK, or one request alone)."""
+        sizes = [self._aligned(n) for n, _ in requests]
+        out: list = [None] * len(requests)
+        made = []
+        try:
+            for members in pack(sizes, min(PACKED_BLOCK, self.largest)):
+                total = sum(sizes[i] for i in members)
+                largest = max(members, key=lambda i: sizes[i])
+                block = self._new_block(total, True, total, requests[largest][1] if len(members) == 1
+                                        else f"{len(members)} buffers ({requests[largest][1]}, ...)")
+                made.append(block)
+                for i in members:
+                    out[i] = (block, block.take(sizes[i]), sizes[i])
+        except BaseException:
+            for block in made:
+                self._destroy_block(block)
+            raise
+        self.blocks += made
+        self.used += sum(sizes)
+        return out
 
     def release(self, block: Block, offset: int, size: int) -> None:
         block.give(offset, size)
@@ -241,25 +300,138 @@ class HostBuffer(Buffer):
 
 
 class Staging:
-    """Moves bytes between numpy and device-local memory through one host-visible buffer."""
+    """Host-visible slots that carry bytes to and from device-local memory, used in turn: the
+    CPU fills one slot while the GPU copies the ones before it. A slot is waited for only when it
+    comes round again (or by `finish`), so writes return before their copies are done; the
+    queue runs them before anything submitted later, which reads them after a barrier."""
 
-    def __init__(self, device, arena: Arena):
-        self.device = device
-        self.block, self.offset, self.size = arena.alloc(STAGING_SIZE, "staging")
+    def __init__(self, device, arena: Arena, slots: int = 2, slot_size: int = STAGING_SIZE):
+        self.device, self.arena, self.size = device, arena, slot_size
+        self.block, self.offset, self._nbytes = arena.alloc(slots * slot_size, "staging")
+        self._cbs = [device._command_buffer() for _ in range(slots)]
+        self._fences = [device._fence() for _ in range(slots)]
+        self._pending = [False] * slots
+        self._next = 0
+        self._keep = Keep()
+        self._regions = self._keep.new("VkBufferCopy[]", 256)
+
+    def _slot(self) -> int:
+        """The next slot, once the GPU is done with it."""
+        i = self._next
+        self._next = (i + 1) % len(self._cbs)
+        if self._pending[i]:
+            self.device._wait_fence(self._fences[i])
+            self._pending[i] = False
+        return i
+
+    def view(self, slot: int, start: int, n: int) -> memoryview:
+        """Writable bytes [start, start + n) of a slot."""
+        return memoryview(ffi.buffer(self.block.mapped + self._at(slot) + start, n))
+
+    def _submit(self, slot: int, copies: list[tuple]) -> None:
+        """Record and submit the slot's copies: (src VkBuffer, dst VkBuffer, [(src offset, dst
+        offset, bytes), ...]) each."""
+        cb, keep = self._cbs[slot], Keep()
+        begin = keep.struct("VkCommandBufferBeginInfo", sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO,
+                            flags=vk.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT)
+        vk.check(lib.vkBeginCommandBuffer(cb, begin), "vkBeginCommandBuffer")
+        DEPENDENCY.record(cb)
+        for src, dst, regions in copies:
+            if len(regions) > len(self._regions):
+                self._regions = self._keep.new("VkBufferCopy[]", len(regions))
+            for r, (so, do, n) in zip(self._regions, regions):
+                r.srcOffset, r.dstOffset, r.size = so, do, n
+            lib.vkCmdCopyBuffer(cb, src, dst, len(regions), self._regions)  # reads the regions now
+        TO_HOST.record(cb)
+        vk.check(lib.vkEndCommandBuffer(cb), "vkEndCommandBuffer")
+        self.device._submit(cb, self._fences[slot])
+        self._pending[slot] = True
+
+    def _at(self, slot: int) -> int:
+        return self.offset + slot * self.size
 
     def write(self, block: Block, offset: int, data: memoryview) -> None:
         for start in range(0, len(data), self.size):
             chunk = data[start:start + self.size]
-            ffi.memmove(self.block.mapped + self.offset, chunk, len(chunk))
-            self._copy(self.block.buffer, self.offset, block.buffer, offset + start, len(chunk))
+            slot = self._slot()
+            ffi.memmove(self.block.mapped + self._at(slot), chunk, len(chunk))
+            self._submit(slot, [(self.block.buffer, block.buffer, [(self._at(slot), offset + start, len(chunk))])])
+
+    def write_file(self, fd: int, jobs, pool, progress=None) -> None:
+        """jobs: (block, offset, file offset, bytes), read into the slots by `pool`'s threads."""
+        for slot_jobs in _chunks(jobs, self.size):
+            slot = self._slot()
+            reads, regions, at = [], {}, 0
+            for block, offset, file_offset, n in slot_jobs:
+                reads += _reads(fd, self.view(slot, at, n), file_offset)
+                regions.setdefault(block, []).append((self._at(slot) + at, offset, n))
+                at += n
+            for _ in pool.map(_read_exactly, reads):
+                pass
+            self._submit(slot, [(self.block.buffer, block.buffer, r) for block, r in regions.items()])
+            if progress:
+                progress(at)
 
     def read(self, block: Block, offset: int, out: memoryview) -> None:
         for start in range(0, len(out), self.size):
             n = min(self.size, len(out) - start)
-            self._copy(block.buffer, offset + start, self.block.buffer, self.offset, n)
-            ffi.memmove(out[start:start + n], self.block.mapped + self.offset, n)
+            slot = self._slot()
+            self._submit(slot, [(block.buffer, self.block.buffer, [(offset + start, self._at(slot), n)])])
+            self.device._wait_fence(self._fences[slot])
+            self._pending[slot] = False
+            ffi.memmove(out[start:start + n], self.block.mapped + self._at(slot), n)
 
-    def _copy(self, src, src_offset: int, dst, dst_offset: int, n: int) -> None:
-        keep = Keep()
-        region = keep.struct("VkBufferCopy", srcOffset=src_offset, dstOffset=dst_offset, size=n)
-        self.device._submit_now(lambda cb: lib.vkCmdCopyBuffer(cb, src, dst, 1, region))
+    def finish(self) -> None:
+        """Wait until every copy made so far is done."""
+        for i, pending in enumerate(self._pending):
+            if pending:
+                self.device._wait_fence(self._fences[i])
+                self._pending[i] = False
+
+    def free(self) -> None:
+        self.finish()
+        for fence in self._fences:
+            lib.vkDestroyFence(self.device._dev, fence, ffi.NULL)
+        lib.vkFreeCommandBuffers(self.device._dev, self.device._pool, len(self._cbs),
+                                 self._keep.new("VkCommandBuffer[]", self._cbs))
+        self.arena.release(self.block, self.offset, self._nbytes)
+
+
+def _chunks(jobs, size: int):
+    """jobs cut and grouped so that each group holds at most `size` bytes."""
+    group, room = [], size
+    for block, offset, file_offset, n in jobs:
+        while n:
+            take = min(n, room)
+            group.append((block, offset, file_offset, take))
+            offset, file_offset, n, room = offset + take, file_offset + take, n - take, room - take
+            if not room:
+                yield group
+                group, room = [], size
+    if group:
+        yield group
+
+
+def _reads(fd: int, dst: memoryview, file_offset: int) -> list[tuple]:
+    """`dst` filled from the file at `file_offset`, as pieces the pool reads side by side."""
+    return [(fd, dst[i:i + READ_PIECE], file_offset + i) for i in range(0, len(dst), READ_PIECE)]
+
+
+def _read_exactly(job) -> None:
+    fd, dst, offset = job
+    while len(dst):
+        n = os.preadv(fd, [dst], offset)
+        if n <= 0:
+            raise ZdslError(f"the file ended at byte {offset:,} while zdsl was reading it; was it changed or "
+                            "truncated while loading? Check it and run again")
+        dst, offset = dst[n:], offset + n
+
+
+def read_file_into(fd: int, jobs, pool, progress=None) -> None:
+    """jobs (block, offset, file offset, bytes) read straight into host-visible blocks."""
+    for block, offset, file_offset, n in jobs:
+        dst = memoryview(ffi.buffer(block.mapped + offset, n))
+        for _ in pool.map(_read_exactly, _reads(fd, dst, file_offset)):
+            pass
+        if progress:
+            progress(n)

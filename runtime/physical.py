@@ -67,7 +67,7 @@ _FEATURE_STRUCTS = (
 _CORE_FEATURES = ("shaderInt16", "shaderInt64")
 # Extensions enabled when present (the rest zdsl uses is core in Vulkan 1.3).
 EXTENSIONS = ("VK_KHR_push_descriptor", "VK_KHR_pipeline_executable_properties",
-              "VK_KHR_cooperative_matrix", "VK_KHR_shader_bfloat16")
+              "VK_KHR_cooperative_matrix", "VK_KHR_shader_bfloat16", "VK_EXT_memory_budget")
 
 
 @dataclass
@@ -84,6 +84,7 @@ class Physical:
     max_push_constants: int
     max_group_count: tuple[int, int, int]
     max_buffer_size: int
+    max_allocation_size: int
     memory_types: list[tuple[int, int]]          # (property flags, heap index)
     heap_sizes: list[int] = field(default_factory=list)
 
@@ -218,9 +219,28 @@ def probe(handle, index: int) -> Physical:
         max_push_constants=limits.maxPushConstantsSize,
         max_group_count=tuple(limits.maxComputeWorkGroupCount),
         max_buffer_size=p13.maxBufferSize if has13 else limits.maxStorageBufferRange,
+        max_allocation_size=p11.maxMemoryAllocationSize if has12 else limits.maxStorageBufferRange,
         memory_types=memory_types, heap_sizes=[h for h, _ in heaps],
     )
 
+
+
+def memory_budget(phys: Physical) -> tuple[int, int] | None:
+    """(budget, usage) of this process on the largest device-local heap, as the driver sees them
+    now (VK_EXT_memory_budget), or None where the driver does not say."""
+    if "VK_EXT_memory_budget" not in phys.extensions:
+        return None
+    keep = Keep()
+    budget = keep.struct("VkPhysicalDeviceMemoryBudgetPropertiesEXT",
+                         sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_BUDGET_PROPERTIES_EXT)
+    props = keep.struct("VkPhysicalDeviceMemoryProperties2", sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_PROPERTIES_2,
+                        pNext=budget)
+    lib.vkGetPhysicalDeviceMemoryProperties2(phys.handle, props)
+    local = [i for i, (size, is_local) in enumerate(phys.info.heaps) if is_local]
+    if not local:
+        return None
+    heap = max(local, key=lambda i: phys.heap_sizes[i])
+    return int(budget.heapBudget[heap]), int(budget.heapUsage[heap])
 
 
 def create_instance():

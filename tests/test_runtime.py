@@ -142,20 +142,6 @@ def test_bf16_bits_round_trip(device):
     buf.free()
 
 
-def test_staging_path_chunks(device, monkeypatch):
-    """Device memory that is not host-visible goes through the staging buffer, in chunks."""
-    monkeypatch.setattr(rt_memory, "STAGING_SIZE", 64 << 10)
-    staging = rt_memory.Staging(device, device._arena("host"))
-    data = np.random.default_rng(1).integers(0, 256, 200_003, np.uint8)
-    buf = device.alloc(data.nbytes + 16, "staged")
-    staging.write(buf.block, buf.offset + 16, memoryview(data))
-    np.testing.assert_array_equal(buf.read(np.uint8, offset=16), data)     # through the mapping
-    out = np.zeros_like(data)
-    staging.read(buf.block, buf.offset + 16, memoryview(out))
-    np.testing.assert_array_equal(out, data)
-    buf.free()
-
-
 def test_small_allocations_share_a_block(device):
     first = device.alloc(16, "first")
     free_before = [list(r) for r in first.block.free]
