@@ -25,7 +25,6 @@ from zdsl.errors import ZdslError
 
 DEFAULT_CONTEXTS = "512,4096,16384,32768"
 PROMPT_NOTE = "prompt = the decode step run once per token (zdsl has no batched prefill yet)"
-SCRATCH_SLACK = 1 << 20  # alignment padding and the few small buffers not sized below
 
 
 def parse_contexts(text: str) -> list[int]:
@@ -38,55 +37,23 @@ def parse_contexts(text: str) -> list[int]:
     return contexts
 
 
-def scratch_bytes(hp, n_ctx: int) -> int:
-    """An upper bound on the decode graph's buffers other than weights, KV and recurrent state
-    (activations, attention partial results, greedy-sampler candidates and counts, the sampled-token
-    list), so a context can be refused before anything is allocated."""
-    from zdsl.kernels.attention import split_count
-    from zdsl.models.qwen35.graph import ATTN_MAX_SPLITS, ATTN_MIN_CHUNK
+def memory_rows(specs_at, contexts: list[int], extra: int, available: int) -> list[dict]:
+    """The decode graph's buffers for each context (depth + `extra` timed tokens), by kind."""
+    from zdsl.models.qwen35.buffers import Footprint
 
-    qd, kvd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
-    splits = split_count(n_ctx, ATTN_MIN_CHUNK, ATTN_MAX_SPLITS)
-    K = hp.n_experts_used
-    ffn = (K + 1) * hp.expert_ffn + hp.n_experts + 3 * (K + 1) if hp.moe else hp.ffn
-    words = (2 * hp.hidden + 4 * hp.vocab + 4 * qd + 2 * kvd + hp.n_heads * splits * (hp.head_dim + 2)
-             + hp.conv_channels + 2 * hp.ssm_value_dim + 2 * hp.ssm_v_heads + ffn + n_ctx)
-    return 4 * words + SCRATCH_SLACK
-
-
-def memory_rows(plan, contexts: list[int], extra: int) -> list[dict]:
-    """Device memory a graph for each context needs: depth + `extra` timed tokens of f16 KV."""
     rows = []
     for c in contexts:
-        n_ctx = c + extra
-        row = {"context": c, "n_ctx": n_ctx, "weights": plan.weight_bytes,
-               "kv": plan.kv_bytes_per_token["f16"] * n_ctx, "state": plan.recurrent_state_bytes,
-               "scratch": scratch_bytes(plan.hparams, n_ctx)}
-        row["total"] = sum(row[k] for k in ("weights", "kv", "state", "scratch"))
-        rows.append(row)
+        need = Footprint(specs_at(c + extra))
+        rows.append({"context": c, "n_ctx": c + extra, **need.by_kind, "total": need.total,
+                     "fits": need.total <= available})
     return rows
 
 
-def check_fits(rows: list[dict], plan, memory: int, max_range: int, device_name: str) -> None:
-    """Refuse, in one line, the first context the model or device cannot hold."""
-    from zdsl.runtime.memory import fmt_bytes
-
-    hp = plan.hparams
-    fits = [r["context"] for r in rows if r["total"] <= memory]
-    largest = f"; the largest here that fits is {fits[-1]}" if fits else ""
-    for r in rows:
-        layer = 2 * hp.n_kv_heads * hp.head_dim * r["n_ctx"]  # one layer's K (or V) cache, f16
-        if r["n_ctx"] > hp.context_length:
-            raise ZdslError(f"context {r['context']} plus the timed tokens ({r['n_ctx']}) exceeds the model's "
-                            f"trained context of {hp.context_length} tokens; drop it from --contexts or lower "
-                            "--tokens/--prompt")
-        if r["total"] > memory:
-            raise ZdslError(f"context {r['context']} needs {fmt_bytes(r['total'])} (weights "
-                            f"{fmt_bytes(r['weights'])} + KV {fmt_bytes(r['kv'])} + state {fmt_bytes(r['state'])} + "
-                            f"scratch {fmt_bytes(r['scratch'])}) but {device_name} has {fmt_bytes(memory)}{largest}")
-        if layer > max_range:
-            raise ZdslError(f"context {r['context']}: one layer's K cache would be {fmt_bytes(layer)}, more than the "
-                            f"{fmt_bytes(max_range)} {device_name} can bind; use smaller --contexts")
+def check_contexts(hp, contexts: list[int], extra: int) -> None:
+    for c in contexts:
+        if c + extra > hp.context_length:
+            raise ZdslError(f"context {c} plus the timed tokens ({c + extra}) exceeds the model's trained context of "
+                            f"{hp.context_length} tokens; drop it from --contexts or lower --tokens/--prompt")
 
 
 def bytes_per_token(plan, depth: int, tokens: int) -> dict:
@@ -222,18 +189,18 @@ def plot(r: dict, plan, path: Path) -> bool:
     return True
 
 
-def memory_table(rows: list[dict], memory: int, device_name: str):
+def memory_table(rows: list[dict], available: int, device_name: str):
     from rich.table import Table
 
+    from zdsl.models.qwen35.buffers import KINDS
     from zdsl.runtime.memory import fmt_bytes
 
-    t = Table(title=f"memory plan ({device_name}: {fmt_bytes(memory)})")
-    for col in ("context", "n_ctx", "weights", "KV f16", "state", "scratch", "total", "fits"):
+    t = Table(title=f"memory plan ({device_name}: {fmt_bytes(available)} free)")
+    for col in ("context", "n_ctx", *KINDS, "total", "fits"):
         t.add_column(col, justify="right")
     for r in rows:
-        t.add_row(f"{r['context']:,}", f"{r['n_ctx']:,}", fmt_bytes(r["weights"]), fmt_bytes(r["kv"]),
-                  fmt_bytes(r["state"]), fmt_bytes(r["scratch"]), fmt_bytes(r["total"]),
-                  "yes" if r["total"] <= memory else "NO")
+        t.add_row(f"{r['context']:,}", f"{r['n_ctx']:,}", *(fmt_bytes(r[k]) for k in KINDS), fmt_bytes(r["total"]),
+                  "yes" if r["fits"] else "NO")
     return t
 
 
@@ -268,7 +235,9 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
     from rich.console import Console
 
     from zdsl.models.qwen35.gguf_file import open_model
+    from zdsl.models.qwen35.buffers import check_fits
     from zdsl.models.qwen35.generate import Generator
+    from zdsl.models.qwen35.graph import plan_buffers
     from zdsl.models.qwen35.info import memory_plan
     from zdsl.models.qwen35.sampler import SamplerConfig
     from zdsl.runtime import open_device
@@ -289,15 +258,21 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
         if info.compile_only:
             raise ZdslError(f"{info.name} is a compile-only target; pick a device that runs code (zdsl devices)")
         plan = memory_plan(m)
-        memory = max((size for size, local in info.heaps if local), default=0)
+        sampler = SamplerConfig(temperature=0)
         extra = max(tokens, prompt_len)
-        rows = memory_rows(plan, depths, extra)
-        console.print(memory_table(rows, memory, info.name))
-        check_fits(rows, plan, memory, info.max_storage_buffer_range, info.name)
+        check_contexts(m.hparams, depths, extra)
+        available = dev.memory_available()
+
+        def specs_at(n_ctx: int):
+            return plan_buffers(m, info, n_ctx, sampler)
+
+        rows = memory_rows(specs_at, depths, extra, available)
+        console.print(memory_table(rows, available, info.name))
+        check_fits(specs_at, depths[-1] + extra, available, info)
 
         copy_gbps = copy_bandwidth(dev, copy_mb << 20)
         say(f"copy bandwidth {copy_gbps:,.0f} GB/s; {PROMPT_NOTE}")
-        gen = Generator(m, dev, n_ctx=depths[-1] + extra, sampler=SamplerConfig(temperature=0))
+        gen = Generator(m, dev, n_ctx=depths[-1] + extra, sampler=sampler, say=say)
         results = measure(gen, plan, depths, tokens, prompt_len, repeats, copy_gbps, say)
         report = {
             "command": " ".join(["zdsl bench", str(m.path), f"--contexts {','.join(map(str, depths))}"]
@@ -307,7 +282,7 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "commit": git_commit(),
             "device": {"name": info.name, "driver": f"{info.driver_name} {info.driver_info}".strip(),
-                       "vulkan": info.api_version, "memory_bytes": memory,
+                       "vulkan": info.api_version, "memory_free_bytes": available,
                        "memory_used_bytes": dev.memory_report()["device"]["used"]},
             "model": {"path": str(m.path), "name": m.path.name, "arch": m.hparams.arch, "layers": m.hparams.n_layers,
                       "attention_layers": len(m.hparams.attention_layers), "weight_bytes": plan.weight_bytes,

@@ -16,7 +16,6 @@ from zdsl.cache import cache_dir
 from zdsl.errors import ZdslError
 from zdsl.models.qwen35.gguf_file import ModelFile, open_model
 from zdsl.models.qwen35.graph import DecodeGraph
-from zdsl.models.qwen35.info import memory_plan
 from zdsl.models.qwen35.sampler import SamplerConfig
 from zdsl.models.qwen35.tokenizer import Tokenizer
 
@@ -72,18 +71,15 @@ class Generator:
     """A model on a device, ready to generate."""
 
     def __init__(self, model: ModelFile, device, *, n_ctx: int, sampler: SamplerConfig, progress: bool = True,
-                 burst: int = 8):
+                 burst: int = 8, say: Callable[[str], None] | None = None):
         self.model, self.device = model, device
         self.burst = burst  # decode steps per submission: the host waits once per burst
         self.tokenizer = Tokenizer.from_model(model)
         hp = model.hparams
+        if n_ctx > hp.context_length and say:
+            say(f"context {hp.context_length:,} tokens: {model.path.name} was trained for no more (asked {n_ctx:,})")
         self.n_ctx = min(n_ctx, hp.context_length)
-        need = memory_plan(model).fixed_bytes() + memory_plan(model).kv_bytes_per_token["f16"] * self.n_ctx
-        have = max((size for size, local in device.info.heaps if local), default=0)
-        if have and need > have:
-            raise ZdslError(f"{model.path.name} needs {need / 2**30:.1f} GiB at a context of {self.n_ctx} tokens but "
-                            f"{device.info.name} has {have / 2**30:.1f} GiB; use a smaller --ctx or a smaller model")
-        self.graph = DecodeGraph(model, device, self.n_ctx, sampler, progress=progress)
+        self.graph = DecodeGraph(model, device, self.n_ctx, sampler, progress=progress, say=say)
         tok = self.tokenizer
         self.stop_ids = frozenset(i for i in [tok.eos_id] + [tok.tokens.index(t) for t in ("<|im_end|>", "<|endoftext|>")
                                                           if t in tok.tokens] if i is not None)
@@ -132,4 +128,8 @@ def load(path: str | None, device_selector: str | None, *, n_ctx: int, sampler: 
     device = open_device(device_selector)
     if device.info.compile_only:
         raise ZdslError(f"{device.info.name} is a compile-only target; pick a device that runs code (zdsl devices)")
-    return Generator(model, device, n_ctx=n_ctx, sampler=sampler, progress=progress)
+    try:
+        return Generator(model, device, n_ctx=n_ctx, sampler=sampler, progress=progress, say=say)
+    except BaseException:
+        device.close()
+        raise

@@ -17,6 +17,7 @@ which norms x itself), and the attention and delta-net outputs by the kernels th
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,17 +27,10 @@ from zdsl.errors import ZdslError
 from zdsl.kernels import attention, deltanet, dmmv, dmmv_q8, embedding, moe, q8_1, sampling, steps
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS
 from zdsl.lang.language import cdiv
+from zdsl.models.qwen35.buffers import ATTN_MAX_SPLITS, ATTN_MIN_CHUNK, STEP_WORDS, check_fits, decode_buffers
 from zdsl.models.qwen35.gguf_file import ModelFile
 from zdsl.models.qwen35.sampler import SamplerConfig
-from zdsl.models.qwen35.weights import assemble, graph_weights
-
-STEP_WORDS = 8  # step[0] position, [1] length, [2] token id, [3] sampler counter
-# Attention over the KV cache is cut into at most ATTN_MAX_SPLITS chunks (attention.split_rows:
-# up to 32 chunks of at least 16 rows at short contexts, then chunks of ATTN_MIN_CHUNK rows);
-# the chunk length is computed on the GPU from the current length, so one recorded step serves
-# every length.
-ATTN_MIN_CHUNK = 64
-ATTN_MAX_SPLITS = 256
+from zdsl.models.qwen35.weights import file_ranges, graph_weights
 
 
 @dataclass
@@ -48,9 +42,33 @@ class Vector:
     d: object
 
 
+def sampler_kernels(pick, vocab: int, sampler: SamplerConfig):
+    """(first pass, draw, first-pass workgroups) of the sampler; `pick(kernel, shape, **fixed)`
+    chooses a variant (autotune.database.choose for a device)."""
+    shape, cap = {"n_vocab": vocab}, sampler.kernel_cap
+    first = pick(sampling.sample_candidates, shape, CAP=cap)
+    draw = pick(sampling.sample_draw, shape, CAP=cap, WG=first.params["WG"], R=first.params["R"])
+    return first, draw, cdiv(vocab, first.params["WG"] * first.params["R"])
+
+
+def candidate_bytes(sampler: SamplerConfig, groups: int) -> int:
+    """Room for the first pass's per-workgroup candidates (logit bits, id)."""
+    return 8 * sampler.kernel_cap * groups
+
+
+def plan_buffers(model: ModelFile, info, n_ctx: int, sampler: SamplerConfig, tuning: Database | None = None):
+    """The buffers (buffers.Spec) a DecodeGraph of `model` holds on device `info`, sized before
+    one is made: to show and check the memory plan up front."""
+    groups = sampler_kernels(lambda kernel, shape, **fixed: choose(kernel, info, shape, db=tuning, **fixed),
+                             model.hparams.vocab, sampler)[2]
+    return decode_buffers(model.hparams, graph_weights(model), n_ctx, candidate_bytes(sampler, groups))
+
+
 class DecodeGraph:
     def __init__(self, model: ModelFile, device, n_ctx: int, sampler: SamplerConfig | None = None,
-                 progress: bool = True, tuning: Database | None = None):
+                 progress: bool = True, tuning: Database | None = None, say=None):
+        """`say(line)` hears the memory plan before anything is allocated; `progress` shows the
+        weights' upload."""
         self.model, self.device, self.hp = model, device, model.hparams
         self.tensors = graph_weights(model)  # what the graph reads, by its names (weights.py)
         self.info = device.info
@@ -60,12 +78,37 @@ class DecodeGraph:
         self.sampler = sampler or SamplerConfig(temperature=0)
         self.tuning = tuning  # None: the shipped and the user's tuning databases
         self.chosen: dict[tuple[str, str], object] = {}  # (kernel, key) → the variant the step runs
-        self.weights: dict[str, object] = {}
-        self._upload_weights(progress)
+        self.cand = None
+        self._choose_sampler()
+        need = check_fits(self.buffers, n_ctx, device.memory_available(), self.info)
+        if say:
+            say(f"memory: {need.line()} on {self.info.name}")
         self._allocate()
+        self._upload_weights(progress)
         self.seq = self.seq_next = self._timed = None
-        self._record_steps()
-        self._synced = False  # whether the device's step values are the ones the host last saw
+        seconds = self._prepare_kernels(progress)
+        if say and seconds >= 1:
+            say(f"kernels ready in {seconds:.1f} s (compiled on this first run, then cached)")
+
+    def buffers(self, n_ctx: int) -> list:
+        """Every device buffer the graph holds at a context of n_ctx tokens (buffers.py)."""
+        return decode_buffers(self.hp, self.tensors, n_ctx, self._candidate_bytes())
+
+    def _prepare_kernels(self, progress: bool) -> float:
+        """Record the step (building the kernels not built before) and run it once, since some
+        drivers compile a pipeline only when it first runs (lavapipe): a first run's prompt then
+        does not count compilation as prompt time. Returns the seconds it took."""
+        from rich.console import Console
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        start = time.perf_counter()
+        with Progress(SpinnerColumn(), TextColumn("compiling kernels"), TimeElapsedColumn(), disable=not progress,
+                      transient=True, console=Console(stderr=True)):
+            self._record_steps()
+            self.reset()
+            self.decode(0)
+            self.reset()
+        return time.perf_counter() - start
 
     def _record_steps(self) -> None:
         self.seq = self._record(from_host=True)   # a step that starts from values the host wrote
@@ -90,89 +133,72 @@ class DecodeGraph:
 
     # -- set-up ----------------------------------------------------------------------------
     def _upload_weights(self, progress: bool) -> None:
+        """Every weight from the file into its buffer: file ranges read by several threads while
+        the GPU copies what was read before (Device.upload_file)."""
+        from rich.console import Console
         from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-        parts = {name: assemble(self.model, t) for name, t in self.tensors.tensors.items()}
-        total = sum(a.nbytes for arrays in parts.values() for a in arrays)
+        jobs = []
+        for name, t in self.tensors.tensors.items():
+            at = 0
+            for file_offset, n in file_ranges(self.model, t):
+                jobs.append((self.weights[name], at, file_offset, n))
+                at += n
         with Progress(TextColumn("uploading weights"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                      disable=not progress, transient=True) as bar:
-            task = bar.add_task("upload", total=total)
-            for name, arrays in parts.items():
-                buf = self.weights[name] = self.device.alloc(sum(a.nbytes for a in arrays), name=name)
-                offset = 0
-                for a in arrays:
-                    buf.write(a, offset)
-                    offset += a.nbytes
-                    bar.advance(task, a.nbytes)
-
-    def _f32(self, n: int, name: str):
-        return self.device.alloc(4 * max(n, 1), name=name)
-
-    def _vector(self, n: int, name: str) -> Vector:
-        if n % 32:
-            raise ZdslError(f"{name} has {n} values; zdsl's Q8_1 activations need a multiple of 32")
-        return Vector(self._f32(n, name), self.device.alloc(n, name=name + "_q8_1"),
-                      self._f32(n // 16, name + "_q8_1_scales"))
+                      disable=not progress, transient=True, console=Console(stderr=True)) as bar:
+            task = bar.add_task("upload", total=sum(job[3] for job in jobs))
+            self.device.upload_file(self.model.path, jobs, lambda n: bar.advance(task, n))
 
     def _allocate(self) -> None:
+        """Every buffer of the plan, allocated at once; the weights by their names, the rest as
+        attributes."""
         hp, dev = self.hp, self.device
-        H = hp.hidden
+        specs = self.buffers(self.n_ctx)
+        b = {spec.name: buf for spec, buf in zip(specs, dev.alloc_many([(s.name, s.nbytes) for s in specs]))}
+        self.weights = {name: b[name] for name in self.tensors.tensors}
+
+        def vector(name: str) -> Vector:
+            return Vector(b[name], b[name + "_q8_1"], b[name + "_q8_1_scales"])
+
         # The host writes position and input token into `step_host`; each step copies it to the
         # device-local `step` that kernels read (host memory is slow to read from a GPU), and
         # copies it back at the end so the host sees the sampled token.
         self.step_host = dev.host_buffer(4 * STEP_WORDS, name="step_host")
         self.step_words = self.step_host.view(np.uint32)
-        self.step = dev.alloc(4 * STEP_WORDS, name="step")
-        self.x, self.logits_out = self._f32(H, "x"), self._f32(hp.vocab, "logits")  # the residual stream
-        self.normed = self._vector(H, "normed")  # rmsnorm(x) · the next consumer's norm weight
+        self.step, self.x, self.logits_out = b["step"], b["x"], b["logits"]  # x: the residual stream
+        self.normed = vector("normed")  # rmsnorm(x) · the next consumer's norm weight
         # Each dispatch that counts its workgroups (last_workgroup) leaves its counter at 0.
-        self.router_arrivals = dev.alloc(4, name="router_arrivals")
-        qd, kvd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
-        self.qg, self.q = self._f32(2 * qd, "qg"), self._f32(qd, "q")
-        self.k, self.v = self._f32(kvd, "k"), self._f32(kvd, "v")
-        self.attn_o = self._vector(qd, "attn_o")
+        self.router_arrivals = b["router_arrivals"]
+        self.qg, self.q, self.k, self.v = b["qg"], b["q"], b["k"], b["v"]
+        self.attn_o = vector("attn_o")
         self.attn_splits = attention.split_count(self.n_ctx, ATTN_MIN_CHUNK, ATTN_MAX_SPLITS)
-        self.attn_part = self._f32(hp.n_heads * self.attn_splits * (hp.head_dim + 2), "attn_partials")
-        C, vd = hp.conv_channels, hp.ssm_value_dim
-        self.mix = self._f32(C, "mix")
-        self.z, self.dn_out = self._f32(vd, "z"), self._vector(vd, "deltanet_out")
-        # per-layer state
-        self.kv = {i: (dev.alloc(2 * self.n_ctx * kvd, name=f"k_cache.{i}"), dev.alloc(2 * self.n_ctx * kvd, name=f"v_cache.{i}"))
-                   for i in hp.attention_layers}
-        # the conv inputs as a ring of conv_kernel slots indexed by position (kernels/deltanet.py)
-        self.conv_state = {i: self._f32(hp.conv_kernel * C, f"conv_state.{i}") for i in hp.deltanet_layers}
-        self.ssm_state = {i: self._f32(hp.ssm_v_heads * hp.ssm_head_dim ** 2, f"ssm_state.{i}") for i in hp.deltanet_layers}
-        # FFN
+        self.attn_part = b["attn_partials"]
+        self.mix, self.z, self.dn_out = b["mix"], b["z"], vector("deltanet_out")
+        self.kv = {i: (b[f"k_cache.{i}"], b[f"v_cache.{i}"]) for i in hp.attention_layers}
+        self.conv_state = {i: b[f"conv_state.{i}"] for i in hp.deltanet_layers}
+        self.ssm_state = {i: b[f"ssm_state.{i}"] for i in hp.deltanet_layers}
         if hp.moe:
-            E, K, F = hp.n_experts, hp.n_experts_used, hp.expert_ffn  # the shared expert's width is F (weights.py)
-            self.router = self._f32(E + 1, "router_logits")  # [E]: the shared expert's gate
-            self.route_ids = dev.alloc(4 * (K + 1), name="route_ids")  # [K]: the shared expert, E
-            self.route_w = self._f32(K + 1, "route_weights")  # [K]: the shared expert's gate
-            self.act = self._f32((K + 1) * F, "expert_act")  # slot K: the shared expert
+            K, F = hp.n_experts_used, hp.expert_ffn
+            self.router, self.route_ids, self.route_w = b["router_logits"], b["route_ids"], b["route_weights"]
+            self.act = b["expert_act"]
             self.act_shared = self.act.slice(4 * K * F, 4 * F)
             self.route_w_shared = self.route_w.slice(4 * K, 4)
-            self.zero_id = dev.upload(np.zeros(1, np.uint32), name="zero_id")
+            self.zero_id = b["zero_id"]
         else:
-            self.act = self._f32(hp.ffn, "ffn_act")
-        self.counts = dev.alloc(4 * hp.vocab, name="token_counts")
-        self.tokens_out = dev.alloc(4 * self.n_ctx, name="tokens_out")
-        self.cand = None
-        self._choose_sampler()
-        self.reset()
+            self.act = b["ffn_act"]
+        self.counts, self.tokens_out, self.cand = b["token_counts"], b["tokens_out"], b["candidates"]
+        self._owned = list(b.values())
+
+    def _candidate_bytes(self) -> int:
+        return candidate_bytes(self.sampler, self.sample_groups)
 
     def _choose_sampler(self) -> None:
-        """The sampler's two kernels, and room for the first pass's per-workgroup candidates
-        (logit bits, id)."""
-        shape, cap = {"n_vocab": self.hp.vocab}, self.sampler.kernel_cap
-        self.sample_pass = self._choose(sampling.sample_candidates, shape, CAP=cap)
-        self.sample_draw = self._choose(sampling.sample_draw, shape, CAP=cap, WG=self.sample_pass.params["WG"],
-                                        R=self.sample_pass.params["R"])
-        self.sample_groups = cdiv(self.hp.vocab, self.sample_pass.params["WG"] * self.sample_pass.params["R"])
-        nbytes = 8 * cap * self.sample_groups
-        if self.cand is None or self.cand.nbytes < nbytes:
-            if self.cand is not None:
-                self.cand.free()
-            self.cand = self.device.alloc(nbytes, name="candidates")
+        """The sampler's two kernels, and room for the first pass's per-workgroup candidates."""
+        self.sample_pass, self.sample_draw, self.sample_groups = sampler_kernels(self._choose, self.hp.vocab,
+                                                                                 self.sampler)
+        if self.cand is not None and self.cand.nbytes < self._candidate_bytes():  # retuned to more room
+            self.cand = self.device.alloc(self._candidate_bytes(), name="candidates")
+            self._owned.append(self.cand)
 
     def reset(self) -> None:
         """Forget the sequence: zero the caches, recurrent states and penalty counts (and the
@@ -184,8 +210,11 @@ class DecodeGraph:
             seq.fill(b)
         seq.fill(self.counts)
         seq.fill(self.router_arrivals)
+        if self.hp.moe:
+            seq.fill(self.zero_id)
         seq.run()
         seq.free()
+        self.step_words[:] = 0  # the sampler's counter too: a sequence samples alike from its start
         self.position = 0
         self._synced = False
 
@@ -455,5 +484,7 @@ class DecodeGraph:
 
     def close(self) -> None:
         self._free_steps()
-        for buf in self.weights.values():
+        for buf in self._owned:
             buf.free()
+        self._owned.clear()
+        self.step_host.free()

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from zdsl.errors import ModelError
 
 FUSED = {  # fused tensor → its parts, in row order
@@ -135,11 +137,22 @@ def graph_weights(model) -> GraphWeights:
     return GraphWeights(model.hparams, {t.name: (t.shape, t.qtype) for t in model.tensors.values()})
 
 
-def assemble(model, t: GraphTensor):
-    """The bytes of `t`, as a list of arrays to write one after another (views of the file where
-    they can be)."""
-    out = []
+def file_ranges(model, t: GraphTensor) -> list[tuple[int, int]]:
+    """The bytes of `t` as (file offset, bytes) ranges to copy one after another, neighbours
+    merged: a whole tensor is one range, a row range of a fused stack one per expert."""
+    out: list[list[int]] = []
     for part in t.parts:
-        raw = model.raw(part.tensor)
-        out.append(raw if part.rows is None else raw[..., part.rows[0]:part.rows[1], :])
-    return out
+        info = model.info(part.tensor)
+        if part.rows is None:
+            pieces = [(info.offset, info.nbytes)]
+        else:
+            rows, (start, stop) = info.shape[-2], part.rows
+            row = info.nbytes // int(np.prod(info.shape[:-1], dtype=np.int64))
+            outer = info.nbytes // (rows * row)
+            pieces = [(info.offset + (o * rows + start) * row, (stop - start) * row) for o in range(outer)]
+        for offset, n in pieces:
+            if out and out[-1][0] + out[-1][1] == offset:
+                out[-1][1] += n
+            else:
+                out.append([offset, n])
+    return [(offset, n) for offset, n in out]

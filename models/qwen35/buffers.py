@@ -1,0 +1,120 @@
+"""Every device buffer the decode graph holds, sized before anything is allocated.
+
+One list serves three ends: the memory plan shown before loading (weights, KV cache, recurrent
+state and scratch against what the device has), refusing up front a context that cannot fit (in
+one line, naming the largest that can), and allocating everything at once, packed so that only
+alignment is wasted (`Device.alloc_many`). A 32 GB card holds the 35B-A3B's 19.7 GiB only if
+nothing beside weights and caches takes more than a little.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from zdsl.errors import OutOfMemoryError, ZdslError
+from zdsl.kernels.attention import split_count
+from zdsl.kernels.formats import row_bytes
+from zdsl.runtime.memory import fmt_bytes
+
+KINDS = ("weights", "KV cache", "recurrent state", "scratch")
+# Attention over the KV cache is cut into at most ATTN_MAX_SPLITS chunks (attention.split_rows:
+# up to 32 chunks of at least 16 rows at short contexts, then chunks of ATTN_MIN_CHUNK rows);
+# the chunk length is computed on the GPU from the current length, so one recorded step serves
+# every length.
+ATTN_MIN_CHUNK = 64
+ATTN_MAX_SPLITS = 256
+STEP_WORDS = 8  # step[0] position, [1] length, [2] token id, [3] sampler counter
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    nbytes: int
+    kind: str
+
+
+def tensor_bytes(t) -> int:
+    """Bytes of a graph tensor (weights.GraphTensor) as stored."""
+    return int(np.prod(t.shape[:-1], dtype=np.int64)) * row_bytes(t.qtype, t.shape[-1])
+
+
+def vector(name: str, n: int) -> list[Spec]:
+    """An activation as projections read it: f32, and its Q8_1 quants and block scales (q8_1.py)."""
+    if n % 32:
+        raise ZdslError(f"{name} has {n} values; zdsl's Q8_1 activations need a multiple of 32")
+    return [Spec(name, 4 * n, "scratch"), Spec(name + "_q8_1", n, "scratch"),
+            Spec(name + "_q8_1_scales", 4 * (n // 16), "scratch")]
+
+
+def decode_buffers(hp, tensors, n_ctx: int, candidates: int) -> list[Spec]:
+    """The decode graph's buffers for hyperparameters `hp`, the graph's weights `tensors`
+    (weights.GraphWeights), a context of n_ctx tokens and `candidates` bytes of sampler room."""
+    H, C, vd = hp.hidden, hp.conv_channels, hp.ssm_value_dim
+    qd, kvd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
+    splits = split_count(n_ctx, ATTN_MIN_CHUNK, ATTN_MAX_SPLITS)
+
+    def f32(name: str, n: int) -> Spec:
+        return Spec(name, 4 * max(n, 1), "scratch")
+
+    specs = [Spec(name, tensor_bytes(t), "weights") for name, t in tensors.tensors.items()]
+    specs += [Spec("step", 4 * STEP_WORDS, "scratch"), f32("x", H), f32("logits", hp.vocab), *vector("normed", H),
+              Spec("router_arrivals", 4, "scratch"), f32("qg", 2 * qd), f32("q", qd), f32("k", kvd), f32("v", kvd),
+              *vector("attn_o", qd), f32("attn_partials", hp.n_heads * splits * (hp.head_dim + 2)),
+              f32("mix", C), f32("z", vd), *vector("deltanet_out", vd)]
+    for i in hp.attention_layers:
+        specs += [Spec(f"k_cache.{i}", 2 * n_ctx * kvd, "KV cache"), Spec(f"v_cache.{i}", 2 * n_ctx * kvd, "KV cache")]
+    for i in hp.deltanet_layers:
+        # the conv inputs as a ring of conv_kernel slots indexed by position (kernels/deltanet.py)
+        specs += [Spec(f"conv_state.{i}", 4 * hp.conv_kernel * C, "recurrent state"),
+                  Spec(f"ssm_state.{i}", 4 * hp.ssm_v_heads * hp.ssm_head_dim ** 2, "recurrent state")]
+    if hp.moe:
+        E, K, F = hp.n_experts, hp.n_experts_used, hp.expert_ffn  # the shared expert's width is F (weights.py)
+        specs += [f32("router_logits", E + 1),    # [E]: the shared expert's gate
+                  Spec("route_ids", 4 * (K + 1), "scratch"),  # [K]: the shared expert, E
+                  f32("route_weights", K + 1),    # [K]: the shared expert's gate
+                  f32("expert_act", (K + 1) * F),  # slot K: the shared expert
+                  Spec("zero_id", 4, "scratch")]
+    else:
+        specs.append(f32("ffn_act", hp.ffn))
+    specs += [Spec("token_counts", 4 * hp.vocab, "scratch"), Spec("tokens_out", 4 * n_ctx, "scratch"),
+              Spec("candidates", candidates, "scratch")]
+    return specs
+
+
+class Footprint:
+    """What a list of buffers takes, by kind."""
+
+    def __init__(self, specs: list[Spec]):
+        self.by_kind = {kind: sum(s.nbytes for s in specs if s.kind == kind) for kind in KINDS}
+        self.total = sum(self.by_kind.values())
+
+    def line(self) -> str:
+        return " + ".join(f"{kind} {fmt_bytes(n)}" for kind, n in self.by_kind.items()) + f" = {fmt_bytes(self.total)}"
+
+
+def check_fits(specs_at, n_ctx: int, available: int, info) -> Footprint:
+    """The footprint of `specs_at(n_ctx)` (the buffers for a context length), or one line saying
+    why device `info`, with `available` bytes free, cannot hold it, and which context it can."""
+
+    def problem(n: int) -> str | None:
+        specs = specs_at(n)
+        big = next((s for s in specs if s.nbytes > info.max_storage_buffer_range), None)
+        if big is not None:
+            return (f"{big.name} would be {fmt_bytes(big.nbytes)}, more than the "
+                    f"{fmt_bytes(info.max_storage_buffer_range)} {info.name} binds in one buffer")
+        need = Footprint(specs)
+        if need.total > available:
+            return f"this model at --ctx {n} needs {need.line()} but {info.name} has {fmt_bytes(available)} free"
+        return None
+
+    why = problem(n_ctx)
+    if why is None:
+        return Footprint(specs_at(n_ctx))
+    lo, hi = 0, n_ctx  # the largest context that fits: lo does (or is 0), hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if problem(mid) is None else (lo, mid)
+    fix = f"--ctx {lo} would fit" if lo else "this model cannot run on it (a smaller model or quantization could)"
+    raise OutOfMemoryError(f"{why}; {fix}")
