@@ -69,6 +69,42 @@ def test_logits_and_greedy_tokens_match_reference(model, device):
     graph.close()
 
 
+@pytest.fixture(scope="module")
+def real_vocab_model(tmp_path_factory):
+    """The tiny model with Qwen3.5's vocabulary: 248,320 output rows, more workgroups than lavapipe
+    launches along one axis (the runtime folds the grid), and its tokenizer."""
+    path = tmp_path_factory.mktemp("models") / "tiny-qwen35-vocab.gguf"
+    synth.write(path, "tiny", vocab=synth.REAL_VOCABS["qwen35"], seed=5)
+    return open_model(path)
+
+
+def test_real_vocabulary_decodes_like_the_reference(real_vocab_model, device):
+    """Logits over all 248,320 rows against the reference at positions 0..15, prompt ids above
+    65,535 included; the tokenizer of that size encodes and decodes text."""
+    from zdsl.models.qwen35.tokenizer import Tokenizer
+
+    model = real_vocab_model
+    tok = Tokenizer.from_model(model)
+    assert tok.vocab_size == model.hparams.vocab == 248320
+    text = "Hello, world! The quick brown fox."
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.decode([200_000]) == tok.piece(200_000).decode()
+    graph = DecodeGraph(model, device, 32, SamplerConfig(temperature=0), progress=False)
+    ref = ReferenceModel(model, int8_activations=True)
+    state = ref.new_state()
+    feed = [70_000, 248_319, *tok.encode(text)][:12]
+    errors, token = [], None
+    for pos in range(16):
+        t = feed[pos] if pos < len(feed) else token
+        expected = ref.forward([t], state)[0]
+        token = graph.decode(t if pos < len(feed) else None)
+        got = graph.logits()
+        errors.append(np.abs(got - expected).max() / expected.std())
+        assert token == int(np.argmax(got)), f"position {pos}"
+    assert np.median(errors) <= MEDIAN and max(errors) <= WORST
+    graph.close()
+
+
 def test_seeded_sampling_is_reproducible(model, device):
     def tokens(seed):
         graph = DecodeGraph(model, device, 40, SamplerConfig(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,

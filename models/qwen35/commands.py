@@ -25,10 +25,12 @@ def model():
 @click.argument("out", type=click.Path(dir_okay=False))
 @click.option("--preset", type=click.Choice(list(PRESETS)), default="tiny", show_default=True)
 @click.option("--layers", type=int, default=None, help="Trunk layers (default: the preset's).")
+@click.option("--vocab", default=None, metavar="N|qwen35|qwen3",
+              help="Vocabulary size (default: the preset's); qwen35 = 248,320 and qwen3 = 151,936 tokens, as real files.")
 @click.option("--quant", type=click.Choice(QUANTS), default="q4_k_m", show_default=True,
               help="Type mix: q4_k_m mixes Q4_K/Q5_K/Q6_K/Q8_0 like llama.cpp; others are uniform.")
 @click.option("--seed", type=int, default=0, show_default=True)
-def synth(out, preset, layers, quant, seed):
+def synth(out, preset, layers, vocab, quant, seed):
     """Write a random-weight model with the real tensor names, shapes and types."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
@@ -37,10 +39,25 @@ def synth(out, preset, layers, quant, seed):
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                   TimeRemainingColumn(), transient=True) as bar:
         task = bar.add_task(f"writing {out}", total=None)
-        hp = write(out, preset, layers=layers, quant=quant, seed=seed,
+        hp = write(out, preset, layers=layers, vocab=_vocab_size(vocab), quant=quant, seed=seed,
                    progress=lambda done, total: bar.update(task, completed=done, total=total))
     click.echo(f"wrote {out}: {hp.arch} preset {preset}, {hp.n_layers} layers, hidden {hp.hidden}, "
                f"vocab {hp.vocab}, {quant}")
+
+
+def _vocab_size(text: str | None) -> int | None:
+    from zdsl.errors import ZdslError
+
+    from .synth import REAL_VOCABS
+
+    if text is None:
+        return None
+    if text.lower() in REAL_VOCABS:
+        return REAL_VOCABS[text.lower()]
+    try:
+        return int(text.replace(",", "").replace("_", ""))
+    except ValueError:
+        raise ZdslError(f"--vocab '{text}': give a number of tokens or one of {', '.join(REAL_VOCABS)}") from None
 
 
 @model.command()

@@ -9,6 +9,7 @@ few hundred MB each) that its pool of writer processes has ready.
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing
 import os
@@ -56,6 +57,7 @@ SPECIAL_TOKENS = {  # text: GGUF token type (Qwen marks the think tags as plain 
     "<|endoftext|>": TokenType.CONTROL, "<|im_start|>": TokenType.CONTROL, "<|im_end|>": TokenType.CONTROL,
     "<think>": TokenType.USER_DEFINED, "</think>": TokenType.USER_DEFINED,
 }
+MIN_VOCAB = 256 + len(SPECIAL_TOKENS)
 # Distinct random rows per (shape, type) for tensors taller than this; rows beyond are drawn from
 # that pool. Keeps the 35B preset's quantization work to seconds while every row stays a valid block.
 POOL_ROWS = 8192
@@ -90,15 +92,24 @@ CHAT_TEMPLATE = """\
 """
 
 
-def preset(name: str, layers: int | None = None) -> Hparams:
-    """A preset's hyperparameters, with layer kinds filled in (every 4th layer is attention)."""
+# Vocabulary sizes of the real tokenizers: Qwen3.5's, and Qwen3's (llama.cpp's test vocabulary).
+REAL_VOCABS = {"qwen35": 248320, "qwen3": 151936}
+
+
+def preset(name: str, layers: int | None = None, vocab: int | None = None) -> Hparams:
+    """A preset's hyperparameters, with layer kinds filled in (every 4th layer is attention) and
+    optionally another vocabulary size (real ones have more output rows than many devices launch
+    workgroups along one axis)."""
     if name not in PRESETS:
         raise ModelError(f"unknown preset '{name}'; choose one of {', '.join(PRESETS)}")
     hp = PRESETS[name]
     n = hp.n_layers if layers is None else layers
     if n < 1:
         raise ModelError(f"--layers must be at least 1, got {n}")
-    return replace(hp, n_layers=n, attention=tuple((i + 1) % FULL_ATTENTION_INTERVAL == 0 for i in range(n)))
+    if vocab is not None and vocab < MIN_VOCAB:
+        raise ModelError(f"--vocab must be at least {MIN_VOCAB} (256 bytes and the special tokens), got {vocab}")
+    return replace(hp, n_layers=n, attention=tuple((i + 1) % FULL_ATTENTION_INTERVAL == 0 for i in range(n)),
+                   vocab=hp.vocab if vocab is None else vocab)
 
 
 def tensor_type(name: str, spec: TensorSpec, quant: str, layer: int, n_layers: int) -> QuantType:
@@ -168,7 +179,7 @@ def _tensor_data(task: tuple) -> np.ndarray:
 
 def _vocab(size: int) -> tuple[list[str], list[int], list[str]]:
     """A byte-level BPE vocabulary of exactly `size` tokens: all 256 byte tokens, merges trained
-    on a fixed pseudo-text, the Qwen special tokens, then `[PADn]` fillers like converted files."""
+    on a fixed pseudo-text, the Qwen special tokens, then pseudo-words up to the size."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     rng = np.random.default_rng(0)  # the vocabulary does not depend on --seed
@@ -189,9 +200,18 @@ def _vocab(size: int) -> tuple[list[str], list[int], list[str]]:
     types = [TokenType.NORMAL] * len(tokens)
     tokens += list(SPECIAL_TOKENS)
     types += list(SPECIAL_TOKENS.values())
-    while len(tokens) < size:
-        tokens.append(f"[PAD{len(tokens)}]")
-        types.append(TokenType.UNUSED)
+    # The rest, as far as a real vocabulary's size: pseudo-words (with a leading space, "Ġ" in
+    # byte-level BPE, or without) that no merge builds but that decode to text, so sampling from
+    # a large vocabulary prints words rather than padding markers.
+    known = set(tokens)
+    for n in range(2, 6):
+        for parts in itertools.product(syllables, repeat=n):
+            if len(tokens) >= size:
+                break
+            for word in ("".join(parts), "Ġ" + "".join(parts)):
+                if word not in known and len(tokens) < size:
+                    tokens.append(word)
+                    types.append(TokenType.NORMAL)
     return tokens, [int(t) for t in types], merges
 
 
@@ -248,10 +268,10 @@ def plan(hp: Hparams, quant: str = "q4_k_m") -> list[tuple[str, tuple[int, ...],
 
 
 def write(path: str | os.PathLike, preset_name: str = "tiny", *, layers: int | None = None,
-          quant: str = "q4_k_m", seed: int = 0,
+          vocab: int | None = None, quant: str = "q4_k_m", seed: int = 0,
           progress: Callable[[int, int], None] | None = None) -> Hparams:
     """Write a synthetic model; `progress(done_bytes, total_bytes)` is called after each tensor."""
-    hp = preset(preset_name, layers)
+    hp = preset(preset_name, layers, vocab)
     tensors = plan(hp, quant)
     path = Path(path)
     w = GGUFWriter(path, hp.arch)
