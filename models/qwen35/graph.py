@@ -27,6 +27,7 @@ from zdsl.errors import ZdslError
 from zdsl.kernels import attention, deltanet, dmmv, dmmv_q8, embedding, moe, q8_1, sampling, steps
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS
 from zdsl.lang.language import cdiv
+from zdsl.runtime.memory import fmt_bytes
 from zdsl.models.qwen35.buffers import ATTN_MAX_SPLITS, ATTN_MIN_CHUNK, STEP_WORDS, check_fits, decode_buffers
 from zdsl.models.qwen35.gguf_file import ModelFile
 from zdsl.models.qwen35.sampler import SamplerConfig
@@ -84,7 +85,7 @@ class DecodeGraph:
         if say:
             say(f"memory: {need.line()} on {self.info.name}")
         self._allocate()
-        self._upload_weights(progress)
+        self._upload_weights(progress, say)
         self.seq = self.seq_next = self._timed = None
         seconds = self._prepare_kernels(progress)
         if say and seconds >= 1:
@@ -102,8 +103,9 @@ class DecodeGraph:
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
         start = time.perf_counter()
-        with Progress(SpinnerColumn(), TextColumn("compiling kernels"), TimeElapsedColumn(), disable=not progress,
-                      transient=True, console=Console(stderr=True)):
+        console = Console(stderr=True)
+        with Progress(SpinnerColumn(), TextColumn("compiling kernels"), TimeElapsedColumn(), transient=True,
+                      console=console, disable=not (progress and console.is_terminal)):
             self._record_steps()
             self.reset()
             self.decode(0)
@@ -132,7 +134,7 @@ class DecodeGraph:
         return v
 
     # -- set-up ----------------------------------------------------------------------------
-    def _upload_weights(self, progress: bool) -> None:
+    def _upload_weights(self, progress: bool, say=None) -> None:
         """Every weight from the file into its buffer: file ranges read by several threads while
         the GPU copies what was read before (Device.upload_file)."""
         from rich.console import Console
@@ -144,10 +146,17 @@ class DecodeGraph:
             for file_offset, n in file_ranges(self.model, t):
                 jobs.append((self.weights[name], at, file_offset, n))
                 at += n
+        console = Console(stderr=True)
         with Progress(TextColumn("uploading weights"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                      disable=not progress, transient=True, console=Console(stderr=True)) as bar:
+                      transient=True, console=console, disable=not (progress and console.is_terminal)) as bar:
             task = bar.add_task("upload", total=sum(job[3] for job in jobs))
+            start = time.perf_counter()
             self.device.upload_file(self.model.path, jobs, lambda n: bar.advance(task, n))
+            self.device.wait_idle()
+            seconds = time.perf_counter() - start
+        if say:
+            total = sum(job[3] for job in jobs)
+            say(f"weights: {fmt_bytes(total)} loaded in {seconds:.2f} s ({total / seconds / 1e9:.1f} GB/s)")
 
     def _allocate(self) -> None:
         """Every buffer of the plan, allocated at once; the weights by their names, the rest as
