@@ -396,18 +396,19 @@ def _sampling(use, rng, check):
     a = dict(logits=_normal(rng, V, 3.0), counts=(rng.random(V) < 0.1).astype(np.uint32),
              cand=np.zeros(2 * cap * groups, np.uint32), step=_step_words(3, 4, counter=5), tokens=np.zeros(1, np.uint32))
     counts0 = a["counts"].copy()
-    sc = dict(n_vocab=V, repeat_penalty=1.1, presence_penalty=0.1, top_k=min(40, cap), min_p=0.05, inv_temp=1.25,
-              top_p=0.95, seed=7, max_tokens=0)
+    sc = dict(n_vocab=V, repeat_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.05, top_k=min(40, cap),
+              min_p=0.05, inv_temp=1.25, top_p=0.95, seed=7, max_tokens=0)
 
     def expect(p):
         cand = sampling.sample_candidates_ref(a["logits"], counts0, sc["repeat_penalty"], sc["presence_penalty"],
-                                              CAP=cap, WG=p["WG"], R=p["R"])
+                                              sc["frequency_penalty"], CAP=cap, WG=p["WG"], R=p["R"])
         cand_buf = np.full(a["cand"].size, np.nan)
         cand_buf[:cand.size] = cand
         step = _step_words(3, 4, counter=6)
         step[2] = sampling.sample_ref(a["logits"], counts0, cap=cap, top_k=sc["top_k"], min_p=sc["min_p"],
                                       inv_temp=sc["inv_temp"], top_p=sc["top_p"], seed=sc["seed"], counter=5,
-                                      repeat_penalty=sc["repeat_penalty"], presence_penalty=sc["presence_penalty"])
+                                      repeat_penalty=sc["repeat_penalty"], presence_penalty=sc["presence_penalty"],
+                                      frequency_penalty=sc["frequency_penalty"])
         return {"cand": (cand_buf, 0), "step": (step, 0)}
 
     def draw(p):

@@ -1,11 +1,14 @@
 """Token sampling on the GPU, in two dispatches that need no host round trip.
 
-`sample_candidates` (many workgroups) penalises the logits of tokens already seen and keeps each
-workgroup's CAP best (logit, id) pairs; `sample_draw` (one workgroup) merges them into the CAP
-best of the whole vocabulary and applies, in this order: top-k, min-p (relative to the most
-likely token, before temperature), temperature, top-p, then a draw with a counter-based random
-number. It writes the token where the next decode step reads it (`step[2]`) and counts it for the
-penalties, so a recorded command buffer can replay the whole decode loop.
+`penalty_window` (one invocation, at the start of a step) counts the step's input token into the
+penalties' window of the last N context tokens and uncounts the one that leaves it, so the
+window holds prompt and generated tokens alike (as llama.cpp's penalties do) at a cost that does
+not grow with the context. `sample_candidates` (many workgroups) penalises the logits of tokens
+in the window and keeps each workgroup's CAP best (logit, id) pairs; `sample_draw` (one
+workgroup) merges them into the CAP best of the whole vocabulary and applies, in this order:
+top-k, min-p (relative to the most likely token, before temperature), temperature, top-p, then a
+draw with a counter-based random number. It writes the token where the next decode step reads it
+(`step[2]`), so a recorded command buffer can replay the whole decode loop.
 
 Order of candidates everywhere: larger logit first, equal logits by lower token id; NaN logits
 count as -inf. A free slot holds the sentinel (-inf, 0xFFFFFFFF). `block_topk` selects for the
@@ -221,14 +224,37 @@ def _fits(v, extra=0) -> bool:
 VARIANTS = {"CAP": CAPS, "WG": [64, 256], "R": [4, 16], "SG": SUBGROUPS}
 
 
+@zdsl.kernel(workgroup=1)
+def penalty_window(step: Buffer[u32], ring: Buffer[u32], counts: Buffer[u32], window: u32, n_vocab: u32):
+    """The window of the last `window` context tokens moves on by the step's input token step[2]
+    at position step[0]: counts[token] += 1, and the token at position step[0] − window (kept in
+    ring[position % window]) is uncounted. Grid: 1."""
+    pos, token = step[0], step[2]
+    slot = pos % window
+    with zdsl.if_(pos >= window):
+        old = ring[slot]
+        with zdsl.if_(old < n_vocab):
+            counts[old] = counts[old] - 1
+    ring[slot] = token
+    with zdsl.if_(token < n_vocab):
+        counts[token] = counts[token] + 1
+
+
+@penalty_window.reference
+def penalty_window_ref(context, window: int, n_vocab: int):
+    """The counts of the window after the step whose input is context[-1]: each id among the last
+    `window` tokens of the context, prompt included (llama.cpp's rule)."""
+    return np.bincount(np.asarray(context[-window:], np.int64), minlength=n_vocab).astype(np.uint32)
+
+
 @zdsl.kernel(workgroup="WG", subgroup="SG", variants=VARIANTS, where=_fits)
 def sample_candidates(logits: Buffer[f32], counts: Buffer[u32], cand: Buffer[u32], n_vocab: u32,
-                      repeat_penalty: f32, presence_penalty: f32,
+                      repeat_penalty: f32, presence_penalty: f32, frequency_penalty: f32,
                       CAP: Const = 64, WG: Const = 256, R: Const = 16, SG: Const = 32):
     """Workgroup g keeps the CAP first penalised (logit, id) pairs of tokens [g·WG·R, (g+1)·WG·R)
     as cand[2(g·CAP + j)] = the logit's f32 bits, cand[2(g·CAP + j) + 1] = the id, j = 0..CAP-1 in
-    order. A token seen before (counts[id] > 0) has its logit divided by repeat_penalty when
-    positive, multiplied by it otherwise, then lowered by presence_penalty.
+    order. A token in the window (c = counts[id] > 0) has its logit divided by repeat_penalty when
+    positive, multiplied by it otherwise, then lowered by presence_penalty + c·frequency_penalty.
     Grid: ceil(n_vocab / (WG·R))."""
     base = zdsl.workgroup_id() * (WG * R)
 
@@ -236,9 +262,10 @@ def sample_candidates(logits: Buffer[f32], counts: Buffer[u32], cand: Buffer[u32
         t = base + index
         logit = logits.load(t, mask=valid, other=0.0)
         logit = zdsl.where(zdsl.isnan(logit), -np.inf, logit)
-        seen = counts.load(t, mask=valid, other=0) > 0
-        penalised = zdsl.where(logit > 0, logit / repeat_penalty, logit * repeat_penalty) - presence_penalty
-        return zdsl.where(seen, penalised, logit), t
+        count = counts.load(t, mask=valid, other=0)
+        penalised = (zdsl.where(logit > 0, logit / repeat_penalty, logit * repeat_penalty) - presence_penalty
+                     - count.to(f32) * frequency_penalty)
+        return zdsl.where(count > 0, penalised, logit), t
 
     val_sh, id_sh, first = block_topk(load, zdsl.min(n_vocab - base, WG * R), CAP, R, WG, SG)
     out = zdsl.workgroup_id() * CAP
@@ -248,8 +275,9 @@ def sample_candidates(logits: Buffer[f32], counts: Buffer[u32], cand: Buffer[u32
 
 
 @sample_candidates.reference
-def sample_candidates_ref(logits, counts, repeat_penalty, presence_penalty, CAP=64, WG=256, R=16):
-    pen = penalise_ref(logits, counts, repeat_penalty, presence_penalty)
+def sample_candidates_ref(logits, counts, repeat_penalty, presence_penalty, frequency_penalty=0.0, CAP=64, WG=256,
+                          R=16):
+    pen = penalise_ref(logits, counts, repeat_penalty, presence_penalty, frequency_penalty)
     chunk = WG * R
     out = []
     for g in range(-(-len(pen) // chunk)):
@@ -258,17 +286,18 @@ def sample_candidates_ref(logits, counts, repeat_penalty, presence_penalty, CAP=
     return np.concatenate(out).reshape(-1)
 
 
-def penalise_ref(logits, counts, repeat_penalty, presence_penalty):
+def penalise_ref(logits, counts, repeat_penalty, presence_penalty, frequency_penalty=0.0):
     logits = np.asarray(logits, np.float32)
     logits = np.where(np.isnan(logits), np.float32(-np.inf), logits)
-    rp, pp = np.float32(repeat_penalty), np.float32(presence_penalty)
+    counts = np.asarray(counts)
+    rp, pp, fp = np.float32(repeat_penalty), np.float32(presence_penalty), np.float32(frequency_penalty)
     with np.errstate(invalid="ignore"):
-        penalised = np.where(logits > 0, logits / rp, logits * rp) - pp
-    return np.where(np.asarray(counts) > 0, penalised, logits).astype(np.float32)
+        penalised = np.where(logits > 0, logits / rp, logits * rp) - pp - counts.astype(np.float32) * fp
+    return np.where(counts > 0, penalised, logits).astype(np.float32)
 
 
 @zdsl.kernel(workgroup="WG", subgroup="SG", variants=VARIANTS, where=lambda v: _fits(v, 4 * v.CAP))
-def sample_draw(cand: Buffer[u32], step: Buffer[u32], counts: Buffer[u32], tokens: Buffer[u32], n_vocab: u32,
+def sample_draw(cand: Buffer[u32], step: Buffer[u32], tokens: Buffer[u32], n_vocab: u32,
                 top_k: u32, min_p: f32, inv_temp: f32, top_p: f32, seed: u32, max_tokens: u32,
                 CAP: Const = 64, WG: Const = 256, R: Const = 16, SG: Const = 32):
     """Draw one token from the candidates of sample_candidates (same CAP, WG, R). Over the CAP first
@@ -276,8 +305,8 @@ def sample_draw(cand: Buffer[u32], step: Buffer[u32], counts: Buffer[u32], token
     exp(z_j − z_0) ≥ min_p; weigh them q_j = exp((z_j − z_0)·inv_temp); keep the shortest prefix
     whose weight reaches top_p of the total; pick the first j whose running sum exceeds u times the
     kept total, u = uniform_bits(seed, step[3])·2⁻²⁴ (sums run in order, j = 0 when none does).
-    Writes step[2] = token, tokens[step[0]] = token when step[0] < max_tokens, counts[token] += 1,
-    step[3] += 1. Grid: 1."""
+    Writes step[2] = token, tokens[step[0]] = token when step[0] < max_tokens, step[3] += 1.
+    Grid: 1."""
     groups = (n_vocab + (WG * R - 1)) // (WG * R)
 
     def load(index, valid):
@@ -315,8 +344,6 @@ def sample_draw(cand: Buffer[u32], step: Buffer[u32], counts: Buffer[u32], token
         pos = step[0]
         with zdsl.if_(pos < max_tokens):
             tokens[pos] = token
-        with zdsl.if_(token < n_vocab):
-            counts[token] = counts[token] + 1
 
 
 @sample_draw.reference
@@ -344,8 +371,8 @@ def choose_ref(values, ids, top_k, min_p, inv_temp, top_p, u):
 
 
 def sample_ref(logits, counts, *, cap, top_k, min_p, inv_temp, top_p, seed, counter, repeat_penalty=1.0,
-               presence_penalty=0.0):
+               presence_penalty=0.0, frequency_penalty=0.0):
     """numpy: the token the two kernels sample (for any WG, R: the candidates do not depend on them)."""
-    pen = penalise_ref(logits, counts, repeat_penalty, presence_penalty)
+    pen = penalise_ref(logits, counts, repeat_penalty, presence_penalty, frequency_penalty)
     values, ids = topk_ref(pen, np.arange(len(pen)), cap)
     return choose_ref(values, ids, top_k, min_p, inv_temp, top_p, uniform_ref(seed, counter))

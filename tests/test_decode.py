@@ -118,6 +118,31 @@ def test_seeded_sampling_is_reproducible(model, device):
     assert a != c
 
 
+def test_penalties_see_the_last_tokens_of_the_context(model, device):
+    """In the decode step, the penalties' window holds the last N context tokens, prompt included:
+    each sampled token is what the reference sampler picks from the step's own logits given the
+    counts of that window (greedy, so the pick depends on the penalties alone), and the bursts
+    that feed samples back on the GPU move the window too."""
+    from zdsl.models.qwen35.sampler import sample_reference
+
+    config = SamplerConfig(temperature=0, repeat_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3, last_n=4)
+    graph = DecodeGraph(model, device, 40, config, progress=False)
+    vocab = model.hparams.vocab
+    context = [11, 11, 12, 11, 13, 14]
+    for pos in range(20):
+        token = graph.decode(context[pos] if pos < 6 else None)
+        counts = np.bincount(context[max(0, pos - 3):pos + 1], minlength=vocab)
+        assert token == sample_reference(graph.logits(), counts, config, pos), f"position {pos}"
+        if pos >= 5:
+            context.append(token)
+    burst = graph.decode_burst(6)
+    plain = DecodeGraph(model, device, 40, config, progress=False)
+    again = [plain.decode(t) for t in context[:6]] + [plain.decode() for _ in range(20)]
+    assert again[5:] == context[6:] + burst
+    graph.close()
+    plain.close()
+
+
 def test_context_full_is_one_clear_error(model, device):
     from zdsl.errors import ZdslError
 

@@ -23,12 +23,13 @@ def fits(cap, wg, r, sg):
 
 
 class Sampler:
-    """Runs the two kernels on one backend the way a decode graph does, carrying the step
-    buffer, the penalty counts and the token list from one call to the next."""
+    """Runs the kernels on one backend the way a decode graph does, carrying the step buffer, the
+    penalties' window (ring and counts) and the token list from one call to the next."""
 
-    def __init__(self, backend, request, config, n_vocab, *, wg=64, r=4, sg=8, max_tokens=16, step=(0, 1, 0, 0)):
+    def __init__(self, backend, request, config, n_vocab, *, wg=64, r=4, sg=8, max_tokens=16, step=(0, 1, 0, 0),
+                 n_ctx=64):
         cap = config.kernel_cap
-        self.config, self.n_vocab = config, n_vocab
+        self.config, self.n_vocab, self.window = config, n_vocab, config.window(n_ctx)
         self.backend, self.request = backend, request
         self.candidates = k.sample_candidates.specialize(CAP=cap, WG=wg, R=r, SG=sg)
         self.draw = k.sample_draw.specialize(CAP=cap, WG=wg, R=r, SG=sg)
@@ -36,6 +37,7 @@ class Sampler:
         self.cand = np.zeros(2 * self.groups * cap, np.uint32)
         self.step = np.array(step, np.uint32)
         self.counts = np.zeros(n_vocab, np.uint32)
+        self.ring = np.full(max(n_ctx, 1), 99999, np.uint32)
         self.tokens = np.full(max_tokens, 7777, np.uint32)
         self.push = config.push_constants(n_vocab, max_tokens)
 
@@ -44,13 +46,18 @@ class Sampler:
             return variant.interpret(groups, **args)
         return variant.run(self.request.getfixturevalue("device"), groups, **args)
 
-    def __call__(self, logits):
-        """Sample one token; advance like a decode step (the graph moves the position)."""
+    def __call__(self, logits, feed=None):
+        """Sample one token; advance like a decode step (the graph moves the position). With `feed`,
+        the step's input token enters the penalties' window first."""
+        if feed is not None:
+            self.step[2] = feed
+            out = self._run(k.penalty_window.specialize(), 1, step=self.step, ring=self.ring, counts=self.counts,
+                            window=self.window, n_vocab=self.n_vocab)
+            self.ring, self.counts = out["ring"], out["counts"]
         self.cand = self._run(self.candidates, self.groups, logits=logits, counts=self.counts, cand=self.cand,
                               **self.push[0])["cand"]
-        out = self._run(self.draw, 1, cand=self.cand, step=self.step, counts=self.counts, tokens=self.tokens,
-                        **self.push[1])
-        self.step, self.counts, self.tokens = out["step"], out["counts"], out["tokens"]
+        out = self._run(self.draw, 1, cand=self.cand, step=self.step, tokens=self.tokens, **self.push[1])
+        self.step, self.tokens = out["step"], out["tokens"]
         token = int(self.step[2])
         self.step[0] += 1
         return token
@@ -66,8 +73,9 @@ def logits_for(rng, n, ties):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @given(n=st.integers(1, 3000), ties=st.booleans(), cap=st.sampled_from(k.CAPS), shape=st.sampled_from(SHAPES),
-       sg_pick=st.integers(0, 3), rp=st.floats(0.5, 2), pp=st.floats(-1, 1), seed=st.integers(0, 99))
-def test_candidates(backend, request, n, ties, cap, shape, sg_pick, rp, pp, seed):
+       sg_pick=st.integers(0, 3), rp=st.floats(0.5, 2), pp=st.floats(-1, 1), fp=st.floats(-1, 1),
+       seed=st.integers(0, 99))
+def test_candidates(backend, request, n, ties, cap, shape, sg_pick, rp, pp, fp, seed):
     wg, r = shape
     sg = subgroup(backend, request, sg_pick)
     assume(fits(cap, wg, r, sg))
@@ -77,22 +85,23 @@ def test_candidates(backend, request, n, ties, cap, shape, sg_pick, rp, pp, seed
     counts = rng.integers(0, 3, n).astype(np.uint32)
     groups = -(-n // (wg * r))
     args = dict(logits=logits, counts=counts, cand=np.zeros(2 * groups * cap, np.uint32), n_vocab=n,
-                repeat_penalty=rp, presence_penalty=pp)
+                repeat_penalty=rp, presence_penalty=pp, frequency_penalty=fp)
     v = k.sample_candidates.specialize(CAP=cap, WG=wg, R=r, SG=sg)
     cand = (v.interpret(groups, **args) if backend == "interp" else v.run(request.getfixturevalue("device"), groups, **args))
-    np.testing.assert_array_equal(cand["cand"], k.sample_candidates_ref(logits, counts, rp, pp, CAP=cap, WG=wg, R=r))
+    np.testing.assert_array_equal(cand["cand"], k.sample_candidates_ref(logits, counts, rp, pp, fp, CAP=cap, WG=wg,
+                                                                        R=r))
 
 
 def test_penalties_as_defined():
-    """Seen tokens: positive logits divided by the repeat penalty, others multiplied, then the
-    presence penalty subtracted; unseen tokens untouched."""
+    """Tokens in the window: positive logits divided by the repeat penalty, others multiplied,
+    then the presence penalty and the frequency penalty per occurrence subtracted; others untouched."""
     logits = np.array([2.0, -2.0, 2.0, -2.0, 0.0], np.float32)
     counts = np.array([1, 3, 0, 0, 1], np.uint32)
     cand = k.sample_candidates.specialize(CAP=64, WG=64, R=4, SG=8).interpret(
         1, logits=logits, counts=counts, cand=np.zeros(128, np.uint32), n_vocab=5,
-        repeat_penalty=2.0, presence_penalty=0.25)["cand"].reshape(-1, 2)[:5]
+        repeat_penalty=2.0, presence_penalty=0.25, frequency_penalty=0.5)["cand"].reshape(-1, 2)[:5]
     got = dict(zip(cand[:, 1], cand[:, 0].view(np.float32)))
-    assert got == {0: 0.75, 1: -4.25, 2: 2.0, 3: -2.0, 4: -0.25}
+    assert got == {0: 0.25, 1: -5.75, 2: 2.0, 3: -2.0, 4: -0.75}
 
 
 # ---- the whole sampler against its reference -----------------------------------------------------
@@ -100,7 +109,7 @@ def test_penalties_as_defined():
 configs = st.builds(SamplerConfig, temperature=st.sampled_from([0, 0.3, 0.8, 1.5]), top_k=st.integers(0, 64),
                     top_p=st.sampled_from([0.05, 0.5, 0.9, 1.0]), min_p=st.sampled_from([0, 0.05, 0.3]),
                     repeat_penalty=st.sampled_from([1.0, 1.3]), presence_penalty=st.sampled_from([0.0, 0.7]),
-                    seed=st.integers(0, 2 ** 32 - 1))
+                    frequency_penalty=st.sampled_from([0.0, 0.4]), seed=st.integers(0, 2 ** 32 - 1))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -122,8 +131,7 @@ def test_sampler_matches_reference(backend, request, config, n, ties, shape, sg_
     if pos < 16:
         want_tokens[pos] = token
     np.testing.assert_array_equal(s.tokens, want_tokens)
-    before[token] += 1
-    np.testing.assert_array_equal(s.counts, before)
+    np.testing.assert_array_equal(s.counts, before)  # the window moves at the next step's input, not here
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -213,16 +221,45 @@ def test_min_p_and_top_p_exclude(backend, request):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_penalties_steer_greedy_decoding(backend, request):
-    """The counts the GPU keeps feed the next step: with a large presence penalty, greedy decoding
-    of fixed logits walks down the ranking instead of repeating the argmax; a repeat penalty of 4
-    demotes a seen logit of 2 below an unseen 1."""
+    """The window the GPU keeps feeds the next step: with a large presence penalty, greedy decoding
+    of fixed logits that feeds back its samples walks down the ranking instead of repeating the
+    argmax; a repeat penalty of 4 demotes a seen logit of 2 below an unseen 1."""
     logits = np.random.default_rng(9).permutation(np.arange(40, dtype=np.float32) / 10)
     s = Sampler(backend, request, SamplerConfig(temperature=0, presence_penalty=100.0), 40,
                 sg=subgroup(backend, request, 0))
-    np.testing.assert_array_equal([s(logits) for _ in range(6)], np.argsort(-logits)[:6])
+    token, out = None, []
+    for _ in range(6):
+        token = s(logits, feed=token)
+        out.append(token)
+    np.testing.assert_array_equal(out, np.argsort(-logits)[:6])
     s = Sampler(backend, request, SamplerConfig(temperature=0, repeat_penalty=4.0), 3)
-    s.counts[0] = 1
-    assert s(np.array([2.0, 1.0, 0.5], np.float32)) == 1
+    assert s(np.array([2.0, 1.0, 0.5], np.float32), feed=0) == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(n=st.integers(2, 700), last_n=st.sampled_from([-1, 1, 3, 8, 64]), prompt=st.integers(1, 12),
+       penalties=st.sampled_from([(1.5, 0.0, 0.0), (1.0, 0.8, 0.0), (1.0, 0.0, 0.6), (1.2, 0.3, 0.2)]),
+       temperature=st.sampled_from([0, 0.9]), seed=st.integers(0, 99))
+def test_penalty_window_follows_llamacpp(backend, request, n, last_n, prompt, penalties, temperature, seed):
+    """Through a prompt and then generation, the penalties see the last N context tokens, prompt
+    included (llama.cpp's rule; -1: the whole context): at every step the GPU's counts are those
+    of that window and its token is the reference's given them, with each penalty set."""
+    rng = np.random.default_rng(seed)
+    n_ctx = 24
+    rp, pp, fp = penalties
+    config = SamplerConfig(temperature=temperature, repeat_penalty=rp, presence_penalty=pp, frequency_penalty=fp,
+                           last_n=last_n, seed=seed)
+    s = Sampler(backend, request, config, n, n_ctx=n_ctx, sg=subgroup(backend, request, seed))
+    context = rng.integers(0, n, prompt).tolist()
+    window = n_ctx if last_n < 0 else last_n
+    for pos in range(n_ctx):
+        logits = logits_for(rng, n, ties=seed % 2 == 0)
+        counts = np.bincount(context[max(0, pos + 1 - window):pos + 1], minlength=n)  # llama.cpp's window
+        token = s(logits, feed=context[pos])
+        np.testing.assert_array_equal(s.counts, counts)
+        assert token == sample_reference(logits, counts, config, pos)
+        if pos + 1 == len(context):
+            context.append(token)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -241,7 +278,8 @@ def test_full_vocabulary(backend, request):
     ("temperature", -0.5, "temperature must be a number ≥ 0"), ("temperature", float("nan"), "temperature"),
     ("top_k", 65, "top_k must be an integer from 0"), ("top_k", 2.5, "top_k"), ("top_p", 0.0, "top_p must be in (0, 1]"),
     ("min_p", 1.5, "min_p must be in [0, 1]"), ("repeat_penalty", 0.0, "repeat_penalty must be a number > 0"),
-    ("presence_penalty", float("inf"), "presence_penalty"), ("seed", -1, "seed must be an integer"),
+    ("presence_penalty", float("inf"), "presence_penalty"), ("frequency_penalty", float("nan"), "frequency_penalty"),
+    ("last_n", -2, "last_n must be -1 (the whole context)"), ("seed", -1, "seed must be an integer"),
     ("seed", 2 ** 32, "seed"), ("cap", 100, "cap must be one of 64, 256")])
 def test_config_errors(field, value, words):
     with pytest.raises(ZdslError) as err:
@@ -251,7 +289,7 @@ def test_config_errors(field, value, words):
 
 def test_config_push_constants():
     cand, draw = SamplerConfig(temperature=0.5, top_k=0, seed=9).push_constants(1000, 64)
-    assert cand == dict(n_vocab=1000, repeat_penalty=1.0, presence_penalty=0.0)
+    assert cand == dict(n_vocab=1000, repeat_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
     assert draw == dict(n_vocab=1000, top_k=0, min_p=0.05, inv_temp=2.0, top_p=0.95, seed=9, max_tokens=64)
     greedy = SamplerConfig(temperature=0)
     assert greedy.greedy and greedy.kernel_cap == 1 and greedy.push_constants(10)[1]["top_k"] == 1

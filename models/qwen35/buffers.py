@@ -78,7 +78,8 @@ def decode_buffers(hp, tensors, n_ctx: int, candidates: int) -> list[Spec]:
                   Spec("zero_id", 4, "scratch")]
     else:
         specs.append(f32("ffn_act", hp.ffn))
-    specs += [Spec("token_counts", 4 * hp.vocab, "scratch"), Spec("tokens_out", 4 * n_ctx, "scratch"),
+    specs += [Spec("token_counts", 4 * hp.vocab, "scratch"), Spec("penalty_ring", 4 * n_ctx, "scratch"),
+              Spec("tokens_out", 4 * n_ctx, "scratch"),
               Spec("candidates", candidates, "scratch")]
     return specs
 

@@ -195,7 +195,9 @@ class DecodeGraph:
             self.zero_id = b["zero_id"]
         else:
             self.act = b["ffn_act"]
-        self.counts, self.tokens_out, self.cand = b["token_counts"], b["tokens_out"], b["candidates"]
+        # the penalties' window: how often each token occurs in it, and its tokens by position
+        self.counts, self.penalty_ring = b["token_counts"], b["penalty_ring"]
+        self.tokens_out, self.cand = b["tokens_out"], b["candidates"]
         self._owned = list(b.values())
 
     def _candidate_bytes(self) -> int:
@@ -294,6 +296,10 @@ class DecodeGraph:
         seq = self.device.sequence(timestamps=timestamps)
         if from_host:
             seq.copy(self.step_host, self.step)
+        if self.sampler.penalties:
+            sampling.penalty_window.specialize().dispatch(seq, 1, label="penalty_window", step=self.step,
+                                                          ring=self.penalty_ring, counts=self.counts,
+                                                          window=self.sampler.window(self.n_ctx), n_vocab=self.hp.vocab)
         emb = "token_embd.weight"
         q = self._qname(emb)
         embedding.embed.specialize(QTYPE=q).dispatch(seq, embedding.embed_groups(q, hp.hidden), label="embed",
@@ -421,7 +427,7 @@ class DecodeGraph:
         first, draw = self.sampler.push_constants(self.hp.vocab, self.n_ctx)
         self.sample_pass.dispatch(seq, self.sample_groups, label="sample_candidates", logits=self.logits_out, counts=self.counts,
                                   cand=self.cand, **first)
-        self.sample_draw.dispatch(seq, 1, label="sample_draw", cand=self.cand, step=self.step, counts=self.counts,
+        self.sample_draw.dispatch(seq, 1, label="sample_draw", cand=self.cand, step=self.step,
                                   tokens=self.tokens_out, **draw)
 
     # -- running ----------------------------------------------------------------------------

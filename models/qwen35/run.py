@@ -16,8 +16,12 @@ def sampler_options(f):
         click.option("--top-k", type=int, default=40, show_default=True),
         click.option("--top-p", type=float, default=0.95, show_default=True),
         click.option("--min-p", type=float, default=0.05, show_default=True, help="Applied before temperature."),
-        click.option("--repeat-penalty", type=float, default=1.0, show_default=True),
+        click.option("--repeat-penalty", type=float, default=1.0, show_default=True,
+                     help="Divides positive logits (multiplies negative ones) of tokens in the last --repeat-last-n."),
         click.option("--presence-penalty", type=float, default=0.0, show_default=True),
+        click.option("--frequency-penalty", type=float, default=0.0, show_default=True),
+        click.option("--repeat-last-n", "last_n", type=int, default=64, show_default=True,
+                     help="Context tokens the penalties look at, prompt included (-1: all, 0: none)."),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--device", "device", default=None, help="Index, name substring or alias (zdsl devices)."),
         click.option("--ctx", "n_ctx", type=int, default=4096, show_default=True, help="Context length to allocate."),
@@ -28,7 +32,8 @@ def sampler_options(f):
 
 def make_sampler(o: dict) -> SamplerConfig:
     return SamplerConfig(temperature=o["temperature"], top_k=o["top_k"], top_p=o["top_p"], min_p=o["min_p"],
-                         repeat_penalty=o["repeat_penalty"], presence_penalty=o["presence_penalty"], seed=o["seed"])
+                         repeat_penalty=o["repeat_penalty"], presence_penalty=o["presence_penalty"],
+                         frequency_penalty=o["frequency_penalty"], last_n=o["last_n"], seed=o["seed"])
 
 
 def _say(msg: str) -> None:

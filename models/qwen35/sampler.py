@@ -1,8 +1,10 @@
 """Sampling settings for decode: checked on the host, applied on the GPU by the kernels of
 `zdsl.kernels.sampling` through push constants, so changing them needs no recompile.
 
-Per token the decode graph records `sample_candidates` then `sample_draw` (see that module for
-the buffers); the order of the filters is top-k, min-p, temperature, top-p, then the draw.
+Per token the decode graph records `penalty_window` (when a penalty is on), `sample_candidates`
+and `sample_draw` (see that module for the buffers); the penalties apply, as llama.cpp's do, over
+the last `last_n` tokens of the context, prompt included; the order of the filters is top-k,
+min-p, temperature, top-p, then the draw.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from zdsl.kernels.sampling import CAPS, SENTINEL, sample_ref
 class SamplerConfig:
     """temperature 0 means greedy (argmax, ties to the lowest id). top_k 0 means up to `cap`
     candidates; `cap` is the candidate count the kernels are built for. min_p is relative to the
-    most likely token and applies before temperature. repeat_penalty divides positive logits (and
-    multiplies negative ones) of tokens already seen; presence_penalty is then subtracted from
-    them. The seed is fixed by default so runs are reproducible."""
+    most likely token and applies before temperature. The penalties look at the last `last_n`
+    tokens of the context, prompt included (-1: the whole context, 0: none): repeat_penalty
+    divides positive logits (and multiplies negative ones) of the tokens there; presence_penalty,
+    and frequency_penalty times how often each occurs, are then subtracted. The seed is fixed by
+    default so runs are reproducible."""
 
     temperature: float = 0.8
     top_k: int = 40
@@ -30,6 +34,8 @@ class SamplerConfig:
     min_p: float = 0.05
     repeat_penalty: float = 1.0
     presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    last_n: int = 64
     seed: int = 0
     cap: int = 64
 
@@ -52,11 +58,23 @@ class SamplerConfig:
         number("min_p", lambda v: 0 <= v <= 1, "in [0, 1] (0 disables it)")
         number("repeat_penalty", lambda v: v > 0, "a number > 0 (1 disables it)")
         number("presence_penalty", lambda v: True, "a finite number (0 disables it)")
+        number("frequency_penalty", lambda v: True, "a finite number (0 disables it)")
+        integer("last_n", -1, 2 ** 31 - 1, "-1 (the whole context), 0 (no penalties) or a number of tokens")
         integer("seed", 0, 2 ** 32 - 1, "an integer in [0, 2**32)")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalties(self) -> bool:
+        """Whether any penalty changes a logit (else the window is not kept at all)."""
+        return self.last_n != 0 and (self.repeat_penalty != 1 or self.presence_penalty != 0
+                                     or self.frequency_penalty != 0)
+
+    def window(self, n_ctx: int) -> int:
+        """How many of the last context tokens the penalties see, in a context of n_ctx."""
+        return n_ctx if self.last_n < 0 else min(self.last_n, n_ctx)
 
     @property
     def kernel_cap(self) -> int:
@@ -69,7 +87,7 @@ class SamplerConfig:
         if not 1 <= n_vocab < SENTINEL:
             raise ZdslError(f"vocabulary size must be in [1, {SENTINEL}), got {n_vocab}")
         candidates = dict(n_vocab=n_vocab, repeat_penalty=float(self.repeat_penalty),
-                          presence_penalty=float(self.presence_penalty))
+                          presence_penalty=float(self.presence_penalty), frequency_penalty=float(self.frequency_penalty))
         draw = dict(n_vocab=n_vocab, top_k=1 if self.greedy else int(self.top_k), min_p=float(self.min_p),
                     inv_temp=1.0 if self.greedy else float(np.float32(1 / self.temperature)),
                     top_p=float(self.top_p), seed=int(self.seed), max_tokens=max_tokens)
@@ -77,10 +95,11 @@ class SamplerConfig:
 
 
 def sample_reference(logits, counts, config: SamplerConfig, step: int) -> int:
-    """numpy: the token the GPU sampler picks from `logits` given per-token `counts` of tokens
-    seen, at random-number counter `step` (the value of step[3])."""
+    """numpy: the token the GPU sampler picks from `logits` given per-token `counts` of the tokens
+    in the penalties' window, at random-number counter `step` (the value of step[3])."""
     logits = np.asarray(logits, np.float32)
     candidates, draw = config.push_constants(len(logits))
     return sample_ref(logits, counts, cap=config.kernel_cap, top_k=draw["top_k"], min_p=draw["min_p"],
                       inv_temp=draw["inv_temp"], top_p=draw["top_p"], seed=draw["seed"], counter=step,
-                      repeat_penalty=candidates["repeat_penalty"], presence_penalty=candidates["presence_penalty"])
+                      repeat_penalty=candidates["repeat_penalty"], presence_penalty=candidates["presence_penalty"],
+                      frequency_penalty=candidates["frequency_penalty"])
