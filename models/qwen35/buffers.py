@@ -48,9 +48,13 @@ def vector(name: str, n: int) -> list[Spec]:
             Spec(name + "_q8_1_scales", 4 * (n // 16), "scratch")]
 
 
-def decode_buffers(hp, tensors, n_ctx: int, candidates: int) -> list[Spec]:
+SAVED = "saved."  # the prefix of the checkpoint twins of a sequence's state
+
+
+def decode_buffers(hp, tensors, n_ctx: int, candidates: int, checkpoint: bool = False) -> list[Spec]:
     """The decode graph's buffers for hyperparameters `hp`, the graph's weights `tensors`
-    (weights.GraphWeights), a context of n_ctx tokens and `candidates` bytes of sampler room."""
+    (weights.GraphWeights), a context of n_ctx tokens and `candidates` bytes of sampler room;
+    with `checkpoint`, a twin of the sequence state that steps overwrite (DecodeGraph.checkpoint)."""
     H, C, vd = hp.hidden, hp.conv_channels, hp.ssm_value_dim
     qd, kvd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
     splits = split_count(n_ctx, ATTN_MIN_CHUNK, ATTN_MAX_SPLITS)
@@ -81,7 +85,17 @@ def decode_buffers(hp, tensors, n_ctx: int, candidates: int) -> list[Spec]:
     specs += [Spec("token_counts", 4 * hp.vocab, "scratch"), Spec("penalty_ring", 4 * n_ctx, "scratch"),
               Spec("tokens_out", 4 * n_ctx, "scratch"),
               Spec("candidates", candidates, "scratch")]
+    if checkpoint:
+        specs += [Spec(SAVED + s.name, s.nbytes, s.kind) for s in specs if s.name in checkpointed(hp)]
     return specs
+
+
+def checkpointed(hp) -> set[str]:
+    """The buffers a step overwrites that a sequence needs back to undo steps: the delta-net's
+    state and conv ring, and the penalties' window. (KV rows past the position are written
+    before they are read, so the cache needs no copy.)"""
+    return ({f"ssm_state.{i}" for i in hp.deltanet_layers} | {f"conv_state.{i}" for i in hp.deltanet_layers}
+            | {"token_counts", "penalty_ring"})
 
 
 class Footprint:

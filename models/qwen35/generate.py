@@ -38,7 +38,8 @@ def default_model(progress: Callable[[str], None] | None = None) -> Path:
 
 @dataclass
 class Timings:
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0        # fed this time
+    reused_tokens: int = 0        # already in the caches from before
     prompt_s: float = 0.0
     decode_tokens: int = 0
     decode_s: float = 0.0
@@ -57,21 +58,26 @@ class Timings:
         return sum(self.gpu_ms) / len(self.gpu_ms) if self.gpu_ms else None
 
     def as_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "prompt_tok_per_s": round(self.prompt_tps, 2),
+        return {"prompt_tokens": self.prompt_tokens, "reused_tokens": self.reused_tokens,
+                "prompt_tok_per_s": round(self.prompt_tps, 2),
                 "decode_tokens": self.decode_tokens, "decode_tok_per_s": round(self.decode_tps, 2),
                 "gpu_ms_per_token": None if self.gpu_ms_per_token is None else round(self.gpu_ms_per_token, 3)}
 
     def summary(self) -> str:
         gpu = f", GPU {self.gpu_ms_per_token:.2f} ms/token" if self.gpu_ms_per_token is not None else ""
-        return (f"prompt {self.prompt_tokens} tok at {self.prompt_tps:.1f} tok/s, "
+        reused = f" ({self.reused_tokens} reused)" if self.reused_tokens else ""
+        return (f"prompt {self.prompt_tokens} tok{reused} at {self.prompt_tps:.1f} tok/s, "
                 f"decode {self.decode_tokens} tok at {self.decode_tps:.1f} tok/s{gpu}")
 
 
 class Generator:
-    """A model on a device, ready to generate."""
+    """A model on a device, ready to generate. `context` is what the caches hold: the tokens fed so
+    far, which a later `generate(..., keep=True)` whose prompt extends them does not feed again."""
 
     def __init__(self, model: ModelFile, device, *, n_ctx: int, sampler: SamplerConfig, progress: bool = True,
-                 burst: int = 8, say: Callable[[str], None] | None = None):
+                 burst: int = 8, say: Callable[[str], None] | None = None, keep: bool = False):
+        """`keep`: prompts that extend the context continue it (a chat); bursts that run past an
+        end-of-turn token are then undone from a checkpoint of the sequence state."""
         self.model, self.device = model, device
         self.burst = burst  # decode steps per submission: the host waits once per burst
         self.tokenizer = Tokenizer.from_model(model)
@@ -79,14 +85,22 @@ class Generator:
         if n_ctx > hp.context_length and say:
             say(f"context {hp.context_length:,} tokens: {model.path.name} was trained for no more (asked {n_ctx:,})")
         self.n_ctx = min(n_ctx, hp.context_length)
-        self.graph = DecodeGraph(model, device, self.n_ctx, sampler, progress=progress, say=say)
+        self.keep = keep
+        self.graph = DecodeGraph(model, device, self.n_ctx, sampler, progress=progress, say=say, checkpoint=keep)
+        self.context: list[int] = []
         tok = self.tokenizer
         self.stop_ids = frozenset(i for i in [tok.eos_id] + [tok.tokens.index(t) for t in ("<|im_end|>", "<|endoftext|>")
                                                           if t in tok.tokens] if i is not None)
 
+    def reusable(self, prompt_ids: list[int]) -> int:
+        """How many of `prompt_ids` the caches already hold (0 unless the context is a proper prefix)."""
+        n = len(self.context)
+        return n if self.keep and 0 < n < len(prompt_ids) and prompt_ids[:n] == self.context else 0
+
     def generate(self, prompt_ids: list[int], n: int, *, stop: bool = True) -> Iterator[int]:
-        """Yield up to n generated token ids after `prompt_ids` (the state is reset first).
-        Timings of the last call are in `self.timings`."""
+        """Yield up to n generated token ids after `prompt_ids`, ending after a stop token when
+        `stop`. The caches start over unless they hold a prefix of the prompt (`keep`). Timings of
+        the last call are in `self.timings`."""
         if not prompt_ids:
             raise ZdslError("the prompt is empty; give some text with -p")
         if len(prompt_ids) + n > self.n_ctx:
@@ -94,26 +108,45 @@ class Generator:
                             f"{self.n_ctx} tokens; shorten the prompt, lower -n, or raise --ctx")
         g, t = self.graph, Timings()
         self.timings = t
-        g.reset()
+        reused = self.reusable(prompt_ids)
+        if not reused:
+            g.reset()
+            self.context = []
         start = time.perf_counter()
         token = None
-        for tok in prompt_ids:
+        for tok in prompt_ids[reused:]:
             token = g.decode(tok)
-        t.prompt_tokens, t.prompt_s = len(prompt_ids), time.perf_counter() - start
+        self.context = list(prompt_ids)
+        t.prompt_tokens, t.reused_tokens, t.prompt_s = len(prompt_ids) - reused, reused, time.perf_counter() - start
         start = time.perf_counter()
-        produced, done = 0, False
-        while produced < n and not done:
+        produced, last = 0, None
+        while produced < n:
             # the first token comes from the last prompt step; the rest in bursts that run on the
             # GPU back to back (each step feeds its own sample to the next)
-            burst = [token] if produced == 0 else g.decode_burst(min(self.burst, n - produced))
+            if last is None:
+                burst = [token]
+            else:
+                if self.keep:
+                    g.checkpoint()
+                burst = g.decode_burst(min(self.burst, n - produced))
+            end = next((i + 1 for i, tok in enumerate(burst) if stop and tok in self.stop_ids), len(burst))
+            if last is not None:
+                fed = [last] + burst[:-1]  # what the burst's steps fed
+                if end < len(burst) and self.keep:
+                    g.restore()  # it ran on past the stop token: run only the steps up to it again
+                    fed = fed[:end]
+                    for tok in fed:
+                        g.decode(tok)
+                self.context += fed
+            burst = burst[:end]
             t.decode_tokens, t.decode_s = produced + len(burst) - 1, time.perf_counter() - start
             for tok in burst:
                 produced += 1
                 yield tok
-                if stop and tok in self.stop_ids:
-                    done = True
-                    break
-        if "timestamps" in self.device.info.features and g.position < self.n_ctx:
+            last = burst[-1]
+            if stop and last in self.stop_ids:
+                break
+        if "timestamps" in self.device.info.features and g.position < self.n_ctx and not self.keep:
             t.gpu_ms.append(sum(ms for _, ms in g.profile()))  # one more timed step; generation is over
 
     def close(self) -> None:
@@ -121,7 +154,7 @@ class Generator:
 
 
 def load(path: str | None, device_selector: str | None, *, n_ctx: int, sampler: SamplerConfig,
-         progress: bool = True, say: Callable[[str], None] | None = None) -> Generator:
+         progress: bool = True, say: Callable[[str], None] | None = None, keep: bool = False) -> Generator:
     from zdsl.runtime import open_device
 
     model = open_model(path if path is not None else default_model(say))
@@ -129,7 +162,7 @@ def load(path: str | None, device_selector: str | None, *, n_ctx: int, sampler: 
     if device.info.compile_only:
         raise ZdslError(f"{device.info.name} is a compile-only target; pick a device that runs code (zdsl devices)")
     try:
-        return Generator(model, device, n_ctx=n_ctx, sampler=sampler, progress=progress, say=say)
+        return Generator(model, device, n_ctx=n_ctx, sampler=sampler, progress=progress, say=say, keep=keep)
     except BaseException:
         device.close()
         raise

@@ -28,7 +28,8 @@ from zdsl.kernels import attention, deltanet, dmmv, dmmv_q8, embedding, moe, q8_
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS
 from zdsl.lang.language import cdiv
 from zdsl.runtime.memory import fmt_bytes
-from zdsl.models.qwen35.buffers import ATTN_MAX_SPLITS, ATTN_MIN_CHUNK, STEP_WORDS, check_fits, decode_buffers
+from zdsl.models.qwen35.buffers import (ATTN_MAX_SPLITS, ATTN_MIN_CHUNK, SAVED, STEP_WORDS, check_fits, checkpointed,
+                                        decode_buffers)
 from zdsl.models.qwen35.gguf_file import ModelFile
 from zdsl.models.qwen35.sampler import SamplerConfig
 from zdsl.models.qwen35.weights import file_ranges, graph_weights
@@ -67,9 +68,10 @@ def plan_buffers(model: ModelFile, info, n_ctx: int, sampler: SamplerConfig, tun
 
 class DecodeGraph:
     def __init__(self, model: ModelFile, device, n_ctx: int, sampler: SamplerConfig | None = None,
-                 progress: bool = True, tuning: Database | None = None, say=None):
+                 progress: bool = True, tuning: Database | None = None, say=None, checkpoint: bool = False):
         """`say(line)` hears the memory plan before anything is allocated; `progress` shows the
-        weights' upload."""
+        weights' upload; `checkpoint` keeps room to save the sequence state (`checkpoint()`)."""
+        self.can_checkpoint = checkpoint
         self.model, self.device, self.hp = model, device, model.hparams
         self.tensors = graph_weights(model)  # what the graph reads, by its names (weights.py)
         self.info = device.info
@@ -93,7 +95,7 @@ class DecodeGraph:
 
     def buffers(self, n_ctx: int) -> list:
         """Every device buffer the graph holds at a context of n_ctx tokens (buffers.py)."""
-        return decode_buffers(self.hp, self.tensors, n_ctx, self._candidate_bytes())
+        return decode_buffers(self.hp, self.tensors, n_ctx, self._candidate_bytes(), self.can_checkpoint)
 
     def _prepare_kernels(self, progress: bool) -> float:
         """Record the step (building the kernels not built before) and run it once, since some
@@ -199,6 +201,13 @@ class DecodeGraph:
         self.counts, self.penalty_ring = b["token_counts"], b["penalty_ring"]
         self.tokens_out, self.cand = b["tokens_out"], b["candidates"]
         self._owned = list(b.values())
+        self._save = self._load = self._saved = None
+        if self.can_checkpoint:
+            pairs = [(b[name], b[SAVED + name]) for name in sorted(checkpointed(hp))]
+            self._save, self._load = dev.sequence(), dev.sequence()
+            for live, saved in pairs:
+                self._save.copy(live, saved)
+                self._load.copy(saved, live)
 
     def _candidate_bytes(self) -> int:
         return candidate_bytes(self.sampler, self.sample_groups)
@@ -450,6 +459,23 @@ class DecodeGraph:
         self.position += 1
         return int(self.step_words[2])
 
+    def checkpoint(self) -> None:
+        """Save the sequence's state at this position, so that `restore()` undoes the steps run
+        after (a burst that ran past an end-of-turn token). The copies run before the next step."""
+        if self._save is None:
+            raise ZdslError("this decode graph keeps no checkpoint: make it with checkpoint=True")
+        self._save.run(wait=False)
+        self._saved = (self.position, self.step_words.copy())
+
+    def restore(self) -> None:
+        """Back to the last checkpoint: position, step values (the sampler's counter too) and state."""
+        if self._saved is None:
+            raise ZdslError("restore() without a checkpoint()")
+        self._load.run()
+        self.position, words = self._saved
+        self.step_words[:] = words
+        self._synced = False
+
     def decode_burst(self, n: int) -> list[int]:
         """Run n steps back to back on the GPU, each feeding its sampled token to the next (one
         submission, one wait), and return the n sampled tokens."""
@@ -499,6 +525,9 @@ class DecodeGraph:
 
     def close(self) -> None:
         self._free_steps()
+        for seq in (self._save, self._load):
+            if seq is not None:
+                seq.free()
         for buf in self._owned:
             buf.free()
         self._owned.clear()

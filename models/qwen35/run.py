@@ -91,12 +91,14 @@ def run(model, prompt, n_predict, chat, no_think, ignore_eos, as_json, **opts):
 @click.option("--system", default=None, help="A system message.")
 @sampler_options
 def chat(model, n_predict, no_think, system, **opts):
-    """Interactive chat with the model's template (an empty line or Ctrl-D ends it)."""
+    """Interactive chat with the model's template (an empty line or Ctrl-D ends it). The
+    conversation stays in the caches: each turn feeds only its new tokens."""
     from zdsl.models.qwen35.generate import load
 
-    gen = load(model, opts["device"], n_ctx=opts["n_ctx"], sampler=make_sampler(opts), say=_say)
+    gen = load(model, opts["device"], n_ctx=opts["n_ctx"], sampler=make_sampler(opts), say=_say, keep=True)
     tok = gen.tokenizer
-    messages = [{"role": "system", "content": system}] if system else []
+    start = [{"role": "system", "content": system}] if system else []
+    messages = list(start)
     _say(f"{gen.model.path.name} on {gen.device.info.name}; an empty line ends the chat")
     while True:
         try:
@@ -105,8 +107,17 @@ def chat(model, n_predict, no_think, system, **opts):
             break
         if not line.strip():
             break
-        messages.append({"role": "user", "content": line})
-        ids = tok.encode(tok.apply_chat_template(messages, enable_thinking=not no_think), parse_special=True)
+        turn = messages + [{"role": "user", "content": line}]
+        ids = tok.chat_ids(turn, enable_thinking=not no_think)
+        if len(ids) >= gen.n_ctx and messages != start:
+            _say(f"this turn would fill the context ({len(ids)} of {gen.n_ctx} tokens)")
+            if not click.confirm("start a new conversation with this message?", default=True, err=True):
+                continue
+            messages, turn = list(start), list(start) + turn[-1:]
+            ids = tok.chat_ids(turn, enable_thinking=not no_think)
+        if len(ids) >= gen.n_ctx:
+            _say(f"this message alone needs {len(ids)} tokens; the context holds {gen.n_ctx} (raise --ctx)")
+            continue
         reply: list[int] = []
         shown = ""
         for token in gen.generate(ids, min(n_predict, gen.n_ctx - len(ids))):
@@ -120,5 +131,5 @@ def chat(model, n_predict, no_think, system, **opts):
             shown = stable
         sys.stdout.write("\n")
         _say(gen.timings.summary())
-        messages.append({"role": "assistant", "content": tok.decode(reply, skip_special=True)})
+        messages = turn + [{"role": "assistant", "content": tok.decode(reply, skip_special=True), "ids": reply}]
     gen.close()

@@ -9,6 +9,7 @@ Qwen pre-tokenizer regex splits the text, byte-level BPE encodes each piece. CON
 from __future__ import annotations
 
 import os
+import re
 from functools import cached_property
 
 from gguf import TokenType
@@ -121,6 +122,24 @@ class Tokenizer:
         """Text of a token sequence; incomplete UTF-8 at the end becomes U+FFFD."""
         data = b"".join(self.piece(t) for t in tokens if not (skip_special and t in self.special_ids))
         return data.decode("utf-8", errors="replace")
+
+    def chat_ids(self, messages: list[dict], *, enable_thinking: bool = True) -> list[int]:
+        """Token ids of a conversation as the chat template renders it, a generation prompt after.
+        An assistant message that carries the token ids the model sampled ("ids") keeps them,
+        spliced where the template puts its text: the text encoded again could give other ids,
+        and a conversation kept in the caches across turns must match the tokens they hold."""
+        marks, shown = {}, []
+        for i, m in enumerate(messages):
+            if "ids" in m:
+                mark = f"\ue000zdsl reply {i}\ue000"   # private-use characters: no text has them
+                marks[mark] = m["ids"]
+                m = {k: v for k, v in m.items() if k != "ids"} | {"content": mark}
+            shown.append(m)
+        text = self.apply_chat_template(shown, enable_thinking=enable_thinking)
+        ids: list[int] = []
+        for piece in re.split("(\ue000zdsl reply \\d+\ue000)", text):
+            ids += marks[piece] if piece in marks else self.encode(piece, parse_special=True) if piece else []
+        return ids
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
                             enable_thinking: bool = True, **extra) -> str:
