@@ -16,9 +16,7 @@ import time
 from pathlib import Path
 
 import click
-from rich.console import Console
-from rich.table import Table
-
+from zdsl.console import Table, make_console
 from zdsl.errors import ZdslError
 
 from . import cost_model, tuner
@@ -94,7 +92,7 @@ def tune(device_name, model_path, preset, names, budget, n_ctx, caps, out_path, 
     model = Tensors.from_file(model_path) if model_path else Tensors.from_preset(preset)
     uses = _select(decode_uses(model, n_ctx=n_ctx, caps=cap_list), names)
     method, info, dev = _open(device_name, warmup, repeats, warm_ms, cache_mb)
-    console = Console(stderr=as_json)
+    console = make_console(stderr=as_json)
     modelled = isinstance(method, tuner.Model)
     in_place = model_path is not None and not modelled
     report = None

@@ -7,9 +7,7 @@ import re
 from dataclasses import asdict
 
 import click
-from rich.console import Console
-from rich.table import Table
-
+from zdsl.console import Table, make_console
 from zdsl.errors import ZdslError
 from zdsl.runtime import nulldevice
 from zdsl.runtime.device import list_devices
@@ -58,7 +56,7 @@ def devices(targets: str, as_json: bool) -> None:
         features = ", ".join(f for f in FEATURES if f in i.features)
         table.add_row("-" if i.compile_only else str(i.index), i.name, i.vendor, _driver(i),
                       kind, _subgroups(i), fmt_bytes(i.shared_memory), _heaps(i), features)
-    console = Console()
+    console = make_console()
     console.print(table)
     if not any(not i.compile_only for i in infos):
         console.print("no runnable Vulkan device: run scripts/setup.sh (mesa-vulkan-drivers brings lavapipe)")

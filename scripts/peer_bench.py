@@ -90,8 +90,7 @@ def merge(zdsl: dict | None, llama: list[dict]) -> list[dict]:
 
 
 def print_table(rows: list[dict], title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from zdsl.console import Table, make_console
 
     def cell(v):
         return "—" if v is None else f"{v[0]:,.1f} ± {v[1]:,.1f}"
@@ -101,7 +100,7 @@ def print_table(rows: list[dict], title: str) -> None:
         t.add_column(col, justify="left" if col == "test" else "right")
     for r in rows:
         t.add_row(r["test"], cell(r["zdsl"]), cell(r["llama"]), "—" if r["ratio"] is None else f"{r['ratio']:.2f}×")
-    Console().print(t)
+    make_console().print(t)
 
 
 @click.command(epilog=BUILD)

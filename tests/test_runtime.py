@@ -3,6 +3,7 @@ barrier placement, timestamps, indirect dispatch, errors; compile-only RDNA stat
 RADV's null device; `zdsl devices`."""
 
 import json
+import os
 import re
 import struct
 import subprocess
@@ -604,6 +605,31 @@ def test_cli_devices(monkeypatch, capsys):
     table = capsys.readouterr().out
     assert "llvmpipe" in table and ("GFX1201" in table or "unavailable target gfx1201" in table)
     assert "compile-only" in table or "unavailable" in table
+
+
+def _devices_cli(**env) -> str:
+    proc = subprocess.run([sys.executable, "-m", "zdsl.cli", "devices"], capture_output=True, text=True,
+                          env={**os.environ, "COLUMNS": "40", **env})
+    assert proc.returncode == 0, proc.stderr
+    return re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout)
+
+
+def test_devices_piped_keeps_every_cell_whole(device):
+    out = _devices_cli()    # stdout is a pipe: COLUMNS=40 must not narrow it
+    assert "…" not in out
+    row = next(line for line in out.splitlines() if line.startswith("│ 0 "))
+    assert [c.strip() for c in row.split("│")[1:3]] == ["0", device.info.name]
+
+
+def test_devices_in_a_narrow_terminal_folds_cells_and_cuts_none(device):
+    out = _devices_cli(TTY_COMPATIBLE="1")    # a terminal 40 columns wide
+    assert "…" not in out
+    body = [line.split("│") for line in out.splitlines() if line.startswith("│")]
+    first = next(i for i, cells in enumerate(body) if cells[1].strip() == "0")
+    end = next((i for i in range(first + 1, len(body)) if body[i][1].strip()), len(body))
+    folded = [cells[2].strip() for cells in body[first:end]]
+    assert len(folded) > 1 and all(len(part) < len(device.info.name) for part in folded)
+    assert "".join(folded) == device.info.name.replace(" ", "")
 
 
 def test_vulkan_failures_become_one_line_errors():

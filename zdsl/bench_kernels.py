@@ -362,9 +362,7 @@ class Bench:
 
 
 def print_table(device_name: str, copy_gbps: float, copy_bytes: int, results: list[Result]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
+    from zdsl.console import Table, make_console
     from zdsl.runtime.memory import fmt_bytes
 
     table = Table(title=f"{device_name}: copy {copy_gbps:,.0f} GB/s ({fmt_bytes(copy_bytes)} read + written); "
@@ -380,7 +378,7 @@ def print_table(device_name: str, copy_gbps: float, copy_bytes: int, results: li
         table.add_row(r.kernel, r.shape, " ".join(f"{k}{v}" for k, v in r.params.items()), fmt_bytes(r.bytes),
                       f"{r.us:,.1f}", rate(r.gbps), f"{r.pct_copy:.0f}%", f"{r.copy_alone_pct:.0f}%",
                       f"{r.back_to_back_us:,.1f}", rate(r.back_to_back_gbps), f"{r.back_to_back_pct_copy:.0f}%")
-    Console().print(table)
+    make_console().print(table)
 
 
 @click.command("bench-kernels")

@@ -104,8 +104,7 @@ def emit(results: list[BuildResult], kind: str, out: Path) -> None:
 
 
 def print_table(results: list[BuildResult], target: str | None) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from zdsl.console import Table, make_console
 
     stat_keys = [k for k in STAT_COLUMNS if any(k in r.stats for r in results)]
     table = Table(title=f"zdsl build{' --target ' + target if target else ''}", show_lines=False)
@@ -117,7 +116,7 @@ def print_table(results: list[BuildResult], target: str | None) -> None:
         status = "[red]FAILED[/red]" if r.error else ("[yellow]skipped on target[/yellow]" if target and not r.stats else "ok")
         table.add_row(r.variant.kernel.name, params, f"{r.spirv_bytes:,}", f"{r.ms:.0f}",
                       "yes" if r.cached else "no", *stats, status)
-    console = Console()
+    console = make_console()
     console.print(table)
     for r in results:
         if r.error:

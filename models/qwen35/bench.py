@@ -190,8 +190,7 @@ def plot(r: dict, plan, path: Path) -> bool:
 
 
 def memory_table(rows: list[dict], available: int, device_name: str):
-    from rich.table import Table
-
+    from zdsl.console import Table
     from zdsl.models.qwen35.buffers import KINDS
     from zdsl.runtime.memory import fmt_bytes
 
@@ -205,7 +204,7 @@ def memory_table(rows: list[dict], available: int, device_name: str):
 
 
 def results_table(r: dict):
-    from rich.table import Table
+    from zdsl.console import Table
 
     t = Table(title=f"{r['model']['name']} on {r['device']['name']}: copy {r['copy_gbps']:,.0f} GB/s")
     for col in ("context", "prompt tok/s", "decode tok/s", "GB/token", "ceiling tok/s", "% ceiling"):
@@ -232,8 +231,7 @@ def results_table(r: dict):
 def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir):
     """Decode and prompt tok/s at each context depth, against the ceiling that the device's
     measured copy bandwidth and the bytes read per token imply."""
-    from rich.console import Console
-
+    from zdsl.console import make_console
     from zdsl.models.qwen35.gguf_file import open_model
     from zdsl.models.qwen35.buffers import check_fits
     from zdsl.models.qwen35.generate import Generator
@@ -245,7 +243,7 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
     depths = parse_contexts(contexts)
     if min(tokens, prompt_len, repeats, copy_mb) < 1:
         raise ZdslError("--tokens, --prompt, --repeats and --copy-mb must be at least 1")
-    console = Console()
+    console = make_console()
 
     def say(msg: str) -> None:
         console.print(msg, markup=False, highlight=False)

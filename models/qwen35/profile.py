@@ -119,9 +119,7 @@ def chrome_trace(timings: list[tuple[str, float]]) -> dict:
               show_default=True, help="Where profile.json and trace.json go.")
 def profile(model, device, n_ctx, position, top, steps, warm_ms, out_dir):
     """Time a decode step dispatch by dispatch (GPU timestamps)."""
-    from rich.console import Console
-    from rich.table import Table
-
+    from zdsl.console import Table, make_console
     from zdsl.errors import ZdslError
     from zdsl.models.qwen35.generate import load
     from zdsl.models.qwen35.sampler import SamplerConfig
@@ -154,7 +152,7 @@ def profile(model, device, n_ctx, position, top, steps, warm_ms, out_dir):
     (out_dir / "trace.json").write_text(json.dumps(chrome_trace(timings)))
     (out_dir / "profile.json").write_text(json.dumps({"model": str(gen.model.path), "device": gen.device.info.name,
                                                       "position": at, "steps": steps, **s}, indent=1))
-    console = Console()
+    console = make_console()
     code = f", {s['code_bytes'] / 1024:,.0f} KB of machine code run" if "code_bytes" in s else ""
     console.print(f"{gen.model.path.name} on {gen.device.info.name}: a decode step at position {at}, "
                   f"{s['dispatches']} dispatches{code}, {s['total_ms']:.3f} ms GPU (median of {steps} timed steps, "
