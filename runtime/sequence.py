@@ -10,8 +10,6 @@ command of a stage the last barrier did not cover gets one of its own.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import numpy as np
 
 from zdsl.errors import MissingFeatureError, ZdslError
@@ -53,12 +51,6 @@ class Hazards:
         self.reads.clear()
         self.writes.clear()
 
-    def copy(self) -> "Hazards":
-        twin = Hazards()
-        twin.reads = {b: list(ranges) for b, ranges in self.reads.items()}
-        twin.writes = {b: list(ranges) for b, ranges in self.writes.items()}
-        return twin
-
 
 def fold(grid: tuple[int, int, int], limit: tuple[int, int, int]) -> tuple[int, int, int]:
     """A physical grid of at least as many workgroups as `grid` (and fewer than one row more)
@@ -94,7 +86,6 @@ class Sequence:
         self._keep = Keep()
         self._labels: list[str] = []
         self._hazards = Hazards()
-        self._before: Hazards | None = None  # inside self_ordered(): what came before the region
         self._since = 0     # stages of the commands since the last barrier
         self._seen = 0      # stages of every command recorded
         self._covered = DEPENDENCY.dst  # stages the last barrier ordered after everything before it
@@ -181,16 +172,6 @@ class Sequence:
         lib.vkCmdFillBuffer(self.cb, d[0].buffer, d[1], dst.nbytes, value & 0xFFFFFFFF)
         self._done(f"fill {dst.name}")
 
-    @contextmanager
-    def self_ordered(self):
-        """Commands recorded inside order themselves (arrival counters and zdsl.wait_at_least):
-        barriers only order the first against what came before and what follows after the last."""
-        self._before = self._hazards.copy()
-        try:
-            yield
-        finally:
-            self._before = None
-
     def _check_recording(self) -> None:
         if not self._recording or self.cb is None:
             raise ZdslError("this sequence has already run, so it can no longer record: make a new one")
@@ -198,7 +179,7 @@ class Sequence:
     def _order(self, reads, writes, stage: int) -> None:
         """Record the barrier the next command (of pipeline stages `stage`) needs, if any."""
         self._check_recording()
-        conflict = (self._hazards if self._before is None else self._before).conflict(reads, writes)
+        conflict = self._hazards.conflict(reads, writes)
         uncovered = stage & ~self._covered
         if conflict or uncovered:
             # A conflict is with commands since the last barrier; a stage the last barrier did not
@@ -208,8 +189,6 @@ class Sequence:
             barrier(src, dst).record(self.cb)
             self.barriers += 1
             self._hazards.clear()
-            if self._before is not None:
-                self._before.clear()
             self._since, self._covered = 0, dst
         self._hazards.add(reads, writes)
         self._since |= stage

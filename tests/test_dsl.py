@@ -241,63 +241,6 @@ def test_last_workgroup_sees_every_workgroups_writes_and_resets_its_count(backen
     assert second["out"][0] == 1 + 2 * 2 * x.astype(np.float64).sum()
 
 
-@zdsl.kernel(workgroup=64, register=False)
-def _counted_link(x: zdsl.Coherent[f32], counter: Buffer[u32], n: u32, link: u32, previous: u32):
-    """x[(link+1)·n + i] = x[link·n + (n−1−i)] + 1, once the `previous` workgroups of the link
-    before have arrived at counter[link − 1]; then this workgroup arrives at counter[link]."""
-    zdsl.wait_at_least(counter, zdsl.max(link, 1) - 1, zdsl.where(link > 0, previous, 0, u32))
-    i = zdsl.global_id()
-    with zdsl.if_(i < n):
-        x[(link + 1) * n + i] = x[link * n + (n - 1 - i)] + 1.0
-    zdsl.memory_barrier()
-    zdsl.barrier()
-    with zdsl.if_(zdsl.local_index() == 0):
-        zdsl.atomic_add(counter, link, 1)
-
-
-@given(links=st.integers(1, 12), n=st.integers(1, 700), seed=st.integers(0, 99))
-def test_links_ordered_by_arrival_counts(device, links, n, seed):
-    """A chain of dispatches recorded with no barriers between them (Sequence.self_ordered), each
-    link's workgroups waiting for all of the previous link's: every link sees its input whole
-    (each output element reads an input element another workgroup wrote)."""
-    x0 = np.random.default_rng(seed).integers(-50, 50, n).astype(np.float32)
-    groups = -(-n // 64)
-    x = device.upload(np.concatenate([x0, np.full(links * n, np.nan, np.float32)]), "x")
-    counter = device.alloc(4 * links, "counter")
-    v = _counted_link.specialize()
-    try:
-        seq = device.sequence()
-        seq.fill(counter)
-        with seq.self_ordered():
-            for link in range(links):
-                v.dispatch(seq, groups, x=x, counter=counter, n=n, link=link, previous=groups)
-        assert seq.barriers == 1  # the fill's, before the first link
-        seq.run()
-        seq.free()
-        out = x.read(np.float32, ((links + 1) * n,)).reshape(links + 1, n)
-        counts = counter.read(np.uint32, (links,))
-    finally:
-        x.free()
-        counter.free()
-    expected = x0 + links if links % 2 == 0 else x0[::-1] + links
-    np.testing.assert_array_equal(out[-1], expected)
-    np.testing.assert_array_equal(counts, groups)
-
-
-def test_waiting_for_arrivals_in_the_interpreter():
-    """The interpreter runs workgroups one at a time: a count already reached lets the workgroup
-    through, a short one is an error rather than a hang."""
-    from zdsl.errors import KernelError
-
-    v = _counted_link.specialize()
-    x = np.concatenate([np.zeros(5, np.float32), np.arange(5, dtype=np.float32), np.zeros(5, np.float32)])
-    out = v.interpret(1, x=x, counter=np.array([1, 0], np.uint32), n=5, link=1, previous=1)
-    np.testing.assert_array_equal(out["x"][10:], np.arange(5)[::-1] + 1)
-    np.testing.assert_array_equal(out["counter"], [1, 1])
-    with pytest.raises(KernelError, match="wait forever"):
-        v.interpret(1, x=x, counter=np.array([0, 0], np.uint32), n=5, link=1, previous=1)
-
-
 def test_coherent_buffers_and_memory_barriers_in_glsl():
     glsl = _double_then_sum.specialize().glsl
     assert "coherent buffer B_doubled" in glsl and "coherent buffer B_x" not in glsl

@@ -116,13 +116,6 @@ def test_shared_memory_overwrite_before_barrier():
     expect_error_at(bad, "# MARK", "overwrites element")
 
 
-def test_wait_at_least_needs_a_u32_counter():
-    @zdsl.kernel(register=False)
-    def bad(x: Buffer[f32], n: u32):
-        zdsl.wait_at_least(x, 0, n)  # MARK
-    expect_error_at(bad, "# MARK", "polls a Buffer\\[u32\\]")
-
-
 def test_last_workgroup_needs_a_u32_counter():
     @zdsl.kernel(register=False)
     def bad(x: Buffer[f32], n: u32):

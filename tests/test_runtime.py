@@ -397,28 +397,6 @@ def test_barriers_only_between_dependent_commands(device, double, monkeypatch):
         b.free()
 
 
-def test_self_ordered_commands_get_barriers_only_at_the_region_edges(device, add, double):
-    """Inside Sequence.self_ordered() the kernels order themselves (arrival counts): dependent
-    dispatches get no barrier between them, but the region stays ordered against what came
-    before it and what follows."""
-    n = 300
-    x = device.upload(np.arange(n, dtype=np.float32), "x")
-    y = device.alloc(4 * n, "y")
-    push = struct.pack("<I", n)
-    seq = device.sequence()
-    seq.dispatch(add, groups(n), [x], push_add(n, 1.0))
-    with seq.self_ordered():
-        seq.dispatch(double, groups(n), [x, y], push)   # reads what came before: one barrier
-        seq.dispatch(double, groups(n), [y, x], push)   # depends on the previous one: none
-        seq.dispatch(double, groups(n), [x, y], push)
-        assert seq.barriers == 1
-    seq.dispatch(add, groups(n), [y], push_add(n, 0.0))  # after the region: one more
-    assert seq.barriers == 2
-    seq.free()
-    for b in (x, y):
-        b.free()
-
-
 def test_disjoint_slices_need_no_barrier(device, add):
     n = 64
     x = device.upload(np.zeros(4 * n, np.float32), "kv")

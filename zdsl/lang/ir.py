@@ -172,15 +172,6 @@ class MemoryBarrier:
 
 
 @dataclass
-class WaitAtLeast:
-    """Spin until the u32 view[index], read atomically, is at least target."""
-    view: View
-    index: Operand
-    target: Operand
-    loc: Loc
-
-
-@dataclass
 class Kernel:
     """A traced kernel variant, ready for a backend."""
     name: str

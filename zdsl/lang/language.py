@@ -249,22 +249,6 @@ def last_workgroup(counter: BufferParam, index=0) -> Value:
     return flag[0] == 1
 
 
-def wait_at_least(counter: BufferParam, index, target) -> None:
-    """Wait until counter[index] (u32) is at least `target`; then this workgroup's reads of
-    `Coherent` buffers see the writes made before the arrivals that got it there. One
-    invocation polls with relaxed atomic loads (an atomic add of 0 costs up to 1.8 µs more per
-    dependent link on the H100, docs/PERF.md), and the fence after it makes the last an
-    acquire; call it in uniform control flow. Counting arrivals of another dispatch only
-    terminates if that dispatch's workgroups were all started first, as in-order launch gives."""
-    if not isinstance(counter, BufferParam) or counter.dtype.name != "u32":
-        raise fail("zdsl.wait_at_least polls a Buffer[u32]")
-    tracer().features.add("atomic_load")
-    with if_(local_index() == 0):
-        tracer().emit(ir.WaitAtLeast(_atomic_view(counter), operand(index, u32), operand(target, u32), user_loc()))
-        memory_barrier()
-    barrier()
-
-
 # ---- math -------------------------------------------------------------------------------------
 
 def _float_unary(op):
@@ -469,7 +453,7 @@ def cdiv(a: int, b: int) -> int:
 __all__ = [
     "Buffer", "Coherent", "Spec", "Const", "workgroup_id", "num_workgroups", "local_id", "local_index", "global_id",
     "workgroup_size", "subgroup_size", "subgroup_id", "lane_id", "var", "range", "if_", "else_", "where",
-    "shared", "local_array", "table", "barrier", "memory_barrier", "last_workgroup", "wait_at_least", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "sin", "cos", "tanh", "floor",
+    "shared", "local_array", "table", "barrier", "memory_barrier", "last_workgroup", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "sin", "cos", "tanh", "floor",
     "ceil", "round", "sigmoid", "silu", "softplus", "abs", "isnan", "min", "max", "pow", "clamp", "fma",
     "bitcast", "f16_bits", "bf16_bits", "unpack_bytes", "vec", "dot", "dot4_i8", "subgroup_sum", "subgroup_max",
     "subgroup_min", "subgroup_prefix_sum", "subgroup_ballot_count", "subgroup_broadcast", "subgroup_shuffle", "subgroup_shuffle_xor", "atomic_add",
