@@ -1,17 +1,19 @@
 """Pick the fastest variant of each kernel use: measured on a device that runs code, modelled on
 a compile-only RADV target.
 
-Candidates are the kernel's variant space and its `tune=` values, with what the decode graph
-fixes pinned, filtered by `where=`, the device's subgroup sizes and the workgroups that trace;
-candidates that generate the same code as an earlier one are dropped. The default (what
-`choose()` runs without an entry) always competes, so every result says what tuning gained.
+Uses are what a graph records (`Launch`es merged by kernel and tuning key: `uses()`); each
+kernel's `example` gives inputs of the use's sizes and its reference's verdict. Candidates are
+the kernel's variant space and its `tune=` values, with what the launch fixes pinned, filtered
+by `where=`, the device's subgroup sizes and the workgroups that trace; candidates that generate
+the same code as an earlier one are dropped. The default (what `choose()` runs without an entry)
+always competes, so every result says what tuning gained.
 
-Measured: each candidate first runs a small check case against the kernel's numpy reference
-(a wrong or unbuildable candidate is rejected, with the reason), then the full use is timed with
-GPU timestamps: warm-up dispatches, then repeats (median and spread), rotating copies of the big
+Measured: each candidate first runs a small check example against the reference (a wrong or
+unbuildable candidate is rejected, with the reason), then the full use is timed with GPU
+timestamps: warm-up dispatches, then repeats (median and spread), rotating copies of the big
 inputs between dispatches, after replaying for a while so that the clocks are up.
 Modelled: each candidate is compiled for the target by RADV's null device and ranked by
-`cost_model` from its machine-code statistics.
+`cost_model` from its machine-code statistics and the bytes its launch moves.
 """
 
 from __future__ import annotations
@@ -26,17 +28,63 @@ from types import SimpleNamespace
 import numpy as np
 
 from zdsl.errors import ZdslError
-from zdsl.lang.kernel import Variant
+from zdsl.lang.kernel import Example, Launch, Variant
 
-from . import cost_model, problems
-from .database import Entry, device_key, family
-from .workload import Use
+from . import cost_model
+from .database import Entry, device_key, family, shape_key
 
 SUBGROUP_SIZES = (8, 16, 32, 64, 128)
 STAT_FIGURES = ("VGPRs", "SGPRs", "Spilled VGPRs", "Spilled SGPRs", "Subgroups per SIMD", "VALU", "SALU", "VMEM",
                 "LDS size", "Scratch size")
 MARGIN = 0.02  # the default stays first unless a candidate beats it by this much: smaller
                # differences are within a measurement's noise and the model's slack
+
+
+@dataclass
+class Use:
+    """A kernel and tuning key of a recorded step: its first launch stands for all `count`."""
+
+    launch: Launch
+    count: int = 1
+
+    @property
+    def kernel(self):
+        return self.launch.kernel
+
+    @property
+    def key(self) -> dict:
+        return self.launch.key
+
+    @property
+    def fixed(self) -> dict:
+        return self.launch.fixed
+
+    @property
+    def role(self) -> str:
+        return self.launch.label
+
+    @property
+    def ident(self) -> tuple:
+        return (self.kernel.name, shape_key(self.key))
+
+    @property
+    def label(self) -> str:
+        """The key, short: weight types bare, the rest as name=value."""
+        return " ".join(v if isinstance(v, str) else f"{k}={v}" for k, v in self.key.items() if v != "")
+
+
+def uses(launches: list[Launch]) -> list[Use]:
+    """The tunable uses among `launches` (kernels with an example), merged by kernel and key."""
+    out: dict[tuple, Use] = {}
+    for launch in launches:
+        if launch.kernel.make_example is None:
+            continue  # nothing to choose (embed, advance), or tuned with another (sample_draw)
+        use = Use(launch)
+        if use.ident in out:
+            out[use.ident].count += 1
+        else:
+            out[use.ident] = use
+    return list(out.values())
 
 
 @dataclass
@@ -62,6 +110,7 @@ class Result:
     ranked: list[Candidate]      # accepted candidates, fastest first
     rejected: list[Candidate]
     skipped: str | None = None   # why the use was not (fully) tuned
+    then: list = field(default_factory=list)  # launches tuned with this one (Example.then)
 
     @property
     def best(self) -> Candidate | None:
@@ -84,16 +133,15 @@ def default_params(use: Use, info) -> dict:
     """What `choose()` runs for this use without an entry."""
     k = use.kernel
     given = {k.subgroup: info.subgroup_size} if k.subgroup else {}
-    return k.complete({**given, **use.fixed, **use.pins})
+    return k.complete({**given, **use.fixed})
 
 
 def candidates(use: Use, info) -> list[Candidate]:
     """The default first, then every other combination of the tunable values."""
     k = use.kernel
-    pinned = {**use.fixed, **use.pins}
     sizes = subgroup_sizes(info)
     keys = list(dict.fromkeys([*k.variant_space, *k.tune, *([k.subgroup] if k.subgroup else [])]))
-    free = [key for key in keys if key not in pinned]
+    free = [key for key in keys if key not in use.fixed]
     values = []
     for key in free:
         vals = list(dict.fromkeys(k.variant_space.get(key, []) + k.tune.get(key, [])))
@@ -103,7 +151,7 @@ def candidates(use: Use, info) -> list[Candidate]:
     default = default_params(use, info)
     out, seen = [], set()
     for combo in itertools.chain([tuple(default[key] for key in free)], itertools.product(*values)):
-        params = k.complete({**pinned, **dict(zip(free, combo))})
+        params = k.complete({**use.fixed, **dict(zip(free, combo))})
         ident = tuple(sorted((n, repr(v)) for n, v in params.items()))
         if ident in seen or (k.constraint is not None and not k.constraint(SimpleNamespace(**params))):
             continue
@@ -112,13 +160,19 @@ def candidates(use: Use, info) -> list[Candidate]:
     return out
 
 
-def prepare(case: problems.Case, cands: list[Candidate], info) -> list[Candidate]:
-    """Trace each candidate's dispatches; drop those whose workgroup does not trace or does not
+def variants(use: Use, example: Example, params: dict) -> list[Variant]:
+    """The launches of one candidate: the use's kernel, then those the example tunes with it."""
+    return [use.kernel.specialize(**params)] + [k.specialize(**fixed(params), **tuned(params))
+                                                for k, fixed, tuned in example.then]
+
+
+def prepare(use: Use, example: Example, cands: list[Candidate], info) -> list[Candidate]:
+    """Trace each candidate's launches; drop those whose workgroup does not trace or does not
     fit the device, and those whose code equals an earlier candidate's."""
     out, seen = [], set()
     for c in cands:
         try:
-            c.variants = [s.variant(c.params) for s in case.steps]
+            c.variants = variants(use, example, c.params)
             code = tuple((v.glsl, tuple(sorted(v.spec_constants().items()))) for v in c.variants)
         except ZdslError:
             continue  # a combination the kernel does not build (e.g. a workgroup that is not whole blocks)
@@ -129,8 +183,19 @@ def prepare(case: problems.Case, cands: list[Candidate], info) -> list[Candidate
     return out
 
 
+def sizes_of(example: Example) -> dict:
+    """The scalars and launch sizes of an example (its arguments that are not arrays)."""
+    return {n: v for n, v in example.args.items() if not isinstance(v, np.ndarray)}
+
+
+def launch_of(v: Variant, example: Example) -> tuple[tuple, int]:
+    """(groups, bytes moved) of variant v run on the example."""
+    sizes = sizes_of(example)
+    return v.kernel.groups(v.params, sizes), v.kernel.bytes_moved(v.params, sizes)
+
+
 def _finish(use: Use, method: str, default_ident: dict, accepted: list[Candidate], rejected: list[Candidate],
-            skipped: str | None = None) -> Result:
+            skipped: str | None = None, then=()) -> Result:
     # modelled ties (memory-bound candidates moving the same bytes) rank by issue time
     accepted.sort(key=lambda c: (c.us, c.figures.get("issue_us", 0.0)))
     default = next((c for c in accepted + rejected if c.params == default_ident), None)
@@ -139,12 +204,12 @@ def _finish(use: Use, method: str, default_ident: dict, accepted: list[Candidate
     elif default.error is None and accepted[0].us * (1 + MARGIN) > default.us:
         accepted.remove(default)
         accepted.insert(0, default)
-    return Result(use, method, default, accepted, rejected, skipped)
+    return Result(use, method, default, accepted, rejected, skipped, list(then))
 
 
 def entries(result: Result, info, chosen: Candidate | None = None, **extra) -> list[Entry]:
-    """Database entries for the best candidate, or for `chosen` (and what it implies for
-    companion kernels); `extra` figures are added to the entry."""
+    """Database entries for the best candidate, or for `chosen` (and for the launches tuned with
+    it); `extra` figures are added to the entry."""
     best = chosen or result.best
     if best is None:
         return []
@@ -158,12 +223,34 @@ def entries(result: Result, info, chosen: Candidate | None = None, **extra) -> l
     figures.update(extra)
     out = [Entry(kernel=result.use.kernel.name, shape=result.use.key, params=best.tuned, us=round(best.us, 3),
                  figures=figures, **base)]
-    for kernel, key, params in problems.companions(result.use, best.params):
-        out.append(Entry(kernel=kernel, shape=key, params=params, us=None, figures={}, **base))
+    for kernel, fixed, tuned in result.then:
+        key = {**fixed(best.params), **{n: result.use.launch.sizes[n] for n in kernel.key}}
+        out.append(Entry(kernel=kernel.name, shape=key, params=tuned(best.params), us=None, figures={}, **base))
     return out
 
 
 # -- measured ------------------------------------------------------------------------------------------
+
+def close(got: np.ndarray, want: np.ndarray, tol: float) -> str | None:
+    """None when got matches want within tol times want's largest magnitude (tol 0: exactly;
+    NaN in want: any value); else what is wrong, in a few words."""
+    got = np.asarray(got).reshape(-1)
+    want = np.asarray(want).reshape(-1)
+    if got.shape != want.shape:
+        return f"{got.size} values, expected {want.size}"
+    care = ~np.isnan(want) if want.dtype.kind == "f" else np.ones(want.size, bool)
+    g, w = got[care].astype(np.float64), want[care].astype(np.float64)
+    if tol == 0:
+        bad = np.flatnonzero(g != w)
+        return None if not bad.size else f"{bad.size} of {w.size} values differ"
+    if not np.isfinite(g).all():
+        return f"{int((~np.isfinite(g)).sum())} non-finite values"
+    err = np.abs(g - w)
+    allowed = tol * (float(np.abs(w).max()) if w.size else 0.0)
+    if err.size and err.max() > allowed:
+        return f"max error {err.max():.3g} (allowed {allowed:.3g})"
+    return None
+
 
 class Measure:
     """Checks and times candidates on an open device."""
@@ -173,15 +260,15 @@ class Measure:
         self.device, self.warmup, self.repeats, self.warm_s = device, warmup, repeats, warm_s
         self.cache_bytes, self.seed = cache_bytes, seed
 
-    def copies(self, case_bytes: int) -> int:
+    def copies(self, nbytes: int) -> int:
         """Copies of the big inputs to rotate so that this many bytes lie between reuses."""
-        return max(1, min(self.warmup + self.repeats, math.ceil(self.cache_bytes / max(case_bytes, 1))))
+        return max(1, min(self.warmup + self.repeats, math.ceil(self.cache_bytes / max(nbytes, 1))))
 
     def tune(self, use: Use, deadline: float) -> Result:
         info = self.device.info
         rng = np.random.default_rng(self.seed)
-        check = problems.case(use, rng, check=True)
-        cands = prepare(check, candidates(use, info), info)
+        check = use.kernel.make_example(use.launch, rng, True)
+        cands = prepare(use, check, candidates(use, info), info)
         accepted, rejected, skipped = [], [], None
         full, bufs = None, None
         try:
@@ -192,67 +279,63 @@ class Measure:
                 c.error = self.check(check, c)
                 if c.error is None:
                     if full is None:
-                        full = problems.case(use, rng, check=False)
-                        bufs = self._upload(full, self.copies(full.bytes))
+                        full = use.kernel.make_example(use.launch, rng, False)
+                        bufs = self.upload(full, self.copies(launch_of(c.variants[0], full)[1]))
                     try:
-                        c.us, c.spread = self.time(full, bufs, c)
-                        c.figures = {"gbps": full.bytes / c.us / 1e3, "repeats": self.repeats}
+                        c.us, c.spread = self.time(full, bufs, c.variants)
+                        c.figures = {"gbps": sum(launch_of(v, full)[1] for v in c.variants) / c.us / 1e3,
+                                     "repeats": self.repeats}
                     except ZdslError as e:
                         c.error = f"does not run at full size: {e}"
                 (accepted if c.error is None else rejected).append(c)
         finally:
-            _free(bufs or {})
-        return _finish(use, "measured", default_params(use, info), accepted, rejected, skipped)
+            free(bufs or {})
+        return _finish(use, "measured", default_params(use, info), accepted, rejected, skipped, check.then)
 
-    def check(self, case: problems.Case, c: Candidate) -> str | None:
-        """None when the candidate's outputs on the check case match the reference; else why not."""
+    def check(self, example: Example, c: Candidate) -> str | None:
+        """None when the candidate's outputs on the check example match the reference; else why not."""
         bufs = {}
         try:
-            bufs = self._upload(case, 1)
+            bufs = self.upload(example, 1)
             seq = self.device.sequence()
             try:
-                self._record(seq, case, c, {n: b[0] for n, b in bufs.items()})
+                record(seq, example, c.variants, {n: b[0] for n, b in bufs.items()})
                 seq.run()
             finally:
                 seq.free()
-            for name, (want, tol) in case.expect(c.params).items():
-                a = case.arrays[name]
-                wrong = problems.close(bufs[name][0].read(a.dtype, a.shape), want, tol)
+            for name, (want, tol) in example.expect(c.params).items():
+                a = example.args[name]
+                wrong = close(bufs[name][0].read(a.dtype, a.shape), want, tol)
                 if wrong:
                     return f"wrong {name}: {wrong}"
         except ZdslError as e:
             return f"does not run: {e}"
         finally:
-            _free(bufs)
+            free(bufs)
         return None
 
-    def _upload(self, case: problems.Case, copies: int) -> dict:
+    def upload(self, example: Example, copies: int) -> dict:
         """Every array on the device: name → [the array, then its rotation copies]."""
-        more = case.rotate(copies) if copies > 1 else {}
+        more = example.rotate(copies) if copies > 1 else {}
         bufs = {}
         try:
-            for name, a in case.arrays.items():
-                bufs[name] = []
-                for i, x in enumerate([a] + more.get(name, [])):
-                    bufs[name].append(self.device.upload(np.ascontiguousarray(x), name=f"{name}{i}"))
+            for name, a in example.args.items():
+                if isinstance(a, np.ndarray):
+                    bufs[name] = [self.device.upload(np.ascontiguousarray(x), name=f"{name}{i}")
+                                  for i, x in enumerate([a] + more.get(name, []))]
         except BaseException:
-            _free(bufs)
+            free(bufs)
             raise
         return bufs
 
-    @staticmethod
-    def _record(seq, case: problems.Case, c: Candidate, bufs: dict) -> None:
-        for step, v in zip(case.steps, c.variants):
-            v.dispatch(seq, step.groups(v), **_args(v, bufs, case.scalars))
-
-    def time(self, case: problems.Case, bufs: dict, c: Candidate) -> tuple[float, float]:
-        """Median µs of one run over the repeats that follow the warm-up, and the spread
-        (p90 − p10) / median; run i takes copy i of each rotated input."""
+    def time(self, example: Example, bufs: dict, launches: list[Variant]) -> tuple[float, float]:
+        """Median µs of one run of the launches over the repeats that follow the warm-up, and the
+        spread (p90 − p10) / median; run i takes copy i of each rotated input."""
         n = self.warmup + self.repeats
         seq = self.device.sequence(timestamps=True)
         try:
             for i in range(n):
-                self._record(seq, case, c, {name: b[i % len(b)] for name, b in bufs.items()})
+                record(seq, example, launches, {name: b[i % len(b)] for name, b in bufs.items()})
             end = time.monotonic() + self.warm_s
             seq.run()
             while time.monotonic() < end:
@@ -261,24 +344,31 @@ class Measure:
             ms = np.asarray([t for _, t in seq.timings()])
         finally:
             seq.free()
-        per_run = np.add.reduceat(ms, np.arange(0, len(ms), len(case.steps)))[self.warmup:] * 1e3
+        per_run = np.add.reduceat(ms, np.arange(0, len(ms), len(launches)))[self.warmup:] * 1e3
         median = float(statistics.median(per_run))
         p10, p90 = np.percentile(per_run, [10, 90])
         return median, float((p90 - p10) / median) if median else 0.0
 
 
-def _free(bufs: dict) -> None:
+def record(seq, example: Example, launches: list[Variant], bufs: dict) -> None:
+    """Dispatch the launches on the example's buffers (`bufs`, by name) and scalars."""
+    for v in launches:
+        groups, _ = launch_of(v, example)
+        v.dispatch(seq, groups, **_args(v, bufs, example.args))
+
+
+def free(bufs: dict) -> None:
     for copies in bufs.values():
         for b in copies:
             b.free()
 
 
-def _args(v: Variant, bufs: dict, scalars: dict) -> dict:
-    """The arguments of v's dispatch: the case's buffers and scalars that v declares (a buffer or
-    scalar a variant never touches may be absent from the case; the dispatch fills it in)."""
+def _args(v: Variant, bufs: dict, args: dict) -> dict:
+    """The arguments of v's dispatch: the buffers and scalars that v declares (one a variant never
+    touches may be absent from the example; the dispatch fills it in)."""
     names = [b[0] for b in v.ir.buffers]
-    return {**{n: bufs[n] for n in names if n in bufs}, **{s.name: scalars[s.name] for s in v.ir.scalars
-                                                           if s.name in scalars}}
+    return {**{n: bufs[n] for n in names if n in bufs}, **{s.name: args[s.name] for s in v.ir.scalars
+                                                           if s.name in args}}
 
 
 # -- modelled ------------------------------------------------------------------------------------------
@@ -293,8 +383,8 @@ class Model:
     def tune(self, use: Use, deadline: float) -> Result:
         """Rank every candidate (compiling takes seconds, so the deadline is not consulted)."""
         info = self.info
-        case = problems.case(use, np.random.default_rng(self.seed), check=False)
-        cands = prepare(case, candidates(use, info), info)
+        example = use.kernel.make_example(use.launch, np.random.default_rng(self.seed), False)
+        cands = prepare(use, example, candidates(use, info), info)
         accepted, rejected = [], []
         for c, stats in zip(cands, self._statistics(cands)):
             if isinstance(stats, str):
@@ -302,18 +392,16 @@ class Model:
                 rejected.append(c)
                 continue
             parts = []
-            for i, (step, v, s) in enumerate(zip(case.steps, c.variants, stats)):
-                groups = step.groups(v)
-                nbytes = step.nbytes(c.params) if step.nbytes else (case.bytes if i == 0 else 0)
-                parts.append((cost_model.Dispatch(s, math.prod(groups) if isinstance(groups, tuple) else groups,
-                                                  math.prod(v.ir.workgroup), v.ir.subgroup_size or info.subgroup_size),
-                              nbytes))
+            for v, s in zip(c.variants, stats):
+                groups, nbytes = launch_of(v, example)
+                parts.append((cost_model.Dispatch(s, math.prod(groups), math.prod(v.ir.workgroup),
+                                                  v.ir.subgroup_size or info.subgroup_size), nbytes))
             est = cost_model.estimate_run(self.card, parts)
             c.us = est["us"]
             c.figures = {k: stats[0][k] for k in STAT_FIGURES if k in stats[0]}
             c.figures.update({k: round(v, 4) for k, v in est.items() if k != "us"})
             accepted.append(c)
-        return _finish(use, "modelled", default_params(use, info), accepted, rejected)
+        return _finish(use, "modelled", default_params(use, info), accepted, rejected, then=example.then)
 
     def _statistics(self, cands: list[Candidate]) -> list[list[dict] | str]:
         """Per candidate, the statistics of each dispatch, or why it does not compile: all in one

@@ -27,6 +27,7 @@ import numpy as np
 
 import zdsl
 from zdsl import Buffer, Const, f16, f32, u32
+from zdsl.kernels import inputs
 from zdsl.kernels.norm import rms_scale
 from zdsl.kernels.q8_1 import store_q8_1
 from zdsl.kernels.reduce import SUBGROUPS
@@ -36,7 +37,9 @@ LOWEST = float(np.finfo(np.float32).min)  # the "no score yet" max: finite, so e
 
 # ---- q/k norm, RoPE, KV-cache append --------------------------------------------------------------
 
-@zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [64, 256], "SG": SUBGROUPS})
+@zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [64, 256], "SG": SUBGROUPS}, key=("d",),
+             grid=lambda v, s: s.n_head + s.n_kv,
+             traffic=lambda v, s: 4 * (s.n_head * 3 * s.d + 2 * s.n_kv * s.d + 2 * s.d) + 4 * s.n_kv * s.d)
 def attn_prep(qg: Buffer[f32], k: Buffer[f32], v: Buffer[f32], q_norm: Buffer[f32], k_norm: Buffer[f32],
               step: Buffer[u32], q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16],
               n_head: u32, n_kv: u32, d: u32, rope_dims: u32, rope_base: f32, eps: f32,
@@ -44,7 +47,7 @@ def attn_prep(qg: Buffer[f32], k: Buffer[f32], v: Buffer[f32], q_norm: Buffer[f3
     """Workgroup h < n_head: q[h] = rope(rmsnorm(qg[h, :d]) · q_norm) (qg holds [query d | gate d]
     per head). Workgroup n_head + g: k_cache[pos, g] = rope(rmsnorm(k[g]) · k_norm) and
     v_cache[pos, g] = v[g], as f16, pos = step[0]. RoPE pairs dim i with i + rope_dims/2,
-    θ_i = pos · rope_base^(−2i/rope_dims); rope_dims is even and ≤ d. Grid: n_head + n_kv."""
+    θ_i = pos · rope_base^(−2i/rope_dims); rope_dims is even and ≤ d."""
     head = zdsl.workgroup_id()
     is_q = head < n_head
     g = head - n_head  # the KV head (wraps for query heads, where it is never used)
@@ -165,8 +168,15 @@ def _decode_fits(v) -> bool:
     return v.D % 4 == 0 and lanes & (lanes - 1) == 0 and v.D % (4 * lanes) == 0
 
 
+def _decode_traffic(v, s) -> int:
+    """The whole cache as allocated (the length a step reads grows to it), q and the partials."""
+    cache = 2 * s.ctx * s.n_kv * v.D
+    return 2 * cache + 4 * s.n_kv * v.G * v.D * (1 + s.nsplit) + 8 * s.n_kv * v.G * s.nsplit
+
+
 @zdsl.kernel(workgroup=lambda v: v.NW * v.SG, subgroup="SG",
-             variants={"D": [128, 256], "G": [2, 4, 8], "NW": [1, 4], "U": [2, 4], "SG": SUBGROUPS}, where=_decode_fits)
+             variants={"D": [128, 256], "G": [2, 4, 8], "NW": [1, 4], "U": [2, 4], "SG": SUBGROUPS}, where=_decode_fits,
+             sizes=("nsplit", "ctx"), grid=lambda v, s: (s.nsplit, s.n_kv), traffic=_decode_traffic)
 def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step: Buffer[u32], part: Buffer[f32],
                 n_kv: u32, min_chunk: u32, G: Const = 8, D: Const = 256, NW: Const = 4, U: Const = 2,
                 SG: Const = 32):
@@ -179,7 +189,8 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
     those dims of the G queries and G accumulators in registers, so K and V are read once for
     all G heads. A subgroup takes U rows per cluster of lanes per round (their loads in flight
     together); the NW subgroups of the workgroup take alternate rounds, and their running
-    softmaxes are merged through shared memory at the end. Grid: (nsplit, n_kv)."""
+    softmaxes are merged through shared memory at the end. The launch names nsplit (the grid's x)
+    and ctx (the rows the cache holds)."""
     if not _decode_fits(SimpleNamespace(D=D, SG=SG)):
         raise zdsl.ZdslError(f"attn_decode needs D / 4 a power of two or a multiple of 4·SG, not D={D}, SG={SG}")
     C = row_lanes(D, SG)
@@ -309,9 +320,15 @@ def attn_decode_ref(q, k_cache, v_cache, length, nsplit, min_chunk=1):
 
 # ---- merge the splits, gate ------------------------------------------------------------------------
 
+def _combine_traffic(v, s) -> int:
+    used = len(split_bounds(s.ctx, s.nsplit, s.min_chunk))
+    return 4 * s.n_head * (used * (v.D + 2) + 3 * v.D)
+
+
 @zdsl.kernel(workgroup="WG", subgroup="SG",
              variants={"D": [128, 256], "WG": [64, 256], "SP": [1, 4], "R": [1, 4], "Q8": [False, True], "SG": SUBGROUPS},
-             where=lambda v: v.WG % v.SP == 0 and v.D % (v.WG // v.SP) == 0)
+             where=lambda v: v.WG % v.SP == 0 and v.D % (v.WG // v.SP) == 0,
+             sizes=("n_head", "ctx"), grid=lambda v, s: s.n_head, traffic=_combine_traffic)
 def attn_combine(part: Buffer[f32], qg: Buffer[f32], step: Buffer[u32], o: Buffer[f32], oq: Buffer[u32],
                  od: Buffer[f32], nsplit: u32, min_chunk: u32, D: Const = 256, WG: Const = 256, SP: Const = 4,
                  R: Const = 4, Q8: Const = False, SG: Const = 32):
@@ -321,7 +338,7 @@ def attn_combine(part: Buffer[f32], qg: Buffer[f32], step: Buffer[u32], o: Buffe
     loaded before any is used), each invocation of a group owning D / (WG / SP) dims; the groups
     then merge through shared memory. With Q8, o also goes out as Q8_1 (oq, od: the output
     projection's int8 input; q8_1.py; D a multiple of 32), four consecutive dims per invocation
-    through shared memory. Grid: n_head."""
+    through shared memory. The launch names n_head (the grid) and ctx (the rows the cache holds)."""
     JW = WG // SP  # invocations along the dims
     if WG % SP or D % JW:
         raise zdsl.ZdslError(f"attn_combine needs SP | WG and WG / SP | D, not WG={WG}, SP={SP}, D={D}")
@@ -416,3 +433,66 @@ def attention_ref(q, k_cache, v_cache, qg, length):
     p = np.exp(scores - scores.max(axis=1, keepdims=True))
     o = np.einsum("ht,htd->hd", p / p.sum(axis=1, keepdims=True), V)
     return (o / (1 + np.exp(-qg[:, d:].astype(np.float64)))).astype(np.float32)
+
+
+# ---- examples ------------------------------------------------------------------------------------
+
+@attn_prep.example
+def attn_prep_example(use, rng, check):
+    s = use.sizes
+    nh, nkv, d = s["n_head"], s["n_kv"], s["d"]
+    ctx = use.buffers["k_cache"] // (2 * nkv * d)
+    ctx = min(ctx, inputs.CHECK_CTX) if check else ctx
+    pos = ctx - 1
+    args = dict(qg=inputs.normal(rng, nh * 2 * d), k=inputs.normal(rng, nkv * d), v=inputs.normal(rng, nkv * d),
+                q_norm=rng.uniform(0.5, 1.5, d).astype(np.float32), k_norm=rng.uniform(0.5, 1.5, d).astype(np.float32),
+                step=inputs.step_words(pos, pos + 1), q=np.zeros(nh * d, np.float32),
+                k_cache=inputs.kv_cache(rng, ctx, nkv, d), v_cache=inputs.kv_cache(rng, ctx, nkv, d),
+                **{n: s[n] for n in ("n_head", "n_kv", "d", "rope_dims", "rope_base", "eps")})
+
+    def expect(p):
+        a = args
+        q, kc, vc = attn_prep_ref(a["qg"].reshape(nh, 2 * d), a["k"].reshape(nkv, d), a["v"].reshape(nkv, d),
+                                  a["q_norm"], a["k_norm"], a["k_cache"].reshape(ctx, nkv, d),
+                                  a["v_cache"].reshape(ctx, nkv, d), pos, s["rope_dims"], s["rope_base"], s["eps"])
+        return {"q": (q, 1e-4), "k_cache": (kc.astype(np.float32), 2e-3), "v_cache": (vc.astype(np.float32), 1e-3)}
+    return zdsl.Example(args, expect)
+
+
+@attn_decode.example
+def attn_decode_example(use, rng, check):
+    D, G = use.fixed["D"], use.fixed["G"]
+    nkv, min_chunk = use.sizes["n_kv"], use.sizes["min_chunk"]
+    nh = nkv * G
+    ctx, nsplit = ((inputs.CHECK_CTX, -(-inputs.CHECK_CTX // min_chunk)) if check
+                   else (use.sizes["ctx"], use.sizes["nsplit"]))
+    args = dict(q=inputs.normal(rng, nh * D), k_cache=inputs.kv_cache(rng, ctx, nkv, D),
+                v_cache=inputs.kv_cache(rng, ctx, nkv, D), step=inputs.step_words(ctx - 1, ctx),
+                part=np.zeros(nh * nsplit * (D + 2), np.float32), n_kv=nkv, min_chunk=min_chunk, nsplit=nsplit, ctx=ctx)
+
+    def expect(p):
+        want = attn_decode_ref(args["q"].reshape(nh, D), args["k_cache"].reshape(ctx, nkv, D),
+                               args["v_cache"].reshape(ctx, nkv, D), ctx, nsplit, min_chunk)
+        return {"part": (want, 1e-4)}  # NaN where a split is not in use
+    return zdsl.Example(args, expect, lambda n: {"k_cache": inputs.copies(args["k_cache"], n),
+                                                 "v_cache": inputs.copies(args["v_cache"], n)})
+
+
+@attn_combine.example
+def attn_combine_example(use, rng, check):
+    D, q8, nh, min_chunk = use.fixed["D"], use.fixed["Q8"], use.sizes["n_head"], use.sizes["min_chunk"]
+    ctx, nsplit = ((inputs.CHECK_CTX, -(-inputs.CHECK_CTX // min_chunk)) if check
+                   else (use.sizes["ctx"], use.sizes["nsplit"]))
+    part = np.empty((nh, nsplit, D + 2), np.float32)
+    part[:, :, 0] = rng.standard_normal((nh, nsplit)) * 3
+    part[:, :, 1] = rng.uniform(1, 20, (nh, nsplit))
+    part[:, :, 2:] = rng.standard_normal((nh, nsplit, D))
+    args = dict(part=part.reshape(-1), qg=inputs.normal(rng, nh * 2 * D), step=inputs.step_words(ctx - 1, ctx),
+                o=np.zeros(nh * D, np.float32), nsplit=nsplit, min_chunk=min_chunk, n_head=nh, ctx=ctx)
+    if q8:
+        args.update(oq=np.zeros(nh * D // 4, np.uint32), od=np.zeros(nh * D // 16, np.float32))
+
+    def expect(p):
+        o = attn_combine_ref(part, args["qg"].reshape(nh, 2 * D), ctx, nsplit, min_chunk)
+        return {"o": (o, 1e-4), **({"od": (inputs.q8_1_scales(o), 1e-4)} if q8 else {})}
+    return zdsl.Example(args, expect)

@@ -30,9 +30,9 @@ import numpy as np
 
 import zdsl
 from zdsl import Buffer, Const, f32, u8, u32
-from zdsl.kernels import dmmv
-from zdsl.kernels.dmmv_q8 import q8_step
-from zdsl.kernels.q8_1 import q8_1_values, store_q8_1
+from zdsl.kernels import dmmv, inputs
+from zdsl.kernels.dmmv import q8_step
+from zdsl.kernels.q8_1 import q8_1_buffers, q8_1_values, store_q8_1
 from zdsl.kernels.quant import FORMATS, fmt
 from zdsl.kernels.reduce import SUBGROUPS, workgroup_sums
 
@@ -67,9 +67,18 @@ def gate_dots(w_ba, x, xq, xd, h, k, QTYPE: str, SG: int):
     return acc[0][0], acc[1][0]
 
 
+def _step_traffic(v, s) -> int:
+    """Every buffer once (the conv ring: KC − 1 slots read, one written), the state read and written."""
+    H, Hv, D = s.k, s.v_heads, v.D
+    C = (2 * s.n_k_heads + Hv) * D
+    out = 4 * Hv * D + (Hv * D + Hv * D // 4 if v.Q8 else 0)
+    return (4 * C * (1 + 2 * v.KC) + 32 + 4 * Hv * D + 2 * Hv * inputs.row_bytes(v.QTYPE, H) + 4 * H + H + H // 4
+            + 8 * Hv + 4 * D + 8 * Hv * D * D + out)
+
+
 @zdsl.kernel(workgroup="WG", subgroup="SG",
              variants={"D": [128], "WG": [256, 512], "Q8": [False, True], "QTYPE": GATE_QTYPES, "SG": SUBGROUPS},
-             where=_step_fits)
+             where=_step_fits, sizes=("v_heads",), grid=lambda v, s: s.v_heads, traffic=_step_traffic)
 def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32], step: Buffer[u32], z: Buffer[f32],
                   w_ba: Buffer[u8], x: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], ssm_a: Buffer[f32],
                   dt_bias: Buffer[f32], norm_w: Buffer[f32],
@@ -90,7 +99,7 @@ def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32]
     out_h = rmsnorm(o) · norm_w · silu(z_h); with Q8 also as Q8_1 (oq, od: the output
     projection's int8 input; q8_1.py; D a multiple of 32). Invocation (row part p, column quad c) keeps rows
     p, p + RP, … of columns 4c..4c+3 in registers (RP = 4·WG / D row parts), so each row of S
-    is one contiguous read and write per D/4 invocations. Grid: number of value heads."""
+    is one contiguous read and write per D/4 invocations. The launch names v_heads (the grid)."""
     if not _step_fits(SimpleNamespace(D=D, WG=WG, SG=SG, QTYPE=QTYPE)):
         raise zdsl.ZdslError(f"deltanet_step needs 4 | D, D/4 | WG, WG / (D/4) | D and whole {QTYPE} blocks per "
                              f"workgroup, not D={D}, WG={WG}")
@@ -208,3 +217,30 @@ def deltanet_step_ref(mix, conv_w, conv_state, pos, z, w_ba, x, xq, xd, qtype, s
         o = S[h].T @ q[kh] / np.sqrt(D)
         out[h] = o / np.sqrt(np.mean(o * o) + eps) * f(norm_w) * z[h] / (1 + np.exp(-z[h]))
     return out.reshape(-1).astype(np.float32), S.astype(np.float32), ring
+
+
+@deltanet_step.example
+def deltanet_step_example(use, rng, check):
+    D, KC, q, q8 = use.fixed["D"], use.fixed["KC"], use.fixed["QTYPE"], use.fixed["Q8"]
+    Hk, Hv, H, eps = use.sizes["n_k_heads"], use.sizes["v_heads"], use.sizes["k"], use.sizes["eps"]
+    C = (2 * Hk + Hv) * D
+    pos = 1001  # the taps read a wrapped ring
+    args = dict(mix=inputs.normal(rng, C), conv_w=inputs.normal(rng, C * KC, 0.5), conv_state=inputs.normal(rng, KC * C),
+                step=inputs.step_words(pos, pos + 1), z=inputs.normal(rng, Hv * D, 2.0),
+                w_ba=inputs.rows(rng, q, 2 * Hv, H), **inputs.activations(rng, H, False),
+                ssm_a=-np.exp(rng.standard_normal(Hv)).astype(np.float32), dt_bias=inputs.normal(rng, Hv),
+                norm_w=inputs.normal(rng, D), state=inputs.normal(rng, Hv * D * D, 0.5), out=np.zeros(Hv * D, np.float32),
+                n_k_heads=Hk, k=H, eps=eps, v_heads=Hv)
+    args.update(zip(("xq", "xd"), q8_1_buffers(args["x"])))
+    if q8:
+        args.update(oq=np.zeros(Hv * D // 4, np.uint32), od=np.zeros(Hv * D // 16, np.float32))
+    s0, ring0 = args["state"].copy(), args["conv_state"].copy()
+
+    def expect(p):
+        given = {n: args[n] for n in ("mix", "z", "w_ba", "x", "xq", "xd", "ssm_a", "dt_bias", "norm_w")}
+        out, state, ring = deltanet_step_ref(**given, qtype=q, conv_w=args["conv_w"].reshape(C, KC),
+                                             conv_state=ring0.reshape(KC, C), pos=pos, state=s0.reshape(Hv, D, D),
+                                             n_k_heads=Hk, eps=eps)
+        q8_out = {"od": (inputs.q8_1_scales(out), 1e-4)} if q8 else {}
+        return {"out": (out, 1e-4), **q8_out, "state": (state, 1e-5), "conv_state": (ring, 0)}
+    return zdsl.Example(args, expect, lambda n: {"state": inputs.copies(args["state"], n)})

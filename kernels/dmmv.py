@@ -5,13 +5,23 @@ A workgroup owns ROWS consecutive output rows. Its invocations walk the rows' bl
 128-byte pieces, see quant.py), WG/parts blocks are in flight per step, and each invocation
 keeps ROWS × COLS partial sums that a subgroup (then shared-memory) reduction combines.
 Activations and their group sums are loaded once per block and reused for every row, so ROWS > 1
-divides the activation traffic, which is several times the weight traffic of a 4-bit format. The same step serves the plain product,
-MoE experts chosen on the GPU, the fused gate·up SwiGLU (gate and up rows in one loop), and the
-weighted sum over experts of the down projection (experts and blocks in one flat loop, so all
-experts' loads are in flight together).
+divides the activation traffic, which is several times the weight traffic of a 4-bit format.
+The same step serves the plain product here and the FFN's (ffn.py: MoE experts chosen on the
+GPU, the fused gate·up SwiGLU, the weighted sum over experts of the down projection).
+
+With Q8 the activations come in Q8_1 (q8_1.py) and the products are int8: four weight bytes
+times four activation bytes per `dot4_i8` instead of four decoded floats per multiply-add. Per
+weight group (quant.IntGroup):
+    w·x ≈ scale · d · Σ q_w q_x + bias · Σx,   Σx = s for a whole block, else d · Σ q_x.
+The product is exact for the quantized activations up to f32 rounding (tests hold it to
+dequant(W) @ dequant(Q8_1(x)) within 1e-5 relative); against the f32 activations the error is
+the quantization's, at most Σ_j |w_j| · d_j / 2 (d_j the scale of element j's block), about
+0.3% of Σ|w·x| for typical activations.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -19,7 +29,9 @@ import zdsl
 from zdsl import Buffer, Const, Spec, boolean, f32, u8, u32
 from gguf import GGMLQuantizationType as QuantType
 from gguf.quants import dequantize
-from zdsl.kernels.quant import FORMATS, Factored, fmt
+from zdsl.kernels import inputs
+from zdsl.kernels.q8_1 import q8_1_values
+from zdsl.kernels.quant import FORMATS, INT8_FORMATS, Factored, fmt
 from zdsl.kernels.reduce import SUBGROUPS, workgroup_sums
 
 QTYPES = list(FORMATS)
@@ -32,7 +44,8 @@ def workgroup(v) -> int:
     """WG = 0 picks the smallest workgroup that is whole subgroups and whole blocks; the tuner
     may ask for more subgroups per workgroup (sharing its rows), or for NSUB subgroups with
     rows of their own."""
-    return workgroup_of(v, FORMATS[v.QTYPE].parts)
+    f = FORMATS[v.QTYPE]
+    return workgroup_of(v, f.iparts if getattr(v, "Q8", False) else f.parts)
 
 
 def workgroup_of(v, parts: int) -> int:
@@ -77,9 +90,9 @@ class Rows:
         return self.index == 0
 
 
-def rows_per_workgroup(v) -> int:
-    """The grid of a matrix-vector variant is ceil(m / rows_per_workgroup(v))."""
-    return v.params["ROWS"] * v.params["NSUB"]
+def row_groups(v, m) -> int:
+    """The workgroups that own m rows: the grid of a matrix-vector variant v (values namespace)."""
+    return -(-m // (v.ROWS * v.NSUB))
 
 
 def block_step(f, ctx, rows, x, x_bases, b, part):
@@ -173,6 +186,53 @@ def sum_values(a):
     return total
 
 
+def words_of(buf, index, n: int) -> list:
+    """n u32 from word `index`, a multiple of min(n, 4): 16- or 8-byte loads."""
+    if n % 4 == 0:
+        vs = [buf.vec4[(index >> 2) + i] for i in range(n // 4)]
+        return [v[j] for v in vs for j in range(4)]
+    if n % 2 == 0:
+        vs = [buf.vec2[(index >> 1) + i] for i in range(n // 2)]
+        return [v[j] for v in vs for j in range(2)]
+    return [buf[index + i] for i in range(n)]
+
+
+def dot_words(a, b):
+    total = zdsl.dot4_i8(a[0], b[0])
+    for p, q in zip(a[1:], b[1:]):
+        total = total + zdsl.dot4_i8(p, q)
+    return total
+
+
+def q8_step(f, rows, xq, xd, x_bases, b, part):
+    """This invocation's share of block b against Q8_1 activations; returns [row][col] f32."""
+    groups = [f.int_groups(w, base + b * f.nbytes, part) for w, base in rows]
+    out = [[None] * len(x_bases) for _ in rows]
+    for c, xb in enumerate(x_bases):
+        first = xb + b * f.block
+        for gi, g0 in enumerate(groups[0]):
+            e = first + g0.offset
+            xw = words_of(xq, e >> 2, len(g0.words))
+            ds = xd.vec2[e >> 5]
+            xsum = None
+            if g0.bias is not None:
+                xsum = ds.y if len(xw) == 8 else ds.x * dot_words(xw, [0x01010101] * len(xw)).to(f32)
+            for r, row_groups in enumerate(groups):
+                g = row_groups[gi]
+                term = (g.scale * ds.x) * dot_words(g.words, xw).to(f32)
+                if g.bias is not None:
+                    term = zdsl.fma(g.bias, xsum, term)
+                out[r][c] = term if out[r][c] is None else out[r][c] + term
+    return out
+
+
+def int8_decoder(QTYPE: str):
+    f = fmt(QTYPE)
+    if not f.iparts:
+        raise zdsl.ZdslError(f"no int8 decoder for {QTYPE} (have: {', '.join(INT8_FORMATS)})")
+    return f
+
+
 def old_rows(y, group: Rows, m, COLS, ADD):
     """What store_rows adds to: y[c·m + row] for the group's rows (0 where not ADD), loaded by
     its leader before the block loop so that the load's latency hides behind the blocks'.
@@ -195,22 +255,46 @@ def store_rows(y, sums, group: Rows, m, COLS, old=None):
                     y[c * m + group.first + r] = sums[i] + old[i] if old else sums[i]
 
 
-@zdsl.kernel(workgroup=workgroup, subgroup="SG",
-             variants={"QTYPE": QTYPES, "COLS": list(range(1, 9)), "ROWS": [1, 2, 4], "SG": SUBGROUPS},
-             tune={"NSUB": NSUBS}, where=lambda v: v.COLS == 1 or v.ROWS == 1)
-def dmmv(w: Buffer[u8], x: Buffer[f32], y: Buffer[f32], k: u32, m: u32, ADD: Spec[boolean] = False,
-         QTYPE: Const = "q4_k", COLS: Const = 1, ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
-    """y[c·m + r] (+)= Σ_k W[r, k] · x[c·k + k] for COLS activation vectors; ADD accumulates
-    into y (a residual connection). Grid: ceil(m / rows_per_workgroup)."""
-    f = fmt(QTYPE)
-    ctx = f.setup()
+def project(w, x, xq, xd, y, k, m, QTYPE: str, Q8: bool, group: Rows, COLS=1, ADD=False):
+    """The group's rows of y (+)= W · x for COLS activation vectors: f32 x, or Q8_1 xq/xd."""
+    f = int8_decoder(QTYPE) if Q8 else fmt(QTYPE)
+    ctx = None if Q8 else f.setup()
     nblocks = k // f.block
-    group = Rows(ROWS, NSUB, SG)
     rows = [(w, r * (nblocks * f.nbytes)) for r in group.clamped(m)]
+    x_bases = [c * k for c in range(COLS)]
     old = old_rows(y, group, m, COLS, ADD)
-    acc = block_dots(f, ctx, rows, x, [c * k for c in range(COLS)], nblocks, group)
-    sums = group.sums([acc[r][c] for r in range(ROWS) for c in range(COLS)])
+    if Q8:
+        acc = block_loop(f.iparts, nblocks, group, group.count, COLS,
+                         lambda b, part: q8_step(f, rows, xq, xd, x_bases, b, part))
+    else:
+        acc = block_dots(f, ctx, rows, x, x_bases, nblocks, group)
+    sums = group.sums([acc[r][c] for r in range(group.count) for c in range(COLS)])
     store_rows(y, sums, group, m, COLS, old)
+
+
+def input_bytes(k: int, Q8: bool) -> int:
+    """Bytes of one activation vector of k values: f32, or Q8_1 (k quants, k/16 scale floats)."""
+    return k + k // 4 if Q8 else 4 * k
+
+
+def _dmmv_fits(v) -> bool:
+    return (v.COLS == 1 or v.ROWS == 1) and (not v.Q8 or v.QTYPE in INT8_FORMATS)
+
+
+@zdsl.kernel(workgroup=workgroup, subgroup="SG",
+             variants={"QTYPE": QTYPES, "Q8": [False, True], "COLS": list(range(1, 9)), "ROWS": [1, 2, 4],
+                       "SG": SUBGROUPS},
+             tune={"NSUB": NSUBS}, where=_dmmv_fits, key=("k", "m"),
+             grid=lambda v, s: row_groups(v, s.m),
+             traffic=lambda v, s: (s.m * inputs.row_bytes(v.QTYPE, s.k) + v.COLS * input_bytes(s.k, v.Q8)
+                                   + 4 * v.COLS * s.m * (2 if v.ADD else 1)))
+def dmmv(w: Buffer[u8], x: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], y: Buffer[f32], k: u32, m: u32,
+         ADD: Spec[boolean] = False, QTYPE: Const = "q4_k", Q8: Const = False, COLS: Const = 1, ROWS: Const = 1,
+         NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
+    """y[c·m + r] (+)= Σ_k W[r, k] · x[c·k + k] for COLS activation vectors, given in f32 (x) or,
+    with Q8, as Q8_1 (xq, xd: the COLS·k activations quantized back to back); ADD accumulates
+    into y (a residual connection)."""
+    project(w, x, xq, xd, y, k, m, QTYPE, Q8, Rows(ROWS, NSUB, SG), COLS, ADD)
 
 
 def dequant_rows(w_bytes, qtype: str, m: int, k: int) -> np.ndarray:
@@ -224,151 +308,71 @@ def dmmv_ref(w_bytes, x, qtype, m, k, y=None):
     return out if y is None else out + y
 
 
-@zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": QTYPES, "ROWS": [1, 2, 4], "SG": SUBGROUPS},
-             tune={"NSUB": NSUBS})
-def ffn_gate_up(wg: Buffer[u8], wu: Buffer[u8], ids: Buffer[u32], x: Buffer[f32], act: Buffer[f32], k: u32, m: u32,
-                EXPERTS: Spec[boolean] = True, QTYPE: Const = "q4_k", ROWS: Const = 1, NSUB: Const = 1,
-                SG: Const = 32, WG: Const = 0):
-    """act[s·m + r] = silu(Wg[r]·x) · (Wu[r]·x) for slot s = workgroup_id(1), with the pair of
-    expert ids[s] (EXPERTS) or the single pair (not EXPERTS: a dense FFN; `ids` unused). A MoE
-    layer's shared expert is one more expert of the stacks (the graph appends it; the router
-    names it in ids[K]), so routed and shared experts are one dispatch with one code path.
-    Gate and up rows are read in one pass over x. Grid: (ceil(m / rows_per_workgroup), slots)."""
-    f = fmt(QTYPE)
-    ctx = f.setup()
-    nblocks = k // f.block
-    row_bytes = nblocks * f.nbytes
-    slot = zdsl.workgroup_id(1)
-    group = Rows(ROWS, NSUB, SG)
-    expert_base = ids.load(slot, mask=EXPERTS, other=0) * (m * row_bytes)
-    bases = [expert_base + r * row_bytes for r in group.clamped(m)]
-    acc = block_dots(f, ctx, [(wg, b) for b in bases] + [(wu, b) for b in bases], x, [0], nblocks, group)
-    store_swiglu(act, group.sums([a[0] for a in acc]), group, m, slot)
+def dmmv_q8_ref(w_bytes, xq, xd, qtype, m, k, y=None):
+    """dmmv with Q8: dequant(W) @ the Q8_1 activations, in float64."""
+    return dmmv_ref(w_bytes, q8_1_values(xq, xd), qtype, m, k, y)
 
 
-def store_swiglu(act, sums, group: Rows, m, slot):
-    """act[slot·m + row] = silu(gate) · up, from sums = the group's gate rows, then its up rows."""
-    n = group.count
-    with zdsl.if_(group.leader()):
-        for r in range(n):
-            with zdsl.if_(group.first + r < m):
-                act[slot * m + group.first + r] = zdsl.silu(sums[r]) * sums[n + r]
+def project_ref(args: dict, qtype: str, m: int, k: int, y=None):
+    """dmmv_ref of an example's arguments: f32 `x` or Q8_1 `xq`, `xd`."""
+    if "xq" in args:
+        return dmmv_q8_ref(args["w"], args["xq"], args["xd"], qtype, m, k, y)
+    return dmmv_ref(args["w"], args["x"], qtype, m, k, y)
 
 
-def experts_of(w_bytes, qtype, m, k) -> int:
-    f = FORMATS[qtype]
-    return len(np.asarray(w_bytes).reshape(-1)) // (m * (k // f.block) * f.nbytes)
+@dmmv.example
+def dmmv_example(use, rng, check):
+    q, q8, add = use.fixed["QTYPE"], use.fixed.get("Q8", False), use.fixed.get("ADD", False)
+    k = use.sizes["k"]
+    m = min(use.sizes["m"], inputs.CHECK_ROWS) if check else use.sizes["m"]
+    args = dict(w=inputs.rows(rng, q, m, k), **inputs.activations(rng, k, q8),
+                y=inputs.normal(rng, m) if add else np.zeros(m, np.float32), k=k, m=m)
+    y0 = args["y"].copy() if add else None
+    return zdsl.Example(args, lambda p: {"y": (project_ref(args, q, m, k, y0), 1e-4)},
+                        lambda n: {"w": inputs.copies(args["w"], n)})
 
 
-@ffn_gate_up.reference
-def ffn_gate_up_ref(wg_bytes, wu_bytes, ids, x, qtype, m, k, experts=True):
-    """act of every slot: the experts `ids` of the stacks (the shared one among them), or the
-    one pair (not experts)."""
-    nexp = experts_of(wg_bytes, qtype, m, k)
-    g = dequant_rows(wg_bytes, qtype, nexp * m, k).reshape(nexp, m, k)
-    u = dequant_rows(wu_bytes, qtype, nexp * m, k).reshape(nexp, m, k)
-    xv = np.asarray(x, np.float64)
-    with np.errstate(over="ignore"):  # silu of a large negative gate: −0, as on the GPU
-        out = [(lambda a: a / (1 + np.exp(-a)))(g[e] @ xv) * (u[e] @ xv) for e in (list(ids) if experts else [0])]
-    return np.concatenate(out)
+def pair_workgroup(v) -> int:
+    return workgroup_of(v, math.lcm(FORMATS[v.QTYPE].iparts, FORMATS[v.QTYPE2].iparts))
 
 
-@zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": QTYPES, "ROWS": [1, 2, 4], "SG": SUBGROUPS},
-             tune={"NSUB": NSUBS})
-def moe_down(w: Buffer[u8], ids: Buffer[u32], weights: Buffer[f32], act: Buffer[f32], y: Buffer[f32],
-             k: u32, m: u32, slots: u32, ADD: Spec[boolean] = True, QTYPE: Const = "q4_k", ROWS: Const = 1,
-             NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
-    """y[r] (+)= Σ_s weights[s] · (W_{ids[s]}[r] · act[s·k : s·k + k]) — the routed experts' down
-    projection and their weighted sum in one dispatch (also the shared expert, with one slot
-    whose weight is its sigmoid gate). Grid: ceil(m / rows_per_workgroup)."""
-    f = fmt(QTYPE)
-    ctx = f.setup()
-    nblocks = k // f.block
-    row_bytes = nblocks * f.nbytes
-    group = Rows(ROWS, NSUB, SG)
-    offsets = [r * row_bytes for r in group.clamped(m)]
-    part = group.index % f.parts
-    old = old_rows(y, group, m, 1, ADD)
-    total = [zdsl.var(0.0) for _ in range(ROWS)]
-    for item in zdsl.range(group.index // f.parts, slots * nblocks, group.size // f.parts):
-        s = item // nblocks
-        base = ids[s] * (m * row_bytes)
-        step = block_step(f, ctx, [(w, base + o) for o in offsets], act, [s * k], item - s * nblocks, part)
-        weight = weights[s]
-        for r in range(ROWS):
-            total[r] += weight * step[r][0]
-    store_rows(y, group.sums(total), group, m, 1, old)
+@zdsl.kernel(workgroup=pair_workgroup, subgroup="SG",
+             variants={"QTYPE": ["q5_k"], "QTYPE2": ["q4_k"], "ROWS": [1, 2, 4], "SG": SUBGROUPS},
+             tune={"NSUB": NSUBS}, key=("k", "m", "m2"),
+             grid=lambda v, s: row_groups(v, s.m) + row_groups(v, s.m2),
+             traffic=lambda v, s: (s.m * inputs.row_bytes(v.QTYPE, s.k) + s.m2 * inputs.row_bytes(v.QTYPE2, s.k)
+                                   + input_bytes(s.k, True) + 4 * (s.m + s.m2)))
+def dmmv_q8_pair(w: Buffer[u8], w2: Buffer[u8], xq: Buffer[u32], xd: Buffer[f32], y: Buffer[f32], y2: Buffer[f32],
+                 k: u32, m: u32, m2: u32, QTYPE: Const = "q5_k", QTYPE2: Const = "q4_k", ROWS: Const = 1,
+                 NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
+    """y = W · x̂ and y2 = W2 · x̂: two projections of one Q8_1 input in one dispatch, each
+    weight in its own type (a delta-net layer's q5_k qkv and q4_k gate z in a Q4_K_M file); a
+    dispatch beside others in its stage still costs 1–3 µs (docs/PERF.md). The first
+    row_groups(m) workgroups make y, the rest y2; only the types built ahead are listed, others
+    specialize on demand."""
+    split = (m + ROWS * NSUB - 1) // (ROWS * NSUB)
+    wid = zdsl.workgroup_id()
+    with zdsl.if_(wid < split):
+        project(w, None, xq, xd, y, k, m, QTYPE, True, Rows(ROWS, NSUB, SG, wid))
+    with zdsl.else_():
+        project(w2, None, xq, xd, y2, k, m2, QTYPE2, True, Rows(ROWS, NSUB, SG, wid - split))
 
 
-@moe_down.reference
-def moe_down_ref(w_bytes, ids, weights, act, qtype, m, k, y=None):
-    nexp = experts_of(w_bytes, qtype, m, k)
-    wd = dequant_rows(w_bytes, qtype, nexp * m, k).reshape(nexp, m, k)
-    a = act.reshape(-1, k).astype(np.float64)
-    out = sum(float(wt) * (wd[e] @ a[s]) for s, (e, wt) in enumerate(zip(ids, weights)))
-    return out if y is None else out + y
+@dmmv_q8_pair.reference
+def dmmv_q8_pair_ref(w_bytes, w2_bytes, xq, xd, qtype, qtype2, m, m2, k):
+    """(y, y2): dmmv_q8_ref of each weight."""
+    return dmmv_q8_ref(w_bytes, xq, xd, qtype, m, k), dmmv_q8_ref(w2_bytes, xq, xd, qtype2, m2, k)
 
 
-# ---- the MoE down projection of a decode step: every expert, added to x ----
+@dmmv_q8_pair.example
+def dmmv_q8_pair_example(use, rng, check):
+    q, q2 = use.fixed["QTYPE"], use.fixed["QTYPE2"]
+    k, m, m2 = use.sizes["k"], use.sizes["m"], use.sizes["m2"]
+    m, m2 = (min(m, inputs.CHECK_ROWS), min(m2, inputs.CHECK_ROWS - 2)) if check else (m, m2)  # the split shows
+    args = dict(w=inputs.rows(rng, q, m, k), w2=inputs.rows(rng, q2, m2, k), **inputs.activations(rng, k, True),
+                y=np.zeros(m, np.float32), y2=np.zeros(m2, np.float32), k=k, m=m, m2=m2)
 
-@zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": EXPERT_QTYPES, "QTYPE_SH": ["", "q6_k"],
-                                                           "ROWS": [1, 2], "K": [8], "SG": SUBGROUPS},
-             tune={"NSUB": NSUBS, "WG": [0, 128, 160, 256]},
-             where=lambda v: v.QTYPE_SH == "" or (FORMATS[v.QTYPE].block, FORMATS[v.QTYPE].parts) == (256, FORMATS["q6_k"].parts))
-def moe_down_all(w: Buffer[u8], w_sh: Buffer[u8], ids: Buffer[u32], weights: Buffer[f32], act: Buffer[f32],
-                 y: Buffer[f32], k: u32, m: u32, QTYPE: Const = "q4_k", QTYPE_SH: Const = "", K: Const = 8,
-                 ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
-    """y[r] += Σ_{s≤K} weights[s] · (W_s[r] · act[s·k:]): the K routed experts and the shared
-    expert (slot K) in one pass, added to the residual. W_s is expert ids[s] of w, the shared
-    expert too when it has the experts' type (the graph appends it to their stack); files that
-    keep it at more bits give it as w_sh, of type QTYPE_SH, which costs a second code path.
-    Grid: ceil(m / rows_per_workgroup)."""
-    f = fmt(QTYPE)
-    f_sh = fmt(QTYPE_SH or QTYPE)
-    if (f_sh.block, f_sh.parts) != (f.block, f.parts):
-        raise zdsl.ZdslError(f"moe_down_all needs the shared expert's blocks shaped like the experts' "
-                             f"({f_sh.name} vs {f.name})")
-    ctx = f.setup()
-    ctx_sh = f_sh.setup() if f_sh is not f else ctx
-    nblocks = k // f.block
-    row_bytes = nblocks * f.nbytes
-    group = Rows(ROWS, NSUB, SG)
-    offsets = [r * row_bytes for r in group.clamped(m)]
-    part = group.index % f.parts
-    old = old_rows(y, group, m, 1, True)
-    total = [zdsl.var(0.0) for _ in range(ROWS)]
-
-    def add(step, weight):
-        for r in range(ROWS):
-            total[r] += weight * step[r][0]
-
-    for item in zdsl.range(group.index // f.parts, (K + 1) * nblocks, group.size // f.parts):
-        s = item // nblocks
-        b = item - s * nblocks
-        weight = weights[s]
-
-        def routed(slot):
-            base = ids[slot] * (m * row_bytes)
-            add(block_step(f, ctx, [(w, base + o) for o in offsets], act, [s * k], b, part), weight)
-
-        if not QTYPE_SH:
-            routed(s)
-        else:
-            with zdsl.if_(s < K):
-                routed(zdsl.min(s, K - 1))
-            with zdsl.else_():
-                sh_bytes = nblocks * f_sh.nbytes
-                rows_sh = [(w_sh, r * sh_bytes) for r in group.clamped(m)]
-                add(block_step(f_sh, ctx_sh, rows_sh, act, [s * k], b, part), weight)
-    store_rows(y, group.sums(total), group, m, 1, old)
-
-
-@moe_down_all.reference
-def moe_down_all_ref(w_bytes, w_sh_bytes, ids, weights, act, y, qtype, m, k, qtype_sh=None):
-    """`ids` names all K + 1 experts of w_bytes when w_sh_bytes is None, else the K routed ones."""
-    if w_sh_bytes is None:
-        return y + moe_down_ref(w_bytes, ids, weights, act, qtype, m, k)
-    K = len(ids)
-    routed = moe_down_ref(w_bytes, ids, weights[:K], act[:K * k], qtype, m, k)
-    shared = float(weights[K]) * (dequant_rows(w_sh_bytes, qtype_sh or qtype, m, k) @ act[K * k:].astype(np.float64))
-    return y + routed + shared
+    def expect(p):
+        y, y2 = dmmv_q8_pair_ref(args["w"], args["w2"], args["xq"], args["xd"], q, q2, m, m2, k)
+        return {"y": (y, 1e-4), "y2": (y2, 1e-4)}
+    return zdsl.Example(args, expect, lambda n: {"w": inputs.copies(args["w"], n), "w2": inputs.copies(args["w2"], n)})

@@ -10,10 +10,10 @@ from zdsl.kernels.dmmv import dequant_rows
 from zdsl.kernels.quant import FORMATS, fmt
 
 
-@zdsl.kernel(workgroup=64, variants={"QTYPE": list(FORMATS)})
+@zdsl.kernel(workgroup=64, variants={"QTYPE": list(FORMATS)}, key=("k",),
+             grid=lambda v, s: -(-(s.k // FORMATS[v.QTYPE].block) // (64 // FORMATS[v.QTYPE].parts)))
 def embed(table: Buffer[u8], ids: Buffer[u32], out: Buffer[f32], k: u32, index: u32, QTYPE: Const = "q4_k"):
-    """out[0:k] = table[ids[index], 0:k]; the id stays on the GPU (the sampler wrote it).
-    Grid: ceil(k / block / (64 / parts)) workgroups."""
+    """out[0:k] = table[ids[index], 0:k]; the id stays on the GPU (the sampler wrote it)."""
     f = fmt(QTYPE)
     nblocks = k // f.block
     per_group = 64 // f.parts
@@ -30,8 +30,3 @@ def embed(table: Buffer[u8], ids: Buffer[u32], out: Buffer[f32], k: u32, index: 
 def embed_ref(table_bytes, token, qtype, vocab, k):
     rows = np.asarray(table_bytes, np.uint8).reshape(vocab, -1)[token:token + 1]
     return dequant_rows(rows, qtype, 1, k)[0]
-
-
-def embed_groups(qtype: str, k: int) -> int:
-    f = FORMATS[qtype]
-    return zdsl.cdiv(k // f.block, 64 // f.parts)

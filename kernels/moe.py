@@ -1,6 +1,6 @@
 """Mixture-of-experts routing on the GPU: which experts a token uses and with what weights, and
 the normed input the experts read (the router norms the residual stream itself). The products
-themselves are `dmmv.ffn_gate_up` / `dmmv_q8.ffn_gate_up_q8` and `dmmv.moe_down_all`, which
+themselves are `ffn.ffn_gate_up` and `ffn.moe_down_all`, which
 read the `ids` and `weights` written here. The shared expert is slot K: expert n_expert of the
 stacks (the graph appends it to the routed experts' weights), with its sigmoid gate as weight."""
 
@@ -10,7 +10,7 @@ import numpy as np
 
 import zdsl
 from zdsl import Buffer, Coherent, Const, f32, u8, u32
-from zdsl.kernels import dmmv
+from zdsl.kernels import dmmv, inputs
 from zdsl.kernels.norm import rms_norm_ref
 from zdsl.kernels.q8_1 import store_q8_1
 from zdsl.kernels.quant import fmt
@@ -37,7 +37,10 @@ class NormedInput:
 
 @zdsl.kernel(workgroup=dmmv.workgroup, subgroup="SG", variants={"QTYPE": ["f32"], "K": [8], "ROWS": [1, 2, 4],
                                                                "SG": SUBGROUPS},
-             tune={"NSUB": dmmv.NSUBS, "WG": [0, 128, 256]})
+             tune={"NSUB": dmmv.NSUBS, "WG": [0, 128, 256]}, key=("k", "n_expert"),
+             grid=lambda v, s: dmmv.row_groups(v, s.n_expert + 1),
+             traffic=lambda v, s: ((s.n_expert + 1) * inputs.row_bytes(v.QTYPE, s.k) + 13 * s.k + s.k // 4
+                                   + 8 * (s.n_expert + 1) + 8 * (v.K + 1) + 4))
 def moe_router(w: Buffer[u8], x: Buffer[f32], norm_w: Buffer[f32], hn: Buffer[f32], xq: Buffer[u32],
                xd: Buffer[f32], logits: Coherent[f32], arrivals: Buffer[u32], ids: Buffer[u32], weights: Buffer[f32],
                k: u32, n_expert: u32, eps: f32, QTYPE: Const = "f32", K: Const = 8, ROWS: Const = 1,
@@ -53,8 +56,7 @@ def moe_router(w: Buffer[u8], x: Buffer[f32], norm_w: Buffer[f32], hn: Buffer[f3
     weights[j] = its softmax probability renormalised over the K picked. The full softmax
     denominator cancels in that renormalisation, so only the picked logits are exponentiated.
     Slot K is the shared expert: ids[K] = n_expert (its place in the stacks) and weights[K] =
-    sigmoid(logits[n_expert]). Needs n_expert ≥ K and k a multiple of 32.
-    Grid: ceil((n_expert + 1) / rows_per_workgroup)."""
+    sigmoid(logits[n_expert]). Needs n_expert ≥ K and k a multiple of 32."""
     f = fmt(QTYPE)
     ctx = f.setup()
     nblocks = k // f.block
@@ -116,3 +118,31 @@ def route_ref(logits, K=8):
     p /= p.sum(axis=1, keepdims=True)
     picked = np.take_along_axis(p, ids, axis=1)
     return ids.astype(np.uint32), (picked / picked.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+@moe_router.example
+def moe_router_example(use, rng, check):
+    q, K, k, eps = use.fixed["QTYPE"], use.fixed["K"], use.sizes["k"], use.sizes["eps"]
+    n_exp = min(use.sizes["n_expert"], inputs.CHECK_ROWS) if check else use.sizes["n_expert"]
+    args = dict(w=inputs.rows(rng, q, n_exp + 1, k), x=inputs.normal(rng, k, 3.0),  # row n_exp: the shared gate
+                norm_w=inputs.normal(rng, k), hn=np.zeros(k, np.float32), xq=np.zeros(k // 4, np.uint32),
+                xd=np.zeros(k // 16, np.float32), logits=np.zeros(n_exp + 1, np.float32),
+                arrivals=np.zeros(1, np.uint32), ids=np.zeros(K + 1, np.uint32), weights=np.zeros(K + 1, np.float32),
+                k=k, n_expert=n_exp, eps=eps)
+
+    def reference():
+        return moe_router_ref(args["w"], args["x"], args["norm_w"], eps, q, n_exp, k, K)
+    while check and not _clear_picks(reference()[1][:n_exp], K):  # the ids are checked exactly: no near ties
+        args["x"] = inputs.normal(rng, k, 3.0)
+
+    def expect(p):
+        hn, logits, ids, weights = reference()
+        return {"hn": (hn, 1e-4), "xd": (inputs.q8_1_scales(hn), 1e-4), "logits": (logits, 1e-4), "ids": (ids, 0),
+                "weights": (weights, 1e-4), "arrivals": (np.zeros(1), 0)}
+    return zdsl.Example(args, expect, lambda n: {"w": inputs.copies(args["w"], n)})
+
+
+def _clear_picks(logits, K) -> bool:
+    """Whether the K + 1 largest logits are further apart than rounding moves them."""
+    top = np.sort(logits)[::-1][:K + 1]
+    return bool(np.all(-np.diff(top) > 1e-3 * np.abs(logits).max()))

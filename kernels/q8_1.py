@@ -81,11 +81,10 @@ def write_normed(x, norm_w, hn, xq, xd, n, eps, WG: int, SG: int):
         store_q8_1(v, i, ok, xq, xd)
 
 
-@zdsl.kernel(workgroup=64, subgroup="SG", variants={"SG": SUBGROUPS})
+@zdsl.kernel(workgroup=64, subgroup="SG", variants={"SG": SUBGROUPS}, grid=lambda v, s: -(-s.n // 256))
 def quantize_q8_1(x: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], n: u32, SG: Const = 32):
     """Q8_1 blocks of x[0:n] (n a multiple of 32; several vectors back to back are one long
-    vector): eight invocations per block, four values each (one 16-byte load, one u32 store).
-    Grid: ceil(n / 256)."""
+    vector): eight invocations per block, four values each (one 16-byte load, one u32 store)."""
     i = zdsl.global_id()
     n4 = n >> 2
     store_q8_1(x.vec4[zdsl.min(i, n4 - 1)], i, i < n4, xq, xd)
@@ -98,12 +97,12 @@ def quantize_q8_1_ref(x):
     return q8_1_quantize(np.asarray(x, np.float32).reshape(-1, 32))
 
 
-@zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [64, 256, 512], "SG": SUBGROUPS})
+@zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [64, 256, 512], "SG": SUBGROUPS}, key=("n",),
+             traffic=lambda v, s: 17 * s.n + s.n // 4)
 def norm_q8_1(x: Buffer[f32], norm_w: Buffer[f32], hn: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], n: u32,
               eps: f32, WG: Const = 512, SG: Const = 32):
     """hn = rmsnorm(x[0:n]) · norm_w, in f32 and as Q8_1 (n a multiple of 32): what the next
-    projections read. One workgroup (a residual stream is a few thousand values).
-    Grid: 1."""
+    projections read. One workgroup (a residual stream is a few thousand values)."""
     write_normed(x, norm_w, hn, xq, xd, n, eps, WG, SG)
 
 
@@ -137,3 +136,17 @@ def q8_1_values(xq, xd) -> np.ndarray:
     """The activations the Q8_1 buffers stand for (q·d), as float64."""
     q = np.asarray(xq, np.uint32).view(np.int8).reshape(-1, 32).astype(np.float64)
     return (q * np.asarray(xd, np.float32).reshape(-1, 2)[:, :1]).reshape(-1)
+
+
+@norm_q8_1.example
+def norm_q8_1_example(use, rng, check):
+    from zdsl.kernels import inputs
+
+    n, eps = use.sizes["n"], use.sizes["eps"]
+    args = dict(x=inputs.normal(rng, n, 3.0), norm_w=rng.uniform(0.5, 1.5, n).astype(np.float32),
+                hn=np.zeros(n, np.float32), xq=np.zeros(n // 4, np.uint32), xd=np.zeros(n // 16, np.float32), n=n, eps=eps)
+
+    def expect(p):  # hn to rounding, and its Q8_1 scales
+        hn = norm_q8_1_ref(args["x"], args["norm_w"], eps)[0]
+        return {"hn": (hn, 1e-4), "xd": (inputs.q8_1_scales(hn), 1e-4)}
+    return zdsl.Example(args, expect)

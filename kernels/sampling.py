@@ -224,11 +224,16 @@ def _fits(v, extra=0) -> bool:
 VARIANTS = {"CAP": CAPS, "WG": [64, 256], "R": [4, 16], "SG": SUBGROUPS}
 
 
+def candidate_groups(v, n_vocab: int) -> int:
+    """The first pass's workgroups, each writing CAP candidates: ceil(n_vocab / (WG·R))."""
+    return -(-n_vocab // (v.WG * v.R))
+
+
 @zdsl.kernel(workgroup=1)
 def penalty_window(step: Buffer[u32], ring: Buffer[u32], counts: Buffer[u32], window: u32, n_vocab: u32):
     """The window of the last `window` context tokens moves on by the step's input token step[2]
     at position step[0]: counts[token] += 1, and the token at position step[0] − window (kept in
-    ring[position % window]) is uncounted. Grid: 1."""
+    ring[position % window]) is uncounted."""
     pos, token = step[0], step[2]
     slot = pos % window
     with zdsl.if_(pos >= window):
@@ -247,15 +252,16 @@ def penalty_window_ref(context, window: int, n_vocab: int):
     return np.bincount(np.asarray(context[-window:], np.int64), minlength=n_vocab).astype(np.uint32)
 
 
-@zdsl.kernel(workgroup="WG", subgroup="SG", variants=VARIANTS, where=_fits)
+@zdsl.kernel(workgroup="WG", subgroup="SG", variants=VARIANTS, where=_fits, key=("n_vocab",),
+             grid=lambda v, s: candidate_groups(v, s.n_vocab),
+             traffic=lambda v, s: 8 * s.n_vocab + 8 * v.CAP * candidate_groups(v, s.n_vocab))
 def sample_candidates(logits: Buffer[f32], counts: Buffer[u32], cand: Buffer[u32], n_vocab: u32,
                       repeat_penalty: f32, presence_penalty: f32, frequency_penalty: f32,
                       CAP: Const = 64, WG: Const = 256, R: Const = 16, SG: Const = 32):
     """Workgroup g keeps the CAP first penalised (logit, id) pairs of tokens [g·WG·R, (g+1)·WG·R)
     as cand[2(g·CAP + j)] = the logit's f32 bits, cand[2(g·CAP + j) + 1] = the id, j = 0..CAP-1 in
     order. A token in the window (c = counts[id] > 0) has its logit divided by repeat_penalty when
-    positive, multiplied by it otherwise, then lowered by presence_penalty + c·frequency_penalty.
-    Grid: ceil(n_vocab / (WG·R))."""
+    positive, multiplied by it otherwise, then lowered by presence_penalty + c·frequency_penalty."""
     base = zdsl.workgroup_id() * (WG * R)
 
     def load(index, valid):
@@ -296,7 +302,8 @@ def penalise_ref(logits, counts, repeat_penalty, presence_penalty, frequency_pen
     return np.where(counts > 0, penalised, logits).astype(np.float32)
 
 
-@zdsl.kernel(workgroup="WG", subgroup="SG", variants=VARIANTS, where=lambda v: _fits(v, 4 * v.CAP))
+@zdsl.kernel(workgroup="WG", subgroup="SG", variants=VARIANTS, where=lambda v: _fits(v, 4 * v.CAP), key=("n_vocab",),
+             traffic=lambda v, s: 8 * v.CAP * candidate_groups(v, s.n_vocab))
 def sample_draw(cand: Buffer[u32], step: Buffer[u32], tokens: Buffer[u32], n_vocab: u32,
                 top_k: u32, min_p: f32, inv_temp: f32, top_p: f32, seed: u32, max_tokens: u32,
                 CAP: Const = 64, WG: Const = 256, R: Const = 16, SG: Const = 32):
@@ -305,8 +312,7 @@ def sample_draw(cand: Buffer[u32], step: Buffer[u32], tokens: Buffer[u32], n_voc
     exp(z_j − z_0) ≥ min_p; weigh them q_j = exp((z_j − z_0)·inv_temp); keep the shortest prefix
     whose weight reaches top_p of the total; pick the first j whose running sum exceeds u times the
     kept total, u = uniform_bits(seed, step[3])·2⁻²⁴ (sums run in order, j = 0 when none does).
-    Writes step[2] = token, tokens[step[0]] = token when step[0] < max_tokens, step[3] += 1.
-    Grid: 1."""
+    Writes step[2] = token, tokens[step[0]] = token when step[0] < max_tokens, step[3] += 1."""
     groups = (n_vocab + (WG * R - 1)) // (WG * R)
 
     def load(index, valid):
@@ -376,3 +382,34 @@ def sample_ref(logits, counts, *, cap, top_k, min_p, inv_temp, top_p, seed, coun
     pen = penalise_ref(logits, counts, repeat_penalty, presence_penalty, frequency_penalty)
     values, ids = topk_ref(pen, np.arange(len(pen)), cap)
     return choose_ref(values, ids, top_k, min_p, inv_temp, top_p, uniform_ref(seed, counter))
+
+
+@sample_candidates.example
+def sampling_example(use, rng, check):
+    """The candidate pass and the draw, tuned together: the draw runs with the pass's CAP, WG and
+    R (the candidates it reads are the pass's), and its subgroup size is chosen with them."""
+    from zdsl.kernels import inputs
+
+    V = min(use.sizes["n_vocab"], inputs.CHECK_VOCAB) if check else use.sizes["n_vocab"]
+    cap = use.fixed["CAP"]
+    values = {k: VARIANTS[k] + sample_candidates.tune.get(k, []) for k in ("WG", "R")}
+    groups = -(-V // (min(values["WG"]) * min(values["R"])))  # the most candidate groups any variant writes
+    args = dict(logits=inputs.normal(rng, V, 3.0), counts=(rng.random(V) < 0.1).astype(np.uint32),
+                cand=np.zeros(2 * cap * groups, np.uint32), step=inputs.step_words(3, 4, counter=5),
+                tokens=np.zeros(1, np.uint32), n_vocab=V, repeat_penalty=1.1, presence_penalty=0.1,
+                frequency_penalty=0.05, top_k=min(40, cap), min_p=0.05, inv_temp=1.25, top_p=0.95, seed=7, max_tokens=0)
+    counts0 = args["counts"].copy()
+
+    def expect(p):
+        a = args
+        cand = sample_candidates_ref(a["logits"], counts0, a["repeat_penalty"], a["presence_penalty"],
+                                     a["frequency_penalty"], CAP=cap, WG=p["WG"], R=p["R"])
+        cand_buf = np.full(a["cand"].size, np.nan)
+        cand_buf[:cand.size] = cand
+        step = inputs.step_words(3, 4, counter=6)
+        step[2] = sample_ref(a["logits"], counts0, cap=cap, top_k=a["top_k"], min_p=a["min_p"], inv_temp=a["inv_temp"],
+                             top_p=a["top_p"], seed=a["seed"], counter=5, repeat_penalty=a["repeat_penalty"],
+                             presence_penalty=a["presence_penalty"], frequency_penalty=a["frequency_penalty"])
+        return {"cand": (cand_buf, 0), "step": (step, 0)}
+    draw = (sample_draw, lambda p: {k: p[k] for k in ("CAP", "WG", "R")}, lambda p: {"SG": p["SG"]})
+    return zdsl.Example(args, expect, then=[draw])

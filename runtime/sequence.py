@@ -85,6 +85,7 @@ class Sequence:
         self._dev = device._dev
         self._keep = Keep()
         self._labels: list[str] = []
+        self.launches: list = []  # what KernelDef.launch recorded here (the tuner reads a step's)
         self._hazards = Hazards()
         self._since = 0     # stages of the commands since the last barrier
         self._seen = 0      # stages of every command recorded

@@ -1,8 +1,9 @@
 """The tuner: candidate spaces (variants, `tune=` values, `where=`), measured tuning on lavapipe
 (every candidate checked against numpy first: a kernel with a planted bug is rejected; the best
-is stored and `choose()` returns it), the database's fallbacks, the decode workload against the
-calls the real decode graph makes, and modelled ranking on the gfx1201 null device (wave32 and
-wave64 compiled and ranked from their statistics)."""
+is stored and `choose()` returns it), the database's fallbacks, the uses recorded from a decode
+step on a DryDevice against the launches the real graph records, every kernel's example against
+its reference, and modelled ranking on the gfx1201 null device (wave32 and wave64 compiled and
+ranked from their statistics)."""
 
 import json
 import time
@@ -13,15 +14,18 @@ import pytest
 
 import zdsl
 from zdsl import Buffer, Const, f32, u32
-from zdsl.autotune import cost_model, database as db, problems, tuner
-from zdsl.autotune.workload import Tensors, Use, decode_uses
+from zdsl.autotune import cost_model, database as db, tuner
 from zdsl.errors import KernelError, ZdslError
+from zdsl.lang.kernel import Launch
+from zdsl.models.qwen35.synth import PresetModel
+from zdsl.models.qwen35.tune import step_uses
 
 
 # A kernel with a planted bug: WG = 128 (a value only `tune=` offers) adds 1 to every output.
 @zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [64], "SG": [8, 16, 32, 64]},
              tune={"WG": [32, 128, 256], "U": [1, 2]}, where=lambda v: not (v.WG == 256 and v.U == 2),
-             name="scale_rows_test", register=False)
+             name="scale_rows_test", register=False, key=("n",), grid=lambda v, s: -(-s.n // (v.WG * v.U)),
+             traffic=lambda v, s: 8 * s.n)
 def scale_rows(x: Buffer[f32], out: Buffer[f32], n: u32, a: f32, WG: Const = 64, U: Const = 1, SG: Const = 32):
     base = zdsl.global_id() * U
     for j in range(U):
@@ -35,18 +39,24 @@ def scale_rows_ref(x, a):
     return np.asarray(x, np.float64) * a
 
 
-def _scale_case(use, rng, check):
-    n = 1000 if check else use.shape["n"]
-    a = dict(x=rng.standard_normal(n).astype(np.float32), out=np.zeros(n, np.float32))
-    expect = (lambda p: {"out": (scale_rows_ref(a["x"], 1.5), 1e-6)}) if check else None
-    step = problems.Step(lambda p: use.kernel.specialize(**p), lambda v: -(-n // (v.params["WG"] * v.params["U"])))
-    return problems.Case([step], a, dict(n=n, a=1.5), 8 * n, expect, lambda k: {"x": [a["x"]] * (k - 1)})
+@scale_rows.example
+def _scale_example(use, rng, check):
+    n = 1000 if check else use.sizes["n"]
+    args = dict(x=rng.standard_normal(n).astype(np.float32), out=np.zeros(n, np.float32), n=n, a=1.5)
+    return zdsl.Example(args, lambda p: {"out": (scale_rows_ref(args["x"], 1.5), 1e-6)},
+                        lambda k: {"x": [args["x"]] * (k - 1)})
+
+
+def use_of(kernel, sizes: dict, fixed: dict | None = None) -> tuner.Use:
+    """A use as a graph would record it, for a kernel launched with `sizes` and `fixed` Consts."""
+    fixed = fixed or {}
+    return tuner.Use(Launch(kernel, kernel.specialize(**fixed), fixed, {**fixed, **{n: sizes[n] for n in kernel.key}},
+                            sizes, {}, (1, 1, 1), "test"))
 
 
 @pytest.fixture
-def scale_use(monkeypatch):
-    monkeypatch.setitem(problems.BUILDERS, "scale_rows_test", _scale_case)
-    return Use(scale_rows, {"n": 5000}, {}, {}, "test")
+def scale_use():
+    return use_of(scale_rows, {"n": 5000, "a": 1.5})
 
 
 def fake_info(name="Test GPU", identity="abcd:0001:test:7", sizes=(8, 64), subgroup=32):
@@ -57,12 +67,12 @@ def fake_info(name="Test GPU", identity="abcd:0001:test:7", sizes=(8, 64), subgr
 
 def test_tuning_space_joins_variants_and_tune_values():
     info = fake_info(sizes=(32, 64))
-    use = Use(scale_rows, {"n": 5000}, {}, {}, "test")
+    use = use_of(scale_rows, {"n": 5000, "a": 1.5})
     got = [(c.params["WG"], c.params["U"], c.params["SG"]) for c in tuner.candidates(use, info)]
     assert got[0] == (64, 1, 32)  # the default (choose() without an entry) comes first
     want = {(wg, u, sg) for wg in (64, 32, 128, 256) for u in (1, 2) for sg in (32, 64) if not (wg == 256 and u == 2)}
     assert set(got) == want and len(got) == len(want)
-    pinned = Use(scale_rows, {"n": 5000}, {"U": 2}, {}, "test")
+    pinned = use_of(scale_rows, {"n": 5000, "a": 1.5}, {"U": 2})
     assert {c.params["U"] for c in tuner.candidates(pinned, info)} == {2}
     assert all("U" not in c.tuned for c in tuner.candidates(pinned, info))
 
@@ -130,39 +140,48 @@ def test_database_entries_change_choose_with_fallbacks(tmp_path, monkeypatch):
     assert json.loads(path.read_text())["entries"][0]["kernel"] == "scale_rows_test"
 
 
-def test_workload_is_what_the_decode_graph_asks_for(device, tmp_path, monkeypatch):
-    """Record the graph's choose() calls (dispatches are skipped: nothing compiles) and compare."""
-    from zdsl.lang.kernel import Variant
-    from zdsl.models.qwen35 import graph, synth
+def test_recorded_launches_are_what_the_real_graph_launches(device, tmp_path):
+    """A step recorded on a DryDevice (no memory, nothing runs) lists the launches a graph on
+    lavapipe records: the same kernels, keys, sizes, grids and variants, in the same order."""
+    from zdsl.models.qwen35 import synth
     from zdsl.models.qwen35.gguf_file import open_model
+    from zdsl.models.qwen35.graph import DecodeGraph, record_launches
 
-    calls = []
-
-    choose = db.choose
-
-    def recording(kernel, info, shape, db=None, **fixed):
-        calls.append((kernel.name, json.dumps({**shape, **fixed}, sort_keys=True)))
-        return choose(kernel, info, shape, db=db, **fixed)
-
-    monkeypatch.setattr(graph, "choose", recording)
-    monkeypatch.setattr(Variant, "dispatch", lambda self, *a, **k: None)
     for preset in ("tiny", "tiny-dense"):
         path = tmp_path / f"{preset}.gguf"
         synth.write(path, preset, seed=1)
-        calls.clear()
-        g = graph.DecodeGraph(open_model(path), device, n_ctx=256, progress=False)
-        g.close()
-        per_step = {}
-        for c in calls:
-            per_step[c] = per_step.get(c, 0) + 1
-        uses = decode_uses(Tensors.from_file(path), n_ctx=256, caps=(1,))
-        want = {(u.kernel.name, json.dumps(u.key, sort_keys=True)): u.count for u in uses}
-        for u in uses:
-            for kernel, key, _ in problems.companions(u, tuner.default_params(u, device.info)):
-                want[(kernel, json.dumps(key, sort_keys=True))] = 1
-        # the graph records two steps (from the host, from the GPU); the sampler is chosen once
-        got = {c: n // 2 if not c[0].startswith("sample") else n for c, n in per_step.items()}
-        assert got == want
+        model = open_model(path)
+        g = DecodeGraph(model, device, n_ctx=256, progress=False)
+        try:
+            real = g.seq.launches
+            dry = record_launches(model, device.info, 256)
+            seen = [(l.kernel.name, db.shape_key(l.key), l.sizes, l.buffers, l.groups, l.variant.label) for l in dry]
+            assert seen == [(l.kernel.name, db.shape_key(l.key), l.sizes, l.buffers, l.groups, l.variant.label)
+                            for l in real]
+            assert len(real) + 2 == g.dispatches  # and the two step copies
+        finally:
+            g.close()
+        # and the preset stand-in records the same step as the file written from it
+        assert [(l.kernel.name, l.key) for l in record_launches(PresetModel(preset), device.info, 256)] == \
+            [(l.kernel.name, l.key) for l in dry]
+
+
+def test_every_kernel_example_checks_its_default_variant(device):
+    """Each kind of use of the 35B step: the default variant on its example's check case agrees
+    with the kernel's reference on lavapipe (the examples the tuner and the benches rest on)."""
+    uses = step_uses(PresetModel("35b-a3b"), device.info, 4096, (1, 64))
+    measure = tuner.Measure(device, warmup=1, repeats=3, warm_s=0.0)
+    seen = set()
+    for u in uses:
+        kind = (u.kernel.name, tuple(sorted((k, v) for k, v in u.fixed.items() if k != "QTYPE")))
+        if kind in seen:
+            continue
+        seen.add(kind)
+        check = u.kernel.make_example(u.launch, np.random.default_rng(0), True)
+        (default,) = tuner.prepare(u, check, tuner.candidates(u, device.info)[:1], device.info)
+        assert measure.check(check, default) is None, u.kernel.name
+    assert {k for k, _ in seen} == {"norm_q8_1", "dmmv", "dmmv_q8_pair", "deltanet_step", "attn_prep", "attn_decode",
+                                    "attn_combine", "moe_router", "ffn_gate_up", "moe_down_all", "sample_candidates"}
 
 
 def test_cost_model_terms():
@@ -217,12 +236,12 @@ def _radeon():
 
 @pytest.mark.nulldevice
 def test_modelled_ranking_on_gfx1201_compares_wave32_and_wave64():
-    from zdsl.kernels import dmmv_q8
+    from zdsl.kernels import dmmv
     from zdsl.runtime.nulldevice import target_info
 
     _radeon()
     info = target_info("gfx1201")
-    use = Use(dmmv_q8.dmmv_q8, {"QTYPE": "q4_k", "k": 2048, "m": 512}, {"QTYPE": "q4_k"}, {}, "test")
+    use = use_of(dmmv.dmmv, {"k": 2048, "m": 512}, {"QTYPE": "q4_k", "Q8": True, "COLS": 1, "ADD": False})
     result = tuner.Model("gfx1201", info).tune(use, time.monotonic() + 60)
     assert result.method == "modelled" and not result.rejected
     assert {c.params["SG"] for c in result.ranked} == {32, 64}
@@ -261,7 +280,9 @@ def tiny_model(tmp_path_factory):
 
 
 def _measured(device, path, kernel: str):
-    uses = [u for u in decode_uses(Tensors.from_file(path), n_ctx=64, caps=(1,)) if u.kernel.name == kernel]
+    from zdsl.models.qwen35.gguf_file import open_model
+
+    uses = [u for u in step_uses(open_model(path), device.info, 64, (1,)) if u.kernel.name == kernel]
     measure = tuner.Measure(device, warmup=1, repeats=3, warm_s=0.0, cache_bytes=1 << 16)
     return [measure.tune(u, time.monotonic() + 60) for u in uses]
 
@@ -291,11 +312,11 @@ def test_in_place_keeps_a_nominee_only_when_the_step_gets_faster(device, tiny_mo
     """The keep/drop logic with a step clock that depends on what the graph really recorded: a
     step is 1% faster per kept variant of one kind, so exactly those are kept, the final run
     confirms a gain, and the graph is back on the defaults afterwards."""
-    from zdsl.autotune import in_place
+    from zdsl.models.qwen35 import in_place
     from zdsl.models.qwen35.gguf_file import open_model
     from zdsl.models.qwen35.graph import DecodeGraph
 
-    results = _measured(device, tiny_model, "dmmv_q8")
+    results = _measured(device, tiny_model, "dmmv")
     g = DecodeGraph(open_model(tiny_model), device, 24, progress=False)
     faster = {r.use.ident: _nominees_alone(r)[0].params for r in results[:2] if _nominees_alone(r)}
     assert faster, "no candidate beat the default alone: widen the test's candidate space"
@@ -324,7 +345,7 @@ def test_in_place_keeps_a_nominee_only_when_the_step_gets_faster(device, tiny_mo
 
 
 def _nominees_alone(r):
-    from zdsl.autotune.in_place import _nominees
+    from zdsl.models.qwen35.in_place import _nominees
 
     return _nominees(r, 1)
 
@@ -335,7 +356,7 @@ def test_tune_with_a_model_file_tries_nominees_in_the_decode_step(tiny_model, tm
     from zdsl.cli import main
 
     out = tmp_path / "db.json"
-    assert main(["tune", "--device", "lavapipe", "--model", str(tiny_model), "--kernels", "moe_router,dmmv_q8",
+    assert main(["tune", "--device", "lavapipe", "--model", str(tiny_model), "--kernels", "moe_router,dmmv",
                  "--ctx", "64", "--budget", "60", "--repeats", "3", "--warm-ms", "0", "--out", str(out),
                  "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -352,30 +373,23 @@ def test_tune_with_a_model_file_tries_nominees_in_the_decode_step(tiny_model, tm
         assert t["kept"] == (c["gain"] - 1 > max(0.002, 2 * c["noise"]))
 
 
-def test_the_35b_step_runs_on_int8_inputs_with_checkable_problems(device):
+def test_the_35b_step_runs_on_int8_inputs(device):
     """In the 35B preset every projection has an int8 decoder: no f32 matrix-vector product but
     the router's, one residual norm dispatch before each layer and before the head (the router
-    norms the MoE input itself), and the default variant of each new kind of use passes its
-    problem's check."""
-    uses = decode_uses(Tensors.from_preset("35b-a3b"), caps=(1,))
+    norms the MoE input itself)."""
+    uses = step_uses(PresetModel("35b-a3b"), device.info, 4096, (1,))
     count = {}
     for u in uses:
         count[u.kernel.name] = count.get(u.kernel.name, 0) + u.count
-    assert {"dmmv", "ffn_gate_up"}.isdisjoint(count) and count["norm_q8_1"] == 41
-    assert count["ffn_gate_up_q8"] == count["moe_down_all"] == count["moe_router"] == 40
-    residual = [u for u in uses if u.kernel.name == "dmmv_q8" and u.fixed.get("ADD")]
+    assert all(u.fixed["Q8"] for u in uses if u.kernel.name in ("dmmv", "ffn_gate_up"))
+    assert count["norm_q8_1"] == 41
+    assert count["ffn_gate_up"] == count["moe_down_all"] == count["moe_router"] == 40
+    residual = [u for u in uses if u.kernel.name == "dmmv" and u.fixed["ADD"]]
     assert sum(u.count for u in residual) == 40  # ssm_out and attn_output
-    measure = tuner.Measure(device, warmup=1, repeats=3, warm_s=0.0)
-    picked = [next(u for u in uses if u.kernel.name == name) for name in ("norm_q8_1", "moe_router", "ffn_gate_up_q8")]
-    picked += residual[:1]
-    for u in picked:
-        check = problems.case(u, np.random.default_rng(0), check=True)
-        (default,) = tuner.prepare(check, tuner.candidates(u, device.info)[:1], device.info)
-        assert measure.check(check, default) is None, u.kernel.name
 
 
 @pytest.mark.parametrize("shipped", ["gfx1201.json", "nvidia-h100-80gb-hbm3.json"])
-def test_every_shipped_entry_keys_a_use_of_the_35b_step(shipped):
+def test_every_shipped_entry_keys_a_use_of_the_35b_step(shipped, device):
     """An entry whose key no dispatch asks for is dead weight that looks like tuning: it happens
     when a kernel's parameters change under it. (sample_draw is keyed on the choice of its
     sampler pass, which the step makes, not on a use of its own.)"""
@@ -383,7 +397,7 @@ def test_every_shipped_entry_keys_a_use_of_the_35b_step(shipped):
 
     import zdsl.autotune
 
-    uses = decode_uses(Tensors.from_preset("35b-a3b"), caps=(1, 64))
+    uses = step_uses(PresetModel("35b-a3b"), device.info, 4096, (1, 64))
     keys = {(u.kernel.name, db.shape_key(u.key)) for u in uses}
     entries = json.loads((Path(zdsl.autotune.__file__).parent / shipped).read_text())["entries"]
     dead = [(e["kernel"], e["shape"]) for e in entries

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from zdsl.bench_kernels import synthetic_rows
+from zdsl.kernels import inputs
 from zdsl.kernels import deltanet as dn
 from zdsl.kernels import dmmv
 from zdsl.kernels.q8_1 import q8_1_buffers, q8_1_values
@@ -57,7 +57,7 @@ def step_inputs(rng, Hk, Hv, D, KC=4, mix_scale=1.0, qtype="q8_0", blocks=3):
                 conv_w=(rng.standard_normal((C, KC)) * 0.7).astype(np.float32),
                 conv_state=(rng.standard_normal((KC, C)) * mix_scale).astype(np.float32),
                 z=(rng.standard_normal(Hv * D) * 2).astype(np.float32),
-                w_ba=synthetic_rows(rng, qtype, 2 * Hv, hidden).reshape(-1), qtype=qtype,
+                w_ba=inputs.rows(rng, qtype, 2 * Hv, hidden), qtype=qtype,
                 **normed(x),
                 ssm_a=-np.exp(rng.standard_normal(Hv)).astype(np.float32),
                 dt_bias=rng.standard_normal(Hv, dtype=np.float32),

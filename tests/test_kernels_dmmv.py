@@ -1,6 +1,6 @@
 """The matrix-vector family against numpy, for every weight type: dmmv (COLS, ROWS, ADD),
 ffn_gate_up (experts chosen by id, and the dense pair), moe_down (several slots), the embedding
-lookup, and the int8 path (quantize_q8_1 + dmmv_q8, ffn_gate_up_q8). Weights are random bytes with small finite
+lookup, and the int8 path (quantize_q8_1, then dmmv and ffn_gate_up with Q8). Weights are random bytes with small finite
 f16 scale fields, or formats.quantize of Gaussian values; references dequantize with gguf-py.
 Shapes: odd row counts (not multiples of ROWS) and K any number of blocks (not a multiple of
 what a workgroup reduces per step). Interpreter at every subgroup size and variant; lavapipe at
@@ -11,7 +11,7 @@ Error bounds (|W|·|x| is the sum of absolute products of a row, the scale of f3
 - f32 activations: |y − ref| ≤ 2e-6 · |W|·|x| (ref = dequant(W) @ x in float64).
 - embed: the dequantized row to 1e-6 relative (exact for all but IQ4_XS's scale arithmetic).
 - Q8_1: q equal to ggml's; d and s equal to its before the f16 rounding ggml stores them with.
-- dmmv_q8: |y − dequant(W) @ x̂| ≤ 2e-6 · |W|·|x̂| for x̂ the kernel's own Q8_1 activations, and
+- dmmv with Q8: |y − dequant(W) @ x̂| ≤ 2e-6 · |W|·|x̂| for x̂ the kernel's own Q8_1 activations, and
   against the f32 activations |y − dequant(W) @ x| ≤ Σ_j |w_j| · d_j / 2 (+ the f32 term): the
   quantization step bound.
 """
@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from gguf import GGMLQuantizationType as QuantType
 from zdsl.kernels import dmmv as dm
-from zdsl.kernels import dmmv_q8 as dq
+from zdsl.kernels import ffn
 from zdsl.kernels import embedding as emb
 from zdsl.kernels import formats
 from zdsl.kernels import q8_1 as q8
@@ -86,7 +86,7 @@ def test_dmmv(backend, request, qtype, m, nb, shape, add, quantizer, sg_pick, ns
     sg = subgroup(backend, request, sg_pick)
     nsub = nsub if sg % FORMATS[qtype].parts == 0 else 1  # rows per subgroup need whole blocks in one
     v = dm.dmmv.specialize(QTYPE=qtype, COLS=cols, ROWS=rows, NSUB=nsub, ADD=add, SG=sg)
-    y = run(v, backend, request, -(-m // dm.rows_per_workgroup(v)), w=w, x=x, y=y0, k=k, m=m)["y"]
+    y = run(v, backend, request, v.groups(m=m), w=w, x=x, y=y0, k=k, m=m)["y"]
     assert_within(y, dm.dmmv_ref(w, x, qtype, m, k, y0 if add else None), RTOL * abs_dot(w, qtype, m, k, x) + 1e-6)
 
 
@@ -104,14 +104,14 @@ def test_ffn_gate_up(backend, request, qtype, m, nb, nexp, slots, experts, rows,
     wg, wu = (weights(rng, qtype, nexp * m, k, quantizer=False) for _ in range(2))
     ids = rng.integers(0, nexp, slots).astype(np.uint32)
     x = rng.standard_normal(k).astype(np.float32)
-    v = dm.ffn_gate_up.specialize(QTYPE=qtype, ROWS=rows, EXPERTS=experts, SG=subgroup(backend, request, sg_pick))
-    act = run(v, backend, request, (-(-m // rows), slots), wg=wg, wu=wu, ids=ids, x=x,
+    v = ffn.ffn_gate_up.specialize(QTYPE=qtype, ROWS=rows, EXPERTS=experts, SG=subgroup(backend, request, sg_pick))
+    act = run(v, backend, request, v.groups(m=m, slots=slots), wg=wg, wu=wu, ids=ids, x=x,
               act=np.full(slots * m, np.nan, np.float32), k=k, m=m)["act"]
     g = dm.dmmv_ref(wg, x, qtype, nexp * m, k).reshape(nexp, m)[ids if experts else [0]]
     u = dm.dmmv_ref(wu, x, qtype, nexp * m, k).reshape(nexp, m)[ids if experts else [0]]
     ga = abs_dot(wg, qtype, nexp * m, k, x).reshape(nexp, m)[ids if experts else [0]]
     ua = abs_dot(wu, qtype, nexp * m, k, x).reshape(nexp, m)[ids if experts else [0]]
-    ref = dm.ffn_gate_up_ref(wg, wu, ids, x, qtype, m, k, experts)
+    ref = ffn.ffn_gate_up_ref(wg, wu, ids, x, qtype, m, k, experts)
     # silu(g)·u moves by at most (|u|·1.1 + |silu(g)|)·(the errors of g and u)
     bound = RTOL * ((np.abs(u) * 1.1 + np.abs(g)) * (ga + ua)).reshape(-1) + 1e-6
     assert_within(act, ref, bound)
@@ -132,11 +132,11 @@ def test_moe_down(backend, request, qtype, m, nb, nexp, slots, add, rows, sg_pic
     wts = rng.uniform(0, 1, slots).astype(np.float32)
     act = rng.standard_normal(slots * k).astype(np.float32)
     y0 = rng.standard_normal(m).astype(np.float32)
-    v = dm.moe_down.specialize(QTYPE=qtype, ROWS=rows, ADD=add, SG=subgroup(backend, request, sg_pick))
-    y = run(v, backend, request, -(-m // rows), w=w, ids=ids, weights=wts, act=act, y=y0, k=k, m=m, slots=slots)["y"]
+    v = ffn.moe_down.specialize(QTYPE=qtype, ROWS=rows, ADD=add, SG=subgroup(backend, request, sg_pick))
+    y = run(v, backend, request, v.groups(m=m), w=w, ids=ids, weights=wts, act=act, y=y0, k=k, m=m, slots=slots)["y"]
     mags = abs_dot(w, qtype, nexp * m, k, act).reshape(slots, nexp, m)
     bound = RTOL * sum(wt * mags[s, e] for s, (e, wt) in enumerate(zip(ids, wts))) + 1e-6
-    assert_within(y, dm.moe_down_ref(w, ids, wts, act, qtype, m, k, y0 if add else None), bound)
+    assert_within(y, ffn.moe_down_ref(w, ids, wts, act, qtype, m, k, y0 if add else None), bound)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -149,7 +149,8 @@ def test_embed(backend, request, qtype, vocab, nb, quantizer, seed):
     table = weights(rng, qtype, vocab, k, quantizer)
     token = int(rng.integers(0, vocab))
     ids = np.array([vocab - 1 - token, token], np.uint32)
-    out = run(emb.embed.specialize(QTYPE=qtype), backend, request, emb.embed_groups(qtype, k), table=table,
+    v = emb.embed.specialize(QTYPE=qtype)
+    out = run(v, backend, request, v.groups(k=k), table=table,
               ids=ids, out=np.full(k, np.nan, np.float32), k=k, index=1)["out"]
     ref = emb.embed_ref(table, token, qtype, vocab, k)
     np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
@@ -193,11 +194,11 @@ def test_dmmv_q8(backend, request, qtype, m, nb, shape, add, quantizer, sg_pick,
     xq8 = run(q8.quantize_q8_1.specialize(SG=sg), backend, request, -(-cols * k // 256), x=x,
               xq=np.zeros(cols * k // 4, np.uint32), xd=np.zeros(cols * k // 16, np.float32), n=cols * k)
     y0 = rng.standard_normal(cols * m).astype(np.float32)
-    v = dq.dmmv_q8.specialize(QTYPE=qtype, COLS=cols, ROWS=rows, ADD=add, SG=sg)
-    y = run(v, backend, request, -(-m // rows), w=w, xq=xq8["xq"], xd=xq8["xd"], y=y0, k=k, m=m)["y"]
+    v = dm.dmmv.specialize(QTYPE=qtype, Q8=True, COLS=cols, ROWS=rows, ADD=add, SG=sg)
+    y = run(v, backend, request, v.groups(m=m), w=w, xq=xq8["xq"], xd=xq8["xd"], y=y0, k=k, m=m)["y"]
     xhat = q8.q8_1_values(xq8["xq"], xq8["xd"])
     base = y0 if add else None
-    assert_within(y, dq.dmmv_q8_ref(w, xq8["xq"], xq8["xd"], qtype, m, k, base),
+    assert_within(y, dm.dmmv_q8_ref(w, xq8["xq"], xq8["xd"], qtype, m, k, base),
                   RTOL * abs_dot(w, qtype, m, k, xhat) + 1e-6)
     step = np.repeat(xq8["xd"][0::2], 32) / 2  # |x − x̂| ≤ d/2 per element
     quant_bound = abs_dot(w, qtype, m, k, step) + RTOL * abs_dot(w, qtype, m, k, x) + 1e-6
@@ -222,11 +223,10 @@ def test_dmmv_q8_pair(backend, request, types, m, m2, nb, rows, nsub, sg_pick, s
     nsub = nsub if sg % parts == 0 else 1
     w, w2 = weights(rng, qtype, m, k, True), weights(rng, qtype2, m2, k, True)
     xq, xd = q8.q8_1_buffers(rng.standard_normal(k).astype(np.float32))
-    v = dq.dmmv_q8_pair.specialize(QTYPE=qtype, QTYPE2=qtype2, ROWS=rows, NSUB=nsub, SG=sg)
-    per = dm.rows_per_workgroup(v)
-    out = run(v, backend, request, -(-m // per) - (-m2 // per), w=w, w2=w2, xq=xq, xd=xd,
+    v = dm.dmmv_q8_pair.specialize(QTYPE=qtype, QTYPE2=qtype2, ROWS=rows, NSUB=nsub, SG=sg)
+    out = run(v, backend, request, v.groups(m=m, m2=m2), w=w, w2=w2, xq=xq, xd=xd,
               y=np.full(m, np.nan, np.float32), y2=np.full(m2, np.nan, np.float32), k=k, m=m, m2=m2)
-    want, want2 = dq.dmmv_q8_pair_ref(w, w2, xq, xd, qtype, qtype2, m, m2, k)
+    want, want2 = dm.dmmv_q8_pair_ref(w, w2, xq, xd, qtype, qtype2, m, m2, k)
     xhat = q8.q8_1_values(xq, xd)
     assert_within(out["y"], want, RTOL * abs_dot(w, qtype, m, k, xhat) + 1e-6)
     assert_within(out["y2"], want2, RTOL * abs_dot(w2, qtype2, m2, k, xhat) + 1e-6)
@@ -250,8 +250,8 @@ def test_ffn_gate_up_q8(backend, request, qtype, m, nb, nexp, slots, experts, ro
     x = rng.standard_normal(k).astype(np.float32)
     xq8 = run(q8.quantize_q8_1.specialize(SG=sg), backend, request, -(-k // 256), x=x,
               xq=np.zeros(k // 4, np.uint32), xd=np.zeros(k // 16, np.float32), n=k)
-    v = dq.ffn_gate_up_q8.specialize(QTYPE=qtype, ROWS=rows, EXPERTS=experts, SG=sg)
-    act = run(v, backend, request, (-(-m // rows), slots), wg=wg, wu=wu, ids=ids, xq=xq8["xq"], xd=xq8["xd"],
+    v = ffn.ffn_gate_up.specialize(QTYPE=qtype, Q8=True, ROWS=rows, EXPERTS=experts, SG=sg)
+    act = run(v, backend, request, v.groups(m=m, slots=slots), wg=wg, wu=wu, ids=ids, xq=xq8["xq"], xd=xq8["xd"],
               act=np.full(slots * m, np.nan, np.float32), k=k, m=m)["act"]
     xhat = q8.q8_1_values(xq8["xq"], xq8["xd"])
     sel = ids if experts else [0]
@@ -259,27 +259,29 @@ def test_ffn_gate_up_q8(backend, request, qtype, m, nb, nexp, slots, experts, ro
     u = dm.dmmv_ref(wu, xhat, qtype, nexp * m, k).reshape(nexp, m)[sel]
     ga = abs_dot(wg, qtype, nexp * m, k, xhat).reshape(nexp, m)[sel]
     ua = abs_dot(wu, qtype, nexp * m, k, xhat).reshape(nexp, m)[sel]
-    ref = dq.ffn_gate_up_q8_ref(wg, wu, ids, xq8["xq"], xq8["xd"], qtype, m, k, experts)
+    ref = ffn.ffn_gate_up_q8_ref(wg, wu, ids, xq8["xq"], xq8["xd"], qtype, m, k, experts)
     bound = RTOL * ((np.abs(u) * 1.1 + np.abs(g)) * (ga + ua)).reshape(-1) + 1e-6
     assert_within(act, ref, bound)
 
 
 def test_bench_kernels_on_lavapipe():
-    """`zdsl bench-kernels` end to end on tiny shapes: every case timed, bytes and rates consistent."""
+    """`zdsl bench-kernels` end to end on the tiny preset's step: every tunable use timed with the
+    variant the device picks, bytes and rates consistent."""
     from click.testing import CliRunner
 
-    from zdsl.bench_kernels import TINY_SHAPES, bench_kernels
+    from zdsl.bench_kernels import bench_kernels
 
-    out = CliRunner().invoke(bench_kernels, ["--device", "lavapipe", "--tiny", "--warmup", "1", "--repeats", "3",
-                                             "--json"], catch_exceptions=False)
+    out = CliRunner().invoke(bench_kernels, ["--preset", "tiny", "--device", "lavapipe", "--warmup", "1", "--repeats", "3",
+                                             "--warm-ms", "10", "--copy-mb", "4", "--cache-mb", "4", "--json"],
+                             catch_exceptions=False)
     assert out.exit_code == 0, out.output
     report = json.loads(out.output)
     assert report["copy_gbps"] > 0 and "llvmpipe" in report["device"]
-    kernels = [s.split(":")[0] for s in TINY_SHAPES]
-    kernels.insert(kernels.index("dmmv_q8"), "quantize_q8_1")
-    assert [r["kernel"] for r in report["results"]] == kernels
+    kernels = {r["kernel"] for r in report["results"]}
+    assert {"dmmv", "ffn_gate_up", "moe_down_all", "moe_router", "deltanet_step", "attn_decode"} <= kernels
+    assert sum(r["count"] for r in report["results"] if r["kernel"] == "norm_q8_1") == 5
     for r in report["results"]:
-        assert r["us"] > 0 and r["bytes"] > 0 and r["params"]["SG"] == 8
+        assert r["us"] > 0 and r["bytes"] > 0 and "SG=8" in r["variant"]
         assert r["gbps"] == pytest.approx(r["bytes"] / r["us"] / 1e3)
         assert r["pct_copy"] == pytest.approx(100 * r["gbps"] / report["copy_gbps"])
         assert r["back_to_back_us"] > 0 and r["copy_alone_pct"] > 0
@@ -287,12 +289,12 @@ def test_bench_kernels_on_lavapipe():
         assert r["back_to_back_pct_copy"] == pytest.approx(100 * r["back_to_back_gbps"] / report["copy_gbps"])
 
 
-@pytest.mark.parametrize("shape", ["dmmv:q9_k:256:4", "dmmv:q4_k:250:4", "dmmv_q8:iq4_xs:256:4",
-                                   "moe_down:q4_k:256:4:2:3", "gemm:q4_k:256:4", "dmmv:q4_k:256"])
-def test_bench_kernels_bad_shapes(shape, capsys):
+@pytest.mark.parametrize("args, words", [(["--kernels", "gemm"], "dispatches no kernel gemm"),
+                                         (["--preset", "huge"], "unknown preset 'huge'"),
+                                         (["--repeats", "0"], "--repeats")])
+def test_bench_kernels_bad_input(args, words, capsys):
     from zdsl.cli import main
 
-    assert main(["bench-kernels", "--device", "lavapipe", "--shapes", shape]) == 2
+    assert main(["bench-kernels", "--preset", "tiny", "--device", "lavapipe", *args]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: shape") and err.count("\n") == 1
-
+    assert err.startswith("error: ") and words in err and err.count("\n") == 1

@@ -29,7 +29,7 @@ def router_weights(rng, n, k, qtype, ties):
 
 def route(variant, backend, request, w, x, norm_w, n, k, K):
     """Route x; check the normed input the router writes (f32 and Q8_1) against numpy."""
-    out = run(variant, backend, request, -(-(n + 1) // dmmv.rows_per_workgroup(variant)), w=w, x=x,
+    out = run(variant, backend, request, variant.groups(n_expert=n), w=w, x=x,
               norm_w=norm_w, hn=np.full(k, np.nan, np.float32), xq=np.zeros(k // 4, np.uint32),
               xd=np.full(k // 16, np.nan, np.float32), logits=np.full(n + 1, np.nan, np.float32),
               arrivals=np.zeros(1, np.uint32), ids=np.full(K + 1, 7777, np.uint32), weights=np.full(K + 1, np.nan, np.float32),
@@ -87,7 +87,7 @@ def test_router_twice_in_one_sequence(device):
     try:
         seq = device.sequence()
         for bufs in own:
-            v.dispatch(seq, -(-(n + 1) // dmmv.rows_per_workgroup(v)), k=k, n_expert=n, eps=EPS, **shared, **bufs)
+            v.dispatch(seq, v.groups(n_expert=n), k=k, n_expert=n, eps=EPS, **shared, **bufs)
         seq.run()
         seq.free()
         for x, bufs in zip(xs, own):

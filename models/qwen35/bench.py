@@ -2,7 +2,7 @@
 
 A decoded token reads the weights it needs, every row of the KV cache in each attention layer,
 and reads and writes the delta-net state, so it cannot be faster than copy bandwidth / those
-bytes. The bandwidth is measured in the same run by the DSL copy kernel of `zdsl bench-kernels`
+bytes. The bandwidth is measured in the same run by the DSL copy kernel (autotune/timing.py)
 (read + write bytes), so "% of ceiling" compares like with like. Depths are reached with
 `DecodeGraph.seek`: the timed steps read that many cache rows, as real decoding would, without
 first computing the tokens before them. Decode runs in the bursts `zdsl run` uses. The prompt is
@@ -95,9 +95,9 @@ def time_decode(graph, depth: int, n: int, burst: int) -> float:
 
 def copy_bandwidth(device, nbytes: int) -> float:
     """GB/s of the DSL copy kernel over two `nbytes` buffers (read + write bytes counted)."""
-    from zdsl.bench_kernels import Bench
+    from zdsl.autotune import timing, tuner
 
-    return Bench(device, warmup=5, repeats=30, warm_s=0.3, cache_bytes=0, sweep=False).copy_bandwidth(nbytes)
+    return timing.copy_bandwidth(tuner.Measure(device, warmup=5, repeats=30, warm_s=0.3, cache_bytes=0), nbytes)
 
 
 def git_commit() -> str | None:

@@ -24,9 +24,8 @@ import numpy as np
 
 from zdsl.autotune.database import Database, choose, shape_key
 from zdsl.errors import ZdslError
-from zdsl.kernels import attention, deltanet, dmmv, dmmv_q8, embedding, moe, q8_1, sampling, steps
+from zdsl.kernels import attention, deltanet, dmmv, embedding, ffn, moe, q8_1, sampling, steps
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS
-from zdsl.lang.language import cdiv
 from zdsl.runtime.memory import fmt_bytes
 from zdsl.models.qwen35.buffers import (ATTN_MAX_SPLITS, ATTN_MIN_CHUNK, SAVED, STEP_WORDS, check_fits, checkpointed,
                                         decode_buffers)
@@ -45,12 +44,13 @@ class Vector:
 
 
 def sampler_kernels(pick, vocab: int, sampler: SamplerConfig):
-    """(first pass, draw, first-pass workgroups) of the sampler; `pick(kernel, shape, **fixed)`
+    """(first pass, draw, first-pass workgroups) of the sampler; `pick(kernel, key, fixed)`
     chooses a variant (autotune.database.choose for a device)."""
-    shape, cap = {"n_vocab": vocab}, sampler.kernel_cap
-    first = pick(sampling.sample_candidates, shape, CAP=cap)
-    draw = pick(sampling.sample_draw, shape, CAP=cap, WG=first.params["WG"], R=first.params["R"])
-    return first, draw, cdiv(vocab, first.params["WG"] * first.params["R"])
+    cap, sizes = sampler.kernel_cap, {"n_vocab": vocab}
+    first = pick(sampling.sample_candidates, {**sizes, "CAP": cap}, {"CAP": cap})
+    fixed = {"CAP": cap, "WG": first.params["WG"], "R": first.params["R"]}
+    draw = pick(sampling.sample_draw, {**sizes, **fixed}, fixed)
+    return first, draw, first.kernel.groups(first.params, sizes)[0]
 
 
 def candidate_bytes(sampler: SamplerConfig, groups: int) -> int:
@@ -61,9 +61,18 @@ def candidate_bytes(sampler: SamplerConfig, groups: int) -> int:
 def plan_buffers(model: ModelFile, info, n_ctx: int, sampler: SamplerConfig, tuning: Database | None = None):
     """The buffers (buffers.Spec) a DecodeGraph of `model` holds on device `info`, sized before
     one is made: to show and check the memory plan up front."""
-    groups = sampler_kernels(lambda kernel, shape, **fixed: choose(kernel, info, shape, db=tuning, **fixed),
+    groups = sampler_kernels(lambda kernel, key, fixed: choose(kernel, info, key, db=tuning, **fixed),
                              model.hparams.vocab, sampler)[2]
     return decode_buffers(model.hparams, graph_weights(model), n_ctx, candidate_bytes(sampler, groups))
+
+
+def record_launches(model, info, n_ctx: int, sampler: SamplerConfig | None = None, tuning: Database | None = None):
+    """The launches of one decode step of `model` (a ModelFile or synth.PresetModel) as a device
+    of `info` would run it (KernelDef.launch records them; a DryDevice allocates and runs nothing)."""
+    from zdsl.runtime.dry import DryDevice
+
+    graph = DecodeGraph(model, DryDevice(info), n_ctx, sampler, progress=False, tuning=tuning)
+    return graph.seq.launches
 
 
 class DecodeGraph:
@@ -82,8 +91,9 @@ class DecodeGraph:
         self.tuning = tuning  # None: the shipped and the user's tuning databases
         self.chosen: dict[tuple[str, str], object] = {}  # (kernel, key) → the variant the step runs
         self.cand = None
-        self._choose_sampler()
-        need = check_fits(self.buffers, n_ctx, device.memory_available(), self.info)
+        self._pick_sampler()
+        if not getattr(device, "dry", False):
+            need = check_fits(self.buffers, n_ctx, device.memory_available(), self.info)
         if say:
             say(f"memory: {need.line()} on {self.info.name}")
         self._allocate()
@@ -126,13 +136,14 @@ class DecodeGraph:
         if sampler is not None:
             self.sampler = sampler
         self.chosen.clear()
-        self._choose_sampler()
+        self._pick_sampler()
         self._record_steps()
         self._synced = False
 
-    def _choose(self, kernel, shape: dict, **fixed):
-        v = choose(kernel, self.info, shape, db=self.tuning, **fixed)
-        self.chosen[(kernel.name, shape_key({**shape, **fixed}))] = v
+    def _pick(self, kernel, key: dict, fixed: dict):
+        """The variant a launch runs: the tuning database's choice for its key (KernelDef.launch)."""
+        v = choose(kernel, self.info, key, db=self.tuning, **fixed)
+        self.chosen[(kernel.name, shape_key(key))] = v
         return v
 
     # -- set-up ----------------------------------------------------------------------------
@@ -212,9 +223,9 @@ class DecodeGraph:
     def _candidate_bytes(self) -> int:
         return candidate_bytes(self.sampler, self.sample_groups)
 
-    def _choose_sampler(self) -> None:
+    def _pick_sampler(self) -> None:
         """The sampler's two kernels, and room for the first pass's per-workgroup candidates."""
-        self.sample_pass, self.sample_draw, self.sample_groups = sampler_kernels(self._choose, self.hp.vocab,
+        self.sample_pass, self.sample_draw, self.sample_groups = sampler_kernels(self._pick, self.hp.vocab,
                                                                                  self.sampler)
         if self.cand is not None and self.cand.nbytes < self._candidate_bytes():  # retuned to more room
             self.cand = self.device.alloc(self._candidate_bytes(), name="candidates")
@@ -253,14 +264,10 @@ class DecodeGraph:
         an int8 decoder and x comes in Q8_1, else f32."""
         x = x or self.normed
         m, k = self.tensors.shape(tensor)[-2:]
-        q = self._qname(tensor)
-        fixed = dict(QTYPE=q, ADD=True) if add else dict(QTYPE=q)
-        if self._int8(tensor) and x.q is not None:
-            v, args = self._choose(dmmv_q8.dmmv_q8, {"QTYPE": q, "k": k, "m": m}, **fixed), dict(xq=x.q, xd=x.d)
-        else:
-            v, args = self._choose(dmmv.dmmv, {"QTYPE": q, "k": k, "m": m}, **fixed), dict(x=x.f32)
-        v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=tensor.removesuffix(".weight"),
-                   w=self.weights[tensor], y=y, k=k, m=m, **args)
+        q8 = self._int8(tensor) and x.q is not None
+        dmmv.dmmv.launch(seq, self._pick, label=tensor.removesuffix(".weight"), QTYPE=self._qname(tensor), Q8=q8,
+                         COLS=1, ADD=add, w=self.weights[tensor], y=y, k=k, m=m,
+                         **(dict(xq=x.q, xd=x.d) if q8 else dict(x=x.f32)))
 
     def _project_two(self, seq, tensor: str, y, tensor2: str, y2) -> None:
         """y = W · normed and y2 = W2 · normed: one dispatch where both types have int8 decoders
@@ -270,12 +277,10 @@ class DecodeGraph:
             self._project(seq, tensor2, y2)
             return
         (m, k), (m2, _) = self.tensors.shape(tensor)[-2:], self.tensors.shape(tensor2)[-2:]
-        q, q2 = self._qname(tensor), self._qname(tensor2)
-        v = self._choose(dmmv_q8.dmmv_q8_pair, {"QTYPE": q, "QTYPE2": q2, "k": k, "m": m, "m2": m2}, QTYPE=q, QTYPE2=q2)
-        rows = dmmv.rows_per_workgroup(v)
         label = tensor.removesuffix(".weight") + "+" + tensor2.split(".")[-2]
-        v.dispatch(seq, cdiv(m, rows) + cdiv(m2, rows), label=label, w=self.weights[tensor], w2=self.weights[tensor2],
-                   xq=self.normed.q, xd=self.normed.d, y=y, y2=y2, k=k, m=m, m2=m2)
+        dmmv.dmmv_q8_pair.launch(seq, self._pick, label=label, QTYPE=self._qname(tensor), QTYPE2=self._qname(tensor2),
+                                 w=self.weights[tensor], w2=self.weights[tensor2], xq=self.normed.q, xd=self.normed.d,
+                                 y=y, y2=y2, k=k, m=m, m2=m2)
 
     def _residual(self, seq, tensor: str, x: Vector, next_norm: str | None) -> None:
         """x += W · input, then the next projections' normed input from x (rmsnorm(x) · next_norm),
@@ -291,10 +296,9 @@ class DecodeGraph:
 
     def _norm(self, seq, norm: str) -> None:
         """normed = rmsnorm(x) · norm, in f32 and Q8_1: one dispatch of one workgroup."""
-        n, H = self.normed, self.hp.hidden
-        v = self._choose(q8_1.norm_q8_1, {"n": H})
-        v.dispatch(seq, 1, label=norm.removesuffix(".weight"), x=self.x, norm_w=self.weights[norm], hn=n.f32, xq=n.q,
-                   xd=n.d, n=H, eps=self.hp.eps)
+        n = self.normed
+        q8_1.norm_q8_1.launch(seq, self._pick, label=norm.removesuffix(".weight"), x=self.x, norm_w=self.weights[norm],
+                              hn=n.f32, xq=n.q, xd=n.d, n=self.hp.hidden, eps=self.hp.eps)
 
     def _next_norm(self, i: int) -> str:
         """The norm that the layer after layer i starts with (the output norm after the last)."""
@@ -306,14 +310,11 @@ class DecodeGraph:
         if from_host:
             seq.copy(self.step_host, self.step)
         if self.sampler.penalties:
-            sampling.penalty_window.specialize().dispatch(seq, 1, label="penalty_window", step=self.step,
-                                                          ring=self.penalty_ring, counts=self.counts,
-                                                          window=self.sampler.window(self.n_ctx), n_vocab=self.hp.vocab)
+            sampling.penalty_window.launch(seq, self._pick, step=self.step, ring=self.penalty_ring, counts=self.counts,
+                                           window=self.sampler.window(self.n_ctx), n_vocab=self.hp.vocab)
         emb = "token_embd.weight"
-        q = self._qname(emb)
-        embedding.embed.specialize(QTYPE=q).dispatch(seq, embedding.embed_groups(q, hp.hidden), label="embed",
-                                                     table=self.weights[emb],
-                                                     ids=self.step, out=self.x, k=hp.hidden, index=2)
+        embedding.embed.launch(seq, self._pick, QTYPE=self._qname(emb), table=self.weights[emb], ids=self.step,
+                               out=self.x, k=hp.hidden, index=2)
         self._norm(seq, "blk.0.attn_norm.weight")
         for i in range(hp.n_layers):
             if hp.attention[i]:
@@ -326,7 +327,7 @@ class DecodeGraph:
                 self._ffn(seq, i)
         self._project(seq, self.tensors.output_name, self.logits_out)
         self._sample(seq)
-        steps.advance.specialize().dispatch(seq, 1, label="advance", step=self.step)
+        steps.advance.launch(seq, self._pick, step=self.step)
         seq.copy(self.step, self.step_host)
         return seq
 
@@ -336,18 +337,18 @@ class DecodeGraph:
         for name, out in (("attn_q", self.qg), ("attn_k", self.k), ("attn_v", self.v)):
             self._project(seq, p + name + ".weight", out)
         k_cache, v_cache = self.kv[i]
-        prep = self._choose(attention.attn_prep, {"d": d})
-        prep.dispatch(seq, nh + nkv, label=p + "attn_prep", qg=self.qg, k=self.k, v=self.v, q_norm=self.weights[p + "attn_q_norm.weight"],
-                      k_norm=self.weights[p + "attn_k_norm.weight"], step=self.step, q=self.q, k_cache=k_cache,
-                      v_cache=v_cache, n_head=nh, n_kv=nkv, d=d, rope_dims=hp.rope_dims, rope_base=hp.rope_base,
-                      eps=hp.eps)
-        dec = self._choose(attention.attn_decode, {"D": d, "G": nh // nkv}, D=d, G=nh // nkv)
-        dec.dispatch(seq, (self.attn_splits, nkv), label=p + "attn_decode", q=self.q, k_cache=k_cache,
-                     v_cache=v_cache, step=self.step, part=self.attn_part, n_kv=nkv, min_chunk=ATTN_MIN_CHUNK)
-        comb = self._choose(attention.attn_combine, {"D": d}, D=d, Q8=self._int8(p + "attn_output.weight"))
+        attention.attn_prep.launch(
+            seq, self._pick, label=p + "attn_prep", qg=self.qg, k=self.k, v=self.v, q_norm=self.weights[p + "attn_q_norm.weight"],
+            k_norm=self.weights[p + "attn_k_norm.weight"], step=self.step, q=self.q, k_cache=k_cache, v_cache=v_cache,
+            n_head=nh, n_kv=nkv, d=d, rope_dims=hp.rope_dims, rope_base=hp.rope_base, eps=hp.eps)
+        attention.attn_decode.launch(seq, self._pick, label=p + "attn_decode", D=d, G=nh // nkv, q=self.q,
+                                     k_cache=k_cache, v_cache=v_cache, step=self.step, part=self.attn_part, n_kv=nkv,
+                                     min_chunk=ATTN_MIN_CHUNK, nsplit=self.attn_splits, ctx=self.n_ctx)
         o = self.attn_o
-        comb.dispatch(seq, nh, label=p + "attn_combine", part=self.attn_part, qg=self.qg, step=self.step,
-                      o=o.f32, oq=o.q, od=o.d, nsplit=self.attn_splits, min_chunk=ATTN_MIN_CHUNK)
+        attention.attn_combine.launch(seq, self._pick, label=p + "attn_combine", D=d,
+                                      Q8=self._int8(p + "attn_output.weight"), part=self.attn_part, qg=self.qg,
+                                      step=self.step, o=o.f32, oq=o.q, od=o.d, nsplit=self.attn_splits,
+                                      min_chunk=ATTN_MIN_CHUNK, n_head=nh, ctx=self.n_ctx)
         self._residual(seq, p + "attn_output.weight", o, self._post_attention_norm(i))
 
     def _deltanet(self, seq, i: int) -> None:
@@ -355,17 +356,15 @@ class DecodeGraph:
         self._project_two(seq, p + "attn_qkv.weight", self.mix, p + "attn_gate.weight", self.z)
         # one dispatch: each head's gates β and α, the conv of the channels it reads, the delta rule
         gates = p + "ssm_beta_alpha.weight"
-        q = self._qname(gates)
-        step = self._choose(deltanet.deltanet_step, {"D": hp.ssm_head_dim, "QTYPE": q}, D=hp.ssm_head_dim,
-                            KC=hp.conv_kernel, Q8=self._int8(p + "ssm_out.weight"), QTYPE=q)
         o = self.dn_out
-        step.dispatch(seq, hp.ssm_v_heads, label=p + "ssm_conv+step", mix=self.mix,
-                      conv_w=self.weights[p + "ssm_conv1d.weight"], conv_state=self.conv_state[i], step=self.step,
-                      z=self.z, w_ba=self.weights[gates], x=self.normed.f32, xq=self.normed.q, xd=self.normed.d,
-                      ssm_a=self.weights[p + "ssm_a"], dt_bias=self.weights[p + "ssm_dt.bias"],
-                      norm_w=self.weights[p + "ssm_norm.weight"],
-                      state=self.ssm_state[i], out=o.f32, oq=o.q, od=o.d, n_k_heads=hp.ssm_k_heads,
-                      k=hp.hidden, eps=hp.eps)
+        deltanet.deltanet_step.launch(
+            seq, self._pick, label=p + "ssm_conv+step", D=hp.ssm_head_dim, KC=hp.conv_kernel,
+            Q8=self._int8(p + "ssm_out.weight"), QTYPE=self._qname(gates), v_heads=hp.ssm_v_heads, mix=self.mix,
+            conv_w=self.weights[p + "ssm_conv1d.weight"], conv_state=self.conv_state[i], step=self.step, z=self.z,
+            w_ba=self.weights[gates], x=self.normed.f32, xq=self.normed.q, xd=self.normed.d,
+            ssm_a=self.weights[p + "ssm_a"], dt_bias=self.weights[p + "ssm_dt.bias"],
+            norm_w=self.weights[p + "ssm_norm.weight"], state=self.ssm_state[i], out=o.f32, oq=o.q, od=o.d,
+            n_k_heads=hp.ssm_k_heads, k=hp.hidden, eps=hp.eps)
         self._residual(seq, p + "ssm_out.weight", o, self._post_attention_norm(i))
 
     def _gate_up(self, seq, gate: str, up: str, slots: int, experts: bool) -> None:
@@ -376,17 +375,11 @@ class DecodeGraph:
         if self._qname(up) != q or self.tensors.shape(up)[-2:] != (m, k):
             raise ZdslError(f"{up} differs in type or shape from {gate}; zdsl's fused gate·up needs one type "
                             "and one width")
-        ids = self.route_ids if experts else self.step
+        q8 = self._int8(gate)
         label = gate.removesuffix(".weight") + "+up" + ("+shexp" if experts else "")
-        shape, fixed = {"QTYPE": q, "k": k, "m": m, "slots": slots}, dict(QTYPE=q, EXPERTS=experts)
-        if self._int8(gate):
-            v = self._choose(dmmv_q8.ffn_gate_up_q8, shape, **fixed)
-            args = dict(xq=self.normed.q, xd=self.normed.d)
-        else:
-            v = self._choose(dmmv.ffn_gate_up, shape, **fixed)
-            args = dict(x=self.normed.f32)
-        v.dispatch(seq, (cdiv(m, dmmv.rows_per_workgroup(v)), slots), label=label, wg=self.weights[gate],
-                   wu=self.weights[up], ids=ids, act=self.act, k=k, m=m, **args)
+        ffn.ffn_gate_up.launch(seq, self._pick, label=label, QTYPE=q, Q8=q8, EXPERTS=experts, wg=self.weights[gate],
+                               wu=self.weights[up], ids=self.route_ids if experts else self.step, act=self.act, k=k, m=m,
+                               slots=slots, **(dict(xq=self.normed.q, xd=self.normed.d) if q8 else dict(x=self.normed.f32)))
 
     def _moe(self, seq, i: int) -> None:
         """The router (x normed, its logits, then the experts picked by the workgroup that
@@ -396,13 +389,11 @@ class DecodeGraph:
         hp, p = self.hp, f"blk.{i}."
         K, E = hp.n_experts_used, hp.n_experts
         router = p + "ffn_gate_inp.weight"
-        qr, kr = self._qname(router), self.tensors.shape(router)[-1]
-        route = self._choose(moe.moe_router, {"QTYPE": qr, "k": kr, "n_expert": E}, QTYPE=qr, K=K)
-        route.dispatch(seq, cdiv(E + 1, dmmv.rows_per_workgroup(route)), label=p + "ffn_gate_inp+moe_route",
-                       w=self.weights[router], x=self.x,
-                       norm_w=self.weights[p + "post_attention_norm.weight"], hn=self.normed.f32, xq=self.normed.q,
-                       xd=self.normed.d, logits=self.router, arrivals=self.router_arrivals, ids=self.route_ids,
-                       weights=self.route_w, k=kr, n_expert=E, eps=self.hp.eps)
+        moe.moe_router.launch(
+            seq, self._pick, label=p + "ffn_gate_inp+moe_route", QTYPE=self._qname(router), K=K,
+            w=self.weights[router], x=self.x, norm_w=self.weights[p + "post_attention_norm.weight"], hn=self.normed.f32,
+            xq=self.normed.q, xd=self.normed.d, logits=self.router, arrivals=self.router_arrivals, ids=self.route_ids,
+            weights=self.route_w, k=self.tensors.shape(router)[-1], n_expert=E, eps=self.hp.eps)
         self._gate_up(seq, p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight", K + 1, experts=True)
         down, down_sh = p + "ffn_down_exps.weight", p + "ffn_down_shexp.weight"
         md, kd = self.tensors.shape(down)[-2:]
@@ -413,19 +404,16 @@ class DecodeGraph:
             self._down(seq, down, self.route_ids, self.route_w, self.act, K)
             self._down(seq, down_sh, self.zero_id, self.route_w_shared, self.act_shared, 1)
         else:
-            v = self._choose(dmmv.moe_down_all, {"QTYPE": qd, "QTYPE_SH": qs, "k": kd, "m": md, "K": K},
-                             QTYPE=qd, QTYPE_SH=qs, K=K)
-            v.dispatch(seq, cdiv(md, dmmv.rows_per_workgroup(v)), label=p + "ffn_down_exps+shexp", w=self.weights[down],
-                       w_sh=self.weights[down_sh] if qs else self.device.placeholder, ids=self.route_ids,
-                       weights=self.route_w, act=self.act, y=self.x, k=kd, m=md)
+            ffn.moe_down_all.launch(seq, self._pick, label=p + "ffn_down_exps+shexp", QTYPE=qd, QTYPE_SH=qs, K=K,
+                                    w=self.weights[down], w_sh=self.weights[down_sh] if qs else self.device.placeholder,
+                                    ids=self.route_ids, weights=self.route_w, act=self.act, y=self.x, k=kd, m=md)
         self._norm(seq, self._next_norm(i))
 
     def _down(self, seq, tensor: str, ids, weights, act, slots: int) -> None:
         m, k = self.tensors.shape(tensor)[-2:]
         q = self._qname(tensor)
-        v = self._choose(dmmv.moe_down, {"QTYPE": q, "k": k, "m": m}, QTYPE=q, ADD=True)
-        v.dispatch(seq, cdiv(m, dmmv.rows_per_workgroup(v)), label=tensor.removesuffix(".weight"), w=self.weights[tensor],
-                   ids=ids, weights=weights, act=act, y=self.x, k=k, m=m, slots=slots)
+        ffn.moe_down.launch(seq, self._pick, label=tensor.removesuffix(".weight"), QTYPE=q, ADD=True,
+                            w=self.weights[tensor], ids=ids, weights=weights, act=act, y=self.x, k=k, m=m, slots=slots)
 
     def _ffn(self, seq, i: int) -> None:
         p = f"blk.{i}."
@@ -434,10 +422,12 @@ class DecodeGraph:
 
     def _sample(self, seq) -> None:
         first, draw = self.sampler.push_constants(self.hp.vocab, self.n_ctx)
-        self.sample_pass.dispatch(seq, self.sample_groups, label="sample_candidates", logits=self.logits_out, counts=self.counts,
-                                  cand=self.cand, **first)
-        self.sample_draw.dispatch(seq, 1, label="sample_draw", cand=self.cand, step=self.step,
-                                  tokens=self.tokens_out, **draw)
+        cap = self.sampler.kernel_cap
+        sampling.sample_candidates.launch(seq, self._pick, CAP=cap, logits=self.logits_out, counts=self.counts,
+                                          cand=self.cand, **first)
+        sampling.sample_draw.launch(seq, self._pick, CAP=cap, WG=self.sample_pass.params["WG"],
+                                    R=self.sample_pass.params["R"], cand=self.cand, step=self.step,
+                                    tokens=self.tokens_out, **draw)
 
     # -- running ----------------------------------------------------------------------------
     def decode(self, token: int | None = None) -> int:

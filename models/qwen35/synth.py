@@ -23,7 +23,7 @@ from gguf import GGUFWriter, TokenType
 from zdsl.errors import ModelError
 from zdsl.kernels.formats import quantize
 
-from .gguf_file import Hparams, QuantType, TensorSpec, row_bytes, tensor_specs
+from .gguf_file import Hparams, QuantType, TensorInfo, TensorSpec, row_bytes, tensor_specs
 
 PRESETS: dict[str, Hparams] = {
     # MoE, 4 layers (3 delta-net + 1 attention), real head sizes, K-quant friendly widths.
@@ -265,6 +265,25 @@ def plan(hp: Hparams, quant: str = "q4_k_m") -> list[tuple[str, tuple[int, ...],
         layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
         out.append((name, tuple(reversed(spec.ne)), tensor_type(name, spec, quant, layer, hp.n_layers)))
     return out
+
+
+class PresetModel:
+    """A preset as the decode graph sees a model file (hyperparameters, tensors' shapes, types and
+    places), with no file behind it: enough to record its step on a DryDevice."""
+
+    path = None
+
+    def __init__(self, name: str, quant: str = "q4_k_m"):
+        self.hparams = preset(name)
+        self.source = f"preset {name} ({quant.upper()} types)"
+        self.tensors, offset = {}, 0
+        for tensor, shape, qtype in plan(self.hparams, quant):
+            nbytes = int(np.prod(shape[:-1], dtype=np.int64)) * row_bytes(qtype, shape[-1])
+            self.tensors[tensor] = TensorInfo(tensor, qtype, shape, offset, nbytes)
+            offset += nbytes
+
+    def info(self, name: str) -> TensorInfo:
+        return self.tensors[name]
 
 
 def write(path: str | os.PathLike, preset_name: str = "tiny", *, layers: int | None = None,

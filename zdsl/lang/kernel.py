@@ -5,6 +5,12 @@ Parameters are classified by annotation: `Buffer[T]` (or `Coherent[T]`) → stor
 specialization constants, `Const` → trace-time Python values. A `Variant` is one choice of
 Const and Spec values: it traces once, emits GLSL, compiles (cached) and runs on a device or in
 the interpreter.
+
+A kernel also owns its launch: its grid (a function of the variant and the launch's sizes), the
+sizes that key its tuning, and the bytes one launch moves. `KernelDef.launch` picks the variant
+for a key, computes the groups and records a `Launch` into the sequence, so a graph says what to
+compute and the tuner, the benches and the static ranking read what the graph really runs. Its
+`example` (beside its numpy reference) makes inputs of any recorded size to check and time it.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import struct
 import sys
 import traceback
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from types import SimpleNamespace
 from typing import Callable
@@ -50,8 +56,10 @@ class KernelDef:
     """A kernel and its variant space. Registered by name in REGISTRY."""
 
     def __init__(self, fn: Callable, *, workgroup, subgroup: str | None, variants: dict | None,
-                 where: Callable | None, name: str | None, register: bool, tune: dict | None = None):
+                 where: Callable | None, name: str | None, register: bool, tune: dict | None = None,
+                 grid=1, key: tuple[str, ...] = (), sizes: tuple[str, ...] = (), traffic: Callable | None = None):
         self.fn = fn
+        self.grid, self.key, self.sizes, self.traffic = grid, tuple(key), tuple(sizes), traffic
         self.name = name or fn.__name__
         self.workgroup = workgroup
         self.subgroup = subgroup
@@ -99,7 +107,50 @@ class KernelDef:
         self.ref = fn
         return fn
 
+    def example(self, fn: Callable) -> Callable:
+        """Decorator: `fn(launch, rng, check) -> Example`, inputs for a recorded launch's sizes
+        and what the reference says they give (check: a small version whose reference is cheap)."""
+        self.make_example = fn
+        return fn
+
     ref: Callable | None = None
+    make_example: Callable | None = None
+
+    # -- launches
+    def groups(self, params: dict, sizes: dict) -> tuple[int, int, int]:
+        """The grid of a launch of the variant `params` with these sizes (scalars included)."""
+        g = self.grid(SimpleNamespace(**params), SimpleNamespace(**sizes)) if callable(self.grid) else self.grid
+        return _groups(g)
+
+    def bytes_moved(self, params: dict, sizes: dict) -> int:
+        """Bytes one launch reads and writes: what a bandwidth bound divides."""
+        if self.traffic is None:
+            raise ZdslError(f"{self.name} states no traffic (the bytes a launch moves)")
+        return int(self.traffic(SimpleNamespace(**params), SimpleNamespace(**sizes)))
+
+    def launch(self, seq, pick: Callable, *, label: str | None = None, **args) -> "Launch":
+        """Record a launch into the sequence `seq`. Consts and Specs given are fixed; `pick(kernel,
+        key, fixed)` chooses the variant for the tuning key (the fixed values and the sizes named
+        in `key`). Buffers and scalars go to the dispatch; names in `sizes` only to the grid."""
+        names = {p.name: p.kind for p in self.params}
+        unknown = sorted(set(args) - set(names) - set(self.sizes))
+        if unknown:
+            raise ZdslError(f"{self.name} has no parameter {', '.join(unknown)}")
+        fixed = {n: v for n, v in args.items() if names.get(n) in ("const", "spec")}
+        sizes = {n: v for n, v in args.items() if names.get(n) == "scalar" or n in self.sizes}
+        key = {**fixed, **{n: sizes[n] for n in self.key}}
+        variant = pick(self, key, fixed)
+        groups = self.groups(variant.params, sizes)
+        buffers = {n: v for n, v in args.items() if names.get(n) == "buffer"}
+        record = Launch(self, variant, fixed, key, sizes, {n: b.nbytes for n, b in buffers.items()}, groups,
+                        label or self.name)
+        launches = getattr(seq, "launches", None)
+        if launches is not None:
+            launches.append(record)
+        if not getattr(seq, "dry", False):
+            variant.dispatch(seq, groups, label=label, **buffers,
+                             **{n: v for n, v in sizes.items() if names.get(n) == "scalar"})
+        return record
 
     def __call__(self, *args, **kwargs):
         raise ZdslError(f"kernel {self.name} is not called directly: use "
@@ -207,7 +258,8 @@ class KernelDef:
 
 
 def kernel(fn=None, *, workgroup=64, subgroup: str | None = None, variants: dict | None = None,
-           where: Callable | None = None, name: str | None = None, register: bool = True, tune: dict | None = None):
+           where: Callable | None = None, name: str | None = None, register: bool = True, tune: dict | None = None,
+           grid=1, key: tuple[str, ...] = (), sizes: tuple[str, ...] = (), traffic: Callable | None = None):
     """Declare a kernel.
 
     workgroup: an int or tuple, the name of a Const parameter, or a function of the Const values.
@@ -216,11 +268,45 @@ def kernel(fn=None, *, workgroup=64, subgroup: str | None = None, variants: dict
     where:     a predicate on a variant's values (a namespace) that rules combinations out.
     tune:      {param: values} the tuner tries beyond `variants` (not built ahead of time), e.g.
                workgroup sizes; `where` rules their combinations out too.
+    grid:      the workgroups of a launch: an int, or a function of (variant values, sizes), both
+               namespaces; sizes are the launch's scalars and the names in `sizes`.
+    key:       the sizes that, with the Consts a launch fixes, key its tuning.
+    sizes:     launch-only arguments the grid, key or traffic need (slots, heads, ...).
+    traffic:   bytes one launch moves, a function of (variant values, sizes).
     """
     def wrap(f):
         return KernelDef(f, workgroup=workgroup, subgroup=subgroup, variants=variants, where=where,
-                         name=name, register=register, tune=tune)
+                         name=name, register=register, tune=tune, grid=grid, key=key, sizes=sizes, traffic=traffic)
     return wrap(fn) if fn is not None else wrap
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One launch as a graph records it: what the tuner, the benches and the static ranking work
+    from (`kernel.make_example(launch, ...)` rebuilds inputs of its sizes)."""
+
+    kernel: KernelDef
+    variant: "Variant"
+    fixed: dict      # the Consts and Specs the caller chose
+    key: dict        # the tuning key: fixed, and the sizes the kernel names in `key`
+    sizes: dict      # scalars and launch-only sizes, by name
+    buffers: dict    # bytes of each buffer bound, by name
+    groups: tuple
+    label: str
+
+
+@dataclass
+class Example:
+    """Inputs for one launch (`args`: arrays and scalars by parameter name), and for check cases
+    `expect(params) -> {buffer: (reference, tolerance)}`. `rotate(n)` gives n − 1 more copies of
+    the big inputs (or other experts to route to) to take turns with, so that caches do not
+    flatter small shapes; `then` lists launches that run after and are tuned with this one,
+    as (kernel, fixed(params), tuned(params))."""
+
+    args: dict
+    expect: Callable[[dict], dict] | None = None
+    rotate: Callable[[int], dict] = lambda n: {}
+    then: list = field(default_factory=list)
 
 
 @functools.cache
@@ -298,6 +384,10 @@ class Variant:
         c = self.compiled
         write_atomic(path, c.spirv)
         return c
+
+    def groups(self, **sizes) -> tuple[int, int, int]:
+        """The grid of a launch of this variant with these sizes (the kernel's `grid`)."""
+        return self.kernel.groups(self.params, sizes)
 
     # -- device side
     @property

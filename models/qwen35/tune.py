@@ -1,4 +1,4 @@
-"""`zdsl tune`: pick the fastest kernel variants for a device, for the shapes a model decodes with.
+"""`zdsl tune`: pick the fastest kernel variants for a device, for the launches a model decodes with.
 
 On a device that runs code every candidate is checked against its numpy reference and timed;
 on a compile-only RADV target (gfx1201, navi31, ...) candidates are compiled by the null device
@@ -19,9 +19,13 @@ import click
 from zdsl.console import Table, make_console
 from zdsl.errors import ZdslError
 
-from . import cost_model, tuner
-from .database import Database, database, user_path
-from .workload import Tensors, decode_uses
+from .gguf_file import open_model
+from .graph import DecodeGraph, record_launches
+from .sampler import SamplerConfig
+from .synth import PresetModel
+
+from zdsl.autotune import cost_model, tuner
+from zdsl.autotune.database import Database, database, user_path
 
 SHOWN = 5  # candidates listed per use (plus the default when it is not among them)
 
@@ -46,7 +50,21 @@ def _open(device_name: str | None, warmup: int, repeats: int, warm_ms: int, cach
         dev.info, dev
 
 
-def _select(uses, names: str | None):
+def step_uses(model, info, n_ctx: int, caps: tuple[int, ...]) -> list[tuner.Use]:
+    """The tunable uses of one decode step of `model` as a device of `info` records it, once per
+    sampler candidate cap in `caps` (1 is greedy decoding; a step records one of them)."""
+    launches = []
+    for cap in caps:
+        sampler = SamplerConfig(temperature=0) if cap == 1 else SamplerConfig(cap=cap)
+        launches += record_launches(model, info, n_ctx, sampler)
+    found = tuner.uses(launches)
+    for use in found:  # the graph's steps around the sampler repeat for each cap: count one step's
+        if use.kernel.name != "sample_candidates":
+            use.count //= len(caps)
+    return found
+
+
+def select(uses, names: str | None):
     if not names:
         return uses
     wanted = [n.strip() for n in names.split(",") if n.strip()]
@@ -89,16 +107,22 @@ def tune(device_name, model_path, preset, names, budget, n_ctx, caps, out_path, 
         cap_list = tuple(int(c) for c in caps.split(","))
     except ValueError:
         raise ZdslError(f"--caps '{caps}': write comma-separated integers such as 1,64") from None
-    model = Tensors.from_file(model_path) if model_path else Tensors.from_preset(preset)
-    uses = _select(decode_uses(model, n_ctx=n_ctx, caps=cap_list), names)
     method, info, dev = _open(device_name, warmup, repeats, warm_ms, cache_mb)
+    try:
+        model = open_model(model_path) if model_path else PresetModel(preset)
+        source = str(model_path) if model_path else model.source
+        uses = select(step_uses(model, info, n_ctx, cap_list), names)
+    except BaseException:
+        if dev is not None:
+            dev.close()
+        raise
     console = make_console(stderr=as_json)
     modelled = isinstance(method, tuner.Model)
     in_place = model_path is not None and not modelled
     report = None
     try:
         if not as_json:
-            _header(console, info, model, len(uses), method, in_place)
+            _header(console, info, source, len(uses), method, in_place)
         deadline = time.monotonic() + budget
         results = _run(method, uses, budget / 2 if in_place else budget, console)
         if in_place:
@@ -117,7 +141,7 @@ def tune(device_name, model_path, preset, names, budget, n_ctx, caps, out_path, 
         db.save(path)
         database.cache_clear()
     if as_json:
-        out = _as_json(info, model, results, modelled, path, len(added))
+        out = _as_json(info, source, results, modelled, path, len(added))
         if report is not None:
             out["in_place"] = _in_place_json(report)
         click.echo(json.dumps(out, indent=1))
@@ -139,9 +163,6 @@ def tune(device_name, model_path, preset, names, budget, n_ctx, caps, out_path, 
 def _in_place(dev, model_path, n_ctx: int, results, info, deadline: float, console):
     """Build the model's decode step on the device and keep only the choices that speed it up."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    from zdsl.models.qwen35.gguf_file import open_model
-    from zdsl.models.qwen35.graph import DecodeGraph
 
     from .in_place import InPlace
 
@@ -173,13 +194,13 @@ def _run(method, uses, budget: float, console) -> list[tuner.Result]:
     return results
 
 
-def _header(console, info, model, n: int, method, in_place: bool) -> None:
+def _header(console, info, source: str, n: int, method, in_place: bool) -> None:
     if isinstance(method, tuner.Model):
-        console.print(f"[bold]{info.name}[/bold]: {n} kernel uses of {model.source}, [bold yellow]MODELLED[/bold yellow] "
+        console.print(f"[bold]{info.name}[/bold]: {n} kernel uses of {source}, [bold yellow]MODELLED[/bold yellow] "
                       f"with the {method.target} cost model ({method.card.name}, {method.card.bandwidth_gbs:.0f} GB/s, "
                       f"{method.card.cus} CUs) from RADV machine-code statistics — not measured, nothing ran")
     else:
-        console.print(f"[bold]{info.name}[/bold]: {n} kernel uses of {model.source}, measured: each candidate checked "
+        console.print(f"[bold]{info.name}[/bold]: {n} kernel uses of {source}, measured: each candidate checked "
                       f"against its numpy reference, then timed ({method.warmup} warm-up + {method.repeats} timed dispatches, "
                       f"median)" + ("; then the winners are tried in the model's decode step and kept only if whole "
                                     "steps get faster" if in_place else ""))
@@ -245,9 +266,9 @@ def _candidate(c: tuner.Candidate) -> dict:
     return {"params": c.tuned, "us": c.us, "spread": c.spread, "figures": c.figures, "error": c.error}
 
 
-def _as_json(info, model, results, modelled: bool, path: Path, written: int) -> dict:
+def _as_json(info, source: str, results, modelled: bool, path: Path, written: int) -> dict:
     return {
-        "device": info.name, "method": "modelled" if modelled else "measured", "model": model.source,
+        "device": info.name, "method": "modelled" if modelled else "measured", "model": source,
         "database": str(path), "entries_written": written,
         "uses": [{"kernel": r.use.kernel.name, "key": r.use.key, "count": r.use.count, "role": r.use.role,
                   "default": _candidate(r.default), "best": _candidate(r.best) if r.best else None,

@@ -17,11 +17,11 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from zdsl.autotune import tuner
+from zdsl.autotune.database import Database, Entry
 from zdsl.kernels import sampling
-from zdsl.models.qwen35.sampler import SamplerConfig
 
-from . import tuner
-from .database import Database, Entry
+from .sampler import SamplerConfig
 
 MIN_GAIN = 0.002  # a nominee must save at least this fraction of a step (and more than the noise)
 

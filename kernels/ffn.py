@@ -1,0 +1,253 @@
+"""The FFN's products in a decode step: the fused gate·up SwiGLU (a dense FFN's one pair, or the
+MoE experts the router picked on the GPU, the shared expert among them as the stacks' last), and
+the down projections of the experts, weighted and summed into the residual. They run the block
+loops of dmmv.py, so the same tiles, types and int8 path serve them."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import zdsl
+from zdsl import Buffer, Const, Spec, boolean, f32, u8, u32
+from zdsl.kernels import inputs
+from zdsl.kernels.dmmv import (EXPERT_QTYPES, NSUBS, QTYPES, Rows, block_dots, block_loop, block_step, dequant_rows,
+                               input_bytes, int8_decoder, old_rows, q8_step, row_groups, store_rows, workgroup)
+from zdsl.kernels.q8_1 import q8_1_values
+from zdsl.kernels.quant import FORMATS, INT8_FORMATS, fmt
+from zdsl.kernels.reduce import SUBGROUPS
+
+
+def _gate_up_traffic(v, s) -> int:
+    return 2 * s.slots * s.m * inputs.row_bytes(v.QTYPE, s.k) + input_bytes(s.k, v.Q8) + 4 * s.slots * s.m
+
+
+@zdsl.kernel(workgroup=workgroup, subgroup="SG",
+             variants={"QTYPE": QTYPES, "Q8": [False, True], "ROWS": [1, 2, 4], "SG": SUBGROUPS},
+             tune={"NSUB": NSUBS}, where=lambda v: not v.Q8 or v.QTYPE in INT8_FORMATS,
+             key=("k", "m", "slots"), sizes=("slots",), grid=lambda v, s: (row_groups(v, s.m), s.slots),
+             traffic=_gate_up_traffic)
+def ffn_gate_up(wg: Buffer[u8], wu: Buffer[u8], ids: Buffer[u32], x: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32],
+                act: Buffer[f32], k: u32, m: u32, EXPERTS: Spec[boolean] = True, QTYPE: Const = "q4_k",
+                Q8: Const = False, ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
+    """act[s·m + r] = silu(Wg[r]·x) · (Wu[r]·x) for slot s = workgroup_id(1), with the pair of
+    expert ids[s] (EXPERTS) or the single pair (not EXPERTS: a dense FFN; `ids` unused); x in f32,
+    or with Q8 as Q8_1 (xq, xd). A MoE layer's shared expert is one more expert of the stacks
+    (the graph appends it; the router names it in ids[K]), so routed and shared experts are one
+    dispatch with one code path. Gate and up rows are read in one pass over x."""
+    f = int8_decoder(QTYPE) if Q8 else fmt(QTYPE)
+    ctx = None if Q8 else f.setup()
+    nblocks = k // f.block
+    row_bytes = nblocks * f.nbytes
+    slot = zdsl.workgroup_id(1)
+    group = Rows(ROWS, NSUB, SG)
+    expert_base = ids.load(slot, mask=EXPERTS, other=0) * (m * row_bytes)
+    bases = [expert_base + r * row_bytes for r in group.clamped(m)]
+    rows = [(wg, b) for b in bases] + [(wu, b) for b in bases]
+    if Q8:
+        acc = block_loop(f.iparts, nblocks, group, 2 * ROWS, 1, lambda b, part: q8_step(f, rows, xq, xd, [0], b, part))
+    else:
+        acc = block_dots(f, ctx, rows, x, [0], nblocks, group)
+    store_swiglu(act, group.sums([a[0] for a in acc]), group, m, slot)
+
+
+def store_swiglu(act, sums, group: Rows, m, slot):
+    """act[slot·m + row] = silu(gate) · up, from sums = the group's gate rows, then its up rows."""
+    n = group.count
+    with zdsl.if_(group.leader()):
+        for r in range(n):
+            with zdsl.if_(group.first + r < m):
+                act[slot * m + group.first + r] = zdsl.silu(sums[r]) * sums[n + r]
+
+
+def experts_of(w_bytes, qtype, m, k) -> int:
+    f = FORMATS[qtype]
+    return len(np.asarray(w_bytes).reshape(-1)) // (m * (k // f.block) * f.nbytes)
+
+
+@ffn_gate_up.reference
+def ffn_gate_up_ref(wg_bytes, wu_bytes, ids, x, qtype, m, k, experts=True):
+    """act of every slot: the experts `ids` of the stacks (the shared one among them), or the
+    one pair (not experts)."""
+    nexp = experts_of(wg_bytes, qtype, m, k)
+    g = dequant_rows(wg_bytes, qtype, nexp * m, k).reshape(nexp, m, k)
+    u = dequant_rows(wu_bytes, qtype, nexp * m, k).reshape(nexp, m, k)
+    xv = np.asarray(x, np.float64)
+    with np.errstate(over="ignore"):  # silu of a large negative gate: −0, as on the GPU
+        out = [(lambda a: a / (1 + np.exp(-a)))(g[e] @ xv) * (u[e] @ xv) for e in (list(ids) if experts else [0])]
+    return np.concatenate(out)
+
+
+def ffn_gate_up_q8_ref(wg_bytes, wu_bytes, ids, xq, xd, qtype, m, k, experts=True):
+    """ffn_gate_up_ref on the activations the Q8_1 buffers stand for."""
+    return ffn_gate_up_ref(wg_bytes, wu_bytes, ids, q8_1_values(xq, xd), qtype, m, k, experts)
+
+
+@ffn_gate_up.example
+def ffn_gate_up_example(use, rng, check):
+    """A dense pair (1 slot) or experts picked from the stacks (the shared expert is one of them)."""
+    q, q8, experts = use.fixed["QTYPE"], use.fixed.get("Q8", False), use.fixed["EXPERTS"]
+    k, m, slots = use.sizes["k"], use.sizes["m"], use.sizes["slots"]
+    n_exp = use.buffers["wg"] // (m * inputs.row_bytes(q, k))
+    m = min(m, inputs.CHECK_ROWS) if check else m
+    n_exp = min(n_exp, 2 * slots + 1) if check and experts else n_exp
+    args = dict(wg=inputs.rows(rng, q, n_exp * m, k), wu=inputs.rows(rng, q, n_exp * m, k),
+                ids=inputs.experts(rng, n_exp, slots), **inputs.activations(rng, k, q8),
+                act=np.zeros(slots * m, np.float32), k=k, m=m, slots=slots)
+
+    def expect(p):
+        if q8:
+            want = ffn_gate_up_q8_ref(args["wg"], args["wu"], args["ids"], args["xq"], args["xd"], q, m, k, experts)
+        else:
+            want = ffn_gate_up_ref(args["wg"], args["wu"], args["ids"], args["x"], q, m, k, experts)
+        return {"act": (want, 2e-4)}
+
+    def rotate(n):
+        if experts:
+            return {"ids": [inputs.experts(rng, n_exp, slots) for _ in range(n - 1)]}
+        return {"wg": inputs.copies(args["wg"], n), "wu": inputs.copies(args["wu"], n)}
+    return zdsl.Example(args, expect, rotate)
+
+
+@zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": QTYPES, "ROWS": [1, 2, 4], "SG": SUBGROUPS},
+             tune={"NSUB": NSUBS}, key=("k", "m"), grid=lambda v, s: row_groups(v, s.m),
+             traffic=lambda v, s: s.slots * (s.m * inputs.row_bytes(v.QTYPE, s.k) + 4 * s.k) + 8 * s.m)
+def moe_down(w: Buffer[u8], ids: Buffer[u32], weights: Buffer[f32], act: Buffer[f32], y: Buffer[f32],
+             k: u32, m: u32, slots: u32, ADD: Spec[boolean] = True, QTYPE: Const = "q4_k", ROWS: Const = 1,
+             NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
+    """y[r] (+)= Σ_s weights[s] · (W_{ids[s]}[r] · act[s·k : s·k + k]) — the routed experts' down
+    projection and their weighted sum in one dispatch (also the shared expert, with one slot
+    whose weight is its sigmoid gate)."""
+    f = fmt(QTYPE)
+    ctx = f.setup()
+    nblocks = k // f.block
+    row_bytes = nblocks * f.nbytes
+    group = Rows(ROWS, NSUB, SG)
+    offsets = [r * row_bytes for r in group.clamped(m)]
+    part = group.index % f.parts
+    old = old_rows(y, group, m, 1, ADD)
+    total = [zdsl.var(0.0) for _ in range(ROWS)]
+    for item in zdsl.range(group.index // f.parts, slots * nblocks, group.size // f.parts):
+        s = item // nblocks
+        base = ids[s] * (m * row_bytes)
+        step = block_step(f, ctx, [(w, base + o) for o in offsets], act, [s * k], item - s * nblocks, part)
+        weight = weights[s]
+        for r in range(ROWS):
+            total[r] += weight * step[r][0]
+    store_rows(y, group.sums(total), group, m, 1, old)
+
+
+@moe_down.reference
+def moe_down_ref(w_bytes, ids, weights, act, qtype, m, k, y=None):
+    nexp = experts_of(w_bytes, qtype, m, k)
+    wd = dequant_rows(w_bytes, qtype, nexp * m, k).reshape(nexp, m, k)
+    a = act.reshape(-1, k).astype(np.float64)
+    out = sum(float(wt) * (wd[e] @ a[s]) for s, (e, wt) in enumerate(zip(ids, weights)))
+    return out if y is None else out + y
+
+
+@moe_down.example
+def moe_down_example(use, rng, check):
+    q, k, m, slots = use.fixed["QTYPE"], use.sizes["k"], use.sizes["m"], use.sizes["slots"]
+    n_exp = use.buffers["w"] // (m * inputs.row_bytes(q, k))
+    m = min(m, inputs.CHECK_ROWS) if check else m
+    n_exp = min(n_exp, 2 * slots + 1) if check else n_exp
+    args = dict(w=inputs.rows(rng, q, n_exp * m, k), ids=inputs.experts(rng, n_exp, slots),
+                weights=rng.uniform(0.05, 0.5, slots).astype(np.float32), act=inputs.normal(rng, slots * k),
+                y=inputs.normal(rng, m), k=k, m=m, slots=slots)
+    y0 = args["y"].copy()
+    return zdsl.Example(
+        args, lambda p: {"y": (moe_down_ref(args["w"], args["ids"], args["weights"], args["act"], q, m, k, y0), 1e-4)},
+        lambda n: {"ids": [inputs.experts(rng, n_exp, slots) for _ in range(n - 1)]})
+
+
+# ---- the MoE down projection of a decode step: every expert, added to x ----
+
+def _down_all_traffic(v, s) -> int:
+    stack = v.K if v.QTYPE_SH else v.K + 1  # the experts the stack serves
+    shared = s.m * inputs.row_bytes(v.QTYPE_SH, s.k) if v.QTYPE_SH else 0
+    return stack * s.m * inputs.row_bytes(v.QTYPE, s.k) + shared + 4 * (v.K + 1) * (s.k + 2) + 8 * s.m
+
+
+@zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": EXPERT_QTYPES, "QTYPE_SH": ["", "q6_k"],
+                                                           "ROWS": [1, 2], "K": [8], "SG": SUBGROUPS},
+             tune={"NSUB": NSUBS, "WG": [0, 128, 160, 256]},
+             where=lambda v: v.QTYPE_SH == "" or (FORMATS[v.QTYPE].block, FORMATS[v.QTYPE].parts) == (256, FORMATS["q6_k"].parts),
+             key=("k", "m"), grid=lambda v, s: row_groups(v, s.m), traffic=_down_all_traffic)
+def moe_down_all(w: Buffer[u8], w_sh: Buffer[u8], ids: Buffer[u32], weights: Buffer[f32], act: Buffer[f32],
+                 y: Buffer[f32], k: u32, m: u32, QTYPE: Const = "q4_k", QTYPE_SH: Const = "", K: Const = 8,
+                 ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
+    """y[r] += Σ_{s≤K} weights[s] · (W_s[r] · act[s·k:]): the K routed experts and the shared
+    expert (slot K) in one pass, added to the residual. W_s is expert ids[s] of w, the shared
+    expert too when it has the experts' type (the graph appends it to their stack); files that
+    keep it at more bits give it as w_sh, of type QTYPE_SH, which costs a second code path.
+   """
+    f = fmt(QTYPE)
+    f_sh = fmt(QTYPE_SH or QTYPE)
+    if (f_sh.block, f_sh.parts) != (f.block, f.parts):
+        raise zdsl.ZdslError(f"moe_down_all needs the shared expert's blocks shaped like the experts' "
+                             f"({f_sh.name} vs {f.name})")
+    ctx = f.setup()
+    ctx_sh = f_sh.setup() if f_sh is not f else ctx
+    nblocks = k // f.block
+    row_bytes = nblocks * f.nbytes
+    group = Rows(ROWS, NSUB, SG)
+    offsets = [r * row_bytes for r in group.clamped(m)]
+    part = group.index % f.parts
+    old = old_rows(y, group, m, 1, True)
+    total = [zdsl.var(0.0) for _ in range(ROWS)]
+
+    def add(step, weight):
+        for r in range(ROWS):
+            total[r] += weight * step[r][0]
+
+    for item in zdsl.range(group.index // f.parts, (K + 1) * nblocks, group.size // f.parts):
+        s = item // nblocks
+        b = item - s * nblocks
+        weight = weights[s]
+
+        def routed(slot):
+            base = ids[slot] * (m * row_bytes)
+            add(block_step(f, ctx, [(w, base + o) for o in offsets], act, [s * k], b, part), weight)
+
+        if not QTYPE_SH:
+            routed(s)
+        else:
+            with zdsl.if_(s < K):
+                routed(zdsl.min(s, K - 1))
+            with zdsl.else_():
+                sh_bytes = nblocks * f_sh.nbytes
+                rows_sh = [(w_sh, r * sh_bytes) for r in group.clamped(m)]
+                add(block_step(f_sh, ctx_sh, rows_sh, act, [s * k], b, part), weight)
+    store_rows(y, group.sums(total), group, m, 1, old)
+
+
+@moe_down_all.reference
+def moe_down_all_ref(w_bytes, w_sh_bytes, ids, weights, act, y, qtype, m, k, qtype_sh=None):
+    """`ids` names all K + 1 experts of w_bytes when w_sh_bytes is None, else the K routed ones."""
+    if w_sh_bytes is None:
+        return y + moe_down_ref(w_bytes, ids, weights, act, qtype, m, k)
+    K = len(ids)
+    routed = moe_down_ref(w_bytes, ids, weights[:K], act[:K * k], qtype, m, k)
+    shared = float(weights[K]) * (dequant_rows(w_sh_bytes, qtype_sh or qtype, m, k) @ act[K * k:].astype(np.float64))
+    return y + routed + shared
+
+
+@moe_down_all.example
+def moe_down_all_example(use, rng, check):
+    """The shared expert appended to the experts' stack (QTYPE_SH empty), or apart in its own type."""
+    q, K, apart = use.fixed["QTYPE"], use.fixed["K"], use.fixed["QTYPE_SH"] or None
+    k, m = use.sizes["k"], use.sizes["m"]
+    n_exp = use.buffers["w"] // (m * inputs.row_bytes(q, k))
+    m = min(m, inputs.CHECK_ROWS) if check else m
+    n_exp = min(n_exp, K + 4) if check else n_exp
+    slots = K if apart else K + 1  # the experts the stack serves
+    args = dict(w=inputs.rows(rng, q, n_exp * m, k), w_sh=inputs.rows(rng, apart, m, k) if apart else np.zeros(16, np.uint8),
+                ids=inputs.experts(rng, n_exp, K + 1), weights=rng.uniform(0.05, 0.5, K + 1).astype(np.float32),
+                act=inputs.normal(rng, (K + 1) * k), y=inputs.normal(rng, m), k=k, m=m)
+    y0 = args["y"].copy()
+
+    def expect(p):
+        want = moe_down_all_ref(args["w"], args["w_sh"] if apart else None, args["ids"][:slots], args["weights"],
+                                args["act"], y0, q, m, k, apart)
+        return {"y": (want, 1e-4)}
+    return zdsl.Example(args, expect, lambda n: {"ids": [inputs.experts(rng, n_exp, K + 1) for _ in range(n - 1)]})
