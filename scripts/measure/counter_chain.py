@@ -1,4 +1,5 @@
-"""Dependent dispatches ordered by arrival counters instead of barriers (docs/PERF.md).
+"""Dependent dispatches ordered by barriers, as the decode step is, or by arrival counters
+instead (docs/PERF.md: the barrier column is the per-stage floor; the counters were dropped).
 
 Usage: python3 counter_chain.py [DEVICE (default 0)] [CHAIN (default 40)]
 
@@ -61,7 +62,7 @@ links = {"plain": make_link(Buffer), "coherent": make_link(Coherent)}
 MODES = ("barrier", "barrier+coherent", "counter", "prefetch", "free")
 
 
-def timed_links(dev, rows, L, record, counters=1):
+def timed_links(dev, rows, L, record, counters):
     """(µs per link, the vector the last of L links wrote) of the chain record(seq, w, x, counter, N)
     puts into a sequence: random 4-bit weights w of `rows` rows, x two vectors of N = max(rows, K)
     (link l reads x[l % 2] and writes the other), counter zeroed at the start of every run. The
