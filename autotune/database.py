@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
 
-from zdsl.cache import cache_dir, write_atomic
+from zdsl.cache import cache_dir, warn, write_atomic
 
 SHIPPED = Path(__file__).parent
 
@@ -60,11 +60,34 @@ def family(info) -> str:
 
 
 def _load(path: Path) -> list[Entry]:
+    """The file's entries; a file that does not parse, or entries that are malformed, are named
+    in a warning and left out (the file stays: `zdsl tune` rewrites it whole when it next saves)."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        records = json.loads(path.read_text())["entries"]
+        if not isinstance(records, list):
+            raise TypeError
+    except FileNotFoundError:
         return []
-    return [Entry(**e) for e in data.get("entries", [])]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        why = e.strerror if isinstance(e, OSError) else "not a JSON object with a list of entries"
+        warn(f"tuning file {path} cannot be read ({why}); it is ignored")
+        return []
+    entries = [e for e in map(_entry, records) if e is not None]
+    if len(entries) < len(records):
+        warn(f"tuning file {path} has {len(records) - len(entries)} malformed entries; they are ignored")
+    return entries
+
+
+def _entry(record) -> Entry | None:
+    """The Entry a record holds, or None when it is not one (fields missing, of the wrong kinds)."""
+    try:
+        e = Entry(**record)
+    except TypeError:
+        return None
+    strings = (e.device, e.device_name, e.driver, e.kernel, e.method, e.family)
+    ok = (all(isinstance(v, str) for v in strings) and isinstance(e.shape, dict) and isinstance(e.params, dict)
+          and isinstance(e.figures, dict) and (e.us is None or isinstance(e.us, (int, float))))
+    return e if ok else None
 
 
 class Database:

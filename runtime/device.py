@@ -14,7 +14,7 @@ import re
 
 import numpy as np
 
-from zdsl.cache import cache_dir, content_key, write_atomic
+from zdsl.cache import cache_dir, content_key, discard, read_entry, write_entry
 from zdsl.errors import MissingFeatureError, NoDeviceError, ZdslError
 from zdsl.runtime import memory, nulldevice, physical, pipeline, vk
 from zdsl.runtime.physical import DeviceInfo, Physical
@@ -120,7 +120,7 @@ class Device:
         self._arenas: dict[str, memory.Arena] = {}
         self._staging = None
         self._placeholder = None
-        self._cache_path = cache_dir("pipelines") / f"{content_key(self.info.identity)}.bin"
+        self._cache_path = cache_dir("pipelines") / f"{content_key(self.info.identity)}.vkcache"
         self._cache_dirty = False
         self._push_descriptors = "push_descriptors" in self.info.features
         atexit.register(self.close)
@@ -156,12 +156,25 @@ class Device:
         pool = keep.new("VkCommandPool *")
         vk.check(lib.vkCreateCommandPool(self._dev, pool_info, ffi.NULL, pool), "vkCreateCommandPool")
         self._pool = pool[0]
-        initial = self._cache_path.read_bytes() if self._cache_path.exists() else b""
-        cache_info = keep.struct("VkPipelineCacheCreateInfo", sType=vk.VK_STRUCTURE_TYPE_PIPELINE_CACHE_CREATE_INFO,
-                                 initialDataSize=len(initial), pInitialData=initial or None)
+        self._pipeline_cache = self._open_pipeline_cache()
+
+    def _open_pipeline_cache(self):
+        """The pipeline cache, filled from disk when the saved data is whole and this device's;
+        data the driver refuses anyway is discarded, and the cache starts empty."""
+        initial = read_entry(self._cache_path, lambda data: physical.pipeline_cache_problem(self._phys, data)) or b""
+        result, cache = self._new_pipeline_cache(initial)
+        if result < 0 and initial:
+            discard(self._cache_path, f"was refused by the driver ({vk.result_name(result)})")
+            result, cache = self._new_pipeline_cache(b"")
+        vk.check(result, "vkCreatePipelineCache")
+        return cache
+
+    def _new_pipeline_cache(self, initial: bytes):
+        keep = Keep()
+        info = keep.struct("VkPipelineCacheCreateInfo", sType=vk.VK_STRUCTURE_TYPE_PIPELINE_CACHE_CREATE_INFO,
+                           initialDataSize=len(initial), pInitialData=initial or None)
         cache = keep.new("VkPipelineCache *")
-        vk.check(lib.vkCreatePipelineCache(self._dev, cache_info, ffi.NULL, cache), "vkCreatePipelineCache")
-        self._pipeline_cache = cache[0]
+        return lib.vkCreatePipelineCache(self._dev, info, ffi.NULL, cache), cache[0]
 
     def __enter__(self) -> "Device":
         return self
@@ -443,7 +456,7 @@ class Device:
         data = ffi.new("char[]", size[0])
         if lib.vkGetPipelineCacheData(self._dev, self._pipeline_cache, size, data) == vk.VK_SUCCESS:
             try:
-                write_atomic(self._cache_path, ffi.buffer(data, size[0])[:])
+                write_entry(self._cache_path, ffi.buffer(data, size[0])[:])
             except OSError:
                 pass    # a read-only cache folder only costs compile time next run
 

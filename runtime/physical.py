@@ -8,6 +8,7 @@ memory types, the exact feature bits to enable).
 from __future__ import annotations
 
 import os
+import struct
 from dataclasses import dataclass, field
 
 from zdsl.runtime import vk
@@ -74,6 +75,9 @@ EXTENSIONS = ("VK_KHR_push_descriptor", "VK_KHR_pipeline_executable_properties",
 class Physical:
     handle: object
     info: DeviceInfo
+    vendor_id: int
+    device_id: int
+    pipeline_cache_uuid: bytes                   # the header of this device's pipeline cache data carries it
     api: int
     extensions: frozenset[str]
     supported: dict[str, bool]
@@ -213,8 +217,9 @@ def probe(handle, index: int) -> Physical:
         compile_only=driver_name == "radv" and "RADV_FORCE_FAMILY" in os.environ,
     )
     return Physical(
-        handle=handle, info=info, api=api, extensions=extensions, supported=supported,
-        queue_family=queue_family, timestamp_bits=timestamp_bits, timestamp_period=period,
+        handle=handle, info=info, vendor_id=props.vendorID, device_id=props.deviceID,
+        pipeline_cache_uuid=bytes(ffi.buffer(props.pipelineCacheUUID)), api=api, extensions=extensions,
+        supported=supported, queue_family=queue_family, timestamp_bits=timestamp_bits, timestamp_period=period,
         min_storage_offset_alignment=limits.minStorageBufferOffsetAlignment,
         max_push_constants=limits.maxPushConstantsSize,
         max_group_count=tuple(limits.maxComputeWorkGroupCount),
@@ -223,6 +228,22 @@ def probe(handle, index: int) -> Physical:
         memory_types=memory_types, heap_sizes=[h for h, _ in heaps],
     )
 
+
+# VkPipelineCacheHeaderVersionOne: headerSize, headerVersion (1), vendorID, deviceID, pipelineCacheUUID
+CACHE_HEADER = struct.Struct("<IIII16s")
+
+
+def pipeline_cache_problem(phys: Physical, data: bytes) -> str | None:
+    """Why `data` is not pipeline cache data of this device (None when its header is this
+    device's): the driver would ignore it, or misread a damaged one."""
+    if len(data) < CACHE_HEADER.size:
+        return "is too short for pipeline cache data"
+    size, version, *written_for = CACHE_HEADER.unpack_from(data)
+    if version != 1 or not CACHE_HEADER.size <= size <= len(data):
+        return "has no valid pipeline cache header"
+    if written_for != [phys.vendor_id, phys.device_id, phys.pipeline_cache_uuid]:
+        return f"was written for another device or driver build than {phys.info.name}"
+    return None
 
 
 def memory_budget(phys: Physical) -> tuple[int, int] | None:

@@ -7,6 +7,7 @@ f32 S matrices and conv windows, read and written), not against the code under t
 
 import importlib.util
 import json
+import re
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
@@ -128,6 +129,101 @@ def test_bench_refuses_beyond_trained_context(tiny, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: context 4000 plus the timed tokens (4512) exceeds the model's trained context "
                           "of 4096 tokens")
+
+
+# -- defaults that fit the device ---------------------------------------------------------------
+
+MiB = 1 << 20
+
+
+def test_bench_defaults_fit_lavapipe(tiny, tmp_path, capsys, monkeypatch):
+    """`zdsl bench MODEL --device lavapipe` with every default runs: the copy buffers shrink to
+    what a CPU device gets (512 MiB would not even bind), the depths to those the tiny model's
+    trained context holds, and each reduction is one line saying why."""
+    from zdsl.models.qwen35.bench import DEFAULT_CONTEXTS
+
+    path, hp = tiny
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", str(path), "--device", "lavapipe"]) == 0
+    out = capsys.readouterr().out
+    r = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    depths = [c for c in map(int, DEFAULT_CONTEXTS.split(",")) if c + 512 <= hp.context_length]
+    assert r["settings"]["contexts"] == depths == [row["context"] for row in r["rows"]]
+    assert f"contexts {','.join(map(str, depths))} (the model is trained for {hp.context_length:,} tokens; " \
+           f"default {DEFAULT_CONTEXTS})" in out
+    name = r["device"]["name"]
+    assert r["settings"]["copy_bytes"] == 2 * 64 * MiB
+    assert f"copy buffers 64 MiB ({name} is a CPU, where 64 MiB measures its memory in less time; default 512)" in out
+    assert "--copy-mb 64" in r["command"] and f"--contexts {','.join(map(str, depths))}" in r["command"]
+
+
+@pytest.mark.parametrize("command", [["bench", "MODEL"], ["bench-kernels"], ["bench-kernels", "--preset", "tiny"]])
+@pytest.mark.parametrize("mb", [0, 129, 512])
+def test_a_copy_size_lavapipe_cannot_bind_is_one_line(tiny, capsys, command, mb):
+    args = [str(tiny[0]) if a == "MODEL" else a for a in command]
+    assert main([*args, "--device", "lavapipe", "--copy-mb", str(mb)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert re.fullmatch(rf"error: --copy-mb {mb}: llvmpipe .* binds 1 to 128 MiB per buffer; give a size in that "
+                        r"range", err[-1])
+    assert [line.startswith("preset tiny: ") for line in err[:-1]] == ([True] if command == ["bench-kernels"] else [])
+
+
+def test_bench_kernels_defaults_fit_a_cpu(capsys):
+    """On lavapipe, a CPU, `zdsl bench-kernels` times the tiny preset's step (the 35b-a3b step's
+    weights do not bind there) with copy buffers a CPU measures quickly, and says both."""
+    assert main(["bench-kernels", "--device", "lavapipe", "--warmup", "1", "--repeats", "3", "--warm-ms", "10",
+                 "--cache-mb", "4", "--kernels", "norm_q8_1,moe_router", "--json"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert {r["use"] for r in report["results"]} == {"n=256", "f32 K=4 k=256 n_expert=16"}
+    assert report["copy_bytes"] == 2 * 64 * MiB
+    lines = captured.err.splitlines()
+    assert re.fullmatch(r"preset tiny: llvmpipe .* is a CPU, and the 35b-a3b step is sized for a GPU "
+                        r"\(--preset times others\)", lines[0])
+    assert lines[1].startswith("copy buffers 64 MiB (llvmpipe") and len(lines) == 2
+
+
+@given(st.integers(1, 1 << 34), st.sampled_from(["discrete", "integrated", "cpu"]), st.none() | st.integers(-2, 5000))
+def test_copy_size_is_one_the_device_binds(limit, kind, given):
+    from types import SimpleNamespace
+
+    from zdsl.device_defaults import COPY_MB, CPU_COPY_MB, copy_mb
+    from zdsl.errors import ZdslError
+
+    info = SimpleNamespace(name="dev", max_storage_buffer_range=limit, device_type=kind)
+    said = []
+    bindable = limit // MiB
+    if given is not None and not 1 <= given <= bindable:
+        with pytest.raises(ZdslError, match=f"--copy-mb {given}: dev binds 1 to {bindable} MiB per buffer"):
+            copy_mb(info, given, said.append)
+        return
+    mb = copy_mb(info, given, said.append)
+    if given is not None:
+        assert mb == given and not said
+        return
+    assert mb == min(COPY_MB, bindable, CPU_COPY_MB if kind == "cpu" else COPY_MB)
+    assert said == ([] if mb == COPY_MB else [said[0]])
+    if mb < COPY_MB:
+        assert said[0].startswith(f"copy buffers {mb} MiB (dev ") and said[0].endswith("; default 512)")
+        assert ("is a CPU" in said[0]) == (kind == "cpu" and CPU_COPY_MB < bindable)
+
+
+@given(st.lists(st.tuples(st.integers(1, 1 << 20), st.booleans()), min_size=1, max_size=5), st.integers(1, 1 << 20))
+def test_default_depths_are_those_the_model_and_device_hold(shape, trained):
+    from zdsl.models.qwen35.bench import DEFAULT_CONTEXTS, default_rows
+
+    rows = [{"context": n - 1, "n_ctx": n, "fits": fits} for n, fits in sorted(shape)]
+    said = []
+    kept = default_rows(rows, trained, 3 * MiB, "dev", said.append)
+    held = [r for r in rows if r["n_ctx"] <= trained and r["fits"]]
+    assert kept == (held or rows[:1])
+    if len(held) == len(rows):
+        assert not said
+        return
+    assert said == [said[0]] and said[0].startswith(f"contexts {','.join(str(r['context']) for r in kept)} (")
+    assert said[0].endswith(f"; default {DEFAULT_CONTEXTS})")
+    assert ("the model is trained for" in said[0]) == any(r["n_ctx"] > trained for r in rows)
+    assert ("dev has 3.0 MiB free" in said[0]) == (not all(r["fits"] for r in rows))
 
 
 # -- scripts/peer_bench.py ---------------------------------------------------------------------------

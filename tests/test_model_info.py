@@ -1,9 +1,17 @@
-"""The memory plan against a hand computation for the tiny synthetic model (Q8_0 weights)."""
+"""The memory plan against a hand computation for the tiny synthetic model (Q8_0 weights), and
+`zdsl model info` on files zdsl cannot run (types without a GPU kernel, other architectures)."""
 
+import json
+import re
+
+import numpy as np
 import pytest
+from gguf import GGML_QUANT_SIZES
+from test_model_loader import rewrite
 
+from zdsl.cli import main
 from zdsl.models.qwen35 import synth
-from zdsl.models.qwen35.gguf_file import open_model
+from zdsl.models.qwen35.gguf_file import QuantType, open_model
 from zdsl.models.qwen35.info import memory_plan, plan_tensors
 
 GIB = 1 << 30
@@ -73,3 +81,86 @@ def test_35b_a3b_figures_from_the_model_doc():
     routers = 40 * 256 * 2048 * 4                                          # F32 routers, ~80 MB
     assert p.bytes_by_type["F32"] > routers
     assert p.max_context(24 << 30) == ((24 << 30) - p.fixed_bytes()) // (20 * 1024)    # ~221k tokens
+
+
+# -- zdsl model info on files zdsl cannot run ------------------------------------------------------
+
+IQ2_XXS_BYTES = 66                          # per 256 values
+
+
+def info_json(path, capsys) -> dict:
+    assert main(["model", "info", str(path), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def info_table(path, capsys) -> str:
+    assert main(["model", "info", str(path)]) == 0
+    return capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def tiny_q8(tmp_path_factory):
+    path = tmp_path_factory.mktemp("info") / "tiny-q8.gguf"
+    synth.write(path, "tiny", quant="q8_0")
+    return path
+
+
+def gate_as(qtype, tiny, path):
+    """The tiny model with blk.0.attn_gate.weight (512 x 256) stored as `qtype` (zero bytes: info
+    reads no values)."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    return rewrite(tiny, path, replace={"blk.0.attn_gate.weight": ((512, 256), qtype,
+                                                                   np.zeros((512, 256 // block * size), np.uint8))})
+
+
+def test_info_marks_a_type_without_gpu_kernel_and_still_plans(tiny_q8, tmp_path, capsys):
+    path = gate_as(QuantType.IQ2_XXS, tiny_q8, tmp_path / "iq2.gguf")
+    r = info_json(path, capsys)
+    assert not r["runnable"] and "blk.0.attn_gate.weight is IQ2_XXS" in r["problem"]
+    assert r["no_gpu_kernel"] == ["blk.0.attn_gate.weight"]
+    types = {t["name"]: t for t in r["types"]}
+    assert types["IQ2_XXS"] == {"name": "IQ2_XXS", "tensors": 1, "bytes": 512 * IQ2_XXS_BYTES, "gpu_kernel": False}
+    assert types["Q8_0"]["gpu_kernel"] and types["F32"]["gpu_kernel"]
+    assert r["hparams"]["n_layers"] == 4 and r["plan"]["weight_bytes"] == sum(t["bytes"] for t in r["types"])
+    assert r["plan"]["bytes_by_type"]["IQ2_XXS"] == 512 * IQ2_XXS_BYTES
+    out = info_table(path, capsys)
+    assert re.search(r"│ IQ2_XXS +│ +1 │ +33.00 KiB │ no GPU kernel yet", out)
+    assert re.search(r"│ zdsl +│ cannot run it: .*IQ2_XXS", out) and "DDDA" in out
+    assert "no GPU kernel yet for 1 of 76 tensors: blk.0.attn_gate.weight" in out
+
+
+def test_info_tells_a_type_the_reference_reads_from_one_with_a_gpu_kernel(tiny_q8, tmp_path, capsys):
+    q8_1 = gate_as(QuantType.Q8_1, tiny_q8, tmp_path / "q8_1.gguf")
+    r = info_json(q8_1, capsys)
+    assert r["problem"] is None and r["no_gpu_kernel"] == ["blk.0.attn_gate.weight"] and not r["runnable"]
+    assert "cannot run it on the GPU yet (no GPU kernel yet for 1 of 76 tensors)" in info_table(q8_1, capsys)
+    r = info_json(gate_as(QuantType.IQ4_XS, tiny_q8, tmp_path / "iq4.gguf"), capsys)
+    assert r["runnable"] and r["no_gpu_kernel"] == [] and {t["name"] for t in r["types"]} == {"IQ4_XS", "Q8_0", "F32"}
+
+
+def test_info_describes_an_architecture_zdsl_does_not_run(tiny_q8, tmp_path, capsys):
+    llama = rewrite(tiny_q8, tmp_path / "llama.gguf", arch="llama",
+                    replace={"blk.1.ffn_up_exps.weight": ((16, 256, 256), QuantType.IQ2_XXS,
+                                                          np.zeros((16, 256, IQ2_XXS_BYTES), np.uint8))})
+    r = info_json(llama, capsys)
+    assert r["architecture"] == "llama" and "'llama' model" in r["problem"] and not r["runnable"]
+    assert r["hparams"] is None and r["plan"] is None
+    assert r["metadata"]["llama.block_count"] == 4 and r["metadata"]["general.architecture"] == "llama"
+    assert r["metadata"]["tokenizer.ggml.tokens"] == "[1,024 × string]"
+    assert r["no_gpu_kernel"] == ["blk.1.ffn_up_exps.weight"]
+    out = info_table(llama, capsys)
+    assert re.search(r"│ architecture +│ llama ", out) and re.search(r"│ llama.block_count +│ 4 ", out)
+    assert re.search(r"│ IQ2_XXS +│ +1 │ .*│ no GPU kernel yet", out) and "cannot run it" in out
+
+
+@pytest.mark.parametrize("content, message", [(None, "no such file"), (b"PK\x03\x04" + bytes(64), "not a GGUF"),
+                                              ("half", "is truncated")])
+def test_info_refuses_what_it_cannot_parse_in_one_line(tiny_q8, tmp_path, capsys, content, message):
+    path = tmp_path / "bad.gguf"
+    if content == "half":
+        content = tiny_q8.read_bytes()[: tiny_q8.stat().st_size // 2]
+    if content is not None:
+        path.write_bytes(content)
+    assert main(["model", "info", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 import click
 import numpy as np
 
+from zdsl import device_defaults
 from zdsl.errors import ZdslError
 
 
@@ -86,8 +87,8 @@ def print_table(device_name: str, copy_gbps: float, copy_bytes: int, results: li
 
 @click.command("bench-kernels")
 @click.argument("model", required=False, type=click.Path(exists=True, dir_okay=False))
-@click.option("--preset", default="35b-a3b", show_default=True, help="Synthetic preset whose step to time when no "
-                                                                       "MODEL is given (tiny: a smoke test).")
+@click.option("--preset", default=None, help="Synthetic preset whose step to time when no MODEL is given "
+                                             "[default: 35b-a3b; tiny on a CPU device].")
 @click.option("--device", "device_name", default=None, help="Device index or name (default: $ZDSL_DEVICE or the best).")
 @click.option("--kernels", "names", default=None, help="Comma-separated kernel names (default: every one the step tunes).")
 @click.option("--ctx", "n_ctx", default=4096, show_default=True, help="Context the attention kernels see.")
@@ -95,7 +96,9 @@ def print_table(device_name: str, copy_gbps: float, copy_bytes: int, results: li
 @click.option("--warm-ms", default=300, show_default=True,
               help="Replay each launch this long before timing it (lets the GPU raise its clocks).")
 @click.option("--repeats", default=30, show_default=True, help="Timed dispatches (the median is reported).")
-@click.option("--copy-mb", default=512, show_default=True, help="Copy-kernel buffer size (each of two).")
+@click.option("--copy-mb", type=int, default=None,
+              help=f"Copy-kernel buffer size in MiB, each of two [default: {device_defaults.COPY_MB}, less where the device "
+                   f"binds less or is a CPU].")
 @click.option("--cache-mb", default=256, show_default=True,
               help="Rotate weight copies until this many MB lie between reuses (defeats the caches).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
@@ -107,17 +110,25 @@ def bench_kernels(model, preset, device_name, names, n_ctx, warmup, warm_ms, rep
     from zdsl.models.qwen35.tune import select, step_uses
     from zdsl.runtime import open_device
 
-    if min(warmup, warm_ms, cache_mb) < 0 or min(repeats, copy_mb, n_ctx) < 1:
-        raise ZdslError("--warmup, --warm-ms and --cache-mb must be ≥ 0, --repeats, --copy-mb and --ctx ≥ 1")
-    source = open_model(model) if model else PresetModel(preset)
+    if min(warmup, warm_ms, cache_mb) < 0 or min(repeats, n_ctx) < 1:
+        raise ZdslError("--warmup, --warm-ms and --cache-mb must be ≥ 0, --repeats and --ctx ≥ 1")
+
+    def say(line: str) -> None:
+        click.echo(line, err=True)
+
     with open_device(device_name) as dev:
+        if model is None and preset is None and dev.info.device_type == "cpu":
+            say(f"preset tiny: {dev.info.name} is a CPU, and the 35b-a3b step is sized for a GPU (--preset times others)")
+            preset = "tiny"
+        source = open_model(model) if model else PresetModel(preset or "35b-a3b")
         uses = select(step_uses(source, dev.info, n_ctx, (1,)), names)
+        copy_bytes = device_defaults.copy_mb(dev.info, copy_mb, say) << 20
         measure = tuner.Measure(dev, warmup=warmup, repeats=repeats, warm_s=warm_ms / 1e3, cache_bytes=cache_mb << 20)
-        copy_gbps = timing.copy_bandwidth(measure, copy_mb << 20)
+        copy_gbps = timing.copy_bandwidth(measure, copy_bytes)
         results = [bench_use(measure, u, copy_gbps) for u in uses]
         name = dev.info.name
     if as_json:
-        click.echo(json.dumps({"device": name, "copy_gbps": copy_gbps, "copy_bytes": 2 * (copy_mb << 20),
+        click.echo(json.dumps({"device": name, "copy_gbps": copy_gbps, "copy_bytes": 2 * copy_bytes,
                                "results": [asdict(r) for r in results]}, indent=1, ensure_ascii=False))
     else:
-        print_table(name, copy_gbps, 2 * (copy_mb << 20), results)
+        print_table(name, copy_gbps, 2 * copy_bytes, results)

@@ -19,10 +19,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from zdsl.cache import cache_dir, content_key, write_atomic
+from zdsl.cache import cache_dir, content_key, read_entry, write_entry
 from zdsl.errors import CompileError, ZdslError
 
 TARGET_ENV = "vulkan1.3"
+SPIRV_MAGIC = 0x07230203
 TOOLS = ("glslangValidator", "spirv-val", "spirv-opt", "spirv-dis")
 
 
@@ -91,16 +92,25 @@ def compile_cached(source: str, defines: dict[str, object] | None = None, *, nam
     defines = dict(sorted((defines or {}).items()))
     flags = ["--target-env", TARGET_ENV, "-S", "comp"] + [f"-D{k}={v}" for k, v in defines.items()]
     key = content_key(source, " ".join(flags), str(optimize), *sorted(versions().values()))
-    path = cache_dir("spirv") / f"{key}.spv"
-    if path.exists():
-        return Compiled(path.read_bytes(), True, 0.0)
+    path = cache_dir("spirv") / f"{key}.spirv"     # SPIR-V and its digest (a cache entry, not a bare .spv)
+    cached = read_entry(path, spirv_problem)
+    if cached is not None:
+        return Compiled(cached, True, 0.0)
     t0 = time.perf_counter()
     spirv = _glslang(source, flags, name)
     validate(spirv, name=name)
     if optimize:
         spirv = _optimize(spirv, name)
-    write_atomic(path, spirv)
+    write_entry(path, spirv)
     return Compiled(spirv, False, (time.perf_counter() - t0) * 1e3)
+
+
+def spirv_problem(data: bytes) -> str | None:
+    """Why cached bytes are not a SPIR-V module (None when they may be): the magic word, whole
+    words, the five-word header. The check a cache read makes before the driver sees the bytes."""
+    if len(data) < 20 or len(data) % 4 or int.from_bytes(data[:4], "little") != SPIRV_MAGIC:
+        return "is not a SPIR-V module (no SPIR-V header)"
+    return None
 
 
 def _glslang(source: str, flags: list[str], name: str) -> bytes:

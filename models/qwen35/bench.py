@@ -21,6 +21,7 @@ from pathlib import Path
 import click
 import numpy as np
 
+from zdsl import device_defaults
 from zdsl.errors import ZdslError
 
 DEFAULT_CONTEXTS = "512,4096,16384,32768"
@@ -47,6 +48,19 @@ def memory_rows(specs_at, contexts: list[int], extra: int, available: int) -> li
         rows.append({"context": c, "n_ctx": c + extra, **need.by_kind, "total": need.total,
                      "fits": need.total <= available})
     return rows
+
+
+def default_rows(rows: list[dict], trained: int, available: int, device_name: str, say) -> list[dict]:
+    """The memory rows of the default depths that the model's trained context and the device's
+    free memory hold (or the smallest, for the refusal that follows), saying why others went."""
+    from zdsl.runtime.memory import fmt_bytes
+
+    kept = [r for r in rows if r["n_ctx"] <= trained and r["fits"]] or rows[:1]
+    why = ([f"the model is trained for {trained:,} tokens"] if any(r["n_ctx"] > trained for r in rows) else []) \
+        + ([f"{device_name} has {fmt_bytes(available)} free"] if not all(r["fits"] for r in rows) else [])
+    if why:
+        say(f"contexts {','.join(str(r['context']) for r in kept)} ({'; '.join(why)}; default {DEFAULT_CONTEXTS})")
+    return kept
 
 
 def check_contexts(hp, contexts: list[int], extra: int) -> None:
@@ -219,13 +233,16 @@ def results_table(r: dict):
 
 @click.command("bench")
 @click.argument("model", type=click.Path(dir_okay=False))
-@click.option("--contexts", default=DEFAULT_CONTEXTS, show_default=True, help="Comma-separated depths in tokens.")
+@click.option("--contexts", default=None,
+              help=f"Comma-separated depths in tokens [default: {DEFAULT_CONTEXTS}, those the model and device hold].")
 @click.option("--device", default=None, help="Index, name substring or alias (zdsl devices).")
 @click.option("--tokens", type=int, default=128, show_default=True, help="Decode steps timed at each depth.")
 @click.option("--prompt", "prompt_len", type=int, default=512, show_default=True,
               help="Prompt tokens timed at each depth (one decode step each).")
 @click.option("--repeats", type=int, default=3, show_default=True, help="Timed runs per measurement (median reported).")
-@click.option("--copy-mb", type=int, default=512, show_default=True, help="Copy-kernel buffer size (each of two).")
+@click.option("--copy-mb", type=int, default=None,
+              help=f"Copy-kernel buffer size in MiB, each of two [default: {device_defaults.COPY_MB}, less where the device "
+                   f"binds less or is a CPU].")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench"),
               show_default=True, help="Where bench.json, bench.md and bench.png go.")
 def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir):
@@ -240,9 +257,9 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
     from zdsl.models.qwen35.sampler import SamplerConfig
     from zdsl.runtime import open_device
 
-    depths = parse_contexts(contexts)
-    if min(tokens, prompt_len, repeats, copy_mb) < 1:
-        raise ZdslError("--tokens, --prompt, --repeats and --copy-mb must be at least 1")
+    depths = parse_contexts(contexts or DEFAULT_CONTEXTS)
+    if min(tokens, prompt_len, repeats) < 1:
+        raise ZdslError("--tokens, --prompt and --repeats must be at least 1")
     console = make_console()
 
     def say(msg: str) -> None:
@@ -255,10 +272,10 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
         info = dev.info
         if info.compile_only:
             raise ZdslError(f"{info.name} is a compile-only target; pick a device that runs code (zdsl devices)")
+        copy_mb = device_defaults.copy_mb(info, copy_mb, say)
         plan = memory_plan(m)
         sampler = SamplerConfig(temperature=0)
         extra = max(tokens, prompt_len)
-        check_contexts(m.hparams, depths, extra)
         available = dev.memory_available()
 
         def specs_at(n_ctx: int):
@@ -266,6 +283,10 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
 
         rows = memory_rows(specs_at, depths, extra, available)
         console.print(memory_table(rows, available, info.name))
+        if contexts is None:
+            rows = default_rows(rows, m.hparams.context_length, available, info.name, say)
+            depths = [r["context"] for r in rows]
+        check_contexts(m.hparams, depths, extra)
         check_fits(specs_at, depths[-1] + extra, available, info)
 
         copy_gbps = copy_bandwidth(dev, copy_mb << 20)

@@ -1,6 +1,8 @@
-"""`zdsl model ...`: inspect Qwen3.5 GGUF files and write synthetic ones."""
+"""`zdsl model ...`: inspect GGUF files and write synthetic Qwen3.5 ones."""
 
 from __future__ import annotations
+
+import json
 
 import click
 
@@ -63,21 +65,49 @@ def _vocab_size(text: str | None) -> int | None:
 @model.command()
 @click.argument("path", type=click.Path(dir_okay=False))
 @click.option("--memory", type=float, default=None, help="Device memory in GiB: how much context fits.")
-def info(path, memory):
-    """Hyperparameters, type mix, bytes read per token, KV and state sizes of a GGUF model."""
-    from rich.console import Console
-    from rich.table import Table
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+def info(path, memory, as_json):
+    """Architecture, type mix and what zdsl can run of any GGUF file; for a Qwen3.5 model also
+    hyperparameters, bytes read per token, KV and state sizes."""
+    from .describe import NO_KERNEL, describe
 
-    from .gguf_file import open_model
-    from .info import KV_FORMATS, memory_plan
+    d = describe(path)
+    if as_json:
+        click.echo(json.dumps(_as_json(d, memory), indent=1, ensure_ascii=False))
+        return
+    from zdsl.console import Table, make_console
 
-    m = open_model(path)
-    hp, plan = m.hparams, memory_plan(m)
-    con = Console()
-    t = Table(title=f"{path}", show_header=False)
+    t = Table(title=str(d.path), show_header=False)
+    for k, v in [("architecture", d.arch), ("zdsl", d.verdict), *_model_rows(d, memory),
+                 *([] if d.hparams else [(k, str(v)) for k, v in d.metadata.items()]),
+                 ("tensors", f"{d.tensor_count:,}, {_size(sum(s.bytes for s in d.types))}")]:
+        t.add_row(k, v)
+    types = Table(title="tensor types")
+    for col in ("type", "tensors", "bytes", "GPU kernel"):
+        types.add_column(col, justify="right" if col in ("tensors", "bytes") else "left")
+    for s in d.types:
+        types.add_row(s.name, f"{s.tensors:,}", _size(s.bytes), "yes" if s.gpu_kernel else NO_KERNEL)
+    con = make_console()
+    con.print(t)
+    con.print(types)
+    if d.no_kernel:
+        shown = ", ".join(d.no_kernel[:SHOWN]) + (f" and {len(d.no_kernel) - SHOWN:,} more (--json lists them all)"
+                                                  if len(d.no_kernel) > SHOWN else "")
+        con.print(f"{d.no_kernel_summary}: {shown}", markup=False, highlight=False)
+
+
+SHOWN = 8  # tensors named in the table output's list of those without a GPU kernel
+
+
+def _model_rows(d, memory: float | None) -> list[tuple[str, str]]:
+    """Hyperparameters, and the memory plan when the file holds every tensor the model needs."""
+    from .info import KV_FORMATS
+
+    hp, plan = d.hparams, d.plan
+    if hp is None:
+        return []
     kinds = "".join("A" if a else "D" for a in hp.attention)
     rows = [
-        ("architecture", hp.arch),
         ("layers", f"{hp.n_layers} ({len(hp.attention_layers)} attention, {len(hp.deltanet_layers)} delta-net: "
                    f"{kinds})" + (f" + {hp.nextn_layers} MTP" if hp.nextn_layers else "")),
         ("hidden / vocab / context", f"{hp.hidden} / {hp.vocab:,} / {hp.context_length:,}"),
@@ -88,16 +118,35 @@ def info(path, memory):
         ("ffn", f"{hp.n_experts} experts, {hp.n_experts_used} used, expert ffn {hp.expert_ffn}, "
                 f"shared ffn {hp.shared_ffn}" if hp.moe else f"dense SwiGLU {hp.ffn}"),
         ("norm eps", f"{hp.eps:g}"),
+    ]
+    if plan is None:
+        return rows
+    rows += [
         ("weights", _size(plan.weight_bytes)),
-        *((f"  {name}", _size(n)) for name, n in plan.bytes_by_type.items()),
         ("weights read per token", _size(plan.read_per_token)),
         ("recurrent state / sequence", f"{_size(plan.recurrent_state_bytes)} "
                                        f"(S {_size(plan.ssm_state_bytes)} + conv {_size(plan.conv_state_bytes)}, f32)"),
         *((f"KV per token, {f}", _size(plan.kv_bytes_per_token[f])) for f in KV_FORMATS),
     ]
     if memory is not None:
-        for f in KV_FORMATS:
-            rows.append((f"context in {memory:g} GiB, KV {f}", f"{plan.max_context(int(memory * GIB), f):,} tokens"))
-    for k, v in rows:
-        t.add_row(k, v)
-    con.print(t)
+        rows += [(f"context in {memory:g} GiB, KV {f}", f"{plan.max_context(int(memory * GIB), f):,} tokens")
+                 for f in KV_FORMATS]
+    return rows
+
+
+def _as_json(d, memory: float | None) -> dict:
+    from dataclasses import asdict
+
+    from .info import KV_FORMATS
+
+    plan = None
+    if d.plan is not None:
+        p = d.plan
+        plan = {"weight_bytes": p.weight_bytes, "bytes_by_type": p.bytes_by_type, "read_per_token": p.read_per_token,
+                "expert_bytes": p.expert_bytes, "kv_bytes_per_token": p.kv_bytes_per_token,
+                "ssm_state_bytes": p.ssm_state_bytes, "conv_state_bytes": p.conv_state_bytes}
+        if memory is not None:
+            plan["max_context"] = {f: p.max_context(int(memory * GIB), f) for f in KV_FORMATS}
+    return {"path": str(d.path), "architecture": d.arch, "runnable": d.runnable, "problem": d.problem,
+            "metadata": d.metadata, "hparams": asdict(d.hparams) if d.hparams else None, "plan": plan,
+            "types": [asdict(s) for s in d.types], "no_gpu_kernel": d.no_kernel}

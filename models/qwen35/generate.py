@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Iterator
 
-from zdsl.cache import cache_dir
-from zdsl.errors import ZdslError
+from zdsl.cache import cache_dir, discard
+from zdsl.errors import ModelError, ZdslError
 from zdsl.models.qwen35.gguf_file import ModelFile, open_model
 from zdsl.models.qwen35.graph import DecodeGraph
 from zdsl.models.qwen35.sampler import SamplerConfig
@@ -22,18 +21,23 @@ from zdsl.models.qwen35.tokenizer import Tokenizer
 DEFAULT_PRESET = "tiny"
 
 
-def default_model(progress: Callable[[str], None] | None = None) -> Path:
-    """The embedded default: a tiny synthetic qwen35moe model, generated on first use."""
+def default_model(progress: Callable[[str], None] | None = None) -> ModelFile:
+    """The embedded default: a tiny synthetic qwen35moe model, generated on first use, and again
+    when the cached file no longer opens."""
     from zdsl.models.qwen35 import synth
 
     path = cache_dir("models") / f"synthetic-{DEFAULT_PRESET}.gguf"
-    if not path.exists():
-        if progress:
-            progress(f"generating the default synthetic model at {path}")
-        tmp = path.with_suffix(".tmp")
-        synth.write(tmp, DEFAULT_PRESET)
-        tmp.replace(path)
-    return path
+    if path.exists():
+        try:
+            return open_model(path)
+        except ModelError as e:
+            discard(path, f"does not open ({e})")
+    if progress:
+        progress(f"generating the default synthetic model at {path}")
+    tmp = path.with_suffix(".tmp")
+    synth.write(tmp, DEFAULT_PRESET)
+    tmp.replace(path)
+    return open_model(path)
 
 
 @dataclass
@@ -157,7 +161,7 @@ def load(path: str | None, device_selector: str | None, *, n_ctx: int, sampler: 
          progress: bool = True, say: Callable[[str], None] | None = None, keep: bool = False) -> Generator:
     from zdsl.runtime import open_device
 
-    model = open_model(path if path is not None else default_model(say))
+    model = open_model(path) if path is not None else default_model(say)
     device = open_device(device_selector)
     if device.info.compile_only:
         raise ZdslError(f"{device.info.name} is a compile-only target; pick a device that runs code (zdsl devices)")

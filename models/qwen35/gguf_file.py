@@ -4,6 +4,8 @@
 model needs (name, shape, type) against what the metadata implies, so that a bad file fails
 here with one line instead of deep inside a kernel. Tensor bytes stay in the page cache:
 `raw()` is a view of the mapping, nothing is copied until `dequant()` is asked for.
+`GGUFFile` is the unchecked part (metadata and tensor table of any GGUF file), for describing
+files zdsl cannot run.
 """
 
 from __future__ import annotations
@@ -223,28 +225,24 @@ def read_gguf(path: str | os.PathLike) -> GGUFReader:
         raise ModelError(f"{path} has a truncated or corrupt GGUF header; download or write it again") from None
 
 
-class ModelFile:
-    """An open, checked GGUF file. Keeps the mapping alive as long as the object lives."""
+class GGUFFile:
+    """Any GGUF file the reader can parse: its metadata and tensor table, checked against the
+    file size only, so that `zdsl model info` can describe files zdsl cannot run. Keeps the
+    mapping alive as long as the object lives."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self._reader = read_gguf(self.path)
-        self._fields = self._reader.fields
-        arch = self.get("general.architecture")
-        if arch not in ARCHITECTURES:
-            raise ModelError(f"{self.path} is a '{arch}' model; zdsl runs only qwen35moe and qwen35 "
-                             "(Qwen3.5/3.6) GGUF files")
-        self.hparams = _hparams(self, arch)
+        self.fields = self._reader.fields
         self.tensors: dict[str, TensorInfo] = {
             t.name: TensorInfo(t.name, QuantType(t.tensor_type), tuple(int(d) for d in reversed(t.shape.tolist())),
                                int(t.data_offset), int(t.n_bytes))
             for t in self._reader.tensors
         }
-        self._check_tensors()
 
     # metadata -----------------------------------------------------------------------------
     def get(self, key: str, default=None, *, required: bool = False):
-        field = self._fields.get(key)
+        field = self.fields.get(key)
         if field is None:
             if required:
                 raise ModelError(f"{self.path} lacks metadata key '{key}'; the file is incomplete or from "
@@ -268,6 +266,16 @@ class ModelFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.info(name).shape
 
+
+class ModelFile(GGUFFile):
+    """An open qwen35moe / qwen35 file, checked to hold what the model needs in types zdsl reads."""
+
+    def __init__(self, path: str | os.PathLike):
+        super().__init__(path)
+        self.hparams = read_hparams(self)
+        check_tensors(self, self.hparams)
+        check_types(self, self.hparams)
+
     def raw(self, name: str) -> np.ndarray:
         """The stored bytes as a read-only memmap view: shape (*outer dims, bytes per row)."""
         t = self.info(name)
@@ -288,20 +296,27 @@ class ModelFile:
         """The head: `output.weight`, or the embedding when the file ties them."""
         return "output.weight" if "output.weight" in self.tensors else "token_embd.weight"
 
-    def _check_tensors(self):
-        specs = tensor_specs(self.hparams, frozenset(self.tensors))
-        for name, spec in specs.items():
-            if name == "output.weight" and name not in self.tensors:
-                continue
-            t = self.info(name)
-            if t.ne != spec.ne:
-                raise ModelError(f"{self.path}: tensor {name} has shape {list(t.ne)} but the metadata implies "
-                                 f"{list(spec.ne)}; the file is inconsistent, reconvert it")
-            allowed = VECTOR_TYPES if spec.vector else WEIGHT_TYPES
-            if t.qtype not in allowed:
-                names = ", ".join(sorted(q.name for q in allowed))
-                raise ModelError(f"{self.path}: tensor {name} is {t.qtype.name}, which zdsl cannot run; "
-                                 f"use a file whose weights are {names}")
+
+def check_tensors(f: GGUFFile, hp: Hparams) -> None:
+    """ModelError unless every tensor the metadata implies is present with the implied shape."""
+    for name, spec in tensor_specs(hp, frozenset(f.tensors)).items():
+        if name == "output.weight" and name not in f.tensors:
+            continue
+        t = f.info(name)
+        if t.ne != spec.ne:
+            raise ModelError(f"{f.path}: tensor {name} has shape {list(t.ne)} but the metadata implies "
+                             f"{list(spec.ne)}; the file is inconsistent, reconvert it")
+
+
+def check_types(f: GGUFFile, hp: Hparams) -> None:
+    """ModelError unless every tensor the model needs has a type zdsl reads there."""
+    for name, spec in tensor_specs(hp, frozenset(f.tensors)).items():
+        t = f.tensors.get(name)
+        allowed = VECTOR_TYPES if spec.vector else WEIGHT_TYPES
+        if t is not None and t.qtype not in allowed:
+            names = ", ".join(sorted(q.name for q in allowed))
+            raise ModelError(f"{f.path}: tensor {name} is {t.qtype.name}, which zdsl cannot run; "
+                             f"use a file whose weights are {names}")
 
 
 def _f32(v) -> float:
@@ -309,7 +324,14 @@ def _f32(v) -> float:
     return float(str(np.float32(v)))
 
 
-def _hparams(f: ModelFile, arch: str) -> Hparams:
+def read_hparams(f: GGUFFile) -> Hparams:
+    """The hyperparameters of a qwen35moe / qwen35 file; ModelError for another architecture or
+    missing or inconsistent metadata."""
+    arch = f.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ModelError(f"{f.path} is a '{arch}' model; zdsl runs only qwen35moe and qwen35 "
+                         "(Qwen3.5/3.6) GGUF files")
+
     def key(k, default=None):
         return f.get(f"{arch}.{k}", default, required=default is None)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGML_QUANT_SIZES
 
-from .gguf_file import Hparams, ModelFile, QuantType, row_bytes
+from .gguf_file import Hparams, ModelFile, QuantType
 
 def _per_elem(q: QuantType) -> float:
     block, size = GGML_QUANT_SIZES[q]
@@ -68,7 +68,8 @@ def memory_plan(model: ModelFile) -> MemoryPlan:
 
 def plan_tensors(hp: Hparams, tensors: Iterable[tuple[str, QuantType, tuple[int, ...]]]) -> MemoryPlan:
     """The plan from hyperparameters and (name, type, numpy-order shape) of each tensor, so a
-    model can be sized before it is written (see `synth.plan`). MTP blocks are left out."""
+    model can be sized before it is written (see `synth.plan`), and so can a file whose types
+    zdsl cannot run yet (`zdsl model info`). MTP blocks are left out."""
     by_type: Counter[str] = Counter()
     total = read = expert = 0
     names = set()
@@ -76,7 +77,8 @@ def plan_tensors(hp: Hparams, tensors: Iterable[tuple[str, QuantType, tuple[int,
         if name.startswith("blk.") and int(name.split(".")[1]) >= hp.n_layers:
             continue
         names.add(name)
-        rb = row_bytes(qtype, shape[-1])
+        block, size = GGML_QUANT_SIZES[qtype]
+        rb = shape[-1] // block * size
         nbytes = int(np.prod(shape[:-1], dtype=np.int64)) * rb
         by_type[qtype.name] += nbytes
         total += nbytes

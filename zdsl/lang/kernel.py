@@ -30,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from zdsl.cache import cache_dir, content_key, write_atomic
+from zdsl.cache import cache_dir, content_key, read_entry, write_entry
 from zdsl.errors import CompileError, KernelError, ZdslError
 from zdsl.lang import ir
 from zdsl.lang.glsl import GRID_SPEC_IDS
@@ -375,14 +375,15 @@ class Variant:
     def build(self):
         """SPIR-V for `zdsl build`: served without tracing when this variant of this library
         source was built before."""
-        from zdsl.toolchain import Compiled, versions
+        from zdsl.toolchain import Compiled, spirv_problem, versions
         key = content_key(library_digest(), self.kernel.name, repr(sorted(self.consts.items())),
                           *sorted(versions().values()))
-        path = cache_dir("variants") / f"{key}.spv"
-        if path.exists():
-            return Compiled(path.read_bytes(), True, 0.0)
+        path = cache_dir("variants") / f"{key}.spirv"
+        cached = read_entry(path, spirv_problem)
+        if cached is not None:
+            return Compiled(cached, True, 0.0)
         c = self.compiled
-        write_atomic(path, c.spirv)
+        write_entry(path, c.spirv)
         return c
 
     def groups(self, **sizes) -> tuple[int, int, int]:
