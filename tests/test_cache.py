@@ -162,7 +162,7 @@ def test_bad_tuning_files_are_named_and_ignored(tmp_path, caplog):
 def test_a_build_over_an_emptied_cache_warns_once_per_file(tmp_path):
     """The command line: each emptied file is one warning line, never a traceback or an error."""
     env = {**os.environ, "ZDSL_CACHE_DIR": str(tmp_path)}
-    build = [sys.executable, "-m", "zdsl.cli", "build", "--kernels", "axpy", "--no-progress"]
+    build = [sys.executable, "-m", "zdsl.cli", "build", "--kernels", "advance", "--no-progress"]
     assert subprocess.run(build, env=env, capture_output=True).returncode == 0
     files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
     assert {p.parent.name for p in files} == {"spirv", "variants"}

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import dsl_kernels as k
 from kernel_testing import BACKENDS, run
-from zdsl.kernels import basic as k
 
 
 def sizes_for(backend, request):

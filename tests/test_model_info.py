@@ -68,7 +68,7 @@ def test_plan_before_writing_equals_plan_of_the_file(plan):
 
 
 def test_35b_a3b_figures_from_the_model_doc():
-    """The sizes docs/qwen35-model.md quotes for a Q4_K_M-like 35B-A3B."""
+    """The sizes docs/MODEL.md quotes for a Q4_K_M-like 35B-A3B."""
     hp = synth.preset("35b-a3b")
     p = plan_tensors(hp, [(n, q, s) for n, s, q in synth.plan(hp)])
     assert p.kv_bytes_per_token["f16"] == 20 * 1024                       # 20 KiB per token at f16

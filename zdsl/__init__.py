@@ -14,12 +14,12 @@ variants; `zdsl.lang.glsl` and `zdsl.lang.interp` are the two backends of one IR
 """
 
 from zdsl.errors import ZdslError
-from zdsl.lang.kernel import Example, Launch, all_kernels, kernel
+from zdsl.lang.kernel import Example, Launch, kernel
 from zdsl.lang.language import *  # noqa: F401,F403  (the language's builtins)
 from zdsl.lang.language import __all__ as _language
 from zdsl.lang.types import bf16, boolean, f16, f32, i8, i16, i32, u8, u16, u32
 
 __version__ = "0.1.0"
 
-__all__ = ["ZdslError", "kernel", "Example", "Launch", "all_kernels", "bf16", "boolean", "f16", "f32", "i8", "i16", "i32", "u8",
+__all__ = ["ZdslError", "kernel", "Example", "Launch", "bf16", "boolean", "f16", "f32", "i8", "i16", "i32", "u8",
            "u16", "u32", "__version__", *_language]

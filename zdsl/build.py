@@ -1,22 +1,31 @@
-"""`zdsl build`: trace, emit and compile every registered kernel variant, in parallel.
+"""`zdsl build`: trace, emit and compile every kernel variant of the library, on every core.
 
-SPIR-V comes from the toolchain's content-hash cache when the generated GLSL is unchanged, so
-a second build is instant. With `--target FAMILY` each variant is also compiled to real RDNA
-machine code by RADV's null device (in a child process) and its register, spill and occupancy
-statistics join the table.
+Each variant builds in a worker process (tracing is Python, so threads would take turns on the
+GIL), and its SPIR-V is cached under a digest of the sources it depends on: the language and its
+kernel's module with the library modules that one imports. A second build is instant, and one
+edited kernel rebuilds its own variants, not the library's. With `--target FAMILY` each variant
+is also compiled to real RDNA machine code by RADV's null device (in a child process) and its
+register, spill and occupancy statistics join the table.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib
+import multiprocessing
+import os
+import pkgutil
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
 
+from zdsl.cache import cache_dir, content_key, read_entry, write_entry
 from zdsl.errors import ZdslError
-from zdsl.lang.kernel import Variant, all_kernels
+from zdsl.lang.kernel import REGISTRY, KernelDef, Variant
 
 # RADV statistic names → short column headers
 STAT_COLUMNS = {"VGPRs": "VGPR", "SGPRs": "SGPR", "Spilled VGPRs": "spill V", "Spilled SGPRs": "spill S",
@@ -25,13 +34,61 @@ STAT_COLUMNS = {"VGPRs": "VGPR", "SGPRs": "SGPR", "Spilled VGPRs": "spill V", "S
                 "SMEM": "SMEM"}
 
 
+def all_kernels() -> dict[str, KernelDef]:
+    """The library's kernels by name: every module of zdsl.kernels imported so that its kernels
+    register (kernels registered elsewhere, say by tests, are not the library's)."""
+    import zdsl.kernels
+    for mod in pkgutil.iter_modules(zdsl.kernels.__path__):
+        importlib.import_module(f"zdsl.kernels.{mod.name}")
+    return {name: k for name, k in sorted(REGISTRY.items()) if k.fn.__module__.startswith("zdsl.kernels.")}
+
+
+@functools.cache
+def source_digest(module: str) -> str:
+    """A hash of every source file a kernel of `module` can depend on: the language's files, the
+    module's own and those of the library modules it imports, followed through. Found through the
+    import system, so a source checkout and an installed package (where kernels/ lives inside
+    zdsl/) hash alike."""
+    import zdsl.lang
+    lang = os.path.dirname(os.path.abspath(zdsl.lang.__file__))
+    parts = []
+    for name in sorted(os.listdir(lang)):
+        if name.endswith(".py"):
+            parts += [f"zdsl/lang/{name}", Path(lang, name).read_bytes()]
+    for name in sorted(_library_closure(module)):
+        parts += [name, Path(importlib.import_module(name).__file__).read_bytes()]
+    return content_key(*parts)
+
+
+def _library_closure(module: str) -> set[str]:
+    """`module` and the zdsl.kernels modules it imports, directly or through one another."""
+    seen, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        tree = ast.parse(Path(importlib.import_module(name).__file__).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "zdsl.kernels":    # from zdsl.kernels import dmmv
+                todo += [f"zdsl.kernels.{a.name}" for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("zdsl.kernels."):
+                todo.append(node.module)
+    return seen
+
+
 @dataclass
 class BuildResult:
+    """What building one variant gave: its SPIR-V (and, when asked, its GLSL and the interface a
+    pipeline needs), or the error."""
+
     variant: Variant
-    spirv_bytes: int = 0
+    spirv: bytes = b""
     ms: float = 0.0
     cached: bool = False
     error: str | None = None
+    glsl: str | None = None
+    interface: dict | None = None
     stats: dict = field(default_factory=dict)
 
 
@@ -45,25 +102,57 @@ def variants_for(names: list[str] | None, subgroup_sizes: tuple[int, ...] | None
     return [k.specialize(**params) for k in kernels.values() for params in k.space(subgroup_sizes)]
 
 
-def compile_variant(v: Variant) -> BuildResult:
+def compile_variant(v: Variant, full: bool = False) -> BuildResult:
+    """Build one variant, served without tracing when this variant of these sources was built
+    before (unless `full` asks for its GLSL and interface, which need the trace)."""
+    from zdsl.toolchain import spirv_problem, versions
     t0 = time.perf_counter()
+    key = content_key(source_digest(v.kernel.fn.__module__), v.kernel.name, repr(sorted(v.consts.items())),
+                      *sorted(versions().values()))
+    path = cache_dir("variants") / f"{key}.spirv"
+    cached = read_entry(path, spirv_problem)
     try:
-        c = v.build()
-        return BuildResult(v, len(c.spirv), c.ms if not c.cached else (time.perf_counter() - t0) * 1e3, c.cached)
+        if cached is not None and not full:
+            return BuildResult(v, cached, (time.perf_counter() - t0) * 1e3, True)
+        spirv = v.spirv if cached is None else cached
+        if cached is None:
+            write_entry(path, spirv)
+        result = BuildResult(v, spirv, (time.perf_counter() - t0) * 1e3, cached is not None)
     except ZdslError as e:
         return BuildResult(v, error=str(e))
+    if full:
+        result.glsl = v.glsl
+        result.interface = dict(bindings=v.bindings, push_size=v.push_size, spec=v.spec_constants(),
+                                subgroup_size=v.ir.subgroup_size)
+    return result
 
 
-def build(variants: list[Variant], jobs: int, progress: bool = True) -> list[BuildResult]:
+def _compile_in_worker(name: str, params: dict, full: bool) -> tuple:
+    r = compile_variant(all_kernels()[name].specialize(**params), full)
+    return r.spirv, r.ms, r.cached, r.error, r.glsl, r.interface
+
+
+def build(variants: list[Variant], jobs: int | None = None, progress: bool = True, full: bool = False) -> list[BuildResult]:
+    """Build the variants on `jobs` worker processes (default: every core); one job builds here."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    jobs = jobs or os.cpu_count() or 1
     results: list[BuildResult] = []
     with Progress(TextColumn("building"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   disable=not progress, transient=True) as bar:
         task = bar.add_task("build", total=len(variants))
-        with ThreadPoolExecutor(max_workers=jobs) as pool:
-            for r in pool.map(compile_variant, variants):
-                results.append(r)
+        if jobs == 1:
+            for v in variants:
+                results.append(compile_variant(v, full))
+                bar.advance(task)
+            return results
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["zdsl.build", "zdsl.kernels"])
+        with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+            done = pool.map(_compile_in_worker, [v.kernel.name for v in variants], [v.params for v in variants],
+                            [full] * len(variants), chunksize=max(1, min(8, len(variants) // (4 * jobs))))
+            for v, fields in zip(variants, done):
+                results.append(BuildResult(v, *fields))
                 bar.advance(task)
     return results
 
@@ -72,9 +161,8 @@ def add_target_statistics(results: list[BuildResult], family: str, isa_dir: Path
     from zdsl.runtime.nulldevice import ShaderSpec, compile_statistics
 
     ok = [r for r in results if r.error is None]
-    sg_ok = [r for r in ok if r.variant.ir.subgroup_size in (None, 32, 64)]
-    specs = [ShaderSpec(r.variant.label, r.variant.spirv, r.variant.bindings, r.variant.push_size,
-                        r.variant.spec_constants(), r.variant.ir.subgroup_size) for r in sg_ok]
+    sg_ok = [r for r in ok if r.interface["subgroup_size"] in (None, 32, 64)]
+    specs = [ShaderSpec(r.variant.label, r.spirv, **r.interface) for r in sg_ok]
     stats = compile_statistics(family, specs, isa=isa_dir is not None)
     for r, s in zip(sg_ok, stats):
         r.stats = s
@@ -96,11 +184,11 @@ def emit(results: list[BuildResult], kind: str, out: Path) -> None:
             continue
         name = _filename(r.variant)
         if kind == "glsl":
-            (out / f"{name}.comp").write_text(r.variant.glsl)
+            (out / f"{name}.comp").write_text(r.glsl)
         elif kind == "spirv":
-            (out / f"{name}.spv").write_bytes(r.variant.spirv)
+            (out / f"{name}.spv").write_bytes(r.spirv)
         else:
-            (out / f"{name}.spvasm").write_text(disassemble(r.variant.spirv))
+            (out / f"{name}.spvasm").write_text(disassemble(r.spirv))
 
 
 def print_table(results: list[BuildResult], target: str | None) -> None:
@@ -114,7 +202,7 @@ def print_table(results: list[BuildResult], target: str | None) -> None:
         params = ",".join(f"{k}={v}" for k, v in r.variant.params.items())
         stats = [str(r.stats.get(k, "")) for k in stat_keys]
         status = "[red]FAILED[/red]" if r.error else ("[yellow]skipped on target[/yellow]" if target and not r.stats else "ok")
-        table.add_row(r.variant.kernel.name, params, f"{r.spirv_bytes:,}", f"{r.ms:.0f}",
+        table.add_row(r.variant.kernel.name, params, f"{len(r.spirv):,}", f"{r.ms:.0f}",
                       "yes" if r.cached else "no", *stats, status)
     console = make_console()
     console.print(table)
@@ -149,12 +237,12 @@ def spill_summary(results: list[BuildResult], target: str) -> str:
 @click.option("--target", default=None, help="Also compile for a RADV family (gfx1201, gfx1151, navi31, ...) "
                                              "and report machine-code statistics.")
 @click.option("--isa", is_flag=True, help="With --target: write the RDNA disassembly of each variant.")
-@click.option("-j", "--jobs", default=4, show_default=True, help="Parallel compiles.")
+@click.option("-j", "--jobs", type=click.IntRange(1), default=None, help="Worker processes (default: one per core).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def build_command(names, emit_kind, out_dir, target, isa, jobs, no_progress):
     """Build every registered kernel variant (SPIR-V cached by content)."""
     variants = variants_for(names.split(",") if names else None)
-    results = build(variants, jobs, progress=not no_progress)
+    results = build(variants, jobs, progress=not no_progress, full=bool(target or emit_kind))
     if target:
         add_target_statistics(results, target, out_dir / "isa" if isa else None)
     if emit_kind:

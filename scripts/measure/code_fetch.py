@@ -20,7 +20,7 @@ import numpy as np
 import zdsl
 from chains import device_and_links, keep_busy
 from zdsl import Buffer, Const, u32
-from zdsl.bench_kernels import copy_vec4
+from zdsl.autotune.timing import copy_vec4
 from zdsl.lang.language import cdiv
 
 

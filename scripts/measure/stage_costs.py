@@ -20,7 +20,7 @@ import sys
 
 import zdsl
 from zdsl import Buffer, u32
-from zdsl.autotune import in_place
+from zdsl.models.qwen35 import in_place
 from zdsl.models.qwen35.gguf_file import open_model
 from zdsl.models.qwen35.graph import DecodeGraph
 from zdsl.runtime import open_device

@@ -8,7 +8,7 @@ are the driver's code sizes where it reports them (profile.code_sizes: NVIDIA an
 import statistics
 import sys
 
-from zdsl.autotune import in_place
+from zdsl.models.qwen35 import in_place
 from zdsl.models.qwen35.gguf_file import open_model
 from zdsl.models.qwen35.graph import DecodeGraph
 from zdsl.models.qwen35.profile import code_sizes

@@ -15,22 +15,18 @@ compute and the tuner, the benches and the static ranking read what the graph re
 
 from __future__ import annotations
 
-import functools
 import inspect
 import itertools
-import os
 import struct
 import sys
 import traceback
 import weakref
 from dataclasses import dataclass, field
-from functools import cached_property
 from types import SimpleNamespace
 from typing import Callable
 
 import numpy as np
 
-from zdsl.cache import cache_dir, content_key, read_entry, write_entry
 from zdsl.errors import CompileError, KernelError, ZdslError
 from zdsl.lang import ir
 from zdsl.lang.glsl import GRID_SPEC_IDS
@@ -309,21 +305,19 @@ class Example:
     then: list = field(default_factory=list)
 
 
-@functools.cache
-def library_digest() -> str:
-    """A hash of every source file a kernel can depend on: the language and the kernel library.
-    Coarse on purpose: any edit there invalidates every cached variant, so none is ever stale.
-    The folders are found through the import system, so a source checkout and an installed
-    package (where kernels/ lives inside zdsl/) hash alike."""
-    import zdsl.kernels
-    parts = []
-    for label, folder in (("zdsl/lang", os.path.dirname(os.path.abspath(__file__))),
-                          ("kernels", os.path.dirname(os.path.abspath(zdsl.kernels.__file__)))):
-        for name in sorted(os.listdir(folder)):
-            if name.endswith(".py"):
-                with open(os.path.join(folder, name), "rb") as f:
-                    parts += [f"{label}/{name}", f.read()]
-    return content_key(*parts)
+class lazy:
+    """A value computed on first use and kept in the instance, like functools.cached_property but
+    without the lock Python 3.11 shares across every instance (one variant's compile would wait
+    for every other's)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __get__(self, obj, cls=None):
+        if obj is None:
+            return self
+        value = obj.__dict__[self.fn.__name__] = self.fn(obj)
+        return value
 
 
 class Variant:
@@ -342,11 +336,11 @@ class Variant:
         inner = ",".join(f"{k}={v}" for k, v in self.params.items())
         return f"{self.kernel.name}[{inner}]" if inner else self.kernel.name
 
-    @cached_property
+    @lazy
     def ir(self) -> ir.Kernel:
         return self.kernel.trace(self.consts)
 
-    @cached_property
+    @lazy
     def _glsl(self):
         from zdsl.lang.glsl import emit
         return emit(self.ir)
@@ -355,7 +349,7 @@ class Variant:
     def glsl(self) -> str:
         return self._glsl[0]
 
-    @cached_property
+    @lazy
     def compiled(self):
         from zdsl.toolchain import compile_cached
         text, line_locs = self._glsl
@@ -371,20 +365,6 @@ class Variant:
     @property
     def spirv(self) -> bytes:
         return self.compiled.spirv
-
-    def build(self):
-        """SPIR-V for `zdsl build`: served without tracing when this variant of this library
-        source was built before."""
-        from zdsl.toolchain import Compiled, spirv_problem, versions
-        key = content_key(library_digest(), self.kernel.name, repr(sorted(self.consts.items())),
-                          *sorted(versions().values()))
-        path = cache_dir("variants") / f"{key}.spirv"
-        cached = read_entry(path, spirv_problem)
-        if cached is not None:
-            return Compiled(cached, True, 0.0)
-        c = self.compiled
-        write_entry(path, c.spirv)
-        return c
 
     def groups(self, **sizes) -> tuple[int, int, int]:
         """The grid of a launch of this variant with these sizes (the kernel's `grid`)."""
@@ -406,7 +386,7 @@ class Variant:
             out[s.id] = float(v) if s.dtype.is_float else bool(v) if s.dtype.kind == "b" else int(v)
         return out
 
-    @cached_property
+    @lazy
     def _scalars_read(self) -> set[str]:
         return ir.scalars_read(self.ir.body)
 
@@ -499,15 +479,4 @@ def _groups(groups) -> tuple[int, int, int]:
     return g
 
 
-def all_kernels() -> dict[str, KernelDef]:
-    """Import every module of zdsl.kernels so their kernels register, then list them by name."""
-    import importlib
-    import pkgutil
-
-    import zdsl.kernels
-    for mod in pkgutil.iter_modules(zdsl.kernels.__path__):
-        importlib.import_module(f"zdsl.kernels.{mod.name}")
-    return dict(sorted(REGISTRY.items()))
-
-
-__all__ = ["kernel", "KernelDef", "Variant", "REGISTRY", "all_kernels", "fail"]
+__all__ = ["kernel", "KernelDef", "Variant", "REGISTRY", "fail"]

@@ -1,5 +1,6 @@
-"""Small general kernels: elementwise, row reductions, subgroup collectives, a shared-memory
-transpose and an int8 dot product. Each has its numpy reference beside it."""
+"""Kernels only the tests use: elementwise, row reductions, subgroup collectives, a shared-memory
+transpose and an int8 dot product, each beside its numpy reference. They exercise the language
+(test_dsl.py); the library under kernels/ holds only what the model runs."""
 
 from __future__ import annotations
 
