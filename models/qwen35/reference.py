@@ -1,6 +1,6 @@
 """The Qwen3.5 forward pass in plain numpy: the ground truth every GPU kernel is checked against.
 
-Written for clarity, not speed: one function per block, the math as in docs/qwen35-model.md.
+Written for clarity, not speed: one function per block, the math as in docs/MODEL.md.
 `ReferenceModel.forward(tokens, state)` runs any number of tokens and carries the KV cache,
 conv and delta-net states in `state`, so a prompt followed by one-token steps gives the same
 logits as one forward over everything. float32 by default; pass dtype=np.float64 to check.
