@@ -190,10 +190,10 @@ def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32]
     if not _step_fits(SimpleNamespace(D=D, WG=WG, SG=SG, QTYPE=QTYPE)):
         raise zdsl.ZdslError(f"deltanet_step needs 4 | D, D/4 | WG, WG / (D/4) | D and whole {QTYPE} blocks per "
                              f"workgroup, not D={D}, WG={WG}")
-    lay = _Layout(D, WG)
     h = zdsl.workgroup_id()
     kh = h % n_k_heads
     C = (2 * n_k_heads + zdsl.num_workgroups()) * D
+    lay = _Layout(D, WG)
     # every load first: the state's are in flight while the conv runs and q and k are normalised
     S = [state.vec4[(h * D + i) * lay.quads + lay.c] for i in lay.rows]
     gate = z.vec4[h * lay.quads + lay.c]
@@ -320,10 +320,10 @@ def deltanet_prefill(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f
     trades the t state passes for matrix products, is a later optimisation."""
     if not _layout_fits(SimpleNamespace(D=D, WG=WG, SG=SG)):
         raise zdsl.ZdslError(f"deltanet_prefill needs 4 | D, D/4 | WG and WG / (D/4) | D, not D={D}, WG={WG}")
-    lay = _Layout(D, WG)
     h, Hv = zdsl.workgroup_id(), zdsl.num_workgroups()
     kh = h % n_k_heads
     C = (2 * n_k_heads + Hv) * D
+    lay = _Layout(D, WG)
     first = step[0] % KC  # the ring slot of p0
     S = [zdsl.var(state.vec4[(h * D + i) * lay.quads + lay.c]) for i in lay.rows]
     for i in zdsl.range(t):
