@@ -1,11 +1,13 @@
-"""Gated delta-net layers at decode time (one new token), after the model doc's DELTANET section.
+"""Gated delta-net layers at decode time (one new token) and for a prompt's chunk of tokens, after
+the model doc's DELTANET section.
 
 One dispatch per layer, between the input projections and the output projection: `deltanet_step`,
 per value head, its two gate projections (β and α: one row each of the normed input, too small to
 be worth a dispatch of their own), the causal depthwise conv (+ silu) of the q, k and v channels it
 reads, L2-normalised q and k, the gated delta rule on the f32 state, the read-out o and the gated
 RMSNorm of o, fused: the state (64 KiB per head at d = 128) is read once and written once, and
-neither the conv output nor o leaves the workgroup.
+neither the conv output nor o leaves the workgroup. `deltanet_prefill` runs the same fused math
+for a chunk of tokens in one dispatch, its gates projected beforehand for the whole chunk.
 
 Layouts (all f32):
 
@@ -307,9 +309,9 @@ def deltanet_prefill(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f
                      t: u32, n_k_heads: u32, eps: f32, D: Const = 128, KC: Const = 4, WG: Const = 256,
                      Q8: Const = False, SG: Const = 32):
     """`deltanet_step` for a chunk of t tokens at positions p0 = step[0] … p0 + t − 1 in one
-    dispatch: rows of t of mix (C channels), z (heads × D), ba (the gate logits the graph
+    dispatch, from t rows of mix (C channels), z (heads × D) and ba (the gate logits the graph
     projected for all t tokens at once: [b_0 … b_{heads−1}, a_0 … a_{heads−1}], b = w_ba[h] · x,
-    a = w_ba[heads + h] · x) and out (with Q8 also oq, od: the rows' Q8_1 blocks back to back).
+    a = w_ba[heads + h] · x), into t rows of out (with Q8 also oq, od: their Q8_1 blocks back to back).
     Workgroup h (value head; the launch names v_heads, the grid) keeps its state in registers
     (`_Layout`) and runs the tokens in order, each as deltanet_step does. Token i's taps read the
     inputs of positions p0 + i − KC + 1 … p0 + i: mix rows for those ≥ p0, the ring for earlier

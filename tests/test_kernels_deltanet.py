@@ -3,8 +3,10 @@ the gated delta rule and the gated norm) against numpy (float64) in the interpre
 subgroup size) and on lavapipe (its own): random shapes, thread layouts, gate weight types (every
 type with a GPU decoder, dequantized by gguf-py), states and positions (the conv ring before, at
 and after its first wrap, and far out), the model's shape, and several tokens in a row from zero
-states against the model reference's conv, `deltanet_recurrent` and gated norm. Tolerances: f32 to
-~1e-5 relative; the conv ring only moves values, so it must match exactly."""
+states against the model reference's conv, `deltanet_recurrent` and gated norm. The prefill
+kernel (a chunk of tokens in one dispatch) against its float64 reference and against as many
+decode steps, and a prompt in chunks then decode steps against the model reference. Tolerances:
+f32 to ~1e-5 relative; the conv ring only moves values, so it must match exactly."""
 
 import numpy as np
 import pytest
