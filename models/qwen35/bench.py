@@ -134,14 +134,16 @@ def git_commit() -> str | None:
 
 def measure(gen, plan, depths: list[int], tokens: int, prompt_len: int, repeats: int, copy_gbps: float,
             say) -> list[dict]:
-    """One row per depth: prompt and decode tok/s (after one untimed decode pass), the bytes a
-    decoded token moves there, the ceiling they imply and the share of it reached."""
+    """One row per depth: prompt and decode tok/s (after one untimed pass of each: the prompt's
+    chunk sequences are recorded on first use), the bytes a decoded token moves there, the
+    ceiling they imply and the share of it reached."""
     g = gen.graph
     ids = np.random.default_rng(0).integers(0, g.hp.vocab, prompt_len).tolist()
     rows = []
     for depth in depths:
         say(f"depth {depth:,}: warm-up, then {repeats} × ({prompt_len} prompt + {tokens} decode tokens)")
         time_decode(g, depth, tokens, gen.burst)
+        time_prompt(g, depth, ids)
         prompt = [time_prompt(g, depth, ids) for _ in range(repeats)]
         decode = summary([time_decode(g, depth, tokens, gen.burst) for _ in range(repeats)])
         b = bytes_per_token(plan, depth, tokens)
