@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from zdsl.errors import ZdslError
 from zdsl.kernels import attention, deltanet, embedding, ffn, matmul, moe, q8_1, sampling
 from zdsl.kernels.quant import FORMATS
 from zdsl.models.qwen35.buffers import ATTN_MIN_CHUNK, STEP_WORDS
@@ -54,22 +55,36 @@ class Prefill:
     # -- running ----------------------------------------------------------------------------
     def run(self, tokens: list[int]) -> None:
         """Feed `tokens` at the graph's position, chunk by chunk."""
-        g = self.g
         for at in range(0, len(tokens), self.chunk):
             part = tokens[at:at + self.chunk]
-            t, p0 = len(part), g.position
-            words = self.host_words
-            words[self.tokens_at // 4:self.tokens_at // 4 + t] = part
-            steps = words[:STEP_WORDS * self.chunk].reshape(self.chunk, STEP_WORDS)
-            steps[:t] = 0
-            steps[:t, 0] = np.arange(p0, p0 + t)
-            steps[:t, 1] = steps[:t, 0] + 1
-            steps[:t, 2] = part
-            seq = self._seqs.get(t)
+            seq = self._seqs.get(len(part))
             if seq is None:
-                seq = self._seqs[t] = self._record(t)
-            seq.run()
-            g.position += t
+                seq = self._seqs[len(part)] = self._record(len(part))
+            self._run(seq, part)
+
+    def profile(self, tokens: list[int]) -> list[tuple[str, float]]:
+        """Run one chunk of `tokens` recorded with a GPU timestamp after every command; returns
+        (label, GPU ms) of each. The chunk advances the state as `run` does."""
+        if not 0 < len(tokens) <= self.chunk:
+            raise ZdslError(f"a profiled prompt chunk holds 1 to {self.chunk} tokens, not {len(tokens)}")
+        seq = self._record(len(tokens), timestamps=True)
+        try:
+            self._run(seq, tokens)
+            return seq.timings()
+        finally:
+            seq.free()
+
+    def _run(self, seq, part: list[int]) -> None:
+        g, t, p0 = self.g, len(part), self.g.position
+        words = self.host_words
+        words[self.tokens_at // 4:self.tokens_at // 4 + t] = part
+        steps = words[:STEP_WORDS * self.chunk].reshape(self.chunk, STEP_WORDS)
+        steps[:t] = 0
+        steps[:t, 0] = np.arange(p0, p0 + t)
+        steps[:t, 1] = steps[:t, 0] + 1
+        steps[:t, 2] = part
+        seq.run()
+        g.position += t
         g._synced = False
 
     def free(self) -> None:
@@ -79,9 +94,9 @@ class Prefill:
         self.host.free()
 
     # -- recording --------------------------------------------------------------------------
-    def _record(self, t: int):
+    def _record(self, t: int, timestamps: bool = False):
         g, hp = self.g, self.hp
-        seq = g.device.sequence()
+        seq = g.device.sequence(timestamps=timestamps)
         seq.copy(self.host.slice(0, 4 * STEP_WORDS * self.chunk), self.steps, 4 * STEP_WORDS * t)
         seq.copy(self.host.slice(self.tokens_at, 4 * self.chunk), self.tokens, 4 * t)
         if g.sampler.penalties:  # the prompt's tokens enter the penalties' window
@@ -102,7 +117,7 @@ class Prefill:
 
     def _norm(self, seq, norm: str, t: int) -> None:
         n = self.normed
-        q8_1.norm_q8_1.launch(seq, self.g._pick, label="chunk:" + norm.removesuffix(".weight"), x=self.x,
+        q8_1.norm_q8_1.launch(seq, self.g._pick, label="chunk." + norm.removesuffix(".weight"), x=self.x,
                               norm_w=self.g.weights[norm], hn=n.f32, xq=n.q, xd=n.d, n=self.hp.hidden, eps=self.hp.eps,
                               rows=t)
 
@@ -112,7 +127,7 @@ class Prefill:
         x = x or self.normed
         m, k = g.tensors.shape(tensor)[-2:]
         q8 = g._int8(tensor) and x.q is not None
-        matmul.mul_mm.launch(seq, g._pick, label="chunk:" + tensor.removesuffix(".weight"), QTYPE=g._qname(tensor),
+        matmul.mul_mm.launch(seq, g._pick, label="chunk." + tensor.removesuffix(".weight"), QTYPE=g._qname(tensor),
                              Q8=q8, ADD=add, w=g.weights[tensor], y=y, k=k, m=m, t=t,
                              **(dict(xq=x.q, xd=x.d) if q8 else dict(x=x.f32)))
 

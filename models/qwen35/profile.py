@@ -16,6 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import click
+import numpy as np
 
 PHASES = [  # (phase, pattern on the dispatch label "<role>:<kernel variant>")
     ("embedding", r"^embed"),
@@ -115,17 +116,20 @@ def chrome_trace(timings: list[tuple[str, float]]) -> dict:
 @click.option("--steps", type=int, default=5, show_default=True, help="Timed steps (each dispatch: the median).")
 @click.option("--warm-ms", type=int, default=500, show_default=True,
               help="Replay the step this long before timing (lets the GPU raise its clocks).")
+@click.option("--prompt", "prompt_len", type=int, default=0,
+              help="Time a batched prefill chunk of this many prompt tokens instead of a decode step.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("profile"),
               show_default=True, help="Where profile.json and trace.json go.")
-def profile(model, device, n_ctx, position, top, steps, warm_ms, out_dir):
-    """Time a decode step dispatch by dispatch (GPU timestamps)."""
+def profile(model, device, n_ctx, position, top, steps, warm_ms, prompt_len, out_dir):
+    """Time a decode step (or a prompt chunk) dispatch by dispatch (GPU timestamps)."""
     from zdsl.console import Table, make_console
     from zdsl.errors import ZdslError
     from zdsl.models.qwen35.generate import load
     from zdsl.models.qwen35.sampler import SamplerConfig
 
-    if not 0 <= position < n_ctx - 1:
-        raise ZdslError(f"--position must be in [0, {n_ctx - 1}) for a context of {n_ctx}")
+    if not 0 <= position < n_ctx - 1 - prompt_len:
+        raise ZdslError(f"--position must be in [0, {n_ctx - 1 - prompt_len}) for a context of {n_ctx}"
+                        + (f" and a {prompt_len}-token prompt" if prompt_len else ""))
     if steps < 1 or warm_ms < 0:
         raise ZdslError("--steps must be at least 1 and --warm-ms at least 0")
     gen = load(model, device, n_ctx=n_ctx, sampler=SamplerConfig(temperature=0))
@@ -136,16 +140,18 @@ def profile(model, device, n_ctx, position, top, steps, warm_ms, out_dir):
     for _ in range(position - 1):
         g.decode()
     at = g.position
+    ids = np.random.default_rng(0).integers(0, g.hp.vocab, prompt_len).tolist()
+    timed = (lambda: g.prompt.profile(ids)) if prompt_len else g.profile
     end = time.perf_counter() + warm_ms / 1e3
     while True:  # the same step over and over, until the clocks are up
         g.seek(at)
-        g.profile()
+        timed()
         if time.perf_counter() >= end:
             break
     runs = []
     for _ in range(steps):
         g.seek(at)
-        runs.append(g.profile())
+        runs.append(timed())
     timings = [(label, statistics.median(run[i][1] for run in runs)) for i, (label, _) in enumerate(runs[0])]
     s = summarize(timings, code_sizes(gen.device, [label for label, _ in timings]))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -154,7 +160,8 @@ def profile(model, device, n_ctx, position, top, steps, warm_ms, out_dir):
                                                       "position": at, "steps": steps, **s}, indent=1))
     console = make_console()
     code = f", {s['code_bytes'] / 1024:,.0f} KB of machine code run" if "code_bytes" in s else ""
-    console.print(f"{gen.model.path.name} on {gen.device.info.name}: a decode step at position {at}, "
+    what = f"a prefill chunk of {prompt_len} tokens" if prompt_len else "a decode step"
+    console.print(f"{gen.model.path.name} on {gen.device.info.name}: {what} at position {at}, "
                   f"{s['dispatches']} dispatches{code}, {s['total_ms']:.3f} ms GPU (median of {steps} timed steps, "
                   "each dispatch timed alone: an upper bound)")
     for title, rows in (("phase", [(k, {"ms": v}) for k, v in s["phases"].items()]), ("kernel", s["kernels"].items())):
