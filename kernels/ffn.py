@@ -1,7 +1,9 @@
 """The FFN's products in a decode step: the fused gate·up SwiGLU (a dense FFN's one pair, or the
 MoE experts the router picked on the GPU, the shared expert among them as the stacks' last), and
-the down projections of the experts, weighted and summed into the residual. They run the block
-loops of dmmv.py, so the same tiles, types and int8 path serve them."""
+the down projections of the experts, weighted and summed into the residual; and for a chunk of
+tokens, the experts' products over their pairs grouped by expert (moe.moe_group), each weight
+block decoded once for several tokens. They run the block loops of dmmv.py, so the same tiles,
+types and int8 path serve them."""
 
 from __future__ import annotations
 
@@ -343,9 +345,18 @@ def moe_gate_up_grouped(wg: Buffer[u8], wu: Buffer[u8], offsets: Buffer[u32], pa
 @moe_gate_up_grouped.reference
 def moe_gate_up_grouped_ref(wg_bytes, wu_bytes, ids, x, qtype, m, k):
     """act of every pair j (the expert ids[j], token j // K of the rows x; K = len(ids) / rows)."""
-    xs = np.asarray(x).reshape(-1, k)
-    K = len(ids) // len(xs)
-    return np.concatenate([ffn_gate_up_ref(wg_bytes, wu_bytes, [e], xs[j // K], qtype, m, k) for j, e in enumerate(ids)])
+    xs = np.asarray(x, np.float64).reshape(-1, k)
+    rows = xs[np.arange(len(ids)) // (len(ids) // len(xs))]
+    g, u = (_stack(w, qtype, m, k)[np.asarray(ids)] for w in (wg_bytes, wu_bytes))
+    gate, up = np.einsum("jrk,jk->jr", g, rows), np.einsum("jrk,jk->jr", u, rows)
+    with np.errstate(over="ignore"):  # silu of a large negative gate: −0, as on the GPU
+        return (gate / (1 + np.exp(-gate)) * up).reshape(-1)
+
+
+def _stack(w_bytes, qtype, m, k) -> np.ndarray:
+    """A stack of experts, dequantized: (experts, m, k)."""
+    nexp = experts_of(w_bytes, qtype, m, k)
+    return dequant_rows(w_bytes, qtype, nexp * m, k).reshape(nexp, m, k)
 
 
 def _grouped_args(rng, use, check, n_exp, m, k):
@@ -400,8 +411,8 @@ def moe_down_grouped(w: Buffer[u8], offsets: Buffer[u32], pairs: Buffer[u32], ac
 @moe_down_grouped.reference
 def moe_down_grouped_ref(w_bytes, ids, act, qtype, m, k):
     """y of every pair j: expert ids[j]'s down rows times act[j·k : j·k + k]."""
-    a = np.asarray(act).reshape(-1, k)
-    return np.concatenate([moe_down_ref(w_bytes, [e], [1.0], a[j], qtype, m, k) for j, e in enumerate(ids)])
+    a = np.asarray(act, np.float64).reshape(-1, k)
+    return np.einsum("jrk,jk->jr", _stack(w_bytes, qtype, m, k)[np.asarray(ids)], a).reshape(-1)
 
 
 @moe_down_grouped.example
@@ -410,6 +421,6 @@ def moe_down_grouped_example(use, rng, check):
     m = min(m, inputs.CHECK_ROWS) if check else m
     n_exp = min(n_exp, 12) if check else n_exp
     t, K, ids, routing = _grouped_args(rng, use, check, n_exp, m, k)
-    args = dict(w=inputs.rows(rng, q, n_exp * m, k), act=inputs.normal(rng, t * K * k), y=np.zeros(t * K * m, np.float32),
-                k=k, m=m, **routing)
+    args = dict(w=inputs.rows(rng, q, n_exp * m, k), act=inputs.normal(rng, t * K * k),
+                y=np.zeros(t * K * m, np.float32), k=k, m=m, **routing)
     return zdsl.Example(args, lambda p: {"y": (moe_down_grouped_ref(args["w"], ids, args["act"], q, m, k), 1e-4)})

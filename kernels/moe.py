@@ -2,7 +2,9 @@
 the normed input the experts read (the router norms the residual stream itself). The products
 themselves are `ffn.ffn_gate_up` and `ffn.moe_down_all`, which
 read the `ids` and `weights` written here. The shared expert is slot K: expert n_expert of the
-stacks (the graph appends it to the routed experts' weights), with its sigmoid gate as weight."""
+stacks (the graph appends it to the routed experts' weights), with its sigmoid gate as weight. For a chunk of tokens (a prompt) the same picks come from batched router
+logits (`moe_route_rows`), the (token, expert) pairs are grouped by expert (`moe_group`) for
+`ffn.moe_gate_up_grouped` and `ffn.moe_down_grouped`, and `moe_combine_rows` sums them into x."""
 
 from __future__ import annotations
 
@@ -322,11 +324,13 @@ def moe_combine_rows_ref(x, weights, y, topk, shared=None, gate_logits=None):
 
 @moe_combine_rows.example
 def moe_combine_rows_example(use, rng, check):
-    k, t, topk, n, stride = use.sizes["k"], use.sizes["t"], use.sizes["topk"], use.sizes["n_expert"], use.sizes["stride"]
+    k, t, topk = use.sizes["k"], use.sizes["t"], use.sizes["topk"]
+    n, stride = use.sizes["n_expert"], use.sizes["stride"]
     t = min(t, 3) if check else t
     sh = use.fixed.get("SHARED", False)
     args = dict(x=inputs.normal(rng, t * k), weights=rng.uniform(0.05, 0.5, t * topk).astype(np.float32),
-                y=inputs.normal(rng, t * topk * k), shared=inputs.normal(rng, t * k), logits=inputs.normal(rng, t * stride),
+                y=inputs.normal(rng, t * topk * k), shared=inputs.normal(rng, t * k),
+                logits=inputs.normal(rng, t * stride),
                 k=k, topk=topk, n_expert=n, stride=stride, t=t)
     x0 = args["x"].copy()
     gates = args["logits"].reshape(t, stride)[:, n]
@@ -339,24 +343,28 @@ def moe_combine_rows_example(use, rng, check):
 
 def moe_block_ref(logits, h, x, wg_bytes, wu_bytes, wd_bytes, qtype: str, qtype_down: str, n_expert: int, m: int,
                   K: int, shared=None):
-    """The routed MoE block over T tokens in float64: x + Σ_slot weight · down_e(silu(gate_e · h)
-    ⊙ (up_e · h)) per token row (experts m wide), the experts and weights picked from the first n_expert logits
-    of each row (route_ref); with `shared` (T rows) also shared · sigmoid(logits[:, n_expert]).
-    h: the T normed rows the experts read (the Q8_1 values where the kernels read Q8_1)."""
+    """The routed MoE block over T tokens in float64: per token row, x + Σ_slot weight ·
+    down_e(silu(gate_e · h) ⊙ (up_e · h)) over its experts e (m wide), picked with their
+    weights from the first n_expert logits of the row (route_ref); with `shared` (T rows) also
+    shared · sigmoid(logits[:, n_expert]). h: the T normed rows the experts read (the Q8_1
+    values where the kernels read Q8_1). Stacks may hold more experts (the shared one)."""
     logits = np.atleast_2d(np.asarray(logits, np.float32))
     t, k = logits.shape[0], np.asarray(h).size // logits.shape[0]
     hs = np.asarray(h, np.float64).reshape(t, k)
-    def stack(w_bytes, q, rows, cols):  # the first n_expert experts of a stack (the graph may append the shared one)
-        return dmmv.dequant_rows(np.asarray(w_bytes).reshape(-1)[:n_expert * rows * inputs.row_bytes(q, cols)], q,
-                                 n_expert * rows, cols).reshape(n_expert, rows, cols)
+
+    def stack(w_bytes, q, rows, cols):
+        used = np.asarray(w_bytes).reshape(-1)[:n_expert * rows * inputs.row_bytes(q, cols)]
+        return dmmv.dequant_rows(used, q, n_expert * rows, cols).reshape(n_expert, rows, cols)
+
     g, u, d = stack(wg_bytes, qtype, m, k), stack(wu_bytes, qtype, m, k), stack(wd_bytes, qtype_down, k, m)
     ids, weights = route_ref(logits[:, :n_expert], K)
     out = np.asarray(x, np.float64).reshape(t, k).copy()
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore"):  # silu of a large negative gate: −0
         for i in range(t):
             for e, wt in zip(ids[i], weights[i]):
                 a = g[e] @ hs[i]
                 out[i] += float(wt) * (d[e] @ (a / (1 + np.exp(-a)) * (u[e] @ hs[i])))
     if shared is not None:
-        out += np.asarray(shared, np.float64).reshape(t, k) / (1 + np.exp(-logits[:, n_expert].astype(np.float64)))[:, None]
+        gate = 1 / (1 + np.exp(-logits[:, n_expert].astype(np.float64)))
+        out += np.asarray(shared, np.float64).reshape(t, k) * gate[:, None]
     return out.reshape(-1)
