@@ -260,7 +260,7 @@ def test_combine_rows(backend, request, t, K, k4, shared, wg, seed):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(t=st.sampled_from([1, 5, 13]), n=st.integers(8, 16), K=st.integers(2, 4), few=st.sampled_from([0, 6]),
        types=st.sampled_from([("q4_k", "q6_k", True), ("q8_0", "q8_0", False), ("q6_k", "q4_k", True),
                               ("iq4_xs", "q5_k", False)]),
