@@ -233,43 +233,50 @@ def int8_decoder(QTYPE: str):
     return f
 
 
-def old_rows(y, group: Rows, m, COLS, ADD):
-    """What store_rows adds to: y[c·m + row] for the group's rows (0 where not ADD), loaded by
-    its leader before the block loop so that the load's latency hides behind the blocks'.
-    ADD: a Spec or a Python bool (False: nothing to add, None)."""
+def old_rows(y, group: Rows, m, COLS, ADD, cols=None):
+    """What store_rows adds to: y[c·m + row] for the group's rows and the columns c in `cols`
+    (default 0 .. COLS − 1; 0 where not ADD), loaded by its leader before the block loop so that
+    the load's latency hides behind the blocks'. ADD: a Spec or a Python bool (False: nothing
+    to add, None)."""
     if ADD is False:
         return None
     lead = group.leader()
     return [y.load(c * m + zdsl.min(group.first + r, m - 1), mask=lead if ADD is True else ADD & lead, other=0.0)
-            for r in range(group.count) for c in range(COLS)]
+            for r in range(group.count) for c in (cols if cols is not None else range(COLS))]
 
 
-def store_rows(y, sums, group: Rows, m, COLS, old=None):
+def store_rows(y, sums, group: Rows, m, COLS, old=None, cols=None, live=None):
     """y[c·m + row] = sums[r·COLS + c] (+ old[r·COLS + c], from old_rows) for the group's rows
-    that exist."""
+    that exist, c in `cols` (default 0 .. COLS − 1), skipping the columns whose `live` is false."""
+    cols = cols if cols is not None else list(range(COLS))
     with zdsl.if_(group.leader()):
         for r in range(group.count):
             with zdsl.if_(group.first + r < m):
-                for c in range(COLS):
-                    i = r * COLS + c
-                    y[c * m + group.first + r] = sums[i] + old[i] if old else sums[i]
+                for i, c in enumerate(cols):
+                    value = sums[r * COLS + i] + old[r * COLS + i] if old else sums[r * COLS + i]
+                    if live is None:
+                        y[c * m + group.first + r] = value
+                    else:
+                        with zdsl.if_(live[i]):
+                            y[c * m + group.first + r] = value
 
 
-def project(w, x, xq, xd, y, k, m, QTYPE: str, Q8: bool, group: Rows, COLS=1, ADD=False):
-    """The group's rows of y (+)= W · x for COLS activation vectors: f32 x, or Q8_1 xq/xd."""
+def project(w, x, xq, xd, y, k, m, QTYPE: str, Q8: bool, group: Rows, COLS=1, ADD=False, cols=None, live=None):
+    """The group's rows of y (+)= W · x for COLS activation vectors: f32 x, or Q8_1 xq/xd. The
+    vectors are 0 .. COLS − 1, or those `cols` names (stores skipped where `live` is false)."""
     f = int8_decoder(QTYPE) if Q8 else fmt(QTYPE)
     ctx = None if Q8 else f.setup()
     nblocks = k // f.block
     rows = [(w, r * (nblocks * f.nbytes)) for r in group.clamped(m)]
-    x_bases = [c * k for c in range(COLS)]
-    old = old_rows(y, group, m, COLS, ADD)
+    x_bases = [c * k for c in (cols if cols is not None else range(COLS))]
+    old = old_rows(y, group, m, COLS, ADD, cols)
     if Q8:
         acc = block_loop(f.iparts, nblocks, group, group.count, COLS,
                          lambda b, part: q8_step(f, rows, xq, xd, x_bases, b, part))
     else:
         acc = block_dots(f, ctx, rows, x, x_bases, nblocks, group)
     sums = group.sums([acc[r][c] for r in range(group.count) for c in range(COLS)])
-    store_rows(y, sums, group, m, COLS, old)
+    store_rows(y, sums, group, m, COLS, old, cols, live)
 
 
 def input_bytes(k: int, Q8: bool) -> int:

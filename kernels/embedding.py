@@ -10,20 +10,23 @@ from zdsl.kernels.dmmv import dequant_rows
 from zdsl.kernels.quant import FORMATS, fmt
 
 
-@zdsl.kernel(workgroup=64, variants={"QTYPE": list(FORMATS)}, key=("k",),
-             grid=lambda v, s: -(-(s.k // FORMATS[v.QTYPE].block) // (64 // FORMATS[v.QTYPE].parts)))
+@zdsl.kernel(workgroup=64, variants={"QTYPE": list(FORMATS)}, key=("k",), sizes=("rows",),
+             grid=lambda v, s: (-(-(s.k // FORMATS[v.QTYPE].block) // (64 // FORMATS[v.QTYPE].parts)), s.rows))
 def embed(table: Buffer[u8], ids: Buffer[u32], out: Buffer[f32], k: u32, index: u32, QTYPE: Const = "q4_k"):
-    """out[0:k] = table[ids[index], 0:k]; the id stays on the GPU (the sampler wrote it)."""
+    """out[r·k : (r+1)·k] = table[ids[index + r], 0:k] for the launch's `rows` r = workgroup_id(1):
+    one token at decode, where the id stays on the GPU (the sampler wrote it), a prompt's chunk
+    at prefill."""
     f = fmt(QTYPE)
     nblocks = k // f.block
     per_group = 64 // f.parts
+    r = zdsl.workgroup_id(1)
     b = zdsl.workgroup_id() * per_group + zdsl.local_index() // f.parts
     with zdsl.if_(b < nblocks):
-        base = (ids[index] * nblocks + b) * f.nbytes
+        base = (ids[index + r] * nblocks + b) * f.nbytes
         for g in f.groups(table, base, zdsl.local_index() % f.parts):
             for i, q in enumerate(g.q):
                 w = q * g.scale if g.scale is not None else q
-                out[b * f.block + g.offset + i] = w + g.bias if g.bias is not None else w
+                out[r * k + b * f.block + g.offset + i] = w + g.bias if g.bias is not None else w
 
 
 @embed.reference

@@ -56,18 +56,20 @@ def round_away(v):
     return zdsl.where(v < 0.0, -r, r)
 
 
-def write_normed(x, norm_w, hn, xq, xd, n, eps, WG: int, SG: int):
-    """hn = rmsnorm(x[0:n]) · norm_w, in f32 and as Q8_1 (xq, xd), by one workgroup of WG
-    invocations (n a multiple of 32). Two passes over x (Σx², then the outputs) in 16-byte
-    loads; invocation t takes quads t, t + WG, …, so eight neighbours hold a block. The loops
+def write_normed(x, norm_w, hn, xq, xd, n, eps, WG: int, SG: int, row=0):
+    """hn = rmsnorm(x) · norm_w for row `row` of n values (n a multiple of 32), in f32 and as Q8_1
+    (xq, xd; rows back to back), by one workgroup of WG invocations. Two passes over x (Σx²,
+    then the outputs) in 16-byte loads; invocation t takes quads t, t + WG, …, so eight
+    neighbours hold a block. The loops
     are GPU loops, not unrolled: in the decode step this kernel's code comes from memory every
     time (the weights streaming through L2 evict it), and code costs more than the latency that
     unrolled loads would overlap (docs/PERF.md, 2026-11-24)."""
     n4 = n >> 2
+    first = row * n4
     t = zdsl.local_index()
     acc = zdsl.var(0.0)
     for i in zdsl.range(t, n4, WG):
-        v = x.vec4[i]
+        v = x.vec4[first + i]
         acc += zdsl.dot(v, v)
     (total,) = workgroup_sums([acc], WG, SG)
     scale = zdsl.rsqrt(total / n.to(f32) + eps)
@@ -75,10 +77,10 @@ def write_normed(x, norm_w, hn, xq, xd, n, eps, WG: int, SG: int):
         i = base + t
         ok = i < n4
         at = zdsl.min(i, n4 - 1)
-        v = x.vec4[at] * norm_w.vec4[at] * scale
+        v = x.vec4[first + at] * norm_w.vec4[at] * scale
         with zdsl.if_(ok):
-            hn.vec4[i] = v
-        store_q8_1(v, i, ok, xq, xd)
+            hn.vec4[first + i] = v
+        store_q8_1(v, first + i, ok, xq, xd)
 
 
 @zdsl.kernel(workgroup=64, subgroup="SG", variants={"SG": SUBGROUPS}, grid=lambda v, s: -(-s.n // 256))
@@ -98,12 +100,13 @@ def quantize_q8_1_ref(x):
 
 
 @zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [64, 256, 512], "SG": SUBGROUPS}, key=("n",),
-             traffic=lambda v, s: 17 * s.n + s.n // 4)
+             sizes=("rows",), grid=lambda v, s: s.rows, traffic=lambda v, s: s.rows * (17 * s.n + s.n // 4))
 def norm_q8_1(x: Buffer[f32], norm_w: Buffer[f32], hn: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], n: u32,
               eps: f32, WG: Const = 512, SG: Const = 32):
-    """hn = rmsnorm(x[0:n]) · norm_w, in f32 and as Q8_1 (n a multiple of 32): what the next
-    projections read. One workgroup (a residual stream is a few thousand values)."""
-    write_normed(x, norm_w, hn, xq, xd, n, eps, WG, SG)
+    """hn = rmsnorm(x) · norm_w per row of n values, in f32 and as Q8_1 (n a multiple of 32): what
+    the next projections read. One workgroup per row (a residual stream is a few thousand
+    values): the launch's `rows`, one at decode, a chunk's tokens at prefill."""
+    write_normed(x, norm_w, hn, xq, xd, n, eps, WG, SG, row=zdsl.workgroup_id())
 
 
 @norm_q8_1.reference
@@ -142,11 +145,12 @@ def q8_1_values(xq, xd) -> np.ndarray:
 def norm_q8_1_example(use, rng, check):
     from zdsl.kernels import inputs
 
-    n, eps = use.sizes["n"], use.sizes["eps"]
-    args = dict(x=inputs.normal(rng, n, 3.0), norm_w=rng.uniform(0.5, 1.5, n).astype(np.float32),
-                hn=np.zeros(n, np.float32), xq=np.zeros(n // 4, np.uint32), xd=np.zeros(n // 16, np.float32), n=n, eps=eps)
+    n, eps, rows = use.sizes["n"], use.sizes["eps"], use.sizes["rows"]
+    args = dict(x=inputs.normal(rng, rows * n, 3.0), norm_w=rng.uniform(0.5, 1.5, n).astype(np.float32),
+                hn=np.zeros(rows * n, np.float32), xq=np.zeros(rows * n // 4, np.uint32),
+                xd=np.zeros(rows * n // 16, np.float32), n=n, eps=eps)
 
     def expect(p):  # hn to rounding, and its Q8_1 scales
-        hn = norm_q8_1_ref(args["x"], args["norm_w"], eps)[0]
+        hn = np.concatenate([norm_q8_1_ref(x, args["norm_w"], eps)[0] for x in args["x"].reshape(rows, n)])
         return {"hn": (hn, 1e-4), "xd": (inputs.q8_1_scales(hn), 1e-4)}
     return zdsl.Example(args, expect)

@@ -3,8 +3,10 @@ the gated delta rule and the gated norm) against numpy (float64) in the interpre
 subgroup size) and on lavapipe (its own): random shapes, thread layouts, gate weight types (every
 type with a GPU decoder, dequantized by gguf-py), states and positions (the conv ring before, at
 and after its first wrap, and far out), the model's shape, and several tokens in a row from zero
-states against the model reference's conv, `deltanet_recurrent` and gated norm. Tolerances: f32 to
-~1e-5 relative; the conv ring only moves values, so it must match exactly."""
+states against the model reference's conv, `deltanet_recurrent` and gated norm. The prefill
+kernel (a chunk of tokens in one dispatch) against its float64 reference and against as many
+decode steps, and a prompt in chunks then decode steps against the model reference. Tolerances:
+f32 to ~1e-5 relative; the conv ring only moves values, so it must match exactly."""
 
 import numpy as np
 import pytest
@@ -17,7 +19,7 @@ from zdsl.kernels import dmmv
 from zdsl.kernels.q8_1 import q8_1_buffers, q8_1_values
 from zdsl.kernels.quant import FORMATS
 from zdsl.models.qwen35 import reference as model
-from kernel_testing import BACKENDS, assert_q8_1_of, run
+from kernel_testing import BACKENDS, assert_q8_1_of, run, subgroup
 
 EPS = 1e-6
 # before the ring is full (0, 1, 2), its first wrap (3 → slot 3, 5 → slot 1), a long context and
@@ -174,3 +176,159 @@ def test_several_tokens(backend, request):
         expect = model.rmsnorm(o, x["norm_w"], EPS) * model.silu(z.reshape(Hv, D))
         np.testing.assert_allclose(state, ref_S, rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(s["out"].reshape(Hv, D), expect, rtol=1e-4, atol=1e-5)
+
+
+# ---- deltanet_prefill: a chunk of tokens in one dispatch ----------------------------------------
+
+def prefill(backend, request, x, state, pos, n_k_heads, wg, sg, q8, t=None):
+    """x: the chunk's inputs (mix (rows, C), conv_w (C, KC), conv_state (KC, C), z (rows, Hv·D),
+    ba (rows, 2·Hv), ssm_a, dt_bias, norm_w); the kernel runs the first t rows (all by default)."""
+    Hv, D = state.shape[:2]
+    rows = x["mix"].shape[0]
+    t = rows if t is None else t
+    KC = x["conv_state"].shape[0]
+    args = {n: np.ascontiguousarray(a).reshape(-1) for n, a in x.items()}
+    n = rows * Hv * D
+    q8_out = dict(oq=np.zeros(n // 4, np.uint32), od=np.full(n // 16, np.nan, np.float32)) if q8 else {}
+    out = run(dn.deltanet_prefill.specialize(D=D, KC=KC, WG=wg, Q8=q8, SG=sg), backend, request, Hv, **args,
+              step=inputs.step_words(pos, pos + t), state=state.reshape(-1),
+              out=np.full(n, np.nan, np.float32), arrivals=np.zeros(1, np.uint32), t=t,
+              n_k_heads=n_k_heads, eps=EPS, **q8_out)
+    assert out["arrivals"][0] == 0
+    if q8:
+        used = t * Hv * D
+        assert_q8_1_of(out["oq"][:used // 4], out["od"][:used // 16], out["out"][:used])
+    return out
+
+
+def prefill_inputs(rng, Hk, Hv, D, T, KC=4, extra=0):
+    """Random chunk inputs; `extra` rows past the chunk are NaN (the kernel must not read them)."""
+    C = (2 * Hk + Hv) * D
+
+    def rows(n, scale=1.0):
+        a = (rng.standard_normal((T + extra, n)) * scale).astype(np.float32)
+        a[T:] = np.nan
+        return a
+    return dict(mix=rows(C), conv_w=(rng.standard_normal((C, KC)) * 0.7).astype(np.float32),
+                conv_state=rng.standard_normal((KC, C), dtype=np.float32), z=rows(Hv * D, 2.0), ba=rows(2 * Hv),
+                ssm_a=-np.exp(rng.standard_normal(Hv)).astype(np.float32),
+                dt_bias=rng.standard_normal(Hv, dtype=np.float32), norm_w=rng.standard_normal(D, dtype=np.float32))
+
+
+def check_prefill(got, x, state, pos, Hk, T):
+    Hv, D = state.shape[:2]
+    chunk = dict(x, mix=x["mix"][:T], z=x["z"][:T], ba=x["ba"][:T])
+    want, want_state, want_ring = dn.deltanet_prefill_ref(**chunk, pos=pos, state=state, n_k_heads=Hk, eps=EPS)
+    np.testing.assert_array_equal(got["conv_state"].reshape(want_ring.shape), want_ring)
+    np.testing.assert_allclose(got["state"].reshape(Hv, D, D), want_state, rtol=1e-5, atol=1e-5)
+    out = got["out"].reshape(-1, Hv * D)
+    np.testing.assert_allclose(out[:T], want, rtol=2e-5, atol=2e-5)
+    assert np.isnan(out[T:]).all()  # rows past t untouched
+
+
+def steps(backend, request, x, state, pos, Hk, wg, sg, T):
+    """The same chunk as T deltanet_step dispatches, states carried: the gates come from f32
+    rows that pick ba's entries exactly (identity weights, input = the token's ba row, zero-padded
+    to one 32-value block)."""
+    Hv, D = state.shape[:2]
+    w_ba = np.eye(2 * Hv, 32, dtype=np.float32).reshape(-1).view(np.uint8)
+    ring, outs = x["conv_state"], []
+    for i in range(T):
+        xn = np.zeros(32, np.float32)
+        xn[:2 * Hv] = x["ba"][i]
+        given = dict(mix=x["mix"][i], conv_w=x["conv_w"], conv_state=ring, z=x["z"][i], w_ba=w_ba, qtype="f32",
+                     **normed(xn), ssm_a=x["ssm_a"], dt_bias=x["dt_bias"], norm_w=x["norm_w"])
+        s = step(backend, request, given, state, pos + i, Hk, wg, sg)
+        ring, state = s["conv_state"].reshape(ring.shape), s["state"].reshape(state.shape)
+        outs.append(s["out"])
+    return np.stack(outs), state, ring
+
+
+PREFILL_POSITIONS = [0, 1, 3, 5, 1001, 2**32 - 16]  # an empty ring, one filling, wrapped, far out, near the u32 end
+LAVAPIPE_PREFILL_LAYOUTS = [(16, 32), (32, 64)]  # (D, WG): several rows per invocation; whole Q8_1 blocks
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(hk=st.integers(1, 2), T=st.integers(1, 11), d=st.sampled_from([8, 16, 24, 32]), rp_log=st.integers(0, 4),
+       sg_pick=st.integers(0, 3), layout=st.sampled_from(LAVAPIPE_PREFILL_LAYOUTS), kc=st.integers(1, 5),
+       pos=st.sampled_from(PREFILL_POSITIONS), q8=st.booleans(), extra=st.integers(0, 2),
+       state_scale=st.sampled_from([0.0, 0.5]), seed=st.integers(0, 99))
+def test_prefill(backend, request, hk, T, d, rp_log, sg_pick, layout, kc, pos, q8, extra, state_scale, seed):
+    """A chunk of T tokens (1, odd, more than the conv's taps) against the float64 reference and
+    against T deltanet_step dispatches (out rows, state, ring): 2·n_k_heads value heads, so two
+    workgroups read each key head's q and k; rows past t (NaN) neither read nor written."""
+    sg = subgroup(backend, request, sg_pick)
+    if backend == "interp":
+        rp = 2 ** rp_log
+        wg = d // 4 * rp
+        assume(d % rp == 0 and wg % sg == 0 and wg % 8 == 0)
+    else:
+        (d, wg), kc = layout, 4
+    q8 = q8 and d % 32 == 0
+    rng = np.random.default_rng(seed)
+    hv = 2 * hk
+    x = prefill_inputs(rng, hk, hv, d, T, kc, extra)
+    state = (rng.standard_normal((hv, d, d)) * state_scale).astype(np.float32)
+    got = prefill(backend, request, x, state, pos, hk, wg, sg, q8, T)
+    check_prefill(got, x, state, pos, hk, T)
+    out, want_state, want_ring = steps(backend, request, x, state, pos, hk, wg, sg, T)
+    np.testing.assert_array_equal(got["conv_state"].reshape(want_ring.shape), want_ring)
+    np.testing.assert_allclose(got["state"].reshape(want_state.shape), want_state, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got["out"].reshape(-1, hv * d)[:T], out, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_chunks_then_decode(backend, request):
+    """A prompt from zero states in chunks of 1 (at p0 = 0), 5 and 2 (starting on rings the earlier
+    chunks filled), then decode steps: every output row, the final delta state and ring against
+    the model reference (conv over the last 4 inputs with zeros before the first, l2norm,
+    deltanet_recurrent, gated rmsnorm) run over the whole sequence."""
+    rng = np.random.default_rng(11)
+    Hk, Hv, D, KC, wg = 2, 4, 32, 4, 64
+    C = (2 * Hk + Hv) * D
+    sg = subgroup(backend, request, 2)
+    x = prefill_inputs(rng, Hk, Hv, D, 10)
+    ring, state = np.zeros((KC, C), np.float32), np.zeros((Hv, D, D), np.float32)
+    outs, pos = [], 0
+    for T in (1, 5, 2):
+        chunk = dict(x, mix=x["mix"][pos:pos + T], z=x["z"][pos:pos + T], ba=x["ba"][pos:pos + T], conv_state=ring)
+        got = prefill(backend, request, chunk, state, pos, Hk, wg, sg, True)
+        ring, state = got["conv_state"].reshape(KC, C), got["state"].reshape(Hv, D, D)
+        outs.append(got["out"].reshape(T, -1))
+        pos += T
+    tail = dict(x, mix=x["mix"][pos:], z=x["z"][pos:], ba=x["ba"][pos:], conv_state=ring)
+    out, state, ring = steps(backend, request, tail, state, pos, Hk, wg, sg, 10 - pos)
+    outs.append(out)
+
+    taps = x["conv_w"].astype(np.float64)
+    hist = np.concatenate([np.zeros((KC - 1, C)), x["mix"]])
+    mixed = model.silu(sum(hist[j:j + 10] * taps[:, j] for j in range(KC)))
+    heads = np.arange(Hv) % Hk
+    q = model.l2norm(mixed[:, :Hk * D].reshape(10, Hk, D), EPS)[:, heads]
+    k = model.l2norm(mixed[:, Hk * D:2 * Hk * D].reshape(10, Hk, D), EPS)[:, heads]
+    v = mixed[:, 2 * Hk * D:].reshape(10, Hv, D)
+    b, a = x["ba"][:, :Hv].astype(np.float64), x["ba"][:, Hv:].astype(np.float64)
+    ref_S = np.zeros((Hv, D, D))
+    o = model.deltanet_recurrent(q, k, v, x["ssm_a"] * model.softplus(a + x["dt_bias"]), model.sigmoid(b), ref_S)
+    expect = model.rmsnorm(o, x["norm_w"], EPS) * model.silu(x["z"].reshape(10, Hv, D))
+    np.testing.assert_allclose(np.concatenate(outs).reshape(10, Hv, D), expect, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(state, ref_S, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(ring, x["mix"][[8, 9, 6, 7]])  # slot p % 4 holds position p's input
+
+
+def test_prefill_example():
+    """The example the tuner and the benches use (a wrapped ring, D = 128) agrees with its reference
+    in the interpreter, Q8 on and off."""
+    from types import SimpleNamespace
+
+    for q8 in (False, True):
+        use = SimpleNamespace(fixed=dict(D=128, KC=4, Q8=q8), sizes=dict(n_k_heads=1, v_heads=2, t=3, eps=EPS))
+        ex = dn.deltanet_prefill.make_example(use, np.random.default_rng(0), True)
+        variant = dn.deltanet_prefill.specialize(D=128, KC=4, WG=256, Q8=q8, SG=32)
+        args = {n: v for n, v in ex.args.items() if n != "v_heads"}
+        got = variant.interpret(ex.args["v_heads"], **args)
+        for name, (want, tol) in ex.expect(variant.params).items():
+            if name == "od":  # the scales only; s is NaN in the reference
+                np.testing.assert_allclose(got[name][::2], want[::2], rtol=tol)
+            else:
+                np.testing.assert_allclose(got[name], want, rtol=tol, atol=tol)

@@ -147,12 +147,13 @@ def test_embed(backend, request, qtype, vocab, nb, quantizer, seed):
     rng = np.random.default_rng(seed)
     k = FORMATS[qtype].block * (nb % (5 if FORMATS[qtype].block == 256 else 40) + 1)
     table = weights(rng, qtype, vocab, k, quantizer)
-    token = int(rng.integers(0, vocab))
-    ids = np.array([vocab - 1 - token, token], np.uint32)
+    rows = 1 + seed % 3  # one token (decode), or a prompt's chunk
+    tokens = rng.integers(0, vocab, rows)
+    ids = np.concatenate([[vocab - 1 - tokens[0]], tokens]).astype(np.uint32)
     v = emb.embed.specialize(QTYPE=qtype)
-    out = run(v, backend, request, v.groups(k=k), table=table,
-              ids=ids, out=np.full(k, np.nan, np.float32), k=k, index=1)["out"]
-    ref = emb.embed_ref(table, token, qtype, vocab, k)
+    out = run(v, backend, request, v.groups(k=k, rows=rows), table=table,
+              ids=ids, out=np.full(rows * k, np.nan, np.float32), k=k, index=1)["out"]
+    ref = np.concatenate([emb.embed_ref(table, int(token), qtype, vocab, k) for token in tokens])
     np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
 
 
@@ -298,3 +299,27 @@ def test_bench_kernels_bad_input(args, words, capsys):
     assert main(["bench-kernels", "--preset", "tiny", "--device", "lavapipe", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and words in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("qtype", QTYPES)
+@settings(max_examples=6)
+@given(m=st.integers(1, 9), nb=st.integers(0, 5), t=st.integers(1, 19), cols=st.sampled_from([4, 8]),
+       rows=st.sampled_from([1, 2]), add=st.booleans(), int8=st.booleans(), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
+def test_mul_mm_over_a_chunk_of_tokens(backend, request, qtype, m, nb, t, cols, rows, add, int8, sg_pick, seed):
+    """mul_mm: t rows (any count; a last tile of COLS tokens partly past the end) times the
+    weights, from f32 rows or from Q8_1 rows (checked against the kernel's own Q8_1 values)."""
+    from zdsl.kernels import matmul
+
+    rng = np.random.default_rng(seed)
+    int8 = int8 and qtype in INT8_FORMATS
+    k = FORMATS[qtype].block * block_count(qtype, nb)
+    w = weights(rng, qtype, m, k, quantizer=False)
+    x = rng.standard_normal(t * k).astype(np.float32)
+    y0 = rng.standard_normal(t * m).astype(np.float32)
+    acts = dict(zip(("xq", "xd"), q8.q8_1_buffers(x))) if int8 else {"x": x}
+    xv = q8.q8_1_values(acts["xq"], acts["xd"]).astype(np.float32) if int8 else x
+    v = matmul.mul_mm.specialize(QTYPE=qtype, Q8=int8, COLS=cols, ROWS=rows, ADD=add, SG=subgroup(backend, request, sg_pick))
+    y = run(v, backend, request, v.groups(m=m, t=t), w=w, **acts, y=y0, k=k, m=m, t=t)["y"]
+    assert_within(y, matmul.mul_mm_ref(w, xv, qtype, m, k, y0 if add else None),
+                  RTOL * abs_dot(w, qtype, m, k, xv) + 1e-6)

@@ -12,10 +12,12 @@ from zdsl.kernels import q8_1
 from zdsl.kernels.norm import rms_norm_ref
 
 
-def normed(variant, backend, request, x, w, eps):
-    n = x.size
-    return run(variant, backend, request, 1, x=x, norm_w=w, hn=np.full(n, np.nan, np.float32),
-               xq=np.zeros(n // 4, np.uint32), xd=np.full(n // 16, np.nan, np.float32), n=n, eps=eps)
+def normed(variant, backend, request, x, w, eps, rows=1):
+    """Each of `rows` rows of x normed (one workgroup per row)."""
+    n = w.size
+    return run(variant, backend, request, variant.groups(rows=rows), x=x, norm_w=w,
+               hn=np.full(rows * n, np.nan, np.float32), xq=np.zeros(rows * n // 4, np.uint32),
+               xd=np.full(rows * n // 16, np.nan, np.float32), n=n, eps=eps)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -24,10 +26,13 @@ def normed(variant, backend, request, x, w, eps):
 def test_norm_q8_1(backend, request, blocks, wg, sg_pick, eps, scale, seed):
     """Any whole number of blocks: fewer quads than invocations, and several rounds of them."""
     rng = np.random.default_rng(seed)
-    x = (rng.standard_normal(32 * blocks) * scale).astype(np.float32)
-    w = rng.uniform(-1.5, 1.5, x.size).astype(np.float32)
-    out = normed(q8_1.norm_q8_1.specialize(WG=wg, SG=subgroup(backend, request, sg_pick)), backend, request, x, w, eps)
-    np.testing.assert_allclose(out["hn"], rms_norm_ref(x, w, eps), rtol=2e-5, atol=2e-6 * scale)
+    rows = 1 + seed % 3  # one vector (decode), or a prompt chunk's rows
+    x = (rng.standard_normal((rows, 32 * blocks)) * scale).astype(np.float32)
+    w = rng.uniform(-1.5, 1.5, 32 * blocks).astype(np.float32)
+    out = normed(q8_1.norm_q8_1.specialize(WG=wg, SG=subgroup(backend, request, sg_pick)), backend, request,
+                 x.reshape(-1), w, eps, rows)
+    ref = np.concatenate([rms_norm_ref(row, w, eps) for row in x])
+    np.testing.assert_allclose(out["hn"], ref, rtol=2e-5, atol=2e-6 * scale)
     assert_q8_1_of(out["xq"], out["xd"], out["hn"])
 
 

@@ -51,10 +51,11 @@ def vector(name: str, n: int) -> list[Spec]:
 SAVED = "saved."  # the prefix of the checkpoint twins of a sequence's state
 
 
-def decode_buffers(hp, tensors, n_ctx: int, candidates: int, checkpoint: bool = False) -> list[Spec]:
+def decode_buffers(hp, tensors, n_ctx: int, candidates: int, checkpoint: bool = False, chunk: int = 0) -> list[Spec]:
     """The decode graph's buffers for hyperparameters `hp`, the graph's weights `tensors`
     (weights.GraphWeights), a context of n_ctx tokens and `candidates` bytes of sampler room;
-    with `checkpoint`, a twin of the sequence state that steps overwrite (DecodeGraph.checkpoint)."""
+    with `checkpoint`, a twin of the sequence state that steps overwrite (DecodeGraph.checkpoint);
+    with `chunk`, the prompt path's buffers for chunks of that many tokens (prefill.py)."""
     H, C, vd = hp.hidden, hp.conv_channels, hp.ssm_value_dim
     qd, kvd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
     splits = split_count(n_ctx, ATTN_MIN_CHUNK, ATTN_MAX_SPLITS)
@@ -87,6 +88,9 @@ def decode_buffers(hp, tensors, n_ctx: int, candidates: int, checkpoint: bool = 
               Spec("candidates", candidates, "scratch")]
     if checkpoint:
         specs += [Spec(SAVED + s.name, s.nbytes, s.kind) for s in specs if s.name in checkpointed(hp)]
+    if chunk:
+        from zdsl.models.qwen35.prefill import chunk_buffers
+        specs += [Spec(name, n, "scratch") for name, n in chunk_buffers(hp, chunk)]
     return specs
 
 

@@ -117,9 +117,9 @@ class Generator:
             g.reset()
             self.context = []
         start = time.perf_counter()
-        token = None
-        for tok in prompt_ids[reused:]:
-            token = g.decode(tok)
+        new = prompt_ids[reused:]
+        g.prefill(new[:-1])  # in chunks; the last token's step samples the first new one
+        token = g.decode(new[-1])
         self.context = list(prompt_ids)
         t.prompt_tokens, t.reused_tokens, t.prompt_s = len(prompt_ids) - reused, reused, time.perf_counter() - start
         start = time.perf_counter()

@@ -17,6 +17,7 @@ which norms x itself), and the attention and delta-net outputs by the kernels th
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ from zdsl.runtime.memory import fmt_bytes
 from zdsl.models.qwen35.buffers import (ATTN_MAX_SPLITS, ATTN_MIN_CHUNK, SAVED, STEP_WORDS, check_fits, checkpointed,
                                         decode_buffers)
 from zdsl.models.qwen35.gguf_file import ModelFile
+from zdsl.models.qwen35.prefill import CHUNK, Prefill
 from zdsl.models.qwen35.sampler import SamplerConfig
 from zdsl.models.qwen35.weights import file_ranges, graph_weights
 
@@ -63,7 +65,8 @@ def plan_buffers(model: ModelFile, info, n_ctx: int, sampler: SamplerConfig, tun
     one is made: to show and check the memory plan up front."""
     groups = sampler_kernels(lambda kernel, key, fixed: choose(kernel, info, key, db=tuning, **fixed),
                              model.hparams.vocab, sampler)[2]
-    return decode_buffers(model.hparams, graph_weights(model), n_ctx, candidate_bytes(sampler, groups))
+    return decode_buffers(model.hparams, graph_weights(model), n_ctx, candidate_bytes(sampler, groups),
+                          chunk=min(CHUNK, n_ctx))
 
 
 def record_launches(model, info, n_ctx: int, sampler: SamplerConfig | None = None, tuning: Database | None = None):
@@ -77,10 +80,13 @@ def record_launches(model, info, n_ctx: int, sampler: SamplerConfig | None = Non
 
 class DecodeGraph:
     def __init__(self, model: ModelFile, device, n_ctx: int, sampler: SamplerConfig | None = None,
-                 progress: bool = True, tuning: Database | None = None, say=None, checkpoint: bool = False):
+                 progress: bool = True, tuning: Database | None = None, say=None, checkpoint: bool = False,
+                 chunk: int = CHUNK):
         """`say(line)` hears the memory plan before anything is allocated; `progress` shows the
-        weights' upload; `checkpoint` keeps room to save the sequence state (`checkpoint()`)."""
+        weights' upload; `checkpoint` keeps room to save the sequence state (`checkpoint()`);
+        `chunk`: the most prompt tokens `prefill` runs at once (prefill.py)."""
         self.can_checkpoint = checkpoint
+        self.chunk = max(1, min(chunk, n_ctx))
         self.model, self.device, self.hp = model, device, model.hparams
         self.tensors = graph_weights(model)  # what the graph reads, by its names (weights.py)
         self.info = device.info
@@ -105,7 +111,8 @@ class DecodeGraph:
 
     def buffers(self, n_ctx: int) -> list:
         """Every device buffer the graph holds at a context of n_ctx tokens (buffers.py)."""
-        return decode_buffers(self.hp, self.tensors, n_ctx, self._candidate_bytes(), self.can_checkpoint)
+        return decode_buffers(self.hp, self.tensors, n_ctx, self._candidate_bytes(), self.can_checkpoint,
+                              min(self.chunk, n_ctx))
 
     def _prepare_kernels(self, progress: bool) -> float:
         """Record the step (building the kernels not built before) and run it once, since some
@@ -178,9 +185,7 @@ class DecodeGraph:
         specs = self.buffers(self.n_ctx)
         b = {spec.name: buf for spec, buf in zip(specs, dev.alloc_many([(s.name, s.nbytes) for s in specs]))}
         self.weights = {name: b[name] for name in self.tensors.tensors}
-
-        def vector(name: str) -> Vector:
-            return Vector(b[name], b[name + "_q8_1"], b[name + "_q8_1_scales"])
+        vector = functools.partial(self.vector_of, b)
 
         # The host writes position and input token into `step_host`; each step copies it to the
         # device-local `step` that kernels read (host memory is slow to read from a GPU), and
@@ -212,6 +217,7 @@ class DecodeGraph:
         self.counts, self.penalty_ring = b["token_counts"], b["penalty_ring"]
         self.tokens_out, self.cand = b["tokens_out"], b["candidates"]
         self._owned = list(b.values())
+        self.prompt = Prefill(self, b)
         self._save = self._load = self._saved = None
         if self.can_checkpoint:
             pairs = [(b[name], b[SAVED + name]) for name in sorted(checkpointed(hp))]
@@ -219,6 +225,11 @@ class DecodeGraph:
             for live, saved in pairs:
                 self._save.copy(live, saved)
                 self._load.copy(saved, live)
+
+    @staticmethod
+    def vector_of(b: dict, name: str) -> Vector:
+        """The activation `name` as projections read it, from the allocated buffers `b`."""
+        return Vector(b[name], b[name + "_q8_1"], b[name + "_q8_1_scales"])
 
     def _candidate_bytes(self) -> int:
         return candidate_bytes(self.sampler, self.sample_groups)
@@ -241,6 +252,7 @@ class DecodeGraph:
             seq.fill(b)
         seq.fill(self.counts)
         seq.fill(self.router_arrivals)
+        seq.fill(self.prompt.arrivals)
         if self.hp.moe:
             seq.fill(self.zero_id)
         seq.run()
@@ -298,7 +310,7 @@ class DecodeGraph:
         """normed = rmsnorm(x) · norm, in f32 and Q8_1: one dispatch of one workgroup."""
         n = self.normed
         q8_1.norm_q8_1.launch(seq, self._pick, label=norm.removesuffix(".weight"), x=self.x, norm_w=self.weights[norm],
-                              hn=n.f32, xq=n.q, xd=n.d, n=self.hp.hidden, eps=self.hp.eps)
+                              hn=n.f32, xq=n.q, xd=n.d, n=self.hp.hidden, eps=self.hp.eps, rows=1)
 
     def _next_norm(self, i: int) -> str:
         """The norm that the layer after layer i starts with (the output norm after the last)."""
@@ -314,7 +326,7 @@ class DecodeGraph:
                                            window=self.sampler.window(self.n_ctx), n_vocab=self.hp.vocab)
         emb = "token_embd.weight"
         embedding.embed.launch(seq, self._pick, QTYPE=self._qname(emb), table=self.weights[emb], ids=self.step,
-                               out=self.x, k=hp.hidden, index=2)
+                               out=self.x, k=hp.hidden, index=2, rows=1)
         self._norm(seq, "blk.0.attn_norm.weight")
         for i in range(hp.n_layers):
             if hp.attention[i]:
@@ -449,6 +461,16 @@ class DecodeGraph:
         self.position += 1
         return int(self.step_words[2])
 
+    def prefill(self, tokens: list[int]) -> None:
+        """Feed prompt tokens at the current position a chunk at a time (prefill.py), leaving the
+        caches and states as decode steps of each would; nothing is sampled."""
+        if self.position + len(tokens) > self.n_ctx:
+            raise ZdslError(f"the context of {self.n_ctx} tokens is full; start again with a larger --ctx")
+        bad = next((t for t in tokens if not 0 <= t < self.hp.vocab), None)
+        if bad is not None:
+            raise ZdslError(f"token id {bad} is outside the vocabulary [0, {self.hp.vocab})")
+        self.prompt.run(tokens)
+
     def checkpoint(self) -> None:
         """Save the sequence's state at this position, so that `restore()` undoes the steps run
         after (a burst that ran past an end-of-turn token). The copies run before the next step."""
@@ -515,6 +537,7 @@ class DecodeGraph:
 
     def close(self) -> None:
         self._free_steps()
+        self.prompt.free()
         for seq in (self._save, self._load):
             if seq is not None:
                 seq.free()

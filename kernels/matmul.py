@@ -1,0 +1,63 @@
+"""Matrix products for a chunk of tokens: Y[i, r] (+)= Σ_k W[r, k] · X[i, k] for the T rows of X.
+
+The prompt's projections. Workgroup (g, j) owns the ROWS rows of row group g (as dmmv's) and the
+COLS tokens j·COLS .. j·COLS + COLS − 1: each weight block it loads serves COLS tokens, so the
+weights are read ⌈T / COLS⌉ times per chunk instead of T times (and mostly from L2). The block
+machinery, int8 (Q8: X as Q8_1 rows, q8_1.py) and f32, is dmmv.py's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import zdsl
+from zdsl import Buffer, Const, Spec, boolean, f32, u8, u32
+from zdsl.kernels import dmmv, inputs
+from zdsl.kernels.dmmv import NSUBS, QTYPES, Rows, input_bytes, row_groups
+from zdsl.kernels.quant import INT8_FORMATS
+from zdsl.kernels.reduce import SUBGROUPS
+
+
+def _fits(v) -> bool:
+    return not v.Q8 or v.QTYPE in INT8_FORMATS
+
+
+def _traffic(v, s) -> int:
+    """The weights once per token tile, every activation row once, the outputs (read too with ADD)."""
+    tiles = -(-s.t // v.COLS)
+    return (tiles * s.m * inputs.row_bytes(v.QTYPE, s.k) + s.t * input_bytes(s.k, v.Q8)
+            + 4 * s.t * s.m * (2 if v.ADD else 1))
+
+
+@zdsl.kernel(workgroup=dmmv.workgroup, subgroup="SG",
+             variants={"QTYPE": QTYPES, "Q8": [False, True], "COLS": [4, 8], "ROWS": [1, 2], "SG": SUBGROUPS},
+             tune={"NSUB": NSUBS}, where=_fits, key=("k", "m"),
+             grid=lambda v, s: (row_groups(v, s.m), -(-s.t // v.COLS)), traffic=_traffic)
+def mul_mm(w: Buffer[u8], x: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], y: Buffer[f32], k: u32, m: u32,
+           t: u32, ADD: Spec[boolean] = False, QTYPE: Const = "q4_k", Q8: Const = False, COLS: Const = 8,
+           ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
+    """y[i·m + r] (+)= Σ_k W[r, k] · x[i·k + k] for the t rows i of x, given in f32 (x) or, with
+    Q8, as Q8_1 rows back to back (xq, xd); ADD accumulates into y (a residual connection). A
+    tile's tokens past t load row t − 1 and store nothing."""
+    first = zdsl.workgroup_id(1) * COLS
+    cols = [zdsl.min(first + c, t - 1) for c in range(COLS)]
+    live = [first + c < t for c in range(COLS)]
+    dmmv.project(w, x, xq, xd, y, k, m, QTYPE, Q8, Rows(ROWS, NSUB, SG), COLS, ADD, cols, live)
+
+
+@mul_mm.reference
+def mul_mm_ref(w_bytes, x, qtype, m, k, y=None):
+    """Y = X · dequant(W)ᵀ (+ y), rows of X back to back, in float64."""
+    return dmmv.dmmv_ref(w_bytes, x, qtype, m, k, y)
+
+
+@mul_mm.example
+def mul_mm_example(use, rng, check):
+    q, q8, add = use.fixed["QTYPE"], use.fixed.get("Q8", False), use.fixed.get("ADD", False)
+    k, t = use.sizes["k"], use.sizes["t"]
+    m = min(use.sizes["m"], inputs.CHECK_ROWS) if check else use.sizes["m"]
+    args = dict(w=inputs.rows(rng, q, m, k), **inputs.activations(rng, t * k, q8), y=inputs.normal(rng, t * m) if add else np.zeros(t * m, np.float32),
+                k=k, m=m, t=t)
+    y0 = args["y"].copy() if add else None
+    return zdsl.Example(args, lambda p: {"y": (dmmv.project_ref(args, q, m, k, y0), 1e-4)},
+                        lambda n: {"w": inputs.copies(args["w"], n)})
