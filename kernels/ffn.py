@@ -66,31 +66,16 @@ def expert_dots(f, ctx, Q8: bool, stacks, expert, x, xq, xd, x_bases, k, m, grou
 
 
 def tile_sums(group: Rows, acc):
-    """acc[row][col] summed over the group, in the same shape."""
-    cols = len(acc[0])
-    flat = group.sums([a for row in acc for a in row])
-    return [flat[r * cols:(r + 1) * cols] for r in range(len(acc))]
+    """acc[row][col] summed over the group, flat: [row · cols + col] (store_rows' order)."""
+    return group.sums([a for row in acc for a in row])
 
 
-def store_swiglu(act, sums, group: Rows, m, slots, valid=None):
-    """act[slots[c]·m + row] = silu(gate) · up for each column c (where valid[c]), from
-    sums[row][c] = the group's gate rows, then its up rows."""
-    n = group.count
-    store_pairs(act, [[zdsl.silu(g) * u for g, u in zip(sums[r], sums[n + r])] for r in range(n)],
-                group, m, slots, valid)
-
-
-def store_pairs(out, values, group: Rows, m, slots, valid=None):
-    """out[slots[c]·m + row] = values[r][c] for the group's rows that exist (and columns valid)."""
-    with zdsl.if_(group.leader()):
-        for r in range(group.count):
-            with zdsl.if_(group.first + r < m):
-                for c, slot in enumerate(slots):
-                    if valid is None:
-                        out[slot * m + group.first + r] = values[r][c]
-                    else:
-                        with zdsl.if_(valid[c]):
-                            out[slot * m + group.first + r] = values[r][c]
+def store_swiglu(act, sums, group: Rows, m, cols, live=None):
+    """act[cols[c]·m + row] = silu(gate) · up for each column c (where live[c]), from tile_sums
+    of the group's gate rows, then its up rows."""
+    n, ncols = group.count, len(cols)
+    values = [zdsl.silu(sums[r * ncols + c]) * sums[(n + r) * ncols + c] for r in range(n) for c in range(ncols)]
+    store_rows(act, values, group, m, ncols, None, cols, live)
 
 
 def experts_of(w_bytes, qtype, m, k) -> int:
@@ -295,10 +280,10 @@ def moe_down_all_example(use, rng, check):
 # SPLIT workgroups of an expert take turns over its tiles, and an expert no token picked runs none.
 
 def expert_tiles(offsets, pairs, COLS: int, SPLIT: int, group: Rows, body):
-    """body(e, js, valid) for each tile of this workgroup: expert e = workgroup_id(1) // SPLIT,
+    """body(e, js, live) for each tile of this workgroup: expert e = workgroup_id(1) // SPLIT,
     tiles s, s + SPLIT, … (s = workgroup_id(1) % SPLIT) of COLS of its pairs
     pairs[offsets[e] : offsets[e + 1]]; js are the tile's pairs (past the expert's last, that
-    one again), valid which of them are its own."""
+    one again), live which of them are its own."""
     wid = zdsl.workgroup_id(1)
     e = wid // SPLIT
     end = offsets[e + 1]
@@ -335,10 +320,10 @@ def moe_gate_up_grouped(wg: Buffer[u8], wu: Buffer[u8], offsets: Buffer[u32], pa
     group = Rows(ROWS, NSUB, SG)
     dec = decoder(QTYPE, Q8)
 
-    def tile(e, js, valid):
+    def tile(e, js, live):
         bases = [(j // topk) * k for j in js]
         acc = expert_dots(*dec, [wg, wu], e, x, xq, xd, bases, k, m, group)
-        store_swiglu(act, tile_sums(group, acc), group, m, js, valid)
+        store_swiglu(act, tile_sums(group, acc), group, m, js, live)
     expert_tiles(offsets, pairs, COLS, SPLIT, group, tile)
 
 
@@ -402,9 +387,9 @@ def moe_down_grouped(w: Buffer[u8], offsets: Buffer[u32], pairs: Buffer[u32], ac
     group = Rows(ROWS, NSUB, SG)
     dec = decoder(QTYPE, False)
 
-    def tile(e, js, valid):
+    def tile(e, js, live):
         acc = expert_dots(*dec, [w], e, act, None, None, [j * k for j in js], k, m, group)
-        store_pairs(y, tile_sums(group, acc), group, m, js, valid)
+        store_rows(y, tile_sums(group, acc), group, m, COLS, None, js, live)
     expert_tiles(offsets, pairs, COLS, SPLIT, group, tile)
 
 
