@@ -344,7 +344,7 @@ def _stack(w_bytes, qtype, m, k) -> np.ndarray:
     return dequant_rows(w_bytes, qtype, nexp * m, k).reshape(nexp, m, k)
 
 
-def _grouped_args(rng, use, check, n_exp, m, k):
+def _grouped_args(rng, use, check, n_exp):
     """Routing of t tokens to K of n_exp experts, grouped as moe.moe_group does."""
     t, K = use.sizes["t"], use.sizes["topk"]
     t = min(t, 5) if check else t
@@ -361,7 +361,7 @@ def moe_gate_up_grouped_example(use, rng, check):
     n_exp = use.sizes["n_expert"]
     m = min(m, inputs.CHECK_ROWS) if check else m
     n_exp = min(n_exp, 12) if check else n_exp
-    t, K, ids, routing = _grouped_args(rng, use, check, n_exp, m, k)
+    t, K, ids, routing = _grouped_args(rng, use, check, n_exp)
     xs = [inputs.activations(rng, k, q8) for _ in range(t)]
     acts = {name: np.concatenate([a[name] for a in xs]) for name in xs[0]}
     args = dict(wg=inputs.rows(rng, q, n_exp * m, k), wu=inputs.rows(rng, q, n_exp * m, k), **acts,
@@ -405,7 +405,7 @@ def moe_down_grouped_example(use, rng, check):
     q, k, m, n_exp = use.fixed["QTYPE"], use.sizes["k"], use.sizes["m"], use.sizes["n_expert"]
     m = min(m, inputs.CHECK_ROWS) if check else m
     n_exp = min(n_exp, 12) if check else n_exp
-    t, K, ids, routing = _grouped_args(rng, use, check, n_exp, m, k)
+    t, K, ids, routing = _grouped_args(rng, use, check, n_exp)
     args = dict(w=inputs.rows(rng, q, n_exp * m, k), act=inputs.normal(rng, t * K * k),
                 y=np.zeros(t * K * m, np.float32), k=k, m=m, **routing)
     return zdsl.Example(args, lambda p: {"y": (moe_down_grouped_ref(args["w"], ids, args["act"], q, m, k), 1e-4)})

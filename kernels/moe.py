@@ -170,7 +170,19 @@ def _clear_picks(logits, K) -> bool:
 # `ffn.moe_down_grouped` run each expert's weights once over all of its pairs, and
 # `moe_combine_rows` adds each token's weighted pairs (and the shared expert) to the residual.
 
-MAX_EXPERTS = 512  # experts moe_group can group (the 397B model has 512)
+MAX_EXPERTS = 512  # experts moe_group can group: its table of where each expert's pairs start
+
+
+def _route_rows_grid(v, s) -> int:
+    if s.n_expert < v.K:
+        raise zdsl.ZdslError(f"routing picks K={v.K} experts of each token, but there are only {s.n_expert}")
+    return s.t
+
+
+def _group_grid(v, s) -> int:
+    if s.n_expert > MAX_EXPERTS:
+        raise zdsl.ZdslError(f"moe_group groups at most {MAX_EXPERTS} experts, not {s.n_expert}: raise MAX_EXPERTS")
+    return 1
 
 
 def _route_rows_traffic(v, s) -> int:
@@ -178,7 +190,7 @@ def _route_rows_traffic(v, s) -> int:
 
 
 @zdsl.kernel(workgroup="WG", subgroup="SG", variants={"K": [8], "WG": [64, 256], "SG": SUBGROUPS},
-             key=("n_expert",), sizes=("t",), grid=lambda v, s: s.t, traffic=_route_rows_traffic)
+             key=("n_expert",), sizes=("t",), grid=_route_rows_grid, traffic=_route_rows_traffic)
 def moe_route_rows(logits: Buffer[f32], ids: Buffer[u32], weights: Buffer[f32], counts: Buffer[i32], n_expert: u32,
                    stride: u32, K: Const = 8, WG: Const = 64, SG: Const = 32):
     """The experts of token i = workgroup_id(), from its router logits logits[i·stride :
@@ -216,7 +228,7 @@ def moe_route_rows_example(use, rng, check):
 
 
 @zdsl.kernel(workgroup="WG", subgroup="SG", variants={"K": [8], "WG": [256], "SG": SUBGROUPS},
-             key=("n_expert",), grid=1, traffic=lambda v, s: 12 * s.n_expert + 12 * s.t * v.K)
+             key=("n_expert",), grid=_group_grid, traffic=lambda v, s: 12 * s.n_expert + 12 * s.t * v.K)
 def moe_group(ids: Buffer[u32], counts: Buffer[i32], offsets: Buffer[u32], pairs: Buffer[u32], t: u32,
               n_expert: u32, K: Const = 8, WG: Const = 256, SG: Const = 32):
     """The pairs of the T tokens grouped by expert, by one workgroup: offsets[e] = Σ_{e' < e}

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import zdsl
 from zdsl.kernels import dmmv, moe
 from zdsl.kernels import formats as F
 from zdsl.kernels.norm import rms_norm_ref
@@ -148,14 +149,14 @@ def route_chunk(backend, request, logits, n, K, wg, sg_pick):
     """moe_route_rows then moe_group on `backend`; their outputs checked against numpy."""
     t, stride = logits.shape
     v = moe.moe_route_rows.specialize(K=K, WG=wg, SG=subgroup(backend, request, sg_pick))
-    out = run(v, backend, request, v.groups(t=t), logits=logits.reshape(-1), ids=np.full(t * K, 7777, np.uint32),
+    out = run(v, backend, request, v.groups(t=t, n_expert=n), logits=logits.reshape(-1), ids=np.full(t * K, 7777, np.uint32),
               weights=np.full(t * K, np.nan, np.float32), counts=np.zeros(n, np.int32), n_expert=n, stride=stride)
     ids, weights, counts = moe.moe_route_rows_ref(logits, n, K)
     np.testing.assert_array_equal(out["ids"], ids)
     np.testing.assert_allclose(out["weights"], weights, rtol=2e-6, atol=1e-7)
     np.testing.assert_array_equal(out["counts"], counts)
     g = moe.moe_group.specialize(K=K, SG=subgroup(backend, request, sg_pick))
-    grouped = run(g, backend, request, g.groups(), ids=out["ids"], counts=out["counts"],
+    grouped = run(g, backend, request, g.groups(n_expert=n), ids=out["ids"], counts=out["counts"],
                   offsets=np.full(n + 1, 7777, np.uint32), pairs=np.full(t * K, 7777, np.uint32), t=t, n_expert=n)
     offsets, pairs = moe.moe_group_ref(ids, n)
     np.testing.assert_array_equal(grouped["offsets"], offsets)
@@ -314,3 +315,11 @@ def test_chunk_examples_check(kernel, fixed, sizes):
     out = v.interpret(v.groups(**scalars), **buffers, **{n: s for n, s in scalars.items() if n in params})
     for name, (want, tol) in ex.expect(fixed).items():
         np.testing.assert_allclose(out[name], want, rtol=tol, atol=tol * max(1.0, np.abs(want).max()))
+
+
+def test_chunk_routing_sizes_it_cannot_take():
+    """Fewer experts than picks, or more experts than moe_group's table: a one-line error at launch."""
+    with pytest.raises(zdsl.ZdslError, match="only 3"):
+        moe.moe_route_rows.specialize(K=4, SG=8).groups(t=2, n_expert=3)
+    with pytest.raises(zdsl.ZdslError, match="at most"):
+        moe.moe_group.specialize(K=8, SG=8).groups(t=2, n_expert=moe.MAX_EXPERTS + 1)
