@@ -177,6 +177,23 @@ def test_route_and_group_rows(backend, request, t, n, K, extra, ties, few, wg, s
     route_chunk(backend, request, logits, n, K, wg, sg_pick)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=6, deadline=None)
+@given(t=st.sampled_from([1, 6, 40]), n=st.sampled_from([70, 300, 512]), K=st.sampled_from([2, 8]),
+       few=st.sampled_from([0, 0, 40]), wg=st.sampled_from([64, 256]), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
+def test_route_and_group_many_experts(backend, request, t, n, K, few, wg, sg_pick, seed):
+    """More experts than a workgroup has invocations (the prefix sum in rounds), up to MAX_EXPERTS."""
+    logits = chunk_logits(np.random.default_rng(seed), t, n, n + 1, False, few)
+    ids, _, _, _ = route_chunk(backend, request, logits, n, K, wg, sg_pick)
+    g = moe.moe_group.specialize(K=K, WG=wg, SG=subgroup(backend, request, sg_pick))
+    counts = np.bincount(ids, minlength=n).astype(np.int32)
+    out = run(g, backend, request, g.groups(n_expert=n), ids=ids, counts=counts, offsets=np.zeros(n + 1, np.uint32),
+              pairs=np.zeros(t * K, np.uint32), t=t, n_expert=n)
+    offsets, pairs = moe.moe_group_ref(ids, n)
+    np.testing.assert_array_equal(out["offsets"], offsets)
+    np.testing.assert_array_equal(moe.sorted_within_experts(out["offsets"], out["pairs"]), pairs)
+
+
 def grouped_case(rng, t, n, K, few):
     """ids of t tokens routed to K distinct experts each (from the first `few` only, if few),
     and the grouping moe_group makes of them."""
