@@ -1,7 +1,9 @@
 """The FFN's products in a decode step: the fused gate·up SwiGLU (a dense FFN's one pair, or the
 MoE experts the router picked on the GPU, the shared expert among them as the stacks' last), and
-the down projections of the experts, weighted and summed into the residual. They run the block
-loops of dmmv.py, so the same tiles, types and int8 path serve them."""
+the down projections of the experts, weighted and summed into the residual; and for a chunk of
+tokens, the experts' products over their pairs grouped by expert (moe.moe_group), each weight
+block decoded once for several tokens. They run the block loops of dmmv.py, so the same tiles,
+types and int8 path serve them."""
 
 from __future__ import annotations
 
@@ -34,29 +36,46 @@ def ffn_gate_up(wg: Buffer[u8], wu: Buffer[u8], ids: Buffer[u32], x: Buffer[f32]
     or with Q8 as Q8_1 (xq, xd). A MoE layer's shared expert is one more expert of the stacks
     (the graph appends it; the router names it in ids[K]), so routed and shared experts are one
     dispatch with one code path. Gate and up rows are read in one pass over x."""
+    group = Rows(ROWS, NSUB, SG)
+    slot = zdsl.workgroup_id(1)
+    expert = ids.load(slot, mask=EXPERTS, other=0)
+    acc = expert_dots(*decoder(QTYPE, Q8), [wg, wu], expert, x, xq, xd, [0], k, m, group)
+    store_swiglu(act, tile_sums(group, acc), group, m, [slot])
+
+
+def decoder(QTYPE: str, Q8: bool):
+    """(format, its set-up, Q8) for expert_dots: the set-up (shared tables, a barrier) runs once,
+    at the kernel's start, outside any loop over tiles."""
     f = int8_decoder(QTYPE) if Q8 else fmt(QTYPE)
-    ctx = None if Q8 else f.setup()
+    return f, None if Q8 else f.setup(), Q8
+
+
+def expert_dots(f, ctx, Q8: bool, stacks, expert, x, xq, xd, x_bases, k, m, group: Rows):
+    """acc[row][col]: this invocation's partial products of the group's rows of expert `expert`
+    in each stack of `stacks` (m rows per expert; the first stack's rows first) with the
+    activation vectors at x_bases: f32 x, or with Q8 Q8_1 xq/xd (f, ctx, Q8 from `decoder`).
+    Each weight block is decoded once for all the columns."""
     nblocks = k // f.block
     row_bytes = nblocks * f.nbytes
-    slot = zdsl.workgroup_id(1)
-    group = Rows(ROWS, NSUB, SG)
-    expert_base = ids.load(slot, mask=EXPERTS, other=0) * (m * row_bytes)
-    bases = [expert_base + r * row_bytes for r in group.clamped(m)]
-    rows = [(wg, b) for b in bases] + [(wu, b) for b in bases]
+    base = expert * (m * row_bytes)
+    rows = [(w, base + r * row_bytes) for w in stacks for r in group.clamped(m)]
     if Q8:
-        acc = block_loop(f.iparts, nblocks, group, 2 * ROWS, 1, lambda b, part: q8_step(f, rows, xq, xd, [0], b, part))
-    else:
-        acc = block_dots(f, ctx, rows, x, [0], nblocks, group)
-    store_swiglu(act, group.sums([a[0] for a in acc]), group, m, slot)
+        return block_loop(f.iparts, nblocks, group, len(rows), len(x_bases),
+                          lambda b, part: q8_step(f, rows, xq, xd, x_bases, b, part))
+    return block_dots(f, ctx, rows, x, x_bases, nblocks, group)
 
 
-def store_swiglu(act, sums, group: Rows, m, slot):
-    """act[slot·m + row] = silu(gate) · up, from sums = the group's gate rows, then its up rows."""
-    n = group.count
-    with zdsl.if_(group.leader()):
-        for r in range(n):
-            with zdsl.if_(group.first + r < m):
-                act[slot * m + group.first + r] = zdsl.silu(sums[r]) * sums[n + r]
+def tile_sums(group: Rows, acc):
+    """acc[row][col] summed over the group, flat: [row · cols + col] (store_rows' order)."""
+    return group.sums([a for row in acc for a in row])
+
+
+def store_swiglu(act, sums, group: Rows, m, cols, live=None):
+    """act[cols[c]·m + row] = silu(gate) · up for each column c (where live[c]), from tile_sums
+    of the group's gate rows, then its up rows."""
+    n, ncols = group.count, len(cols)
+    values = [zdsl.silu(sums[r * ncols + c]) * sums[(n + r) * ncols + c] for r in range(n) for c in range(ncols)]
+    store_rows(act, values, group, m, ncols, None, cols, live)
 
 
 def experts_of(w_bytes, qtype, m, k) -> int:
@@ -251,3 +270,142 @@ def moe_down_all_example(use, rng, check):
                                 args["act"], y0, q, m, k, apart)
         return {"y": (want, 1e-4)}
     return zdsl.Example(args, expect, lambda n: {"ids": [inputs.experts(rng, n_exp, K + 1) for _ in range(n - 1)]})
+
+
+# ---- a chunk of T tokens (prefill): each picked expert's weights read once for all its pairs ----
+#
+# moe.moe_group lists the pairs (j = token·K + slot) of each expert together; a workgroup owns
+# ROWS rows of one expert and walks that expert's pairs COLS at a time, so each weight block it
+# decodes serves COLS tokens. Grid: (row groups, n_expert · SPLIT), whatever the routing; the
+# SPLIT workgroups of an expert take turns over its tiles, and an expert no token picked runs none.
+
+def expert_tiles(offsets, pairs, COLS: int, SPLIT: int, group: Rows, body):
+    """body(e, js, live) for each tile of this workgroup: expert e = workgroup_id(1) // SPLIT,
+    tiles s, s + SPLIT, … (s = workgroup_id(1) % SPLIT) of COLS of its pairs
+    pairs[offsets[e] : offsets[e + 1]]; js are the tile's pairs (past the expert's last, that
+    one again), live which of them are its own."""
+    wid = zdsl.workgroup_id(1)
+    e = wid // SPLIT
+    end = offsets[e + 1]
+    for first in zdsl.range(offsets[e] + (wid % SPLIT) * COLS, end, SPLIT * COLS):
+        places = [first + c for c in range(COLS)]
+        body(e, [pairs[zdsl.min(p, end - 1)] for p in places], [p < end for p in places])
+        if group.size > group.SG:
+            zdsl.barrier()  # the next tile's sums reuse the shared memory this one's read
+
+
+def _experts_used(s) -> int:
+    return min(s.n_expert, s.t * s.topk)
+
+
+def _gate_up_grouped_traffic(v, s) -> int:
+    return (2 * _experts_used(s) * s.m * inputs.row_bytes(v.QTYPE, s.k) + s.t * input_bytes(s.k, v.Q8)
+            + 4 * s.t * s.topk * (s.m + 2) + 4 * s.n_expert)
+
+
+_GROUPED = dict(workgroup=workgroup, subgroup="SG", tune={"NSUB": NSUBS, "SPLIT": [1, 2, 4]},
+                key=("k", "m", "n_expert", "t"), grid=lambda v, s: (row_groups(v, s.m), s.n_expert * v.SPLIT))
+
+
+@zdsl.kernel(variants={"QTYPE": EXPERT_QTYPES, "Q8": [False, True], "ROWS": [1, 2], "COLS": [4, 8], "SG": SUBGROUPS},
+             where=lambda v: not v.Q8 or v.QTYPE in INT8_FORMATS, sizes=("t", "n_expert"),
+             traffic=_gate_up_grouped_traffic, **_GROUPED)
+def moe_gate_up_grouped(wg: Buffer[u8], wu: Buffer[u8], offsets: Buffer[u32], pairs: Buffer[u32], x: Buffer[f32],
+                        xq: Buffer[u32], xd: Buffer[f32], act: Buffer[f32], k: u32, m: u32, topk: u32,
+                        QTYPE: Const = "q4_k", Q8: Const = False, ROWS: Const = 1, COLS: Const = 4,
+                        NSUB: Const = 1, SPLIT: Const = 1, SG: Const = 32, WG: Const = 0):
+    """act[j·m + r] = silu(Wg_e[r]·x_i) · (Wu_e[r]·x_i) for every pair j = i·topk + slot of
+    expert e, grouped by moe.moe_group (offsets, pairs); x_i is row i of the T normed rows (k
+    values each), in f32 or with Q8 as Q8_1 (xq, xd)."""
+    group = Rows(ROWS, NSUB, SG)
+    dec = decoder(QTYPE, Q8)
+
+    def tile(e, js, live):
+        bases = [(j // topk) * k for j in js]
+        acc = expert_dots(*dec, [wg, wu], e, x, xq, xd, bases, k, m, group)
+        store_swiglu(act, tile_sums(group, acc), group, m, js, live)
+    expert_tiles(offsets, pairs, COLS, SPLIT, group, tile)
+
+
+@moe_gate_up_grouped.reference
+def moe_gate_up_grouped_ref(wg_bytes, wu_bytes, ids, x, qtype, m, k):
+    """act of every pair j (the expert ids[j], token j // K of the rows x; K = len(ids) / rows)."""
+    xs = np.asarray(x, np.float64).reshape(-1, k)
+    rows = xs[np.arange(len(ids)) // (len(ids) // len(xs))]
+    g, u = (_stack(w, qtype, m, k)[np.asarray(ids)] for w in (wg_bytes, wu_bytes))
+    gate, up = np.einsum("jrk,jk->jr", g, rows), np.einsum("jrk,jk->jr", u, rows)
+    with np.errstate(over="ignore"):  # silu of a large negative gate: −0, as on the GPU
+        return (gate / (1 + np.exp(-gate)) * up).reshape(-1)
+
+
+def _stack(w_bytes, qtype, m, k) -> np.ndarray:
+    """A stack of experts, dequantized: (experts, m, k)."""
+    nexp = experts_of(w_bytes, qtype, m, k)
+    return dequant_rows(w_bytes, qtype, nexp * m, k).reshape(nexp, m, k)
+
+
+def _grouped_args(rng, use, check, n_exp):
+    """Routing of t tokens to K of n_exp experts, grouped as moe.moe_group does."""
+    t, K = use.sizes["t"], use.sizes["topk"]
+    t = min(t, 5) if check else t
+    ids = np.concatenate([inputs.experts(rng, n_exp, K) for _ in range(t)])
+    counts = np.bincount(ids, minlength=n_exp)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint32)
+    return t, K, ids, dict(offsets=offsets, pairs=np.argsort(ids, kind="stable").astype(np.uint32), t=t, topk=K,
+                           n_expert=n_exp)
+
+
+@moe_gate_up_grouped.example
+def moe_gate_up_grouped_example(use, rng, check):
+    q, q8, k, m = use.fixed["QTYPE"], use.fixed.get("Q8", False), use.sizes["k"], use.sizes["m"]
+    n_exp = use.sizes["n_expert"]
+    m = min(m, inputs.CHECK_ROWS) if check else m
+    n_exp = min(n_exp, 12) if check else n_exp
+    t, K, ids, routing = _grouped_args(rng, use, check, n_exp)
+    xs = [inputs.activations(rng, k, q8) for _ in range(t)]
+    acts = {name: np.concatenate([a[name] for a in xs]) for name in xs[0]}
+    args = dict(wg=inputs.rows(rng, q, n_exp * m, k), wu=inputs.rows(rng, q, n_exp * m, k), **acts,
+                act=np.zeros(t * K * m, np.float32), k=k, m=m, **routing)
+
+    def expect(p):
+        x = q8_1_values(args["xq"], args["xd"]) if q8 else args["x"]
+        return {"act": (moe_gate_up_grouped_ref(args["wg"], args["wu"], ids, x, q, m, k), 2e-4)}
+    return zdsl.Example(args, expect)
+
+
+def _down_grouped_traffic(v, s) -> int:
+    return _experts_used(s) * s.m * inputs.row_bytes(v.QTYPE, s.k) + 4 * s.t * s.topk * (s.k + s.m + 1) + 4 * s.n_expert
+
+
+@zdsl.kernel(variants={"QTYPE": EXPERT_QTYPES, "ROWS": [1, 2], "COLS": [4, 8], "SG": SUBGROUPS},
+             sizes=("t", "n_expert", "topk"), traffic=_down_grouped_traffic, **_GROUPED)
+def moe_down_grouped(w: Buffer[u8], offsets: Buffer[u32], pairs: Buffer[u32], act: Buffer[f32], y: Buffer[f32],
+                     k: u32, m: u32, QTYPE: Const = "q4_k", ROWS: Const = 1, COLS: Const = 4, NSUB: Const = 1,
+                     SPLIT: Const = 1, SG: Const = 32, WG: Const = 0):
+    """y[j·m + r] = W_e[r] · act[j·k : j·k + k] for every pair j of expert e, grouped by
+    moe.moe_group; moe.moe_combine_rows weighs and adds them to the residual."""
+    group = Rows(ROWS, NSUB, SG)
+    dec = decoder(QTYPE, False)
+
+    def tile(e, js, live):
+        acc = expert_dots(*dec, [w], e, act, None, None, [j * k for j in js], k, m, group)
+        store_rows(y, tile_sums(group, acc), group, m, COLS, None, js, live)
+    expert_tiles(offsets, pairs, COLS, SPLIT, group, tile)
+
+
+@moe_down_grouped.reference
+def moe_down_grouped_ref(w_bytes, ids, act, qtype, m, k):
+    """y of every pair j: expert ids[j]'s down rows times act[j·k : j·k + k]."""
+    a = np.asarray(act, np.float64).reshape(-1, k)
+    return np.einsum("jrk,jk->jr", _stack(w_bytes, qtype, m, k)[np.asarray(ids)], a).reshape(-1)
+
+
+@moe_down_grouped.example
+def moe_down_grouped_example(use, rng, check):
+    q, k, m, n_exp = use.fixed["QTYPE"], use.sizes["k"], use.sizes["m"], use.sizes["n_expert"]
+    m = min(m, inputs.CHECK_ROWS) if check else m
+    n_exp = min(n_exp, 12) if check else n_exp
+    t, K, ids, routing = _grouped_args(rng, use, check, n_exp)
+    args = dict(w=inputs.rows(rng, q, n_exp * m, k), act=inputs.normal(rng, t * K * k),
+                y=np.zeros(t * K * m, np.float32), k=k, m=m, **routing)
+    return zdsl.Example(args, lambda p: {"y": (moe_down_grouped_ref(args["w"], ids, args["act"], q, m, k), 1e-4)})

@@ -2,13 +2,17 @@
 top-k experts and their weights picked by the workgroup that finishes last, and the shared
 expert's gate, its last logit) against numpy, in the interpreter (every subgroup size) and on
 lavapipe (its own): normed input and logits to rounding; expert ids exactly (ties to the lower
-expert) and weights to rounding, from the logits the kernel wrote; the arrival count back at 0."""
+expert) and weights to rounding, from the logits the kernel wrote; the arrival count back at 0.
+A chunk of T tokens: routing rows and grouping the pairs by expert exactly, the grouped gate·up
+and down products per pair, the combine into the residual, and the whole chain against the
+routed block in numpy (moe.moe_block_ref), with experts that get no token."""
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import zdsl
 from zdsl.kernels import dmmv, moe
 from zdsl.kernels import formats as F
 from zdsl.kernels.norm import rms_norm_ref
@@ -116,3 +120,223 @@ def test_router_the_model_shape():
     p = np.exp(logits[out["ids"][:8]] - logits.max())
     np.testing.assert_allclose(out["weights"][:8], p / p.sum(), rtol=1e-5)
     np.testing.assert_allclose(out["weights"][8], 1 / (1 + np.exp(-(w[n].astype(np.float64) @ hn))), rtol=1e-5)
+
+
+# ---- a chunk of T tokens: route, group by expert, gate·up and down per expert, combine ----
+
+from types import SimpleNamespace  # noqa: E402
+
+from zdsl.kernels import ffn  # noqa: E402
+from zdsl.kernels import inputs as kernel_inputs  # noqa: E402
+from zdsl.kernels.q8_1 import q8_1_buffers, q8_1_values  # noqa: E402
+from zdsl.kernels.quant import FORMATS, INT8_FORMATS  # noqa: E402
+
+
+def chunk_logits(rng, t, n, stride, ties, few):
+    """t rows of router logits (stride ≥ n wide); with ties, drawn from a few values (equal
+    logits, also across the top-k boundary); with few, experts past the first `few` well
+    below the rest (they get no token)."""
+    if ties:
+        logits = rng.integers(0, 4, (t, stride)).astype(np.float32)
+    else:
+        logits = rng.standard_normal((t, stride)).astype(np.float32) * 2
+    if few:
+        logits[:, few:n] -= 100
+    return logits
+
+
+def route_chunk(backend, request, logits, n, K, wg, sg_pick):
+    """moe_route_rows then moe_group on `backend`; their outputs checked against numpy."""
+    t, stride = logits.shape
+    v = moe.moe_route_rows.specialize(K=K, WG=wg, SG=subgroup(backend, request, sg_pick))
+    out = run(v, backend, request, v.groups(t=t, n_expert=n), logits=logits.reshape(-1), ids=np.full(t * K, 7777, np.uint32),
+              weights=np.full(t * K, np.nan, np.float32), counts=np.zeros(n, np.int32), n_expert=n, stride=stride)
+    ids, weights, counts = moe.moe_route_rows_ref(logits, n, K)
+    np.testing.assert_array_equal(out["ids"], ids)
+    np.testing.assert_allclose(out["weights"], weights, rtol=2e-6, atol=1e-7)
+    np.testing.assert_array_equal(out["counts"], counts)
+    g = moe.moe_group.specialize(K=K, SG=subgroup(backend, request, sg_pick))
+    grouped = run(g, backend, request, g.groups(n_expert=n), ids=out["ids"], counts=out["counts"],
+                  offsets=np.full(n + 1, 7777, np.uint32), pairs=np.full(t * K, 7777, np.uint32), t=t, n_expert=n)
+    offsets, pairs = moe.moe_group_ref(ids, n)
+    np.testing.assert_array_equal(grouped["offsets"], offsets)
+    np.testing.assert_array_equal(moe.sorted_within_experts(grouped["offsets"], grouped["pairs"]), pairs)
+    assert not grouped["counts"].any()  # back at 0 for the next chunk
+    return out["ids"], out["weights"], grouped["offsets"], grouped["pairs"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=12, deadline=None)
+@given(t=st.sampled_from([1, 3, 7, 20]), n=st.integers(8, 16), K=st.integers(2, 4), extra=st.integers(0, 1),
+       ties=st.booleans(), few=st.sampled_from([0, 0, 5]), wg=st.sampled_from([64, 256]), sg_pick=st.integers(0, 3),
+       seed=st.integers(0, 99))
+def test_route_and_group_rows(backend, request, t, n, K, extra, ties, few, wg, sg_pick, seed):
+    """Each token's K experts (ties to the lower expert) and weights, the tally, then the pairs
+    grouped by expert (offsets exact, each expert's pairs as a set), the tally back at 0."""
+    logits = chunk_logits(np.random.default_rng(seed), t, n, n + extra, ties, few)
+    route_chunk(backend, request, logits, n, K, wg, sg_pick)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=6, deadline=None)
+@given(t=st.sampled_from([1, 6, 40]), n=st.sampled_from([70, 300, 512]), K=st.sampled_from([2, 8]),
+       few=st.sampled_from([0, 0, 40]), wg=st.sampled_from([64, 256]), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
+def test_route_and_group_many_experts(backend, request, t, n, K, few, wg, sg_pick, seed):
+    """More experts than a workgroup has invocations (the prefix sum in rounds), up to MAX_EXPERTS."""
+    logits = chunk_logits(np.random.default_rng(seed), t, n, n + 1, False, few)
+    ids, _, _, _ = route_chunk(backend, request, logits, n, K, wg, sg_pick)
+    g = moe.moe_group.specialize(K=K, WG=wg, SG=subgroup(backend, request, sg_pick))
+    counts = np.bincount(ids, minlength=n).astype(np.int32)
+    out = run(g, backend, request, g.groups(n_expert=n), ids=ids, counts=counts, offsets=np.zeros(n + 1, np.uint32),
+              pairs=np.zeros(t * K, np.uint32), t=t, n_expert=n)
+    offsets, pairs = moe.moe_group_ref(ids, n)
+    np.testing.assert_array_equal(out["offsets"], offsets)
+    np.testing.assert_array_equal(moe.sorted_within_experts(out["offsets"], out["pairs"]), pairs)
+
+
+def grouped_case(rng, t, n, K, few):
+    """ids of t tokens routed to K distinct experts each (from the first `few` only, if few),
+    and the grouping moe_group makes of them."""
+    pool = few or n
+    ids = np.concatenate([rng.permutation(pool)[:K] for _ in range(t)]).astype(np.uint32)
+    offsets, pairs = moe.moe_group_ref(ids, n)
+    return ids, offsets, pairs
+
+
+PRODUCT_TYPES = ["q4_k", "q8_0", "q6_k", "q5_k", "iq4_xs"]
+
+
+def own_rows(nsub, sg, qtype, q8):
+    """NSUB subgroups with rows of their own where a subgroup is whole blocks, else 1."""
+    parts = FORMATS[qtype].iparts if q8 else FORMATS[qtype].parts
+    return nsub if sg % parts == 0 else 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=6, deadline=None)
+@given(qtype=st.sampled_from(PRODUCT_TYPES), q8=st.booleans(), t=st.sampled_from([1, 3, 13]), n=st.integers(8, 12),
+       K=st.integers(2, 4), few=st.sampled_from([0, 5]), kb=st.integers(1, 2), m=st.sampled_from([13, 32, 45]),
+       rows=st.sampled_from([1, 2]), cols=st.sampled_from([4, 8]), split=st.sampled_from([1, 2]),
+       nsub=st.sampled_from([1, 2]), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
+def test_gate_up_grouped(backend, request, qtype, q8, t, n, K, few, kb, m, rows, cols, split, nsub, sg_pick, seed):
+    """act of every pair: its expert's silu(gate·x) ⊙ (up·x) on its token's row, f32 or Q8_1
+    rows; experts without a pair leave nothing behind (act NaN-filled: every pair written once)."""
+    rng = np.random.default_rng(seed)
+    q8 = q8 and qtype in INT8_FORMATS
+    k = 256 * kb
+    ids, offsets, pairs = grouped_case(rng, t, n, K, few)
+    x = rng.standard_normal(t * k).astype(np.float32)
+    xq, xd = q8_1_buffers(x)
+    wg, wu = (kernel_inputs.rows(rng, qtype, n * m, k) for _ in range(2))
+    sg = subgroup(backend, request, sg_pick)
+    v = ffn.moe_gate_up_grouped.specialize(QTYPE=qtype, Q8=q8, ROWS=rows, COLS=cols, SPLIT=split,
+                                           NSUB=own_rows(nsub, sg, qtype, q8), SG=sg)
+    out = run(v, backend, request, v.groups(m=m, n_expert=n, t=t), wg=wg, wu=wu, offsets=offsets, pairs=pairs, x=x,
+              xq=xq, xd=xd, act=np.full(t * K * m, np.nan, np.float32), k=k, m=m, topk=K)
+    want = ffn.moe_gate_up_grouped_ref(wg, wu, ids, q8_1_values(xq, xd) if q8 else x, qtype, m, k)
+    np.testing.assert_allclose(out["act"], want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=6, deadline=None)
+@given(qtype=st.sampled_from(PRODUCT_TYPES), t=st.sampled_from([1, 3, 13]), n=st.integers(8, 12), K=st.integers(2, 4),
+       few=st.sampled_from([0, 5]), kb=st.integers(1, 2), m=st.sampled_from([13, 32, 45]), rows=st.sampled_from([1, 2]),
+       cols=st.sampled_from([4, 8]), split=st.sampled_from([1, 2]), nsub=st.sampled_from([1, 2]),
+       sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
+def test_down_grouped(backend, request, qtype, t, n, K, few, kb, m, rows, cols, split, nsub, sg_pick, seed):
+    """y of every pair: its expert's down rows times the pair's act row."""
+    rng = np.random.default_rng(seed)
+    k = 256 * kb
+    ids, offsets, pairs = grouped_case(rng, t, n, K, few)
+    act = rng.standard_normal(t * K * k).astype(np.float32)
+    w = kernel_inputs.rows(rng, qtype, n * m, k)
+    sg = subgroup(backend, request, sg_pick)
+    v = ffn.moe_down_grouped.specialize(QTYPE=qtype, ROWS=rows, COLS=cols, SPLIT=split,
+                                        NSUB=own_rows(nsub, sg, qtype, False), SG=sg)
+    out = run(v, backend, request, v.groups(m=m, n_expert=n, t=t), w=w, offsets=offsets, pairs=pairs, act=act,
+              y=np.full(t * K * m, np.nan, np.float32), k=k, m=m)
+    want = ffn.moe_down_grouped_ref(w, ids, act, qtype, m, k)
+    np.testing.assert_allclose(out["y"], want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=10, deadline=None)
+@given(t=st.sampled_from([1, 2, 5]), K=st.integers(2, 4), k4=st.integers(1, 80), shared=st.booleans(),
+       wg=st.sampled_from([64, 256]), seed=st.integers(0, 99))
+def test_combine_rows(backend, request, t, K, k4, shared, wg, seed):
+    """x += the weighted pairs of each token (and the shared expert times its gate)."""
+    rng = np.random.default_rng(seed)
+    k, n = 4 * k4, 9
+    x, y = rng.standard_normal(t * k).astype(np.float32), rng.standard_normal(t * K * k).astype(np.float32)
+    weights = rng.uniform(0, 1, t * K).astype(np.float32)
+    sh, logits = rng.standard_normal(t * k).astype(np.float32), rng.standard_normal(t * (n + 1)).astype(np.float32)
+    v = moe.moe_combine_rows.specialize(SHARED=shared, WG=wg)
+    out = run(v, backend, request, v.groups(k=k, t=t), x=x, weights=weights, y=y, shared=sh, logits=logits, k=k,
+              topk=K, n_expert=n, stride=n + 1)
+    want = moe.moe_combine_rows_ref(x, weights, y, K, sh if shared else None, logits.reshape(t, n + 1)[:, n])
+    np.testing.assert_allclose(out["x"], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=4, deadline=None)
+@given(t=st.sampled_from([1, 5, 13]), n=st.integers(8, 16), K=st.integers(2, 4), few=st.sampled_from([0, 6]),
+       types=st.sampled_from([("q4_k", "q6_k", True), ("q8_0", "q8_0", False), ("q6_k", "q4_k", True),
+                              ("iq4_xs", "q5_k", False)]),
+       shared=st.booleans(), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
+def test_moe_chunk_chain(backend, request, t, n, K, few, types, shared, sg_pick, seed):
+    """route → group → gate·up → down → combine over a chunk of t tokens equals the whole
+    routed block in numpy (moe_block_ref), the shared expert folded in or not."""
+    qtype, qdown, q8 = types
+    q8 = q8 and qtype in INT8_FORMATS
+    rng = np.random.default_rng(seed)
+    k, m = 256, 256  # residual width, expert width (the down rows: whole 256-blocks)
+    logits = chunk_logits(rng, t, n, n + 1, False, few)
+    ids, weights, offsets, pairs = route_chunk(backend, request, logits, n, K, 64, sg_pick)
+    h = rng.standard_normal(t * k).astype(np.float32)
+    hq, hd = q8_1_buffers(h)
+    wg, wu = (kernel_inputs.rows(rng, qtype, n * m, k) for _ in range(2))
+    wd = kernel_inputs.rows(rng, qdown, n * k, m)
+    sg = subgroup(backend, request, sg_pick)
+    gu = ffn.moe_gate_up_grouped.specialize(QTYPE=qtype, Q8=q8, ROWS=2, COLS=4, SG=sg)
+    act = run(gu, backend, request, gu.groups(m=m, n_expert=n, t=t), wg=wg, wu=wu, offsets=offsets, pairs=pairs, x=h,
+              xq=hq, xd=hd, act=np.full(t * K * m, np.nan, np.float32), k=k, m=m, topk=K)["act"]
+    dn = ffn.moe_down_grouped.specialize(QTYPE=qdown, ROWS=1, COLS=8, SG=sg)
+    y = run(dn, backend, request, dn.groups(m=k, n_expert=n, t=t), w=wd, offsets=offsets, pairs=pairs, act=act,
+            y=np.full(t * K * k, np.nan, np.float32), k=m, m=k)["y"]
+    x = rng.standard_normal(t * k).astype(np.float32)
+    sh = rng.standard_normal(t * k).astype(np.float32)
+    cb = moe.moe_combine_rows.specialize(SHARED=shared)
+    out = run(cb, backend, request, cb.groups(k=k, t=t), x=x, weights=weights, y=y, shared=sh,
+              logits=logits.reshape(-1), k=k, topk=K, n_expert=n, stride=n + 1)["x"]
+    want = moe.moe_block_ref(logits, q8_1_values(hq, hd) if q8 else h, x, wg, wu, wd, qtype, qdown, n, m, K,
+                             sh if shared else None)
+    np.testing.assert_allclose(out, want, rtol=1e-3, atol=1e-3 * np.abs(want - x).max())
+
+
+@pytest.mark.parametrize("kernel, fixed, sizes", [
+    (moe.moe_route_rows, dict(K=8), dict(n_expert=20, t=7, stride=21)),
+    (moe.moe_group, dict(K=8), dict(n_expert=20, t=7)),
+    (moe.moe_combine_rows, dict(SHARED=True), dict(k=64, t=4, topk=8, n_expert=20, stride=21)),
+    (ffn.moe_gate_up_grouped, dict(QTYPE="q4_k", Q8=True), dict(k=256, m=64, n_expert=20, t=7, topk=8)),
+    (ffn.moe_down_grouped, dict(QTYPE="q6_k"), dict(k=256, m=64, n_expert=20, t=7, topk=8)),
+])
+def test_chunk_examples_check(kernel, fixed, sizes):
+    """Each chunk kernel's example (what the tuner and benches run) agrees with its reference in
+    the interpreter, on its check case."""
+    use = SimpleNamespace(fixed=fixed, sizes=sizes, buffers={})
+    ex = kernel.make_example(use, np.random.default_rng(0), True)
+    v = kernel.specialize(**fixed)
+    scalars = {name: value for name, value in ex.args.items() if np.isscalar(value)}
+    buffers = {name: value for name, value in ex.args.items() if not np.isscalar(value)}
+    params = {p.name for p in kernel.params}
+    out = v.interpret(v.groups(**scalars), **buffers, **{n: s for n, s in scalars.items() if n in params})
+    for name, (want, tol) in ex.expect(fixed).items():
+        np.testing.assert_allclose(out[name], want, rtol=tol, atol=tol * max(1.0, np.abs(want).max()))
+
+
+def test_chunk_routing_sizes_it_cannot_take():
+    """Fewer experts than picks, or more experts than moe_group's table: a one-line error at launch."""
+    with pytest.raises(zdsl.ZdslError, match="only 3"):
+        moe.moe_route_rows.specialize(K=4, SG=8).groups(t=2, n_expert=3)
+    with pytest.raises(zdsl.ZdslError, match="at most"):
+        moe.moe_group.specialize(K=8, SG=8).groups(t=2, n_expert=moe.MAX_EXPERTS + 1)
