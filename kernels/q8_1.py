@@ -148,7 +148,7 @@ def norm_q8_1_example(use, rng, check):
     n, eps, rows = use.sizes["n"], use.sizes["eps"], use.sizes["rows"]
     args = dict(x=inputs.normal(rng, rows * n, 3.0), norm_w=rng.uniform(0.5, 1.5, n).astype(np.float32),
                 hn=np.zeros(rows * n, np.float32), xq=np.zeros(rows * n // 4, np.uint32),
-                xd=np.zeros(rows * n // 16, np.float32), n=n, eps=eps)
+                xd=np.zeros(rows * n // 16, np.float32), n=n, eps=eps, rows=rows)
 
     def expect(p):  # hn to rounding, and its Q8_1 scales
         hn = np.concatenate([norm_q8_1_ref(x, args["norm_w"], eps)[0] for x in args["x"].reshape(rows, n)])
