@@ -252,7 +252,7 @@ class DecodeGraph:
             seq.fill(b)
         seq.fill(self.counts)
         seq.fill(self.router_arrivals)
-        seq.fill(self.prompt.arrivals)
+        self.prompt.clear(seq)
         if self.hp.moe:
             seq.fill(self.zero_id)
         seq.run()

@@ -4,8 +4,10 @@ A chunk of t tokens at positions p0 … p0 + t − 1 is one recorded sequence (o
 kept for reuse) over the decode graph's weights, caches and states: the embedding rows, each
 layer's norms and projections for all t rows at once (`matmul.mul_mm`: a weight block loaded once
 serves a tile of tokens), the delta-net's conv and delta rule for the chunk in one dispatch
-(`deltanet.deltanet_prefill`), and what has no batched kernel yet (attention, the MoE block, the
-dense FFN) run per token on row slices with the decode kernels. The chunk leaves the caches and
+(`deltanet.deltanet_prefill`), the MoE block with each picked expert's weights read once for all
+the tokens routed to it (moe_route_rows, moe_group, the grouped products, moe_combine_rows), and
+what has no batched kernel yet (attention, the dense FFN's gate·up) per token on row slices with
+the decode kernels. The chunk leaves the caches and
 states exactly as t decode steps would, so decoding continues from them; the last prompt token
 goes through the ordinary decode step, whose logits give the first generated token.
 """
@@ -18,12 +20,11 @@ import numpy as np
 
 from zdsl.errors import ZdslError
 from zdsl.kernels import attention, deltanet, embedding, ffn, matmul, moe, q8_1, sampling
-from zdsl.kernels.quant import FORMATS
+from zdsl.kernels.formats import row_bytes
 from zdsl.models.qwen35.buffers import ATTN_MIN_CHUNK, STEP_WORDS
 
 CHUNK = 512  # tokens a chunk holds at most
 ROW_ALIGN = 256  # per-token rows of small buffers start at multiples of this (any device binds them)
-ROUTE_ROW = ROW_ALIGN  # bytes between tokens' expert ids (and their weights): K + 1 words, aligned
 
 
 def aligned(nbytes: int) -> int:
@@ -37,9 +38,13 @@ class Prefill:
         self.g, self.hp, self.chunk = g, g.hp, g.chunk
         self.tokens, self.steps = b["chunk.tokens"], b["chunk.steps"]
         # the host writes each chunk's step values (position, length, token per row), then its tokens
+        # and, for the shared expert, the grouping of the chunk's tokens all routed to it
         self.tokens_at = aligned(4 * STEP_WORDS * self.chunk)
-        self.host = g.device.host_buffer(self.tokens_at + 4 * self.chunk, name="chunk_host")
+        self.shared_at = self.tokens_at + aligned(4 * self.chunk)
+        self.host = g.device.host_buffer(self.shared_at + ROW_ALIGN + 4 * self.chunk, name="chunk_host")
         self.host_words = self.host.view(np.uint32)
+        shared = self.host_words[self.shared_at // 4:]
+        shared[ROW_ALIGN // 4:] = np.arange(self.chunk)  # pairs: token i's one pair is i
         self.x = b["chunk.x"]
         self.normed = g.vector_of(b, "chunk.normed")
         self.qg, self.q, self.k, self.v = b["chunk.qg"], b["chunk.q"], b["chunk.k"], b["chunk.v"]
@@ -49,7 +54,11 @@ class Prefill:
         self.arrivals = b["chunk.arrivals"]
         self.act = b["chunk.act"]
         if self.hp.moe:
+            self.logits, self.counts = b["chunk.router_logits"], b["chunk.expert_counts"]
             self.route_ids, self.route_w = b["chunk.route_ids"], b["chunk.route_weights"]
+            self.offsets, self.pairs = b["chunk.expert_offsets"], b["chunk.pairs"]
+            self.y, self.act_shared, self.y_shared = b["chunk.pair_out"], b["chunk.act_shared"], b["chunk.shared_out"]
+            self.shared_offsets, self.shared_pairs = b["chunk.shared_offsets"], b["chunk.shared_pairs"]
         self._seqs: dict[int, object] = {}
 
     # -- running ----------------------------------------------------------------------------
@@ -78,6 +87,7 @@ class Prefill:
         g, t, p0 = self.g, len(part), self.g.position
         words = self.host_words
         words[self.tokens_at // 4:self.tokens_at // 4 + t] = part
+        words[self.shared_at // 4:self.shared_at // 4 + 2] = (0, t)  # the shared expert's offsets
         steps = words[:STEP_WORDS * self.chunk].reshape(self.chunk, STEP_WORDS)
         steps[:t] = 0
         steps[:t, 0] = np.arange(p0, p0 + t)
@@ -86,6 +96,12 @@ class Prefill:
         seq.run()
         g.position += t
         g._synced = False
+
+    def clear(self, seq) -> None:
+        """Record the zeroing of the counters the chunk's kernels expect at 0 (and leave at 0)."""
+        seq.fill(self.arrivals)
+        if self.hp.moe:
+            seq.fill(self.counts)
 
     def free(self) -> None:
         for seq in self._seqs.values():
@@ -99,6 +115,9 @@ class Prefill:
         seq = g.device.sequence(timestamps=timestamps)
         seq.copy(self.host.slice(0, 4 * STEP_WORDS * self.chunk), self.steps, 4 * STEP_WORDS * t)
         seq.copy(self.host.slice(self.tokens_at, 4 * self.chunk), self.tokens, 4 * t)
+        if hp.moe:
+            seq.copy(self.host.slice(self.shared_at, ROW_ALIGN), self.shared_offsets, 8)
+            seq.copy(self.host.slice(self.shared_at + ROW_ALIGN, 4 * self.chunk), self.shared_pairs, 4 * t)
         if g.sampler.penalties:  # the prompt's tokens enter the penalties' window
             for i in range(t):
                 sampling.penalty_window.launch(seq, g._pick, step=self._step(i), ring=g.penalty_ring, counts=g.counts,
@@ -132,7 +151,7 @@ class Prefill:
                              **(dict(xq=x.q, xd=x.d) if q8 else dict(x=x.f32)))
 
     def _after_mixer(self, seq, i: int, t: int) -> None:
-        if not self.hp.moe:  # the MoE router norms x itself
+        if not self.hp.moe:  # the MoE block norms x as its first step
             self._norm(seq, f"blk.{i}.post_attention_norm.weight", t)
 
     def _attention(self, seq, i: int, t: int) -> None:
@@ -178,43 +197,44 @@ class Prefill:
         self._after_mixer(seq, i, t)
 
     def _moe(self, seq, i: int, t: int) -> None:
-        """Per token, with the decode kernels, until the MoE block has a batched kernel: the router
-        (x row normed, the experts picked), every expert's gate·up, the down projections added to
-        the row of x."""
+        """The MoE block for the chunk, each expert's weights read once for every token routed to
+        it: the router's logits for all rows (its last row is the shared expert's gate), each
+        token's K experts, the (token, slot) pairs grouped by expert, the grouped gate·up and down
+        products, the shared expert as one expert that every token routes to, then each row of x
+        += its pairs' outputs weighted, plus the shared expert's gated."""
         g, hp, p = self.g, self.hp, f"blk.{i}."
         K, E, H = hp.n_experts_used, hp.n_experts, hp.hidden
         router = p + "ffn_gate_inp.weight"
-        down, down_sh = p + "ffn_down_exps.weight", p + "ffn_down_shexp.weight"
         gate, up = p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"
-        mg, kg = g.tensors.shape(gate)[-2:]
-        md, kd = g.tensors.shape(down)[-2:]
+        down, down_sh = p + "ffn_down_exps.weight", p + "ffn_down_shexp.weight"
+        F, _ = g.tensors.shape(gate)[-2:]
         qg, qd = g._qname(gate), g._qname(down)
-        qs = g._qname(down_sh) if down_sh in g.tensors else ""
-        fd, fs = FORMATS[qd], FORMATS[qs or qd]
         q8 = g._int8(gate)
         n = self.normed
-        for j in range(t):
-            x, hn = _row(self.x, j, 4 * H), _row(n.f32, j, 4 * H)
-            xq, xd = _row(n.q, j, H), _row(n.d, j, H // 4)
-            ids, wts = self.route_ids.slice(j * ROUTE_ROW, 4 * (K + 1)), self.route_w.slice(j * ROUTE_ROW, 4 * (K + 1))
-            act = _row(self.act, j, 4 * (K + 1) * mg)
-            moe.moe_router.launch(
-                seq, g._pick, label=p + "ffn_gate_inp+moe_route", QTYPE=g._qname(router), K=K, w=g.weights[router], x=x,
-                norm_w=g.weights[p + "post_attention_norm.weight"], hn=hn, xq=xq, xd=xd, logits=g.router,
-                arrivals=g.router_arrivals, ids=ids, weights=wts, k=g.tensors.shape(router)[-1], n_expert=E, eps=hp.eps)
-            ffn.ffn_gate_up.launch(seq, g._pick, label=gate.removesuffix(".weight") + "+up+shexp", QTYPE=qg, Q8=q8,
-                                   EXPERTS=True, wg=g.weights[gate], wu=g.weights[up], ids=ids, act=act, k=kg, m=mg,
-                                   slots=K + 1, **(dict(xq=xq, xd=xd) if q8 else dict(x=hn)))
-            if (fd.block, fd.parts) != (fs.block, fs.parts):
-                ffn.moe_down.launch(seq, g._pick, label=down.removesuffix(".weight"), QTYPE=qd, ADD=True,
-                                    w=g.weights[down], ids=ids, weights=wts, act=act, y=x, k=kd, m=md, slots=K)
-                ffn.moe_down.launch(seq, g._pick, label=down_sh.removesuffix(".weight"), QTYPE=qs, ADD=True,
-                                    w=g.weights[down_sh], ids=g.zero_id, weights=wts.slice(4 * K, 4),
-                                    act=act.slice(4 * K * mg, 4 * mg), y=x, k=kd, m=md, slots=1)
-            else:
-                ffn.moe_down_all.launch(seq, g._pick, label=p + "ffn_down_exps+shexp", QTYPE=qd, QTYPE_SH=qs, K=K,
-                                        w=g.weights[down], w_sh=g.weights[down_sh] if qs else g.device.placeholder,
-                                        ids=ids, weights=wts, act=act, y=x, k=kd, m=md)
+        x_in = dict(xq=n.q, xd=n.d) if q8 else dict(x=n.f32)
+        self._norm(seq, p + "post_attention_norm.weight", t)
+        self._project(seq, router, self.logits, t, SimpleNamespace(f32=n.f32, q=None))
+        moe.moe_route_rows.launch(seq, g._pick, label=p + "moe_route_rows", K=K, logits=self.logits, ids=self.route_ids,
+                                  weights=self.route_w, counts=self.counts, n_expert=E, stride=E + 1, t=t)
+        moe.moe_group.launch(seq, g._pick, label=p + "moe_group", K=K, ids=self.route_ids, counts=self.counts,
+                             offsets=self.offsets, pairs=self.pairs, t=t, n_expert=E)
+        ffn.moe_gate_up_grouped.launch(seq, g._pick, label=p + "ffn_gate_up_exps", QTYPE=qg, Q8=q8, wg=g.weights[gate],
+                                       wu=g.weights[up], offsets=self.offsets, pairs=self.pairs, **x_in,
+                                       act=self.act, k=H, m=F, topk=K, t=t, n_expert=E)
+        ffn.moe_down_grouped.launch(seq, g._pick, label=p + "ffn_down_exps", QTYPE=qd, w=g.weights[down],
+                                    offsets=self.offsets, pairs=self.pairs, act=self.act, y=self.y, k=F, m=H,
+                                    t=t, n_expert=E, topk=K)
+        # the shared expert: the stacks' last expert, every token routed to it once
+        shared = dict(offsets=self.shared_offsets, pairs=self.shared_pairs, t=t, n_expert=1)
+        ffn.moe_gate_up_grouped.launch(seq, g._pick, label=p + "ffn_gate_up_shexp", QTYPE=qg, Q8=q8,
+                                       wg=_expert(g, gate, E), wu=_expert(g, up, E), **shared, **x_in,
+                                       act=self.act_shared, k=H, m=F, topk=1)
+        w_sh, q_sh = (g.weights[down_sh], g._qname(down_sh)) if down_sh in g.tensors else (_expert(g, down, E), qd)
+        ffn.moe_down_grouped.launch(seq, g._pick, label=p + "ffn_down_shexp", QTYPE=q_sh, w=w_sh, **shared,
+                                    act=self.act_shared, y=self.y_shared, k=F, m=H, topk=1)
+        moe.moe_combine_rows.launch(seq, g._pick, label=p + "moe_combine", SHARED=True, x=self.x, weights=self.route_w,
+                                    y=self.y, shared=self.y_shared, logits=self.logits, k=H, topk=K, n_expert=E,
+                                    stride=E + 1, t=t)
         self._next_norm(seq, i, t)
 
     def _ffn(self, seq, i: int, t: int) -> None:
@@ -240,6 +260,13 @@ class Prefill:
 
 
 
+def _expert(g, stack: str, e: int):
+    """Expert e's matrix of a stack of experts' weights (a slice of its buffer)."""
+    m, k = g.tensors.shape(stack)[-2:]
+    n = m * row_bytes(g.tensors.qtype(stack), k)
+    return g.weights[stack].slice(e * n, n)
+
+
 def _row(buf, i: int, nbytes: int):
     """Row i of a chunk buffer whose rows are nbytes long, back to back."""
     return buf.slice(i * nbytes, nbytes)
@@ -260,9 +287,13 @@ def chunk_buffers(hp, chunk: int) -> list[tuple[str, int]]:
            ("chunk.mix", 4 * chunk * C), ("chunk.z", 4 * chunk * vd), ("chunk.ba", 8 * chunk * hp.ssm_v_heads),
            *vector("chunk.deltanet_out", vd), ("chunk.arrivals", 4)]
     if hp.moe:
-        K, F = hp.n_experts_used, hp.expert_ffn
-        out += [("chunk.route_ids", ROUTE_ROW * chunk), ("chunk.route_weights", ROUTE_ROW * chunk),
-                ("chunk.act", 4 * chunk * (K + 1) * F)]
+        E, K, F = hp.n_experts, hp.n_experts_used, hp.expert_ffn
+        out += [("chunk.router_logits", 4 * chunk * (E + 1)), ("chunk.expert_counts", 4 * E),
+                ("chunk.route_ids", 4 * chunk * K), ("chunk.route_weights", 4 * chunk * K),
+                ("chunk.expert_offsets", 4 * (E + 1)), ("chunk.pairs", 4 * chunk * K),
+                ("chunk.act", 4 * chunk * K * F), ("chunk.pair_out", 4 * chunk * K * H),
+                ("chunk.act_shared", 4 * chunk * F), ("chunk.shared_out", 4 * chunk * H),
+                ("chunk.shared_offsets", 4 * 2), ("chunk.shared_pairs", 4 * chunk)]
     else:
         out.append(("chunk.act", 4 * chunk * hp.ffn))
     return out
