@@ -487,7 +487,9 @@ def attention_ref(q, k_cache, v_cache, qg, length):
 # ---- causal attention of a chunk of tokens (prefill) ----------------------------------------------
 
 def _prefill_fits(v) -> bool:
-    return _decode_fits(v) and v.BT * v.G <= 16  # queries a subgroup keeps in registers
+    """As attn_decode; more than one token per subgroup only where a lane's queries stay within 16
+    float4 (attn_decode's G = 8 at D = 256, SG = 32), and as many accumulators."""
+    return _decode_fits(v) and (v.BT == 1 or v.BT * v.G * (v.D // (4 * row_lanes(v.D, v.SG))) <= 16)
 
 
 def _prefill_traffic(v, s) -> int:
@@ -517,8 +519,8 @@ def attn_prefill(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_cache:
     subgroups read the same rows at about the same time (from cache after the first). The
     subgroups share nothing: no barriers. The launch names ctx (the rows the cache holds)."""
     if not _prefill_fits(SimpleNamespace(D=D, SG=SG, BT=BT, G=G)):
-        raise zdsl.ZdslError(f"attn_prefill needs D / 4 a power of two or a multiple of 4·SG and BT·G ≤ 16, "
-                             f"not D={D}, SG={SG}, BT={BT}, G={G}")
+        raise zdsl.ZdslError(f"attn_prefill needs D / 4 a power of two or a multiple of 4·SG, and BT = 1 or "
+                             f"BT·G·D / (4·row_lanes) ≤ 16, not D={D}, SG={SG}, BT={BT}, G={G}")
     if Q8 and D % 32:
         raise zdsl.ZdslError(f"attn_prefill writes Q8_1 blocks of 32 dims: D = {D} is not a multiple of 32")
     C = row_lanes(D, SG)
