@@ -1,6 +1,6 @@
-"""Full-attention layers at decode time (one new token, grouped-query attention).
+"""Full-attention layers (grouped-query attention), at decode time and for a prompt's chunks.
 
-Three dispatches per layer:
+Three dispatches per layer at decode (one new token):
 
 - `attn_prep`: per-head RMSNorm of q and k, NEOX RoPE on the first `rope_dims` dims, q written
   out as f32, k and v appended to the f16 KV cache at the current position.
@@ -16,6 +16,15 @@ are derived from step[1] on the GPU, and workgroups of unused chunks exit at onc
 - KV caches (`Buffer[f16]`, one each for K and V): [position][kv head][d].
 - Partials: [query head][split][d + 2] f32: the chunk's max score m, its Σ exp(score − m), then
   Σ exp(score − m) · v (d values). Scores include the 1/sqrt(d) scale.
+
+Two for a chunk of t prompt tokens at positions step[0] .. step[0] + t − 1 (rows of q, k, v, o
+back to back, one per token):
+
+- `attn_prep_rows`: attn_prep for every token of the chunk (the same code), cache rows appended.
+- `attn_prefill`: causal attention of the chunk's queries over the cache rows up to each one's
+  position, softmax computed online (running max and sum), gated, and as Q8_1 if asked; a
+  workgroup owns a block of tokens of one KV head, so each K/V row it loads serves several
+  queries. No partials: a chunk has enough queries to fill the GPU without splitting the rows.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 own): the prep step (q/k norm, partial NEOX RoPE, f16 KV-cache append at the position read from
 the step buffer), the split pass (every split count, empty splits included, every GQA group) and
 the gated combine; then several tokens in a row against the model reference's own functions.
+The chunk kernels (attn_prep_rows, attn_prefill) against numpy and against the decode kernels run
+token by token on the same cache; their examples (what the tuner checks) against their references.
 
 Tolerances: f32 results to ~1e-5 relative; RoPE angles are f32 (|error| ≈ position · 1e-7 rad,
 so the prep bound grows with the position); cache entries are f16, compared to one f16 step."""
