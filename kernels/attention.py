@@ -1,6 +1,6 @@
-"""Full-attention layers at decode time (one new token, grouped-query attention).
+"""Full-attention layers (grouped-query attention), at decode time and for a prompt's chunks.
 
-Three dispatches per layer:
+Three dispatches per layer at decode (one new token):
 
 - `attn_prep`: per-head RMSNorm of q and k, NEOX RoPE on the first `rope_dims` dims, q written
   out as f32, k and v appended to the f16 KV cache at the current position.
@@ -16,6 +16,15 @@ are derived from step[1] on the GPU, and workgroups of unused chunks exit at onc
 - KV caches (`Buffer[f16]`, one each for K and V): [position][kv head][d].
 - Partials: [query head][split][d + 2] f32: the chunk's max score m, its Σ exp(score − m), then
   Σ exp(score − m) · v (d values). Scores include the 1/sqrt(d) scale.
+
+Two for a chunk of t prompt tokens at positions step[0] .. step[0] + t − 1 (rows of q, k, v, o
+back to back, one per token):
+
+- `attn_prep_rows`: attn_prep for every token of the chunk (the same code), cache rows appended.
+- `attn_prefill`: causal attention of the chunk's queries over the cache rows up to each one's
+  position, softmax computed online (running max and sum), gated, and as Q8_1 if asked; a
+  workgroup owns a block of tokens of one KV head, so each K/V row it loads serves several
+  queries. No partials: a chunk has enough queries to fill the GPU without splitting the rows.
 """
 
 from __future__ import annotations
@@ -48,17 +57,25 @@ def attn_prep(qg: Buffer[f32], k: Buffer[f32], v: Buffer[f32], q_norm: Buffer[f3
     per head). Workgroup n_head + g: k_cache[pos, g] = rope(rmsnorm(k[g]) · k_norm) and
     v_cache[pos, g] = v[g], as f16, pos = step[0]. RoPE pairs dim i with i + rope_dims/2,
     θ_i = pos · rope_base^(−2i/rope_dims); rope_dims is even and ≤ d."""
-    head = zdsl.workgroup_id()
+    _prep_head(qg, k, v, q_norm, k_norm, q, k_cache, v_cache, zdsl.workgroup_id(), None, step[0],
+               n_head, n_kv, d, rope_dims, rope_base, eps, WG, SG)
+
+
+def _prep_head(qg, k, v, q_norm, k_norm, q, k_cache, v_cache, head, token, pos, n_head, n_kv, d, rope_dims,
+               rope_base, eps, WG: int, SG: int):
+    """One workgroup's head of attn_prep: query head `head` < n_head or KV head head − n_head, of
+    row `token` of qg, k, v and q (None: the only row), written to cache row `pos`."""
     is_q = head < n_head
     g = head - n_head  # the KV head (wraps for query heads, where it is never used)
-    q_base, k_base = head * 2 * d, g * d
+    q_base, k_base, q_out = head * 2 * d, g * d, head * d
+    if token is not None:
+        q_base, k_base, q_out = q_base + token * n_head * 2 * d, k_base + token * n_kv * d, q_out + token * n_head * d
 
     def x(j):
         """Element j of this workgroup's head, normalised and weighted."""
         return zdsl.where(is_q, qg.load(q_base + j, mask=is_q, other=0.0), k.load(k_base + j, mask=~is_q, other=0.0))
 
     scale = rms_scale(x, d, eps, WG, SG)
-    pos = step[0]
     half = rope_dims // 2
     log2_base = zdsl.log2(rope_base)
     for j in zdsl.range(zdsl.local_index(), d, WG):
@@ -73,7 +90,7 @@ def attn_prep(qg: Buffer[f32], k: Buffer[f32], v: Buffer[f32], q_norm: Buffer[f3
             angle = (turns - zdsl.round(turns)) * (2 * math.pi)
             value.set(value * zdsl.cos(angle) + zdsl.where(first, -partner, partner) * zdsl.sin(angle))
         with zdsl.if_(is_q):
-            q[head * d + j] = value
+            q[q_out + j] = value
         with zdsl.else_():
             row = (pos * n_kv + g) * d + j
             k_cache[row] = value.to(f16)
@@ -102,6 +119,34 @@ def attn_prep_ref(qg, k, v, q_norm, k_norm, k_cache, v_cache, pos, rope_dims, ro
     kc, vc = k_cache.copy(), v_cache.copy()
     kc[pos] = rope_ref(rmsnorm_ref(k, k_norm, eps), pos, rope_dims, rope_base)
     vc[pos] = v
+    return q.astype(np.float32), kc, vc
+
+
+@zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [64, 256], "SG": SUBGROUPS}, key=("d", "t"), sizes=("t",),
+             grid=lambda v, s: (s.n_head + s.n_kv, s.t),
+             traffic=lambda v, s: s.t * (4 * (s.n_head * 3 * s.d + 2 * s.n_kv * s.d) + 4 * s.n_kv * s.d) + 8 * s.d)
+def attn_prep_rows(qg: Buffer[f32], k: Buffer[f32], v: Buffer[f32], q_norm: Buffer[f32], k_norm: Buffer[f32],
+                   step: Buffer[u32], q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16],
+                   n_head: u32, n_kv: u32, d: u32, rope_dims: u32, rope_base: f32, eps: f32,
+                   WG: Const = 256, SG: Const = 32):
+    """attn_prep for a chunk of t tokens at positions step[0] + i (i = workgroup_id(1) < t): row i
+    of qg (n_head · 2d), k and v (n_kv · d) gives row i of q (n_head · d) and cache row step[0] + i.
+    The launch names t (the grid's y)."""
+    token = zdsl.workgroup_id(1)
+    _prep_head(qg, k, v, q_norm, k_norm, q, k_cache, v_cache, zdsl.workgroup_id(0), token, step[0] + token,
+               n_head, n_kv, d, rope_dims, rope_base, eps, WG, SG)
+
+
+@attn_prep_rows.reference
+def attn_prep_rows_ref(qg, k, v, q_norm, k_norm, k_cache, v_cache, p0, rope_dims, rope_base, eps):
+    """qg: (T, n_head, 2d); k, v: (T, n_kv, d); caches (n_ctx, n_kv, d) f16. Returns (q (T, n_head, d),
+    k_cache, v_cache) with rows p0 .. p0 + T − 1 written, token i rotated at position p0 + i."""
+    T, d = k.shape[0], k.shape[-1]
+    pos = (p0 + np.arange(T))[:, None, None]
+    q = rope_ref(rmsnorm_ref(qg[..., :d], q_norm, eps), pos, rope_dims, rope_base)
+    kc, vc = k_cache.copy(), v_cache.copy()
+    kc[p0:p0 + T] = rope_ref(rmsnorm_ref(k, k_norm, eps), pos, rope_dims, rope_base)
+    vc[p0:p0 + T] = v
     return q.astype(np.float32), kc, vc
 
 
@@ -161,6 +206,47 @@ def head_scores(partials, C: int, SG: int, lane):
         mask //= 2
     first = lane - lane % C
     return [zdsl.subgroup_shuffle(vals[0], first + h * (C // G)) for h in range(G)]
+
+
+def online_softmax(m, l, acc, row_scores, vv, ok=None):
+    """Fold the scores row_scores[u][h] of rows u (V pieces vv[u][p]) into each head h's running
+    max m[h], sum l[h] and accumulators acc[h][p] (vars). ok(u, h): whether row u counts for head
+    h (its score is then LOWEST), None where every row counts."""
+    for h in range(len(m)):
+        scores = [row[h] for row in row_scores]
+        m_new = m[h]
+        for score in scores:
+            m_new = zdsl.max(m_new, score)
+        rescale = zdsl.exp(m[h] - m_new)
+        weights = [zdsl.exp(score - m_new) for score in scores]
+        if ok is not None:
+            weights = [zdsl.where(ok(u, h), w, 0.0) for u, w in enumerate(weights)]
+        total = l[h] * rescale
+        for w in weights:
+            total = total + w
+        l[h].set(total)
+        for p in range(len(acc[h])):
+            a = acc[h][p] * rescale
+            for u, w in enumerate(weights):
+                a = a + vv[u][p] * w
+            acc[h][p].set(a)
+        m[h].set(m_new)
+
+
+def merge_clusters(m, l, acc, C: int, SG: int):
+    """Merge the running softmaxes of the row clusters of C lanes (lanes r, r + C, ... hold the
+    same dims): afterwards every cluster holds the totals."""
+    mask = C
+    while mask < SG:
+        for h in range(len(m)):
+            m_o = zdsl.subgroup_shuffle_xor(m[h], mask)
+            m_new = zdsl.max(m[h], m_o)
+            a, b = zdsl.exp(m[h] - m_new), zdsl.exp(m_o - m_new)
+            l[h].set(l[h] * a + zdsl.subgroup_shuffle_xor(l[h], mask) * b)
+            for p in range(len(acc[h])):
+                acc[h][p].set(acc[h][p] * a + zdsl.subgroup_shuffle_xor(acc[h][p], mask) * b)
+            m[h].set(m_new)
+        mask *= 2
 
 
 def _decode_fits(v) -> bool:
@@ -227,36 +313,8 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
                     dots.append(x)
                 scores = head_scores(dots, C, SG, lane)
                 row_scores.append([zdsl.where(valid[u], x, LOWEST) for x in scores] if valid else scores)
-            for h in range(G):
-                scores = [row[h] for row in row_scores]
-                m_new = m[h]
-                for score in scores:
-                    m_new = zdsl.max(m_new, score)
-                rescale = zdsl.exp(m[h] - m_new)
-                weights = [zdsl.exp(score - m_new) for score in scores]
-                if valid:
-                    weights = [zdsl.where(ok, w, 0.0) for ok, w in zip(valid, weights)]
-                total = l[h] * rescale
-                for w in weights:
-                    total = total + w
-                l[h].set(total)
-                for p in range(P):
-                    a = acc[h][p] * rescale
-                    for u, w in enumerate(weights):
-                        a = a + vv[u][p] * w
-                    acc[h][p].set(a)
-                m[h].set(m_new)
-        mask = C
-        while mask < SG:  # merge the row clusters of the subgroup
-            for h in range(G):
-                m_o = zdsl.subgroup_shuffle_xor(m[h], mask)
-                m_new = zdsl.max(m[h], m_o)
-                a, b = zdsl.exp(m[h] - m_new), zdsl.exp(m_o - m_new)
-                l[h].set(l[h] * a + zdsl.subgroup_shuffle_xor(l[h], mask) * b)
-                for p in range(P):
-                    acc[h][p].set(acc[h][p] * a + zdsl.subgroup_shuffle_xor(acc[h][p], mask) * b)
-                m[h].set(m_new)
-            mask *= 2
+            online_softmax(m, l, acc, row_scores, vv, (lambda u, h: valid[u]) if valid else None)
+        merge_clusters(m, l, acc, C, SG)
         record = [((g * G + h) * nsplit + s) * (D + 2) for h in range(G)]
         if NW == 1:
             for h in range(G):
@@ -435,6 +493,110 @@ def attention_ref(q, k_cache, v_cache, qg, length):
     return (o / (1 + np.exp(-qg[:, d:].astype(np.float64)))).astype(np.float32)
 
 
+# ---- causal attention of a chunk of tokens (prefill) ----------------------------------------------
+
+def _prefill_fits(v) -> bool:
+    """As attn_decode; more than one token per subgroup only where a lane's queries stay within 16
+    float4 (attn_decode's G = 8 at D = 256, SG = 32), and as many accumulators."""
+    return _decode_fits(v) and (v.BT == 1 or v.BT * v.G * (v.D // (4 * row_lanes(v.D, v.SG))) <= 16)
+
+
+def _prefill_traffic(v, s) -> int:
+    """The cache rows the chunk reads (ctx: the rows the cache holds) once, q, the gates and o."""
+    rows = s.t * s.n_kv * v.G
+    return 4 * s.ctx * s.n_kv * v.D + 12 * rows * v.D + (rows * (v.D + v.D // 4) if v.Q8 else 0)
+
+
+@zdsl.kernel(workgroup=lambda v: v.NW * v.SG, subgroup="SG",
+             variants={"D": [128, 256], "G": [2, 4, 8], "BT": [1, 2, 4], "NW": [1, 4], "U": [1, 2],
+                       "Q8": [False, True], "SG": SUBGROUPS},
+             where=_prefill_fits, key=("t",), sizes=("ctx",),
+             grid=lambda v, s: (-(-s.t // (v.NW * v.BT)), s.n_kv), traffic=_prefill_traffic)
+def attn_prefill(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step: Buffer[u32],
+                 o: Buffer[f32], oq: Buffer[u32], od: Buffer[f32], n_kv: u32, t: u32, G: Const = 8,
+                 D: Const = 256, BT: Const = 1, NW: Const = 4, U: Const = 2, Q8: Const = False, SG: Const = 32):
+    """Causal attention of a chunk of t tokens at positions p0 + i (p0 = step[0]): token i's query
+    head h (q row i, n_kv · G heads of D) attends cache rows 0 .. p0 + i of KV head h // G with
+    scale 1/√D; o row i, head h = softmax · V · sigmoid(gate), the gate from qg row i (per head
+    [query D | gate D]). With Q8, o also goes out as Q8_1 (oq, od; D a multiple of 32), rows back
+    to back as attn_combine writes them.
+
+    Workgroup (b, g) = (workgroup_id(0), workgroup_id(1)) owns tokens b·NW·BT .. + NW·BT − 1 of KV
+    head g; each of its NW subgroups BT of them, all G query heads: the subgroup walks the rows
+    as attn_decode does (`row_lanes` lanes share a row, U rows per cluster in flight), each K/V
+    row it loads serving its BT · G queries (masked past each token's position), and the NW
+    subgroups read the same rows at about the same time (from cache after the first). The
+    subgroups share nothing: no barriers. The launch names ctx (the rows the cache holds)."""
+    if not _prefill_fits(SimpleNamespace(D=D, SG=SG, BT=BT, G=G)):
+        raise zdsl.ZdslError(f"attn_prefill needs D / 4 a power of two or a multiple of 4·SG, and BT = 1 or "
+                             f"BT·G·D / (4·row_lanes) ≤ 16, not D={D}, SG={SG}, BT={BT}, G={G}")
+    if Q8 and D % 32:
+        raise zdsl.ZdslError(f"attn_prefill writes Q8_1 blocks of 32 dims: D = {D} is not a multiple of 32")
+    C = row_lanes(D, SG)
+    P, NC = D // (4 * C), SG // C  # float4 pieces per lane, row clusters per subgroup
+    g, lane = zdsl.workgroup_id(1), zdsl.lane_id()
+    r, c = lane % C, lane // C
+    first_token = (zdsl.workgroup_id(0) * NW + zdsl.subgroup_id()) * BT
+    tokens = [zdsl.min(first_token + j, t - 1) for j in range(BT)]  # past the chunk: computed, not written
+    p0 = step[0]
+    ends = [p0 + token + 1 for token in tokens]  # token j attends rows 0 .. ends[j] − 1
+    queries = [(j, h) for j in range(BT) for h in range(G)]
+    heads = [tokens[j] * (n_kv * G) + g * G + h for j, h in queries]  # q / o rows of (token, head)
+    sm = 1.0 / math.sqrt(D)
+    qv = [[q.vec4[row * (D // 4) + r + C * p] * sm for p in range(P)] for row in heads]
+    m = [zdsl.var(LOWEST) for _ in queries]
+    l = [zdsl.var(0.0) for _ in queries]
+    acc = [[zdsl.var(zdsl.vec(0.0, 0.0, 0.0, 0.0)) for _ in range(P)] for _ in queries]
+    end = ends[-1]
+    for first in zdsl.range(0, end, U * NC):
+        rows = [first + c + NC * u for u in range(U)]
+        bases = [(zdsl.min(x, end - 1) * n_kv + g) * (D // 4) + r for x in rows]
+        kv = [[k_cache.vec4[b + C * p].to(f32) for p in range(P)] for b in bases]
+        vv = [[v_cache.vec4[b + C * p].to(f32) for p in range(P)] for b in bases]
+        seen = [[x < e for e in ends] for x in rows]  # [row][token]: the row is in the token's past
+        row_scores = []
+        for u in range(U):
+            dots = []
+            for qi in range(len(queries)):
+                x = zdsl.dot(qv[qi][0], kv[u][0])
+                for p in range(1, P):
+                    x = x + zdsl.dot(qv[qi][p], kv[u][p])
+                dots.append(x)
+            scores = head_scores(dots, C, SG, lane)
+            row_scores.append([zdsl.where(seen[u][j], x, LOWEST) for (j, _), x in zip(queries, scores)])
+        online_softmax(m, l, acc, row_scores, vv, lambda u, qi: seen[u][queries[qi][0]])
+    merge_clusters(m, l, acc, C, SG)
+    for qi, (j, _) in enumerate(queries):
+        mine = (first_token + j < t) & (lane < C)
+        inv = 1.0 / l[qi]
+        for p in range(P):
+            quad = r + C * p
+            gate = qg.vec4[heads[qi] * (D // 2) + D // 4 + quad]
+            value = acc[qi][p] * inv * zdsl.vec(*[zdsl.sigmoid(gate[e]) for e in range(4)])
+            with zdsl.if_(mine):
+                o.vec4[heads[qi] * (D // 4) + quad] = value
+            if Q8:
+                store_q8_1(value, heads[qi] * (D // 4) + quad, mine, oq, od)
+
+
+@attn_prefill.reference
+def attn_prefill_ref(q, qg, k_cache, v_cache, p0):
+    """q: (T, n_head, d); qg: (T, n_head, 2d); caches (n_ctx, n_kv, d). Plain softmax attention with a
+    causal mask over positions: token i (position p0 + i) sees rows 0 .. p0 + i; query head h reads
+    KV head h // (n_head / n_kv); times sigmoid(gate). Returns o (T, n_head, d) f32."""
+    T, n_head, d = q.shape
+    n = p0 + T
+    group = n_head // k_cache.shape[1]
+    K = np.repeat(k_cache[:n].astype(np.float64), group, axis=1)  # (n, n_head, d)
+    V = np.repeat(v_cache[:n].astype(np.float64), group, axis=1)
+    scores = np.einsum("thd,shd->ths", q.astype(np.float64), K) / np.sqrt(d)
+    causal = np.arange(n)[None, :] <= p0 + np.arange(T)[:, None]  # (T, n)
+    scores = np.where(causal[:, None, :], scores, -np.inf)
+    p = np.exp(scores - scores.max(axis=2, keepdims=True))
+    o = np.einsum("ths,shd->thd", p / p.sum(axis=2, keepdims=True), V)
+    return (o / (1 + np.exp(-qg[..., d:].astype(np.float64)))).astype(np.float32)
+
+
 # ---- examples ------------------------------------------------------------------------------------
 
 @attn_prep.example
@@ -496,3 +658,48 @@ def attn_combine_example(use, rng, check):
         o = attn_combine_ref(part, args["qg"].reshape(nh, 2 * D), ctx, nsplit, min_chunk)
         return {"o": (o, 1e-4), **({"od": (inputs.q8_1_scales(o), 1e-4)} if q8 else {})}
     return zdsl.Example(args, expect)
+
+
+@attn_prep_rows.example
+def attn_prep_rows_example(use, rng, check):
+    s = use.sizes
+    nh, nkv, d, T = s["n_head"], s["n_kv"], s["d"], s["t"]
+    ctx = use.buffers["k_cache"] // (2 * nkv * d)
+    ctx = max(min(ctx, inputs.CHECK_CTX), T) if check else ctx
+    p0 = ctx - T
+    args = dict(qg=inputs.normal(rng, T * nh * 2 * d), k=inputs.normal(rng, T * nkv * d),
+                v=inputs.normal(rng, T * nkv * d), q_norm=rng.uniform(0.5, 1.5, d).astype(np.float32),
+                k_norm=rng.uniform(0.5, 1.5, d).astype(np.float32), step=inputs.step_words(p0, ctx),
+                q=np.zeros(T * nh * d, np.float32), k_cache=inputs.kv_cache(rng, ctx, nkv, d),
+                v_cache=inputs.kv_cache(rng, ctx, nkv, d), t=T,
+                **{n: s[n] for n in ("n_head", "n_kv", "d", "rope_dims", "rope_base", "eps")})
+
+    def expect(p):
+        a = args
+        q, kc, vc = attn_prep_rows_ref(a["qg"].reshape(T, nh, 2 * d), a["k"].reshape(T, nkv, d),
+                                       a["v"].reshape(T, nkv, d), a["q_norm"], a["k_norm"],
+                                       a["k_cache"].reshape(ctx, nkv, d), a["v_cache"].reshape(ctx, nkv, d), p0,
+                                       s["rope_dims"], s["rope_base"], s["eps"])
+        return {"q": (q, 1e-4), "k_cache": (kc.astype(np.float32), 2e-3), "v_cache": (vc.astype(np.float32), 1e-3)}
+    return zdsl.Example(args, expect)
+
+
+@attn_prefill.example
+def attn_prefill_example(use, rng, check):
+    D, G, q8 = use.fixed["D"], use.fixed["G"], use.fixed["Q8"]
+    nkv, T = use.sizes["n_kv"], use.sizes["t"]
+    nh = nkv * G
+    ctx = max(inputs.CHECK_CTX, T) if check else use.sizes["ctx"]
+    p0 = ctx - T  # the last chunk of a full cache: the most rows
+    args = dict(q=inputs.normal(rng, T * nh * D), qg=inputs.normal(rng, T * nh * 2 * D),
+                k_cache=inputs.kv_cache(rng, ctx, nkv, D), v_cache=inputs.kv_cache(rng, ctx, nkv, D),
+                step=inputs.step_words(p0, ctx), o=np.zeros(T * nh * D, np.float32), n_kv=nkv, t=T, ctx=ctx)
+    if q8:
+        args.update(oq=np.zeros(T * nh * D // 4, np.uint32), od=np.zeros(T * nh * D // 16, np.float32))
+
+    def expect(p):
+        o = attn_prefill_ref(args["q"].reshape(T, nh, D), args["qg"].reshape(T, nh, 2 * D),
+                             args["k_cache"].reshape(ctx, nkv, D), args["v_cache"].reshape(ctx, nkv, D), p0)
+        return {"o": (o, 1e-4), **({"od": (inputs.q8_1_scales(o), 1e-4)} if q8 else {})}
+    return zdsl.Example(args, expect, lambda n: {"k_cache": inputs.copies(args["k_cache"], n),
+                                                 "v_cache": inputs.copies(args["v_cache"], n)})

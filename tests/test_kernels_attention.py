@@ -2,16 +2,22 @@
 own): the prep step (q/k norm, partial NEOX RoPE, f16 KV-cache append at the position read from
 the step buffer), the split pass (every split count, empty splits included, every GQA group) and
 the gated combine; then several tokens in a row against the model reference's own functions.
+The chunk kernels (attn_prep_rows, attn_prefill) against numpy and against the decode kernels run
+token by token on the same cache; their examples (what the tuner checks) against their references.
 
 Tolerances: f32 results to ~1e-5 relative; RoPE angles are f32 (|error| ≈ position · 1e-7 rad,
 so the prep bound grows with the position); cache entries are f16, compared to one f16 step."""
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from zdsl.autotune.tuner import close, sizes_of
 from zdsl.kernels import attention as att
+from zdsl.runtime.dry import DryBuffer, DryDevice
 from zdsl.models.qwen35 import reference as model
 from kernel_testing import BACKENDS, assert_q8_1_of, run, subgroup
 
@@ -213,3 +219,134 @@ def test_several_tokens(backend, request):
         p = np.exp(scores - scores.max(axis=1, keepdims=True))
         expect = np.einsum("ht,htd->hd", p / p.sum(axis=1, keepdims=True), Vh) * model.sigmoid(qg[:, d:])
         np.testing.assert_allclose(o, expect, rtol=2e-3, atol=2e-3)  # f16 cache vs f32 reference
+
+
+# ---- a chunk of tokens (prefill) -----------------------------------------------------------------
+
+def prep_rows(backend, request, qg, k, v, q_norm, k_norm, k_cache, v_cache, p0, rope_dims, rope_base=1e7, wg=64, sg=8):
+    T, n_head, n_kv, d = qg.shape[0], qg.shape[1], k.shape[1], k.shape[2]
+    return run(att.attn_prep_rows.specialize(WG=wg, SG=sg), backend, request, (n_head + n_kv, T), qg=qg, k=k, v=v,
+               q_norm=q_norm, k_norm=k_norm, step=np.array([p0, p0 + T, 0, 0], np.uint32),
+               q=np.full((T, n_head, d), np.nan, np.float32), k_cache=k_cache, v_cache=v_cache, n_head=n_head,
+               n_kv=n_kv, d=d, rope_dims=rope_dims, rope_base=rope_base, eps=EPS)
+
+
+def prefill(backend, request, q, qg, k_cache, v_cache, p0, sg, *, bt=1, nw=1, u=1, q8=False):
+    """attn_prefill of the T queries q (T, n_head, d) at positions p0 ..; returns its outputs, the
+    Q8_1 form checked against o."""
+    T, n_head, d = q.shape
+    n_kv = k_cache.shape[1]
+    q8_out = (dict(oq=np.zeros(T * n_head * d // 4, np.uint32), od=np.full(T * n_head * d // 16, np.nan, np.float32))
+              if q8 else {})
+    out = run(att.attn_prefill.specialize(D=d, G=n_head // n_kv, BT=bt, NW=nw, U=u, Q8=q8, SG=sg), backend, request,
+              (-(-T // (nw * bt)), n_kv), q=q, qg=qg, k_cache=k_cache, v_cache=v_cache,
+              step=np.array([p0, p0 + T, 0, 0], np.uint32), o=np.full((T, n_head, d), np.nan, np.float32),
+              n_kv=n_kv, t=T, **q8_out)
+    if q8:
+        assert_q8_1_of(out["oq"], out["od"], out["o"])
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(T=st.integers(1, 9), n_kv=st.integers(1, 2), group=st.integers(1, 3), d=st.integers(2, 40),
+       rope_frac=st.floats(0, 1), p0=st.sampled_from([0, 1, 37, 2000]), extra=st.integers(0, 2),
+       wg=st.sampled_from([64, 256]), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
+def test_prep_rows(backend, request, T, n_kv, group, d, rope_frac, p0, extra, wg, sg_pick, seed):
+    """T tokens' q rows normed and rotated at p0 + i, cache rows p0 .. p0 + T − 1 written and no other."""
+    rng = np.random.default_rng(seed)
+    n_head = n_kv * group
+    rope_dims = 2 * int(rope_frac * (d // 2))
+    qg = rng.standard_normal((T, n_head, 2 * d), dtype=np.float32)
+    k, v = rng.standard_normal((T, n_kv, d), dtype=np.float32), rng.standard_normal((T, n_kv, d), dtype=np.float32)
+    q_norm, k_norm = rng.standard_normal(d, dtype=np.float32), rng.standard_normal(d, dtype=np.float32)
+    n_ctx = p0 + T + extra
+    k_cache, v_cache = random_cache(rng, n_ctx, n_kv, d), random_cache(rng, n_ctx, n_kv, d)
+    out = prep_rows(backend, request, qg, k, v, q_norm, k_norm, k_cache, v_cache, p0, rope_dims, wg=wg,
+                    sg=subgroup(backend, request, sg_pick))
+    q, kc, vc = att.attn_prep_rows_ref(qg, k, v, q_norm, k_norm, k_cache, v_cache, p0, rope_dims, 1e7, EPS)
+    last = p0 + T - 1
+    np.testing.assert_allclose(out["q"], q, rtol=1e-5, atol=rope_atol(last, q))
+    mine = (np.arange(n_ctx) >= p0) & (np.arange(n_ctx) <= last)
+    np.testing.assert_array_equal(out["k_cache"][~mine], k_cache[~mine])
+    np.testing.assert_array_equal(out["v_cache"][~mine], v_cache[~mine])
+    assert_f16_close(out["k_cache"][mine], kc[mine], rope_atol(last, kc[mine]))
+    np.testing.assert_array_equal(out["v_cache"][mine], vc[mine])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(T=st.integers(1, 11), p0=st.sampled_from([0, 0, 1, 5, 40]), n_kv=st.integers(1, 2), extra=st.integers(0, 2),
+       scale=st.sampled_from([0.3, 3.0]), bt=st.sampled_from([1, 2]), nw=st.sampled_from([1, 2, 4]),
+       u=st.integers(1, 2), q8=st.booleans(), sg_pick=st.integers(0, 3), seed=st.integers(0, 99), data=st.data())
+def test_prefill(backend, request, T, p0, n_kv, extra, scale, bt, nw, u, q8, sg_pick, seed, data):
+    """Causal, grouped attention of T queries (one or several query blocks, the last cut short)
+    against plain masked softmax; rows past p0 + T − 1 hold inf and must never be read. The model's
+    head widths and groups in the interpreter; on lavapipe, whose compiler takes seconds to minutes
+    for the unrolled code of wide heads at its subgroup of 8, width 32 (one float4 per lane)."""
+    interp = backend == "interp"
+    d = data.draw(st.sampled_from([32, 64, 128, 256] if interp else [32]), label="d")
+    group = data.draw(st.sampled_from([1, 2, 3, 4, 8] if interp else [1, 2, 3, 4]), label="group")
+    rng = np.random.default_rng(seed)
+    n_head = n_kv * group
+    q = (rng.standard_normal((T, n_head, d)) * scale).astype(np.float32)
+    qg = rng.standard_normal((T, n_head, 2 * d), dtype=np.float32)
+    k_cache = random_cache(rng, p0 + T + extra, n_kv, d, scale)
+    v_cache = random_cache(rng, p0 + T + extra, n_kv, d)
+    k_cache[p0 + T:] = np.float16(np.inf)
+    sg = subgroup(backend, request, sg_pick)
+    if not att.attn_prefill.constraint(SimpleNamespace(D=d, SG=sg, BT=bt, G=group)):
+        bt = 1  # several tokens per subgroup only where their queries fit in registers
+    out = prefill(backend, request, q, qg, k_cache, v_cache, p0, sg, bt=bt, nw=nw, u=u, q8=q8)
+    np.testing.assert_allclose(out["o"], att.attn_prefill_ref(q, qg, k_cache, v_cache, p0), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("d,group,p0,T,q8", [(128, 2, 0, 7, True), (256, 2, 13, 5, False), (128, 4, 6, 9, True),
+                                              (128, 8, 21, 4, False)])
+def test_prefill_matches_decode(backend, request, d, group, p0, T, q8):
+    """attn_prep_rows + attn_prefill over a chunk equal T decode steps (attn_prep, attn_decode,
+    attn_combine per token) on the same cache, whose rows 0 .. p0 − 1 earlier chunks filled: the
+    same q rows, cache rows and o (Q8_1 too)."""
+    rng = np.random.default_rng(d + group + p0)
+    n_kv, rope_dims, n_ctx = 2, 64, p0 + T + 2
+    n_head = n_kv * group
+    sg = subgroup(backend, request, 2)
+    qg = rng.standard_normal((T, n_head, 2 * d), dtype=np.float32)
+    k, v = rng.standard_normal((T, n_kv, d), dtype=np.float32), rng.standard_normal((T, n_kv, d), dtype=np.float32)
+    q_norm, k_norm = rng.uniform(0.5, 1.5, d).astype(np.float32), rng.uniform(0.5, 1.5, d).astype(np.float32)
+    k_cache, v_cache = random_cache(rng, n_ctx, n_kv, d), random_cache(rng, n_ctx, n_kv, d)
+    k_cache[p0:], v_cache[p0:] = 0, 0
+
+    rows = prep_rows(backend, request, qg, k, v, q_norm, k_norm, k_cache, v_cache, p0, rope_dims, sg=sg)
+    chunk = prefill(backend, request, rows["q"], qg, rows["k_cache"], rows["v_cache"], p0, sg, nw=2, q8=q8)
+
+    kc, vc = k_cache, v_cache
+    for i in range(T):
+        one = prep(backend, request, qg[i], k[i], v[i], q_norm, k_norm, kc, vc, p0 + i, rope_dims, sg=sg)
+        kc, vc = one["k_cache"], one["v_cache"]
+        np.testing.assert_allclose(rows["q"][i], one["q"], rtol=1e-6, atol=1e-6)
+        _, o = decode(backend, request, one["q"], kc, vc, qg[i], p0 + i + 1, 4, sg, min_chunk=2)
+        np.testing.assert_allclose(chunk["o"][i], o, rtol=2e-5, atol=2e-6)
+    np.testing.assert_array_equal(rows["k_cache"], kc)
+    np.testing.assert_array_equal(rows["v_cache"], vc)
+
+
+@pytest.mark.parametrize("kernel,args", [
+    (att.attn_prep_rows, dict(q=3 * 16 * 128, qg=3 * 16 * 256, k=3 * 2 * 128, v=3 * 2 * 128, q_norm=128, k_norm=128,
+                              step=8, k_cache=40 * 2 * 128 // 2, v_cache=40 * 2 * 128 // 2, n_head=16, n_kv=2, d=128,
+                              rope_dims=64, rope_base=1e7, eps=EPS, t=3)),
+    (att.attn_prefill, dict(q=6 * 4 * 128, qg=6 * 4 * 256, k_cache=400 * 2 * 128 // 2, v_cache=400 * 2 * 128 // 2,
+                            step=8, o=6 * 4 * 128, oq=6 * 4 * 32, od=6 * 4 * 8, n_kv=2, t=6, ctx=400, D=128, G=2,
+                            Q8=True))])
+def test_examples(kernel, args):
+    """The inputs the tuner and the benches build for a recorded launch (the check version) give
+    what the example's reference expects, on the variant the launch recorded."""
+    seq = DryDevice(None).sequence()
+    args = {n: DryBuffer(n, 4 * v) if n in {p.name for p in kernel.params if p.kind == "buffer"} else v
+            for n, v in args.items()}
+    launch = kernel.launch(seq, lambda k, key, fixed: k.specialize(**{**fixed, "SG": 8}), **args)
+    example = kernel.make_example(launch, np.random.default_rng(0), True)
+    v, params = launch.variant, launch.variant.params
+    declared = {b[0] for b in v.ir.buffers} | {s.name for s in v.ir.scalars}
+    out = v.interpret(kernel.groups(params, sizes_of(example)), **{n: a for n, a in example.args.items() if n in declared})
+    for name, (want, tol) in example.expect(params).items():
+        assert close(out[name], want, tol) is None, name
