@@ -305,7 +305,7 @@ def test_bench_kernels_bad_input(args, words, capsys):
 @pytest.mark.parametrize("qtype", QTYPES)
 @settings(max_examples=6)
 @given(m=st.integers(1, 9), nb=st.integers(0, 5), t=st.integers(1, 19), cols=st.sampled_from([4, 8]),
-       rows=st.sampled_from([1, 2]), add=st.booleans(), int8=st.booleans(), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
+       rows=st.sampled_from([1, 4]), add=st.booleans(), int8=st.booleans(), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
 def test_mul_mm_over_a_chunk_of_tokens(backend, request, qtype, m, nb, t, cols, rows, add, int8, sg_pick, seed):
     """mul_mm: t rows (any count; a last tile of COLS tokens partly past the end) times the
     weights, from f32 rows or from Q8_1 rows (checked against the kernel's own Q8_1 values)."""

@@ -5,9 +5,10 @@ kept for reuse) over the decode graph's weights, caches and states: the embeddin
 layer's norms and projections for all t rows at once (`matmul.mul_mm`: a weight block loaded once
 serves a tile of tokens), the delta-net's conv and delta rule for the chunk in one dispatch
 (`deltanet.deltanet_prefill`), the MoE block with each picked expert's weights read once for all
-the tokens routed to it (moe_route_rows, moe_group, the grouped products, moe_combine_rows), and
-what has no batched kernel yet (attention, the dense FFN's gate·up) per token on row slices with
-the decode kernels. The chunk leaves the caches and
+the tokens routed to it (moe_route_rows, moe_group, the grouped products, moe_combine_rows),
+causal attention of the chunk's queries over the cache (attn_prep_rows, attn_prefill), and the
+dense FFN's gate·up, which has no batched kernel yet, per token on row slices with the decode
+kernel. The chunk leaves the caches and
 states exactly as t decode steps would, so decoding continues from them; the last prompt token
 goes through the ordinary decode step, whose logits give the first generated token.
 """
@@ -21,7 +22,7 @@ import numpy as np
 from zdsl.errors import ZdslError
 from zdsl.kernels import attention, deltanet, embedding, ffn, matmul, moe, q8_1, sampling
 from zdsl.kernels.formats import row_bytes
-from zdsl.models.qwen35.buffers import ATTN_MIN_CHUNK, STEP_WORDS
+from zdsl.models.qwen35.buffers import STEP_WORDS
 
 CHUNK = 512  # tokens a chunk holds at most
 ROW_ALIGN = 256  # per-token rows of small buffers start at multiples of this (any device binds them)
@@ -155,28 +156,23 @@ class Prefill:
             self._norm(seq, f"blk.{i}.post_attention_norm.weight", t)
 
     def _attention(self, seq, i: int, t: int) -> None:
+        """q, k and v for the chunk, normed and rotated, k and v into the cache rows p0 … p0 + t − 1
+        (attn_prep_rows), then causal attention of the t queries over the cache (attn_prefill)."""
         g, hp, p = self.g, self.hp, f"blk.{i}."
         nh, nkv, d = hp.n_heads, hp.n_kv_heads, hp.head_dim
         for name, out in (("attn_q", self.qg), ("attn_k", self.k), ("attn_v", self.v)):
             self._project(seq, p + name + ".weight", out, t)
         k_cache, v_cache = g.kv[i]
+        step = self._step(0)
+        attention.attn_prep_rows.launch(
+            seq, g._pick, label=p + "attn_prep_rows", qg=self.qg, k=self.k, v=self.v,
+            q_norm=g.weights[p + "attn_q_norm.weight"], k_norm=g.weights[p + "attn_k_norm.weight"], step=step,
+            q=self.q, k_cache=k_cache, v_cache=v_cache, n_head=nh, n_kv=nkv, d=d, rope_dims=hp.rope_dims,
+            rope_base=hp.rope_base, eps=hp.eps, t=t)
         o = self.attn_o
-        q8 = g._int8(p + "attn_output.weight")
-        for j in range(t):  # per token, with the decode kernels, until attention has a batched kernel
-            step = self._step(j)
-            qg, q = _row(self.qg, j, 8 * nh * d), _row(self.q, j, 4 * nh * d)
-            attention.attn_prep.launch(
-                seq, g._pick, label=p + "attn_prep", qg=qg, k=_row(self.k, j, 4 * nkv * d), v=_row(self.v, j, 4 * nkv * d),
-                q_norm=g.weights[p + "attn_q_norm.weight"], k_norm=g.weights[p + "attn_k_norm.weight"], step=step, q=q,
-                k_cache=k_cache, v_cache=v_cache, n_head=nh, n_kv=nkv, d=d, rope_dims=hp.rope_dims,
-                rope_base=hp.rope_base, eps=hp.eps)
-            attention.attn_decode.launch(seq, g._pick, label=p + "attn_decode", D=d, G=nh // nkv, q=q, k_cache=k_cache,
-                                         v_cache=v_cache, step=step, part=g.attn_part, n_kv=nkv,
-                                         min_chunk=ATTN_MIN_CHUNK, nsplit=g.attn_splits, ctx=g.n_ctx)
-            attention.attn_combine.launch(seq, g._pick, label=p + "attn_combine", D=d, Q8=q8, part=g.attn_part, qg=qg,
-                                          step=step, o=_row(o.f32, j, 4 * nh * d), oq=_row(o.q, j, nh * d),
-                                          od=_row(o.d, j, nh * d // 4), nsplit=g.attn_splits,
-                                          min_chunk=ATTN_MIN_CHUNK, n_head=nh, ctx=g.n_ctx)
+        attention.attn_prefill.launch(seq, g._pick, label=p + "attn_prefill", D=d, G=nh // nkv,
+                                      Q8=g._int8(p + "attn_output.weight"), q=self.q, qg=self.qg, k_cache=k_cache,
+                                      v_cache=v_cache, step=step, o=o.f32, oq=o.q, od=o.d, n_kv=nkv, t=t, ctx=g.n_ctx)
         self._project(seq, p + "attn_output.weight", self.x, t, o, add=True)
         self._after_mixer(seq, i, t)
 
