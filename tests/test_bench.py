@@ -68,7 +68,7 @@ def test_bench_artifacts_and_structure(report, tiny):
             assert len(s["samples"]) == REPEATS and min(s["samples"]) > 0
             assert s["min"] <= s["median"] <= s["max"] and s["stdev"] >= 0
     md = (out / "bench.md").read_text()
-    assert r["device"]["name"] in md and f"`{r['command']}`" in md and "no batched prefill" in md
+    assert r["device"]["name"] in md and f"`{r['command']}`" in md and "batched prefill" in md
     assert [line.split("|")[1].strip() for line in md.splitlines() if line.startswith("| ") and "context" not in line] \
         == [f"{c:,}" for c in CONTEXTS]
     if importlib.util.find_spec("matplotlib") is None:

@@ -470,6 +470,7 @@ class DecodeGraph:
         if bad is not None:
             raise ZdslError(f"token id {bad} is outside the vocabulary [0, {self.hp.vocab})")
         self.prompt.run(tokens)
+        self.step_words[3] += len(tokens)  # the sampler's counter: each position one draw, as if stepped
 
     def checkpoint(self) -> None:
         """Save the sequence's state at this position, so that `restore()` undoes the steps run
