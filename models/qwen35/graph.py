@@ -115,9 +115,10 @@ class DecodeGraph:
                               min(self.chunk, n_ctx))
 
     def _prepare_kernels(self, progress: bool) -> float:
-        """Record the step (building the kernels not built before) and run it once, since some
-        drivers compile a pipeline only when it first runs (lavapipe): a first run's prompt then
-        does not count compilation as prompt time. Returns the seconds it took."""
+        """Record the step (building the kernels not built before) and run it once, and a short
+        prompt chunk, since some drivers compile a pipeline only when it first runs (lavapipe): a
+        first run's prompt then does not count compilation as prompt time. Returns the seconds it
+        took."""
         from rich.console import Console
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -129,6 +130,9 @@ class DecodeGraph:
             self.reset()
             self.decode(0)
             self.reset()
+            if self.chunk > 1 and not getattr(self.device, "dry", False):
+                self.prefill([0, 0])  # the prompt path's kernels too
+                self.reset()
         return time.perf_counter() - start
 
     def _record_steps(self) -> None:
