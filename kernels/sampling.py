@@ -1,7 +1,8 @@
 """Token sampling on the GPU, in two dispatches that need no host round trip.
 
-`penalty_window` (one invocation, at the start of a step) counts the step's input token into the
-penalties' window of the last N context tokens and uncounts the one that leaves it, so the
+`penalty_window` (one invocation, at the start of a step, or once for a prompt chunk) counts the
+input tokens into the penalties' window of the last N context tokens and uncounts those that
+leave it, so the
 window holds prompt and generated tokens alike (as llama.cpp's penalties do) at a cost that does
 not grow with the context. `sample_candidates` (many workgroups) penalises the logits of tokens
 in the window and keeps each workgroup's CAP best (logit, id) pairs; `sample_draw` (one
@@ -22,6 +23,7 @@ import numpy as np
 
 import zdsl
 from zdsl import Buffer, Const, f32, u32
+from zdsl.kernels.inputs import STEP_WORDS
 from zdsl.kernels.reduce import SUBGROUPS
 
 CAPS = [1, 64, 256]  # candidates kept; 1 is the greedy variant
@@ -230,19 +232,21 @@ def candidate_groups(v, n_vocab: int) -> int:
 
 
 @zdsl.kernel(workgroup=1)
-def penalty_window(step: Buffer[u32], ring: Buffer[u32], counts: Buffer[u32], window: u32, n_vocab: u32):
-    """The window of the last `window` context tokens moves on by the step's input token step[2]
-    at position step[0]: counts[token] += 1, and the token at position step[0] − window (kept in
-    ring[position % window]) is uncounted."""
-    pos, token = step[0], step[2]
-    slot = pos % window
-    with zdsl.if_(pos >= window):
-        old = ring[slot]
-        with zdsl.if_(old < n_vocab):
-            counts[old] = counts[old] - 1
-    ring[slot] = token
-    with zdsl.if_(token < n_vocab):
-        counts[token] = counts[token] + 1
+def penalty_window(step: Buffer[u32], ring: Buffer[u32], counts: Buffer[u32], window: u32, n_vocab: u32, t: u32):
+    """The window of the last `window` context tokens moves on by t tokens, in order: the input
+    token step[2] at position step[0] of each of t step records (STEP_WORDS apart: one at decode,
+    a prompt chunk's at prefill): counts[token] += 1, and the token at position − window (kept
+    in ring[position % window]) is uncounted."""
+    for i in zdsl.range(0, t):
+        pos, token = step[i * STEP_WORDS], step[i * STEP_WORDS + 2]
+        slot = pos % window
+        with zdsl.if_(pos >= window):
+            old = ring[slot]
+            with zdsl.if_(old < n_vocab):
+                counts[old] = counts[old] - 1
+        ring[slot] = token
+        with zdsl.if_(token < n_vocab):
+            counts[token] = counts[token] + 1
 
 
 @penalty_window.reference

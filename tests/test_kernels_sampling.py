@@ -13,7 +13,7 @@ from zdsl import Buffer, Const, f32, u32
 from zdsl.errors import ZdslError
 from zdsl.kernels import sampling as k
 from zdsl.models.qwen35.sampler import SamplerConfig, sample_reference
-from kernel_testing import BACKENDS, subgroup
+from kernel_testing import BACKENDS, run, subgroup
 
 SHAPES = [(64, 4), (256, 4), (64, 16), (256, 16)]  # (WG, R)
 
@@ -52,7 +52,7 @@ class Sampler:
         if feed is not None:
             self.step[2] = feed
             out = self._run(k.penalty_window.specialize(), 1, step=self.step, ring=self.ring, counts=self.counts,
-                            window=self.window, n_vocab=self.n_vocab)
+                            window=self.window, n_vocab=self.n_vocab, t=1)
             self.ring, self.counts = out["ring"], out["counts"]
         self.cand = self._run(self.candidates, self.groups, logits=logits, counts=self.counts, cand=self.cand,
                               **self.push[0])["cand"]
@@ -260,6 +260,36 @@ def test_penalty_window_follows_llamacpp(backend, request, n, last_n, prompt, pe
         assert token == sample_reference(logits, counts, config, pos)
         if pos + 1 == len(context):
             context.append(token)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(n=st.integers(2, 50), window=st.sampled_from([1, 3, 8, 64]), start=st.integers(0, 70), t=st.integers(1, 40),
+       seed=st.integers(0, 99))
+def test_penalty_window_takes_a_prompt_chunk_at_once(backend, request, n, window, start, t, seed):
+    """A chunk's t step records in one launch leave the window's ring and counts as t launches of
+    one record each (the prefill feeds its prompt this way), from a window already part full."""
+    rng = np.random.default_rng(seed)
+    context = rng.integers(0, n + 2, start + t)  # ids ≥ n (outside the vocabulary) are never counted
+    steps = np.zeros((start + t, 8), np.uint32)
+    steps[:, 0], steps[:, 1], steps[:, 2] = np.arange(start + t), np.arange(1, start + t + 1), context
+    ring, counts = np.full(window, 99999, np.uint32), np.zeros(n, np.uint32)
+    v = k.penalty_window.specialize()
+
+    def launch(records, ring, counts):
+        out = run(v, backend, request, 1, step=records.reshape(-1), ring=ring, counts=counts, window=window,
+                  n_vocab=n, t=len(records))
+        return out["ring"], out["counts"]
+
+    for i in range(start):
+        ring, counts = launch(steps[i:i + 1], ring, counts)
+    one_ring, one_counts = ring, counts
+    for i in range(start, start + t):
+        one_ring, one_counts = launch(steps[i:i + 1], one_ring, one_counts)
+    chunk_ring, chunk_counts = launch(steps[start:], ring, counts)
+    np.testing.assert_array_equal(chunk_counts, one_counts)
+    np.testing.assert_array_equal(chunk_ring, one_ring)
+    recent = context[max(0, start + t - window):]
+    np.testing.assert_array_equal(chunk_counts, np.bincount(recent[recent < n], minlength=n))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

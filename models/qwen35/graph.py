@@ -327,7 +327,7 @@ class DecodeGraph:
             seq.copy(self.step_host, self.step)
         if self.sampler.penalties:
             sampling.penalty_window.launch(seq, self._pick, step=self.step, ring=self.penalty_ring, counts=self.counts,
-                                           window=self.sampler.window(self.n_ctx), n_vocab=self.hp.vocab)
+                                           window=self.sampler.window(self.n_ctx), n_vocab=self.hp.vocab, t=1)
         emb = "token_embd.weight"
         embedding.embed.launch(seq, self._pick, QTYPE=self._qname(emb), table=self.weights[emb], ids=self.step,
                                out=self.x, k=hp.hidden, index=2, rows=1)

@@ -5,10 +5,10 @@ kept for reuse) over the decode graph's weights, caches and states: the embeddin
 layer's norms and projections for all t rows at once (`matmul.mul_mm`: a weight block loaded once
 serves a tile of tokens), the delta-net's conv and delta rule for the chunk in one dispatch
 (`deltanet.deltanet_prefill`), the MoE block with each picked expert's weights read once for all
-the tokens routed to it (moe_route_rows, moe_group, the grouped products, moe_combine_rows),
-causal attention of the chunk's queries over the cache (attn_prep_rows, attn_prefill), and the
-dense FFN's gate·up, which has no batched kernel yet, per token on row slices with the decode
-kernel. The chunk leaves the caches and
+the tokens routed to it (moe_route_rows, moe_group, the grouped products, moe_combine_rows; a
+dense FFN is the grouped gate·up with every token routed to its one pair of matrices), and causal
+attention of the chunk's queries over the cache (attn_prep_rows, attn_prefill). The chunk leaves
+the caches and
 states exactly as t decode steps would, so decoding continues from them; the last prompt token
 goes through the ordinary decode step, whose logits give the first generated token.
 """
@@ -25,7 +25,7 @@ from zdsl.kernels.formats import row_bytes
 from zdsl.models.qwen35.buffers import STEP_WORDS
 
 CHUNK = 512  # tokens a chunk holds at most
-ROW_ALIGN = 256  # per-token rows of small buffers start at multiples of this (any device binds them)
+ROW_ALIGN = 256  # regions of the host buffer start at multiples of this (any device binds them)
 
 
 def aligned(nbytes: int) -> int:
@@ -39,13 +39,12 @@ class Prefill:
         self.g, self.hp, self.chunk = g, g.hp, g.chunk
         self.tokens, self.steps = b["chunk.tokens"], b["chunk.steps"]
         # the host writes each chunk's step values (position, length, token per row), then its tokens
-        # and, for the shared expert, the grouping of the chunk's tokens all routed to it
+        # and the grouping of every token to one expert (one_offsets, one_pairs)
         self.tokens_at = aligned(4 * STEP_WORDS * self.chunk)
-        self.shared_at = self.tokens_at + aligned(4 * self.chunk)
-        self.host = g.device.host_buffer(self.shared_at + ROW_ALIGN + 4 * self.chunk, name="chunk_host")
+        self.one_at = self.tokens_at + aligned(4 * self.chunk)
+        self.host = g.device.host_buffer(self.one_at + ROW_ALIGN + 4 * self.chunk, name="chunk_host")
         self.host_words = self.host.view(np.uint32)
-        shared = self.host_words[self.shared_at // 4:]
-        shared[ROW_ALIGN // 4:] = np.arange(self.chunk)  # pairs: token i's one pair is i
+        self.host_words[(self.one_at + ROW_ALIGN) // 4:] = np.arange(self.chunk)  # token i's one pair is i
         self.x = b["chunk.x"]
         self.normed = g.vector_of(b, "chunk.normed")
         self.qg, self.q, self.k, self.v = b["chunk.qg"], b["chunk.q"], b["chunk.k"], b["chunk.v"]
@@ -54,12 +53,14 @@ class Prefill:
         self.dn_out = g.vector_of(b, "chunk.deltanet_out")
         self.arrivals = b["chunk.arrivals"]
         self.act = b["chunk.act"]
+        # every token of the chunk routed once to one expert: the shared expert's grouping, and
+        # the dense FFN's (the host writes offsets [0, t] and pairs 0 … t − 1)
+        self.one_offsets, self.one_pairs = b["chunk.one_offsets"], b["chunk.one_pairs"]
         if self.hp.moe:
             self.logits, self.counts = b["chunk.router_logits"], b["chunk.expert_counts"]
             self.route_ids, self.route_w = b["chunk.route_ids"], b["chunk.route_weights"]
             self.offsets, self.pairs = b["chunk.expert_offsets"], b["chunk.pairs"]
             self.y, self.act_shared, self.y_shared = b["chunk.pair_out"], b["chunk.act_shared"], b["chunk.shared_out"]
-            self.shared_offsets, self.shared_pairs = b["chunk.shared_offsets"], b["chunk.shared_pairs"]
         self._seqs: dict[int, object] = {}
 
     # -- running ----------------------------------------------------------------------------
@@ -88,7 +89,7 @@ class Prefill:
         g, t, p0 = self.g, len(part), self.g.position
         words = self.host_words
         words[self.tokens_at // 4:self.tokens_at // 4 + t] = part
-        words[self.shared_at // 4:self.shared_at // 4 + 2] = (0, t)  # the shared expert's offsets
+        words[self.one_at // 4:self.one_at // 4 + 2] = (0, t)
         steps = words[:STEP_WORDS * self.chunk].reshape(self.chunk, STEP_WORDS)
         steps[:t] = 0
         steps[:t, 0] = np.arange(p0, p0 + t)
@@ -116,13 +117,11 @@ class Prefill:
         seq = g.device.sequence(timestamps=timestamps)
         seq.copy(self.host.slice(0, 4 * STEP_WORDS * self.chunk), self.steps, 4 * STEP_WORDS * t)
         seq.copy(self.host.slice(self.tokens_at, 4 * self.chunk), self.tokens, 4 * t)
-        if hp.moe:
-            seq.copy(self.host.slice(self.shared_at, ROW_ALIGN), self.shared_offsets, 8)
-            seq.copy(self.host.slice(self.shared_at + ROW_ALIGN, 4 * self.chunk), self.shared_pairs, 4 * t)
+        seq.copy(self.host.slice(self.one_at, ROW_ALIGN), self.one_offsets, 8)
+        seq.copy(self.host.slice(self.one_at + ROW_ALIGN, 4 * self.chunk), self.one_pairs, 4 * t)
         if g.sampler.penalties:  # the prompt's tokens enter the penalties' window
-            for i in range(t):
-                sampling.penalty_window.launch(seq, g._pick, step=self._step(i), ring=g.penalty_ring, counts=g.counts,
-                                               window=g.sampler.window(g.n_ctx), n_vocab=hp.vocab)
+            sampling.penalty_window.launch(seq, g._pick, step=self.steps, ring=g.penalty_ring, counts=g.counts,
+                                           window=g.sampler.window(g.n_ctx), n_vocab=hp.vocab, t=t)
         emb = "token_embd.weight"
         embedding.embed.launch(seq, g._pick, QTYPE=g._qname(emb), table=g.weights[emb], ids=self.tokens, out=self.x,
                                k=hp.hidden, index=0, rows=t)
@@ -132,8 +131,6 @@ class Prefill:
             (self._moe if hp.moe else self._ffn)(seq, i, t)
         return seq
 
-    def _step(self, i: int):
-        return self.steps.slice(4 * STEP_WORDS * i, 4 * STEP_WORDS)
 
     def _norm(self, seq, norm: str, t: int) -> None:
         n = self.normed
@@ -163,7 +160,7 @@ class Prefill:
         for name, out in (("attn_q", self.qg), ("attn_k", self.k), ("attn_v", self.v)):
             self._project(seq, p + name + ".weight", out, t)
         k_cache, v_cache = g.kv[i]
-        step = self._step(0)
+        step = self.steps
         attention.attn_prep_rows.launch(
             seq, g._pick, label=p + "attn_prep_rows", qg=self.qg, k=self.k, v=self.v,
             q_norm=g.weights[p + "attn_q_norm.weight"], k_norm=g.weights[p + "attn_k_norm.weight"], step=step,
@@ -185,7 +182,7 @@ class Prefill:
         deltanet.deltanet_prefill.launch(
             seq, g._pick, label=p + "ssm_conv+chunk", D=hp.ssm_head_dim, KC=hp.conv_kernel,
             Q8=g._int8(p + "ssm_out.weight"), v_heads=hp.ssm_v_heads, mix=self.mix,
-            conv_w=g.weights[p + "ssm_conv1d.weight"], conv_state=g.conv_state[i], step=self._step(0), z=self.z,
+            conv_w=g.weights[p + "ssm_conv1d.weight"], conv_state=g.conv_state[i], step=self.steps, z=self.z,
             ba=self.ba, ssm_a=g.weights[p + "ssm_a"], dt_bias=g.weights[p + "ssm_dt.bias"],
             norm_w=g.weights[p + "ssm_norm.weight"], state=g.ssm_state[i], out=o.f32, oq=o.q, od=o.d,
             arrivals=self.arrivals, t=t, n_k_heads=hp.ssm_k_heads, eps=hp.eps)
@@ -221,7 +218,7 @@ class Prefill:
                                     offsets=self.offsets, pairs=self.pairs, act=self.act, y=self.y, k=F, m=H,
                                     t=t, n_expert=E, topk=K)
         # the shared expert: the stacks' last expert, every token routed to it once
-        shared = dict(offsets=self.shared_offsets, pairs=self.shared_pairs, t=t, n_expert=1)
+        shared = dict(offsets=self.one_offsets, pairs=self.one_pairs, t=t, n_expert=1)
         ffn.moe_gate_up_grouped.launch(seq, g._pick, label=p + "ffn_gate_up_shexp", QTYPE=qg, Q8=q8,
                                        wg=_expert(g, gate, E), wu=_expert(g, up, E), **shared, **x_in,
                                        act=self.act_shared, k=H, m=F, topk=1)
@@ -234,19 +231,17 @@ class Prefill:
         self._next_norm(seq, i, t)
 
     def _ffn(self, seq, i: int, t: int) -> None:
-        """The dense SwiGLU: gate·up per token (the fused decode kernel on row slices), the down
-        projection for the chunk."""
-        g, hp, p = self.g, self.hp, f"blk.{i}."
+        """The dense SwiGLU for the chunk: gate·up as the grouped expert product with every token
+        routed to the one pair of matrices, then the down projection."""
+        g, p = self.g, f"blk.{i}."
         gate, up = p + "ffn_gate.weight", p + "ffn_up.weight"
         m, k = g.tensors.shape(gate)[-2:]
         q8 = g._int8(gate)
-        n, H = self.normed, hp.hidden
-        for j in range(t):
-            ffn.ffn_gate_up.launch(seq, g._pick, label=gate.removesuffix(".weight") + "+up", QTYPE=g._qname(gate),
-                                   Q8=q8, EXPERTS=False, wg=g.weights[gate], wu=g.weights[up], ids=self._step(j),
-                                   act=_row(self.act, j, 4 * m), k=k, m=m, slots=1,
-                                   **(dict(xq=_row(n.q, j, H), xd=_row(n.d, j, H // 4)) if q8
-                                      else dict(x=_row(n.f32, j, 4 * H))))
+        n = self.normed
+        ffn.moe_gate_up_grouped.launch(seq, g._pick, label=p + "ffn_gate_up", QTYPE=g._qname(gate), Q8=q8,
+                                       wg=g.weights[gate], wu=g.weights[up], offsets=self.one_offsets,
+                                       pairs=self.one_pairs, **(dict(xq=n.q, xd=n.d) if q8 else dict(x=n.f32)),
+                                       act=self.act, k=k, m=m, topk=1, t=t, n_expert=1)
         self._project(seq, p + "ffn_down.weight", self.x, t, SimpleNamespace(f32=self.act, q=None), add=True)
         self._next_norm(seq, i, t)
 
@@ -263,11 +258,6 @@ def _expert(g, stack: str, e: int):
     return g.weights[stack].slice(e * n, n)
 
 
-def _row(buf, i: int, nbytes: int):
-    """Row i of a chunk buffer whose rows are nbytes long, back to back."""
-    return buf.slice(i * nbytes, nbytes)
-
-
 def chunk_buffers(hp, chunk: int) -> list[tuple[str, int]]:
     """(name, bytes) of the prefill's buffers for chunks of up to `chunk` tokens (buffers.py adds
     them to the plan as scratch)."""
@@ -281,7 +271,8 @@ def chunk_buffers(hp, chunk: int) -> list[tuple[str, int]]:
            *vector("chunk.normed", H), ("chunk.qg", 8 * chunk * qd), ("chunk.q", 4 * chunk * qd),
            ("chunk.k", 4 * chunk * kvd), ("chunk.v", 4 * chunk * kvd), *vector("chunk.attn_o", qd),
            ("chunk.mix", 4 * chunk * C), ("chunk.z", 4 * chunk * vd), ("chunk.ba", 8 * chunk * hp.ssm_v_heads),
-           *vector("chunk.deltanet_out", vd), ("chunk.arrivals", 4)]
+           *vector("chunk.deltanet_out", vd), ("chunk.arrivals", 4), ("chunk.one_offsets", 8),
+           ("chunk.one_pairs", 4 * chunk)]
     if hp.moe:
         E, K, F = hp.n_experts, hp.n_experts_used, hp.expert_ffn
         out += [("chunk.router_logits", 4 * chunk * (E + 1)), ("chunk.expert_counts", 4 * E),
@@ -289,7 +280,7 @@ def chunk_buffers(hp, chunk: int) -> list[tuple[str, int]]:
                 ("chunk.expert_offsets", 4 * (E + 1)), ("chunk.pairs", 4 * chunk * K),
                 ("chunk.act", 4 * chunk * K * F), ("chunk.pair_out", 4 * chunk * K * H),
                 ("chunk.act_shared", 4 * chunk * F), ("chunk.shared_out", 4 * chunk * H),
-                ("chunk.shared_offsets", 4 * 2), ("chunk.shared_pairs", 4 * chunk)]
+                ]
     else:
         out.append(("chunk.act", 4 * chunk * hp.ffn))
     return out
