@@ -1,7 +1,7 @@
 """Batched prefill (models/qwen35/prefill.py) against the token-by-token decode path and the numpy
 reference, on lavapipe: prompts of 1, 7, 64 and 300 tokens in chunks of 64 (the last crossing
-chunk boundaries and ending on a partial chunk), for the MoE and the dense tiny models and for
-weight types on the int8 and on the f32 path.
+chunk boundaries and ending on a partial chunk), for the MoE and the dense tiny models, weight
+types on the int8 and on the f32 path, and a real vocabulary.
 
 The two paths compute the same products in other tile shapes (summation orders), so a Q8_1
 activation that sits within rounding of a half step can land a step apart, and random layers carry
@@ -25,11 +25,15 @@ CHUNK = 64
 LOGITS, STATE = 0.08, 0.05
 
 
-@pytest.fixture(scope="module", params=[("tiny", "q4_k_m"), ("tiny-dense", "q4_k_m"), ("tiny", "f16")])
+@pytest.fixture(scope="module", params=[("tiny", "q4_k_m", None), ("tiny-dense", "q4_k_m", None), ("tiny", "q8_0", None),
+                                        ("tiny", "f16", None), ("tiny", "q4_k_m", "qwen35")],
+                ids=["moe-q4_k_m", "dense-q4_k_m", "moe-q8_0", "moe-f16", "moe-248k-vocab"])
 def model(request, tmp_path_factory):
-    preset, quant = request.param
-    path = tmp_path_factory.mktemp("models") / f"{preset}-{quant}.gguf"
-    synth.write(path, preset, quant=quant, seed=5)
+    """Q4_K_M mixes four int8 types, Q8_0 is one, F16 has no int8 decoder (the f32 path); the
+    last has Qwen3.5's 248,320-row output head."""
+    preset, quant, vocab = request.param
+    path = tmp_path_factory.mktemp("models") / f"{preset}-{quant}-{vocab}.gguf"
+    synth.write(path, preset, quant=quant, seed=5, vocab=synth.REAL_VOCABS[vocab] if vocab else None)
     return open_model(path)
 
 
