@@ -86,18 +86,20 @@ class _Layout:
         self.rows = [self.part + self.RP * r for r in range(D // self.RP)]
 
 
-def _conv_head(taps_of, conv_w, kh, h, n_k_heads, D: int, KC: int, WG: int):
+def conv_silu(conv_w, ch, taps, KC: int):
+    """silu of channel ch's causal conv over its KC inputs `taps`, oldest first (tap KC − 1: the
+    current token)."""
+    acc = conv_w[ch * KC + KC - 1] * taps[-1]
+    for j in range(KC - 1):
+        acc = zdsl.fma(conv_w[ch * KC + j], taps[j], acc)
+    return zdsl.silu(acc)
+
+
+def _conv_head(conv, kh, h, n_k_heads, D: int, WG: int):
     """q and k of key head kh and v of value head h through the causal conv and silu, into
     shared memory (then a barrier), with this invocation's shares of q·q, k·k and q·k.
-    taps_of(ch, shared_channel) gives channel ch's KC inputs, oldest first (shared_channel: a q
-    or k channel, which the other workgroups of key head kh read too)."""
-    def conv(ch, shared_channel):
-        taps = taps_of(ch, shared_channel)
-        acc = conv_w[ch * KC + KC - 1] * taps[-1]
-        for j in range(KC - 1):
-            acc = zdsl.fma(conv_w[ch * KC + j], taps[j], acc)
-        return zdsl.silu(acc)
-
+    conv(ch, shared_channel) gives channel ch's conv output (shared_channel: a q or k channel,
+    which the other workgroups of key head kh read too)."""
     qs, ks, vs = zdsl.shared(f32, D), zdsl.shared(f32, D), zdsl.shared(f32, D)
     qq, kk, qk = zdsl.var(0.0), zdsl.var(0.0), zdsl.var(0.0)
     for i in zdsl.range(zdsl.local_index(), D, WG):
@@ -205,16 +207,16 @@ def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32]
     owner = h < n_k_heads  # the one workgroup of key head kh that stores its q and k inputs
 
     def conv(ch, shared_channel):
-        """Channel ch's taps, oldest first; stores its input in the ring (q and k: by the owner)."""
+        """Channel ch's conv output; stores its input in the ring (q and k: by the owner)."""
         taps = [conv_state[past[j] * C + ch] for j in range(KC - 1)] + [mix[ch]]
         if shared_channel:
             with zdsl.if_(owner):
                 conv_state[now * C + ch] = taps[-1]
         else:
             conv_state[now * C + ch] = taps[-1]
-        return taps
+        return conv_silu(conv_w, ch, taps, KC)
 
-    qkv = _conv_head(conv, conv_w, kh, h, n_k_heads, D, KC, WG)
+    qkv = _conv_head(conv, kh, h, n_k_heads, D, WG)
     qq, kk, qk, b, a = workgroup_sums([*qkv.sums, b_part, a_part], WG, SG)
     S, o = _delta_rule(lay, S, qkv, qq, kk, qk, _decay(ssm_a, dt_bias, h, a), zdsl.sigmoid(b), eps)
     for s, i in zip(S, lay.rows):
@@ -291,35 +293,86 @@ def deltanet_step_example(use, rng, check):
 
 
 def _prefill_traffic(v, s) -> int:
-    """Every buffer once: T rows of mix, z, β/α logits and out, the conv taps, the ring's KC − 1
-    slots read and up to KC written, the state read and written."""
+    """Every buffer once: T rows of conv, z, β/α logits and out, the chunk's last min(T, KC) mix
+    rows into the ring, the state read and written."""
     Hv, D, T = s.v_heads, v.D, s.t
     C = (2 * s.n_k_heads + Hv) * D
     out = T * (4 * Hv * D + (Hv * D + Hv * D // 4 if v.Q8 else 0))
-    return (4 * C * (T + v.KC + v.KC - 1 + min(T, v.KC)) + 32 + 4 * T * Hv * D + 8 * T * Hv + 8 * Hv + 4 * D
+    return (4 * C * (T + 2 * min(T, v.KC)) + 32 + 4 * T * Hv * D + 8 * T * Hv + 8 * Hv + 4 * D
             + 8 * Hv * D * D + out + 4)
+
+
+def chunk_taps(mix, conv_state, first, i, ch, C, KC: int):
+    """Channel ch's inputs of positions p0 + i − KC + 1 … p0 + i for token i of a chunk at p0,
+    oldest first: mix rows for positions ≥ p0, the ring (slot `first` holds p0's) for earlier ones."""
+    taps = []
+    for j in range(KC - 1):
+        r = i + (j + 1)  # KC more than the tap's offset from p0
+        in_chunk = r >= KC
+        from_mix = mix.load((r - KC) * C + ch, mask=in_chunk, other=0.0)
+        from_ring = conv_state.load(((first + r) % KC) * C + ch, mask=r < KC, other=0.0)
+        taps.append(zdsl.where(in_chunk, from_mix, from_ring))
+    return taps + [mix[i * C + ch]]
+
+
+@zdsl.kernel(workgroup="WG", variants={"WG": [64, 256]}, key=("channels",), sizes=("t",),
+             grid=lambda v, s: (-(-s.channels // v.WG), s.t),
+             traffic=lambda v, s: 4 * s.channels * (2 * s.t + v.KC + v.KC - 1))
+def deltanet_conv_rows(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32], step: Buffer[u32],
+                       conv: Buffer[f32], channels: u32, KC: Const = 4, WG: Const = 256):
+    """conv[i·C + c] = silu of channel c's causal conv for token i = workgroup_id(1) of a chunk at
+    p0 = step[0] (C = channels): the same sums, in the same order, as deltanet_step's. Reads the
+    ring, writes nothing of it (deltanet_prefill does, last)."""
+    ch = zdsl.workgroup_id(0) * WG + zdsl.local_index()
+    i = zdsl.workgroup_id(1)
+    with zdsl.if_(ch < channels):
+        taps = chunk_taps(mix, conv_state, step[0] % KC, i, ch, channels, KC)
+        conv[i * channels + ch] = conv_silu(conv_w, ch, taps, KC)
+
+
+@deltanet_conv_rows.reference
+def deltanet_conv_rows_ref(mix, conv_w, conv_state, pos):
+    """(T, C) silu(conv) of mix (T, C) after the ring conv_state (KC, C) at position pos, float64."""
+    f = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    T, KC = mix.shape[0], conv_state.shape[0]
+    hist = np.concatenate([f(conv_state[[(pos - KC + 1 + j) % KC for j in range(KC - 1)]]), f(mix)])
+    pre = sum(hist[j:j + T] * f(conv_w)[:, j] for j in range(KC))
+    return pre / (1 + np.exp(-pre))
+
+
+@deltanet_conv_rows.example
+def deltanet_conv_rows_example(use, rng, check):
+    KC, C, T = use.fixed["KC"], use.sizes["channels"], use.sizes["t"]
+    pos = 1001
+    args = dict(mix=inputs.normal(rng, T * C), conv_w=inputs.normal(rng, C * KC, 0.5),
+                conv_state=inputs.normal(rng, KC * C), step=inputs.step_words(pos, pos + T),
+                conv=np.zeros(T * C, np.float32), channels=C, t=T)
+    want = deltanet_conv_rows_ref(args["mix"].reshape(T, C), args["conv_w"].reshape(C, KC),
+                                  args["conv_state"].reshape(KC, C), pos)
+    return zdsl.Example(args, lambda p: {"conv": (want.reshape(-1), 1e-5)})
 
 
 @zdsl.kernel(workgroup="WG", subgroup="SG",
              variants={"D": [128], "WG": [256, 512], "Q8": [False, True], "SG": SUBGROUPS},
              where=_layout_fits, sizes=("v_heads",), grid=lambda v, s: s.v_heads, traffic=_prefill_traffic)
-def deltanet_prefill(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32], step: Buffer[u32],
+def deltanet_prefill(mix: Buffer[f32], conv: Buffer[f32], conv_state: Buffer[f32], step: Buffer[u32],
                      z: Buffer[f32], ba: Buffer[f32], ssm_a: Buffer[f32], dt_bias: Buffer[f32], norm_w: Buffer[f32],
                      state: Buffer[f32], out: Buffer[f32], oq: Buffer[u32], od: Buffer[f32], arrivals: Buffer[u32],
                      t: u32, n_k_heads: u32, eps: f32, D: Const = 128, KC: Const = 4, WG: Const = 256,
                      Q8: Const = False, SG: Const = 32):
     """`deltanet_step` for a chunk of t tokens at positions p0 = step[0] … p0 + t − 1 in one
-    dispatch, from t rows of mix (C channels), z (heads × D) and ba (the gate logits the graph
-    projected for all t tokens at once: [b_0 … b_{heads−1}, a_0 … a_{heads−1}], b = w_ba[h] · x,
-    a = w_ba[heads + h] · x), into t rows of out (with Q8 also oq, od: their Q8_1 blocks back to back).
-    Workgroup h (value head; the launch names v_heads, the grid) keeps its state in registers
-    (`_Layout`) and runs the tokens in order, each as deltanet_step does. Token i's taps read the
-    inputs of positions p0 + i − KC + 1 … p0 + i: mix rows for those ≥ p0, the ring for earlier
-    ones. Every workgroup of a key head reads the ring's q and k slots, so nobody writes the ring
-    before all have read it: the workgroup that finishes last (arrivals[0] counts them: 0 before,
-    0 after) stores the chunk's last min(t, KC) mix rows in their slots (p % KC), leaving the ring
-    and the state as t deltanet_step dispatches would. Token-serial: the chunked (WY) form, which
-    trades the t state passes for matrix products, is a later optimisation."""
+    dispatch, from t rows of conv (the C channels' causal conv and silu, by deltanet_conv_rows
+    first: it is no recurrence, so it stays out of the token loop), z (heads × D) and ba (the
+    gate logits the graph projected for all t tokens at once: [b_0 … b_{heads−1}, a_0 …
+    a_{heads−1}], b = w_ba[h] · x, a = w_ba[heads + h] · x), into t rows of out (with Q8 also
+    oq, od: their Q8_1 blocks back to back). Workgroup h (value head; the launch names v_heads,
+    the grid) keeps its state in registers (`_Layout`) and runs the tokens in order, each as
+    deltanet_step does. deltanet_conv_rows reads the ring, and every workgroup of a key head
+    would read its q and k slots, so the ring is written last: by the workgroup that finishes
+    last (arrivals[0] counts them: 0 before, 0 after), which stores the chunk's last min(t, KC)
+    mix rows in their slots (p % KC), leaving the ring and the state as t deltanet_step
+    dispatches would. Token-serial: the chunked (WY) form, which trades the t state passes for
+    matrix products, is a later optimisation."""
     if not _layout_fits(SimpleNamespace(D=D, WG=WG, SG=SG)):
         raise zdsl.ZdslError(f"deltanet_prefill needs 4 | D, D/4 | WG and WG / (D/4) | D, not D={D}, WG={WG}")
     h, Hv = zdsl.workgroup_id(), zdsl.num_workgroups()
@@ -332,18 +385,7 @@ def deltanet_prefill(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f
         gate = z.vec4[(i * Hv + h) * lay.quads + lay.c]
         b, a = ba[i * 2 * Hv + h], ba[i * 2 * Hv + Hv + h]
 
-        def taps_of(ch, shared_channel):
-            """Channel ch's inputs of positions p0 + i − KC + 1 … p0 + i (tap j: p0 + i + j + 1 − KC)."""
-            taps = []
-            for j in range(KC - 1):
-                r = i + (j + 1)  # KC more than the tap's offset from p0
-                in_chunk = r >= KC
-                from_mix = mix.load((r - KC) * C + ch, mask=in_chunk, other=0.0)
-                from_ring = conv_state.load(((first + r) % KC) * C + ch, mask=r < KC, other=0.0)
-                taps.append(zdsl.where(in_chunk, from_mix, from_ring))
-            return taps + [mix[i * C + ch]]
-
-        qkv = _conv_head(taps_of, conv_w, kh, h, n_k_heads, D, KC, WG)
+        qkv = _conv_head(lambda ch, shared_channel: conv[i * C + ch], kh, h, n_k_heads, D, WG)
         qq, kk, qk = workgroup_sums(qkv.sums, WG, SG)
         new, o = _delta_rule(lay, S, qkv, qq, kk, qk, _decay(ssm_a, dt_bias, h, a), zdsl.sigmoid(b), eps)
         for s, n in zip(S, new):
@@ -403,8 +445,8 @@ def deltanet_prefill_example(use, rng, check):
     Hk, Hv, T, eps = use.sizes["n_k_heads"], use.sizes["v_heads"], use.sizes["t"], use.sizes["eps"]
     C = (2 * Hk + Hv) * D
     pos = 1001  # the taps read a wrapped ring
-    args = dict(mix=inputs.normal(rng, T * C), conv_w=inputs.normal(rng, C * KC, 0.5),
-                conv_state=inputs.normal(rng, KC * C), step=inputs.step_words(pos, pos + T),
+    conv_w = inputs.normal(rng, C * KC, 0.5)
+    args = dict(mix=inputs.normal(rng, T * C), conv_state=inputs.normal(rng, KC * C), step=inputs.step_words(pos, pos + T),
                 z=inputs.normal(rng, T * Hv * D, 2.0), ba=inputs.normal(rng, T * 2 * Hv),
                 ssm_a=-np.exp(rng.standard_normal(Hv)).astype(np.float32), dt_bias=inputs.normal(rng, Hv),
                 norm_w=inputs.normal(rng, D), state=inputs.normal(rng, Hv * D * D, 0.5),
@@ -413,10 +455,12 @@ def deltanet_prefill_example(use, rng, check):
     if q8:
         args.update(oq=np.zeros(T * Hv * D // 4, np.uint32), od=np.zeros(T * Hv * D // 16, np.float32))
     s0, ring0 = args["state"].copy(), args["conv_state"].copy()
+    args["conv"] = deltanet_conv_rows_ref(args["mix"].reshape(T, C), conv_w.reshape(C, KC), ring0.reshape(KC, C),
+                                          pos).astype(np.float32).reshape(-1)
 
     def expect(p):
         out, state, ring = deltanet_prefill_ref(
-            args["mix"].reshape(T, C), args["conv_w"].reshape(C, KC), ring0.reshape(KC, C), pos,
+            args["mix"].reshape(T, C), conv_w.reshape(C, KC), ring0.reshape(KC, C), pos,
             args["z"].reshape(T, -1), args["ba"].reshape(T, -1), args["ssm_a"], args["dt_bias"], args["norm_w"],
             s0.reshape(Hv, D, D), Hk, eps)
         q8_out = {"od": (inputs.q8_1_scales(out), 1e-4)} if q8 else {}

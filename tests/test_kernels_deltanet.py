@@ -182,12 +182,18 @@ def test_several_tokens(backend, request):
 
 def prefill(backend, request, x, state, pos, n_k_heads, wg, sg, q8, t=None):
     """x: the chunk's inputs (mix (rows, C), conv_w (C, KC), conv_state (KC, C), z (rows, Hv·D),
-    ba (rows, 2·Hv), ssm_a, dt_bias, norm_w); the kernel runs the first t rows (all by default)."""
+    ba (rows, 2·Hv), ssm_a, dt_bias, norm_w); deltanet_conv_rows then deltanet_prefill run the
+    first t rows (all by default)."""
     Hv, D = state.shape[:2]
     rows = x["mix"].shape[0]
     t = rows if t is None else t
     KC = x["conv_state"].shape[0]
     args = {n: np.ascontiguousarray(a).reshape(-1) for n, a in x.items()}
+    C = x["mix"].shape[1]
+    conv = dn.deltanet_conv_rows.specialize(KC=KC, WG=64)  # the chunk's conv first, as the graph runs it
+    args["conv"] = run(conv, backend, request, conv.groups(channels=C, t=t), mix=args["mix"], conv_w=args.pop("conv_w"),
+                       conv_state=args["conv_state"], step=inputs.step_words(pos, pos + t),
+                       conv=np.full(rows * C, np.nan, np.float32), channels=C)["conv"]
     n = rows * Hv * D
     q8_out = dict(oq=np.zeros(n // 4, np.uint32), od=np.full(n // 16, np.nan, np.float32)) if q8 else {}
     out = run(dn.deltanet_prefill.specialize(D=D, KC=KC, WG=wg, Q8=q8, SG=sg), backend, request, Hv, **args,

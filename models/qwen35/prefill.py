@@ -49,7 +49,7 @@ class Prefill:
         self.normed = g.vector_of(b, "chunk.normed")
         self.qg, self.q, self.k, self.v = b["chunk.qg"], b["chunk.q"], b["chunk.k"], b["chunk.v"]
         self.attn_o = g.vector_of(b, "chunk.attn_o")
-        self.mix, self.z, self.ba = b["chunk.mix"], b["chunk.z"], b["chunk.ba"]
+        self.mix, self.conv, self.z, self.ba = b["chunk.mix"], b["chunk.conv"], b["chunk.z"], b["chunk.ba"]
         self.dn_out = g.vector_of(b, "chunk.deltanet_out")
         self.arrivals = b["chunk.arrivals"]
         self.act = b["chunk.act"]
@@ -179,10 +179,13 @@ class Prefill:
         self._project(seq, p + "attn_gate.weight", self.z, t)
         self._project(seq, p + "ssm_beta_alpha.weight", self.ba, t)
         o = self.dn_out
+        deltanet.deltanet_conv_rows.launch(seq, g._pick, label=p + "ssm_conv", KC=hp.conv_kernel, mix=self.mix,
+                                           conv_w=g.weights[p + "ssm_conv1d.weight"], conv_state=g.conv_state[i],
+                                           step=self.steps, conv=self.conv, channels=hp.conv_channels, t=t)
         deltanet.deltanet_prefill.launch(
-            seq, g._pick, label=p + "ssm_conv+chunk", D=hp.ssm_head_dim, KC=hp.conv_kernel,
+            seq, g._pick, label=p + "ssm_chunk", D=hp.ssm_head_dim, KC=hp.conv_kernel,
             Q8=g._int8(p + "ssm_out.weight"), v_heads=hp.ssm_v_heads, mix=self.mix,
-            conv_w=g.weights[p + "ssm_conv1d.weight"], conv_state=g.conv_state[i], step=self.steps, z=self.z,
+            conv=self.conv, conv_state=g.conv_state[i], step=self.steps, z=self.z,
             ba=self.ba, ssm_a=g.weights[p + "ssm_a"], dt_bias=g.weights[p + "ssm_dt.bias"],
             norm_w=g.weights[p + "ssm_norm.weight"], state=g.ssm_state[i], out=o.f32, oq=o.q, od=o.d,
             arrivals=self.arrivals, t=t, n_k_heads=hp.ssm_k_heads, eps=hp.eps)
@@ -270,7 +273,7 @@ def chunk_buffers(hp, chunk: int) -> list[tuple[str, int]]:
     out = [("chunk.tokens", 4 * chunk), ("chunk.steps", 4 * STEP_WORDS * chunk), ("chunk.x", 4 * chunk * H),
            *vector("chunk.normed", H), ("chunk.qg", 8 * chunk * qd), ("chunk.q", 4 * chunk * qd),
            ("chunk.k", 4 * chunk * kvd), ("chunk.v", 4 * chunk * kvd), *vector("chunk.attn_o", qd),
-           ("chunk.mix", 4 * chunk * C), ("chunk.z", 4 * chunk * vd), ("chunk.ba", 8 * chunk * hp.ssm_v_heads),
+           ("chunk.mix", 4 * chunk * C), ("chunk.conv", 4 * chunk * C), ("chunk.z", 4 * chunk * vd), ("chunk.ba", 8 * chunk * hp.ssm_v_heads),
            *vector("chunk.deltanet_out", vd), ("chunk.arrivals", 4), ("chunk.one_offsets", 8),
            ("chunk.one_pairs", 4 * chunk)]
     if hp.moe:
