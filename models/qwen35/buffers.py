@@ -26,6 +26,7 @@ KINDS = ("weights", "KV cache", "recurrent state", "scratch")
 ATTN_MIN_CHUNK = 64
 ATTN_MAX_SPLITS = 256
 STEP_WORDS = 8  # step[0] position, [1] length, [2] token id, [3] sampler counter
+CHUNK = 512  # prompt tokens a prefill chunk holds at most (prefill.py)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,11 @@ class Spec:
 def tensor_bytes(t) -> int:
     """Bytes of a graph tensor (weights.GraphTensor) as stored."""
     return int(np.prod(t.shape[:-1], dtype=np.int64)) * row_bytes(t.qtype, t.shape[-1])
+
+
+def f32(name: str, n: int) -> Spec:
+    """An f32 activation of n values (room for one where n is 0)."""
+    return Spec(name, 4 * max(n, 1), "scratch")
 
 
 def vector(name: str, n: int) -> list[Spec]:
@@ -55,13 +61,10 @@ def decode_buffers(hp, tensors, n_ctx: int, candidates: int, checkpoint: bool = 
     """The decode graph's buffers for hyperparameters `hp`, the graph's weights `tensors`
     (weights.GraphWeights), a context of n_ctx tokens and `candidates` bytes of sampler room;
     with `checkpoint`, a twin of the sequence state that steps overwrite (DecodeGraph.checkpoint);
-    with `chunk`, the prompt path's buffers for chunks of that many tokens (prefill.py)."""
+    with `chunk`, the prompt path's buffers for chunks of that many tokens (at most n_ctx)."""
     H, C, vd = hp.hidden, hp.conv_channels, hp.ssm_value_dim
     qd, kvd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
     splits = split_count(n_ctx, ATTN_MIN_CHUNK, ATTN_MAX_SPLITS)
-
-    def f32(name: str, n: int) -> Spec:
-        return Spec(name, 4 * max(n, 1), "scratch")
 
     specs = [Spec(name, tensor_bytes(t), "weights") for name, t in tensors.tensors.items()]
     specs += [Spec("step", 4 * STEP_WORDS, "scratch"), f32("x", H), f32("logits", hp.vocab), *vector("normed", H),
@@ -89,8 +92,31 @@ def decode_buffers(hp, tensors, n_ctx: int, candidates: int, checkpoint: bool = 
     if checkpoint:
         specs += [Spec(SAVED + s.name, s.nbytes, s.kind) for s in specs if s.name in checkpointed(hp)]
     if chunk:
-        from zdsl.models.qwen35.prefill import chunk_buffers
-        specs += [Spec(name, n, "scratch") for name, n in chunk_buffers(hp, chunk)]
+        specs += chunk_buffers(hp, min(chunk, n_ctx))
+    return specs
+
+
+def chunk_buffers(hp, chunk: int) -> list[Spec]:
+    """The prompt path's buffers (prefill.py): rows of every activation for chunks of up to
+    `chunk` tokens, their steps and tokens, the MoE's routing and grouping."""
+    H, C, vd = hp.hidden, hp.conv_channels, hp.ssm_value_dim
+    qd, kvd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
+    specs = [Spec("chunk.tokens", 4 * chunk, "scratch"), Spec("chunk.steps", 4 * STEP_WORDS * chunk, "scratch"),
+             f32("chunk.x", chunk * H), *vector("chunk.normed", chunk * H), f32("chunk.qg", 2 * chunk * qd),
+             f32("chunk.q", chunk * qd), f32("chunk.k", chunk * kvd), f32("chunk.v", chunk * kvd),
+             *vector("chunk.attn_o", chunk * qd), f32("chunk.mix", chunk * C), f32("chunk.conv", chunk * C),
+             f32("chunk.z", chunk * vd), f32("chunk.ba", 2 * chunk * hp.ssm_v_heads),
+             *vector("chunk.deltanet_out", chunk * vd), Spec("chunk.arrivals", 4, "scratch"),
+             Spec("chunk.one_offsets", 8, "scratch"), Spec("chunk.one_pairs", 4 * chunk, "scratch")]
+    if hp.moe:
+        E, K, F = hp.n_experts, hp.n_experts_used, hp.expert_ffn
+        specs += [f32("chunk.router_logits", chunk * (E + 1)), Spec("chunk.expert_counts", 4 * E, "scratch"),
+                  Spec("chunk.route_ids", 4 * chunk * K, "scratch"), f32("chunk.route_weights", chunk * K),
+                  Spec("chunk.expert_offsets", 4 * (E + 1), "scratch"), Spec("chunk.pairs", 4 * chunk * K, "scratch"),
+                  f32("chunk.act", chunk * K * F), f32("chunk.pair_out", chunk * K * H),
+                  f32("chunk.act_shared", chunk * F), f32("chunk.shared_out", chunk * H)]
+    else:
+        specs.append(f32("chunk.act", chunk * hp.ffn))
     return specs
 
 

@@ -28,10 +28,10 @@ from zdsl.errors import ZdslError
 from zdsl.kernels import attention, deltanet, dmmv, embedding, ffn, moe, q8_1, sampling, steps
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS
 from zdsl.runtime.memory import fmt_bytes
-from zdsl.models.qwen35.buffers import (ATTN_MAX_SPLITS, ATTN_MIN_CHUNK, SAVED, STEP_WORDS, check_fits, checkpointed,
-                                        decode_buffers)
+from zdsl.models.qwen35.buffers import (ATTN_MAX_SPLITS, ATTN_MIN_CHUNK, CHUNK, SAVED, STEP_WORDS, check_fits,
+                                        checkpointed, decode_buffers)
 from zdsl.models.qwen35.gguf_file import ModelFile
-from zdsl.models.qwen35.prefill import CHUNK, Prefill
+from zdsl.models.qwen35.prefill import Prefill
 from zdsl.models.qwen35.sampler import SamplerConfig
 from zdsl.models.qwen35.weights import file_ranges, graph_weights
 
@@ -65,8 +65,7 @@ def plan_buffers(model: ModelFile, info, n_ctx: int, sampler: SamplerConfig, tun
     one is made: to show and check the memory plan up front."""
     groups = sampler_kernels(lambda kernel, key, fixed: choose(kernel, info, key, db=tuning, **fixed),
                              model.hparams.vocab, sampler)[2]
-    return decode_buffers(model.hparams, graph_weights(model), n_ctx, candidate_bytes(sampler, groups),
-                          chunk=min(CHUNK, n_ctx))
+    return decode_buffers(model.hparams, graph_weights(model), n_ctx, candidate_bytes(sampler, groups), chunk=CHUNK)
 
 
 def record_launches(model, info, n_ctx: int, sampler: SamplerConfig | None = None, tuning: Database | None = None):
@@ -111,8 +110,7 @@ class DecodeGraph:
 
     def buffers(self, n_ctx: int) -> list:
         """Every device buffer the graph holds at a context of n_ctx tokens (buffers.py)."""
-        return decode_buffers(self.hp, self.tensors, n_ctx, self._candidate_bytes(), self.can_checkpoint,
-                              min(self.chunk, n_ctx))
+        return decode_buffers(self.hp, self.tensors, n_ctx, self._candidate_bytes(), self.can_checkpoint, self.chunk)
 
     def _prepare_kernels(self, progress: bool) -> float:
         """Record the step (building the kernels not built before) and run it once, and a short

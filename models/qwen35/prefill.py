@@ -8,9 +8,9 @@ serves a tile of tokens), the delta-net's conv and delta rule for the chunk in o
 the tokens routed to it (moe_route_rows, moe_group, the grouped products, moe_combine_rows; a
 dense FFN is the grouped gate·up with every token routed to its one pair of matrices), and causal
 attention of the chunk's queries over the cache (attn_prep_rows, attn_prefill). The chunk leaves
-the caches and
-states exactly as t decode steps would, so decoding continues from them; the last prompt token
-goes through the ordinary decode step, whose logits give the first generated token.
+the caches and states exactly as t decode steps would, so decoding continues from them; the last
+prompt token goes through the ordinary decode step, whose logits give the first generated token.
+Its buffers are planned with the decode graph's (buffers.chunk_buffers).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from zdsl.kernels import attention, deltanet, embedding, ffn, matmul, moe, q8_1,
 from zdsl.kernels.formats import row_bytes
 from zdsl.models.qwen35.buffers import STEP_WORDS
 
-CHUNK = 512  # tokens a chunk holds at most
 ROW_ALIGN = 256  # regions of the host buffer start at multiples of this (any device binds them)
 
 
@@ -130,7 +129,6 @@ class Prefill:
             (self._attention if hp.attention[i] else self._deltanet)(seq, i, t)
             (self._moe if hp.moe else self._ffn)(seq, i, t)
         return seq
-
 
     def _norm(self, seq, norm: str, t: int) -> None:
         n = self.normed
@@ -253,37 +251,8 @@ class Prefill:
             self._norm(seq, f"blk.{i + 1}.attn_norm.weight", t)
 
 
-
 def _expert(g, stack: str, e: int):
     """Expert e's matrix of a stack of experts' weights (a slice of its buffer)."""
     m, k = g.tensors.shape(stack)[-2:]
     n = m * row_bytes(g.tensors.qtype(stack), k)
     return g.weights[stack].slice(e * n, n)
-
-
-def chunk_buffers(hp, chunk: int) -> list[tuple[str, int]]:
-    """(name, bytes) of the prefill's buffers for chunks of up to `chunk` tokens (buffers.py adds
-    them to the plan as scratch)."""
-    H, C, vd = hp.hidden, hp.conv_channels, hp.ssm_value_dim
-    qd, kvd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
-
-    def vector(name, n):
-        return [(name, 4 * chunk * n), (name + "_q8_1", chunk * n), (name + "_q8_1_scales", 4 * chunk * n // 16)]
-
-    out = [("chunk.tokens", 4 * chunk), ("chunk.steps", 4 * STEP_WORDS * chunk), ("chunk.x", 4 * chunk * H),
-           *vector("chunk.normed", H), ("chunk.qg", 8 * chunk * qd), ("chunk.q", 4 * chunk * qd),
-           ("chunk.k", 4 * chunk * kvd), ("chunk.v", 4 * chunk * kvd), *vector("chunk.attn_o", qd),
-           ("chunk.mix", 4 * chunk * C), ("chunk.conv", 4 * chunk * C), ("chunk.z", 4 * chunk * vd), ("chunk.ba", 8 * chunk * hp.ssm_v_heads),
-           *vector("chunk.deltanet_out", vd), ("chunk.arrivals", 4), ("chunk.one_offsets", 8),
-           ("chunk.one_pairs", 4 * chunk)]
-    if hp.moe:
-        E, K, F = hp.n_experts, hp.n_experts_used, hp.expert_ffn
-        out += [("chunk.router_logits", 4 * chunk * (E + 1)), ("chunk.expert_counts", 4 * E),
-                ("chunk.route_ids", 4 * chunk * K), ("chunk.route_weights", 4 * chunk * K),
-                ("chunk.expert_offsets", 4 * (E + 1)), ("chunk.pairs", 4 * chunk * K),
-                ("chunk.act", 4 * chunk * K * F), ("chunk.pair_out", 4 * chunk * K * H),
-                ("chunk.act_shared", 4 * chunk * F), ("chunk.shared_out", 4 * chunk * H),
-                ]
-    else:
-        out.append(("chunk.act", 4 * chunk * hp.ffn))
-    return out
