@@ -261,20 +261,32 @@ def store_rows(y, sums, group: Rows, m, COLS, old=None, cols=None, live=None):
                             y[c * m + group.first + r] = value
 
 
+def decoder(QTYPE: str, Q8: bool):
+    """(format, its set-up, Q8) for row_dots: the set-up (shared tables, a barrier) runs once, at
+    the kernel's start, outside any loop over tiles."""
+    f = int8_decoder(QTYPE) if Q8 else fmt(QTYPE)
+    return f, None if Q8 else f.setup(), Q8
+
+
+def row_dots(f, ctx, Q8: bool, rows, x, xq, xd, x_bases, nblocks, group: Rows):
+    """acc[row][col]: this invocation's partial products of the weight rows (buffer, byte offset)
+    with the activation vectors at x_bases: f32 x, or with Q8 Q8_1 xq/xd (f, ctx, Q8 from
+    `decoder`). Each weight block is decoded once for all the columns."""
+    if Q8:
+        return block_loop(f.iparts, nblocks, group, len(rows), len(x_bases),
+                          lambda b, part: q8_step(f, rows, xq, xd, x_bases, b, part))
+    return block_dots(f, ctx, rows, x, x_bases, nblocks, group)
+
+
 def project(w, x, xq, xd, y, k, m, QTYPE: str, Q8: bool, group: Rows, COLS=1, ADD=False, cols=None, live=None):
     """The group's rows of y (+)= W · x for COLS activation vectors: f32 x, or Q8_1 xq/xd. The
     vectors are 0 .. COLS − 1, or those `cols` names (stores skipped where `live` is false)."""
-    f = int8_decoder(QTYPE) if Q8 else fmt(QTYPE)
-    ctx = None if Q8 else f.setup()
+    f, ctx, _ = decoder(QTYPE, Q8)
     nblocks = k // f.block
     rows = [(w, r * (nblocks * f.nbytes)) for r in group.clamped(m)]
     x_bases = [c * k for c in (cols if cols is not None else range(COLS))]
     old = old_rows(y, group, m, COLS, ADD, cols)
-    if Q8:
-        acc = block_loop(f.iparts, nblocks, group, group.count, COLS,
-                         lambda b, part: q8_step(f, rows, xq, xd, x_bases, b, part))
-    else:
-        acc = block_dots(f, ctx, rows, x, x_bases, nblocks, group)
+    acc = row_dots(f, ctx, Q8, rows, x, xq, xd, x_bases, nblocks, group)
     sums = group.sums([acc[r][c] for r in range(group.count) for c in range(COLS)])
     store_rows(y, sums, group, m, COLS, old, cols, live)
 

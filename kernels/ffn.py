@@ -12,8 +12,8 @@ import numpy as np
 import zdsl
 from zdsl import Buffer, Const, Spec, boolean, f32, u8, u32
 from zdsl.kernels import inputs
-from zdsl.kernels.dmmv import (EXPERT_QTYPES, NSUBS, QTYPES, Rows, block_dots, block_loop, block_step, dequant_rows,
-                               input_bytes, int8_decoder, old_rows, q8_step, row_groups, store_rows, workgroup)
+from zdsl.kernels.dmmv import (EXPERT_QTYPES, NSUBS, QTYPES, Rows, block_step, decoder, dequant_rows, input_bytes,
+                               old_rows, row_dots, row_groups, store_rows, workgroup)
 from zdsl.kernels.q8_1 import q8_1_values
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS, fmt
 from zdsl.kernels.reduce import SUBGROUPS
@@ -43,26 +43,14 @@ def ffn_gate_up(wg: Buffer[u8], wu: Buffer[u8], ids: Buffer[u32], x: Buffer[f32]
     store_swiglu(act, tile_sums(group, acc), group, m, [slot])
 
 
-def decoder(QTYPE: str, Q8: bool):
-    """(format, its set-up, Q8) for expert_dots: the set-up (shared tables, a barrier) runs once,
-    at the kernel's start, outside any loop over tiles."""
-    f = int8_decoder(QTYPE) if Q8 else fmt(QTYPE)
-    return f, None if Q8 else f.setup(), Q8
-
-
 def expert_dots(f, ctx, Q8: bool, stacks, expert, x, xq, xd, x_bases, k, m, group: Rows):
-    """acc[row][col]: this invocation's partial products of the group's rows of expert `expert`
-    in each stack of `stacks` (m rows per expert; the first stack's rows first) with the
-    activation vectors at x_bases: f32 x, or with Q8 Q8_1 xq/xd (f, ctx, Q8 from `decoder`).
-    Each weight block is decoded once for all the columns."""
+    """row_dots of the group's rows of expert `expert` in each stack of `stacks` (m rows per
+    expert; the first stack's rows first) (f, ctx, Q8 from dmmv.decoder)."""
     nblocks = k // f.block
     row_bytes = nblocks * f.nbytes
     base = expert * (m * row_bytes)
     rows = [(w, base + r * row_bytes) for w in stacks for r in group.clamped(m)]
-    if Q8:
-        return block_loop(f.iparts, nblocks, group, len(rows), len(x_bases),
-                          lambda b, part: q8_step(f, rows, xq, xd, x_bases, b, part))
-    return block_dots(f, ctx, rows, x, x_bases, nblocks, group)
+    return row_dots(f, ctx, Q8, rows, x, xq, xd, x_bases, nblocks, group)
 
 
 def tile_sums(group: Rows, acc):

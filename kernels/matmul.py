@@ -59,8 +59,8 @@ def mul_mm_example(use, rng, check):
     q, q8, add = use.fixed["QTYPE"], use.fixed.get("Q8", False), use.fixed.get("ADD", False)
     k, t = use.sizes["k"], use.sizes["t"]
     m = min(use.sizes["m"], inputs.CHECK_ROWS) if check else use.sizes["m"]
-    args = dict(w=inputs.rows(rng, q, m, k), **inputs.activations(rng, t * k, q8), y=inputs.normal(rng, t * m) if add else np.zeros(t * m, np.float32),
-                k=k, m=m, t=t)
+    y = inputs.normal(rng, t * m) if add else np.zeros(t * m, np.float32)
+    args = dict(w=inputs.rows(rng, q, m, k), **inputs.activations(rng, t * k, q8), y=y, k=k, m=m, t=t)
     y0 = args["y"].copy() if add else None
     return zdsl.Example(args, lambda p: {"y": (dmmv.project_ref(args, q, m, k, y0), 1e-4)},
                         lambda n: {"w": inputs.copies(args["w"], n)})

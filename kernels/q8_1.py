@@ -60,10 +60,9 @@ def write_normed(x, norm_w, hn, xq, xd, n, eps, WG: int, SG: int, row=0):
     """hn = rmsnorm(x) · norm_w for row `row` of n values (n a multiple of 32), in f32 and as Q8_1
     (xq, xd; rows back to back), by one workgroup of WG invocations. Two passes over x (Σx²,
     then the outputs) in 16-byte loads; invocation t takes quads t, t + WG, …, so eight
-    neighbours hold a block. The loops
-    are GPU loops, not unrolled: in the decode step this kernel's code comes from memory every
-    time (the weights streaming through L2 evict it), and code costs more than the latency that
-    unrolled loads would overlap (docs/PERF.md, 2026-11-24)."""
+    neighbours hold a block. The loops are GPU loops, not unrolled: in the decode step this
+    kernel's code comes from memory every time (the weights streaming through L2 evict it), and
+    code costs more than the latency that unrolled loads would overlap (docs/PERF.md, 2026-11-24)."""
     n4 = n >> 2
     first = row * n4
     t = zdsl.local_index()

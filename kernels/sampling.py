@@ -2,9 +2,8 @@
 
 `penalty_window` (one invocation, at the start of a step, or once for a prompt chunk) counts the
 input tokens into the penalties' window of the last N context tokens and uncounts those that
-leave it, so the
-window holds prompt and generated tokens alike (as llama.cpp's penalties do) at a cost that does
-not grow with the context. `sample_candidates` (many workgroups) penalises the logits of tokens
+leave it, so the window holds prompt and generated tokens alike (as llama.cpp's penalties do) at
+a cost that does not grow with the context. `sample_candidates` (many workgroups) penalises the logits of tokens
 in the window and keeps each workgroup's CAP best (logit, id) pairs; `sample_draw` (one
 workgroup) merges them into the CAP best of the whole vocabulary and applies, in this order:
 top-k, min-p (relative to the most likely token, before temperature), temperature, top-p, then a
