@@ -7,11 +7,13 @@ types and int8 path serve them."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
 import zdsl
 from zdsl import Buffer, Const, Spec, boolean, f32, u8, u32
-from zdsl.kernels import inputs
+from zdsl.kernels import inputs, mma
 from zdsl.kernels.dmmv import (EXPERT_QTYPES, NSUBS, QTYPES, Rows, block_step, decoder, dequant_rows, input_bytes,
                                old_rows, row_dots, row_groups, store_rows, workgroup)
 from zdsl.kernels.q8_1 import q8_1_values
@@ -401,3 +403,125 @@ def moe_down_grouped_example(use, rng, check):
     args = dict(w=inputs.rows(rng, q, n_exp * m, k), act=inputs.normal(rng, t * K * k),
                 y=np.zeros(t * K * m, np.float32), k=k, m=m, **routing)
     return zdsl.Example(args, lambda p: {"y": (moe_down_grouped_ref(args["w"], ids, args["act"], q, m, k), 1e-4)})
+
+
+# The same grouped products on matrix units (mma.py): a workgroup owns BM rows of one expert's
+# weights (BM/2 gate rows and their up rows for gate·up) and walks the expert's pairs BN at a
+# time; each K step's weight tile is decoded once for BN tokens into shared memory.
+
+def _coop_tiles(offsets, pairs, BN: int, SPLIT: int, tiles: mma.Tiles, body):
+    """body(e, js, first, end) for each tile of BN pairs of this workgroup's expert (as
+    expert_tiles): js a shared array of the tile's pairs (past the expert's last, that one
+    again), first and end its place in pairs."""
+    wid = zdsl.workgroup_id(1)
+    e = wid // SPLIT
+    end = offsets[e + 1]
+    js = zdsl.shared(u32, BN)
+    for first in zdsl.range(offsets[e] + (wid % SPLIT) * BN, end, SPLIT * BN):
+        def place(u):
+            js[u] = pairs[zdsl.min(first + u, end - 1)]
+        tiles.spread(BN, place)  # read after the product's first barrier
+        body(e, js, first, end)
+        zdsl.barrier()  # the next tile rewrites js and C
+
+
+def _coop_grid(stacks: int):
+    return lambda v, s: (-(-s.m // (v.BM // stacks)), s.n_expert * v.SPLIT)
+
+
+_COOP = dict(workgroup=mma.workgroup, subgroup="SG", where=mma.fits, tune={"SPLIT": [1, 2]},
+             key=("k", "m", "n_expert", "t"))
+
+
+@zdsl.kernel(variants={"QTYPE": EXPERT_QTYPES, "BN": [16, 32], "SG": [32]}, sizes=("t", "n_expert"),
+             grid=_coop_grid(2), traffic=_gate_up_grouped_traffic, **_COOP)
+def moe_gate_up_coop(wg: Buffer[u8], wu: Buffer[u8], offsets: Buffer[u32], pairs: Buffer[u32], x: Buffer[f32],
+                     act: Buffer[f32], k: u32, m: u32, topk: u32, QTYPE: Const = "q4_k", BM: Const = 32,
+                     BN: Const = 32, BK: Const = 256, TM: Const = 1, TN: Const = 1, SPLIT: Const = 1,
+                     SG: Const = 32):
+    """moe_gate_up_grouped on matrix units, x in f32 and k a multiple of BK: workgroup (g, e)
+    makes rows g·BM/2 … of expert e's gate and up products for its pairs, then their SwiGLU."""
+    f, half = fmt(QTYPE), BM // 2
+    tiles = mma.Tiles(BM, BN, BK, TM, TN, mma.workgroup(SimpleNamespace(BM=BM, BN=BN, TM=TM, TN=TN, SG=SG)))
+    r0 = zdsl.workgroup_id(0) * half
+    row_bytes = (k // f.block) * f.nbytes
+    ctx = f.setup()
+
+    def tile(e, js, first, end):
+        rows = lambda i: (e * m + zdsl.min(r0 + i, m - 1)) * row_bytes  # noqa: E731
+        mma.product(tiles, f, ctx, [(wg, rows), (wu, rows)], x, lambda n: (js[n] // topk) * k, k)
+
+        def store(u):
+            n, i = u // half, u % half
+            with zdsl.if_((first + n < end) & (r0 + i < m)):
+                act[js[n] * m + r0 + i] = zdsl.silu(tiles.c[n * BM + i]) * tiles.c[n * BM + half + i]
+        tiles.spread(BN * half, store)
+    _coop_tiles(offsets, pairs, BN, SPLIT, tiles, tile)
+
+
+@moe_gate_up_coop.reference
+def moe_gate_up_coop_ref(wg_bytes, wu_bytes, ids, x, qtype, m, k):
+    """moe_gate_up_grouped_ref with the weights and x rounded to f16."""
+    f16 = lambda a: np.asarray(a, np.float32).astype(np.float16).astype(np.float64)  # noqa: E731
+    xs = f16(x).reshape(-1, k)
+    rows = xs[np.arange(len(ids)) // (len(ids) // len(xs))]
+    g, u = (f16(_stack(w, qtype, m, k))[np.asarray(ids)] for w in (wg_bytes, wu_bytes))
+    gate, up = np.einsum("jrk,jk->jr", g, rows), np.einsum("jrk,jk->jr", u, rows)
+    with np.errstate(over="ignore"):
+        return (gate / (1 + np.exp(-gate)) * up).reshape(-1)
+
+
+@moe_gate_up_coop.example
+def moe_gate_up_coop_example(use, rng, check):
+    q, k, m, n_exp = use.fixed["QTYPE"], use.sizes["k"], use.sizes["m"], use.sizes["n_expert"]
+    m = min(m, inputs.CHECK_ROWS) if check else m
+    n_exp = min(n_exp, 12) if check else n_exp
+    t, K, ids, routing = _grouped_args(rng, use, check, n_exp)
+    args = dict(wg=inputs.rows(rng, q, n_exp * m, k), wu=inputs.rows(rng, q, n_exp * m, k),
+                x=inputs.normal(rng, t * k), act=np.zeros(t * K * m, np.float32), k=k, m=m, **routing)
+    return zdsl.Example(args, lambda p: {"act": (moe_gate_up_coop_ref(args["wg"], args["wu"], ids, args["x"], q, m,
+                                                                      k), 1e-3)})
+
+
+@zdsl.kernel(variants={"QTYPE": EXPERT_QTYPES, "BN": [16, 32], "SG": [32]}, sizes=("t", "n_expert", "topk"),
+             grid=_coop_grid(1), traffic=_down_grouped_traffic, **_COOP)
+def moe_down_coop(w: Buffer[u8], offsets: Buffer[u32], pairs: Buffer[u32], act: Buffer[f32], y: Buffer[f32],
+                  k: u32, m: u32, QTYPE: Const = "q4_k", BM: Const = 32, BN: Const = 32, BK: Const = 256,
+                  TM: Const = 1, TN: Const = 1, SPLIT: Const = 1, SG: Const = 32):
+    """moe_down_grouped on matrix units, k a multiple of BK: workgroup (g, e) makes rows g·BM …
+    of y for expert e's pairs."""
+    f = fmt(QTYPE)
+    tiles = mma.Tiles(BM, BN, BK, TM, TN, mma.workgroup(SimpleNamespace(BM=BM, BN=BN, TM=TM, TN=TN, SG=SG)))
+    r0 = zdsl.workgroup_id(0) * BM
+    row_bytes = (k // f.block) * f.nbytes
+    ctx = f.setup()
+
+    def tile(e, js, first, end):
+        rows = lambda i: (e * m + zdsl.min(r0 + i, m - 1)) * row_bytes  # noqa: E731
+        mma.product(tiles, f, ctx, [(w, rows)], act, lambda n: js[n] * k, k)
+
+        def store(u):
+            n, i = u // BM, u % BM
+            with zdsl.if_((first + n < end) & (r0 + i < m)):
+                y[js[n] * m + r0 + i] = tiles.c[u]
+        tiles.spread(BN * BM, store)
+    _coop_tiles(offsets, pairs, BN, SPLIT, tiles, tile)
+
+
+@moe_down_coop.reference
+def moe_down_coop_ref(w_bytes, ids, act, qtype, m, k):
+    """moe_down_grouped_ref with the weights and act rounded to f16."""
+    a = np.asarray(act, np.float32).astype(np.float16).astype(np.float64).reshape(-1, k)
+    w = _stack(w_bytes, qtype, m, k).astype(np.float16).astype(np.float64)
+    return np.einsum("jrk,jk->jr", w[np.asarray(ids)], a).reshape(-1)
+
+
+@moe_down_coop.example
+def moe_down_coop_example(use, rng, check):
+    q, k, m, n_exp = use.fixed["QTYPE"], use.sizes["k"], use.sizes["m"], use.sizes["n_expert"]
+    m = min(m, inputs.CHECK_ROWS) if check else m
+    n_exp = min(n_exp, 12) if check else n_exp
+    t, K, ids, routing = _grouped_args(rng, use, check, n_exp)
+    args = dict(w=inputs.rows(rng, q, n_exp * m, k), act=inputs.normal(rng, t * K * k),
+                y=np.zeros(t * K * m, np.float32), k=k, m=m, **routing)
+    return zdsl.Example(args, lambda p: {"y": (moe_down_coop_ref(args["w"], ids, args["act"], q, m, k), 1e-3)})

@@ -11,13 +11,15 @@ the registers). The next step is tiles staged in shared memory (and cooperative 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
 import zdsl
 from zdsl import Buffer, Const, Spec, boolean, f32, u8, u32
-from zdsl.kernels import dmmv, inputs
+from zdsl.kernels import dmmv, inputs, mma
 from zdsl.kernels.dmmv import NSUBS, QTYPES, Rows, input_bytes, row_groups
-from zdsl.kernels.quant import INT8_FORMATS
+from zdsl.kernels.quant import INT8_FORMATS, fmt
 from zdsl.kernels.reduce import SUBGROUPS
 
 
@@ -63,4 +65,56 @@ def mul_mm_example(use, rng, check):
     args = dict(w=inputs.rows(rng, q, m, k), **inputs.activations(rng, t * k, q8), y=y, k=k, m=m, t=t)
     y0 = args["y"].copy() if add else None
     return zdsl.Example(args, lambda p: {"y": (dmmv.project_ref(args, q, m, k, y0), 1e-4)},
+                        lambda n: {"w": inputs.copies(args["w"], n)})
+
+
+def _coop_traffic(v, s) -> int:
+    """The weights once per token tile, the activations once per row tile, the outputs."""
+    return (-(-s.t // v.BN) * s.m * inputs.row_bytes(v.QTYPE, s.k) + -(-s.m // v.BM) * 4 * s.t * s.k
+            + 4 * s.t * s.m * (2 if v.ADD else 1))
+
+
+@zdsl.kernel(workgroup=mma.workgroup, subgroup="SG", variants={"QTYPE": QTYPES, "SG": [32]},
+             tune={"TN": [1, 2]}, where=mma.fits, key=("k", "m"),
+             grid=lambda v, s: (-(-s.m // v.BM), -(-s.t // v.BN)), traffic=_coop_traffic)
+def mul_mm_coop(w: Buffer[u8], x: Buffer[f32], y: Buffer[f32], k: u32, m: u32, t: u32, ADD: Spec[boolean] = False,
+                QTYPE: Const = "q4_k", BM: Const = 32, BN: Const = 32, BK: Const = 256, TM: Const = 1,
+                TN: Const = 1, SG: Const = 32):
+    """mul_mm on matrix units (mma.py): y[i·m + r] (+)= Σ_k W[r, k] · x[i·k + k] for the t rows i
+    of x (f32), k a multiple of BK. Workgroup (g, j) makes rows g·BM … and tokens j·BN …"""
+    f = fmt(QTYPE)
+    tiles = mma.Tiles(BM, BN, BK, TM, TN, mma.workgroup(SimpleNamespace(BM=BM, BN=BN, TM=TM, TN=TN, SG=SG)))
+    r0, n0 = zdsl.workgroup_id(0) * BM, zdsl.workgroup_id(1) * BN
+    row_bytes = (k // f.block) * f.nbytes
+    mma.product(tiles, f, f.setup(), [(w, lambda i: zdsl.min(r0 + i, m - 1) * row_bytes)], x,
+                lambda n: zdsl.min(n0 + n, t - 1) * k, k)
+
+    def store(u):
+        n, i = u // BM, u % BM
+        with zdsl.if_((n0 + n < t) & (r0 + i < m)):
+            at = (n0 + n) * m + r0 + i
+            with zdsl.if_(ADD):
+                y[at] = y[at] + tiles.c[u]
+            with zdsl.else_():
+                y[at] = tiles.c[u]
+    tiles.spread(BM * BN, store)
+
+
+@mul_mm_coop.reference
+def mul_mm_coop_ref(w_bytes, x, qtype, m, k, y=None):
+    """Y = X · dequant(W)ᵀ (+ y), W and X rounded to f16 as the matrix units see them, in float64."""
+    w = dmmv.dequant_rows(w_bytes, qtype, m, k).astype(np.float16).astype(np.float64)
+    out = np.asarray(x, np.float32).reshape(-1, k).astype(np.float16).astype(np.float64) @ w.T
+    return (out if y is None else out + np.asarray(y, np.float64).reshape(out.shape)).reshape(-1)
+
+
+@mul_mm_coop.example
+def mul_mm_coop_example(use, rng, check):
+    q, add = use.fixed["QTYPE"], use.fixed.get("ADD", False)
+    k, t = use.sizes["k"], use.sizes["t"]
+    m = min(use.sizes["m"], inputs.CHECK_ROWS) if check else use.sizes["m"]
+    y = inputs.normal(rng, t * m) if add else np.zeros(t * m, np.float32)
+    args = dict(w=inputs.rows(rng, q, m, k), x=inputs.normal(rng, t * k), y=y, k=k, m=m, t=t)
+    y0 = args["y"].copy() if add else None
+    return zdsl.Example(args, lambda p: {"y": (mul_mm_coop_ref(args["w"], args["x"], q, m, k, y0), 1e-3)},
                         lambda n: {"w": inputs.copies(args["w"], n)})

@@ -474,6 +474,11 @@ class DecodeGraph:
         self.prompt.run(tokens)
         self.step_words[3] += len(tokens)  # the sampler's counter: each position one draw, as if stepped
 
+    @property
+    def prefill_units(self) -> bool:
+        """Whether the prompt's products run on matrix units, reading f16 activations (mma.py)."""
+        return self.prompt.coop
+
     def checkpoint(self) -> None:
         """Save the sequence's state at this position, so that `restore()` undoes the steps run
         after (a burst that ran past an end-of-turn token). The copies run before the next step."""

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from zdsl.errors import ZdslError
-from zdsl.kernels import attention, deltanet, embedding, ffn, matmul, moe, q8_1, sampling
+from zdsl.kernels import attention, deltanet, embedding, ffn, matmul, mma, moe, q8_1, sampling
 from zdsl.kernels.formats import row_bytes
 from zdsl.models.qwen35.buffers import STEP_WORDS
 
@@ -60,6 +60,8 @@ class Prefill:
             self.route_ids, self.route_w = b["chunk.route_ids"], b["chunk.route_weights"]
             self.offsets, self.pairs = b["chunk.expert_offsets"], b["chunk.pairs"]
             self.y, self.act_shared, self.y_shared = b["chunk.pair_out"], b["chunk.act_shared"], b["chunk.shared_out"]
+        # products on matrix units where the device has them (mma.py); K steps of whole blocks
+        self.coop = "coopmat" in g.device.info.features
         self._seqs: dict[int, object] = {}
 
     # -- running ----------------------------------------------------------------------------
@@ -136,15 +138,57 @@ class Prefill:
                               norm_w=self.g.weights[norm], hn=n.f32, xq=n.q, xd=n.d, n=self.hp.hidden, eps=self.hp.eps,
                               rows=t)
 
-    def _project(self, seq, tensor: str, y, t: int, x=None, add: bool = False) -> None:
-        """y rows (+)= W · x rows for the chunk's t tokens (x: the normed rows by default)."""
+    def _project(self, seq, tensor: str, y, t: int, x=None, add: bool = False, exact: bool = False) -> None:
+        """y rows (+)= W · x rows for the chunk's t tokens (x: the normed rows by default); exact
+        keeps x in f32 (the router: an expert chosen by a rounding would change the whole block)."""
         g = self.g
         x = x or self.normed
         m, k = g.tensors.shape(tensor)[-2:]
+        if self._coop(k) and not exact:
+            matmul.mul_mm_coop.launch(seq, g._pick, label="chunk." + tensor.removesuffix(".weight"),
+                                      QTYPE=g._qname(tensor), ADD=add, w=g.weights[tensor], x=x.f32, y=y, k=k, m=m,
+                                      t=t)
+            return
         q8 = g._int8(tensor) and x.q is not None
         matmul.mul_mm.launch(seq, g._pick, label="chunk." + tensor.removesuffix(".weight"), QTYPE=g._qname(tensor),
                              Q8=q8, ADD=add, w=g.weights[tensor], y=y, k=k, m=m, t=t,
                              **(dict(xq=x.q, xd=x.d) if q8 else dict(x=x.f32)))
+
+    def _coop(self, k: int) -> bool:
+        return self.coop and k % mma.BK == 0
+
+    def _gate_up(self, seq, label: str, gate: str, wg, wu, offsets, pairs, act, topk: int, t: int,
+                 n_expert: int) -> None:
+        """act = silu(Wg·x) · (Wu·x) for each pair (offsets, pairs: grouped by expert) of the
+        normed rows x; `gate` names the tensor whose type and shape the weights have. On matrix
+        units only for one expert that every token routes to: the routed experts' few tokens
+        each (16 on average in a 512-token chunk of the 35B-A3B) leave the units idle and their
+        weights' f16 tiles cost more than the int8 kernel's reads (H200: 108 ms against 31)."""
+        g, n = self.g, self.normed
+        m, k = g.tensors.shape(gate)[-2:]
+        sizes = dict(label=label, QTYPE=g._qname(gate), wg=wg, wu=wu, offsets=offsets, pairs=pairs, act=act, k=k,
+                     m=m, topk=topk, t=t, n_expert=n_expert)
+        if self._coop(k) and n_expert == 1:
+            ffn.moe_gate_up_coop.launch(seq, g._pick, x=n.f32, **self._spread(n_expert), **sizes)
+        elif g._int8(gate):
+            ffn.moe_gate_up_grouped.launch(seq, g._pick, Q8=True, xq=n.q, xd=n.d, **sizes)
+        else:
+            ffn.moe_gate_up_grouped.launch(seq, g._pick, Q8=False, x=n.f32, **sizes)
+
+    def _down(self, seq, label: str, qtype: str, w, offsets, pairs, act, y, k: int, m: int, topk: int, t: int,
+              n_expert: int) -> None:
+        """y = W_e · act for each pair of expert e (grouped as for _gate_up)."""
+        sizes = dict(label=label, QTYPE=qtype, w=w, offsets=offsets, pairs=pairs, act=act, y=y, k=k, m=m, t=t,
+                     n_expert=n_expert, topk=topk)
+        if self._coop(k):
+            ffn.moe_down_coop.launch(seq, self.g._pick, **self._spread(n_expert), **sizes)
+        else:
+            ffn.moe_down_grouped.launch(seq, self.g._pick, **sizes)
+
+    def _spread(self, n_expert: int) -> dict:
+        """One expert that every token routes to (the shared expert, a dense FFN) gets a workgroup
+        per tile of 32 tokens, as a plain product would; routed experts keep the tuner's choice."""
+        return dict(BN=32, SPLIT=-(-self.chunk // 32)) if n_expert == 1 else {}
 
     def _after_mixer(self, seq, i: int, t: int) -> None:
         if not self.hp.moe:  # the MoE block norms x as its first step
@@ -202,30 +246,23 @@ class Prefill:
         gate, up = p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"
         down, down_sh = p + "ffn_down_exps.weight", p + "ffn_down_shexp.weight"
         F, _ = g.tensors.shape(gate)[-2:]
-        qg, qd = g._qname(gate), g._qname(down)
-        q8 = g._int8(gate)
-        n = self.normed
-        x_in = dict(xq=n.q, xd=n.d) if q8 else dict(x=n.f32)
+        qd = g._qname(down)
         self._norm(seq, p + "post_attention_norm.weight", t)
-        self._project(seq, router, self.logits, t, SimpleNamespace(f32=n.f32, q=None))
+        self._project(seq, router, self.logits, t, SimpleNamespace(f32=self.normed.f32, q=None), exact=True)
         moe.moe_route_rows.launch(seq, g._pick, label=p + "moe_route_rows", K=K, logits=self.logits, ids=self.route_ids,
                                   weights=self.route_w, counts=self.counts, n_expert=E, stride=E + 1, t=t)
         moe.moe_group.launch(seq, g._pick, label=p + "moe_group", K=K, ids=self.route_ids, counts=self.counts,
                              offsets=self.offsets, pairs=self.pairs, t=t, n_expert=E)
-        ffn.moe_gate_up_grouped.launch(seq, g._pick, label=p + "ffn_gate_up_exps", QTYPE=qg, Q8=q8, wg=g.weights[gate],
-                                       wu=g.weights[up], offsets=self.offsets, pairs=self.pairs, **x_in,
-                                       act=self.act, k=H, m=F, topk=K, t=t, n_expert=E)
-        ffn.moe_down_grouped.launch(seq, g._pick, label=p + "ffn_down_exps", QTYPE=qd, w=g.weights[down],
-                                    offsets=self.offsets, pairs=self.pairs, act=self.act, y=self.y, k=F, m=H,
-                                    t=t, n_expert=E, topk=K)
+        self._gate_up(seq, p + "ffn_gate_up_exps", gate, g.weights[gate], g.weights[up], self.offsets, self.pairs,
+                      self.act, K, t, E)
+        self._down(seq, p + "ffn_down_exps", qd, g.weights[down], self.offsets, self.pairs, self.act, self.y, F, H,
+                   K, t, E)
         # the shared expert: the stacks' last expert, every token routed to it once
-        shared = dict(offsets=self.one_offsets, pairs=self.one_pairs, t=t, n_expert=1)
-        ffn.moe_gate_up_grouped.launch(seq, g._pick, label=p + "ffn_gate_up_shexp", QTYPE=qg, Q8=q8,
-                                       wg=_expert(g, gate, E), wu=_expert(g, up, E), **shared, **x_in,
-                                       act=self.act_shared, k=H, m=F, topk=1)
+        one = (self.one_offsets, self.one_pairs)
+        self._gate_up(seq, p + "ffn_gate_up_shexp", gate, _expert(g, gate, E), _expert(g, up, E), *one,
+                      self.act_shared, 1, t, 1)
         w_sh, q_sh = (g.weights[down_sh], g._qname(down_sh)) if down_sh in g.tensors else (_expert(g, down, E), qd)
-        ffn.moe_down_grouped.launch(seq, g._pick, label=p + "ffn_down_shexp", QTYPE=q_sh, w=w_sh, **shared,
-                                    act=self.act_shared, y=self.y_shared, k=F, m=H, topk=1)
+        self._down(seq, p + "ffn_down_shexp", q_sh, w_sh, *one, self.act_shared, self.y_shared, F, H, 1, t, 1)
         moe.moe_combine_rows.launch(seq, g._pick, label=p + "moe_combine", SHARED=True, x=self.x, weights=self.route_w,
                                     y=self.y, shared=self.y_shared, logits=self.logits, k=H, topk=K, n_expert=E,
                                     stride=E + 1, t=t)
@@ -236,13 +273,8 @@ class Prefill:
         routed to the one pair of matrices, then the down projection."""
         g, p = self.g, f"blk.{i}."
         gate, up = p + "ffn_gate.weight", p + "ffn_up.weight"
-        m, k = g.tensors.shape(gate)[-2:]
-        q8 = g._int8(gate)
-        n = self.normed
-        ffn.moe_gate_up_grouped.launch(seq, g._pick, label=p + "ffn_gate_up", QTYPE=g._qname(gate), Q8=q8,
-                                       wg=g.weights[gate], wu=g.weights[up], offsets=self.one_offsets,
-                                       pairs=self.one_pairs, **(dict(xq=n.q, xd=n.d) if q8 else dict(x=n.f32)),
-                                       act=self.act, k=k, m=m, topk=1, t=t, n_expert=1)
+        self._gate_up(seq, p + "ffn_gate_up", gate, g.weights[gate], g.weights[up], self.one_offsets, self.one_pairs,
+                      self.act, 1, t, 1)
         self._project(seq, p + "ffn_down.weight", self.x, t, SimpleNamespace(f32=self.act, q=None), add=True)
         self._next_norm(seq, i, t)
 

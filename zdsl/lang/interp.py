@@ -14,10 +14,12 @@ import numpy as np
 
 from zdsl.errors import KernelError
 from zdsl.lang import ir
+from zdsl.lang.matrices import MatrixType
 from zdsl.lang.ops import BINARY, TERNARY, UNARY, bf16_bits_to_f32, dot4_i8, f16_bits_to_f32
 from zdsl.lang.types import DType
 
 MAX_LANES = 1 << 18  # invocations run at once; larger dispatches go in chunks of workgroups
+MATRIX_LANES = 1 << 13  # ... fewer for kernels with cooperative matrices (a tile per subgroup per value)
 
 
 def _err(loc, msg) -> KernelError:
@@ -262,6 +264,10 @@ class Run:
             self.stmt(s, mask)
 
     def assign(self, var: ir.VarRef, value, mask) -> None:
+        if isinstance(var.dtype, MatrixType):
+            old = self.vars.get(var.id)
+            self.vars[var.id] = value.copy() if old is None else np.where(self.by_subgroup(mask)[:, None, None], value, old)
+            return
         value = np.broadcast_to(_cast(value, var.dtype), (self.n,) + ((var.dtype.lanes,) if var.dtype.lanes > 1 else ()))
         old = self.vars.get(var.id)
         if old is None:
@@ -271,7 +277,11 @@ class Run:
             self.vars[var.id] = np.where(m, value, old)
 
     def stmt(self, s, mask) -> None:
-        if isinstance(s, ir.Let):
+        if isinstance(s, ir.Let) and s.op.startswith("mat_"):
+            self.temps[s.temp.id] = self.matrix_op(s, mask)
+        elif isinstance(s, ir.MatrixStore):
+            self.matrix_store(s, mask)
+        elif isinstance(s, ir.Let):
             self.temps[s.temp.id] = self.compute(s.op, s.args, s.temp.dtype, s.attrs, mask, s.loc)
         elif isinstance(s, ir.DeclareVar):
             self.vars.pop(s.var.id, None)
@@ -343,6 +353,85 @@ class Run:
         arr[idx[mask]] = np.asarray(value)[mask].astype(arr.dtype)
 
 
+    # -- cooperative matrices: one tile per subgroup, (subgroups, rows, cols)
+    def by_subgroup(self, mask, loc=("<matrix variable>", 0)):
+        """The subgroups taking part: a matrix operation is all of a subgroup or none of it."""
+        rows = mask.reshape(-1, self.sg)
+        if not (rows.all(axis=1) | ~rows.any(axis=1)).all():
+            raise _err(loc, "a cooperative-matrix operation reached by only some invocations of a subgroup")
+        return rows[:, 0]
+
+    def uniform(self, o, active, loc, what: str):
+        """A per-subgroup value that every invocation of the subgroup must agree on."""
+        v = np.broadcast_to(np.asarray(self.value(o)).astype(np.int64), (self.n,)).reshape(-1, self.sg)
+        if ((v != v[:, :1]).any(axis=1) & active).any():
+            raise _err(loc, f"a cooperative matrix's {what} differs between invocations of a subgroup")
+        return v[:, 0]
+
+    def tile_index(self, m: MatrixType, offset, stride, column_major: bool, active, loc):
+        off, st = (self.uniform(o, active, loc, w) for o, w in ((offset, "offset"), (stride, "stride")))
+        r, c = np.arange(m.rows)[:, None], np.arange(m.cols)[None, :]
+        return off[:, None, None] + (c * st[:, None, None] + r if column_major else r * st[:, None, None] + c)
+
+    def tile_memory(self, array, idx, active, loc, what: str):
+        """(array, its row per subgroup or None) after checking `idx` is in bounds where active."""
+        if isinstance(array, ir.Shared):
+            arr, rows = self.shared[array.id], self.group_local[::self.sg]
+            size = arr.shape[1]
+        else:
+            arr, rows = self.view(array), None
+            size = len(arr)
+        bad = active[:, None, None] & ((idx < 0) | (idx >= size))
+        if bad.any():
+            raise _err(loc, f"out-of-bounds {what}: element {int(idx[bad][0])} not in [0, {size})")
+        return arr, rows
+
+    def matrix_op(self, s: ir.Let, mask):
+        active, m = self.by_subgroup(mask, s.loc), s.temp.dtype
+        nsub = len(active)
+        if s.op == "mat_fill":
+            v = np.broadcast_to(np.asarray(self.value(s.args[0])), (self.n,))[::self.sg]
+            return np.broadcast_to(v[:, None, None], (nsub, m.rows, m.cols)).astype(m.element.numpy)
+        if s.op == "mat_mul_add":
+            a, b, c = (self.value(x) for x in s.args)
+            return (c.astype(np.float32) + np.matmul(a.astype(np.float32), b.astype(np.float32))).astype(m.element.numpy)
+        src, offset, stride = s.args
+        idx = self.tile_index(m, offset, stride, s.attrs["column_major"], active, s.loc)
+        arr, rows = self.tile_memory(src, idx, active, s.loc, "matrix load")
+        idx = np.where(active[:, None, None], idx, 0)
+        if rows is None:
+            return arr[idx].astype(m.element.numpy)
+        g = np.broadcast_to(rows[:, None, None], idx.shape)
+        writer = self.writer[src.id][g, idx]
+        race = active[:, None, None] & (writer >= 0)
+        if race.any():
+            raise _err(s.loc, f"shared-memory race: a matrix load reads element {int(idx[race][0])} that invocation "
+                              f"{int(writer[race][0])} wrote with no zdsl.barrier() between")
+        first = self.lane_in_group[::self.sg]
+        self.reader[src.id][g[active], idx[active]] = np.broadcast_to(first[:, None, None], idx.shape)[active]
+        return arr[g, idx].astype(m.element.numpy)
+
+    def matrix_store(self, s: ir.MatrixStore, mask) -> None:
+        active = self.by_subgroup(mask, s.loc)
+        m = s.matrix.dtype
+        idx = self.tile_index(m, s.offset, s.stride, s.column_major, active, s.loc)
+        arr, rows = self.tile_memory(s.array, idx, active, s.loc, "matrix store")
+        value = self.value(s.matrix)
+        if rows is None:
+            arr[idx[active]] = value[active].astype(arr.dtype)
+            return
+        g = np.broadcast_to(rows[:, None, None], idx.shape)
+        first = np.broadcast_to(self.lane_in_group[::self.sg][:, None, None], idx.shape)
+        for seen, what in ((self.writer, "wrote"), (self.reader, "read")):
+            other = seen[s.array.id][g, np.where(active[:, None, None], idx, 0)]
+            race = active[:, None, None] & (other >= 0) & (other != first)
+            if race.any():
+                raise _err(s.loc, f"shared-memory race: a matrix store overwrites element {int(idx[race][0])} that "
+                                  f"invocation {int(other[race][0])} {what} with no zdsl.barrier() between")
+        arr[g[active], idx[active]] = value[active].astype(arr.dtype)
+        self.writer[s.array.id][g[active], idx[active]] = first[active]
+
+
 def interpret(k: ir.Kernel, groups: tuple[int, int, int], buffers: dict[str, np.ndarray], scalars: dict,
               specs: dict) -> None:
     """Run kernel `k` over `groups` workgroups, updating the numpy `buffers` in place. Chunks of
@@ -351,7 +440,7 @@ def interpret(k: ir.Kernel, groups: tuple[int, int, int], buffers: dict[str, np.
     every other workgroup's earlier writes."""
     wg = k.workgroup[0] * k.workgroup[1] * k.workgroup[2]
     total = groups[0] * groups[1] * groups[2]
-    per_chunk = max(1, MAX_LANES // wg)
+    per_chunk = max(1, (MATRIX_LANES if "coopmat" in k.features else MAX_LANES) // wg)
     for first in range(0, total, per_chunk):
         count = min(per_chunk, total - first)
         run = Run(k, groups, buffers, scalars, specs, first, count)

@@ -142,6 +142,17 @@ class Store:
 
 
 @dataclass
+class MatrixStore:
+    """A cooperative matrix into `array` (zdsl/lang/matrices.py)."""
+    matrix: Operand
+    array: View | Shared
+    offset: Operand
+    stride: Operand
+    column_major: bool
+    loc: Loc
+
+
+@dataclass
 class If:
     cond: Operand
     then: list

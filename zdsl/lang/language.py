@@ -11,6 +11,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from zdsl.lang import ir
+from zdsl.lang.matrices import mat_fill, mat_load, mat_mul_add, mat_store
 from zdsl.lang.trace import (BufferParam, LocalArray, SharedArray, TableArray, Tracer, Value, Var, apply, fail,
                              operand, tracer, typed, user_loc)
 from zdsl.lang.types import DType, boolean, f16, f32, i32, u32
@@ -457,5 +458,5 @@ __all__ = [
     "ceil", "round", "sigmoid", "silu", "softplus", "abs", "isnan", "min", "max", "pow", "clamp", "fma",
     "bitcast", "f16_bits", "bf16_bits", "unpack_bytes", "vec", "dot", "dot4_i8", "subgroup_sum", "subgroup_max",
     "subgroup_min", "subgroup_prefix_sum", "subgroup_ballot_count", "subgroup_broadcast", "subgroup_shuffle", "subgroup_shuffle_xor", "atomic_add",
-    "atomic_max", "atomic_min", "cdiv", "Tracer", "Value", "Var", "f16", "i32",
+    "atomic_max", "atomic_min", "cdiv", "mat_fill", "mat_load", "mat_mul_add", "mat_store", "Tracer", "Value", "Var", "f16", "i32",
 ]

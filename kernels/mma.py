@@ -1,0 +1,118 @@
+"""Matrix products on matrix units: C[BM × BN] = W[BM rows, K] · X[BN tokens, K]ᵀ, per workgroup.
+
+The prompt's products have T tokens, so each weight element serves many of them: decoding it
+once per tile into f16 and letting the matrix units (zdsl.mat_mul_add: tensor cores, WMMA) do
+the multiply-adds makes the work the decode, not the arithmetic. Per step of BK along K:
+
+    A[BM][BK] ← the weight rows' blocks, dequantized (quant.py's Groups: w = scale·q + bias)
+    B[BN][BK] ← the tokens' activation rows, f32 → f16
+    barrier
+    C += A · Bᵀ, 16 × 16 tiles, subgroup s owning tiles (TM × TN of them) of C
+
+then C goes through shared memory to the caller's `store`, which knows where each (row, token)
+belongs: a plain output row, an expert pair's row, a SwiGLU of two row sets. The weights are
+read once per token tile (from L2 after the first), the activations once per row tile.
+
+W's rows may come from S stacks (the gate and up rows of a SwiGLU): rows i·BM/S … of tile row
+set i, so their C rows land side by side for `store`.
+
+Error: each product rounds w and x to f16 (11-bit significands) and sums in f32, so
+|y − W·x| ≤ 2⁻¹⁰ · Σ |w||x| (+ the f32 sum's rounding); tests hold the kernels to that.
+"""
+
+from __future__ import annotations
+
+import zdsl
+from zdsl import f16, f32
+from zdsl.kernels.quant import fmt
+
+TILE = 16  # the matrix units' tile edge (zdsl/lang/matrices.py)
+BK = 256   # K per step: whole blocks of every format; products with other K take the f32 kernels
+PAD = 8    # f16 elements after each shared row: rows start 16 bytes apart from bank to bank
+
+
+SHARED_BYTES = 48 * 1024  # the shared memory a workgroup may have on the H100 (and most Vulkan devices)
+
+
+def fits(v) -> bool:
+    """Whole tiles per subgroup, K steps of whole weight blocks, and the tiles in shared memory."""
+    return (v.BM % (TILE * v.TM) == 0 and v.BN % (TILE * v.TN) == 0 and v.BK % fmt(v.QTYPE).block == 0
+            and shared_bytes(v) <= SHARED_BYTES)
+
+
+def shared_bytes(v) -> int:
+    """A and B in f16 with their padding, C in f32, the grouped kernels' list of BN pairs."""
+    return 2 * (v.BM + v.BN) * (v.BK + PAD) + 4 * v.BM * v.BN + 4 * v.BN
+
+
+def workgroup(v) -> int:
+    """One subgroup per TM × TN tiles of C."""
+    return (v.BM // (TILE * v.TM)) * (v.BN // (TILE * v.TN)) * v.SG
+
+
+class Tiles:
+    """The shared arrays of one workgroup's product, and where its subgroup computes."""
+
+    def __init__(self, BM: int, BN: int, BK: int, TM: int, TN: int, WG: int):
+        self.BM, self.BN, self.BK, self.TM, self.TN, self.WG = BM, BN, BK, TM, TN, WG
+        self.SA = BK + PAD
+        self.a = zdsl.shared(f16, BM * self.SA)
+        self.b = zdsl.shared(f16, BN * self.SA)
+        self.c = zdsl.shared(f32, BM * BN)  # C[m][n] at c[n·BM + m]
+        self.tid = zdsl.local_index()
+        across = BM // (TILE * TM)  # subgroups along M
+        sub = zdsl.subgroup_id()
+        self.row0, self.col0 = (sub % across) * (TILE * TM), (sub // across) * (TILE * TN)
+
+    def spread(self, count: int, body) -> None:
+        """body(u) for u in 0 … count − 1, spread over the workgroup. A loop the GPU runs, not
+        unrolled: a tile step unrolled whole is more machine code than the instruction cache
+        holds (seen on the H100: 144 KB per pipeline, 10× slower)."""
+        if count <= self.WG:
+            with zdsl.if_(self.tid < count):
+                body(self.tid)
+            return
+        for u in zdsl.range(self.tid, count, self.WG):
+            body(u)
+
+
+def product(t: Tiles, f, ctx, stacks, x, token_base, k):
+    """C of this workgroup into t.c (read it after the barrier this leaves): stacks is a list of
+    (weight buffer, byte base of tile row i of that stack) whose rows fill A in turn; x the f32
+    activations, token_base(n) the element offset of tile token n's row. Accumulators in f32."""
+    BM, BN, BK, TM, TN = t.BM, t.BN, t.BK, t.TM, t.TN
+    per_stack = BM // len(stacks)
+    nb, parts = BK // f.block, f.parts
+    acc = [[zdsl.var(zdsl.mat_fill(0.0)) for _ in range(TN)] for _ in range(TM)]
+    for k0 in zdsl.range(0, k, BK):
+        zdsl.barrier()  # the last step's tiles are read
+        for s, (w, row_base) in enumerate(stacks):
+            def decode(u, s=s, w=w, row_base=row_base):
+                i, rest = u // (nb * parts), u % (nb * parts)
+                b, part = rest // parts, rest % parts
+                base = row_base(i) + (k0 // f.block + b) * f.nbytes
+                at = (s * per_stack + i) * t.SA + b * f.block
+                for g in f.groups(w, base, part, ctx):
+                    for j, q in enumerate(g.q):
+                        v = q if g.scale is None else (q * g.scale if g.bias is None else zdsl.fma(q, g.scale, g.bias))
+                        t.a[at + g.offset + j] = v.to(f16)
+            t.spread(per_stack * nb * parts, decode)
+
+        def activations(u):
+            n, c = u // (BK // 4), u % (BK // 4)
+            v = x.vec4[(token_base(n) + k0) // 4 + c]
+            for j in range(4):
+                t.b[n * t.SA + 4 * c + j] = v[j].to(f16)
+        t.spread(BN * BK // 4, activations)
+        zdsl.barrier()
+        for kk in zdsl.range(0, BK, TILE):
+            a = [zdsl.mat_load(t.a, (t.row0 + TILE * i) * t.SA + kk, t.SA, use="a") for i in range(TM)]
+            b = [zdsl.mat_load(t.b, (t.col0 + TILE * j) * t.SA + kk, t.SA, use="b", column_major=True)
+                 for j in range(TN)]
+            for i in range(TM):
+                for j in range(TN):
+                    acc[i][j].set(zdsl.mat_mul_add(a[i], b[j], acc[i][j]))
+    for i in range(TM):
+        for j in range(TN):
+            zdsl.mat_store(acc[i][j], t.c, (t.col0 + TILE * j) * BM + t.row0 + TILE * i, BM, column_major=True)
+    zdsl.barrier()

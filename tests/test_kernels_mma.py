@@ -1,0 +1,118 @@
+"""The products on matrix units (kernels/mma.py: mul_mm_coop, moe_gate_up_coop, moe_down_coop)
+against numpy, for the weight types each claims, odd row and token counts, K of one and several
+steps, experts that receive no token and experts with more pairs than a tile. The interpreter
+runs them everywhere (it models cooperative matrices: tests/test_dsl_matrices.py); a device with
+matrix units (ZDSL_TEST_DEVICE=0 on the GPU machine) runs them too; lavapipe has none.
+
+Bounds (S = Σ_k |w_k · x_k| per output, the scale of rounding):
+- against numpy with W and X rounded to f16 as the units see them: |y − ref16| ≤ 2⁻¹³ · S (the
+  f32 sums in another order, and a weight whose f32 value the kernel and gguf-py round a bit
+  apart landing an f16 step away, rarely);
+- against the f32 product: |y − ref| ≤ 2⁻¹⁰ · S (two f16 roundings of 2⁻¹¹ each per product);
+- the SwiGLU silu(g)·u of two such products: the bound carried through (silu' ≤ 1.1).
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zdsl.kernels import dmmv, ffn, inputs, matmul
+from zdsl.kernels.dmmv import EXPERT_QTYPES, QTYPES
+from kernel_testing import run
+
+BACKENDS = ["interp", "device"]
+
+
+def runner(backend, request):
+    if backend == "device":
+        dev = request.getfixturevalue("device")
+        if "coopmat" not in dev.info.features:
+            pytest.skip(f"{dev.info.name} has no cooperative matrices")
+    return lambda v, groups, **args: run(v, "interp" if backend == "interp" else "lavapipe", request, groups, **args)
+
+
+E = 2.0 ** -10
+
+
+def check(y, ref16, ref, scale):
+    assert np.all(np.abs(y - ref16) <= E / 8 * scale + 1e-30), np.max(np.abs(y - ref16) / scale)
+    assert np.all(np.abs(y - ref) <= E * scale + 1e-30), np.max(np.abs(y - ref) / scale)
+
+
+def products(stack, ids, x, k):
+    """Each pair's exact product with its token's row, and the rounding scale S."""
+    xs = x.reshape(-1, k).astype(np.float64)
+    rows = xs[np.arange(len(ids)) // (len(ids) // len(xs))]
+    w = stack[ids]
+    return np.einsum("jrk,jk->jr", w, rows).reshape(-1), np.einsum("jrk,jk->jr", np.abs(w), np.abs(rows)).reshape(-1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("qtype", QTYPES)
+@settings(max_examples=3, deadline=None)
+@given(m=st.integers(1, 70), t=st.integers(1, 70), steps=st.integers(1, 2), tn=st.sampled_from([1, 2]),
+       add=st.booleans(), seed=st.integers(0, 99))
+def test_mul_mm_coop(backend, request, qtype, m, t, steps, tn, add, seed):
+    go = runner(backend, request)
+    rng = np.random.default_rng(seed)
+    k = 256 * steps
+    w, x = inputs.rows(rng, qtype, m, k), inputs.normal(rng, t * k)
+    y0 = inputs.normal(rng, t * m) if add else np.zeros(t * m, np.float32)
+    v = matmul.mul_mm_coop.specialize(QTYPE=qtype, TN=tn, ADD=add)
+    y = go(v, (-(-m // 32), -(-t // 32)), w=w, x=x, y=y0.copy(), k=k, m=m, t=t)["y"]
+    wf = dmmv.dequant_rows(w, qtype, m, k).astype(np.float64)
+    xf = x.reshape(t, k).astype(np.float64)
+    base = y0.astype(np.float64) if add else 0.0
+    check(y, matmul.mul_mm_coop_ref(w, x, qtype, m, k, y0 if add else None), (xf @ wf.T).reshape(-1) + base,
+          (np.abs(xf) @ np.abs(wf).T).reshape(-1))
+
+
+def routing(rng, t, K, n_exp):
+    """K distinct experts per token, some experts crowded (more pairs than a tile), some empty."""
+    hot = rng.permutation(n_exp)[: max(K, n_exp // 2)]
+    ids = np.concatenate([rng.choice(hot, K, replace=False) for _ in range(t)])
+    counts = np.bincount(ids, minlength=n_exp)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint32)
+    return ids, offsets, np.argsort(ids, kind="stable").astype(np.uint32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("qtype", EXPERT_QTYPES)
+@settings(max_examples=3, deadline=None)
+@given(m=st.integers(1, 40), t=st.integers(1, 40), K=st.integers(1, 4), n_exp=st.integers(4, 9),
+       bn=st.sampled_from([16, 32]), split=st.sampled_from([1, 2]), seed=st.integers(0, 99))
+def test_grouped_coop(backend, request, qtype, m, t, K, n_exp, bn, split, seed):
+    grouped_case(runner(backend, request), qtype, m, t, K, n_exp, bn, split, seed, 256)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grouped_coop_model_shapes(backend, request):
+    """The tiny MoE model's shapes: 16 experts, 4 per token, 256 wide; chunks of 6 and 63 tokens (some
+    experts get more pairs than a tile of 32); two K steps."""
+    for t, k in ((6, 256), (63, 256), (63, 512)):
+        grouped_case(runner(backend, request), "q4_k", 256, t, 4, 16, 32, 1, 5, k)
+
+
+def grouped_case(go, qtype, m, t, K, n_exp, bn, split, seed, k):
+    rng = np.random.default_rng(seed)
+    ids, offsets, pairs = routing(rng, t, K, n_exp)
+    wg, wu = inputs.rows(rng, qtype, n_exp * m, k), inputs.rows(rng, qtype, n_exp * m, k)
+    x = inputs.normal(rng, t * k)
+    v = ffn.moe_gate_up_coop.specialize(QTYPE=qtype, BN=bn, SPLIT=split)
+    act = go(v, (-(-m // 16), n_exp * split), wg=wg, wu=wu, offsets=offsets, pairs=pairs, x=x,
+             act=np.zeros(t * K * m, np.float32), k=k, m=m, topk=K)["act"]
+    (g, sg), (u, su) = (products(dmmv.dequant_rows(w, qtype, n_exp * m, k).reshape(n_exp, m, k).astype(np.float64),
+                                 ids, x, k) for w in (wg, wu))
+    silu = g / (1 + np.exp(-g))
+    bound = 1.1 * E * sg * (np.abs(u) + E * su) + (np.abs(silu) + 1.1 * E * sg) * E * su
+    assert np.all(np.abs(act - silu * u) <= bound + 1e-30), np.max(np.abs(act - silu * u) / (bound + 1e-30))
+    ref16 = ffn.moe_gate_up_coop_ref(wg, wu, ids, x, qtype, m, k)
+    assert np.all(np.abs(act - ref16) <= bound / 8 + 1e-30), np.max(np.abs(act - ref16) / (bound + 1e-30))
+
+    a = inputs.normal(rng, t * K * k)
+    v = ffn.moe_down_coop.specialize(QTYPE=qtype, BN=bn, SPLIT=split)
+    y = go(v, (-(-m // 32), n_exp * split), w=wg, offsets=offsets, pairs=pairs, act=a,
+           y=np.zeros(t * K * m, np.float32), k=k, m=m)["y"]
+    stack = dmmv.dequant_rows(wg, qtype, n_exp * m, k).reshape(n_exp, m, k).astype(np.float64)
+    check(y, ffn.moe_down_coop_ref(wg, ids, a, qtype, m, k), *products(stack, ids, np.repeat(a.reshape(-1, k), 1, 0), k))
