@@ -371,11 +371,11 @@ def _prefill_traffic(v, s) -> int:
 
 
 @zdsl.kernel(workgroup="WG", subgroup="SG",
-             variants={"D": [128], "R": [16, 32], "WG": [64, 128], "SG": SUBGROUPS}, where=_columns_fit,
+             variants={"D": [128], "R": [8, 16, 32], "WG": [64, 128], "SG": SUBGROUPS}, where=_columns_fit,
              sizes=("v_heads",), grid=lambda v, s: s.v_heads * v.D * (v.D // v.R) // v.WG, traffic=_prefill_traffic)
 def deltanet_prefill(conv: Buffer[f32], ba: Buffer[f32], ssm_a: Buffer[f32], dt_bias: Buffer[f32], state: Buffer[f32],
                      o: Buffer[f32], mix: Buffer[f32], conv_state: Buffer[f32], step: Buffer[u32], t: u32,
-                     n_k_heads: u32, D: Const = 128, R: Const = 32, KC: Const = 4, WG: Const = 64, SG: Const = 32):
+                     n_k_heads: u32, D: Const = 128, R: Const = 16, KC: Const = 4, WG: Const = 64, SG: Const = 32):
     """The gated delta rule for a chunk of t tokens at positions p0 = step[0] … p0 + t − 1, from
     deltanet_conv_rows' rows (q and k normalised) and the gate logits ba the graph projected for
     the chunk ([b_0 … b_{heads−1}, a_0 … a_{heads−1}] per token), into t rows of raw o ([token]
@@ -385,7 +385,9 @@ def deltanet_prefill(conv: Buffer[f32], ba: Buffer[f32], ssm_a: Buffer[f32], dt_
     (one pass: o_j = (e^g qᵀS_old + (q·k) δ_j) / √D, δ_j = β (v_j − e^g kᵀS_old)). So the token
     loop is short and the grid wide: P = D / R adjacent lanes hold a column, R rows each in
     registers, and combine their sums by shuffles; no barrier, no shared memory, and the next
-    token's inputs are loaded while this one's sums run (the loop is latency-bound). Value head h
+    token's inputs are loaded while this one's sums run (the loop is latency-bound). R = 16 by
+    default: 72 VGPRs on gfx1201 against R = 32's 144 (state, q and k, and the next q and k), and
+    twice the subgroups to hide each other's latency. Value head h
     reads key head h % n_k_heads; the launch names v_heads. Nothing here reads the ring, so
     every workgroup takes a share of storing the chunk's last min(t, KC) mix rows in their slots
     (p % KC), leaving the ring and the state as t deltanet_step dispatches would."""
