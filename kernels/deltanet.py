@@ -6,8 +6,8 @@ per value head, its two gate projections (β and α: one row each of the normed 
 be worth a dispatch of their own), the causal depthwise conv (+ silu) of the q, k and v channels it
 reads, L2-normalised q and k, the gated delta rule on the f32 state, the read-out o and the gated
 RMSNorm of o, fused: the state (64 KiB per head at d = 128) is read once and written once, and
-neither the conv output nor o leaves the workgroup. `deltanet_prefill` runs the same fused math
-for a chunk of tokens in one dispatch, its gates projected beforehand for the whole chunk.
+neither the conv output nor o leaves the workgroup. A prompt's chunk runs only the recurrence token
+after token (`deltanet_prefill`, by state columns), between conv rows and gated norm rows.
 
 Layouts (all f32):
 
