@@ -6,8 +6,8 @@ per value head, its two gate projections (β and α: one row each of the normed 
 be worth a dispatch of their own), the causal depthwise conv (+ silu) of the q, k and v channels it
 reads, L2-normalised q and k, the gated delta rule on the f32 state, the read-out o and the gated
 RMSNorm of o, fused: the state (64 KiB per head at d = 128) is read once and written once, and
-neither the conv output nor o leaves the workgroup. `deltanet_prefill` runs the same fused math
-for a chunk of tokens in one dispatch, its gates projected beforehand for the whole chunk.
+neither the conv output nor o leaves the workgroup. A prompt's chunk runs only the recurrence token
+after token (`deltanet_prefill`, by state columns), between conv rows and gated norm rows.
 
 Layouts (all f32):
 
@@ -34,7 +34,7 @@ import zdsl
 from zdsl import Buffer, Const, f32, u8, u32
 from zdsl.kernels import dmmv, inputs
 from zdsl.kernels.dmmv import q8_step
-from zdsl.kernels.q8_1 import q8_1_buffers, q8_1_values, store_q8_1
+from zdsl.kernels.q8_1 import q8_1_buffers, q8_1_values, store_q8_1, write_normed
 from zdsl.kernels.quant import FORMATS, fmt
 from zdsl.kernels.reduce import SUBGROUPS, workgroup_sums
 
@@ -292,16 +292,6 @@ def deltanet_step_example(use, rng, check):
     return zdsl.Example(args, expect, lambda n: {"state": inputs.copies(args["state"], n)})
 
 
-def _prefill_traffic(v, s) -> int:
-    """Every buffer once: T rows of conv, z, β/α logits and out, the chunk's last min(T, KC) mix
-    rows into the ring, the state read and written."""
-    Hv, D, T = s.v_heads, v.D, s.t
-    C = (2 * s.n_k_heads + Hv) * D
-    out = T * (4 * Hv * D + (Hv * D + Hv * D // 4 if v.Q8 else 0))
-    return (4 * C * (T + 2 * min(T, v.KC)) + 32 + 4 * T * Hv * D + 8 * T * Hv + 8 * Hv + 4 * D
-            + 8 * Hv * D * D + out + 4)
-
-
 def chunk_taps(mix, conv_state, first, i, ch, C, KC: int):
     """Channel ch's inputs of positions p0 + i − KC + 1 … p0 + i for token i of a chunk at p0,
     oldest first: mix rows for positions ≥ p0, the ring (slot `first` holds p0's) for earlier ones."""
@@ -315,116 +305,160 @@ def chunk_taps(mix, conv_state, first, i, ch, C, KC: int):
     return taps + [mix[i * C + ch]]
 
 
-@zdsl.kernel(workgroup="WG", variants={"WG": [64, 256]}, key=("channels",), sizes=("t",),
-             grid=lambda v, s: (-(-s.channels // v.WG), s.t),
+# ---- a prompt's chunk: conv rows, the delta rule by columns, the gated norm rows ----------------
+
+@zdsl.kernel(workgroup="D", subgroup="SG", variants={"D": [128], "SG": SUBGROUPS}, where=lambda v: v.D % v.SG == 0,
+             key=("channels",), sizes=("t",), grid=lambda v, s: (s.channels // v.D, s.t),
              traffic=lambda v, s: 4 * s.channels * (2 * s.t + v.KC + v.KC - 1))
 def deltanet_conv_rows(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32], step: Buffer[u32],
-                       conv: Buffer[f32], channels: u32, KC: Const = 4, WG: Const = 256):
+                       conv: Buffer[f32], channels: u32, n_k_heads: u32, eps: f32, D: Const = 128, KC: Const = 4,
+                       SG: Const = 32):
     """conv[i·C + c] = silu of channel c's causal conv for token i = workgroup_id(1) of a chunk at
-    p0 = step[0] (C = channels): the same sums, in the same order, as deltanet_step's. Reads the
-    ring, writes nothing of it (deltanet_prefill does, last)."""
-    ch = zdsl.workgroup_id(0) * WG + zdsl.local_index()
-    i = zdsl.workgroup_id(1)
-    with zdsl.if_(ch < channels):
-        taps = chunk_taps(mix, conv_state, step[0] % KC, i, ch, channels, KC)
-        conv[i * channels + ch] = conv_silu(conv_w, ch, taps, KC)
+    p0 = step[0] (C = channels; the same sums, in the same order, as deltanet_step's), with each
+    head of q and k (the first 2·n_k_heads heads of D channels) L2-normalised (eps): the delta
+    rule's inputs, none of it a recurrence, for every token at once. Workgroup (head, token) does
+    one head of D channels. Reads the ring, writes nothing of it (deltanet_prefill does)."""
+    head, i = zdsl.workgroup_id(0), zdsl.workgroup_id(1)
+    ch = head * D + zdsl.local_index()
+    x = zdsl.var(conv_silu(conv_w, ch, chunk_taps(mix, conv_state, step[0] % KC, i, ch, channels, KC), KC))
+    with zdsl.if_(head < 2 * n_k_heads):  # a q or k head: uniform over the workgroup
+        (ss,) = workgroup_sums([x * x], D, SG)
+        x.set(x * zdsl.rsqrt(ss + eps))
+    conv[i * channels + ch] = x
 
 
 @deltanet_conv_rows.reference
-def deltanet_conv_rows_ref(mix, conv_w, conv_state, pos):
-    """(T, C) silu(conv) of mix (T, C) after the ring conv_state (KC, C) at position pos, float64."""
+def deltanet_conv_rows_ref(mix, conv_w, conv_state, pos, n_k_heads, D, eps):
+    """(T, C) silu(conv) of mix (T, C) after the ring conv_state (KC, C) at position pos, the
+    q and k heads (the first 2·n_k_heads of D channels) L2-normalised; float64."""
     f = lambda x: np.asarray(x, np.float64)  # noqa: E731
     T, KC = mix.shape[0], conv_state.shape[0]
     hist = np.concatenate([f(conv_state[[(pos - KC + 1 + j) % KC for j in range(KC - 1)]]), f(mix)])
     pre = sum(hist[j:j + T] * f(conv_w)[:, j] for j in range(KC))
-    return pre / (1 + np.exp(-pre))
+    conv = pre / (1 + np.exp(-pre))
+    qk = conv[:, :2 * n_k_heads * D].reshape(T, 2 * n_k_heads, D)
+    conv[:, :2 * n_k_heads * D] = (qk / np.sqrt((qk * qk).sum(axis=-1, keepdims=True) + eps)).reshape(T, -1)
+    return conv
 
 
 @deltanet_conv_rows.example
 def deltanet_conv_rows_example(use, rng, check):
-    KC, C, T = use.fixed["KC"], use.sizes["channels"], use.sizes["t"]
+    D, KC, C, T = use.fixed["D"], use.fixed["KC"], use.sizes["channels"], use.sizes["t"]
+    Hk, eps = use.sizes["n_k_heads"], use.sizes["eps"]
     pos = 1001
     args = dict(mix=inputs.normal(rng, T * C), conv_w=inputs.normal(rng, C * KC, 0.5),
                 conv_state=inputs.normal(rng, KC * C), step=inputs.step_words(pos, pos + T),
-                conv=np.zeros(T * C, np.float32), channels=C, t=T)
+                conv=np.zeros(T * C, np.float32), channels=C, n_k_heads=Hk, eps=eps, t=T)
     want = deltanet_conv_rows_ref(args["mix"].reshape(T, C), args["conv_w"].reshape(C, KC),
-                                  args["conv_state"].reshape(KC, C), pos)
+                                  args["conv_state"].reshape(KC, C), pos, Hk, D, eps)
     return zdsl.Example(args, lambda p: {"conv": (want.reshape(-1), 1e-5)})
 
 
-@zdsl.kernel(workgroup="WG", subgroup="SG",
-             variants={"D": [128], "WG": [256, 512], "Q8": [False, True], "SG": SUBGROUPS},
-             where=_layout_fits, sizes=("v_heads",), grid=lambda v, s: s.v_heads, traffic=_prefill_traffic)
-def deltanet_prefill(mix: Buffer[f32], conv: Buffer[f32], conv_state: Buffer[f32], step: Buffer[u32],
-                     z: Buffer[f32], ba: Buffer[f32], ssm_a: Buffer[f32], dt_bias: Buffer[f32], norm_w: Buffer[f32],
-                     state: Buffer[f32], out: Buffer[f32], oq: Buffer[u32], od: Buffer[f32], arrivals: Buffer[u32],
-                     t: u32, n_k_heads: u32, eps: f32, D: Const = 128, KC: Const = 4, WG: Const = 256,
-                     Q8: Const = False, SG: Const = 32):
-    """`deltanet_step` for a chunk of t tokens at positions p0 = step[0] … p0 + t − 1 in one
-    dispatch, from t rows of conv (the C channels' causal conv and silu, by deltanet_conv_rows
-    first: it is no recurrence, so it stays out of the token loop), z (heads × D) and ba (the
-    gate logits the graph projected for all t tokens at once: [b_0 … b_{heads−1}, a_0 …
-    a_{heads−1}], b = w_ba[h] · x, a = w_ba[heads + h] · x), into t rows of out (with Q8 also
-    oq, od: their Q8_1 blocks back to back). Workgroup h (value head; the launch names v_heads,
-    the grid) keeps its state in registers (`_Layout`) and runs the tokens in order, each as
-    deltanet_step does. deltanet_conv_rows reads the ring, and every workgroup of a key head
-    would read its q and k slots, so the ring is written last: by the workgroup that finishes
-    last (arrivals[0] counts them: 0 before, 0 after), which stores the chunk's last min(t, KC)
-    mix rows in their slots (p % KC), leaving the ring and the state as t deltanet_step
-    dispatches would. Token-serial: the chunked (WY) form, which trades the t state passes for
-    matrix products, is a later optimisation."""
-    if not _layout_fits(SimpleNamespace(D=D, WG=WG, SG=SG)):
-        raise zdsl.ZdslError(f"deltanet_prefill needs 4 | D, D/4 | WG and WG / (D/4) | D, not D={D}, WG={WG}")
-    h, Hv = zdsl.workgroup_id(), zdsl.num_workgroups()
-    kh = h % n_k_heads
-    C = (2 * n_k_heads + Hv) * D
-    lay = _Layout(D, WG)
-    first = step[0] % KC  # the ring slot of p0
-    S = [zdsl.var(state.vec4[(h * D + i) * lay.quads + lay.c]) for i in lay.rows]
-    for i in zdsl.range(t):
-        gate = z.vec4[(i * Hv + h) * lay.quads + lay.c]
-        b, a = ba[i * 2 * Hv + h], ba[i * 2 * Hv + Hv + h]
+def _columns_fit(v) -> bool:
+    """R rows per lane (whole 16-byte loads), P = D / R lanes per column (a power of two within a
+    subgroup), whole columns per workgroup."""
+    P = v.D // v.R
+    return (v.R % 4 == 0 and v.D % v.R == 0 and P & (P - 1) == 0 and v.SG % P == 0 and v.WG % v.SG == 0
+            and v.D % (v.WG // P) == 0)
 
-        qkv = _conv_head(lambda ch, shared_channel: conv[i * C + ch], kh, h, n_k_heads, D, WG)
-        qq, kk, qk = workgroup_sums(qkv.sums, WG, SG)
-        new, o = _delta_rule(lay, S, qkv, qq, kk, qk, _decay(ssm_a, dt_bias, h, a), zdsl.sigmoid(b), eps)
-        for s, n in zip(S, new):
-            s.set(n)
-        _store_out(lay, o, gate, norm_w, (i * Hv + h) * lay.quads + lay.c, out, oq, od, eps, Q8, SG,
-                   "deltanet_prefill")
-        zdsl.barrier()  # the next token rewrites the shared q, k, v
-    for s, i in zip(S, lay.rows):
-        state.vec4[(h * D + i) * lay.quads + lay.c] = s
-    with zdsl.if_(zdsl.last_workgroup(arrivals)):
-        # slot (first + t + j) % KC takes position p0 + t − KC + j, the mix row t − KC + j, if in the chunk
-        for n in zdsl.range(lay.t, KC * C, WG):
-            j, ch = n // C, n % C
-            with zdsl.if_(t + j >= KC):
-                conv_state[((first + t + j) % KC) * C + ch] = mix[(t + j - KC) * C + ch]
+
+def _prefill_traffic(v, s) -> int:
+    """Every buffer once: t rows of conv, gate logits and o, the state read and written, the
+    chunk's last min(t, KC) mix rows into the ring."""
+    Hv, D, T = s.v_heads, v.D, s.t
+    C = (2 * s.n_k_heads + Hv) * D
+    return 4 * C * (T + 2 * min(T, v.KC)) + 32 + 8 * T * Hv + 8 * Hv + 8 * Hv * D * D + 4 * T * Hv * D
+
+
+@zdsl.kernel(workgroup="WG", subgroup="SG",
+             variants={"D": [128], "R": [8, 16, 32], "WG": [64, 128], "SG": SUBGROUPS}, where=_columns_fit,
+             sizes=("v_heads",), grid=lambda v, s: s.v_heads * v.D * (v.D // v.R) // v.WG, traffic=_prefill_traffic)
+def deltanet_prefill(conv: Buffer[f32], ba: Buffer[f32], ssm_a: Buffer[f32], dt_bias: Buffer[f32], state: Buffer[f32],
+                     o: Buffer[f32], mix: Buffer[f32], conv_state: Buffer[f32], step: Buffer[u32], t: u32,
+                     n_k_heads: u32, D: Const = 128, R: Const = 16, KC: Const = 4, WG: Const = 64, SG: Const = 32):
+    """The gated delta rule for a chunk of t tokens at positions p0 = step[0] … p0 + t − 1, from
+    deltanet_conv_rows' rows (q and k normalised) and the gate logits ba the graph projected for
+    the chunk ([b_0 … b_{heads−1}, a_0 … a_{heads−1}] per token), into t rows of raw o ([token]
+    [head][D], for deltanet_gated_norm). Each value column j of head h's state is a recurrence of
+    its own, with β = sigmoid(b_h), e^g = e^(ssm_a_h · softplus(a_h + dt_bias_h)):
+        S[:, j] ← e^g S[:, j];  u_j = kᵀS[:, j];  S[:, j] += k β (v_j − u_j);  o_j = qᵀS[:, j] / √D
+    (one pass: o_j = (e^g qᵀS_old + (q·k) δ_j) / √D, δ_j = β (v_j − e^g kᵀS_old)). So the token
+    loop is short and the grid wide: P = D / R adjacent lanes hold a column, R rows each in
+    registers, and combine their sums by shuffles; no barrier, no shared memory, and the next
+    token's inputs are loaded while this one's sums run (the loop is latency-bound). R = 16 by
+    default: 72 VGPRs on gfx1201 against R = 32's 144 (state, q and k, and the next q and k), and
+    twice the subgroups to hide each other's latency. Value head h
+    reads key head h % n_k_heads; the launch names v_heads. Nothing here reads the ring, so
+    every workgroup takes a share of storing the chunk's last min(t, KC) mix rows in their slots
+    (p % KC), leaving the ring and the state as t deltanet_step dispatches would."""
+    if not _columns_fit(SimpleNamespace(D=D, R=R, WG=WG, SG=SG)):
+        raise zdsl.ZdslError(f"deltanet_prefill needs 4 | R, R | D, a power of two D/R dividing SG, SG | WG and "
+                             f"WG·R/D | D, not D={D}, R={R}, WG={WG}, SG={SG}")
+    P = D // R
+    cols = WG // P  # columns per workgroup
+    blocks = D // cols  # workgroups per head
+    h, Hv = zdsl.workgroup_id() // blocks, zdsl.num_workgroups() // blocks
+    kh = h % n_k_heads
+    lane = zdsl.local_index()
+    j = (zdsl.workgroup_id() % blocks) * cols + lane // P
+    top = (lane % P) * R  # this lane's rows: top … top + R − 1
+    C = (2 * n_k_heads + Hv) * D
+    S = [zdsl.var(zdsl.vec(*[state[(h * D + top + r + e) * D + j] for e in range(4)])) for r in range(0, R, 4)]
+    a_h, dt_h = ssm_a[h], dt_bias[h]
+
+    def inputs_of(i):
+        """Token i's q and k (this lane's rows, as quads), v_j and the gate logits b and a."""
+        q, k = ((i * C + head * D + top) // 4 for head in (kh, n_k_heads + kh))
+        return ([conv.vec4[q + r] for r in range(R // 4)] + [conv.vec4[k + r] for r in range(R // 4)]
+                + [conv[i * C + (2 * n_k_heads + h) * D + j], ba[i * 2 * Hv + h], ba[i * 2 * Hv + Hv + h]])
+
+    now = [zdsl.var(x) for x in inputs_of(0)]
+    for i in zdsl.range(t):
+        ahead = inputs_of(zdsl.min(i + 1, t - 1))
+        q, k, (v, b, a) = now[:R // 4], now[R // 4:R // 2], now[R // 2:]
+        u, y, qk = S[0] * k[0], S[0] * q[0], q[0] * k[0]
+        for s, k_r, q_r in zip(S[1:], k[1:], q[1:]):
+            u, y, qk = zdsl.fma(s, k_r, u), zdsl.fma(s, q_r, y), zdsl.fma(q_r, k_r, qk)
+        u, y, qk = (x.x + x.y + x.z + x.w for x in (u, y, qk))
+        for m in (P >> n for n in range(1, P.bit_length())):  # the column's P lanes, butterfly
+            u, y, qk = u + zdsl.subgroup_shuffle_xor(u, m), y + zdsl.subgroup_shuffle_xor(y, m), \
+                qk + zdsl.subgroup_shuffle_xor(qk, m)
+        decay = zdsl.exp(a_h * zdsl.softplus(a + dt_h))
+        delta = zdsl.sigmoid(b) * (v - decay * u)
+        for s, k_r in zip(S, k):
+            s.set(zdsl.fma(k_r, zdsl.vec(delta, delta, delta, delta), s * decay))
+        with zdsl.if_(top == 0):
+            o[(i * Hv + h) * D + j] = (decay * y + qk * delta) * (1.0 / math.sqrt(D))
+        for x, nxt in zip(now, ahead):
+            x.set(nxt)
+    for s, r in zip(S, range(0, R, 4)):
+        for e, value in enumerate((s.x, s.y, s.z, s.w)):
+            state[(h * D + top + r + e) * D + j] = value
+    # slot (first + t + n) % KC takes position p0 + t − KC + n, the mix row t − KC + n, if in the chunk
+    first = step[0] % KC
+    for n in zdsl.range(zdsl.global_id(), KC * C, zdsl.num_workgroups() * WG):
+        row, ch = n // C, n % C
+        with zdsl.if_(t + row >= KC):
+            conv_state[((first + t + row) % KC) * C + ch] = mix[(t + row - KC) * C + ch]
 
 
 @deltanet_prefill.reference
-def deltanet_prefill_ref(mix, conv_w, conv_state, pos, z, ba, ssm_a, dt_bias, norm_w, state, n_k_heads, eps):
+def deltanet_prefill_ref(conv, mix, conv_state, pos, ba, ssm_a, dt_bias, state, n_k_heads):
     """Straight from the model doc, in float64, token after token, for positions pos … pos + T − 1.
-    mix: (T, C); conv_w: (C, KC); conv_state: (KC, C), the ring (slot s: the input of the last
-    position ≡ s mod KC before pos); z: (T, Hv·D); ba: (T, 2·Hv) the β logits then the α inputs;
-    ssm_a, dt_bias: (Hv,); norm_w: (D,); state: (Hv, D, D). Returns (out (T, Hv·D), new delta
-    state, new conv ring)."""
+    conv: (T, C) deltanet_conv_rows' rows (q and k normalised); mix: (T, C); conv_state: (KC, C),
+    the ring (slot s: the input of the last position ≡ s mod KC before pos); ba: (T, 2·Hv) the β
+    logits then the α inputs; ssm_a, dt_bias: (Hv,); state: (Hv, D, D). Returns (raw o (T, Hv, D),
+    new delta state, new conv ring)."""
     f = lambda x: np.asarray(x, np.float64)  # noqa: E731
-    silu = lambda x: x / (1 + np.exp(-x))  # noqa: E731
-    l2norm = lambda x: x / np.sqrt((x * x).sum(axis=-1, keepdims=True) + eps)  # noqa: E731
     Hv, D = state.shape[0], state.shape[1]
     T, KC, Hk = mix.shape[0], conv_state.shape[0], n_k_heads
-    # the inputs of positions pos − KC + 1 … pos + T − 1, oldest first
-    hist = np.concatenate([f(conv_state[[(pos - KC + 1 + j) % KC for j in range(KC - 1)]]), f(mix)])
-    pre = sum(hist[j:j + T] * f(conv_w)[:, j] for j in range(KC))
-    conv = silu(pre)
     ring = np.array(conv_state, np.float32, copy=True)
     for p in range(max(pos, pos + T - KC), pos + T):
         ring[p % KC] = mix[p - pos]
     heads = np.arange(Hv) % Hk  # value head h reads key head h % n_k_heads
-    q = l2norm(conv[:, :Hk * D].reshape(T, Hk, D))[:, heads]
-    k = l2norm(conv[:, Hk * D:2 * Hk * D].reshape(T, Hk, D))[:, heads]
+    conv = f(conv)
+    q = conv[:, :Hk * D].reshape(T, Hk, D)[:, heads]
+    k = conv[:, Hk * D:2 * Hk * D].reshape(T, Hk, D)[:, heads]
     v = conv[:, 2 * Hk * D:].reshape(T, Hv, D)
     beta = 1 / (1 + np.exp(-f(ba)[:, :Hv]))
     decay = np.exp(f(ssm_a) * np.logaddexp(0.0, f(ba)[:, Hv:] + f(dt_bias)))
@@ -435,35 +469,60 @@ def deltanet_prefill_ref(mix, conv_w, conv_state, pos, z, ba, ssm_a, dt_bias, no
         u = np.einsum("hij,hi->hj", S, k[i])
         S += k[i][:, :, None] * (beta[i][:, None] * (v[i] - u))[:, None, :]
         o[i] = np.einsum("hij,hi->hj", S, q[i]) / np.sqrt(D)
-    out = o / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + eps) * f(norm_w) * silu(f(z).reshape(T, Hv, D))
-    return out.reshape(T, -1).astype(np.float32), S.astype(np.float32), ring
+    return o, S, ring
 
 
 @deltanet_prefill.example
 def deltanet_prefill_example(use, rng, check):
-    D, KC, q8 = use.fixed["D"], use.fixed["KC"], use.fixed["Q8"]
-    Hk, Hv, T, eps = use.sizes["n_k_heads"], use.sizes["v_heads"], use.sizes["t"], use.sizes["eps"]
+    D, KC = use.fixed["D"], use.fixed["KC"]
+    Hk, Hv, T = use.sizes["n_k_heads"], use.sizes["v_heads"], use.sizes["t"]
     C = (2 * Hk + Hv) * D
-    pos = 1001  # the taps read a wrapped ring
-    conv_w = inputs.normal(rng, C * KC, 0.5)
-    args = dict(mix=inputs.normal(rng, T * C), conv_state=inputs.normal(rng, KC * C), step=inputs.step_words(pos, pos + T),
-                z=inputs.normal(rng, T * Hv * D, 2.0), ba=inputs.normal(rng, T * 2 * Hv),
+    pos = 1001  # a wrapped ring
+    conv = inputs.normal(rng, T * C).reshape(T, C)
+    qk = conv[:, :2 * Hk * D].reshape(T, 2 * Hk, D)
+    conv[:, :2 * Hk * D] = (qk / np.linalg.norm(qk, axis=-1, keepdims=True)).reshape(T, -1)  # as conv_rows leaves them
+    args = dict(conv=conv.reshape(-1), ba=inputs.normal(rng, T * 2 * Hv),
                 ssm_a=-np.exp(rng.standard_normal(Hv)).astype(np.float32), dt_bias=inputs.normal(rng, Hv),
-                norm_w=inputs.normal(rng, D), state=inputs.normal(rng, Hv * D * D, 0.5),
-                out=np.zeros(T * Hv * D, np.float32), arrivals=np.zeros(1, np.uint32), t=T, n_k_heads=Hk, eps=eps,
-                v_heads=Hv)
-    if q8:
-        args.update(oq=np.zeros(T * Hv * D // 4, np.uint32), od=np.zeros(T * Hv * D // 16, np.float32))
+                state=inputs.normal(rng, Hv * D * D, 0.5), o=np.zeros(T * Hv * D, np.float32),
+                mix=inputs.normal(rng, T * C), conv_state=inputs.normal(rng, KC * C),
+                step=inputs.step_words(pos, pos + T), t=T, n_k_heads=Hk, v_heads=Hv)
     s0, ring0 = args["state"].copy(), args["conv_state"].copy()
-    args["conv"] = deltanet_conv_rows_ref(args["mix"].reshape(T, C), conv_w.reshape(C, KC), ring0.reshape(KC, C),
-                                          pos).astype(np.float32).reshape(-1)
 
     def expect(p):
-        out, state, ring = deltanet_prefill_ref(
-            args["mix"].reshape(T, C), conv_w.reshape(C, KC), ring0.reshape(KC, C), pos,
-            args["z"].reshape(T, -1), args["ba"].reshape(T, -1), args["ssm_a"], args["dt_bias"], args["norm_w"],
-            s0.reshape(Hv, D, D), Hk, eps)
-        q8_out = {"od": (inputs.q8_1_scales(out), 1e-4)} if q8 else {}
-        return {"out": (out.reshape(-1), 1e-4), **q8_out, "state": (state.reshape(-1), 1e-5),
-                "conv_state": (ring.reshape(-1), 0), "arrivals": (np.zeros(1), 0)}
+        o, state, ring = deltanet_prefill_ref(conv, args["mix"].reshape(T, C), ring0.reshape(KC, C), pos,
+                                              args["ba"].reshape(T, -1), args["ssm_a"], args["dt_bias"],
+                                              s0.reshape(Hv, D, D), Hk)
+        return {"o": (o.reshape(-1), 1e-4), "state": (state.reshape(-1), 1e-5), "conv_state": (ring.reshape(-1), 0)}
     return zdsl.Example(args, expect, lambda n: {"state": inputs.copies(args["state"], n)})
+
+
+@zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [32, 64], "Q8": [False, True], "SG": SUBGROUPS},
+             where=lambda v: v.WG % v.SG == 0, key=("d",), sizes=("rows",), grid=lambda v, s: s.rows,
+             traffic=lambda v, s: s.rows * (12 * s.d + (s.d + s.d // 4 if v.Q8 else 0)) + 4 * s.d)
+def deltanet_gated_norm(o: Buffer[f32], z: Buffer[f32], norm_w: Buffer[f32], out: Buffer[f32], oq: Buffer[u32],
+                        od: Buffer[f32], d: u32, eps: f32, Q8: Const = False, WG: Const = 32, SG: Const = 32):
+    """out = rmsnorm(o) · norm_w · silu(z) per row of d values (a token's value head; norm_w is
+    the heads' one vector), with Q8 also as Q8_1 (oq, od; d a multiple of 32): deltanet_prefill's
+    read-out made what the output projection reads, for every row of the chunk at once (the
+    launch's `rows`, one workgroup each), out of the token loop."""
+    write_normed(o, norm_w, out, oq if Q8 else None, od if Q8 else None, d, eps, WG, SG, row=zdsl.workgroup_id(),
+                 gate=z)
+
+
+@deltanet_gated_norm.reference
+def deltanet_gated_norm_ref(o, z, norm_w, eps):
+    """rmsnorm(o) · norm_w · silu(z) over the last axis, float64."""
+    o, z = np.asarray(o, np.float64), np.asarray(z, np.float64)
+    return o / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + eps) * norm_w * z / (1 + np.exp(-z))
+
+
+@deltanet_gated_norm.example
+def deltanet_gated_norm_example(use, rng, check):
+    d, rows, eps = use.sizes["d"], use.sizes["rows"], use.sizes["eps"]
+    args = dict(o=inputs.normal(rng, rows * d, 0.1), z=inputs.normal(rng, rows * d, 2.0), norm_w=inputs.normal(rng, d),
+                out=np.zeros(rows * d, np.float32), d=d, eps=eps, rows=rows)
+    if use.fixed["Q8"]:
+        args.update(oq=np.zeros(rows * d // 4, np.uint32), od=np.zeros(rows * d // 16, np.float32))
+    want = deltanet_gated_norm_ref(args["o"].reshape(rows, d), args["z"].reshape(rows, d), args["norm_w"], eps)
+    q8_out = {"od": (inputs.q8_1_scales(want), 1e-4)} if use.fixed["Q8"] else {}
+    return zdsl.Example(args, lambda p: {"out": (want.reshape(-1), 1e-4), **q8_out})

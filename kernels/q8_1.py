@@ -56,9 +56,10 @@ def round_away(v):
     return zdsl.where(v < 0.0, -r, r)
 
 
-def write_normed(x, norm_w, hn, xq, xd, n, eps, WG: int, SG: int, row=0):
-    """hn = rmsnorm(x) · norm_w for row `row` of n values (n a multiple of 32), in f32 and as Q8_1
-    (xq, xd; rows back to back), by one workgroup of WG invocations. Two passes over x (Σx²,
+def write_normed(x, norm_w, hn, xq, xd, n, eps, WG: int, SG: int, row=0, gate=None):
+    """hn = rmsnorm(x) · norm_w (· silu(gate), a buffer laid out as x, where given) for row `row`
+    of n values, in f32 and, unless xq is None, as Q8_1 (xq, xd; rows back to back; n a multiple
+    of 32), by one workgroup of WG invocations. Two passes over x (Σx²,
     then the outputs) in 16-byte loads; invocation t takes quads t, t + WG, …, so eight
     neighbours hold a block. The loops are GPU loops, not unrolled: in the decode step this
     kernel's code comes from memory every time (the weights streaming through L2 evict it), and
@@ -77,9 +78,12 @@ def write_normed(x, norm_w, hn, xq, xd, n, eps, WG: int, SG: int, row=0):
         ok = i < n4
         at = zdsl.min(i, n4 - 1)
         v = x.vec4[first + at] * norm_w.vec4[at] * scale
+        if gate is not None:
+            v = v * zdsl.silu(gate.vec4[first + at])
         with zdsl.if_(ok):
             hn.vec4[first + i] = v
-        store_q8_1(v, first + i, ok, xq, xd)
+        if xq is not None:
+            store_q8_1(v, first + i, ok, xq, xd)
 
 
 @zdsl.kernel(workgroup=64, subgroup="SG", variants={"SG": SUBGROUPS}, grid=lambda v, s: -(-s.n // 256))

@@ -3,22 +3,27 @@ the gated delta rule and the gated norm) against numpy (float64) in the interpre
 subgroup size) and on lavapipe (its own): random shapes, thread layouts, gate weight types (every
 type with a GPU decoder, dequantized by gguf-py), states and positions (the conv ring before, at
 and after its first wrap, and far out), the model's shape, and several tokens in a row from zero
-states against the model reference's conv, `deltanet_recurrent` and gated norm. The prefill
-kernel (a chunk of tokens in one dispatch) against its float64 reference and against as many
-decode steps, and a prompt in chunks then decode steps against the model reference. Tolerances:
-f32 to ~1e-5 relative; the conv ring only moves values, so it must match exactly."""
+states against the model reference's conv, `deltanet_recurrent` and gated norm. The prompt's
+kernels (a chunk's conv rows with q and k normalised, the delta rule by state columns, the gated
+norm rows) each against its float64 reference and together against as many decode steps, and a
+prompt in chunks then decode steps against the model reference. Tolerances: f32 to ~1e-5
+relative; the conv ring only moves values, so it must match exactly."""
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from zdsl.autotune.tuner import close, sizes_of
 from zdsl.kernels import inputs
 from zdsl.kernels import deltanet as dn
 from zdsl.kernels import dmmv
 from zdsl.kernels.q8_1 import q8_1_buffers, q8_1_values
 from zdsl.kernels.quant import FORMATS
 from zdsl.models.qwen35 import reference as model
+from zdsl.runtime.dry import DryBuffer, DryDevice
 from kernel_testing import BACKENDS, assert_q8_1_of, run, subgroup
 
 EPS = 1e-6
@@ -178,37 +183,11 @@ def test_several_tokens(backend, request):
         np.testing.assert_allclose(s["out"].reshape(Hv, D), expect, rtol=1e-4, atol=1e-5)
 
 
-# ---- deltanet_prefill: a chunk of tokens in one dispatch ----------------------------------------
-
-def prefill(backend, request, x, state, pos, n_k_heads, wg, sg, q8, t=None):
-    """x: the chunk's inputs (mix (rows, C), conv_w (C, KC), conv_state (KC, C), z (rows, Hv·D),
-    ba (rows, 2·Hv), ssm_a, dt_bias, norm_w); deltanet_conv_rows then deltanet_prefill run the
-    first t rows (all by default)."""
-    Hv, D = state.shape[:2]
-    rows = x["mix"].shape[0]
-    t = rows if t is None else t
-    KC = x["conv_state"].shape[0]
-    args = {n: np.ascontiguousarray(a).reshape(-1) for n, a in x.items()}
-    C = x["mix"].shape[1]
-    conv = dn.deltanet_conv_rows.specialize(KC=KC, WG=64)  # the chunk's conv first, as the graph runs it
-    args["conv"] = run(conv, backend, request, conv.groups(channels=C, t=t), mix=args["mix"], conv_w=args.pop("conv_w"),
-                       conv_state=args["conv_state"], step=inputs.step_words(pos, pos + t),
-                       conv=np.full(rows * C, np.nan, np.float32), channels=C)["conv"]
-    n = rows * Hv * D
-    q8_out = dict(oq=np.zeros(n // 4, np.uint32), od=np.full(n // 16, np.nan, np.float32)) if q8 else {}
-    out = run(dn.deltanet_prefill.specialize(D=D, KC=KC, WG=wg, Q8=q8, SG=sg), backend, request, Hv, **args,
-              step=inputs.step_words(pos, pos + t), state=state.reshape(-1),
-              out=np.full(n, np.nan, np.float32), arrivals=np.zeros(1, np.uint32), t=t,
-              n_k_heads=n_k_heads, eps=EPS, **q8_out)
-    assert out["arrivals"][0] == 0
-    if q8:
-        used = t * Hv * D
-        assert_q8_1_of(out["oq"][:used // 4], out["od"][:used // 16], out["out"][:used])
-    return out
-
+# ---- a prompt's chunk: deltanet_conv_rows, deltanet_prefill (the delta rule by columns), -------
+# ---- deltanet_gated_norm -------------------------------------------------------------------
 
 def prefill_inputs(rng, Hk, Hv, D, T, KC=4, extra=0):
-    """Random chunk inputs; `extra` rows past the chunk are NaN (the kernel must not read them)."""
+    """Random chunk inputs; `extra` rows past the chunk are NaN (the kernels must not read them)."""
     C = (2 * Hk + Hv) * D
 
     def rows(n, scale=1.0):
@@ -221,21 +200,70 @@ def prefill_inputs(rng, Hk, Hv, D, T, KC=4, extra=0):
                 dt_bias=rng.standard_normal(Hv, dtype=np.float32), norm_w=rng.standard_normal(D, dtype=np.float32))
 
 
-def check_prefill(got, x, state, pos, Hk, T):
+def conv_rows(backend, request, x, pos, Hk, D, sg, t):
+    """deltanet_conv_rows over the first t rows of x's mix (rows past t start NaN in conv)."""
+    rows, C = x["mix"].shape
+    KC = x["conv_state"].shape[0]
+    sg = sg if D % sg == 0 else 8
+    v = dn.deltanet_conv_rows.specialize(D=D, KC=KC, SG=sg)
+    return run(v, backend, request, v.groups(channels=C, t=t), mix=x["mix"].reshape(-1),
+               conv_w=x["conv_w"].reshape(-1), conv_state=x["conv_state"].reshape(-1),
+               step=inputs.step_words(pos, pos + t), conv=np.full(rows * C, np.nan, np.float32), channels=C,
+               n_k_heads=Hk, eps=EPS)["conv"]
+
+
+def gated_norm(backend, request, o, z, norm_w, sg, q8):
+    """deltanet_gated_norm of the rows of o (rows, d), their Q8_1 form checked where q8."""
+    rows, d = o.shape
+    q8_out = dict(oq=np.zeros(rows * d // 4, np.uint32), od=np.full(rows * d // 16, np.nan, np.float32)) if q8 else {}
+    v = dn.deltanet_gated_norm.specialize(Q8=q8, WG=max(32, sg), SG=sg)
+    got = run(v, backend, request, rows, o=o.reshape(-1), z=z.reshape(-1), norm_w=norm_w,
+              out=np.full(rows * d, np.nan, np.float32), d=d, eps=EPS, **q8_out)
+    if q8:
+        assert_q8_1_of(got["oq"], got["od"], got["out"])
+    return got
+
+
+def prefill(backend, request, x, state, pos, Hk, layout, sg, q8, t=None):
+    """The chunk as the graph runs it (x: prefill_inputs; layout: deltanet_prefill's (R, WG)):
+    deltanet_conv_rows, deltanet_prefill, then deltanet_gated_norm of the first t rows (all by
+    default). Returns the conv rows, raw o, out (and oq, od with q8), the state and the ring."""
     Hv, D = state.shape[:2]
-    chunk = dict(x, mix=x["mix"][:T], z=x["z"][:T], ba=x["ba"][:T])
-    want, want_state, want_ring = dn.deltanet_prefill_ref(**chunk, pos=pos, state=state, n_k_heads=Hk, eps=EPS)
-    np.testing.assert_array_equal(got["conv_state"].reshape(want_ring.shape), want_ring)
+    rows, C = x["mix"].shape
+    t = rows if t is None else t
+    R, wg = layout
+    conv = conv_rows(backend, request, x, pos, Hk, D, sg, t)
+    v = dn.deltanet_prefill.specialize(D=D, R=R, KC=x["conv_state"].shape[0], WG=wg, SG=sg)
+    got = run(v, backend, request, v.groups(v_heads=Hv), conv=conv, ba=x["ba"].reshape(-1), ssm_a=x["ssm_a"],
+              dt_bias=x["dt_bias"], state=state.reshape(-1), o=np.full(rows * Hv * D, np.nan, np.float32),
+              mix=x["mix"].reshape(-1), conv_state=x["conv_state"].reshape(-1), step=inputs.step_words(pos, pos + t),
+              t=t, n_k_heads=Hk)
+    o = got["o"].reshape(rows, Hv, D)
+    assert np.isnan(o[t:]).all()  # rows past t untouched
+    normed = gated_norm(backend, request, o[:t].reshape(-1, D), x["z"][:t], x["norm_w"], sg, q8)
+    return dict(got, conv=conv.reshape(rows, C), o=o[:t], **{n: normed[n] for n in ("out", "oq", "od") if n in normed})
+
+
+def check_prefill(got, x, state, pos, Hk, T):
+    """Each kernel against its float64 reference, on the inputs it was given."""
+    Hv, D = state.shape[:2]
+    KC = x["conv_state"].shape[0]
+    conv = dn.deltanet_conv_rows_ref(x["mix"][:T], x["conv_w"], x["conv_state"], pos, Hk, D, EPS)
+    np.testing.assert_allclose(got["conv"][:T], conv, rtol=1e-5, atol=1e-6)
+    assert np.isnan(got["conv"][T:]).all()
+    o, want_state, want_ring = dn.deltanet_prefill_ref(got["conv"][:T], x["mix"][:T], x["conv_state"], pos, x["ba"][:T],
+                                                       x["ssm_a"], x["dt_bias"], state, Hk)
+    np.testing.assert_array_equal(got["conv_state"].reshape(KC, -1), want_ring)
     np.testing.assert_allclose(got["state"].reshape(Hv, D, D), want_state, rtol=1e-5, atol=1e-5)
-    out = got["out"].reshape(-1, Hv * D)
-    np.testing.assert_allclose(out[:T], want, rtol=2e-5, atol=2e-5)
-    assert np.isnan(out[T:]).all()  # rows past t untouched
+    np.testing.assert_allclose(got["o"], o, rtol=1e-5, atol=1e-6)
+    out = dn.deltanet_gated_norm_ref(got["o"], x["z"][:T].reshape(T, Hv, D), x["norm_w"], EPS)
+    np.testing.assert_allclose(got["out"].reshape(out.shape), out, rtol=2e-5, atol=2e-5)
 
 
 def steps(backend, request, x, state, pos, Hk, wg, sg, T):
-    """The same chunk as T deltanet_step dispatches, states carried: the gates come from f32
-    rows that pick ba's entries exactly (identity weights, input = the token's ba row, zero-padded
-    to one 32-value block)."""
+    """The same chunk as T deltanet_step dispatches (wg invocations each), states carried: the
+    gates come from f32 rows that pick ba's entries exactly (identity weights, input = the token's
+    ba row, zero-padded to one 32-value block)."""
     Hv, D = state.shape[:2]
     w_ba = np.eye(2 * Hv, 32, dtype=np.float32).reshape(-1).view(np.uint8)
     ring, outs = x["conv_state"], []
@@ -250,37 +278,63 @@ def steps(backend, request, x, state, pos, Hk, wg, sg, T):
     return np.stack(outs), state, ring
 
 
+def column_layout(backend, request, d, r_log, wg_log, sg_pick, layout):
+    """(D, (R, WG), SG) for deltanet_prefill: any that fits in the interpreter, else a listed one."""
+    sg = subgroup(backend, request, sg_pick)
+    if backend == "interp":
+        r = d >> r_log
+        wg = sg << wg_log
+    else:
+        d, r, wg = layout
+    assume(r > 0 and dn._columns_fit(SimpleNamespace(D=d, R=r, WG=wg, SG=sg)))
+    return d, (r, wg), sg
+
+
 PREFILL_POSITIONS = [0, 1, 3, 5, 1001, 2**32 - 16]  # an empty ring, one filling, wrapped, far out, near the u32 end
-LAVAPIPE_PREFILL_LAYOUTS = [(16, 32), (32, 64)]  # (D, WG): several rows per invocation; whole Q8_1 blocks
+# (D, R, WG) on lavapipe (subgroups of 8): 2, 4 and 1 lanes per column; 2 to 6 workgroups per
+# head; a head dim that is no power of two
+LAVAPIPE_COLUMNS = [(16, 8, 16), (32, 8, 32), (32, 32, 8), (24, 12, 8)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@given(hk=st.integers(1, 2), T=st.integers(1, 11), d=st.sampled_from([8, 16, 24, 32]), rp_log=st.integers(0, 4),
-       sg_pick=st.integers(0, 3), layout=st.sampled_from(LAVAPIPE_PREFILL_LAYOUTS), kc=st.integers(1, 5),
-       pos=st.sampled_from(PREFILL_POSITIONS), q8=st.booleans(), extra=st.integers(0, 2),
-       state_scale=st.sampled_from([0.0, 0.5]), seed=st.integers(0, 99))
-def test_prefill(backend, request, hk, T, d, rp_log, sg_pick, layout, kc, pos, q8, extra, state_scale, seed):
-    """A chunk of T tokens (1, odd, more than the conv's taps) against the float64 reference and
-    against T deltanet_step dispatches (out rows, state, ring): 2·n_k_heads value heads, so two
-    workgroups read each key head's q and k; rows past t (NaN) neither read nor written."""
-    sg = subgroup(backend, request, sg_pick)
-    if backend == "interp":
-        rp = 2 ** rp_log
-        wg = d // 4 * rp
-        assume(d % rp == 0 and wg % sg == 0 and wg % 8 == 0)
-    else:
-        (d, wg), kc = layout, 4
+@given(hk=st.integers(1, 2), ratio=st.integers(1, 3), T=st.integers(1, 11), d=st.sampled_from([8, 16, 24, 32]),
+       r_log=st.integers(0, 3), wg_log=st.integers(0, 2), sg_pick=st.integers(0, 3),
+       layout=st.sampled_from(LAVAPIPE_COLUMNS), kc=st.integers(1, 5), pos=st.sampled_from(PREFILL_POSITIONS),
+       q8=st.booleans(), extra=st.integers(0, 2), state_scale=st.sampled_from([0.0, 0.5]), seed=st.integers(0, 99))
+def test_prefill(backend, request, hk, ratio, T, d, r_log, wg_log, sg_pick, layout, kc, pos, q8, extra, state_scale,
+                 seed):
+    """A chunk of T tokens (1, odd, more than the conv's taps) through the three kernels, each
+    against its float64 reference, and the whole against T deltanet_step dispatches (out rows,
+    state, ring): n_k_heads · ratio value heads, so up to three value heads read each key head's
+    q and k; any split of a column over lanes and of a head over workgroups; rows past t (NaN)
+    neither read nor written."""
+    d, layout, sg = column_layout(backend, request, d, r_log, wg_log, sg_pick, layout)
+    if backend == "lavapipe":
+        kc = 4
     q8 = q8 and d % 32 == 0
     rng = np.random.default_rng(seed)
-    hv = 2 * hk
+    hv = hk * ratio
     x = prefill_inputs(rng, hk, hv, d, T, kc, extra)
     state = (rng.standard_normal((hv, d, d)) * state_scale).astype(np.float32)
-    got = prefill(backend, request, x, state, pos, hk, wg, sg, q8, T)
+    got = prefill(backend, request, x, state, pos, hk, layout, sg, q8, T)
     check_prefill(got, x, state, pos, hk, T)
-    out, want_state, want_ring = steps(backend, request, x, state, pos, hk, wg, sg, T)
+    out, want_state, want_ring = steps(backend, request, x, state, pos, hk, 2 * d, subgroup(backend, request, 0), T)
     np.testing.assert_array_equal(got["conv_state"].reshape(want_ring.shape), want_ring)
     np.testing.assert_allclose(got["state"].reshape(want_state.shape), want_state, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(got["out"].reshape(-1, hv * d)[:T], out, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(got["out"].reshape(T, -1), out, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_long_chunk(backend, request):
+    """301 tokens (the ring written by the grid's later invocations too) with 3 key heads and 6
+    value heads, from a far position, against the float64 references."""
+    rng = np.random.default_rng(3)
+    hk, hv, d, T = 3, 6, 16, 301
+    sg = subgroup(backend, request, 0)
+    x = prefill_inputs(rng, hk, hv, d, T, extra=1)
+    state = (rng.standard_normal((hv, d, d)) * 0.5).astype(np.float32)
+    got = prefill(backend, request, x, state, 70_001, hk, (8, 16), sg, False, T)
+    check_prefill(got, x, state, 70_001, hk, T)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -290,7 +344,7 @@ def test_prefill_chunks_then_decode(backend, request):
     the model reference (conv over the last 4 inputs with zeros before the first, l2norm,
     deltanet_recurrent, gated rmsnorm) run over the whole sequence."""
     rng = np.random.default_rng(11)
-    Hk, Hv, D, KC, wg = 2, 4, 32, 4, 64
+    Hk, Hv, D, KC = 2, 4, 32, 4
     C = (2 * Hk + Hv) * D
     sg = subgroup(backend, request, 2)
     x = prefill_inputs(rng, Hk, Hv, D, 10)
@@ -298,12 +352,12 @@ def test_prefill_chunks_then_decode(backend, request):
     outs, pos = [], 0
     for T in (1, 5, 2):
         chunk = dict(x, mix=x["mix"][pos:pos + T], z=x["z"][pos:pos + T], ba=x["ba"][pos:pos + T], conv_state=ring)
-        got = prefill(backend, request, chunk, state, pos, Hk, wg, sg, True)
+        got = prefill(backend, request, chunk, state, pos, Hk, (8, sg), sg, True)
         ring, state = got["conv_state"].reshape(KC, C), got["state"].reshape(Hv, D, D)
         outs.append(got["out"].reshape(T, -1))
         pos += T
     tail = dict(x, mix=x["mix"][pos:], z=x["z"][pos:], ba=x["ba"][pos:], conv_state=ring)
-    out, state, ring = steps(backend, request, tail, state, pos, Hk, wg, sg, 10 - pos)
+    out, state, ring = steps(backend, request, tail, state, pos, Hk, 64, sg, 10 - pos)
     outs.append(out)
 
     taps = x["conv_w"].astype(np.float64)
@@ -322,19 +376,38 @@ def test_prefill_chunks_then_decode(backend, request):
     np.testing.assert_array_equal(ring, x["mix"][[8, 9, 6, 7]])  # slot p % 4 holds position p's input
 
 
-def test_prefill_example():
-    """The example the tuner and the benches use (a wrapped ring, D = 128) agrees with its reference
-    in the interpreter, Q8 on and off."""
-    from types import SimpleNamespace
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(rows=st.integers(1, 9), d=st.sampled_from([4, 8, 24, 32, 128]), q8=st.booleans(), sg_pick=st.integers(0, 3),
+       scale=st.sampled_from([0.0, 1e-3, 1.0]), seed=st.integers(0, 99))
+def test_gated_norm(backend, request, rows, d, q8, sg_pick, scale, seed):
+    """Rows of any multiple of 4 values (of 32 with Q8_1), fewer or more than the workgroup's
+    invocations hold; o = 0 gives 0 (eps)."""
+    q8 = q8 and d % 32 == 0
+    rng = np.random.default_rng(seed)
+    o = (rng.standard_normal((rows, d)) * scale).astype(np.float32)
+    z, norm_w = (rng.standard_normal((rows, d)) * 2).astype(np.float32), rng.standard_normal(d, dtype=np.float32)
+    got = gated_norm(backend, request, o, z, norm_w, subgroup(backend, request, sg_pick), q8)
+    np.testing.assert_allclose(got["out"].reshape(rows, d), dn.deltanet_gated_norm_ref(o, z, norm_w, EPS),
+                               rtol=2e-5, atol=2e-5)
 
-    for q8 in (False, True):
-        use = SimpleNamespace(fixed=dict(D=128, KC=4, Q8=q8), sizes=dict(n_k_heads=1, v_heads=2, t=3, eps=EPS))
-        ex = dn.deltanet_prefill.make_example(use, np.random.default_rng(0), True)
-        variant = dn.deltanet_prefill.specialize(D=128, KC=4, WG=256, Q8=q8, SG=32)
-        args = {n: v for n, v in ex.args.items() if n != "v_heads"}
-        got = variant.interpret(ex.args["v_heads"], **args)
-        for name, (want, tol) in ex.expect(variant.params).items():
-            if name == "od":  # the scales only; s is NaN in the reference
-                np.testing.assert_allclose(got[name][::2], want[::2], rtol=tol)
-            else:
-                np.testing.assert_allclose(got[name], want, rtol=tol, atol=tol)
+
+@pytest.mark.parametrize("kernel,args", [
+    (dn.deltanet_conv_rows, dict(mix=3 * 1024, conv_w=1024 * 4, conv_state=4 * 1024, step=8, conv=3 * 1024,
+                                 channels=1024, n_k_heads=2, eps=EPS, t=3, D=128, KC=4)),
+    (dn.deltanet_prefill, dict(conv=3 * 1024, ba=3 * 8, ssm_a=4, dt_bias=4, state=4 * 128 * 128, o=3 * 4 * 128,
+                               mix=3 * 1024, conv_state=4 * 1024, step=8, t=3, n_k_heads=2, v_heads=4, D=128, KC=4)),
+    (dn.deltanet_gated_norm, dict(o=3 * 512, z=3 * 512, norm_w=128, out=3 * 512, oq=3 * 128, od=3 * 32, d=128,
+                                  eps=EPS, rows=12, Q8=True))])
+def test_examples(kernel, args):
+    """The inputs the tuner and the benches build for a recorded launch (the check version) give
+    what the example's reference expects, on the variant the launch recorded."""
+    seq = DryDevice(None).sequence()
+    args = {n: DryBuffer(n, 4 * v) if n in {p.name for p in kernel.params if p.kind == "buffer"} else v
+            for n, v in args.items()}
+    launch = kernel.launch(seq, lambda k, key, fixed: k.specialize(**{**fixed, "SG": 8}), **args)
+    example = kernel.make_example(launch, np.random.default_rng(0), True)
+    v, params = launch.variant, launch.variant.params
+    declared = {b[0] for b in v.ir.buffers} | {s.name for s in v.ir.scalars}
+    out = v.interpret(kernel.groups(params, sizes_of(example)), **{n: a for n, a in example.args.items() if n in declared})
+    for name, (want, tol) in example.expect(params).items():
+        assert close(out[name], want, tol) is None, name

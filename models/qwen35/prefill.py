@@ -3,14 +3,15 @@
 A chunk of t tokens at positions p0 … p0 + t − 1 is one recorded sequence (one per chunk length,
 kept for reuse) over the decode graph's weights, caches and states: the embedding rows, each
 layer's norms and projections for all t rows at once (`matmul.mul_mm`: a weight block loaded once
-serves a tile of tokens), the delta-net's conv and delta rule for the chunk in one dispatch
-(`deltanet.deltanet_prefill`), the MoE block with each picked expert's weights read once for all
-the tokens routed to it (moe_route_rows, moe_group, the grouped products, moe_combine_rows; a
-dense FFN is the grouped gate·up with every token routed to its one pair of matrices), and causal
-attention of the chunk's queries over the cache (attn_prep_rows, attn_prefill). The chunk leaves
-the caches and states exactly as t decode steps would, so decoding continues from them; the last
-prompt token goes through the ordinary decode step, whose logits give the first generated token.
-Its buffers are planned with the decode graph's (buffers.chunk_buffers).
+serves a tile of tokens), the delta-net's conv and gated norm for all t rows and its delta rule
+token after token with the state's columns spread over the GPU (`deltanet.deltanet_prefill`), the
+MoE block with each picked expert's weights read once for all the tokens routed to it
+(moe_route_rows, moe_group, the grouped products, moe_combine_rows; a dense FFN is the grouped
+gate·up with every token routed to its one pair of matrices), and causal attention of the chunk's
+queries over the cache (attn_prep_rows, attn_prefill). The chunk leaves the caches and states
+exactly as t decode steps would, so decoding continues from them; the last prompt token goes
+through the ordinary decode step, whose logits give the first generated token. Its buffers are
+planned with the decode graph's (buffers.chunk_buffers).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class Prefill:
         self.attn_o = g.vector_of(b, "chunk.attn_o")
         self.mix, self.conv, self.z, self.ba = b["chunk.mix"], b["chunk.conv"], b["chunk.z"], b["chunk.ba"]
         self.dn_out = g.vector_of(b, "chunk.deltanet_out")
-        self.arrivals = b["chunk.arrivals"]
+        self.dn_raw = self.qg  # the delta rule's raw o: attention's rows are free in a delta-net layer
         self.act = b["chunk.act"]
         # every token of the chunk routed once to one expert: the shared expert's grouping, and
         # the dense FFN's (the host writes offsets [0, t] and pairs 0 … t − 1)
@@ -102,7 +103,6 @@ class Prefill:
 
     def clear(self, seq) -> None:
         """Record the zeroing of the counters the chunk's kernels expect at 0 (and leave at 0)."""
-        seq.fill(self.arrivals)
         if self.hp.moe:
             seq.fill(self.counts)
 
@@ -216,21 +216,26 @@ class Prefill:
         self._after_mixer(seq, i, t)
 
     def _deltanet(self, seq, i: int, t: int) -> None:
+        """The projections for the chunk; the conv with q and k normalised (deltanet_conv_rows),
+        the delta rule's token loop by state columns into raw o (deltanet_prefill), then o's
+        gated norm (deltanet_gated_norm): only the recurrence runs token after token."""
         g, hp, p = self.g, self.hp, f"blk.{i}."
         self._project(seq, p + "attn_qkv.weight", self.mix, t)
         self._project(seq, p + "attn_gate.weight", self.z, t)
         self._project(seq, p + "ssm_beta_alpha.weight", self.ba, t)
-        o = self.dn_out
-        deltanet.deltanet_conv_rows.launch(seq, g._pick, label=p + "ssm_conv", KC=hp.conv_kernel, mix=self.mix,
+        D = hp.ssm_head_dim
+        deltanet.deltanet_conv_rows.launch(seq, g._pick, label=p + "ssm_conv", D=D, KC=hp.conv_kernel, mix=self.mix,
                                            conv_w=g.weights[p + "ssm_conv1d.weight"], conv_state=g.conv_state[i],
-                                           step=self.steps, conv=self.conv, channels=hp.conv_channels, t=t)
-        deltanet.deltanet_prefill.launch(
-            seq, g._pick, label=p + "ssm_chunk", D=hp.ssm_head_dim, KC=hp.conv_kernel,
-            Q8=g._int8(p + "ssm_out.weight"), v_heads=hp.ssm_v_heads, mix=self.mix,
-            conv=self.conv, conv_state=g.conv_state[i], step=self.steps, z=self.z,
-            ba=self.ba, ssm_a=g.weights[p + "ssm_a"], dt_bias=g.weights[p + "ssm_dt.bias"],
-            norm_w=g.weights[p + "ssm_norm.weight"], state=g.ssm_state[i], out=o.f32, oq=o.q, od=o.d,
-            arrivals=self.arrivals, t=t, n_k_heads=hp.ssm_k_heads, eps=hp.eps)
+                                           step=self.steps, conv=self.conv, channels=hp.conv_channels,
+                                           n_k_heads=hp.ssm_k_heads, eps=hp.eps, t=t)
+        deltanet.deltanet_prefill.launch(seq, g._pick, label=p + "ssm_chunk", D=D, KC=hp.conv_kernel, conv=self.conv,
+                                         ba=self.ba, ssm_a=g.weights[p + "ssm_a"], dt_bias=g.weights[p + "ssm_dt.bias"],
+                                         state=g.ssm_state[i], o=self.dn_raw, mix=self.mix, conv_state=g.conv_state[i],
+                                         step=self.steps, t=t, n_k_heads=hp.ssm_k_heads, v_heads=hp.ssm_v_heads)
+        o = self.dn_out
+        deltanet.deltanet_gated_norm.launch(seq, g._pick, label=p + "ssm_norm", Q8=g._int8(p + "ssm_out.weight"),
+                                            o=self.dn_raw, z=self.z, norm_w=g.weights[p + "ssm_norm.weight"],
+                                            out=o.f32, oq=o.q, od=o.d, d=D, eps=hp.eps, rows=t * hp.ssm_v_heads)
         self._project(seq, p + "ssm_out.weight", self.x, t, o, add=True)
         self._after_mixer(seq, i, t)
 
