@@ -3,7 +3,9 @@ try, and the check that a kernel's Q8_1 output is its f32 output quantized."""
 
 import numpy as np
 
+from zdsl.autotune.tuner import close, sizes_of
 from zdsl.kernels.q8_1 import q8_1_ref
+from zdsl.runtime.dry import DryBuffer, DryDevice
 
 BACKENDS = ["interp", "lavapipe"]
 
@@ -32,3 +34,19 @@ def assert_q8_1_of(xq, xd, x):
     assert (got_q != q).sum() <= max(1, got_q.size // 100)
     np.testing.assert_allclose(got[:, 1], got[:, 0] * got_q.reshape(-1, 32).sum(axis=1), rtol=1e-5, atol=1e-30)
 
+
+
+def assert_example_holds(kernel, args):
+    """The inputs the tuner and the benches build for a launch of `kernel` with `args` (buffers
+    given by their size in words; the check version) give what the example's reference expects,
+    on the variant the launch recorded, in the interpreter at subgroup size 8."""
+    seq = DryDevice(None).sequence()
+    args = {n: DryBuffer(n, 4 * v) if n in {p.name for p in kernel.params if p.kind == "buffer"} else v
+            for n, v in args.items()}
+    launch = kernel.launch(seq, lambda k, key, fixed: k.specialize(**{**fixed, "SG": 8}), **args)
+    example = kernel.make_example(launch, np.random.default_rng(0), True)
+    v, params = launch.variant, launch.variant.params
+    declared = {b[0] for b in v.ir.buffers} | {s.name for s in v.ir.scalars}
+    out = v.interpret(kernel.groups(params, sizes_of(example)), **{n: a for n, a in example.args.items() if n in declared})
+    for name, (want, tol) in example.expect(params).items():
+        assert close(out[name], want, tol) is None, name

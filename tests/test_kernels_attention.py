@@ -15,11 +15,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from zdsl.autotune.tuner import close, sizes_of
 from zdsl.kernels import attention as att
-from zdsl.runtime.dry import DryBuffer, DryDevice
 from zdsl.models.qwen35 import reference as model
-from kernel_testing import BACKENDS, assert_q8_1_of, run, subgroup
+from kernel_testing import BACKENDS, assert_example_holds, assert_q8_1_of, run, subgroup
 
 EPS = 1e-6
 
@@ -338,15 +336,5 @@ def test_prefill_matches_decode(backend, request, d, group, p0, T, q8):
                             step=8, o=6 * 4 * 128, oq=6 * 4 * 32, od=6 * 4 * 8, n_kv=2, t=6, ctx=400, D=128, G=2,
                             Q8=True))])
 def test_examples(kernel, args):
-    """The inputs the tuner and the benches build for a recorded launch (the check version) give
-    what the example's reference expects, on the variant the launch recorded."""
-    seq = DryDevice(None).sequence()
-    args = {n: DryBuffer(n, 4 * v) if n in {p.name for p in kernel.params if p.kind == "buffer"} else v
-            for n, v in args.items()}
-    launch = kernel.launch(seq, lambda k, key, fixed: k.specialize(**{**fixed, "SG": 8}), **args)
-    example = kernel.make_example(launch, np.random.default_rng(0), True)
-    v, params = launch.variant, launch.variant.params
-    declared = {b[0] for b in v.ir.buffers} | {s.name for s in v.ir.scalars}
-    out = v.interpret(kernel.groups(params, sizes_of(example)), **{n: a for n, a in example.args.items() if n in declared})
-    for name, (want, tol) in example.expect(params).items():
-        assert close(out[name], want, tol) is None, name
+    """The inputs the tuner and the benches build for a recorded launch give what its example expects."""
+    assert_example_holds(kernel, args)

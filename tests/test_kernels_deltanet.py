@@ -16,15 +16,13 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from zdsl.autotune.tuner import close, sizes_of
 from zdsl.kernels import inputs
 from zdsl.kernels import deltanet as dn
 from zdsl.kernels import dmmv
 from zdsl.kernels.q8_1 import q8_1_buffers, q8_1_values
 from zdsl.kernels.quant import FORMATS
 from zdsl.models.qwen35 import reference as model
-from zdsl.runtime.dry import DryBuffer, DryDevice
-from kernel_testing import BACKENDS, assert_q8_1_of, run, subgroup
+from kernel_testing import BACKENDS, assert_example_holds, assert_q8_1_of, run, subgroup
 
 EPS = 1e-6
 # before the ring is full (0, 1, 2), its first wrap (3 → slot 3, 5 → slot 1), a long context and
@@ -399,15 +397,5 @@ def test_gated_norm(backend, request, rows, d, q8, sg_pick, scale, seed):
     (dn.deltanet_gated_norm, dict(o=3 * 512, z=3 * 512, norm_w=128, out=3 * 512, oq=3 * 128, od=3 * 32, d=128,
                                   eps=EPS, rows=12, Q8=True))])
 def test_examples(kernel, args):
-    """The inputs the tuner and the benches build for a recorded launch (the check version) give
-    what the example's reference expects, on the variant the launch recorded."""
-    seq = DryDevice(None).sequence()
-    args = {n: DryBuffer(n, 4 * v) if n in {p.name for p in kernel.params if p.kind == "buffer"} else v
-            for n, v in args.items()}
-    launch = kernel.launch(seq, lambda k, key, fixed: k.specialize(**{**fixed, "SG": 8}), **args)
-    example = kernel.make_example(launch, np.random.default_rng(0), True)
-    v, params = launch.variant, launch.variant.params
-    declared = {b[0] for b in v.ir.buffers} | {s.name for s in v.ir.scalars}
-    out = v.interpret(kernel.groups(params, sizes_of(example)), **{n: a for n, a in example.args.items() if n in declared})
-    for name, (want, tol) in example.expect(params).items():
-        assert close(out[name], want, tol) is None, name
+    """The inputs the tuner and the benches build for a recorded launch give what its example expects."""
+    assert_example_holds(kernel, args)
