@@ -322,8 +322,16 @@ def dequant_rows(w_bytes, qtype: str, m: int, k: int) -> np.ndarray:
 
 
 @dmmv.reference
-def dmmv_ref(w_bytes, x, qtype, m, k, y=None):
-    out = (x.reshape(-1, k).astype(np.float64) @ dequant_rows(w_bytes, qtype, m, k).T).reshape(-1)
+def as_read(a, f16: bool = False) -> np.ndarray:
+    """`a` in float64 as a kernel reads it: with f16, rounded to f16 first (the matrix units' operands)."""
+    a = np.asarray(a, np.float32)
+    return (a.astype(np.float16) if f16 else a).astype(np.float64)
+
+
+def dmmv_ref(w_bytes, x, qtype, m, k, y=None, f16=False):
+    """Y = X · dequant(W)ᵀ (+ y), rows of X back to back, in float64 (W and X rounded to f16 with f16)."""
+    w = as_read(dequant_rows(w_bytes, qtype, m, k), f16)
+    out = (as_read(x, f16).reshape(-1, k) @ w.T).reshape(-1)
     return out if y is None else out + y
 
 

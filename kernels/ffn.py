@@ -14,8 +14,8 @@ import numpy as np
 import zdsl
 from zdsl import Buffer, Const, Spec, boolean, f32, u8, u32
 from zdsl.kernels import inputs, mma
-from zdsl.kernels.dmmv import (EXPERT_QTYPES, NSUBS, QTYPES, Rows, block_step, decoder, dequant_rows, input_bytes,
-                               old_rows, row_dots, row_groups, store_rows, workgroup)
+from zdsl.kernels.dmmv import (EXPERT_QTYPES, NSUBS, QTYPES, Rows, as_read, block_step, decoder, dequant_rows,
+                               input_bytes, old_rows, row_dots, row_groups, store_rows, workgroup)
 from zdsl.kernels.q8_1 import q8_1_values
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS, fmt
 from zdsl.kernels.reduce import SUBGROUPS
@@ -322,11 +322,12 @@ def moe_gate_up_grouped(wg: Buffer[u8], wu: Buffer[u8], offsets: Buffer[u32], pa
 
 
 @moe_gate_up_grouped.reference
-def moe_gate_up_grouped_ref(wg_bytes, wu_bytes, ids, x, qtype, m, k):
-    """act of every pair j (the expert ids[j], token j // K of the rows x; K = len(ids) / rows)."""
-    xs = np.asarray(x, np.float64).reshape(-1, k)
+def moe_gate_up_grouped_ref(wg_bytes, wu_bytes, ids, x, qtype, m, k, f16=False):
+    """act of every pair j (the expert ids[j], token j // K of the rows x; K = len(ids) / rows);
+    with f16 the weights and x rounded to f16 first."""
+    xs = as_read(x, f16).reshape(-1, k)
     rows = xs[np.arange(len(ids)) // (len(ids) // len(xs))]
-    g, u = (_stack(w, qtype, m, k)[np.asarray(ids)] for w in (wg_bytes, wu_bytes))
+    g, u = (as_read(_stack(w, qtype, m, k), f16)[np.asarray(ids)] for w in (wg_bytes, wu_bytes))
     gate, up = np.einsum("jrk,jk->jr", g, rows), np.einsum("jrk,jk->jr", u, rows)
     with np.errstate(over="ignore"):  # silu of a large negative gate: −0, as on the GPU
         return (gate / (1 + np.exp(-gate)) * up).reshape(-1)
@@ -338,33 +339,44 @@ def _stack(w_bytes, qtype, m, k) -> np.ndarray:
     return dequant_rows(w_bytes, qtype, nexp * m, k).reshape(nexp, m, k)
 
 
-def _grouped_args(rng, use, check, n_exp):
-    """Routing of t tokens to K of n_exp experts, grouped as moe.moe_group does."""
-    t, K = use.sizes["t"], use.sizes["topk"]
-    t = min(t, 5) if check else t
+def _grouped_case(use, rng, check):
+    """The shapes of a grouped example (fewer rows, experts and tokens for a check) and a routing
+    of its t tokens to K of its experts, grouped as moe.moe_group does."""
+    k, m, n_exp, t, K = (use.sizes[n] for n in ("k", "m", "n_expert", "t", "topk"))
+    if check:
+        m, n_exp, t = min(m, inputs.CHECK_ROWS), min(n_exp, 12), min(t, 5)
     ids = np.concatenate([inputs.experts(rng, n_exp, K) for _ in range(t)])
     counts = np.bincount(ids, minlength=n_exp)
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint32)
-    return t, K, ids, dict(offsets=offsets, pairs=np.argsort(ids, kind="stable").astype(np.uint32), t=t, topk=K,
-                           n_expert=n_exp)
+    routing = dict(offsets=offsets, pairs=np.argsort(ids, kind="stable").astype(np.uint32), t=t, topk=K,
+                   n_expert=n_exp)
+    return SimpleNamespace(q=use.fixed["QTYPE"], k=k, m=m, n_exp=n_exp, t=t, K=K, ids=ids, routing=routing)
+
+
+def _gate_up_example(use, rng, check, q8: bool, f16: bool, tol: float):
+    c = _grouped_case(use, rng, check)
+    xs = [inputs.activations(rng, c.k, q8) for _ in range(c.t)]
+    acts = {name: np.concatenate([a[name] for a in xs]) for name in xs[0]}
+    args = dict(wg=inputs.rows(rng, c.q, c.n_exp * c.m, c.k), wu=inputs.rows(rng, c.q, c.n_exp * c.m, c.k), **acts,
+                act=np.zeros(c.t * c.K * c.m, np.float32), k=c.k, m=c.m, **c.routing)
+
+    def expect(p):
+        x = q8_1_values(args["xq"], args["xd"]) if q8 else args["x"]
+        return {"act": (moe_gate_up_grouped_ref(args["wg"], args["wu"], c.ids, x, c.q, c.m, c.k, f16), tol)}
+    return zdsl.Example(args, expect)
+
+
+def _down_example(use, rng, check, f16: bool, tol: float):
+    c = _grouped_case(use, rng, check)
+    args = dict(w=inputs.rows(rng, c.q, c.n_exp * c.m, c.k), act=inputs.normal(rng, c.t * c.K * c.k),
+                y=np.zeros(c.t * c.K * c.m, np.float32), k=c.k, m=c.m, **c.routing)
+    return zdsl.Example(args, lambda p: {"y": (moe_down_grouped_ref(args["w"], c.ids, args["act"], c.q, c.m, c.k, f16),
+                                               tol)})
 
 
 @moe_gate_up_grouped.example
 def moe_gate_up_grouped_example(use, rng, check):
-    q, q8, k, m = use.fixed["QTYPE"], use.fixed.get("Q8", False), use.sizes["k"], use.sizes["m"]
-    n_exp = use.sizes["n_expert"]
-    m = min(m, inputs.CHECK_ROWS) if check else m
-    n_exp = min(n_exp, 12) if check else n_exp
-    t, K, ids, routing = _grouped_args(rng, use, check, n_exp)
-    xs = [inputs.activations(rng, k, q8) for _ in range(t)]
-    acts = {name: np.concatenate([a[name] for a in xs]) for name in xs[0]}
-    args = dict(wg=inputs.rows(rng, q, n_exp * m, k), wu=inputs.rows(rng, q, n_exp * m, k), **acts,
-                act=np.zeros(t * K * m, np.float32), k=k, m=m, **routing)
-
-    def expect(p):
-        x = q8_1_values(args["xq"], args["xd"]) if q8 else args["x"]
-        return {"act": (moe_gate_up_grouped_ref(args["wg"], args["wu"], ids, x, q, m, k), 2e-4)}
-    return zdsl.Example(args, expect)
+    return _gate_up_example(use, rng, check, use.fixed.get("Q8", False), False, 2e-4)
 
 
 def _down_grouped_traffic(v, s) -> int:
@@ -388,21 +400,16 @@ def moe_down_grouped(w: Buffer[u8], offsets: Buffer[u32], pairs: Buffer[u32], ac
 
 
 @moe_down_grouped.reference
-def moe_down_grouped_ref(w_bytes, ids, act, qtype, m, k):
-    """y of every pair j: expert ids[j]'s down rows times act[j·k : j·k + k]."""
-    a = np.asarray(act, np.float64).reshape(-1, k)
-    return np.einsum("jrk,jk->jr", _stack(w_bytes, qtype, m, k)[np.asarray(ids)], a).reshape(-1)
+def moe_down_grouped_ref(w_bytes, ids, act, qtype, m, k, f16=False):
+    """y of every pair j: expert ids[j]'s down rows times act[j·k : j·k + k] (with f16 both
+    rounded to f16 first)."""
+    a = as_read(act, f16).reshape(-1, k)
+    return np.einsum("jrk,jk->jr", as_read(_stack(w_bytes, qtype, m, k), f16)[np.asarray(ids)], a).reshape(-1)
 
 
 @moe_down_grouped.example
 def moe_down_grouped_example(use, rng, check):
-    q, k, m, n_exp = use.fixed["QTYPE"], use.sizes["k"], use.sizes["m"], use.sizes["n_expert"]
-    m = min(m, inputs.CHECK_ROWS) if check else m
-    n_exp = min(n_exp, 12) if check else n_exp
-    t, K, ids, routing = _grouped_args(rng, use, check, n_exp)
-    args = dict(w=inputs.rows(rng, q, n_exp * m, k), act=inputs.normal(rng, t * K * k),
-                y=np.zeros(t * K * m, np.float32), k=k, m=m, **routing)
-    return zdsl.Example(args, lambda p: {"y": (moe_down_grouped_ref(args["w"], ids, args["act"], q, m, k), 1e-4)})
+    return _down_example(use, rng, check, False, 1e-4)
 
 
 # The same grouped products on matrix units (mma.py): a workgroup owns BM rows of one expert's
@@ -442,7 +449,7 @@ def moe_gate_up_coop(wg: Buffer[u8], wu: Buffer[u8], offsets: Buffer[u32], pairs
     """moe_gate_up_grouped on matrix units, x in f32 and k a multiple of BK: workgroup (g, e)
     makes rows g·BM/2 … of expert e's gate and up products for its pairs, then their SwiGLU."""
     f, half = fmt(QTYPE), BM // 2
-    tiles = mma.Tiles(BM, BN, BK, TM, TN, mma.workgroup(SimpleNamespace(BM=BM, BN=BN, TM=TM, TN=TN, SG=SG)))
+    tiles = mma.Tiles(BM, BN, BK, TM, TN, SG)
     r0 = zdsl.workgroup_id(0) * half
     row_bytes = (k // f.block) * f.nbytes
     ctx = f.setup()
@@ -462,25 +469,12 @@ def moe_gate_up_coop(wg: Buffer[u8], wu: Buffer[u8], offsets: Buffer[u32], pairs
 @moe_gate_up_coop.reference
 def moe_gate_up_coop_ref(wg_bytes, wu_bytes, ids, x, qtype, m, k):
     """moe_gate_up_grouped_ref with the weights and x rounded to f16."""
-    f16 = lambda a: np.asarray(a, np.float32).astype(np.float16).astype(np.float64)  # noqa: E731
-    xs = f16(x).reshape(-1, k)
-    rows = xs[np.arange(len(ids)) // (len(ids) // len(xs))]
-    g, u = (f16(_stack(w, qtype, m, k))[np.asarray(ids)] for w in (wg_bytes, wu_bytes))
-    gate, up = np.einsum("jrk,jk->jr", g, rows), np.einsum("jrk,jk->jr", u, rows)
-    with np.errstate(over="ignore"):
-        return (gate / (1 + np.exp(-gate)) * up).reshape(-1)
+    return moe_gate_up_grouped_ref(wg_bytes, wu_bytes, ids, x, qtype, m, k, f16=True)
 
 
 @moe_gate_up_coop.example
 def moe_gate_up_coop_example(use, rng, check):
-    q, k, m, n_exp = use.fixed["QTYPE"], use.sizes["k"], use.sizes["m"], use.sizes["n_expert"]
-    m = min(m, inputs.CHECK_ROWS) if check else m
-    n_exp = min(n_exp, 12) if check else n_exp
-    t, K, ids, routing = _grouped_args(rng, use, check, n_exp)
-    args = dict(wg=inputs.rows(rng, q, n_exp * m, k), wu=inputs.rows(rng, q, n_exp * m, k),
-                x=inputs.normal(rng, t * k), act=np.zeros(t * K * m, np.float32), k=k, m=m, **routing)
-    return zdsl.Example(args, lambda p: {"act": (moe_gate_up_coop_ref(args["wg"], args["wu"], ids, args["x"], q, m,
-                                                                      k), 1e-3)})
+    return _gate_up_example(use, rng, check, False, True, 1e-3)
 
 
 @zdsl.kernel(variants={"QTYPE": EXPERT_QTYPES, "BN": [16, 32], "SG": [32]}, sizes=("t", "n_expert", "topk"),
@@ -491,7 +485,7 @@ def moe_down_coop(w: Buffer[u8], offsets: Buffer[u32], pairs: Buffer[u32], act: 
     """moe_down_grouped on matrix units, k a multiple of BK: workgroup (g, e) makes rows g·BM …
     of y for expert e's pairs."""
     f = fmt(QTYPE)
-    tiles = mma.Tiles(BM, BN, BK, TM, TN, mma.workgroup(SimpleNamespace(BM=BM, BN=BN, TM=TM, TN=TN, SG=SG)))
+    tiles = mma.Tiles(BM, BN, BK, TM, TN, SG)
     r0 = zdsl.workgroup_id(0) * BM
     row_bytes = (k // f.block) * f.nbytes
     ctx = f.setup()
@@ -511,17 +505,9 @@ def moe_down_coop(w: Buffer[u8], offsets: Buffer[u32], pairs: Buffer[u32], act: 
 @moe_down_coop.reference
 def moe_down_coop_ref(w_bytes, ids, act, qtype, m, k):
     """moe_down_grouped_ref with the weights and act rounded to f16."""
-    a = np.asarray(act, np.float32).astype(np.float16).astype(np.float64).reshape(-1, k)
-    w = _stack(w_bytes, qtype, m, k).astype(np.float16).astype(np.float64)
-    return np.einsum("jrk,jk->jr", w[np.asarray(ids)], a).reshape(-1)
+    return moe_down_grouped_ref(w_bytes, ids, act, qtype, m, k, f16=True)
 
 
 @moe_down_coop.example
 def moe_down_coop_example(use, rng, check):
-    q, k, m, n_exp = use.fixed["QTYPE"], use.sizes["k"], use.sizes["m"], use.sizes["n_expert"]
-    m = min(m, inputs.CHECK_ROWS) if check else m
-    n_exp = min(n_exp, 12) if check else n_exp
-    t, K, ids, routing = _grouped_args(rng, use, check, n_exp)
-    args = dict(w=inputs.rows(rng, q, n_exp * m, k), act=inputs.normal(rng, t * K * k),
-                y=np.zeros(t * K * m, np.float32), k=k, m=m, **routing)
-    return zdsl.Example(args, lambda p: {"y": (moe_down_coop_ref(args["w"], ids, args["act"], q, m, k), 1e-3)})
+    return _down_example(use, rng, check, True, 1e-3)

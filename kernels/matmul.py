@@ -11,8 +11,6 @@ the registers). The next step is tiles staged in shared memory (and cooperative 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 
 import zdsl
@@ -83,7 +81,7 @@ def mul_mm_coop(w: Buffer[u8], x: Buffer[f32], y: Buffer[f32], k: u32, m: u32, t
     """mul_mm on matrix units (mma.py): y[i·m + r] (+)= Σ_k W[r, k] · x[i·k + k] for the t rows i
     of x (f32), k a multiple of BK. Workgroup (g, j) makes rows g·BM … and tokens j·BN …"""
     f = fmt(QTYPE)
-    tiles = mma.Tiles(BM, BN, BK, TM, TN, mma.workgroup(SimpleNamespace(BM=BM, BN=BN, TM=TM, TN=TN, SG=SG)))
+    tiles = mma.Tiles(BM, BN, BK, TM, TN, SG)
     r0, n0 = zdsl.workgroup_id(0) * BM, zdsl.workgroup_id(1) * BN
     row_bytes = (k // f.block) * f.nbytes
     mma.product(tiles, f, f.setup(), [(w, lambda i: zdsl.min(r0 + i, m - 1) * row_bytes)], x,
@@ -102,10 +100,8 @@ def mul_mm_coop(w: Buffer[u8], x: Buffer[f32], y: Buffer[f32], k: u32, m: u32, t
 
 @mul_mm_coop.reference
 def mul_mm_coop_ref(w_bytes, x, qtype, m, k, y=None):
-    """Y = X · dequant(W)ᵀ (+ y), W and X rounded to f16 as the matrix units see them, in float64."""
-    w = dmmv.dequant_rows(w_bytes, qtype, m, k).astype(np.float16).astype(np.float64)
-    out = np.asarray(x, np.float32).reshape(-1, k).astype(np.float16).astype(np.float64) @ w.T
-    return (out if y is None else out + np.asarray(y, np.float64).reshape(out.shape)).reshape(-1)
+    """mul_mm_ref with W and X rounded to f16, as the matrix units see them."""
+    return dmmv.dmmv_ref(w_bytes, x, qtype, m, k, None if y is None else np.asarray(y).reshape(-1), f16=True)
 
 
 @mul_mm_coop.example

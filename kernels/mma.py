@@ -47,14 +47,19 @@ def shared_bytes(v) -> int:
 
 def workgroup(v) -> int:
     """One subgroup per TM × TN tiles of C."""
-    return (v.BM // (TILE * v.TM)) * (v.BN // (TILE * v.TN)) * v.SG
+    return invocations(v.BM, v.BN, v.TM, v.TN, v.SG)
+
+
+def invocations(BM: int, BN: int, TM: int, TN: int, SG: int) -> int:
+    return (BM // (TILE * TM)) * (BN // (TILE * TN)) * SG
 
 
 class Tiles:
     """The shared arrays of one workgroup's product, and where its subgroup computes."""
 
-    def __init__(self, BM: int, BN: int, BK: int, TM: int, TN: int, WG: int):
-        self.BM, self.BN, self.BK, self.TM, self.TN, self.WG = BM, BN, BK, TM, TN, WG
+    def __init__(self, BM: int, BN: int, BK: int, TM: int, TN: int, SG: int):
+        self.BM, self.BN, self.BK, self.TM, self.TN = BM, BN, BK, TM, TN
+        self.WG = invocations(BM, BN, TM, TN, SG)
         self.SA = BK + PAD
         self.a = zdsl.shared(f16, BM * self.SA)
         self.b = zdsl.shared(f16, BN * self.SA)
