@@ -3,15 +3,15 @@
 A chunk of t tokens at positions p0 … p0 + t − 1 is one recorded sequence (one per chunk length,
 kept for reuse) over the decode graph's weights, caches and states: the embedding rows, each
 layer's norms and projections for all t rows at once (`matmul.mul_mm`: a weight block loaded once
-serves a tile of tokens), the delta-net's conv and gated norm for all t rows and its delta rule
-token after token with the state's columns spread over the GPU (`deltanet.deltanet_prefill`), the
-MoE block with each picked expert's weights read once for all the tokens routed to it
-(moe_route_rows, moe_group, the grouped products, moe_combine_rows; a dense FFN is the grouped
-gate·up with every token routed to its one pair of matrices), and causal attention of the chunk's
-queries over the cache (attn_prep_rows, attn_prefill). The chunk leaves the caches and states
-exactly as t decode steps would, so decoding continues from them; the last prompt token goes
-through the ordinary decode step, whose logits give the first generated token. Its buffers are
-planned with the decode graph's (buffers.chunk_buffers).
+serves a tile of tokens; `mul_mm_coop` and the `_coop` expert products on matrix units), the
+delta-net's conv and gated norm for all t rows and its delta rule token after token with the
+state's columns spread over the GPU (`deltanet.deltanet_prefill`), the MoE block with each picked
+expert's weights read once for all the tokens routed to it (moe_route_rows, moe_group, the grouped
+products, moe_combine_rows; a dense FFN is the grouped gate·up with every token routed to its one
+pair of matrices), and causal attention of the chunk's queries over the cache (attn_prep_rows,
+attn_prefill). The chunk leaves the caches and states exactly as t decode steps would, so decoding
+continues from them; the last prompt token goes through the ordinary decode step, whose logits give
+the first generated token. Its buffers are planned with the decode graph's (buffers.chunk_buffers).
 """
 
 from __future__ import annotations
@@ -139,8 +139,9 @@ class Prefill:
                               rows=t)
 
     def _project(self, seq, tensor: str, y, t: int, x=None, add: bool = False, exact: bool = False) -> None:
-        """y rows (+)= W · x rows for the chunk's t tokens (x: the normed rows by default); exact
-        keeps x in f32 (the router: an expert chosen by a rounding would change the whole block)."""
+        """y rows (+)= W · x rows for the chunk's t tokens (x: the normed rows by default), on matrix
+        units where the device has them; exact keeps x in f32, neither f16 nor Q8_1 (the router: an
+        expert chosen by a rounding would change the whole block)."""
         g = self.g
         x = x or self.normed
         m, k = g.tensors.shape(tensor)[-2:]
@@ -149,7 +150,7 @@ class Prefill:
                                       QTYPE=g._qname(tensor), ADD=add, w=g.weights[tensor], x=x.f32, y=y, k=k, m=m,
                                       t=t)
             return
-        q8 = g._int8(tensor) and x.q is not None
+        q8 = g._int8(tensor) and x.q is not None and not exact
         matmul.mul_mm.launch(seq, g._pick, label="chunk." + tensor.removesuffix(".weight"), QTYPE=g._qname(tensor),
                              Q8=q8, ADD=add, w=g.weights[tensor], y=y, k=k, m=m, t=t,
                              **(dict(xq=x.q, xd=x.d) if q8 else dict(x=x.f32)))
@@ -253,7 +254,7 @@ class Prefill:
         F, _ = g.tensors.shape(gate)[-2:]
         qd = g._qname(down)
         self._norm(seq, p + "post_attention_norm.weight", t)
-        self._project(seq, router, self.logits, t, SimpleNamespace(f32=self.normed.f32, q=None), exact=True)
+        self._project(seq, router, self.logits, t, exact=True)
         moe.moe_route_rows.launch(seq, g._pick, label=p + "moe_route_rows", K=K, logits=self.logits, ids=self.route_ids,
                                   weights=self.route_w, counts=self.counts, n_expert=E, stride=E + 1, t=t)
         moe.moe_group.launch(seq, g._pick, label=p + "moe_group", K=K, ids=self.route_ids, counts=self.counts,
