@@ -390,7 +390,8 @@ def deltanet_prefill(conv: Buffer[f32], ba: Buffer[f32], ssm_a: Buffer[f32], dt_
     twice the subgroups to hide each other's latency. Value head h
     reads key head h % n_k_heads; the launch names v_heads. Nothing here reads the ring, so
     every workgroup takes a share of storing the chunk's last min(t, KC) mix rows in their slots
-    (p % KC), leaving the ring and the state as t deltanet_step dispatches would."""
+    (p % KC), leaving the ring as t deltanet_step dispatches would, and the state too up to
+    rounding (the sums run in another order)."""
     if not _columns_fit(SimpleNamespace(D=D, R=R, WG=WG, SG=SG)):
         raise zdsl.ZdslError(f"deltanet_prefill needs 4 | R, R | D, a power of two D/R dividing SG, SG | WG and "
                              f"WG·R/D | D, not D={D}, R={R}, WG={WG}, SG={SG}")

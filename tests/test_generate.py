@@ -1,8 +1,16 @@
 """Generation that keeps the conversation in the caches (`zdsl chat`): a turn whose prompt extends
-what the caches hold feeds only its new tokens and continues exactly as a fresh run over the
-whole conversation would, also when a burst of steps ran past the end-of-turn token and had to be
-undone, with penalties and seeded sampling (both carry state from step to step)."""
+what the caches hold feeds only its new tokens, also when a burst of steps ran past the
+end-of-turn token and had to be undone, with penalties and seeded sampling (both carry state from
+step to step).
 
+Two references. A chat that never runs past the end (bursts of one step, nothing undone) feeds
+the same tokens the same way, so it must sample exactly the same tokens: that holds the undoing
+to bit-exactness. A fresh run over the whole conversation feeds the reused tokens as one prompt
+chunk instead of as decode steps, which sum in another order: after the second prompt its sampler
+state (counter, penalty window) must be equal, its caches, states and logits equal up to rounding
+(test_prefill.py's bounds), and greedily it must go on with the same tokens."""
+
+import numpy as np
 import pytest
 
 from zdsl.models.qwen35 import synth
@@ -10,8 +18,11 @@ from zdsl.models.qwen35.gguf_file import open_model
 from zdsl.models.qwen35.generate import Generator
 from zdsl.models.qwen35.sampler import SamplerConfig
 
+from graph_testing import sampler_state_of, state_of
+
 SAMPLERS = [SamplerConfig(temperature=0),
             SamplerConfig(temperature=0.9, top_k=0, repeat_penalty=1.3, frequency_penalty=0.2, last_n=16, seed=4)]
+LOGITS, STATE = 0.08, 0.05  # of the logits' spread, of each state's norm (test_prefill.py)
 
 
 @pytest.fixture(scope="module")
@@ -21,36 +32,57 @@ def model(tmp_path_factory):
     return open_model(path)
 
 
+def snapshot(g):
+    return g.logits(), state_of(g), sampler_state_of(g)
+
+
 @pytest.mark.parametrize("sampler", SAMPLERS, ids=["greedy", "sampled+penalties"])
 def test_second_turn_feeds_only_its_new_tokens(model, device, sampler):
     fresh = Generator(model, device, n_ctx=160, sampler=sampler, progress=False)
-    chat = Generator(model, device, n_ctx=160, sampler=sampler, progress=False, keep=True)
-    tok = chat.tokenizer
+    tok = fresh.tokenizer
     turn1 = [{"role": "user", "content": "Hello there, who are you?"}]
     ids1 = tok.chat_ids(turn1)
     # the end of turn: a token the model samples 6th (mid-burst: bursts of 8 follow the first)
     free = list(fresh.generate(ids1, 12, stop=False))
     end = free[5]
     assert end not in free[:5]
-    fresh.stop_ids = chat.stop_ids = frozenset([end])
-
-    reply = list(chat.generate(ids1, 40))
-    assert reply == free[:6] and chat.timings.prompt_tokens == len(ids1)
-    assert chat.context == ids1 + reply[:-1]   # the end token was sampled, not fed: the run past it undone
-    turn2 = turn1 + [{"role": "assistant", "content": tok.decode(reply[:-1]), "ids": reply[:-1]},
+    turn2 = turn1 + [{"role": "assistant", "content": tok.decode(free[:5]), "ids": free[:5]},
                      {"role": "user", "content": "And what can you do?"}]
     ids2 = tok.chat_ids(turn2)
-    assert ids2[:len(chat.context)] == chat.context
-    second = list(chat.generate(ids2, 14, stop=False))
-    assert chat.timings.reused_tokens == len(ids1) + 5
-    assert chat.timings.prompt_tokens == len(ids2) - len(ids1) - 5
-    assert second == list(fresh.generate(ids2, 14, stop=False))
-    assert fresh.timings.prompt_tokens == len(ids2) and fresh.timings.reused_tokens == 0
-    # a prompt that does not extend the context starts over
-    third = list(chat.generate(ids1, 6, stop=False))
-    assert chat.timings.reused_tokens == 0 and third == free[:6]
+
+    def chat(burst):
+        """Both turns, keeping the caches; the state after the second prompt; the second reply."""
+        gen = Generator(model, device, n_ctx=160, sampler=sampler, progress=False, keep=True, burst=burst)
+        gen.stop_ids = frozenset([end])
+        reply = list(gen.generate(ids1, 40))
+        assert reply == free[:6] and gen.timings.prompt_tokens == len(ids1)
+        assert gen.context == ids1 + reply[:-1]   # the end token was sampled, not fed: the run past it undone
+        first = list(gen.generate(ids2, 1, stop=False))
+        assert gen.timings.reused_tokens == len(ids1) + 5
+        assert gen.timings.prompt_tokens == len(ids2) - len(ids1) - 5
+        after_prompt = snapshot(gen.graph)
+        rest = list(gen.generate(ids2 + first, 13, stop=False))
+        assert gen.timings.reused_tokens == len(ids2) and gen.timings.prompt_tokens == 1
+        gen.close()
+        return after_prompt, first + rest
+
+    (logits, states, sampling), second = chat(8)
+    assert chat(1)[1] == second   # nothing undone, the same tokens fed the same way: the same tokens
+
+    g = fresh.graph   # what generate() does with a prompt it cannot continue
+    g.reset()
+    g.prefill(ids2[:-1])
+    first = g.decode(ids2[-1])
+    want_logits, want_states, want_sampling = snapshot(g)
+    for name, value in want_sampling.items():
+        assert np.array_equal(sampling[name], value), f"the sampler's {name}"
+    assert np.abs(logits - want_logits).max() <= LOGITS * want_logits.std()
+    for name, value in want_states.items():
+        err = np.linalg.norm(states[name] - value) / max(np.linalg.norm(value), 1e-30)
+        assert err <= STATE, f"{name} differs by {err:.3g} of its norm"
+    if sampler.greedy:
+        assert [first] + g.decode_burst(13) == second
     fresh.close()
-    chat.close()
 
 
 def test_chat_ids_keep_the_sampled_tokens(model):

@@ -30,6 +30,8 @@ from zdsl.models.qwen35.graph import DecodeGraph
 from zdsl.models.qwen35.reference import ReferenceModel
 from zdsl.models.qwen35.sampler import SamplerConfig
 
+from graph_testing import state_of
+
 PROMPTS = (1, 7, 64, 300)
 CHUNK = 64
 LOGITS, STATE = 0.08, 0.05
@@ -68,18 +70,6 @@ def units_reference(model, prompt):
     ref.forward(prompt[:-1], state)
     ref.w, ref.expert, ref.input_of = plain_w, ReferenceModel.expert.__get__(ref), q8
     return ref.forward(prompt[-1:], state)[-1]
-
-
-def state_of(g):
-    """Every cache and recurrent state the graph holds, as arrays (the KV rows up to the position)."""
-    out = {}
-    for i, (k, v) in g.kv.items():
-        n = g.position * g.hp.n_kv_heads * g.hp.head_dim
-        out[f"k{i}"], out[f"v{i}"] = k.read(np.float16, (n,)).astype(np.float32), v.read(np.float16, (n,)).astype(np.float32)
-    for i in g.hp.deltanet_layers:
-        out[f"ssm{i}"] = g.ssm_state[i].read(np.float32, (g.ssm_state[i].nbytes // 4,))
-        out[f"conv{i}"] = g.conv_state[i].read(np.float32, (g.conv_state[i].nbytes // 4,))
-    return out
 
 
 def test_prefill_leaves_what_decode_steps_leave(model, device):

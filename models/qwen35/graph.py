@@ -465,7 +465,8 @@ class DecodeGraph:
 
     def prefill(self, tokens: list[int]) -> None:
         """Feed prompt tokens at the current position a chunk at a time (prefill.py), leaving the
-        caches and states as decode steps of each would; nothing is sampled."""
+        caches and states as decode steps of each would, up to rounding (other kernels sum in
+        other orders); nothing is sampled."""
         if self.position + len(tokens) > self.n_ctx:
             raise ZdslError(f"the context of {self.n_ctx} tokens is full; start again with a larger --ctx")
         bad = next((t for t in tokens if not 0 <= t < self.hp.vocab), None)
