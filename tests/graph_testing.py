@@ -16,6 +16,10 @@ def state_of(g):
 
 
 def sampler_state_of(g):
-    """What the sampler carries from step to step: its counter and the penalties' window."""
-    return {"counter": int(g.step_words[3]), "counts": g.counts.read(np.uint32, (g.counts.nbytes // 4,)),
-            "window": g.penalty_ring.read(np.uint32, (g.penalty_ring.nbytes // 4,))}
+    """What the sampler carries from step to step: its counter and, with penalties, the window
+    (how often each token occurs in it, and its ring of the last tokens, slot position % window)."""
+    out = {"counter": int(g.step_words[3])}
+    if g.sampler.penalties:
+        out["counts"] = g.counts.read(np.uint32, (g.counts.nbytes // 4,))
+        out["window"] = g.penalty_ring.read(np.uint32, (min(g.position, g.sampler.window(g.n_ctx)),))
+    return out

@@ -52,16 +52,20 @@ def model(request, tmp_path_factory):
 def units_reference(model, prompt):
     """The last position's logits with the prompt's products rounded as on matrix units."""
     ref = ReferenceModel(model, int8_activations=True)
-    q8, exact = ref.input_of, ("gate_inp",)
-    plain_w = ref.w
+    q8, plain_w = ref.input_of, ref.w
+
+    def units(name):
+        """Whether the prompt's product by weight `name` runs on matrix units: all but the
+        router's and the routed experts' gate·up."""
+        return "gate_inp" not in name and not ("_exps" in name and "down" not in name)
 
     def w16(name):
         w = plain_w(name)
         return w.astype(np.float16).astype(np.float32) if name.endswith(".weight") and "norm" not in name \
-            and "token_embd" not in name and "conv1d" not in name and not any(e in name for e in exact) else w
+            and "token_embd" not in name and "conv1d" not in name and units(name) else w
 
     def prompt_input(name, x):
-        if "_exps" in name and "down" not in name or any(e in name for e in exact):
+        if not units(name):
             return q8(name, x) if "_exps" in name else x
         return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
 
