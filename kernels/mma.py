@@ -22,6 +22,8 @@ Error: each product rounds w and x to f16 (11-bit significands) and sums in f32,
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import zdsl
 from zdsl import f16, f32
 from zdsl.kernels.quant import fmt
@@ -58,6 +60,10 @@ class Tiles:
     """The shared arrays of one workgroup's product, and where its subgroup computes."""
 
     def __init__(self, BM: int, BN: int, BK: int, TM: int, TN: int, SG: int):
+        need = shared_bytes(SimpleNamespace(BM=BM, BN=BN, BK=BK))
+        if need > SHARED_BYTES:  # a device may lose itself over a pipeline that asks for more
+            raise zdsl.ZdslError(f"tiles of {BM} × {BN} × {BK} need {need:,} bytes of shared memory, more than "
+                                 f"{SHARED_BYTES:,}")
         self.BM, self.BN, self.BK, self.TM, self.TN = BM, BN, BK, TM, TN
         self.WG = invocations(BM, BN, TM, TN, SG)
         self.SA = BK + PAD

@@ -52,15 +52,16 @@ def products(stack, ids, x, k):
 @pytest.mark.parametrize("qtype", QTYPES)
 @settings(max_examples=3, deadline=None)
 @given(m=st.integers(1, 70), t=st.integers(1, 70), steps=st.integers(1, 2), tn=st.sampled_from([1, 2]),
-       add=st.booleans(), seed=st.integers(0, 99))
-def test_mul_mm_coop(backend, request, qtype, m, t, steps, tn, add, seed):
+       tiles=st.sampled_from([(48, 1), (32, 1), (16, 1)]), add=st.booleans(), seed=st.integers(0, 99))
+def test_mul_mm_coop(backend, request, qtype, m, t, steps, tn, tiles, add, seed):
     go = runner(backend, request)
     rng = np.random.default_rng(seed)
     k = 256 * steps
     w, x = inputs.rows(rng, qtype, m, k), inputs.normal(rng, t * k)
     y0 = inputs.normal(rng, t * m) if add else np.zeros(t * m, np.float32)
-    v = matmul.mul_mm_coop.specialize(QTYPE=qtype, TN=tn, ADD=add)
-    y = go(v, (-(-m // 32), -(-t // 32)), w=w, x=x, y=y0.copy(), k=k, m=m, t=t)["y"]
+    bm, tm = tiles
+    v = matmul.mul_mm_coop.specialize(QTYPE=qtype, BM=bm, TM=tm, TN=tn, ADD=add)
+    y = go(v, v.groups(m=m, t=t), w=w, x=x, y=y0.copy(), k=k, m=m, t=t)["y"]
     wf = dmmv.dequant_rows(w, qtype, m, k).astype(np.float64)
     xf = x.reshape(t, k).astype(np.float64)
     base = y0.astype(np.float64) if add else 0.0
@@ -81,9 +82,9 @@ def routing(rng, t, K, n_exp):
 @pytest.mark.parametrize("qtype", EXPERT_QTYPES)
 @settings(max_examples=3, deadline=None)
 @given(m=st.integers(1, 40), t=st.integers(1, 40), K=st.integers(1, 4), n_exp=st.integers(4, 9),
-       bn=st.sampled_from([16, 32]), split=st.sampled_from([1, 2]), seed=st.integers(0, 99))
-def test_grouped_coop(backend, request, qtype, m, t, K, n_exp, bn, split, seed):
-    grouped_case(runner(backend, request), qtype, m, t, K, n_exp, bn, split, seed, 256)
+       tiles=st.sampled_from([(32, 16), (32, 32), (64, 16)]), split=st.sampled_from([1, 2]), seed=st.integers(0, 99))
+def test_grouped_coop(backend, request, qtype, m, t, K, n_exp, tiles, split, seed):
+    grouped_case(runner(backend, request), qtype, m, t, K, n_exp, *tiles, split, seed, 256)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -91,16 +92,17 @@ def test_grouped_coop_model_shapes(backend, request):
     """The tiny MoE model's shapes: 16 experts, 4 per token, 256 wide; chunks of 6 and 63 tokens (some
     experts get more pairs than a tile of 32); two K steps."""
     for t, k in ((6, 256), (63, 256), (63, 512)):
-        grouped_case(runner(backend, request), "q4_k", 256, t, 4, 16, 32, 1, 5, k)
+        grouped_case(runner(backend, request), "q4_k", 256, t, 4, 16, 64, 16, 1, 5, k)
 
 
-def grouped_case(go, qtype, m, t, K, n_exp, bn, split, seed, k):
+def grouped_case(go, qtype, m, t, K, n_exp, bm, bn, split, seed, k):
+    """Both grouped products with BM × BN tiles (one 16-row tile per subgroup)."""
     rng = np.random.default_rng(seed)
     ids, offsets, pairs = routing(rng, t, K, n_exp)
     wg, wu = inputs.rows(rng, qtype, n_exp * m, k), inputs.rows(rng, qtype, n_exp * m, k)
     x = inputs.normal(rng, t * k)
-    v = ffn.moe_gate_up_coop.specialize(QTYPE=qtype, BN=bn, SPLIT=split)
-    act = go(v, (-(-m // 16), n_exp * split), wg=wg, wu=wu, offsets=offsets, pairs=pairs, x=x,
+    v = ffn.moe_gate_up_coop.specialize(QTYPE=qtype, BM=bm, TM=1, BN=bn, SPLIT=split)
+    act = go(v, v.groups(m=m, n_expert=n_exp, t=t), wg=wg, wu=wu, offsets=offsets, pairs=pairs, x=x,
              act=np.zeros(t * K * m, np.float32), k=k, m=m, topk=K)["act"]
     (g, sg), (u, su) = (products(dmmv.dequant_rows(w, qtype, n_exp * m, k).reshape(n_exp, m, k).astype(np.float64),
                                  ids, x, k) for w in (wg, wu))
@@ -111,8 +113,18 @@ def grouped_case(go, qtype, m, t, K, n_exp, bn, split, seed, k):
     assert np.all(np.abs(act - ref16) <= bound / 8 + 1e-30), np.max(np.abs(act - ref16) / (bound + 1e-30))
 
     a = inputs.normal(rng, t * K * k)
-    v = ffn.moe_down_coop.specialize(QTYPE=qtype, BN=bn, SPLIT=split)
-    y = go(v, (-(-m // 32), n_exp * split), w=wg, offsets=offsets, pairs=pairs, act=a,
+    v = ffn.moe_down_coop.specialize(QTYPE=qtype, BM=bm, TM=1, BN=bn, SPLIT=split)
+    y = go(v, v.groups(m=m, n_expert=n_exp, t=t), w=wg, offsets=offsets, pairs=pairs, act=a,
            y=np.zeros(t * K * m, np.float32), k=k, m=m)["y"]
     stack = dmmv.dequant_rows(wg, qtype, n_exp * m, k).reshape(n_exp, m, k).astype(np.float64)
     check(y, ffn.moe_down_coop_ref(wg, ids, a, qtype, m, k), *products(stack, ids, np.repeat(a.reshape(-1, k), 1, 0), k))
+
+
+def test_tiles_beyond_shared_memory_are_refused():
+    """A tile shape whose A, B and C need more shared memory than mma.SHARED_BYTES stops at trace
+    time with one line (a device asked for more can lose itself), not at pipeline creation."""
+    from zdsl import ZdslError
+
+    with pytest.raises(ZdslError, match=r"64 × 32 × 256 need 59,008 bytes of shared memory"):
+        matmul.mul_mm_coop.specialize(QTYPE="q4_k", BM=64, TM=2, BN=32, TN=1).ir
+    assert matmul.mul_mm_coop.specialize(QTYPE="q4_k", BM=48, BN=32).ir is not None
