@@ -14,10 +14,14 @@ clear.
 A device with matrix units (the H100: ZDSL_TEST_DEVICE=0) runs most of the prompt's products on
 them, W and x rounded to f16 (kernels/mma.py), and the routed experts' gate·up on Q8_1 as decode
 does; the decode path reads Q8_1 throughout, and on these random models the two roundings alone
-move the logits by up to 44% of their spread (a near tie resolved one way or the other, seen at
-64 tokens). So there the logits are held to a reference that rounds as the prompt path does
-(`units_reference`: f16 products, Q8_1 for the routed gate·up and for the last token's decode
-step), and the greedy token to it. The kernels themselves are held to tight bounds in
+move the logits by up to 44% of their spread. So there the logits are held to a reference that
+rounds as the prompt path does (`units_reference`: f16 products, Q8_1 for the routed gate·up and
+for the last token's decode step), and the greedy token to it. Even that reference sums in
+another order, and where the router's 8th and 9th experts for a token lie within rounding of each
+other the two may pick differently; one such pick moves these random models' logits by half
+their spread (the 248k-vocabulary model at 64 tokens: layer 1, token 29, logits 7·10⁻⁴ of the
+row's largest apart). So where the logits miss the reference, they must meet it with one of its
+near ties of the routing taken the other way. The kernels themselves are held to tight bounds in
 tests/test_kernels_mma.py.
 """
 
@@ -35,6 +39,7 @@ from graph_testing import state_of
 PROMPTS = (1, 7, 64, 300)
 CHUNK = 64
 LOGITS, STATE = 0.08, 0.05
+TIE = 2 ** -9  # router logits this close (relative to the row's largest) may swap under f16 rounding
 
 
 @pytest.fixture(scope="module", params=[("tiny", "q4_k_m", None), ("tiny-dense", "q4_k_m", None), ("tiny", "q8_0", None),
@@ -49,10 +54,14 @@ def model(request, tmp_path_factory):
     return open_model(path)
 
 
-def units_reference(model, prompt):
-    """The last position's logits with the prompt's products rounded as on matrix units."""
+def units_reference(model, prompt, flip=None):
+    """The last position's logits with the prompt's products rounded as on matrix units, and the
+    near ties of the routing: (layer, position) where the router's K-th and (K+1)-th logits lie
+    within TIE of the row's largest |logit|, so that a rounding elsewhere can swap them. `flip`
+    names one of those whose two experts are swapped."""
     ref = ReferenceModel(model, int8_activations=True)
-    q8, plain_w = ref.input_of, ref.w
+    q8, plain_w, plain_proj = ref.input_of, ref.w, ref.proj
+    K, state, ties = model.hparams.n_experts_used, ref.new_state(), []
 
     def units(name):
         """Whether the prompt's product by weight `name` runs on matrix units: all but the
@@ -69,11 +78,24 @@ def units_reference(model, prompt):
             return q8(name, x) if "_exps" in name else x
         return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
 
-    state = ref.new_state()
+    def proj(x, name):
+        out = plain_proj(x, name)
+        if name.endswith("ffn_gate_inp.weight"):
+            layer, order = int(name.split(".")[1]), np.argsort(out, axis=-1)
+            rows = np.arange(len(out))
+            gap = (out[rows, order[:, -K]] - out[rows, order[:, -K - 1]]) / np.abs(out).max(axis=-1)
+            ties.extend((layer, state.pos + r) for r in np.nonzero(gap < TIE)[0])
+            if flip is not None and flip[0] == layer and 0 <= flip[1] - state.pos < len(out):
+                r = flip[1] - state.pos
+                out = out.copy()
+                out[r, order[r, -K]], out[r, order[r, -K - 1]] = out[r, order[r, -K - 1]], out[r, order[r, -K]]
+        return out
+
+    ref.proj = proj
     ref.w, ref.expert, ref.input_of = w16, (lambda name, e: w16(name)[e]), prompt_input
     ref.forward(prompt[:-1], state)
     ref.w, ref.expert, ref.input_of = plain_w, ReferenceModel.expert.__get__(ref), q8
-    return ref.forward(prompt[-1:], state)[-1]
+    return ref.forward(prompt[-1:], state)[-1], ties
 
 
 def test_prefill_leaves_what_decode_steps_leave(model, device):
@@ -96,8 +118,11 @@ def test_prefill_leaves_what_decode_steps_leave(model, device):
             expected = ref.forward(prompt, ref.new_state())[-1]
             spread = expected.std()
             if units:
-                expected = units_reference(model, prompt)
-                assert np.abs(logits - expected).max() <= LOGITS * spread, f"{n} tokens: against the reference"
+                expected, ties = units_reference(model, prompt)
+                if np.abs(logits - expected).max() > LOGITS * spread:  # a near tie of the routing taken the other way?
+                    near = [units_reference(model, prompt, flip=tie)[0] for tie in ties]
+                    assert min(np.abs(logits - e).max() for e in near + [expected]) <= LOGITS * spread, \
+                        f"{n} tokens: against the reference ({len(ties)} near ties of the routing tried)"
                 top2 = np.sort(expected)[-2:]
                 if top2[1] - top2[0] > 2 * LOGITS * spread:
                     assert first == int(np.argmax(expected)), f"{n} tokens: greedy token"
