@@ -76,7 +76,7 @@ def _coop_traffic(v, s) -> int:
              tune={"TN": [1, 2]}, where=mma.fits, key=("k", "m"),
              grid=lambda v, s: (-(-s.m // v.BM), -(-s.t // v.BN)), traffic=_coop_traffic)
 def mul_mm_coop(w: Buffer[u8], x: Buffer[f32], y: Buffer[f32], k: u32, m: u32, t: u32, ADD: Spec[boolean] = False,
-                QTYPE: Const = "q4_k", BM: Const = 48, BN: Const = 32, BK: Const = 256, TM: Const = 1,
+                QTYPE: Const = "q4_k", BM: Const = 32, BN: Const = 48, BK: Const = 256, TM: Const = 1,
                 TN: Const = 1, SG: Const = 32):
     """mul_mm on matrix units (mma.py): y[i·m + r] (+)= Σ_k W[r, k] · x[i·k + k] for the t rows i
     of x (f32), k a multiple of BK. Workgroup (g, j) makes rows g·BM … and tokens j·BN …"""
