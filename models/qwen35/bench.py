@@ -25,8 +25,8 @@ from zdsl import device_defaults
 from zdsl.errors import ZdslError
 
 DEFAULT_CONTEXTS = "0,4096,16384,32768"  # llama-bench reports pp512 and tg128 at depth 0
-PROMPT_NOTE = ("prompt = batched prefill in chunks of up to 512 tokens, its last token through the decode step "
-               "(attention and the MoE block still run per token inside the chunk)")
+PROMPT_NOTE = ("prompt = batched prefill in chunks of up to 512 tokens (each expert's weights read once per chunk, "
+               "only the delta rule token after token), its last token through the decode step")
 
 
 def parse_contexts(text: str) -> list[int]:
