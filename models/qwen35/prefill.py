@@ -187,13 +187,10 @@ class Prefill:
             ffn.moe_down_grouped.launch(seq, self.g._pick, **sizes)
 
     def _spread(self, n_expert: int) -> dict:
-        """Tiles of 64 weight rows (the most the 48 KiB of shared memory holds beside 16 tokens'
-        activations: each row tile reads its tokens again) by 16 pairs (the routed experts'
-        average in a 512-token chunk); one expert that every token routes to (the shared expert,
-        a dense FFN) gets a workgroup per tile of 16 tokens, as a plain product would. H200,
-        511-token chunk of the 35B-A3B, against 32 × 32 tiles: routed down 58.8 → 44.4 ms,
-        shared gate·up 11.3 → 8.0."""
-        return dict(BM=64, TM=1, BN=16, **(dict(SPLIT=-(-self.chunk // 16)) if n_expert == 1 else {}))
+        """One expert that every token routes to (the shared expert, a dense FFN) gets a workgroup
+        per tile of 16 tokens (the smaller tile; with larger ones the spare workgroups find no
+        tile), as a plain product would; routed experts keep the tuner's choice."""
+        return dict(SPLIT=-(-self.chunk // 16)) if n_expert == 1 else {}
 
     def _after_mixer(self, seq, i: int, t: int) -> None:
         if not self.hp.moe:  # the MoE block norms x as its first step
