@@ -268,6 +268,8 @@ def moe_down_all_example(use, rng, check):
 # ROWS rows of one expert and walks that expert's pairs COLS at a time, so each weight block it
 # decodes serves COLS tokens. Grid: (row groups, n_expert · SPLIT), whatever the routing; the
 # SPLIT workgroups of an expert take turns over its tiles, and an expert no token picked runs none.
+# Tuning keys leave out the chunk's length: one choice serves every chunk, tuned on full ones
+# (`zdsl tune --prompt 512`), which a long prompt is made of.
 
 def expert_tiles(offsets, pairs, COLS: int, SPLIT: int, group: Rows, body):
     """body(e, js, live) for each tile of this workgroup: expert e = workgroup_id(1) // SPLIT,
@@ -298,7 +300,7 @@ def _gate_up_grouped_traffic(v, s) -> int:
 # 4: each row group reads its expert's activation rows again, and that traffic, not the weights,
 # bounds them (shared-memory tiles are the next step).
 _GROUPED = dict(workgroup=workgroup, subgroup="SG", tune={"NSUB": NSUBS, "SPLIT": [1, 2, 4]},
-                key=("k", "m", "n_expert", "t"), grid=lambda v, s: (row_groups(v, s.m), s.n_expert * v.SPLIT))
+                key=("k", "m", "n_expert"), grid=lambda v, s: (row_groups(v, s.m), s.n_expert * v.SPLIT))
 
 
 @zdsl.kernel(variants={"QTYPE": EXPERT_QTYPES, "Q8": [False, True], "ROWS": [1, 2], "COLS": [4, 8], "SG": SUBGROUPS},
@@ -437,7 +439,7 @@ def _coop_grid(stacks: int):
 
 
 _COOP = dict(workgroup=mma.workgroup, subgroup="SG", where=mma.fits, tune={"SPLIT": [1, 2]},
-             key=("k", "m", "n_expert", "t"))
+             key=("k", "m", "n_expert"))
 # Tiles of BM weight rows (of an expert; half gate, half up rows for gate·up) by BN pairs, one
 # 16-row tile per subgroup. By default 64 × 16: a routed expert gets ~16 of a 512-token chunk's
 # pairs, and 64 rows are the most the 48 KiB of shared memory hold beside them (each row tile

@@ -18,7 +18,7 @@ from zdsl.autotune import cost_model, database as db, tuner
 from zdsl.errors import KernelError, ZdslError
 from zdsl.lang.kernel import Launch
 from zdsl.models.qwen35.synth import PresetModel
-from zdsl.models.qwen35.tune import step_uses
+from zdsl.models.qwen35.tune import chunk_uses, step_uses
 
 
 # A kernel with a planted bug: WG = 128 (a value only `tune=` offers) adds 1 to every output.
@@ -264,10 +264,45 @@ def test_cli_modelled_says_so(tmp_path, capsys):
                  "--out", str(out)]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "MODELLED" in text and "not measured" in text
-    assert "decoding does not read that file" in text  # --out: the entries are not in use until merged
+    assert "run, chat and bench do not read that file" in text  # --out: the entries are not in use until merged
     entries = json.loads(out.read_text())["entries"]
     assert {e["kernel"] for e in entries} == {"norm_q8_1", "deltanet_step"}
     assert all(e["method"] == "modelled" and e["family"] == "gfx1201" for e in entries)
+
+
+def test_prompt_chunk_uses_are_the_prefill_launches(device):
+    """`zdsl tune --prompt` tunes what one prompt chunk launches (counted per chunk), not the
+    decode step; the grouped products' keys leave out the chunk's length (one choice for every
+    chunk); a chunk longer than the graph's is one clear error."""
+    model = PresetModel("tiny")
+    hp = model.hparams
+    uses = chunk_uses(model, device.info, 256, 64)
+    count = {}
+    for u in uses:
+        count[u.kernel.name] = count.get(u.kernel.name, 0) + u.count
+    assert count["deltanet_prefill"] == len(hp.deltanet_layers) and count["attn_prefill"] == len(hp.attention_layers)
+    assert count["moe_route_rows"] == hp.n_layers and count["norm_q8_1"] == 2 * hp.n_layers
+    assert not {"deltanet_step", "attn_decode", "dmmv", "sample_candidates"} & set(count)
+    grouped = [u for u in uses if u.kernel.name in ("moe_gate_up_grouped", "moe_down_grouped")]
+    assert grouped and all(set(u.key) >= {"k", "m", "n_expert"} and "t" not in u.key for u in grouped)
+    with pytest.raises(ZdslError, match="a prompt chunk holds 1 to 256 tokens"):
+        chunk_uses(model, device.info, 256, 300)
+
+
+@pytest.mark.nulldevice
+def test_cli_modelled_prompt_chunk(tmp_path, capsys):
+    from zdsl.cli import main
+    from zdsl.runtime.nulldevice import target_info
+
+    _radeon()
+    out = tmp_path / "gfx1201.json"
+    assert main(["tune", "--device", "gfx1201", "--preset", "tiny", "--prompt", "64", "--kernels",
+                 "deltanet_gated_norm", "--out", str(out)]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "MODELLED" in text and "64-token chunk" in text
+    assert ("offers no cooperative matrices" in text) == ("coopmat" not in target_info("gfx1201").features)
+    entries = json.loads(out.read_text())["entries"]
+    assert {e["kernel"] for e in entries} == {"deltanet_gated_norm"} and all(e["method"] == "modelled" for e in entries)
 
 
 @pytest.fixture(scope="module")

@@ -77,6 +77,17 @@ def record_launches(model, info, n_ctx: int, sampler: SamplerConfig | None = Non
     return graph.seq.launches
 
 
+def record_chunk_launches(model, info, n_ctx: int, t: int, tuning: Database | None = None):
+    """The launches of one prompt chunk of t tokens (prefill.py) of `model` as a device of `info`
+    would run it, recorded as record_launches records a step."""
+    from zdsl.runtime.dry import DryDevice
+
+    graph = DecodeGraph(model, DryDevice(info), n_ctx, progress=False, tuning=tuning)
+    if not 0 < t <= graph.chunk:
+        raise ZdslError(f"a prompt chunk holds 1 to {graph.chunk} tokens (at a context of {n_ctx:,}), not {t}")
+    return graph.prompt.record(t).launches
+
+
 class DecodeGraph:
     def __init__(self, model: ModelFile, device, n_ctx: int, sampler: SamplerConfig | None = None,
                  progress: bool = True, tuning: Database | None = None, say=None, checkpoint: bool = False,

@@ -87,6 +87,11 @@ class Prefill:
         finally:
             seq.free()
 
+    def record(self, t: int):
+        """The sequence of one chunk of t tokens, recorded and not run (on a DryDevice: the
+        launches `zdsl tune --prompt` tunes)."""
+        return self._record(t)
+
     def _run(self, seq, part: list[int]) -> None:
         g, t, p0 = self.g, len(part), self.g.position
         words = self.host_words

@@ -1,4 +1,5 @@
-"""`zdsl tune`: pick the fastest kernel variants for a device, for the launches a model decodes with.
+"""`zdsl tune`: pick the fastest kernel variants for a device, for the launches a model decodes with
+(or, with --prompt, those of one prompt chunk).
 
 On a device that runs code every candidate is checked against its numpy reference and timed;
 on a compile-only RADV target (gfx1201, navi31, ...) candidates are compiled by the null device
@@ -20,7 +21,7 @@ from zdsl.console import Table, make_console
 from zdsl.errors import ZdslError
 
 from .gguf_file import open_model
-from .graph import DecodeGraph, record_launches
+from .graph import DecodeGraph, record_chunk_launches, record_launches
 from .sampler import SamplerConfig
 from .synth import PresetModel
 
@@ -64,14 +65,19 @@ def step_uses(model, info, n_ctx: int, caps: tuple[int, ...]) -> list[tuner.Use]
     return found
 
 
-def select(uses, names: str | None):
+def chunk_uses(model, info, n_ctx: int, t: int) -> list[tuner.Use]:
+    """The tunable uses of one prompt chunk of t tokens of `model` (batched prefill)."""
+    return tuner.uses(record_chunk_launches(model, info, n_ctx, t))
+
+
+def select(uses, names: str | None, what: str = "decode step"):
     if not names:
         return uses
     wanted = [n.strip() for n in names.split(",") if n.strip()]
     have = sorted({u.kernel.name for u in uses})
     unknown = [n for n in wanted if n not in have]
     if unknown:
-        raise ZdslError(f"this model's decode step dispatches no kernel {', '.join(unknown)} "
+        raise ZdslError(f"this model's {what} dispatches no kernel {', '.join(unknown)} "
                         f"(it dispatches {', '.join(have)})")
     return [u for u in uses if u.kernel.name in wanted]
 
@@ -88,6 +94,9 @@ def select(uses, names: str | None):
                    "that runs code, half times kernels alone and the rest tries the winners in the decode step.")
 @click.option("--ctx", "n_ctx", default=4096, show_default=True, help="Context length the attention kernels are timed at.")
 @click.option("--caps", default="1,64", show_default=True, help="Sampler candidate caps to tune (1 is greedy decoding).")
+@click.option("--prompt", "prompt", default=0, show_default=True,
+              help="Tune the launches of one prompt chunk of this many tokens (batched prefill, up to 512) instead "
+                   "of the decode step's; kernels are timed alone.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Database file to add the choices to (default: the user's file for this device, which run, bench "
                    "and profile read; they do not read a file given here until it is merged into that one or the "
@@ -98,11 +107,12 @@ def select(uses, names: str | None):
 @click.option("--cache-mb", default=256, show_default=True,
               help="Rotate input copies until this many MB lie between reuses (defeats the caches).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
-def tune(device_name, model_path, preset, names, budget, n_ctx, caps, out_path, warmup, repeats, warm_ms, cache_mb,
-         as_json):
+def tune(device_name, model_path, preset, names, budget, n_ctx, caps, prompt, out_path, warmup, repeats, warm_ms,
+         cache_mb, as_json):
     """Pick the fastest kernel variants for a device (measured, or modelled for compile-only targets)."""
-    if budget <= 0 or n_ctx < 1 or repeats < 1 or min(warmup, warm_ms, cache_mb) < 0:
-        raise ZdslError("--budget, --ctx and --repeats must be positive; --warmup, --warm-ms and --cache-mb ≥ 0")
+    if budget <= 0 or n_ctx < 1 or repeats < 1 or min(warmup, warm_ms, cache_mb, prompt) < 0:
+        raise ZdslError("--budget, --ctx and --repeats must be positive; --warmup, --warm-ms, --cache-mb and "
+                        "--prompt ≥ 0")
     try:
         cap_list = tuple(int(c) for c in caps.split(","))
     except ValueError:
@@ -111,18 +121,22 @@ def tune(device_name, model_path, preset, names, budget, n_ctx, caps, out_path, 
     try:
         model = open_model(model_path) if model_path else PresetModel(preset)
         source = str(model_path) if model_path else model.source
-        uses = select(step_uses(model, info, n_ctx, cap_list), names)
+        if prompt:
+            uses = select(chunk_uses(model, info, max(n_ctx, prompt), prompt), names, f"{prompt}-token prompt chunk")
+        else:
+            uses = select(step_uses(model, info, n_ctx, cap_list), names)
     except BaseException:
         if dev is not None:
             dev.close()
         raise
     console = make_console(stderr=as_json)
     modelled = isinstance(method, tuner.Model)
-    in_place = model_path is not None and not modelled
+    in_place = model_path is not None and not modelled and not prompt  # in place: whole decode steps
+    per = f"{prompt}-token chunk" if prompt else "token"
     report = None
     try:
         if not as_json:
-            _header(console, info, source, len(uses), method, in_place)
+            _header(console, info, source, len(uses), method, in_place, per)
         deadline = time.monotonic() + budget
         results = _run(method, uses, budget / 2 if in_place else budget, console)
         if in_place:
@@ -147,16 +161,16 @@ def tune(device_name, model_path, preset, names, budget, n_ctx, caps, out_path, 
         click.echo(json.dumps(out, indent=1))
         return
     for r in results:
-        _use_table(console, r)
-    _summary(console, results, modelled, alone=in_place)
+        _use_table(console, r, per)
+    _summary(console, results, modelled, alone=in_place, per=per)
     if report is not None:
         _in_place_table(console, report)
     if not added:
         console.print("nothing tuned, nothing written")
     elif path == user:
-        console.print(f"{len(added)} entries written to {path} (decoding uses them from now on)")
+        console.print(f"{len(added)} entries written to {path} (run, chat and bench use them from now on)")
     else:
-        console.print(f"{len(added)} entries written to {path}; decoding does not read that file (it reads "
+        console.print(f"{len(added)} entries written to {path}; run, chat and bench do not read that file (they read "
                       f"{user}): merge them there to use them")
 
 
@@ -194,21 +208,24 @@ def _run(method, uses, budget: float, console) -> list[tuner.Result]:
     return results
 
 
-def _header(console, info, source: str, n: int, method, in_place: bool) -> None:
+def _header(console, info, source: str, n: int, method, in_place: bool, per: str = "token") -> None:
+    what = f"kernel uses of {source}" + ("" if per == "token" else f" (one {per})")
+    if per != "token" and "coopmat" not in info.features:
+        what += "; the device offers no cooperative matrices, so the prompt's products are the int8 and f32 kernels"
     if isinstance(method, tuner.Model):
-        console.print(f"[bold]{info.name}[/bold]: {n} kernel uses of {source}, [bold yellow]MODELLED[/bold yellow] "
+        console.print(f"[bold]{info.name}[/bold]: {n} {what}, [bold yellow]MODELLED[/bold yellow] "
                       f"with the {method.target} cost model ({method.card.name}, {method.card.bandwidth_gbs:.0f} GB/s, "
                       f"{method.card.cus} CUs) from RADV machine-code statistics — not measured, nothing ran")
     else:
-        console.print(f"[bold]{info.name}[/bold]: {n} kernel uses of {source}, measured: each candidate checked "
+        console.print(f"[bold]{info.name}[/bold]: {n} {what}, measured: each candidate checked "
                       f"against its numpy reference, then timed ({method.warmup} warm-up + {method.repeats} timed dispatches, "
                       f"median)" + ("; then the winners are tried in the model's decode step and kept only if whole "
                                     "steps get faster" if in_place else ""))
 
 
-def _use_table(console, r: tuner.Result) -> None:
+def _use_table(console, r: tuner.Result, per: str = "token") -> None:
     use = r.use
-    title = f"{use.kernel.name} {use.label}  ×{use.count}/token  ({use.role})"
+    title = f"{use.kernel.name} {use.label}  ×{use.count}/{per}  ({use.role})"
     if not r.ranked:
         console.print(f"{title}: [red]not tuned[/red] ({r.skipped or 'no candidate passed'})")
     else:
@@ -237,12 +254,12 @@ def _use_table(console, r: tuner.Result) -> None:
         console.print(f"  [red]rejected[/red] {c.label}: {c.error}", highlight=False)
 
 
-def _summary(console, results, modelled: bool, alone: bool = False) -> None:
+def _summary(console, results, modelled: bool, alone: bool = False, per: str = "token") -> None:
     unit = "modelled µs" if modelled else "µs"
     title = "chosen vs default" + (" (MODELLED, not measured)" if modelled else "") + \
         (", each timed alone (nominees for the decode step)" if alone else "")
     table = Table(title=title, title_justify="left")
-    for c in ("kernel", "shape", "×/token", "default", "chosen", f"default {unit}", f"chosen {unit}", "speed-up"):
+    for c in ("kernel", "shape", f"×/{per}", "default", "chosen", f"default {unit}", f"chosen {unit}", "speed-up"):
         table.add_column(c, justify="left" if c in ("kernel", "shape", "default", "chosen") else "right")
     before = after = 0.0
     for r in results:
@@ -259,7 +276,7 @@ def _summary(console, results, modelled: bool, alone: bool = False) -> None:
             after += r.use.count * best.us
     console.print(table)
     if after:
-        console.print(f"per token, over the tuned uses: {before:,.1f} → {after:,.1f} {unit} ({before / after:.2f}×)")
+        console.print(f"per {per}, over the tuned uses: {before:,.1f} → {after:,.1f} {unit} ({before / after:.2f}×)")
 
 
 def _candidate(c: tuner.Candidate) -> dict:
