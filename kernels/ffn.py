@@ -291,7 +291,8 @@ def _experts_used(s) -> int:
 
 
 def _gate_up_grouped_traffic(v, s) -> int:
-    return (2 * _experts_used(s) * s.m * inputs.row_bytes(v.QTYPE, s.k) + s.t * input_bytes(s.k, v.Q8)
+    q8 = getattr(v, "Q8", False)  # the matrix-unit kernel reads x in f32 and has no Q8
+    return (2 * _experts_used(s) * s.m * inputs.row_bytes(v.QTYPE, s.k) + s.t * input_bytes(s.k, q8)
             + 4 * s.t * s.topk * (s.m + 2) + 4 * s.n_expert)
 
 

@@ -129,3 +129,18 @@ def test_tiles_beyond_shared_memory_are_refused():
     with pytest.raises(ZdslError, match=r"64 × 32 × 256 need 59,008 bytes of shared memory"):
         matmul.mul_mm_coop.specialize(QTYPE="q4_k", BM=64, TM=2, BN=32, TN=1).ir
     assert matmul.mul_mm_coop.specialize(QTYPE="q4_k").ir is not None
+
+
+@pytest.mark.parametrize("kernel, sizes", [
+    (matmul.mul_mm_coop, dict(k=2048, m=8192, t=511)),
+    (ffn.moe_gate_up_coop, dict(k=2048, m=512, t=511, n_expert=256, topk=8)),
+    (ffn.moe_down_coop, dict(k=512, m=2048, t=511, n_expert=256, topk=8)),
+])
+def test_traffic_of_the_default_variant(kernel, sizes):
+    """What `zdsl tune` and the benches divide by, for the kernels' own variants (the matrix-unit
+    gate·up has no Q8 to ask about): at least the weights of the experts a chunk picks (every
+    expert here) and the f32 activations once."""
+    v = kernel.specialize(QTYPE="q4_k")
+    weights = (sizes.get("n_expert", 1) * sizes["m"] * inputs.row_bytes("q4_k", sizes["k"])
+               * (2 if kernel is ffn.moe_gate_up_coop else 1))
+    assert weights + 4 * sizes["t"] * sizes["k"] <= kernel.bytes_moved(v.params, sizes)
