@@ -84,7 +84,7 @@ def record_chunk_launches(model, info, n_ctx: int, t: int, tuning: Database | No
 
     graph = DecodeGraph(model, DryDevice(info), n_ctx, progress=False, tuning=tuning)
     if not 0 < t <= graph.chunk:
-        raise ZdslError(f"a prompt chunk holds 1 to {graph.chunk} tokens (at a context of {n_ctx:,}), not {t}")
+        raise ZdslError(f"a prompt chunk holds 1 to {graph.chunk} tokens, not {t}: pick a --prompt in that range")
     return graph.prompt.record(t).launches
 
 
