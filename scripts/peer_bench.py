@@ -67,7 +67,7 @@ def run_llama_bench(binary: str, model: str, depths: list[int]) -> list[dict]:
 
 def merge(zdsl: dict | None, llama: list[dict]) -> list[dict]:
     """One row per (test, depth) that either side measured: pp rows then tg rows at each depth.
-    zdsl's prompt is its decode step once per token; its decode is `zdsl bench`'s at that depth."""
+    zdsl's prompt and decode are `zdsl bench`'s at that depth (its notes say how it runs them)."""
     cells: dict[tuple[str, int], dict] = {}
     for r in llama:
         kind = "pp" if r.get("n_prompt", 0) > 0 and r.get("n_gen", 0) == 0 else \
@@ -138,8 +138,8 @@ def cli(model, binary, zdsl_json, llama_json, depths):
     gpu = llama[0].get("gpu_info", "") if llama else ""
     print_table(merge(zdsl, llama), f"{Path(model).name}: zdsl ({zdsl['device']['name'] if zdsl else 'not run'}) "
                                     f"vs llama.cpp {backend} ({gpu})")
-    if zdsl:
-        click.echo("zdsl's prompt rows run its decode step once per token (no batched prefill yet)")
+    for note in (zdsl or {}).get("notes", [])[:1]:  # how zdsl ran the prompt (bench.py's PROMPT_NOTE)
+        click.echo(f"zdsl: {note}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -250,7 +250,8 @@ def _zdsl(contexts):
         return {"samples": [m], "median": m, "stdev": 1.0, "min": m, "max": m}
     return {"model": {"path": "/tmp/35b.gguf"}, "device": {"name": "NVIDIA H100 80GB HBM3"},
             "settings": {"contexts": contexts, "tokens": 128, "prompt": 512},
-            "rows": [{"context": c, "prompt": s(150.0 + c / 1024), "decode": s(190.0 - c / 1024)} for c in contexts]}
+            "rows": [{"context": c, "prompt": s(150.0 + c / 1024), "decode": s(190.0 - c / 1024)} for c in contexts],
+            "notes": ["prompt = batched prefill in chunks"]}
 
 
 def test_peer_merge_puts_both_sides_in_one_table():
@@ -272,6 +273,7 @@ def test_peer_script_reads_saved_outputs(tmp_path, capsys):
     assert _peer().main(["--model", "/tmp/35b.gguf", "--llama-json", str(llama), "--zdsl-json", str(zdsl)]) == 0
     out = capsys.readouterr().out
     assert "tg128 @ d4096" in out and "1.08×" in out and "vs llama.cpp Vulkan" in out
+    assert "zdsl: prompt = batched prefill in chunks" in out  # how zdsl ran its prompt, from its bench.json
 
 
 def test_peer_script_without_llama_bench(tmp_path, monkeypatch, capsys):
