@@ -154,3 +154,27 @@ def test_prefill_refuses_what_does_not_fit(model, device):
         assert g.position == 0
     finally:
         g.close()
+
+
+def test_recorded_chunks_stay_few(model, device):
+    """Prompts of many lengths keep the full chunk's recording and the last few others' (not one
+    per length), and a length whose recording was dropped records again and feeds alike."""
+    from zdsl.models.qwen35.prefill import KEPT_LENGTHS
+
+    g = DecodeGraph(model, device, 64, SamplerConfig(temperature=0), progress=False, chunk=8)
+    try:
+        rng = np.random.default_rng(2)
+        prompt = rng.integers(0, model.hparams.vocab, 12).tolist()
+        g.reset()
+        g.prefill(prompt[:-1])   # chunks of 8 and 3
+        first = g.decode(prompt[-1])
+        logits = g.logits()
+        for n in range(1, 8):
+            g.reset()
+            g.prefill(prompt[:n])
+        assert 8 in g.prompt._seqs and len(g.prompt._seqs) <= 1 + KEPT_LENGTHS and 3 not in g.prompt._seqs
+        g.reset()
+        g.prefill(prompt[:-1])
+        assert g.decode(prompt[-1]) == first and np.array_equal(g.logits(), logits)
+    finally:
+        g.close()

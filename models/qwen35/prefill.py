@@ -16,6 +16,7 @@ the first generated token. Its buffers are planned with the decode graph's (buff
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from types import SimpleNamespace
 
 import numpy as np
@@ -26,6 +27,7 @@ from zdsl.kernels.formats import row_bytes
 from zdsl.models.qwen35.buffers import STEP_WORDS
 
 ROW_ALIGN = 256  # regions of the host buffer start at multiples of this (any device binds them)
+KEPT_LENGTHS = 4  # recorded chunks kept of lengths other than the full chunk
 
 
 def aligned(nbytes: int) -> int:
@@ -63,17 +65,21 @@ class Prefill:
             self.y, self.act_shared, self.y_shared = b["chunk.pair_out"], b["chunk.act_shared"], b["chunk.shared_out"]
         # products on matrix units where the device has them (mma.py); K steps of whole blocks
         self.coop = "coopmat" in g.device.info.features
-        self._seqs: dict[int, object] = {}
+        self._seqs: OrderedDict[int, object] = OrderedDict()  # by chunk length, most recently run last
 
     # -- running ----------------------------------------------------------------------------
     def run(self, tokens: list[int]) -> None:
-        """Feed `tokens` at the graph's position, chunk by chunk."""
+        """Feed `tokens` at the graph's position, chunk by chunk. A chunk length's recording is
+        kept for the next prompt that ends on it; the full chunk's and the last few others', not
+        one per length ever seen (a chat or a server sees hundreds)."""
         for at in range(0, len(tokens), self.chunk):
             part = tokens[at:at + self.chunk]
-            seq = self._seqs.get(len(part))
-            if seq is None:
-                seq = self._seqs[len(part)] = self._record(len(part))
+            seq = self._seqs.pop(len(part), None)
+            self._seqs[len(part)] = seq = seq if seq is not None else self._record(len(part))
             self._run(seq, part)
+            partial = [t for t in self._seqs if t != self.chunk]
+            for t in partial[:max(0, len(partial) - KEPT_LENGTHS)]:
+                self._seqs.pop(t).free()
 
     def profile(self, tokens: list[int]) -> list[tuple[str, float]]:
         """Run one chunk of `tokens` recorded with a GPU timestamp after every command; returns
