@@ -9,9 +9,9 @@ state's columns spread over the GPU (`deltanet.deltanet_prefill`), the MoE block
 expert's weights read once for all the tokens routed to it (moe_route_rows, moe_group, the grouped
 products, moe_combine_rows; a dense FFN is the grouped gate·up with every token routed to its one
 pair of matrices), and causal attention of the chunk's queries over the cache (attn_prep_rows,
-attn_prefill). The chunk leaves the caches and states exactly as t decode steps would, so decoding
-continues from them; the last prompt token goes through the ordinary decode step, whose logits give
-the first generated token. Its buffers are planned with the decode graph's (buffers.chunk_buffers).
+attn_prefill). The chunk leaves the caches and states as t decode steps would, up to rounding, so
+decoding continues from them; the last prompt token goes through the ordinary decode step, whose
+logits give the first generated token. Its buffers are planned with the decode graph's (buffers.chunk_buffers).
 """
 
 from __future__ import annotations
