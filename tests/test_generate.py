@@ -66,6 +66,8 @@ def test_second_turn_feeds_only_its_new_tokens(model, device, sampler):
         after_prompt = snapshot(gen.graph)
         rest = list(gen.generate(ids2 + first, 13, stop=False))
         assert gen.timings.reused_tokens == len(ids2) and gen.timings.prompt_tokens == 1
+        # a prompt that does not extend the context starts over
+        assert list(gen.generate(ids1, 6, stop=False)) == free[:6] and gen.timings.reused_tokens == 0
         gen.close()
         return after_prompt, first + rest
 
