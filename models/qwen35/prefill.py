@@ -75,7 +75,7 @@ class Prefill:
         for at in range(0, len(tokens), self.chunk):
             part = tokens[at:at + self.chunk]
             seq = self._seqs.pop(len(part), None)
-            self._seqs[len(part)] = seq = seq if seq is not None else self._record(len(part))
+            self._seqs[len(part)] = seq = seq if seq is not None else self.record(len(part))
             self._run(seq, part)
             partial = [t for t in self._seqs if t != self.chunk]
             for t in partial[:max(0, len(partial) - KEPT_LENGTHS)]:
@@ -86,17 +86,12 @@ class Prefill:
         (label, GPU ms) of each. The chunk advances the state as `run` does."""
         if not 0 < len(tokens) <= self.chunk:
             raise ZdslError(f"a profiled prompt chunk holds 1 to {self.chunk} tokens, not {len(tokens)}")
-        seq = self._record(len(tokens), timestamps=True)
+        seq = self.record(len(tokens), timestamps=True)
         try:
             self._run(seq, tokens)
             return seq.timings()
         finally:
             seq.free()
-
-    def record(self, t: int):
-        """The sequence of one chunk of t tokens, recorded and not run (on a DryDevice: the
-        launches `zdsl tune --prompt` tunes)."""
-        return self._record(t)
 
     def _run(self, seq, part: list[int]) -> None:
         g, t, p0 = self.g, len(part), self.g.position
@@ -124,7 +119,9 @@ class Prefill:
         self.host.free()
 
     # -- recording --------------------------------------------------------------------------
-    def _record(self, t: int, timestamps: bool = False):
+    def record(self, t: int, timestamps: bool = False):
+        """The sequence of one chunk of t tokens, recorded and not run (on a DryDevice: the
+        launches `zdsl tune --prompt` tunes)."""
         g, hp = self.g, self.hp
         seq = g.device.sequence(timestamps=timestamps)
         seq.copy(self.host.slice(0, 4 * STEP_WORDS * self.chunk), self.steps, 4 * STEP_WORDS * t)
