@@ -457,15 +457,12 @@ def moe_gate_up_coop(wg: Buffer[u8], wu: Buffer[u8], offsets: Buffer[u32], pairs
                      SG: Const = 32):
     """moe_gate_up_grouped on matrix units, x in f32 and k a multiple of BK: workgroup (g, e)
     makes rows g·BM/2 … of expert e's gate and up products for its pairs, then their SwiGLU."""
-    f, half = fmt(QTYPE), BM // 2
+    half = BM // 2
     tiles = mma.Tiles(BM, BN, BK, TM, TN, SG)
-    r0 = zdsl.workgroup_id(0) * half
-    row_bytes = (k // f.block) * f.nbytes
-    ctx = f.setup()
+    f, ctx, r0, rows = mma.weight_rows(QTYPE, k, m, half)
 
     def tile(e, js, first, end):
-        rows = lambda i: (e * m + zdsl.min(r0 + i, m - 1)) * row_bytes  # noqa: E731
-        mma.product(tiles, f, ctx, [(wg, rows), (wu, rows)], x, lambda n: (js[n] // topk) * k, k)
+        mma.product(tiles, f, ctx, [(wg, rows(e)), (wu, rows(e))], x, lambda n: (js[n] // topk) * k, k)
 
         def store(u):
             n, i = u // half, u % half
@@ -493,15 +490,11 @@ def moe_down_coop(w: Buffer[u8], offsets: Buffer[u32], pairs: Buffer[u32], act: 
                   TM: Const = 1, TN: Const = 1, SPLIT: Const = 1, SG: Const = 32):
     """moe_down_grouped on matrix units, k a multiple of BK: workgroup (g, e) makes rows g·BM …
     of y for expert e's pairs."""
-    f = fmt(QTYPE)
     tiles = mma.Tiles(BM, BN, BK, TM, TN, SG)
-    r0 = zdsl.workgroup_id(0) * BM
-    row_bytes = (k // f.block) * f.nbytes
-    ctx = f.setup()
+    f, ctx, r0, rows = mma.weight_rows(QTYPE, k, m, BM)
 
     def tile(e, js, first, end):
-        rows = lambda i: (e * m + zdsl.min(r0 + i, m - 1)) * row_bytes  # noqa: E731
-        mma.product(tiles, f, ctx, [(w, rows)], act, lambda n: js[n] * k, k)
+        mma.product(tiles, f, ctx, [(w, rows(e))], act, lambda n: js[n] * k, k)
 
         def store(u):
             n, i = u // BM, u % BM

@@ -17,7 +17,7 @@ import zdsl
 from zdsl import Buffer, Const, Spec, boolean, f32, u8, u32
 from zdsl.kernels import dmmv, inputs, mma
 from zdsl.kernels.dmmv import NSUBS, QTYPES, Rows, input_bytes, row_groups
-from zdsl.kernels.quant import INT8_FORMATS, fmt
+from zdsl.kernels.quant import INT8_FORMATS
 from zdsl.kernels.reduce import SUBGROUPS
 
 
@@ -80,12 +80,10 @@ def mul_mm_coop(w: Buffer[u8], x: Buffer[f32], y: Buffer[f32], k: u32, m: u32, t
                 TN: Const = 1, SG: Const = 32):
     """mul_mm on matrix units (mma.py): y[i·m + r] (+)= Σ_k W[r, k] · x[i·k + k] for the t rows i
     of x (f32), k a multiple of BK. Workgroup (g, j) makes rows g·BM … and tokens j·BN …"""
-    f = fmt(QTYPE)
     tiles = mma.Tiles(BM, BN, BK, TM, TN, SG)
-    r0, n0 = zdsl.workgroup_id(0) * BM, zdsl.workgroup_id(1) * BN
-    row_bytes = (k // f.block) * f.nbytes
-    mma.product(tiles, f, f.setup(), [(w, lambda i: zdsl.min(r0 + i, m - 1) * row_bytes)], x,
-                lambda n: zdsl.min(n0 + n, t - 1) * k, k)
+    f, ctx, r0, rows = mma.weight_rows(QTYPE, k, m, BM)
+    n0 = zdsl.workgroup_id(1) * BN
+    mma.product(tiles, f, ctx, [(w, rows(0))], x, lambda n: zdsl.min(n0 + n, t - 1) * k, k)
 
     def store(u):
         n, i = u // BM, u % BM

@@ -87,6 +87,16 @@ class Tiles:
             body(u)
 
 
+def weight_rows(QTYPE: str, k, m, per_stack: int):
+    """(format, its set-up, r0, rows): this workgroup's tile starts at row r0 = workgroup_id(0) ·
+    per_stack of each stack, and rows(e)(i) is the byte offset of its row i in matrix e of a stack
+    of m-row matrices of k values (clamped to the last row: past it, only C's unstored rows read)."""
+    f = fmt(QTYPE)
+    r0 = zdsl.workgroup_id(0) * per_stack
+    row_bytes = (k // f.block) * f.nbytes
+    return f, f.setup(), r0, lambda e: lambda i: (e * m + zdsl.min(r0 + i, m - 1)) * row_bytes
+
+
 def product(t: Tiles, f, ctx, stacks, x, token_base, k):
     """C of this workgroup into t.c (read it after the barrier this leaves): stacks is a list of
     (weight buffer, byte base of tile row i of that stack) whose rows fill A in turn; x the f32
