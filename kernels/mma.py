@@ -97,6 +97,60 @@ def weight_rows(QTYPE: str, k, m, per_stack: int):
     return f, f.setup(), r0, lambda e: lambda i: (e * m + zdsl.min(r0 + i, m - 1)) * row_bytes
 
 
+class Staged:
+    """A buffer whose loads land in registers one tile step ahead. The code that decodes a step
+    runs twice on it: `fetch` issues every load that code makes (its arithmetic on them is dead
+    and compiled away) into variables, `replay` hands the same code those variables in the same
+    order. So each invocation has all its loads of a step in flight at once, and the next step's
+    are in flight while the matrix units work on this one: shared memory leaves room for only a
+    few workgroups per SM, too few to hide memory latency one load at a time."""
+
+    def __init__(self, buf):
+        self.buf, self.regs, self.mode, self.n = buf, [], "fetch", 0
+
+    @staticmethod
+    def run(buffers: list, mode: str, code) -> None:
+        """code() with every buffer's loads fetched ("fetch") or replayed ("replay")."""
+        for b in buffers:
+            b.mode, b.n = mode, 0
+        code()
+
+    def view(self, dtype):
+        return _StagedView(self, dtype)
+
+    @property
+    def vec4(self):
+        return self.view(self.buf.dtype.vec(4))
+
+    def load(self, dtype, index):
+        i, self.n = self.n, self.n + 1
+        if self.mode == "replay":
+            return self.regs[i]
+        v = self.buf.view(dtype)[index]
+        if i == len(self.regs):  # the first fetch declares the registers, before the K loop
+            self.regs.append(zdsl.var(v))
+        else:
+            self.regs[i].set(v)
+        return v
+
+
+class _StagedView:
+    def __init__(self, staged: Staged, dtype):
+        self.staged, self.dtype = staged, dtype
+
+    def __getitem__(self, index):
+        return self.staged.load(self.dtype, index)
+
+
+def _shares(t: Tiles, count: int, body) -> None:
+    """body(u) for this invocation's shares u of 0 … count − 1, unrolled (each share's loads are
+    staged apart); the last round clamps u to count − 1, whose duplicate stores write the same
+    values."""
+    for r in range(-(-count // t.WG)):
+        u = t.tid + r * t.WG
+        body(u if (r + 1) * t.WG <= count else zdsl.min(u, count - 1))
+
+
 def product(t: Tiles, f, ctx, stacks, x, token_base, k):
     """C of this workgroup into t.c (read it after the barrier this leaves): stacks is a list of
     (weight buffer, byte base of tile row i of that stack) whose rows fill A in turn; x the f32
@@ -104,27 +158,39 @@ def product(t: Tiles, f, ctx, stacks, x, token_base, k):
     BM, BN, BK, TM, TN = t.BM, t.BN, t.BK, t.TM, t.TN
     per_stack = BM // len(stacks)
     nb, parts = BK // f.block, f.parts
-    acc = [[zdsl.var(zdsl.mat_fill(0.0)) for _ in range(TN)] for _ in range(TM)]
-    for k0 in zdsl.range(0, k, BK):
-        zdsl.barrier()  # the last step's tiles are read
-        for s, (w, row_base) in enumerate(stacks):
-            def decode(u, s=s, w=w, row_base=row_base):
+    staged = [Staged(w) for w, _ in stacks] + [Staged(x)]
+
+    def step(k0, store: bool):
+        """The loads of the K step at k0 and, with store, A and B decoded from them."""
+        for s, (_, row_base) in enumerate(stacks):
+            def decode(u, s=s, row_base=row_base):
                 i, rest = u // (nb * parts), u % (nb * parts)
                 b, part = rest // parts, rest % parts
                 base = row_base(i) + (k0 // f.block + b) * f.nbytes
                 at = (s * per_stack + i) * t.SA + b * f.block
-                for g in f.groups(w, base, part, ctx):
+                for g in f.groups(staged[s], base, part, ctx):
                     for j, q in enumerate(g.q):
                         v = q if g.scale is None else (q * g.scale if g.bias is None else zdsl.fma(q, g.scale, g.bias))
-                        t.a[at + g.offset + j] = v.to(f16)
-            t.spread(per_stack * nb * parts, decode)
+                        if store:
+                            t.a[at + g.offset + j] = v.to(f16)
+            _shares(t, per_stack * nb * parts, decode)
 
         def activations(u):
             n, c = u // (BK // 4), u % (BK // 4)
-            v = x.vec4[(token_base(n) + k0) // 4 + c]
-            for j in range(4):
-                t.b[n * t.SA + 4 * c + j] = v[j].to(f16)
-        t.spread(BN * BK // 4, activations)
+            v = staged[-1].vec4[(token_base(n) + k0) // 4 + c]
+            if store:
+                for j in range(4):
+                    t.b[n * t.SA + 4 * c + j] = v[j].to(f16)
+        _shares(t, BN * BK // 4, activations)
+
+    acc = [[zdsl.var(zdsl.mat_fill(0.0)) for _ in range(TN)] for _ in range(TM)]
+    zdsl.barrier()  # what the caller wrote to shared memory (the tile's pairs) is visible
+    Staged.run(staged, "fetch", lambda: step(0, False))
+    for k0 in zdsl.range(0, k, BK):
+        zdsl.barrier()  # the last step's tiles are read
+        Staged.run(staged, "replay", lambda: step(k0, True))
+        with zdsl.if_(k0 + BK < k):
+            Staged.run(staged, "fetch", lambda: step(k0 + BK, False))
         zdsl.barrier()
         for kk in zdsl.range(0, BK, TILE):
             a = [zdsl.mat_load(t.a, (t.row0 + TILE * i) * t.SA + kk, t.SA, use="a") for i in range(TM)]
