@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 import zdsl
-from zdsl import Buffer, Const, Spec, boolean, f32, u8, u32
+from zdsl import Buffer, Const, Spec, boolean, f16, f32, u8, u32
 from zdsl.kernels import dmmv, inputs, mma
 from zdsl.kernels.dmmv import NSUBS, QTYPES, Rows, input_bytes, row_groups
 from zdsl.kernels.quant import INT8_FORMATS
@@ -66,20 +66,42 @@ def mul_mm_example(use, rng, check):
                         lambda n: {"w": inputs.copies(args["w"], n)})
 
 
+@zdsl.kernel(workgroup=256, grid=lambda v, s: -(-s.n // 1024), traffic=lambda v, s: 6 * s.n)
+def half_rows(x: Buffer[f32], h: Buffer[f16], n: u32):
+    """h = x rounded to f16 (n a multiple of 4): the activations mul_mm_coop reads, made once per
+    producer rather than by every row tile of every product that reads them."""
+    i = zdsl.global_id()
+    with zdsl.if_(i < n // 4):
+        h.vec4[i] = x.vec4[i].to(f16.vec(4))
+
+
+@half_rows.reference
+def half_rows_ref(x):
+    return np.asarray(x, np.float32).astype(np.float16)
+
+
+@half_rows.example
+def half_rows_example(use, rng, check):
+    n = use.sizes["n"]
+    args = dict(x=inputs.normal(rng, n), h=np.zeros(n, np.float16), n=n)
+    return zdsl.Example(args, lambda p: {"h": (half_rows_ref(args["x"]), 0.0)})
+
+
 def _coop_traffic(v, s) -> int:
-    """The weights once per token tile, the activations once per row tile, the outputs."""
-    return (-(-s.t // v.BN) * s.m * inputs.row_bytes(v.QTYPE, s.k) + -(-s.m // v.BM) * 4 * s.t * s.k
+    """The weights once per token tile, the activations (f16) once per row tile, the outputs."""
+    return (-(-s.t // v.BN) * s.m * inputs.row_bytes(v.QTYPE, s.k) + -(-s.m // v.BM) * 2 * s.t * s.k
             + 4 * s.t * s.m * (2 if v.ADD else 1))
 
 
 @zdsl.kernel(workgroup=mma.workgroup, subgroup="SG", variants={"QTYPE": QTYPES, "SG": [32]},
              tune={"TN": [1, 2]}, where=mma.fits, key=("k", "m"),
              grid=lambda v, s: (-(-s.m // v.BM), -(-s.t // v.BN)), traffic=_coop_traffic)
-def mul_mm_coop(w: Buffer[u8], x: Buffer[f32], y: Buffer[f32], k: u32, m: u32, t: u32, ADD: Spec[boolean] = False,
+def mul_mm_coop(w: Buffer[u8], x: Buffer[f16], y: Buffer[f32], k: u32, m: u32, t: u32, ADD: Spec[boolean] = False,
                 QTYPE: Const = "q4_k", BM: Const = 32, BN: Const = 48, BK: Const = 256, TM: Const = 1,
                 TN: Const = 1, SG: Const = 32):
     """mul_mm on matrix units (mma.py): y[i·m + r] (+)= Σ_k W[r, k] · x[i·k + k] for the t rows i
-    of x (f32), k a multiple of BK. Workgroup (g, j) makes rows g·BM … and tokens j·BN …"""
+    of x (in f16: half_rows), k a multiple of BK. Workgroup (g, j) makes rows g·BM … and tokens
+    j·BN …"""
     tiles = mma.Tiles(BM, BN, BK, TM, TN, SG)
     f, ctx, r0, rows = mma.weight_rows(QTYPE, k, m, BM)
     n0 = zdsl.workgroup_id(1) * BN
@@ -98,7 +120,7 @@ def mul_mm_coop(w: Buffer[u8], x: Buffer[f32], y: Buffer[f32], k: u32, m: u32, t
 
 @mul_mm_coop.reference
 def mul_mm_coop_ref(w_bytes, x, qtype, m, k, y=None):
-    """mul_mm_ref with W and X rounded to f16, as the matrix units see them."""
+    """mul_mm_ref with W and X rounded to f16, as the matrix units see them (x may be f16 already)."""
     return dmmv.dmmv_ref(w_bytes, x, qtype, m, k, None if y is None else np.asarray(y).reshape(-1), f16=True)
 
 
@@ -108,7 +130,7 @@ def mul_mm_coop_example(use, rng, check):
     k, t = use.sizes["k"], use.sizes["t"]
     m = min(use.sizes["m"], inputs.CHECK_ROWS) if check else use.sizes["m"]
     y = inputs.normal(rng, t * m) if add else np.zeros(t * m, np.float32)
-    args = dict(w=inputs.rows(rng, q, m, k), x=inputs.normal(rng, t * k), y=y, k=k, m=m, t=t)
+    args = dict(w=inputs.rows(rng, q, m, k), x=inputs.normal(rng, t * k).astype(np.float16), y=y, k=k, m=m, t=t)
     y0 = args["y"].copy() if add else None
     return zdsl.Example(args, lambda p: {"y": (mul_mm_coop_ref(args["w"], args["x"], q, m, k, y0), 1e-3)},
                         lambda n: {"w": inputs.copies(args["w"], n)})

@@ -22,6 +22,7 @@ Error: each product rounds w and x to f16 (11-bit significands) and sums in f32,
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import zdsl
@@ -143,12 +144,20 @@ class _StagedView:
 
 
 def _shares(t: Tiles, count: int, body) -> None:
-    """body(u) for this invocation's shares u of 0 … count − 1, unrolled (each share's loads are
-    staged apart); the last round clamps u to count − 1, whose duplicate stores write the same
-    values."""
+    """body(u, live) for this invocation's shares u of 0 … count − 1, unrolled (each share's loads
+    are staged apart). In a last, partial round u is clamped to count − 1 (its loads stay in
+    bounds) and live says whether to store; otherwise live is None."""
     for r in range(-(-count // t.WG)):
         u = t.tid + r * t.WG
-        body(u if (r + 1) * t.WG <= count else zdsl.min(u, count - 1))
+        if (r + 1) * t.WG <= count:
+            body(u, None)
+        else:
+            body(zdsl.min(u, count - 1), u < count)
+
+
+def _stores(live):
+    """The stores of a share: all, or those of a live one."""
+    return contextlib.nullcontext() if live is None else zdsl.if_(live)
 
 
 def product(t: Tiles, f, ctx, stacks, x, token_base, k):
@@ -163,24 +172,27 @@ def product(t: Tiles, f, ctx, stacks, x, token_base, k):
     def step(k0, store: bool):
         """The loads of the K step at k0 and, with store, A and B decoded from them."""
         for s, (_, row_base) in enumerate(stacks):
-            def decode(u, s=s, row_base=row_base):
+            def decode(u, live, s=s, row_base=row_base):
                 i, rest = u // (nb * parts), u % (nb * parts)
                 b, part = rest // parts, rest % parts
                 base = row_base(i) + (k0 // f.block + b) * f.nbytes
                 at = (s * per_stack + i) * t.SA + b * f.block
-                for g in f.groups(staged[s], base, part, ctx):
-                    for j, q in enumerate(g.q):
-                        v = q if g.scale is None else (q * g.scale if g.bias is None else zdsl.fma(q, g.scale, g.bias))
-                        if store:
-                            t.a[at + g.offset + j] = v.to(f16)
+                groups = f.groups(staged[s], base, part, ctx)
+                if store:
+                    with _stores(live):
+                        for g in groups:
+                            for j, q in enumerate(g.q):
+                                v = q if g.scale is None else (q * g.scale if g.bias is None else zdsl.fma(q, g.scale, g.bias))
+                                t.a[at + g.offset + j] = v.to(f16)
             _shares(t, per_stack * nb * parts, decode)
 
-        def activations(u):
+        def activations(u, live):
             n, c = u // (BK // 4), u % (BK // 4)
             v = staged[-1].vec4[(token_base(n) + k0) // 4 + c]
             if store:
-                for j in range(4):
-                    t.b[n * t.SA + 4 * c + j] = v[j].to(f16)
+                with _stores(live):
+                    for j in range(4):
+                        t.b[n * t.SA + 4 * c + j] = v[j].to(f16)
         _shares(t, BN * BK // 4, activations)
 
     acc = [[zdsl.var(zdsl.mat_fill(0.0)) for _ in range(TN)] for _ in range(TM)]

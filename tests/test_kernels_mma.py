@@ -62,7 +62,7 @@ def test_mul_mm_coop(backend, request, qtype, m, t, steps, tiles, add, seed):
     y0 = inputs.normal(rng, t * m) if add else np.zeros(t * m, np.float32)
     bm, bn, tn = tiles
     v = matmul.mul_mm_coop.specialize(QTYPE=qtype, BM=bm, BN=bn, TN=tn, ADD=add)
-    y = go(v, v.groups(m=m, t=t), w=w, x=x, y=y0.copy(), k=k, m=m, t=t)["y"]
+    y = go(v, v.groups(m=m, t=t), w=w, x=x.astype(np.float16), y=y0.copy(), k=k, m=m, t=t)["y"]
     wf = dmmv.dequant_rows(w, qtype, m, k).astype(np.float64)
     xf = x.reshape(t, k).astype(np.float64)
     base = y0.astype(np.float64) if add else 0.0

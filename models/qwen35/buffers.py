@@ -46,22 +46,25 @@ def f32(name: str, n: int) -> Spec:
     return Spec(name, 4 * max(n, 1), "scratch")
 
 
-def vector(name: str, n: int) -> list[Spec]:
-    """An activation as projections read it: f32, and its Q8_1 quants and block scales (q8_1.py)."""
+def vector(name: str, n: int, halves: bool = False) -> list[Spec]:
+    """An activation as projections read it: f32, and its Q8_1 quants and block scales (q8_1.py);
+    with halves, in f16 too (what products on matrix units read)."""
     if n % 32:
         raise ZdslError(f"{name} has {n} values; zdsl's Q8_1 activations need a multiple of 32")
     return [Spec(name, 4 * n, "scratch"), Spec(name + "_q8_1", n, "scratch"),
-            Spec(name + "_q8_1_scales", 4 * (n // 16), "scratch")]
+            Spec(name + "_q8_1_scales", 4 * (n // 16), "scratch")] + ([Spec(name + "_f16", 2 * n, "scratch")] if halves else [])
 
 
 SAVED = "saved."  # the prefix of the checkpoint twins of a sequence's state
 
 
-def decode_buffers(hp, tensors, n_ctx: int, candidates: int, checkpoint: bool = False, chunk: int = 0) -> list[Spec]:
+def decode_buffers(hp, tensors, n_ctx: int, candidates: int, checkpoint: bool = False, chunk: int = 0,
+                   halves: bool = False) -> list[Spec]:
     """The decode graph's buffers for hyperparameters `hp`, the graph's weights `tensors`
     (weights.GraphWeights), a context of n_ctx tokens and `candidates` bytes of sampler room;
     with `checkpoint`, a twin of the sequence state that steps overwrite (DecodeGraph.checkpoint);
-    with `chunk`, the prompt path's buffers for chunks of that many tokens (at most n_ctx)."""
+    with `chunk`, the prompt path's buffers for chunks of that many tokens (at most n_ctx), with
+    `halves` their f16 activations for matrix units."""
     H, C, vd = hp.hidden, hp.conv_channels, hp.ssm_value_dim
     qd, kvd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
     splits = split_count(n_ctx, ATTN_MIN_CHUNK, ATTN_MAX_SPLITS)
@@ -92,22 +95,23 @@ def decode_buffers(hp, tensors, n_ctx: int, candidates: int, checkpoint: bool = 
     if checkpoint:
         specs += [Spec(SAVED + s.name, s.nbytes, s.kind) for s in specs if s.name in checkpointed(hp)]
     if chunk:
-        specs += chunk_buffers(hp, min(chunk, n_ctx))
+        specs += chunk_buffers(hp, min(chunk, n_ctx), halves)
     return specs
 
 
-def chunk_buffers(hp, chunk: int) -> list[Spec]:
+def chunk_buffers(hp, chunk: int, halves: bool = False) -> list[Spec]:
     """The prompt path's buffers (prefill.py): rows of every activation for chunks of up to
     `chunk` tokens, their steps and tokens, the MoE's routing and grouping. chunk.qg (attention's
-    q and gate rows) also holds the delta-net's raw o: a layer is one or the other."""
+    q and gate rows) also holds the delta-net's raw o: a layer is one or the other. With halves,
+    the rows that products on matrix units read also in f16 (the dense FFN's act included)."""
     H, C, vd = hp.hidden, hp.conv_channels, hp.ssm_value_dim
     qd, kvd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
     specs = [Spec("chunk.tokens", 4 * chunk, "scratch"), Spec("chunk.steps", 4 * STEP_WORDS * chunk, "scratch"),
-             f32("chunk.x", chunk * H), *vector("chunk.normed", chunk * H), f32("chunk.qg", chunk * max(2 * qd, vd)),
+             f32("chunk.x", chunk * H), *vector("chunk.normed", chunk * H, halves), f32("chunk.qg", chunk * max(2 * qd, vd)),
              f32("chunk.q", chunk * qd), f32("chunk.k", chunk * kvd), f32("chunk.v", chunk * kvd),
-             *vector("chunk.attn_o", chunk * qd), f32("chunk.mix", chunk * C), f32("chunk.conv", chunk * C),
+             *vector("chunk.attn_o", chunk * qd, halves), f32("chunk.mix", chunk * C), f32("chunk.conv", chunk * C),
              f32("chunk.z", chunk * vd), f32("chunk.ba", 2 * chunk * hp.ssm_v_heads),
-             *vector("chunk.deltanet_out", chunk * vd),
+             *vector("chunk.deltanet_out", chunk * vd, halves),
              Spec("chunk.one_offsets", 8, "scratch"), Spec("chunk.one_pairs", 4 * chunk, "scratch")]
     if hp.moe:
         E, K, F = hp.n_experts, hp.n_experts_used, hp.expert_ffn
@@ -117,7 +121,7 @@ def chunk_buffers(hp, chunk: int) -> list[Spec]:
                   f32("chunk.act", chunk * K * F), f32("chunk.pair_out", chunk * K * H),
                   f32("chunk.act_shared", chunk * F), f32("chunk.shared_out", chunk * H)]
     else:
-        specs.append(f32("chunk.act", chunk * hp.ffn))
+        specs += [f32("chunk.act", chunk * hp.ffn)] + ([Spec("chunk.act_f16", 2 * chunk * hp.ffn, "scratch")] if halves else [])
     return specs
 
 

@@ -38,11 +38,13 @@ from zdsl.models.qwen35.weights import file_ranges, graph_weights
 
 @dataclass
 class Vector:
-    """One activation vector as the projections read it: f32, and Q8_1 (q, d: q8_1.py)."""
+    """One activation vector as the projections read it: f32, and Q8_1 (q, d: q8_1.py); for a
+    chunk's rows on a device with matrix units, f16 (h) too."""
 
     f32: object
     q: object
     d: object
+    h: object = None
 
 
 def sampler_kernels(pick, vocab: int, sampler: SamplerConfig):
@@ -65,7 +67,8 @@ def plan_buffers(model: ModelFile, info, n_ctx: int, sampler: SamplerConfig, tun
     one is made: to show and check the memory plan up front."""
     groups = sampler_kernels(lambda kernel, key, fixed: choose(kernel, info, key, db=tuning, **fixed),
                              model.hparams.vocab, sampler)[2]
-    return decode_buffers(model.hparams, graph_weights(model), n_ctx, candidate_bytes(sampler, groups), chunk=CHUNK)
+    return decode_buffers(model.hparams, graph_weights(model), n_ctx, candidate_bytes(sampler, groups), chunk=CHUNK,
+                          halves="coopmat" in info.features)
 
 
 def record_launches(model, info, n_ctx: int, sampler: SamplerConfig | None = None, tuning: Database | None = None):
@@ -121,7 +124,8 @@ class DecodeGraph:
 
     def buffers(self, n_ctx: int) -> list:
         """Every device buffer the graph holds at a context of n_ctx tokens (buffers.py)."""
-        return decode_buffers(self.hp, self.tensors, n_ctx, self._candidate_bytes(), self.can_checkpoint, self.chunk)
+        return decode_buffers(self.hp, self.tensors, n_ctx, self._candidate_bytes(), self.can_checkpoint, self.chunk,
+                              "coopmat" in self.device.info.features)
 
     def _prepare_kernels(self, progress: bool) -> float:
         """Record the step (building the kernels not built before) and run it once, and a short
@@ -242,7 +246,7 @@ class DecodeGraph:
     @staticmethod
     def vector_of(b: dict, name: str) -> Vector:
         """The activation `name` as projections read it, from the allocated buffers `b`."""
-        return Vector(b[name], b[name + "_q8_1"], b[name + "_q8_1_scales"])
+        return Vector(b[name], b[name + "_q8_1"], b[name + "_q8_1_scales"], b.get(name + "_f16"))
 
     def _candidate_bytes(self) -> int:
         return candidate_bytes(self.sampler, self.sample_groups)

@@ -55,6 +55,7 @@ class Prefill:
         self.dn_out = g.vector_of(b, "chunk.deltanet_out")
         self.dn_raw = self.qg  # the delta rule's raw o: attention's rows are free in a delta-net layer
         self.act = b["chunk.act"]
+        self.act_h = b.get("chunk.act_f16")  # the dense FFN's act in f16 (matrix units)
         # every token of the chunk routed once to one expert: the shared expert's grouping, and
         # the dense FFN's (the host writes offsets [0, t] and pairs 0 … t − 1)
         self.one_offsets, self.one_pairs = b["chunk.one_offsets"], b["chunk.one_pairs"]
@@ -145,6 +146,12 @@ class Prefill:
         q8_1.norm_q8_1.launch(seq, self.g._pick, label="chunk." + norm.removesuffix(".weight"), x=self.x,
                               norm_w=self.g.weights[norm], hn=n.f32, xq=n.q, xd=n.d, n=self.hp.hidden, eps=self.hp.eps,
                               rows=t)
+        self._halves(seq, n, t * self.hp.hidden)
+
+    def _halves(self, seq, v, n: int) -> None:
+        """v's f16 rows from its f32 ones, where products on matrix units read them (n values)."""
+        if v.h is not None:
+            matmul.half_rows.launch(seq, self.g._pick, x=v.f32, h=v.h, n=n)
 
     def _project(self, seq, tensor: str, y, t: int, x=None, add: bool = False, exact: bool = False) -> None:
         """y rows (+)= W · x rows for the chunk's t tokens (x: the normed rows by default), on matrix
@@ -153,9 +160,9 @@ class Prefill:
         g = self.g
         x = x or self.normed
         m, k = g.tensors.shape(tensor)[-2:]
-        if self._coop(k) and not exact:
+        if self._coop(k) and x.h is not None and not exact:
             matmul.mul_mm_coop.launch(seq, g._pick, label="chunk." + tensor.removesuffix(".weight"),
-                                      QTYPE=g._qname(tensor), ADD=add, w=g.weights[tensor], x=x.f32, y=y, k=k, m=m,
+                                      QTYPE=g._qname(tensor), ADD=add, w=g.weights[tensor], x=x.h, y=y, k=k, m=m,
                                       t=t)
             return
         q8 = g._int8(tensor) and x.q is not None and not exact
@@ -222,6 +229,7 @@ class Prefill:
         attention.attn_prefill.launch(seq, g._pick, label=p + "attn_prefill", D=d, G=nh // nkv,
                                       Q8=g._int8(p + "attn_output.weight"), q=self.q, qg=self.qg, k_cache=k_cache,
                                       v_cache=v_cache, step=step, o=o.f32, oq=o.q, od=o.d, n_kv=nkv, t=t, ctx=g.n_ctx)
+        self._halves(seq, o, t * nh * d)
         self._project(seq, p + "attn_output.weight", self.x, t, o, add=True)
         self._after_mixer(seq, i, t)
 
@@ -246,6 +254,7 @@ class Prefill:
         deltanet.deltanet_gated_norm.launch(seq, g._pick, label=p + "ssm_norm", Q8=g._int8(p + "ssm_out.weight"),
                                             o=self.dn_raw, z=self.z, norm_w=g.weights[p + "ssm_norm.weight"],
                                             out=o.f32, oq=o.q, od=o.d, d=D, eps=hp.eps, rows=t * hp.ssm_v_heads)
+        self._halves(seq, o, t * hp.ssm_value_dim)
         self._project(seq, p + "ssm_out.weight", self.x, t, o, add=True)
         self._after_mixer(seq, i, t)
 
@@ -290,7 +299,9 @@ class Prefill:
         gate, up = p + "ffn_gate.weight", p + "ffn_up.weight"
         self._gate_up(seq, p + "ffn_gate_up", gate, g.weights[gate], g.weights[up], self.one_offsets, self.one_pairs,
                       self.act, 1, t, 1)
-        self._project(seq, p + "ffn_down.weight", self.x, t, SimpleNamespace(f32=self.act, q=None), add=True)
+        act = SimpleNamespace(f32=self.act, q=None, h=self.act_h)
+        self._halves(seq, act, t * g.tensors.shape(gate)[-2])
+        self._project(seq, p + "ffn_down.weight", self.x, t, act, add=True)
         self._next_norm(seq, i, t)
 
     def _next_norm(self, seq, i: int, t: int) -> None:

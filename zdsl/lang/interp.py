@@ -368,23 +368,31 @@ class Run:
             raise _err(loc, f"a cooperative matrix's {what} differs between invocations of a subgroup")
         return v[:, 0]
 
-    def tile_index(self, m: MatrixType, offset, stride, column_major: bool, active, loc):
+    def tile_index(self, m: MatrixType, array, offset, stride, column_major: bool, active, loc):
+        """The tile's elements as scalar indices of `array` (offset and stride count its elements,
+        vectors for a shared array of vectors, whose lanes then hold consecutive tile elements)."""
         off, st = (self.uniform(o, active, loc, w) for o, w in ((offset, "offset"), (stride, "stride")))
+        lanes = array.dtype.lanes if isinstance(array, ir.Shared) else 1
+        off, st = off[:, None, None] * lanes, st[:, None, None] * lanes
         r, c = np.arange(m.rows)[:, None], np.arange(m.cols)[None, :]
-        return off[:, None, None] + (c * st[:, None, None] + r if column_major else r * st[:, None, None] + c)
+        return off + (c * st + r if column_major else r * st + c)
 
     def tile_memory(self, array, idx, active, loc, what: str):
-        """(array, its row per subgroup or None) after checking `idx` is in bounds where active."""
+        """(array as scalars, its row per subgroup or None, lanes) after checking `idx` is in
+        bounds where active; a shared array's races are tracked per element, idx // lanes."""
+        lanes = 1
         if isinstance(array, ir.Shared):
             arr, rows = self.shared[array.id], self.group_local[::self.sg]
+            lanes = arr.shape[2] if arr.ndim == 3 else 1
+            arr = arr.reshape(arr.shape[0], -1)
             size = arr.shape[1]
         else:
             arr, rows = self.view(array), None
             size = len(arr)
         bad = active[:, None, None] & ((idx < 0) | (idx >= size))
         if bad.any():
-            raise _err(loc, f"out-of-bounds {what}: element {int(idx[bad][0])} not in [0, {size})")
-        return arr, rows
+            raise _err(loc, f"out-of-bounds {what}: element {int(idx[bad][0]) // lanes} not in [0, {size // lanes})")
+        return arr, rows, lanes
 
     def matrix_op(self, s: ir.Let, mask):
         active, m = self.by_subgroup(mask, s.loc), s.temp.dtype
@@ -396,40 +404,40 @@ class Run:
             a, b, c = (self.value(x) for x in s.args)
             return (c.astype(np.float32) + np.matmul(a.astype(np.float32), b.astype(np.float32))).astype(m.element.numpy)
         src, offset, stride = s.args
-        idx = self.tile_index(m, offset, stride, s.attrs["column_major"], active, s.loc)
-        arr, rows = self.tile_memory(src, idx, active, s.loc, "matrix load")
+        idx = self.tile_index(m, src, offset, stride, s.attrs["column_major"], active, s.loc)
+        arr, rows, lanes = self.tile_memory(src, idx, active, s.loc, "matrix load")
         idx = np.where(active[:, None, None], idx, 0)
         if rows is None:
             return arr[idx].astype(m.element.numpy)
-        g = np.broadcast_to(rows[:, None, None], idx.shape)
-        writer = self.writer[src.id][g, idx]
+        g, el = np.broadcast_to(rows[:, None, None], idx.shape), idx // lanes
+        writer = self.writer[src.id][g, el]
         race = active[:, None, None] & (writer >= 0)
         if race.any():
-            raise _err(s.loc, f"shared-memory race: a matrix load reads element {int(idx[race][0])} that invocation "
+            raise _err(s.loc, f"shared-memory race: a matrix load reads element {int(el[race][0])} that invocation "
                               f"{int(writer[race][0])} wrote with no zdsl.barrier() between")
         first = self.lane_in_group[::self.sg]
-        self.reader[src.id][g[active], idx[active]] = np.broadcast_to(first[:, None, None], idx.shape)[active]
+        self.reader[src.id][g[active], el[active]] = np.broadcast_to(first[:, None, None], idx.shape)[active]
         return arr[g, idx].astype(m.element.numpy)
 
     def matrix_store(self, s: ir.MatrixStore, mask) -> None:
         active = self.by_subgroup(mask, s.loc)
         m = s.matrix.dtype
-        idx = self.tile_index(m, s.offset, s.stride, s.column_major, active, s.loc)
-        arr, rows = self.tile_memory(s.array, idx, active, s.loc, "matrix store")
+        idx = self.tile_index(m, s.array, s.offset, s.stride, s.column_major, active, s.loc)
+        arr, rows, lanes = self.tile_memory(s.array, idx, active, s.loc, "matrix store")
         value = self.value(s.matrix)
         if rows is None:
             arr[idx[active]] = value[active].astype(arr.dtype)
             return
-        g = np.broadcast_to(rows[:, None, None], idx.shape)
+        g, el = np.broadcast_to(rows[:, None, None], idx.shape), idx // lanes
         first = np.broadcast_to(self.lane_in_group[::self.sg][:, None, None], idx.shape)
         for seen, what in ((self.writer, "wrote"), (self.reader, "read")):
-            other = seen[s.array.id][g, np.where(active[:, None, None], idx, 0)]
+            other = seen[s.array.id][g, np.where(active[:, None, None], el, 0)]
             race = active[:, None, None] & (other >= 0) & (other != first)
             if race.any():
-                raise _err(s.loc, f"shared-memory race: a matrix store overwrites element {int(idx[race][0])} that "
+                raise _err(s.loc, f"shared-memory race: a matrix store overwrites element {int(el[race][0])} that "
                                   f"invocation {int(other[race][0])} {what} with no zdsl.barrier() between")
         arr[g[active], idx[active]] = value[active].astype(arr.dtype)
-        self.writer[s.array.id][g[active], idx[active]] = first[active]
+        self.writer[s.array.id][g[active], el[active]] = first[active]
 
 
 def interpret(k: ir.Kernel, groups: tuple[int, int, int], buffers: dict[str, np.ndarray], scalars: dict,

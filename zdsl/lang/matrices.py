@@ -8,7 +8,8 @@ language has one type and four operations for it:
 - `mat_load(src, offset, stride, rows, cols, use)`: a tile of a shared array or a buffer,
   element (r, c) at src[offset + r·stride + c] (row-major) or src[offset + c·stride + r]
   (`column_major=True`); `use` says which operand it will be: "a" (left, rows × k), "b"
-  (right, k × cols) or "acc";
+  (right, k × cols) or "acc". In a shared array of vectors (f16 × 4: one 8-byte store fills
+  four elements) offset and stride count vectors, and a row's elements run on through the lanes;
 - `mat_mul_add(a, b, c)`: c + a·b, the product's elements summed in f32;
 - `mat_store(m, dst, offset, stride)`: the tile back, laid out as mat_load reads it.
 
@@ -76,9 +77,9 @@ def _matrix(x, what: str, use: str | None = None) -> MatrixType:
 
 
 def _memory(src, what: str):
-    """The IR array of a shared array or a buffer, and its element type."""
+    """The IR array of a shared array or a buffer, and its element type (a vector's lane type)."""
     if isinstance(src, SharedArray):
-        return src.decl, src.dtype
+        return src.decl, src.dtype.scalar
     if isinstance(src, BufferParam):
         view = src.view(src.dtype)._ir()
         return view, src.dtype
