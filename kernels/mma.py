@@ -68,8 +68,9 @@ class Tiles:
         self.BM, self.BN, self.BK, self.TM, self.TN = BM, BN, BK, TM, TN
         self.WG = invocations(BM, BN, TM, TN, SG)
         self.SA = BK + PAD
-        self.a = zdsl.shared(f16, BM * self.SA)
-        self.b = zdsl.shared(f16, BN * self.SA)
+        # f16 × 4 elements: decoded values and activations go in 8-byte stores (offsets count fours)
+        self.a = zdsl.shared(f16.vec(4), BM * self.SA // 4)
+        self.b = zdsl.shared(f16.vec(4), BN * self.SA // 4)
         self.c = zdsl.shared(f32, BM * BN)  # C[m][n] at c[n·BM + m]
         self.tid = zdsl.local_index()
         across = BM // (TILE * TM)  # subgroups along M
@@ -181,9 +182,10 @@ def product(t: Tiles, f, ctx, stacks, x, token_base, k):
                 if store:
                     with _stores(live):
                         for g in groups:
-                            for j, q in enumerate(g.q):
-                                v = q if g.scale is None else (q * g.scale if g.bias is None else zdsl.fma(q, g.scale, g.bias))
-                                t.a[at + g.offset + j] = v.to(f16)
+                            v = [q if g.scale is None else (q * g.scale if g.bias is None else zdsl.fma(q, g.scale, g.bias))
+                                 for q in g.q]
+                            for j in range(0, len(v), 4):  # groups are fours (or eights) at multiples of four
+                                t.a[(at + g.offset + j) // 4] = zdsl.vec(*(e.to(f16) for e in v[j:j + 4]))
             _shares(t, per_stack * nb * parts, decode)
 
         def activations(u, live):
@@ -191,8 +193,7 @@ def product(t: Tiles, f, ctx, stacks, x, token_base, k):
             v = staged[-1].vec4[(token_base(n) + k0) // 4 + c]
             if store:
                 with _stores(live):
-                    for j in range(4):
-                        t.b[n * t.SA + 4 * c + j] = v[j].to(f16)
+                    t.b[(n * t.SA) // 4 + c] = v.to(f16.vec(4))
         _shares(t, BN * BK // 4, activations)
 
     acc = [[zdsl.var(zdsl.mat_fill(0.0)) for _ in range(TN)] for _ in range(TM)]
@@ -205,8 +206,8 @@ def product(t: Tiles, f, ctx, stacks, x, token_base, k):
             Staged.run(staged, "fetch", lambda: step(k0 + BK, False))
         zdsl.barrier()
         for kk in zdsl.range(0, BK, TILE):
-            a = [zdsl.mat_load(t.a, (t.row0 + TILE * i) * t.SA + kk, t.SA, use="a") for i in range(TM)]
-            b = [zdsl.mat_load(t.b, (t.col0 + TILE * j) * t.SA + kk, t.SA, use="b", column_major=True)
+            a = [zdsl.mat_load(t.a, ((t.row0 + TILE * i) * t.SA + kk) // 4, t.SA // 4, use="a") for i in range(TM)]
+            b = [zdsl.mat_load(t.b, ((t.col0 + TILE * j) * t.SA + kk) // 4, t.SA // 4, use="b", column_major=True)
                  for j in range(TN)]
             for i in range(TM):
                 for j in range(TN):
