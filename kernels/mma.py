@@ -5,13 +5,15 @@ once per tile into f16 and letting the matrix units (zdsl.mat_mul_add: tensor co
 the multiply-adds makes the work the decode, not the arithmetic. Per step of BK along K:
 
     A[BM][BK] ← the weight rows' blocks, dequantized (quant.py's Groups: w = scale·q + bias)
-    B[BN][BK] ← the tokens' activation rows, f32 → f16
+    B[BN][BK] ← the tokens' activation rows (f16, or f32 rounded to f16)
+    the next step's loads issued (Staged)
     barrier
     C += A · Bᵀ, 16 × 16 tiles, subgroup s owning tiles (TM × TN of them) of C
 
-then C goes through shared memory to the caller's `store`, which knows where each (row, token)
-belongs: a plain output row, an expert pair's row, a SwiGLU of two row sets. The weights are
-read once per token tile (from L2 after the first), the activations once per row tile.
+A and B hold f16 × 4 (8-byte stores). Then C goes through shared memory to the caller's `store`,
+which knows where each (row, token) belongs: a plain output row, an expert pair's row, a SwiGLU
+of two row sets. The weights are read once per token tile (from L2 after the first), the
+activations once per row tile.
 
 W's rows may come from S stacks (the gate and up rows of a SwiGLU): rows i·BM/S … of tile row
 set i, so their C rows land side by side for `store`.

@@ -14,12 +14,26 @@ from zdsl.errors import KernelError
 
 @zdsl.kernel(workgroup=lambda v: 2 * v.SG, subgroup="SG")
 def tile_product(a: Buffer[f16], b: Buffer[f16], c: Buffer[f32], out: Buffer[f32], stride: u32,
-                 A_COLUMNS: Const = False, B_COLUMNS: Const = False, STAGE: Const = False, ROOM: Const = 40,
-                 SG: Const = 32):
+                 A_COLUMNS: Const = False, B_COLUMNS: Const = False, STAGE: Const = False, FOURS: Const = False,
+                 ROOM: Const = 40, SG: Const = 32):
     """out = c + a·b for two subgroups, each its own 16 × 16 tiles at offset 256·subgroup (a and b
-    read with `stride` ≤ ROOM, from shared memory when STAGE)."""
+    read with `stride` ≤ ROOM, from shared memory when STAGE; with FOURS, shared arrays of f16 × 4,
+    whose offset and stride count fours: stride a multiple of 4)."""
     sub = zdsl.subgroup_id()
     at = sub * 256
+    if FOURS:
+        n4 = (256 + 16 * ROOM) // 4
+        sa, sb = zdsl.shared(f16.vec(4), n4), zdsl.shared(f16.vec(4), n4)
+        for i in zdsl.range(zdsl.local_index(), (256 + 16 * stride) // 4, 2 * SG):
+            sa[i] = a.vec4[i]
+            sb[i] = b.vec4[i]
+        zdsl.barrier()
+        acc = zdsl.var(zdsl.mat_load(c, at, 16, use="acc"))
+        ta = zdsl.mat_load(sa, at // 4, stride // 4, use="a", column_major=A_COLUMNS)
+        tb = zdsl.mat_load(sb, at // 4, stride // 4, use="b", column_major=B_COLUMNS)
+        acc.set(zdsl.mat_mul_add(ta, tb, acc))
+        zdsl.mat_store(acc, out, at, 16)
+        return
     if STAGE:
         sa, sb = zdsl.shared(f16, 256 + 16 * ROOM), zdsl.shared(f16, 256 + 16 * ROOM)
         for i in zdsl.range(zdsl.local_index(), 256 + 16 * stride, 2 * SG):
@@ -42,14 +56,18 @@ def tile(arr, offset, stride, columns):
 
 
 @settings(max_examples=20, deadline=None)
-@given(stride=st.integers(16, 40), a_cols=st.booleans(), b_cols=st.booleans(), stage=st.booleans(),
-       sg=st.sampled_from([8, 32]), seed=st.integers(0, 99))
+@given(stride=st.integers(16, 40), a_cols=st.booleans(), b_cols=st.booleans(),
+       stage=st.sampled_from(["no", "scalars", "fours"]), sg=st.sampled_from([8, 32]), seed=st.integers(0, 99))
 def test_tile_product_against_numpy(stride, a_cols, b_cols, stage, sg, seed):
+    """Tiles from buffers, shared f16 arrays and shared f16 × 4 arrays (there a row runs on
+    through a four's lanes: the same tiles)."""
     rng = np.random.default_rng(seed)
+    stride = stride // 4 * 4 if stage == "fours" else stride
     n = 256 + 16 * stride
     a, b = (rng.standard_normal(n).astype(np.float16) for _ in range(2))
     c = rng.standard_normal(512).astype(np.float32)
-    v = tile_product.specialize(A_COLUMNS=a_cols, B_COLUMNS=b_cols, STAGE=stage, SG=sg)
+    v = tile_product.specialize(A_COLUMNS=a_cols, B_COLUMNS=b_cols, STAGE=stage == "scalars", FOURS=stage == "fours",
+                                SG=sg)
     out = v.interpret(1, a=a, b=b, c=c, out=np.zeros(512, np.float32), stride=stride)["out"]
     for s in range(2):
         want = (c[256 * s:256 * s + 256].reshape(16, 16).astype(np.float64)
@@ -58,9 +76,11 @@ def test_tile_product_against_numpy(stride, a_cols, b_cols, stage, sg, seed):
 
 
 def test_tile_product_compiles():
-    text = tile_product.specialize(STAGE=True).glsl
-    assert "coopMatMulAdd" in text and "GL_KHR_cooperative_matrix" in text
-    assert len(tile_product.specialize(STAGE=True).spirv) > 0
+    for staged in (dict(STAGE=True), dict(FOURS=True)):
+        text = tile_product.specialize(**staged).glsl
+        assert "coopMatMulAdd" in text and "GL_KHR_cooperative_matrix" in text
+        assert len(tile_product.specialize(**staged).spirv) > 0
+    assert "shared f16vec4" in tile_product.specialize(FOURS=True).glsl
 
 
 @zdsl.kernel(workgroup=lambda v: v.SG, subgroup="SG")
