@@ -223,6 +223,18 @@ def test_truncated_data(tiny, tmp_path, keep):
     one_line_error(p, "is truncated: tensor .* ends at byte")
 
 
+def test_token_text_that_is_not_utf8_reads_on(tiny, tmp_path):
+    """A flipped bit that leaves a token string invalid UTF-8: llama.cpp keeps strings as bytes
+    and reads on; zdsl reads the token with U+FFFD in place of the bad bytes."""
+    data = bytearray(tiny.read_bytes())
+    at = data.index("Ġ".encode())  # C4 A0 in UTF-8, in the first token that has it
+    data[at + 1] = ord("A")  # a lead byte with no continuation byte: not UTF-8
+    p = tmp_path / "flipped.gguf"
+    p.write_bytes(bytes(data))
+    tokens = open_model(p).get("tokenizer.ggml.tokens")
+    assert any("\ufffd" in t for t in tokens) and len(tokens) == len(open_model(tiny).get("tokenizer.ggml.tokens"))
+
+
 def test_truncated_header(tiny, tmp_path):
     p = tmp_path / "cut.gguf"
     p.write_bytes(tiny.read_bytes()[:5000])

@@ -113,3 +113,15 @@ def test_chat_template(synthetic):
     assert ids.count(synthetic.token_id("<|im_start|>")) == 5
     with pytest.raises(ModelError, match="chat template failed"):
         synthetic.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_merges_naming_no_token_are_left_out(synthetic, tmp_path):
+    """A merge whose parts or result the vocabulary lacks (a damaged file) can never apply:
+    llama.cpp reads on, and so does zdsl, encoding exactly as without it."""
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": synthetic.pre,
+            "tokenizer.ggml.tokens": synthetic.tokens, "tokenizer.ggml.token_type": synthetic.types}
+    clean = Tokenizer(lambda k, d: {**meta, "tokenizer.ggml.merges": synthetic.merges}.get(k, d))
+    bad = ["Ġnot_a_token x", "q Ġnot_a_token", "e"]  # unknown parts, and a line that is no pair
+    damaged = Tokenizer(lambda k, d: {**meta, "tokenizer.ggml.merges": bad + synthetic.merges}.get(k, d))
+    for text in ("the quick brown fox", "Ġnot_a_token", "héllo wörld 123"):
+        assert damaged.encode(text) == clean.encode(text) == synthetic.encode(text)

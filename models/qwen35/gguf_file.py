@@ -225,6 +225,21 @@ def read_gguf(path: str | os.PathLike) -> GGUFReader:
         raise ModelError(f"{path} has a truncated or corrupt GGUF header; download or write it again") from None
 
 
+def field_contents(path, key: str, field):
+    """A metadata field's value. Text that is not UTF-8 (a flipped bit) reads with U+FFFD in its
+    place, as llama.cpp, which keeps strings as bytes, reads on; a field the reader cannot decode
+    otherwise is a ModelError naming the key, not a traceback."""
+    try:
+        return field.contents()
+    except UnicodeDecodeError:
+        if field.types and field.types[-1] == GGUFValueType.STRING:
+            texts = [field.parts[i].tobytes().decode("utf-8", "replace") for i in field.data]
+            return texts if field.types[0] == GGUFValueType.ARRAY else texts[0]
+        raise ModelError(f"{path}: metadata key '{key}' is corrupt; download or write the file again") from None
+    except (ValueError, IndexError):
+        raise ModelError(f"{path}: metadata key '{key}' is corrupt; download or write the file again") from None
+
+
 class GGUFFile:
     """Any GGUF file the reader can parse: its metadata and tensor table, checked against the
     file size only, so that `zdsl model info` can describe files zdsl cannot run. Keeps the
@@ -248,7 +263,7 @@ class GGUFFile:
                 raise ModelError(f"{self.path} lacks metadata key '{key}'; the file is incomplete or from "
                                  "an unsupported converter, reconvert it with a current llama.cpp")
             return default
-        return field.contents()
+        return field_contents(self.path, key, field)
 
     # tensors ------------------------------------------------------------------------------
     def __contains__(self, name: str) -> bool:

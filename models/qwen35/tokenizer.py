@@ -16,7 +16,7 @@ from gguf import TokenType
 
 from zdsl.errors import ModelError
 
-from .gguf_file import read_gguf
+from .gguf_file import field_contents, read_gguf
 
 # Pre-tokenizer regexes by `tokenizer.ggml.pre` (from the models' tokenizer.json files).
 # qwen35 adds \p{M} (combining marks) to the letter classes of qwen2.
@@ -66,7 +66,7 @@ class Tokenizer:
     def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
         """Read only the tokenizer metadata of any GGUF file (vocab-only files included)."""
         fields = read_gguf(path).fields
-        return cls(lambda key, default: fields[key].contents() if key in fields else default)
+        return cls(lambda key, default: field_contents(path, key, fields[key]) if key in fields else default)
 
     @classmethod
     def from_model(cls, model) -> Tokenizer:
@@ -78,7 +78,10 @@ class Tokenizer:
         from tokenizers import Tokenizer as HF
 
         vocab = {t: i for i, t in enumerate(self.tokens)}
-        merges = [tuple(m.split(" ", 1)) for m in self.merges]
+        # a merge whose parts or result the vocabulary lacks can never apply: llama.cpp keeps
+        # it and never uses it, `tokenizers` refuses the whole vocabulary, so it is left out
+        merges = [(a, b) for a, _, b in (m.partition(" ") for m in self.merges)
+                  if a in vocab and b in vocab and a + b in vocab]
         hf = HF(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
         hf.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(PRE_TOKENIZERS[self.pre]), behavior="isolated"),
