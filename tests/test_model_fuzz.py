@@ -18,20 +18,29 @@ from zdsl.models.qwen35 import synth
 TIMEOUT = 120  # seconds per command: far beyond the ~3 s a tiny model takes, so a miss is a hang
 
 
+class Original(bytes):
+    """The tiny MoE model's bytes, with its regions (start, end): header, metadata, tensor table.
+    Short in a failure report."""
+
+    def __repr__(self):
+        return f"<tiny.gguf, {len(self):,} bytes, regions {self.regions}>"
+
+
 @pytest.fixture(scope="module")
 def original(tmp_path_factory):
-    """The tiny MoE model's bytes and its regions (start, end): header, metadata, tensor table."""
     path = tmp_path_factory.mktemp("fuzz") / "tiny.gguf"
     synth.write(path, "tiny", quant="q4_k_m", seed=1)
     reader = gguf.GGUFReader(str(path))
     table, data_at = min(int(t.field.offset) for t in reader.tensors), int(reader.data_offset)
     del reader
-    return path.read_bytes(), {"header": (0, 24), "metadata": (24, table), "table": (table, data_at)}
+    data = Original(path.read_bytes())
+    data.regions = {"header": (0, 24), "metadata": (24, table), "table": (table, data_at)}
+    return data
 
 
-def mutate(data: bytes, regions: dict, kind: str, where: float, bits: list[int], value: int) -> bytes:
+def mutate(data: Original, kind: str, where: float, bits: list[int], value: int) -> bytes:
     """One damage of `kind` at relative place `where` (of the file, or of the region it names)."""
-    b = bytearray(data)
+    b, regions = bytearray(data), data.regions
     if kind == "cut":
         return bytes(b[:int(where * len(b))])
     if kind == "huge":  # an 8-byte count, length or offset somewhere before the tensor data
@@ -54,9 +63,8 @@ def run(*args) -> subprocess.CompletedProcess:
        bits=st.lists(st.integers(0, 7), min_size=1, max_size=4),
        value=st.sampled_from([2 ** 63 - 1, 2 ** 40, 2 ** 32 + 5, 0xFFFFFFFF]))
 def test_a_damaged_file_runs_or_ends_in_one_line(original, tmp_path, kind, where, bits, value):
-    data, regions = original
     path = tmp_path / "damaged.gguf"
-    path.write_bytes(mutate(data, regions, kind, where, bits, value))
+    path.write_bytes(mutate(original, kind, where, bits, value))
     for args in (("model", "info", str(path)), ("run", str(path), "-p", "hi", "-n", "2", "--ctx", "64", "--temp", "0")):
         r = run(*args)
         assert "Traceback" not in r.stderr, (kind, args[0], r.stderr[-2000:])

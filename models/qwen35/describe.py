@@ -18,7 +18,7 @@ from gguf import GGUFValueType
 from zdsl.errors import ModelError
 from zdsl.kernels.quant import FORMATS
 
-from .gguf_file import GGUFFile, Hparams, check_tensors, check_types, read_hparams
+from .gguf_file import GGUFFile, Hparams, check_tensors, check_types, field_contents, read_hparams
 from .info import MemoryPlan, plan_tensors
 
 NO_KERNEL = "no GPU kernel yet"
@@ -88,16 +88,16 @@ def describe(path: str | os.PathLike) -> Description:
     types = [TypeShare(name, count[name], size[name], has_kernel(name)) for name, _ in size.most_common()]
     return Description(
         path=f.path, arch=str(f.get("general.architecture", "unknown")),
-        metadata={key: _summary(field) for key, field in f.fields.items() if not key.startswith("GGUF.")},
+        metadata={key: _summary(f.path, key, field) for key, field in f.fields.items() if not key.startswith("GGUF.")},
         types=types, no_kernel=[t.name for t in f.tensors.values() if not has_kernel(t.qtype.name)],
         hparams=hp, plan=plan, problem=problem)
 
 
-def _summary(field):
+def _summary(path, key: str, field):
     """A metadata value as JSON can hold it: scalars as they are, arrays by length and item type."""
     if field.types[0] == GGUFValueType.ARRAY:
         return f"[{int(field.parts[4][0]):,} × {field.types[1].name.lower()}]"   # parts: ..., item type, count
-    value = field.contents()
+    value = field_contents(path, key, field)
     if isinstance(value, str) and len(value) > LONG_TEXT:
         return f"text of {len(value):,} characters"
     return value
