@@ -22,7 +22,7 @@ from zdsl.errors import ZdslError
 __all__ = [
     "QuantType", "SUPPORTED_DEQUANT", "SUPPORTED_QUANT", "Codes", "KScales",
     "block_shape", "row_bytes", "dequantize", "quantize", "unpack", "k_scales", "q8_1_quantize",
-    "unpack_scale_min_k4", "pack_scale_min_k4", "IQ4_LEVELS",
+    "unpack_scale_min_k4", "pack_scale_min_k4", "IQ4_LEVELS", "MXFP4_LEVELS", "e8m0_half",
 ]
 
 # (elements, bytes) per block
@@ -32,14 +32,18 @@ _BLOCKS = {
     QuantType.Q8_0: (32, 34), QuantType.Q8_1: (32, 36),
     QuantType.Q2_K: (256, 84), QuantType.Q3_K: (256, 110), QuantType.Q4_K: (256, 144),
     QuantType.Q5_K: (256, 176), QuantType.Q6_K: (256, 210),
-    QuantType.IQ4_NL: (32, 18), QuantType.IQ4_XS: (256, 136),
+    QuantType.IQ4_NL: (32, 18), QuantType.IQ4_XS: (256, 136), QuantType.MXFP4: (32, 17),
 }
 _FLOATS = frozenset({QuantType.F32, QuantType.F16, QuantType.BF16})
 SUPPORTED_DEQUANT = frozenset(_BLOCKS)
-SUPPORTED_QUANT = _FLOATS | {QuantType.Q8_0, QuantType.Q8_1, QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K}
+SUPPORTED_QUANT = _FLOATS | {QuantType.Q8_0, QuantType.Q8_1, QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K,
+                             QuantType.MXFP4}
 
 # The 16 levels IQ4_NL and IQ4_XS nibbles index (a fixed non-uniform 4-bit grid).
 IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+# MXFP4's 4-bit codes: the FP4 (E2M1) values, doubled to integers; the block's E8M0 byte e scales
+# them by 2^(e − 128) (half the OCP scale 2^(e − 127), undoing the doubling).
+MXFP4_LEVELS = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 
 _CHUNK = 1 << 18  # elements per step: bounds temporaries, keeps them near the cache
 
@@ -85,7 +89,8 @@ class Codes:
     group: int
 
     def values(self) -> np.ndarray:
-        w = self.q.reshape(*self.scale.shape, self.group).astype(np.float32) * self.scale[..., None]
+        with np.errstate(over="ignore"):  # a scale near the top of its range gives inf, as in gguf
+            w = self.q.reshape(*self.scale.shape, self.group).astype(np.float32) * self.scale[..., None]
         if self.bias is not None:
             w += self.bias[..., None]
         return w.reshape(self.q.shape)
@@ -202,11 +207,22 @@ def _iq4_xs(b):
     return IQ4_LEVELS[_bits(b[:, 8:], 16, 4)], _f16(b, 0) * ls.astype(np.float32), None
 
 
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """2^(e − 128) for E8M0 bytes e, as float32 (ggml's e8m0_to_fp32_half: subnormal below e = 2)."""
+    e = np.asarray(e, np.uint32)
+    return np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23)).astype(np.uint32).view(np.float32)
+
+
+def _mxfp4(b):
+    # E8M0 byte, 16 bytes of nibbles laid out as Q4_0
+    return MXFP4_LEVELS[_bits(b[:, 1:], 16, 4)], e8m0_half(b[:, :1]), None
+
+
 _DECODERS = {
     QuantType.Q4_0: _q4_0, QuantType.Q4_1: _q4_1, QuantType.Q5_0: _q5_0, QuantType.Q5_1: _q5_1,
     QuantType.Q8_0: _q8_0, QuantType.Q8_1: _q8_1, QuantType.Q2_K: _q2_k, QuantType.Q3_K: _q3_k,
     QuantType.Q4_K: _q4_k, QuantType.Q5_K: _q5_k, QuantType.Q6_K: _q6_k,
-    QuantType.IQ4_NL: _iq4_nl, QuantType.IQ4_XS: _iq4_xs,
+    QuantType.IQ4_NL: _iq4_nl, QuantType.IQ4_XS: _iq4_xs, QuantType.MXFP4: _mxfp4,
 }
 
 
@@ -457,8 +473,20 @@ def _enc_q6_k(x):
     return out
 
 
+def _enc_mxfp4(x):
+    """The shared exponent puts the block's largest |x| at 4 to 8 times 2^(e − 127), so that it
+    lands near the top FP4 value (6); each element takes its nearest level (the first of a tie)."""
+    amax = np.abs(x).max(axis=1)
+    with np.errstate(divide="ignore"):
+        e = np.clip(np.where(amax > 0, np.floor(np.log2(amax)) + 125, 0), 0, 255).astype(np.uint8)
+    d = e8m0_half(e)[:, None, None]
+    codes = np.abs(d * MXFP4_LEVELS.astype(np.float32) - x[..., None]).argmin(axis=-1)
+    return np.concatenate([e[:, None], _pack_bits(codes, 16, 4)], axis=1)
+
+
 _ENCODERS = {QuantType.Q8_0: _enc_q8_0, QuantType.Q8_1: _enc_q8_1,
-             QuantType.Q4_K: _enc_q4_k, QuantType.Q5_K: _enc_q5_k, QuantType.Q6_K: _enc_q6_k}
+             QuantType.Q4_K: _enc_q4_k, QuantType.Q5_K: _enc_q5_k, QuantType.Q6_K: _enc_q6_k,
+             QuantType.MXFP4: _enc_mxfp4}
 
 
 def _to_bf16(x: np.ndarray) -> np.ndarray:

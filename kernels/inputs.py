@@ -16,8 +16,8 @@ STEP_WORDS = 8       # the decode graph's step buffer: position, length, token, 
 
 
 def rows(rng, qtype: str, n: int, k: int) -> np.ndarray:
-    """n random rows of k values in a weight type, as bytes, with finite f16 scales (speed does
-    not depend on the values; references dequantize them)."""
+    """n random rows of k values in a weight type, as bytes, with finite f16 scales and E8M0
+    exponents of 2⁻¹⁰ … 2⁻¹ (speed does not depend on the values; references dequantize them)."""
     f = FORMATS[qtype]
     if qtype in ("f32", "f16", "bf16"):
         x = rng.standard_normal((n, k), dtype=np.float32)
@@ -26,6 +26,8 @@ def rows(rng, qtype: str, n: int, k: int) -> np.ndarray:
     w = rng.integers(0, 256, (n, k // f.block, f.nbytes), dtype=np.uint8)
     for at in f.f16_fields:
         w[:, :, at:at + 2] = rng.uniform(-0.01, 0.01, w.shape[:2] + (1,)).astype("<f2").view(np.uint8)
+    for at in f.e8m0_fields:
+        w[:, :, at] = rng.integers(118, 128, w.shape[:2])
     return w.reshape(-1)
 
 

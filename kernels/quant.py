@@ -27,7 +27,8 @@ import math
 from dataclasses import dataclass
 
 import zdsl
-from zdsl import f16, f32, i32, u16, u32
+from zdsl import f16, f32, i32, u8, u16, u32
+from zdsl.kernels.formats import MXFP4_LEVELS
 
 # IQ4_NL / IQ4_XS: the 16 non-linear levels a 4-bit index selects (ggml's kvalues_iq4nl).
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -79,7 +80,8 @@ class IntGroup:
 
 def words_at(w, addr, n: int, align: int) -> list:
     """n little-endian u32 from byte address `addr`, which is `align`-aligned (a power of two):
-    16- or 8-byte vector loads where alignment allows, u16 pairs where it is only 2."""
+    16- or 8-byte vector loads where alignment allows, u16 pairs where it is only 2, bytes where
+    it is 1 (blocks of an odd size: MXFP4's 17)."""
     out = []
     while len(out) < n:
         left = n - len(out)
@@ -92,9 +94,12 @@ def words_at(w, addr, n: int, align: int) -> list:
             out += [v.x, v.y]
         elif align >= 4:
             out.append(w.view(u32)[at >> 2])
-        else:
+        elif align >= 2:
             h = at >> 1
             out.append(w.view(u16)[h] | (w.view(u16)[h + 1] << 16))
+        else:
+            b = w.view(u8)
+            out.append(b[at] | (b[at + 1] << 8) | (b[at + 2] << 16) | (b[at + 3] << 24))
     return out
 
 
@@ -164,6 +169,7 @@ class Format:
     parts: int  # invocations sharing one block (f32 activations)
     iparts: int = 0  # invocations sharing one block in the int8-dot path (0: none)
     f16_fields: tuple = ()  # byte offsets of the block's f16 scales (synthetic weights keep them finite)
+    e8m0_fields: tuple = ()  # byte offsets of E8M0 exponents (synthetic weights keep them moderate)
 
     @property
     def align(self) -> int:
@@ -507,14 +513,15 @@ class Q6_K(Format):
                 for g, (q, sc) in enumerate(self.quants(w, base, n, l0, 4))]
 
 
-class IQ4(Format):
-    """Shared by the two IQ4 formats: 4-bit indices into IQ4_LEVELS. Matrix-vector kernels copy
+class Levels(Format):
+    """Formats whose 4-bit codes index a table of 16 levels (LEVELS). Matrix-vector kernels copy
     the constant table into shared memory at their start (`setup`): the lanes of a subgroup look
     up different entries at once, which a constant table serves one address at a time on some
     GPUs. Kernels without the set-up (the embedding lookup) read the constant table."""
+    LEVELS: tuple = ()
 
     def setup(self):
-        levels = zdsl.table(f32, [float(v) for v in IQ4_LEVELS])
+        levels = zdsl.table(f32, [float(v) for v in self.LEVELS])
         table = zdsl.shared(f32, 16)
         wg = zdsl.workgroup_size(0) * zdsl.workgroup_size(1) * zdsl.workgroup_size(2)
         for first in range(0, 16, wg):
@@ -526,8 +533,13 @@ class IQ4(Format):
 
     def levels(self, words, shift, ctx):
         """The levels of the nibbles at bit `shift` (0 or 4, maybe traced) of the bytes of `words`."""
-        table = ctx if ctx is not None else zdsl.table(f32, [float(v) for v in IQ4_LEVELS])
+        table = ctx if ctx is not None else zdsl.table(f32, [float(v) for v in self.LEVELS])
         return [table[(wd >> (8 * i + shift)) & 0xF] for wd in words for i in range(4)]
+
+
+class IQ4(Levels):
+    """Shared by the two IQ4 formats: 4-bit indices into IQ4_LEVELS."""
+    LEVELS = IQ4_LEVELS
 
 
 class IQ4_NL(IQ4):
@@ -560,8 +572,23 @@ class IQ4_XS(IQ4):
         return Factored(out, d, 1, 0)
 
 
+class MXFP4(Levels):
+    """17 bytes: an E8M0 exponent e, 16 bytes of 4-bit codes laid out as in Q4_0, indexing the FP4
+    (E2M1) values doubled (formats.MXFP4_LEVELS). w = 2^(e − 128)·level. Blocks of 17 bytes start
+    at any byte, so the codes are read a byte at a time."""
+    name, block, nbytes, parts, e8m0_fields = "mxfp4", 32, 17, 2, (0,)
+    LEVELS = tuple(int(v) for v in MXFP4_LEVELS)
+
+    def decode(self, w, base, part, ctx=None):
+        e = w.view(u8)[base]
+        d = zdsl.bitcast(zdsl.where(e < 2, zdsl.where(e == 0, 0x00200000, 0x00400000, u32), (e - 1) << 23, u32), f32)
+        words = self.load(w, base, 1 + part * 8, 2, step=1)
+        return [Group(part * 8 + 16 * high, self.levels(words, 4 * high, ctx), d) for high in (0, 1)]
+
+
 FORMATS: dict[str, Format] = {f.name: f for f in (F32(), F16(), BF16(), Q8_0(), Q4_0(), Q4_1(), Q5_0(), Q5_1(),
-                                                  Q2_K(), Q3_K(), Q4_K(), Q5_K(), Q6_K(), IQ4_NL(), IQ4_XS())}
+                                                  Q2_K(), Q3_K(), Q4_K(), Q5_K(), Q6_K(), IQ4_NL(), IQ4_XS(),
+                                                  MXFP4())}
 INT8_FORMATS = [name for name, f in FORMATS.items() if f.iparts]
 
 

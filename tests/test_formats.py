@@ -65,6 +65,8 @@ def random_blocks(rng, qtype, rows: int, k: int, finite: bool) -> np.ndarray:
             h = np.ascontiguousarray(blocks[..., at:at + 2]).view(np.uint16)
             h = np.where((h & 0x7C00) == 0x7C00, h ^ 0x4000, h)  # exponent 31 (inf/NaN) -> 15
             blocks[..., at:at + 2] = h.view(np.uint8)
+        if qtype == Q.MXFP4:  # 2^(e − 128) · 12 stays finite for e ≤ 252
+            blocks[..., 0] = np.minimum(blocks[..., 0], 252)
     return raw
 
 
@@ -75,7 +77,7 @@ def test_block_shapes_match_gguf_and_q8_1_is_ggmls_36_byte_block():
         assert F.block_shape(t) == GGML_QUANT_SIZES[t], t.name
     assert F.block_shape(Q.Q8_1) == (32, 36)
     assert F.row_bytes(Q.Q4_K, 2048) == 8 * 144 and F.row_bytes(Q.BF16, 7) == 14
-    assert F.SUPPORTED_QUANT == {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q8_1, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+    assert F.SUPPORTED_QUANT == {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q8_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4}
 
 
 def test_user_errors_are_one_line_zdsl_errors():
@@ -143,7 +145,7 @@ def test_unpack_codes_rebuild_the_values(qtype, rows, nblocks, seed):
     assert (c.bias is None) == (qtype not in {Q.Q4_1, Q.Q5_1, Q.Q2_K, Q.Q4_K, Q.Q5_K})
     lo, hi = {Q.Q4_0: (-8, 7), Q.Q4_1: (0, 15), Q.Q5_0: (-16, 15), Q.Q5_1: (0, 31), Q.Q8_0: (-128, 127),
               Q.Q2_K: (0, 3), Q.Q3_K: (-4, 3), Q.Q4_K: (0, 15), Q.Q5_K: (0, 31), Q.Q6_K: (-32, 31),
-              Q.IQ4_NL: (-127, 113), Q.IQ4_XS: (-127, 113)}[qtype]
+              Q.IQ4_NL: (-127, 113), Q.IQ4_XS: (-127, 113), Q.MXFP4: (-12, 12)}[qtype]
     assert lo <= c.q.min() and c.q.max() <= hi
     assert_same_bits(c.values(), gguf_dequant(raw, qtype, (rows, k)))
 
@@ -246,6 +248,18 @@ def test_q8_0_bytes_equal_gguf(rows, nblocks, log_scale, ties, seed):
         x[:, ::32] = 127.0
     x = x.astype(np.float32)
     assert np.array_equal(F.quantize(x, Q.Q8_0), quants.quantize(x, Q.Q8_0))
+
+
+@settings(max_examples=100)
+@given(kind=st.sampled_from(KINDS), rows=st.integers(1, 4), nblocks=st.integers(1, 4), log_scale=st.floats(-30, 30),
+       seed=st.integers(0, 2**32 - 1))
+def test_mxfp4_bytes_equal_gguf(kind, rows, nblocks, log_scale, seed):
+    """The shared exponent and each element's nearest FP4 level (the first of a tie) as gguf-py
+    picks them, over 60 binary orders of magnitude; zero blocks included."""
+    rng = np.random.default_rng(seed)
+    x = (sample(kind, rng, (rows, 32 * nblocks)) * 2.0 ** log_scale).astype(np.float32)
+    x[:, :32] *= rng.integers(0, 2)  # a zero block, sometimes
+    assert np.array_equal(F.quantize(x, Q.MXFP4), quants.quantize(x, Q.MXFP4))
 
 
 @settings(max_examples=100)

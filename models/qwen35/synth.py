@@ -52,7 +52,7 @@ PRESETS: dict[str, Hparams] = {
         n_experts=256, n_experts_used=8, expert_ffn=512, shared_ffn=512),
 }
 FULL_ATTENTION_INTERVAL = 4
-QUANTS = ("q4_k_m", "q8_0", "f16", "f32")
+QUANTS = ("q4_k_m", "mxfp4_moe", "q8_0", "f16", "f32")
 SPECIAL_TOKENS = {  # text: GGUF token type (Qwen marks the think tags as plain added tokens)
     "<|endoftext|>": TokenType.CONTROL, "<|im_start|>": TokenType.CONTROL, "<|im_end|>": TokenType.CONTROL,
     "<think>": TokenType.USER_DEFINED, "</think>": TokenType.USER_DEFINED,
@@ -116,6 +116,9 @@ def tensor_type(name: str, spec: TensorSpec, quant: str, layer: int, n_layers: i
     """The type a llama.cpp-style quantizer would pick for this tensor."""
     if spec.vector or name.endswith("ssm_conv1d.weight") or name.endswith("ffn_gate_inp.weight"):
         return QuantType.F32
+    if quant == "mxfp4_moe":  # the experts in MXFP4, every other matrix Q8_0. Published MXFP4 MoE
+        # files keep the shared expert in Q8_0, which zdsl does not run yet (one type for all experts)
+        return QuantType.MXFP4 if name.endswith(("_exps.weight", "_shexp.weight")) else QuantType.Q8_0
     if quant != "q4_k_m":
         return {"q8_0": QuantType.Q8_0, "f16": QuantType.F16, "f32": QuantType.F32}[quant]
     # Q4_K_M: more bits for V, shared-expert down, the head, delta-net qkv, and ffn_down on
