@@ -164,3 +164,22 @@ def test_info_refuses_what_it_cannot_parse_in_one_line(tiny_q8, tmp_path, capsys
     assert main(["model", "info", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("quant", ["q4_k_m", "mxfp4_moe"])
+def test_info_gives_the_type_of_every_tensor_family(tmp_path, capsys, quant):
+    """Per family (the name without blk.N.), the types and how many tensors have each, as the
+    synthetic recipe assigned them: Q4_K_M gives ffn_down_exps Q6_K in some layers only."""
+    path = tmp_path / f"tiny-{quant}.gguf"
+    hp = synth.write(path, "tiny", quant=quant)
+    want = {}
+    for name, _, qtype in synth.plan(hp, quant):
+        fam = re.sub(r"^blk\.\d+\.", "", name).removesuffix(".weight")
+        want.setdefault(fam, {}).setdefault(qtype.name, 0)
+        want[fam][qtype.name] += 1
+    assert info_json(path, capsys)["families"] == want
+    if quant == "q4_k_m":
+        assert want["ffn_down_exps"] == {"Q4_K": 2, "Q6_K": 2}
+        assert re.search(r"│ ffn_down_exps +│ Q4_K × 2, Q6_K × 2 +│", info_table(path, capsys))
+    else:
+        assert want["ffn_gate_exps"] == {"MXFP4": 4} and want["attn_qkv"] == {"Q8_0": 3}

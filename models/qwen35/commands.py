@@ -88,9 +88,15 @@ def info(path, memory, as_json):
         types.add_column(col, justify="right" if col in ("tensors", "bytes") else "left")
     for s in d.types:
         types.add_row(s.name, f"{s.tensors:,}", _size(s.bytes), "yes" if s.gpu_kernel else NO_KERNEL)
+    families = Table(title="tensor families")
+    for col in ("family", "types"):
+        families.add_column(col)
+    for name, mix in d.families.items():
+        families.add_row(name, ", ".join(k if len(mix) == 1 else f"{k} × {n}" for k, n in mix.items()))
     con = make_console()
     con.print(t)
     con.print(types)
+    con.print(families)
     if d.no_kernel:
         shown = ", ".join(d.no_kernel[:SHOWN]) + (f" and {len(d.no_kernel) - SHOWN:,} more (--json lists them all)"
                                                   if len(d.no_kernel) > SHOWN else "")
@@ -150,4 +156,4 @@ def _as_json(d, memory: float | None) -> dict:
             plan["max_context"] = {f: p.max_context(int(memory * GIB), f) for f in KV_FORMATS}
     return {"path": str(d.path), "architecture": d.arch, "runnable": d.runnable, "problem": d.problem,
             "metadata": d.metadata, "hparams": asdict(d.hparams) if d.hparams else None, "plan": plan,
-            "types": [asdict(s) for s in d.types], "no_gpu_kernel": d.no_kernel}
+            "types": [asdict(s) for s in d.types], "families": d.families, "no_gpu_kernel": d.no_kernel}

@@ -9,6 +9,7 @@ kernel yet. Only a file the reader cannot parse (missing, not GGUF, truncated) i
 from __future__ import annotations
 
 import os
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ class Description:
     arch: str
     metadata: dict[str, object]     # every key; arrays and long strings summarized
     types: list[TypeShare]          # the file's type mix, most bytes first
+    families: dict[str, dict[str, int]]  # tensor family (name without blk.N.) -> type -> tensors
     no_kernel: list[str]            # tensors whose type has no GPU kernel yet
     hparams: Hparams | None         # when the file is a qwen35moe / qwen35 model with readable metadata
     plan: MemoryPlan | None         # when its tensors are also all there, in their shapes
@@ -66,6 +68,12 @@ class Description:
         return sum(s.tensors for s in self.types)
 
 
+def family(name: str) -> str:
+    """A tensor's family: its name without the layer prefix and the .weight suffix
+    (blk.7.ffn_down_exps.weight -> ffn_down_exps), where published files vary the type."""
+    return re.sub(r"^blk\.\d+\.", "", name).removesuffix(".weight")
+
+
 def has_kernel(type_name: str) -> bool:
     return type_name.lower() in FORMATS
 
@@ -86,10 +94,14 @@ def describe(path: str | os.PathLike) -> Description:
         count[t.qtype.name] += 1
         size[t.qtype.name] += t.nbytes
     types = [TypeShare(name, count[name], size[name], has_kernel(name)) for name, _ in size.most_common()]
+    families: dict[str, Counter] = {}
+    for t in f.tensors.values():
+        families.setdefault(family(t.name), Counter())[t.qtype.name] += 1
     return Description(
         path=f.path, arch=str(f.get("general.architecture", "unknown")),
         metadata={key: _summary(f.path, key, field) for key, field in f.fields.items() if not key.startswith("GGUF.")},
-        types=types, no_kernel=[t.name for t in f.tensors.values() if not has_kernel(t.qtype.name)],
+        types=types, families={k: dict(v.most_common()) for k, v in families.items()},
+        no_kernel=[t.name for t in f.tensors.values() if not has_kernel(t.qtype.name)],
         hparams=hp, plan=plan, problem=problem)
 
 
