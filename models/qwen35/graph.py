@@ -396,18 +396,20 @@ class DecodeGraph:
             n_k_heads=hp.ssm_k_heads, k=hp.hidden, eps=hp.eps)
         self._residual(seq, p + "ssm_out.weight", o, self._post_attention_norm(i))
 
-    def _gate_up(self, seq, gate: str, up: str, slots: int, experts: bool) -> None:
+    def _gate_up(self, seq, gate: str, up: str, slots: int, experts: bool, act=None) -> None:
         """act = silu(gate · normed) · (up · normed) per slot: the experts in route_ids (MoE; the
-        shared expert is the stacks' last, slot K) or the one pair (dense)."""
+        shared expert is the stacks' last, slot K, unless it has a type of its own) or the one
+        pair (a dense FFN, a shared expert of its own type); `act` the graph's act by default."""
         m, k = self.tensors.shape(gate)[-2:]
         q = self._qname(gate)
         if self._qname(up) != q or self.tensors.shape(up)[-2:] != (m, k):
             raise ZdslError(f"{up} differs in type or shape from {gate}; zdsl's fused gate·up needs one type "
                             "and one width")
         q8 = self._int8(gate)
-        label = gate.removesuffix(".weight") + "+up" + ("+shexp" if experts else "")
+        label = gate.removesuffix(".weight") + "+up" + ("+shexp" if experts and slots > self.hp.n_experts_used else "")
         ffn.ffn_gate_up.launch(seq, self._pick, label=label, QTYPE=q, Q8=q8, EXPERTS=experts, wg=self.weights[gate],
-                               wu=self.weights[up], ids=self.route_ids if experts else self.step, act=self.act, k=k, m=m,
+                               wu=self.weights[up], ids=self.route_ids if experts else self.step,
+                               act=self.act if act is None else act, k=k, m=m,
                                slots=slots, **(dict(xq=self.normed.q, xd=self.normed.d) if q8 else dict(x=self.normed.f32)))
 
     def _moe(self, seq, i: int) -> None:
@@ -423,7 +425,12 @@ class DecodeGraph:
             w=self.weights[router], x=self.x, norm_w=self.weights[p + "post_attention_norm.weight"], hn=self.normed.f32,
             xq=self.normed.q, xd=self.normed.d, logits=self.router, arrivals=self.router_arrivals, ids=self.route_ids,
             weights=self.route_w, k=self.tensors.shape(router)[-1], n_expert=E, eps=self.hp.eps)
-        self._gate_up(seq, p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight", K + 1, experts=True)
+        if p + "ffn_gate_shexp.weight" in self.tensors:  # a type of its own (weights.py): one more dispatch
+            self._gate_up(seq, p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight", K, experts=True)
+            self._gate_up(seq, p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight", 1, experts=False,
+                          act=self.act_shared)
+        else:
+            self._gate_up(seq, p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight", K + 1, experts=True)
         down, down_sh = p + "ffn_down_exps.weight", p + "ffn_down_shexp.weight"
         md, kd = self.tensors.shape(down)[-2:]
         qd = self._qname(down)

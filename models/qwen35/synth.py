@@ -116,9 +116,8 @@ def tensor_type(name: str, spec: TensorSpec, quant: str, layer: int, n_layers: i
     """The type a llama.cpp-style quantizer would pick for this tensor."""
     if spec.vector or name.endswith("ssm_conv1d.weight") or name.endswith("ffn_gate_inp.weight"):
         return QuantType.F32
-    if quant == "mxfp4_moe":  # the experts in MXFP4, every other matrix Q8_0. Published MXFP4 MoE
-        # files keep the shared expert in Q8_0, which zdsl does not run yet (one type for all experts)
-        return QuantType.MXFP4 if name.endswith(("_exps.weight", "_shexp.weight")) else QuantType.Q8_0
+    if quant == "mxfp4_moe":  # the routed experts in MXFP4, every other matrix (the shared expert's too) Q8_0
+        return QuantType.MXFP4 if name.endswith("_exps.weight") else QuantType.Q8_0
     if quant != "q4_k_m":
         return {"q8_0": QuantType.Q8_0, "f16": QuantType.F16, "f32": QuantType.F32}[quant]
     # Q4_K_M: more bits for V, shared-expert down, the head, delta-net qkv, and ffn_down on

@@ -4,8 +4,10 @@ The graph projects with the unfused tensors (`attn_q`, `attn_k`, `attn_v`; `ffn_
 `ffn_up_exps`), so a file that fuses them has them split here, row ranges of the fused tensor.
 A MoE layer's shared expert is appended to the experts' stacks as expert `n_experts`: the
 router names it in slot K, and routed and shared experts run as one dispatch with one code
-path. Its down projection joins the stack only when it has the experts' type (files often keep
-it at more bits); otherwise it stays a tensor of its own. A delta-net layer's two gate
+path. That takes its gate and up in the experts' type; a file that gives them another (published
+files often keep the shared expert at Q8_0 beside low-bit experts) keeps them as tensors of their
+own, which the graphs run in one more dispatch into slot K. Its down projection joins the stack
+only when it has the experts' type; otherwise it stays a tensor of its own. A delta-net layer's two gate
 projections, `ssm_beta` and `ssm_alpha` (one row per head each), become one tensor
 `ssm_beta_alpha`, which the delta-net step reads itself. The shared expert's gate vector
 (`ffn_gate_inp_shexp`) becomes the router's last row, so the router computes it as one more
@@ -105,16 +107,23 @@ class GraphWeights:
         del self.tensors[beta], self.tensors[alpha]
 
     def _stack_shared_expert(self, p: str) -> None:
-        for kind in ("gate", "up", "down"):
-            stack, shared = p + f"ffn_{kind}_exps.weight", p + f"ffn_{kind}_shexp.weight"
+        """The shared expert's gate and up become the stacks' last expert where both have the
+        experts' type and shape; otherwise they stay tensors of their own, which the graphs run
+        in a dispatch of their own. Its down runs beside the stack in any type either way."""
+        pairs = [(p + f"ffn_{kind}_exps.weight", p + f"ffn_{kind}_shexp.weight") for kind in ("gate", "up", "down")]
+        for stack, shared in pairs:
             s, sh = self.tensors[stack], self.tensors[shared]
-            if (sh.qtype, sh.shape) != (s.qtype, s.shape[1:]):
-                if kind == "down":
-                    continue  # runs beside the stack, in its own type (moe_down_all's QTYPE_SH)
-                raise ModelError(f"{shared} ({sh.qtype.name} {list(reversed(sh.shape))}) differs from the experts' "
-                                 f"{stack} ({s.qtype.name} {list(reversed(s.shape[1:]))} per expert); zdsl runs the "
-                                 "shared expert as one more expert, which needs one type and shape")
-            self._append_slab(stack, shared)
+            if sh.shape[-1] != s.shape[-1] or sh.shape[0] != s.shape[1]:
+                raise ModelError(f"{shared} ({sh.qtype.name} {list(reversed(sh.shape))}) has another width than the "
+                                 f"experts' {stack} ({s.qtype.name} {list(reversed(s.shape[1:]))} per expert); zdsl "
+                                 "runs the shared expert in the experts' activation slots, which needs one width")
+        if all((self.tensors[sh].qtype, self.tensors[sh].shape) == (self.tensors[s].qtype, self.tensors[s].shape[1:])
+               for s, sh in pairs[:2]):
+            for stack, shared in pairs[:2]:
+                self._append_slab(stack, shared)
+        s, sh = (self.tensors[name] for name in pairs[2])
+        if (sh.qtype, sh.shape) == (s.qtype, s.shape[1:]):
+            self._append_slab(*pairs[2])
 
     def _join_router_gate(self, p: str) -> None:
         router, gate = p + "ffn_gate_inp.weight", p + "ffn_gate_inp_shexp.weight"
