@@ -13,6 +13,7 @@ Q8_1 is ggml's current 36-byte block (f16 d, f16 s, 32 × int8); gguf-py's size 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 from gguf import GGMLQuantizationType as QuantType
@@ -22,7 +23,8 @@ from zdsl.errors import ZdslError
 __all__ = [
     "QuantType", "SUPPORTED_DEQUANT", "SUPPORTED_QUANT", "Codes", "KScales",
     "block_shape", "row_bytes", "dequantize", "quantize", "unpack", "k_scales", "q8_1_quantize",
-    "unpack_scale_min_k4", "pack_scale_min_k4", "IQ4_LEVELS", "MXFP4_LEVELS", "e8m0_half",
+    "unpack_scale_min_k4", "pack_scale_min_k4", "IQ4_LEVELS", "MXFP4_LEVELS", "e8m0_half", "iq3_grid",
+    "sign_byte",
 ]
 
 # (elements, bytes) per block
@@ -33,6 +35,7 @@ _BLOCKS = {
     QuantType.Q2_K: (256, 84), QuantType.Q3_K: (256, 110), QuantType.Q4_K: (256, 144),
     QuantType.Q5_K: (256, 176), QuantType.Q6_K: (256, 210),
     QuantType.IQ4_NL: (32, 18), QuantType.IQ4_XS: (256, 136), QuantType.MXFP4: (32, 17),
+    QuantType.IQ3_XXS: (256, 98),
 }
 _FLOATS = frozenset({QuantType.F32, QuantType.F16, QuantType.BF16})
 SUPPORTED_DEQUANT = frozenset(_BLOCKS)
@@ -213,6 +216,35 @@ def e8m0_half(e: np.ndarray) -> np.ndarray:
     return np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23)).astype(np.uint32).view(np.float32)
 
 
+@cache
+def iq3_grid() -> np.ndarray:
+    """IQ3_XXS's 256 grid points of 4 values each (uint8, 4 … 62), from gguf-py's table."""
+    from gguf import quants
+
+    quants.IQ3_XXS.init_grid()
+    return quants.IQ3_XXS.grid.reshape(256, 4).astype(np.uint8)
+
+
+def sign_byte(index):
+    """The 8 signs a 7-bit index stands for (bit j set: element j negative): the index, and an
+    eighth bit that makes the number of negatives even."""
+    index = np.asarray(index, np.uint8)
+    parity = np.unpackbits(index[..., None], axis=-1).sum(axis=-1, dtype=np.uint8) & 1
+    return index | (parity << 7)
+
+
+def _iq3_xxs(b):
+    # f16 d, 64 grid indices (a run of 32 takes 8), one u32 per run: four 7-bit sign indices
+    # (8 elements each) and a 4-bit scale ls; w = d·(0.5 + ls)·0.5 · ±grid
+    n = len(b)
+    aux = np.ascontiguousarray(b[:, 66:98]).view("<u4")
+    scale = _f16(b, 0) * (np.float32(0.5) + (aux >> 28).astype(np.float32)) * np.float32(0.5)
+    signs = sign_byte((aux[..., None] >> np.array([0, 7, 14, 21], np.uint32)) & 0x7F)  # (n, run, 8 elements)
+    negative = (signs[..., None] >> np.arange(8, dtype=np.uint8)) & 1
+    grid = iq3_grid()[b[:, 2:66]].reshape(n, 8, 4, 8).astype(np.int8)
+    return (grid * (1 - 2 * negative.astype(np.int8))).reshape(n, 256), scale, None
+
+
 def _mxfp4(b):
     # E8M0 byte, 16 bytes of nibbles laid out as Q4_0
     return MXFP4_LEVELS[_bits(b[:, 1:], 16, 4)], e8m0_half(b[:, :1]), None
@@ -222,7 +254,7 @@ _DECODERS = {
     QuantType.Q4_0: _q4_0, QuantType.Q4_1: _q4_1, QuantType.Q5_0: _q5_0, QuantType.Q5_1: _q5_1,
     QuantType.Q8_0: _q8_0, QuantType.Q8_1: _q8_1, QuantType.Q2_K: _q2_k, QuantType.Q3_K: _q3_k,
     QuantType.Q4_K: _q4_k, QuantType.Q5_K: _q5_k, QuantType.Q6_K: _q6_k,
-    QuantType.IQ4_NL: _iq4_nl, QuantType.IQ4_XS: _iq4_xs, QuantType.MXFP4: _mxfp4,
+    QuantType.IQ4_NL: _iq4_nl, QuantType.IQ4_XS: _iq4_xs, QuantType.MXFP4: _mxfp4, QuantType.IQ3_XXS: _iq3_xxs,
 }
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import zdsl
 from zdsl import f16, f32, i32, u8, u16, u32
-from zdsl.kernels.formats import MXFP4_LEVELS
+from zdsl.kernels.formats import MXFP4_LEVELS, iq3_grid
 
 # IQ4_NL / IQ4_XS: the 16 non-linear levels a 4-bit index selects (ggml's kvalues_iq4nl).
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -586,9 +586,48 @@ class MXFP4(Levels):
         return [Group(part * 8 + 16 * high, self.levels(words, 4 * high, ctx), d) for high in (0, 1)]
 
 
+class IQ3_XXS(Format):
+    """98 bytes: f16 d, 64 grid indices (a byte each, naming 4 values of formats.iq3_grid), and
+    per 32-element run a u32 of four 7-bit sign indices (8 elements each; the eighth sign makes
+    the count of negatives even) under a 4-bit scale ls. w = d·(0.5 + ls)·0.5 · ±grid. Part p
+    takes elements 4p … 4p + 3 of each run: one index byte and four signs. The grid is a table
+    of 256 u32 (four bytes each), copied into shared memory where kernels set up."""
+    name, block, nbytes, parts, f16_fields = "iq3_xxs", 256, 98, 8, (0,)
+
+    @staticmethod
+    def grid_words() -> list[int]:
+        return [int(w) for w in iq3_grid().view("<u4").reshape(-1)]
+
+    def setup(self):
+        words = zdsl.table(u32, self.grid_words())
+        table = zdsl.shared(u32, 256)
+        wg = zdsl.workgroup_size(0) * zdsl.workgroup_size(1) * zdsl.workgroup_size(2)
+        for first in range(0, 256, wg):
+            i = zdsl.local_index() + first
+            with zdsl.if_(i < 256):
+                table[i] = words[i]
+        zdsl.barrier()
+        return table
+
+    def decode(self, w, base, part, ctx=None):
+        grid = ctx if ctx is not None else zdsl.table(u32, self.grid_words())
+        d = f16_at(w, base)
+        out = []
+        for run in range(8):
+            aux = self.load(w, base, 66 + 4 * run, 1)[0]
+            point = grid[w.view(u8)[base + 2 + 8 * run + part]]
+            index = (aux >> (7 * (part >> 1))) & 0x7F
+            parity = index ^ (index >> 4)
+            parity = parity ^ (parity >> 2)
+            signs = (index | (((parity ^ (parity >> 1)) & 1) << 7)) >> (4 * (part & 1))
+            values = [((point >> (8 * j)) & 0xFF).to(f32) * (1.0 - 2.0 * ((signs >> j) & 1).to(f32)) for j in range(4)]
+            out.append(Group(32 * run + 4 * part, values, d * (0.5 + (aux >> 28).to(f32)) * 0.5))
+        return out
+
+
 FORMATS: dict[str, Format] = {f.name: f for f in (F32(), F16(), BF16(), Q8_0(), Q4_0(), Q4_1(), Q5_0(), Q5_1(),
                                                   Q2_K(), Q3_K(), Q4_K(), Q5_K(), Q6_K(), IQ4_NL(), IQ4_XS(),
-                                                  MXFP4())}
+                                                  MXFP4(), IQ3_XXS())}
 INT8_FORMATS = [name for name, f in FORMATS.items() if f.iparts]
 
 

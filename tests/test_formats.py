@@ -37,7 +37,7 @@ FLOAT_TYPES = [Q.F32, Q.F16, Q.BF16]
 # Byte offsets of the f16 factors inside each block (the rest of a block is codes and sub-scales).
 F16_FIELDS = {
     Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,), Q.Q2_K: (80, 82),
-    Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,),
+    Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,), Q.IQ3_XXS: (0,),
 }
 RMS_BOUND = {Q.Q4_K: 0.035, Q.Q5_K: 0.018, Q.Q6_K: 0.009}
 # Small blocks have subnormal f16 scales, rounded to 2⁻²⁴ absolute: adds 2⁻²⁵ · (max sc·q + 63 for dmin).
@@ -145,9 +145,15 @@ def test_unpack_codes_rebuild_the_values(qtype, rows, nblocks, seed):
     assert (c.bias is None) == (qtype not in {Q.Q4_1, Q.Q5_1, Q.Q2_K, Q.Q4_K, Q.Q5_K})
     lo, hi = {Q.Q4_0: (-8, 7), Q.Q4_1: (0, 15), Q.Q5_0: (-16, 15), Q.Q5_1: (0, 31), Q.Q8_0: (-128, 127),
               Q.Q2_K: (0, 3), Q.Q3_K: (-4, 3), Q.Q4_K: (0, 15), Q.Q5_K: (0, 31), Q.Q6_K: (-32, 31),
-              Q.IQ4_NL: (-127, 113), Q.IQ4_XS: (-127, 113), Q.MXFP4: (-12, 12)}[qtype]
+              Q.IQ4_NL: (-127, 113), Q.IQ4_XS: (-127, 113), Q.MXFP4: (-12, 12), Q.IQ3_XXS: (-62, 62)}[qtype]
     assert lo <= c.q.min() and c.q.max() <= hi
     assert_same_bits(c.values(), gguf_dequant(raw, qtype, (rows, k)))
+
+
+def test_iq_sign_patterns_are_ggmls():
+    """The 128 sign bytes IQ2/IQ3 blocks index, computed from parity, equal ggml's ksigns table."""
+    assert np.array_equal(F.sign_byte(np.arange(128)), np.frombuffer(quants.IQ2_XXS.ksigns, np.uint8))
+    assert F.iq3_grid().shape == (256, 4) and F.iq3_grid().min() == 4 and F.iq3_grid().max() == 62
 
 
 def test_k4_scale_packing_matches_gguf_and_round_trips():
