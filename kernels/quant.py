@@ -513,23 +513,30 @@ class Q6_K(Format):
                 for g, (q, sc) in enumerate(self.quants(w, base, n, l0, 4))]
 
 
+def shared_table(dtype, values: list):
+    """A constant table copied into shared memory by the whole workgroup, for a kernel's set-up:
+    the lanes of a subgroup look up different entries at once, which a constant table serves one
+    address at a time on some GPUs."""
+    n = len(values)
+    constants = zdsl.table(dtype, values)
+    table = zdsl.shared(dtype, n)
+    wg = zdsl.workgroup_size(0) * zdsl.workgroup_size(1) * zdsl.workgroup_size(2)
+    for first in range(0, n, wg):
+        i = zdsl.local_index() + first
+        with zdsl.if_(i < n):
+            table[i] = constants[i]
+    zdsl.barrier()
+    return table
+
+
 class Levels(Format):
     """Formats whose 4-bit codes index a table of 16 levels (LEVELS). Matrix-vector kernels copy
-    the constant table into shared memory at their start (`setup`): the lanes of a subgroup look
-    up different entries at once, which a constant table serves one address at a time on some
-    GPUs. Kernels without the set-up (the embedding lookup) read the constant table."""
+    it into shared memory at their start (`setup`, shared_table); kernels without the set-up (the
+    embedding lookup) read the constant table."""
     LEVELS: tuple = ()
 
     def setup(self):
-        levels = zdsl.table(f32, [float(v) for v in self.LEVELS])
-        table = zdsl.shared(f32, 16)
-        wg = zdsl.workgroup_size(0) * zdsl.workgroup_size(1) * zdsl.workgroup_size(2)
-        for first in range(0, 16, wg):
-            i = zdsl.local_index() + first
-            with zdsl.if_(i < 16):
-                table[i] = levels[i]
-        zdsl.barrier()
-        return table
+        return shared_table(f32, [float(v) for v in self.LEVELS])
 
     def levels(self, words, shift, ctx):
         """The levels of the nibbles at bit `shift` (0 or 4, maybe traced) of the bytes of `words`."""
@@ -599,15 +606,7 @@ class IQ3_XXS(Format):
         return [int(w) for w in iq3_grid().view("<u4").reshape(-1)]
 
     def setup(self):
-        words = zdsl.table(u32, self.grid_words())
-        table = zdsl.shared(u32, 256)
-        wg = zdsl.workgroup_size(0) * zdsl.workgroup_size(1) * zdsl.workgroup_size(2)
-        for first in range(0, 256, wg):
-            i = zdsl.local_index() + first
-            with zdsl.if_(i < 256):
-                table[i] = words[i]
-        zdsl.barrier()
-        return table
+        return shared_table(u32, self.grid_words())
 
     def decode(self, w, base, part, ctx=None):
         grid = ctx if ctx is not None else zdsl.table(u32, self.grid_words())

@@ -235,9 +235,9 @@ def field_contents(path, key: str, field):
         if field.types and field.types[-1] == GGUFValueType.STRING:
             texts = [field.parts[i].tobytes().decode("utf-8", "replace") for i in field.data]
             return texts if field.types[0] == GGUFValueType.ARRAY else texts[0]
-        raise ModelError(f"{path}: metadata key '{key}' is corrupt; download or write the file again") from None
     except (ValueError, IndexError):
-        raise ModelError(f"{path}: metadata key '{key}' is corrupt; download or write the file again") from None
+        pass
+    raise ModelError(f"{path}: metadata key '{key}' is corrupt; download or write the file again")
 
 
 class GGUFFile:

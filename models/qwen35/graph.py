@@ -425,12 +425,11 @@ class DecodeGraph:
             w=self.weights[router], x=self.x, norm_w=self.weights[p + "post_attention_norm.weight"], hn=self.normed.f32,
             xq=self.normed.q, xd=self.normed.d, logits=self.router, arrivals=self.router_arrivals, ids=self.route_ids,
             weights=self.route_w, k=self.tensors.shape(router)[-1], n_expert=E, eps=self.hp.eps)
-        if p + "ffn_gate_shexp.weight" in self.tensors:  # a type of its own (weights.py): one more dispatch
-            self._gate_up(seq, p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight", K, experts=True)
+        apart = p + "ffn_gate_shexp.weight" in self.tensors  # a type of its own (weights.py): one more dispatch
+        self._gate_up(seq, p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight", K if apart else K + 1, experts=True)
+        if apart:
             self._gate_up(seq, p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight", 1, experts=False,
                           act=self.act_shared)
-        else:
-            self._gate_up(seq, p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight", K + 1, experts=True)
         down, down_sh = p + "ffn_down_exps.weight", p + "ffn_down_shexp.weight"
         md, kd = self.tensors.shape(down)[-2:]
         qd = self._qname(down)

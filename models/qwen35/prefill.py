@@ -284,12 +284,9 @@ class Prefill:
         # the shared expert: the stacks' last expert (or tensors of its own type), every token routed to it once
         one = (self.one_offsets, self.one_pairs)
         gate_sh, up_sh = p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"
-        if gate_sh in g.tensors:
-            self._gate_up(seq, p + "ffn_gate_up_shexp", gate_sh, g.weights[gate_sh], g.weights[up_sh], *one,
-                          self.act_shared, 1, t, 1)
-        else:
-            self._gate_up(seq, p + "ffn_gate_up_shexp", gate, _expert(g, gate, E), _expert(g, up, E), *one,
-                          self.act_shared, 1, t, 1)
+        named, wg, wu = ((gate_sh, g.weights[gate_sh], g.weights[up_sh]) if gate_sh in g.tensors
+                         else (gate, _expert(g, gate, E), _expert(g, up, E)))
+        self._gate_up(seq, p + "ffn_gate_up_shexp", named, wg, wu, *one, self.act_shared, 1, t, 1)
         w_sh, q_sh = (g.weights[down_sh], g._qname(down_sh)) if down_sh in g.tensors else (_expert(g, down, E), qd)
         self._down(seq, p + "ffn_down_shexp", q_sh, w_sh, *one, self.act_shared, self.y_shared, F, H, 1, t, 1)
         moe.moe_combine_rows.launch(seq, g._pick, label=p + "moe_combine", SHARED=True, x=self.x, weights=self.route_w,

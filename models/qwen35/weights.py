@@ -113,17 +113,15 @@ class GraphWeights:
         pairs = [(p + f"ffn_{kind}_exps.weight", p + f"ffn_{kind}_shexp.weight") for kind in ("gate", "up", "down")]
         for stack, shared in pairs:
             s, sh = self.tensors[stack], self.tensors[shared]
-            if sh.shape[-1] != s.shape[-1] or sh.shape[0] != s.shape[1]:
+            if sh.shape != s.shape[1:]:
                 raise ModelError(f"{shared} ({sh.qtype.name} {list(reversed(sh.shape))}) has another width than the "
                                  f"experts' {stack} ({s.qtype.name} {list(reversed(s.shape[1:]))} per expert); zdsl "
                                  "runs the shared expert in the experts' activation slots, which needs one width")
-        if all((self.tensors[sh].qtype, self.tensors[sh].shape) == (self.tensors[s].qtype, self.tensors[s].shape[1:])
-               for s, sh in pairs[:2]):
-            for stack, shared in pairs[:2]:
+        same = [self.tensors[sh].qtype == self.tensors[s].qtype for s, sh in pairs]
+        joins = [same[0] and same[1]] * 2 + [same[2]]  # gate and up join together or not at all
+        for (stack, shared), join in zip(pairs, joins):
+            if join:
                 self._append_slab(stack, shared)
-        s, sh = (self.tensors[name] for name in pairs[2])
-        if (sh.qtype, sh.shape) == (s.qtype, s.shape[1:]):
-            self._append_slab(*pairs[2])
 
     def _join_router_gate(self, p: str) -> None:
         router, gate = p + "ffn_gate_inp.weight", p + "ffn_gate_inp_shexp.weight"
