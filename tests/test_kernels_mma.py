@@ -1,6 +1,7 @@
-"""The products on matrix units (kernels/mma.py: mul_mm_coop, moe_gate_up_coop, moe_down_coop)
-against numpy, for the weight types each claims, odd row and token counts, K of one and several
-steps, experts that receive no token and experts with more pairs than a tile. The interpreter
+"""The products on matrix units (kernels/mma.py: mul_mm_coop, moe_gate_up_coop, moe_down_coop;
+and the f16 activations half_rows makes for them) against numpy, for the weight types each
+claims, odd row and token counts, K of one and several steps, experts that receive no token and
+experts with more pairs than a tile. The interpreter
 runs them everywhere (it models cooperative matrices: tests/test_dsl_matrices.py); a device with
 matrix units (ZDSL_TEST_DEVICE=0 on the GPU machine) runs them too; lavapipe has none.
 
@@ -68,6 +69,21 @@ def test_mul_mm_coop(backend, request, qtype, m, t, steps, tiles, add, seed):
     base = y0.astype(np.float64) if add else 0.0
     check(y, matmul.mul_mm_coop_ref(w, x, qtype, m, k, y0 if add else None), (xf @ wf.T).reshape(-1) + base,
           (np.abs(xf) @ np.abs(wf).T).reshape(-1))
+
+
+@pytest.mark.parametrize("backend", ["interp", "lavapipe"])
+@settings(max_examples=5, deadline=None)
+@given(n4=st.integers(1, 1500), scale=st.sampled_from([1e-6, 1.0, 3e4]), seed=st.integers(0, 99))
+def test_half_rows(backend, request, n4, scale, seed):
+    """The f16 activations the matrix units read: every value rounded as numpy rounds to f16
+    (subnormals and overflow to inf included), over several workgroups and a partial last one."""
+    n = 4 * n4
+    x = (np.random.default_rng(seed).standard_normal(n) * scale).astype(np.float32)
+    v = matmul.half_rows.specialize()
+    h = run(v, backend, request, v.groups(n=n), x=x, h=np.zeros(n, np.float16), n=n)["h"]
+    with np.errstate(over="ignore"):  # beyond 65,504 is inf in both
+        want = x.astype(np.float16)
+    assert np.array_equal(h.view(np.uint16), want.view(np.uint16))
 
 
 def routing(rng, t, K, n_exp):
