@@ -1,10 +1,6 @@
-"""What the model-graph tests share: the sequence state a decode graph holds, as arrays, and a
-model of a type zdsl cannot encode."""
+"""What the model-graph tests share: the sequence state a decode graph holds, as arrays."""
 
 import numpy as np
-
-from zdsl.models.qwen35 import synth
-from zdsl.models.qwen35.gguf_file import QuantType, open_model
 
 
 def state_of(g):
@@ -27,20 +23,3 @@ def sampler_state_of(g):
         out["counts"] = g.counts.read(np.uint32, (g.counts.nbytes // 4,))
         out["window"] = g.penalty_ring.read(np.uint32, (min(g.position, g.sampler.window(g.n_ctx)),))
     return out
-
-
-def iq3_experts(path, seed: int):
-    """The tiny Q8_0 model with its routed experts' gate and up rewritten as random IQ3_XXS blocks
-    (zdsl has no IQ3_XXS encoder; the reference decodes whatever blocks the file holds), their d
-    set so that the products keep about unit scale."""
-    from test_model_loader import rewrite
-
-    q8 = path.with_suffix(".q8_0.gguf")
-    synth.write(q8, "tiny", quant="q8_0", seed=seed)
-    rng, replace = np.random.default_rng(seed), {}
-    for t in open_model(q8).tensors.values():
-        if t.name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):
-            blocks = rng.integers(0, 256, (int(np.prod(t.shape)) // 256, 98), dtype=np.uint8)
-            blocks[:, :2] = rng.uniform(4e-4, 8e-4, (len(blocks), 1)).astype("<f2").view(np.uint8)
-            replace[t.name] = (t.shape, QuantType.IQ3_XXS, blocks.reshape(-1))
-    return rewrite(q8, path, replace=replace)

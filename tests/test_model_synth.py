@@ -40,6 +40,31 @@ def test_35b_a3b_plan_is_q4_k_m_sized():
     assert types["blk.5.ffn_up_exps.weight"] == QuantType.Q4_K
 
 
+def test_35b_a3b_dynamic_mix_follows_the_published_recipe():
+    tensors = synth.plan(synth.preset("35b-a3b"), "iq3_xxs_dynamic")
+    types = {n: q for n, _, q in tensors}
+    assert types["blk.7.ffn_gate_exps.weight"] == types["blk.7.ffn_up_exps.weight"] == QuantType.IQ3_XXS
+    assert types["blk.7.ffn_down_exps.weight"] == QuantType.IQ4_XS
+    for family in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "attn_qkv", "attn_gate", "ssm_out",
+                   "ssm_alpha", "ssm_beta"):
+        assert types[f"blk.4.{family}.weight"] == QuantType.Q8_0, family
+    assert types["blk.0.ffn_gate_inp.weight"] == QuantType.F32 and types["output.weight"] == QuantType.Q6_K
+    total = sum(int(np.prod(s[:-1])) * synth.row_bytes(q, s[-1]) for _, s, q in tensors)
+    assert 15e9 < total < 18e9, total  # 3.06 bits per expert gate/up weight, 4.25 per down
+
+
+@pytest.mark.parametrize("qtype", [QuantType.IQ3_XXS, QuantType.IQ4_XS, QuantType.IQ4_NL])
+def test_random_rows_of_a_type_without_encoder_have_the_asked_rms(qtype):
+    """Random blocks in the type's layout, scaled per block to the std asked (up to f16 rounding)."""
+    rows = synth.random_rows(0.03, 12, 512, qtype, np.random.default_rng(1))
+    block = synth.block_shape(qtype)[0]
+    values = synth.dequantize(rows, qtype, (12, 512)).reshape(-1, block)
+    np.testing.assert_allclose(np.sqrt(np.mean(values ** 2, axis=1)), 0.03, rtol=2e-3)
+    assert len(np.unique(rows, axis=0)) == 12
+    with pytest.raises(ModelError, match="cannot write Q2_K"):
+        synth.random_rows(0.03, 12, 512, QuantType.Q2_K, np.random.default_rng(1))
+
+
 @pytest.mark.parametrize("name", ["tiny", "tiny-dense"])
 @pytest.mark.parametrize("quant", synth.QUANTS)
 def test_tiny_presets_write_fast_load_and_are_lively(tmp_path, name, quant):

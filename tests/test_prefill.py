@@ -34,7 +34,7 @@ from zdsl.models.qwen35.graph import DecodeGraph
 from zdsl.models.qwen35.reference import ReferenceModel
 from zdsl.models.qwen35.sampler import SamplerConfig
 
-from graph_testing import iq3_experts, state_of
+from graph_testing import state_of
 
 PROMPTS = (1, 7, 64, 300)
 CHUNK = 64
@@ -43,17 +43,15 @@ TIE = 2 ** -9  # router logits this close (relative to the row's largest) may sw
 
 
 @pytest.fixture(scope="module", params=[("tiny", "q4_k_m", None), ("tiny-dense", "q4_k_m", None), ("tiny", "q8_0", None),
-                                        ("tiny", "f16", None), ("tiny", "mxfp4_moe", None), ("tiny", "iq3_xxs", None),
+                                        ("tiny", "f16", None), ("tiny", "mxfp4_moe", None), ("tiny", "iq3_xxs_dynamic", None),
                                         ("tiny", "q4_k_m", "qwen35")],
-                ids=["moe-q4_k_m", "dense-q4_k_m", "moe-q8_0", "moe-f16", "moe-mxfp4", "moe-iq3_xxs", "moe-248k-vocab"])
+                ids=["moe-q4_k_m", "dense-q4_k_m", "moe-q8_0", "moe-f16", "moe-mxfp4", "moe-iq3_xxs_dynamic", "moe-248k-vocab"])
 def model(request, tmp_path_factory):
     """Q4_K_M mixes four int8 types, Q8_0 is one, F16 has no int8 decoder (the f32 path), nor have
-    MXFP4 and IQ3_XXS (the experts, beside a Q8_0 shared expert: graph_testing.iq3_experts); the last
+    MXFP4 and the IQ types (the experts, beside a Q8_0 shared expert); the last
     has Qwen3.5's 248,320-row output head."""
     preset, quant, vocab = request.param
     path = tmp_path_factory.mktemp("models") / f"{preset}-{quant}-{vocab}.gguf"
-    if quant == "iq3_xxs":
-        return open_model(iq3_experts(path, seed=5))
     synth.write(path, preset, quant=quant, seed=5, vocab=synth.REAL_VOCABS[vocab] if vocab else None)
     return open_model(path)
 

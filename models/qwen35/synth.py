@@ -21,7 +21,7 @@ import numpy as np
 from gguf import GGUFWriter, TokenType
 
 from zdsl.errors import ModelError
-from zdsl.kernels.formats import quantize
+from zdsl.kernels.formats import SUPPORTED_QUANT, block_shape, dequantize, quantize
 
 from .gguf_file import Hparams, QuantType, TensorInfo, TensorSpec, row_bytes, tensor_specs
 
@@ -52,7 +52,7 @@ PRESETS: dict[str, Hparams] = {
         n_experts=256, n_experts_used=8, expert_ffn=512, shared_ffn=512),
 }
 FULL_ATTENTION_INTERVAL = 4
-QUANTS = ("q4_k_m", "mxfp4_moe", "q8_0", "f16", "f32")
+QUANTS = ("q4_k_m", "iq3_xxs_dynamic", "mxfp4_moe", "q8_0", "f16", "f32")
 SPECIAL_TOKENS = {  # text: GGUF token type (Qwen marks the think tags as plain added tokens)
     "<|endoftext|>": TokenType.CONTROL, "<|im_start|>": TokenType.CONTROL, "<|im_end|>": TokenType.CONTROL,
     "<think>": TokenType.USER_DEFINED, "</think>": TokenType.USER_DEFINED,
@@ -118,6 +118,15 @@ def tensor_type(name: str, spec: TensorSpec, quant: str, layer: int, n_layers: i
         return QuantType.F32
     if quant == "mxfp4_moe":  # the routed experts in MXFP4, every other matrix (the shared expert's too) Q8_0
         return QuantType.MXFP4 if name.endswith("_exps.weight") else QuantType.Q8_0
+    if quant == "iq3_xxs_dynamic":
+        # The popular "dynamic" files' shape: the routed experts' gate and up at 3 bits, their
+        # down a step higher, and the few small matrices every token reads (attention,
+        # delta-net, the shared expert) kept at Q8_0 beside them.
+        if name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):
+            return QuantType.IQ3_XXS
+        if name.endswith("ffn_down_exps.weight"):
+            return QuantType.IQ4_XS
+        return {"output.weight": QuantType.Q6_K, "token_embd.weight": QuantType.Q4_K}.get(name, QuantType.Q8_0)
     if quant != "q4_k_m":
         return {"q8_0": QuantType.Q8_0, "f16": QuantType.F16, "f32": QuantType.F32}[quant]
     # Q4_K_M: more bits for V, shared-expert down, the head, delta-net qkv, and ffn_down on
@@ -160,6 +169,29 @@ PARALLEL_BYTES = 256 << 20
 _pools: dict[tuple, np.ndarray] = {}  # per process: quantized rows by (seed, width, type, std)
 
 
+# Block types whose first two bytes are the block's f16 scale d, all other bytes free.
+SCALE_FIRST = frozenset(getattr(QuantType, t) for t in ("Q4_0", "Q5_0", "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS",
+                                                        "IQ2_XS", "IQ2_S", "IQ1_S"))
+
+
+def random_rows(std: float, n: int, width: int, qtype: QuantType, rng: np.random.Generator) -> np.ndarray:
+    """n rows of `width` weights of about this std in `qtype`: Gaussian values quantized where
+    zdsl has the type's encoder; otherwise (the IQ types but IQ4_NL) random blocks whose f16
+    scale d (the block's first two bytes in every such type) is set so that each block's values
+    have that RMS: valid blocks in the type's real layout, as a file's would be, which is all a
+    random-weight model needs."""
+    if qtype in SUPPORTED_QUANT:
+        return quantize(std * rng.standard_normal((n, width), dtype=np.float32), qtype)
+    if qtype not in SCALE_FIRST:
+        raise ModelError(f"zdsl model synth cannot write {qtype.name} weights")
+    block, nbytes = block_shape(qtype)
+    blocks = rng.integers(0, 256, (n * width // block, nbytes), dtype=np.uint8)
+    blocks[:, :2] = np.float16(1).reshape(1).view(np.uint8)
+    rms = np.sqrt(np.mean(np.square(dequantize(blocks, qtype, (len(blocks), block))), axis=1))
+    blocks[:, :2] = (std / np.maximum(rms, 1e-30)).astype("<f2")[:, None].view(np.uint8)
+    return blocks.reshape(n, width // block * nbytes)
+
+
 def _tensor_data(task: tuple) -> np.ndarray:
     """The bytes of one tensor. Each tensor draws from its own generator (seed, index), and the
     pools of tall tensors from one per (seed, width, type, std), so a file is the same whichever
@@ -171,11 +203,11 @@ def _tensor_data(task: tuple) -> np.ndarray:
         return quantize(values.reshape(-1, shape[-1]), qtype)
     n, width = int(np.prod(shape[:-1], dtype=np.int64)), shape[-1]
     if n <= POOL_ROWS:
-        return quantize(values * rng.standard_normal((n, width), dtype=np.float32), qtype)
+        return random_rows(values, n, width, qtype, rng)
     key = (seed, width, qtype, values)
     if key not in _pools:
         pool_rng = np.random.default_rng([seed, width, int(qtype), int(values * 1e9)])
-        _pools[key] = quantize(values * pool_rng.standard_normal((POOL_ROWS, width), dtype=np.float32), qtype)
+        _pools[key] = random_rows(values, POOL_ROWS, width, qtype, pool_rng)
     return _pools[key][rng.integers(0, POOL_ROWS, n)]
 
 
