@@ -371,11 +371,13 @@ def _prefill_traffic(v, s) -> int:
 
 
 @zdsl.kernel(workgroup="WG", subgroup="SG",
-             variants={"D": [128], "R": [8, 16, 32], "WG": [64, 128], "SG": SUBGROUPS}, where=_columns_fit,
-             sizes=("v_heads",), grid=lambda v, s: s.v_heads * v.D * (v.D // v.R) // v.WG, traffic=_prefill_traffic)
+             variants={"D": [128], "R": [8, 16, 32], "TB": [16, 32], "WG": [64, 128], "SG": SUBGROUPS},
+             where=_columns_fit, sizes=("v_heads",), grid=lambda v, s: s.v_heads * v.D * (v.D // v.R) // v.WG,
+             traffic=_prefill_traffic)
 def deltanet_prefill(conv: Buffer[f32], ba: Buffer[f32], ssm_a: Buffer[f32], dt_bias: Buffer[f32], state: Buffer[f32],
                      o: Buffer[f32], mix: Buffer[f32], conv_state: Buffer[f32], step: Buffer[u32], t: u32,
-                     n_k_heads: u32, D: Const = 128, R: Const = 16, KC: Const = 4, WG: Const = 64, SG: Const = 32):
+                     n_k_heads: u32, D: Const = 128, R: Const = 16, TB: Const = 16, KC: Const = 4, WG: Const = 64,
+                     SG: Const = 32):
     """The gated delta rule for a chunk of t tokens at positions p0 = step[0] … p0 + t − 1, from
     deltanet_conv_rows' rows (q and k normalised) and the gate logits ba the graph projected for
     the chunk ([b_0 … b_{heads−1}, a_0 … a_{heads−1}] per token), into t rows of raw o ([token]
@@ -384,14 +386,14 @@ def deltanet_prefill(conv: Buffer[f32], ba: Buffer[f32], ssm_a: Buffer[f32], dt_
         S[:, j] ← e^g S[:, j];  u_j = kᵀS[:, j];  S[:, j] += k β (v_j − u_j);  o_j = qᵀS[:, j] / √D
     (one pass: o_j = (e^g qᵀS_old + (q·k) δ_j) / √D, δ_j = β (v_j − e^g kᵀS_old)). So the token
     loop is short and the grid wide: P = D / R adjacent lanes hold a column, R rows each in
-    registers, and combine their sums by shuffles; no barrier, no shared memory, and the next
-    token's inputs are loaded while this one's sums run (the loop is latency-bound). R = 16 by
-    default: 72 VGPRs on gfx1201 against R = 32's 144 (state, q and k, and the next q and k), and
-    twice the subgroups to hide each other's latency. Value head h
-    reads key head h % n_k_heads; the launch names v_heads. Nothing here reads the ring, so
-    every workgroup takes a share of storing the chunk's last min(t, KC) mix rows in their slots
-    (p % KC), leaving the ring as t deltanet_step dispatches would, and the state too up to
-    rounding (the sums run in another order)."""
+    registers, and combine their sums by shuffles. The loop is latency-bound, so the workgroup
+    first copies TB tokens' inputs (q and k of its head, v of its columns, b and a) into shared
+    memory, every load in flight at once, and the TB steps then wait on shared memory only: one
+    memory latency per TB tokens instead of one per token. R = 16 by default: 72 VGPRs on
+    gfx1201 against R = 32's 144. Value head h reads key head h % n_k_heads; the launch names
+    v_heads. Nothing here reads the ring, so every workgroup takes a share of storing the chunk's
+    last min(t, KC) mix rows in their slots (p % KC), leaving the ring as t deltanet_step
+    dispatches would, and the state too up to rounding (the sums run in another order)."""
     if not _columns_fit(SimpleNamespace(D=D, R=R, WG=WG, SG=SG)):
         raise zdsl.ZdslError(f"deltanet_prefill needs 4 | R, R | D, a power of two D/R dividing SG, SG | WG and "
                              f"WG·R/D | D, not D={D}, R={R}, WG={WG}, SG={SG}")
@@ -401,37 +403,48 @@ def deltanet_prefill(conv: Buffer[f32], ba: Buffer[f32], ssm_a: Buffer[f32], dt_
     h, Hv = zdsl.workgroup_id() // blocks, zdsl.num_workgroups() // blocks
     kh = h % n_k_heads
     lane = zdsl.local_index()
-    j = (zdsl.workgroup_id() % blocks) * cols + lane // P
+    first_col = (zdsl.workgroup_id() % blocks) * cols
+    j = first_col + lane // P
     top = (lane % P) * R  # this lane's rows: top … top + R − 1
     C = (2 * n_k_heads + Hv) * D
     S = [zdsl.var(zdsl.vec(*[state[(h * D + top + r + e) * D + j] for e in range(4)])) for r in range(0, R, 4)]
     a_h, dt_h = ssm_a[h], dt_bias[h]
-
-    def inputs_of(i):
-        """Token i's q and k (this lane's rows, as quads), v_j and the gate logits b and a."""
-        q, k = ((i * C + head * D + top) // 4 for head in (kh, n_k_heads + kh))
-        return ([conv.vec4[q + r] for r in range(R // 4)] + [conv.vec4[k + r] for r in range(R // 4)]
-                + [conv[i * C + (2 * n_k_heads + h) * D + j], ba[i * 2 * Hv + h], ba[i * 2 * Hv + Hv + h]])
-
-    now = [zdsl.var(x) for x in inputs_of(0)]
-    for i in zdsl.range(t):
-        ahead = inputs_of(zdsl.min(i + 1, t - 1))
-        q, k, (v, b, a) = now[:R // 4], now[R // 4:R // 2], now[R // 2:]
-        u, y, qk = S[0] * k[0], S[0] * q[0], q[0] * k[0]
-        for s, k_r, q_r in zip(S[1:], k[1:], q[1:]):
-            u, y, qk = zdsl.fma(s, k_r, u), zdsl.fma(s, q_r, y), zdsl.fma(q_r, k_r, qk)
-        u, y, qk = (x.x + x.y + x.z + x.w for x in (u, y, qk))
-        for m in (P >> n for n in range(1, P.bit_length())):  # the column's P lanes, butterfly
-            u, y, qk = u + zdsl.subgroup_shuffle_xor(u, m), y + zdsl.subgroup_shuffle_xor(y, m), \
-                qk + zdsl.subgroup_shuffle_xor(qk, m)
-        decay = zdsl.exp(a_h * zdsl.softplus(a + dt_h))
-        delta = zdsl.sigmoid(b) * (v - decay * u)
-        for s, k_r in zip(S, k):
-            s.set(zdsl.fma(k_r, zdsl.vec(delta, delta, delta, delta), s * decay))
-        with zdsl.if_(top == 0):
-            o[(i * Hv + h) * D + j] = (decay * y + qk * delta) * (1.0 / math.sqrt(D))
-        for x, nxt in zip(now, ahead):
-            x.set(nxt)
+    quads = D // 4  # quads of q (then of k) per token
+    qk = zdsl.shared(f32.vec(4), TB * 2 * quads)  # token i of the block: q then k, as quads
+    vba = zdsl.shared(f32, TB * (cols + 2))  # token i: v of the workgroup's columns, then b and a
+    for b0 in zdsl.range(0, t, TB):
+        here = zdsl.min(TB, t - b0)  # tokens in this block
+        zdsl.barrier()  # the last block's readers are done
+        for n in (lane + n0 for n0 in range(0, TB * 2 * quads, WG)):
+            i, quad = n // (2 * quads), n % (2 * quads)
+            head = zdsl.where(quad < quads, kh, n_k_heads + kh - 1, u32)  # k's quads count on from q's
+            with zdsl.if_(i < here):
+                qk[n] = conv.vec4[((b0 + i) * C + head * D) // 4 + quad]
+        for n in (lane + n0 for n0 in range(0, TB * (cols + 2), WG)):
+            i, c = n // (cols + 2), n % (cols + 2)
+            with zdsl.if_(i < here):  # also false past the end of the last round
+                with zdsl.if_(c < cols):
+                    vba[n] = conv[(b0 + i) * C + (2 * n_k_heads + h) * D + first_col + c]
+                with zdsl.else_():
+                    vba[n] = ba[(b0 + i) * 2 * Hv + (c - cols) * Hv + h]
+        zdsl.barrier()
+        for i in zdsl.range(here):
+            q = [qk[i * 2 * quads + top // 4 + r] for r in range(R // 4)]
+            k = [qk[i * 2 * quads + quads + top // 4 + r] for r in range(R // 4)]
+            v, b, a = (vba[i * (cols + 2) + c] for c in (lane // P, cols, cols + 1))
+            u, y, qq = S[0] * k[0], S[0] * q[0], q[0] * k[0]
+            for s, k_r, q_r in zip(S[1:], k[1:], q[1:]):
+                u, y, qq = zdsl.fma(s, k_r, u), zdsl.fma(s, q_r, y), zdsl.fma(q_r, k_r, qq)
+            u, y, qq = (x.x + x.y + x.z + x.w for x in (u, y, qq))
+            for m in (P >> n for n in range(1, P.bit_length())):  # the column's P lanes, butterfly
+                u, y, qq = u + zdsl.subgroup_shuffle_xor(u, m), y + zdsl.subgroup_shuffle_xor(y, m), \
+                    qq + zdsl.subgroup_shuffle_xor(qq, m)
+            decay = zdsl.exp(a_h * zdsl.softplus(a + dt_h))
+            delta = zdsl.sigmoid(b) * (v - decay * u)
+            for s, k_r in zip(S, k):
+                s.set(zdsl.fma(k_r, zdsl.vec(delta, delta, delta, delta), s * decay))
+            with zdsl.if_(top == 0):
+                o[((b0 + i) * Hv + h) * D + j] = (decay * y + qq * delta) * (1.0 / math.sqrt(D))
     for s, r in zip(S, range(0, R, 4)):
         for e, value in enumerate((s.x, s.y, s.z, s.w)):
             state[(h * D + top + r + e) * D + j] = value
