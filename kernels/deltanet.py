@@ -7,7 +7,8 @@ be worth a dispatch of their own), the causal depthwise conv (+ silu) of the q, 
 reads, L2-normalised q and k, the gated delta rule on the f32 state, the read-out o and the gated
 RMSNorm of o, fused: the state (64 KiB per head at d = 128) is read once and written once, and
 neither the conv output nor o leaves the workgroup. A prompt's chunk runs only the recurrence token
-after token (`deltanet_prefill`, by state columns), between conv rows and gated norm rows.
+after token (`deltanet_prefill`, by state columns, its inputs staged in shared memory by blocks
+of tokens), between conv rows and gated norm rows.
 
 Layouts (all f32):
 
@@ -371,7 +372,7 @@ def _prefill_traffic(v, s) -> int:
 
 
 @zdsl.kernel(workgroup="WG", subgroup="SG",
-             variants={"D": [128], "R": [8, 16, 32], "TB": [16, 32], "WG": [64, 128], "SG": SUBGROUPS},
+             variants={"D": [128], "R": [8, 16, 32], "TB": [8, 16], "WG": [64, 128], "SG": SUBGROUPS},
              where=_columns_fit, sizes=("v_heads",), grid=lambda v, s: s.v_heads * v.D * (v.D // v.R) // v.WG,
              traffic=_prefill_traffic)
 def deltanet_prefill(conv: Buffer[f32], ba: Buffer[f32], ssm_a: Buffer[f32], dt_bias: Buffer[f32], state: Buffer[f32],
@@ -388,9 +389,10 @@ def deltanet_prefill(conv: Buffer[f32], ba: Buffer[f32], ssm_a: Buffer[f32], dt_
     loop is short and the grid wide: P = D / R adjacent lanes hold a column, R rows each in
     registers, and combine their sums by shuffles. The loop is latency-bound, so the workgroup
     first copies TB tokens' inputs (q and k of its head, v of its columns, b and a) into shared
-    memory, every load in flight at once, and the TB steps then wait on shared memory only: one
-    memory latency per TB tokens instead of one per token. R = 16 by default: 72 VGPRs on
-    gfx1201 against R = 32's 144. Value head h reads key head h % n_k_heads; the launch names
+    memory, and the TB steps then read shared memory only; the next block's loads are issued
+    before this block's steps, so they arrive while the steps run. R = 16 and TB = 16 by
+    default: 192 VGPRs on gfx1201 (TB = 8: 144; R = 32 spills), most of them the next block's
+    values in flight. Value head h reads key head h % n_k_heads; the launch names
     v_heads. Nothing here reads the ring, so every workgroup takes a share of storing the chunk's
     last min(t, KC) mix rows in their slots (p % KC), leaving the ring as t deltanet_step
     dispatches would, and the state too up to rounding (the sums run in another order)."""
@@ -409,29 +411,52 @@ def deltanet_prefill(conv: Buffer[f32], ba: Buffer[f32], ssm_a: Buffer[f32], dt_
     C = (2 * n_k_heads + Hv) * D
     S = [zdsl.var(zdsl.vec(*[state[(h * D + top + r + e) * D + j] for e in range(4)])) for r in range(0, R, 4)]
     a_h, dt_h = ssm_a[h], dt_bias[h]
-    quads = D // 4  # quads of q (then of k) per token
-    qk = zdsl.shared(f32.vec(4), TB * 2 * quads)  # token i of the block: q then k, as quads
-    vba = zdsl.shared(f32, TB * (cols + 2))  # token i: v of the workgroup's columns, then b and a
+    quads, per_token = D // 4, cols + 2
+
+    def rounds(n):
+        """The offsets of the workgroup's copy of n elements, lane + offset each (the shared arrays
+        are padded to whole rounds)."""
+        return range(0, n, WG)
+
+    qk = zdsl.shared(f32.vec(4), len(rounds(TB * 2 * quads)) * WG)  # token i of the block: q then k, as quads
+    vba = zdsl.shared(f32, len(rounds(TB * per_token)) * WG)  # token i: v of the workgroup's columns, then b and a
+
+    def block_inputs(b0):
+        """(array, index, value) of the block from token b0 on, every load issued at once (tokens
+        past t load token t − 1 again, for no reader)."""
+        out = []
+        for n in (lane + n0 for n0 in rounds(TB * 2 * quads)):
+            token, quad = zdsl.min(b0 + n // (2 * quads), t - 1), n % (2 * quads)
+            head = zdsl.where(quad < quads, kh, n_k_heads + kh - 1, u32)  # k's quads count on from q's
+            out.append((qk, n, conv.vec4[(token * C + head * D) // 4 + quad]))
+        for n in (lane + n0 for n0 in rounds(TB * per_token)):
+            token, c = zdsl.min(b0 + n // per_token, t - 1), n % per_token
+            v = conv[token * C + (2 * n_k_heads + h) * D + first_col + zdsl.min(c, cols - 1)]
+            gate = ba[token * 2 * Hv + zdsl.where(c > cols, Hv, 0, u32) + h]
+            out.append((vba, n, zdsl.where(c < cols, v, gate)))
+        return out
+
+    # The next block's loads are in flight while this block's steps run.
+    staged = [(array, n, zdsl.var(value)) for array, n, value in block_inputs(0)]
     for b0 in zdsl.range(0, t, TB):
         here = zdsl.min(TB, t - b0)  # tokens in this block
         zdsl.barrier()  # the last block's readers are done
-        for n in (lane + n0 for n0 in range(0, TB * 2 * quads, WG)):
-            i, quad = n // (2 * quads), n % (2 * quads)
-            head = zdsl.where(quad < quads, kh, n_k_heads + kh - 1, u32)  # k's quads count on from q's
-            with zdsl.if_(i < here):
-                qk[n] = conv.vec4[((b0 + i) * C + head * D) // 4 + quad]
-        for n in (lane + n0 for n0 in range(0, TB * (cols + 2), WG)):
-            i, c = n // (cols + 2), n % (cols + 2)
-            with zdsl.if_(i < here):  # also false past the end of the last round
-                with zdsl.if_(c < cols):
-                    vba[n] = conv[(b0 + i) * C + (2 * n_k_heads + h) * D + first_col + c]
-                with zdsl.else_():
-                    vba[n] = ba[(b0 + i) * 2 * Hv + (c - cols) * Hv + h]
+        for array, n, value in staged:
+            array[n] = value
         zdsl.barrier()
+        for (_, _, value), (_, _, nxt) in zip(staged, block_inputs(zdsl.min(b0 + TB, t - 1))):
+            value.set(nxt)
+
+        def inputs_of(i):
+            """Token i's q and k (this lane's rows, as quads), v_j and the gate logits b and a."""
+            return ([qk[i * 2 * quads + top // 4 + r] for r in range(R // 4)]
+                    + [qk[i * 2 * quads + quads + top // 4 + r] for r in range(R // 4)]
+                    + [vba[i * per_token + c] for c in (lane // P, cols, cols + 1)])
+
+        now = [zdsl.var(x) for x in inputs_of(0)]
         for i in zdsl.range(here):
-            q = [qk[i * 2 * quads + top // 4 + r] for r in range(R // 4)]
-            k = [qk[i * 2 * quads + quads + top // 4 + r] for r in range(R // 4)]
-            v, b, a = (vba[i * (cols + 2) + c] for c in (lane // P, cols, cols + 1))
+            ahead = inputs_of(zdsl.min(i + 1, here - 1))  # off the step's chain of dependent operations
+            q, k, (v, b, a) = now[:R // 4], now[R // 4:R // 2], now[R // 2:]
             u, y, qq = S[0] * k[0], S[0] * q[0], q[0] * k[0]
             for s, k_r, q_r in zip(S[1:], k[1:], q[1:]):
                 u, y, qq = zdsl.fma(s, k_r, u), zdsl.fma(s, q_r, y), zdsl.fma(q_r, k_r, qq)
@@ -445,6 +470,8 @@ def deltanet_prefill(conv: Buffer[f32], ba: Buffer[f32], ssm_a: Buffer[f32], dt_
                 s.set(zdsl.fma(k_r, zdsl.vec(delta, delta, delta, delta), s * decay))
             with zdsl.if_(top == 0):
                 o[((b0 + i) * Hv + h) * D + j] = (decay * y + qq * delta) * (1.0 / math.sqrt(D))
+            for x, nxt in zip(now, ahead):
+                x.set(nxt)
     for s, r in zip(S, range(0, R, 4)):
         for e, value in enumerate((s.x, s.y, s.z, s.w)):
             state[(h * D + top + r + e) * D + j] = value
