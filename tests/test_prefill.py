@@ -11,18 +11,17 @@ KV cache rows and delta-net states within 5% of their norm of the decode path's;
 (the projections' raw outputs) likewise; greedy continuations equal where the reference's lead is
 clear.
 
-A device with matrix units (the H100: ZDSL_TEST_DEVICE=0) runs most of the prompt's products on
-them, W and x rounded to f16 (kernels/mma.py), and the routed experts' gate·up on Q8_1 as decode
-does; the decode path reads Q8_1 throughout, and on these random models the two roundings alone
-move the logits by up to 44% of their spread. So there the logits are held to a reference that
-rounds as the prompt path does (`units_reference`: f16 products, Q8_1 for the routed gate·up and
-for the last token's decode step), and the greedy token to it. Even that reference sums in
-another order, and where the router's 8th and 9th experts for a token lie within rounding of each
-other the two may pick differently; one such pick moves these random models' logits by half
-their spread (the 248k-vocabulary model at 64 tokens: layer 1, token 29, logits 7·10⁻⁴ of the
-row's largest apart). So where the logits miss the reference, they must meet it with one of its
-near ties of the routing taken the other way. The kernels themselves are held to tight bounds in
-tests/test_kernels_mma.py.
+A device with matrix units (the H100: ZDSL_TEST_DEVICE=0) runs the prompt's products on them
+(all but the router's), W and x rounded to f16 (kernels/mma.py); the decode path reads Q8_1
+throughout, and on these random models the two roundings alone move the logits by up to 44% of
+their spread. So there the logits are held to a reference that rounds as the prompt path does
+(`units_reference`: f16 products, Q8_1 for the last token's decode step), and the greedy token
+to it. Even that reference sums in another order, and where the router's 8th and 9th experts
+for a token lie within rounding of each other the two may pick differently; one such pick moves
+these random models' logits by half their spread (the 248k-vocabulary model at 64 tokens:
+layer 1, token 29, logits 7·10⁻⁴ of the row's largest apart). So where the logits miss the
+reference, they must meet it with one of its near ties of the routing taken the other way. The
+kernels themselves are held to tight bounds in tests/test_kernels_mma.py.
 """
 
 import numpy as np
@@ -66,9 +65,8 @@ def units_reference(model, prompt, flip=None):
     K, state, ties = model.hparams.n_experts_used, ref.new_state(), []
 
     def units(name):
-        """Whether the prompt's product by weight `name` runs on matrix units: all but the
-        router's and the routed experts' gate·up."""
-        return "gate_inp" not in name and not ("_exps" in name and "down" not in name)
+        """Whether the prompt's product by weight `name` runs on matrix units: all but the router's."""
+        return "gate_inp" not in name
 
     def w16(name):
         w = plain_w(name)
@@ -76,9 +74,7 @@ def units_reference(model, prompt, flip=None):
             and "token_embd" not in name and "conv1d" not in name and units(name) else w
 
     def prompt_input(name, x):
-        if not units(name):
-            return q8(name, x) if "_exps" in name else x
-        return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
+        return np.asarray(x, np.float32).astype(np.float16).astype(np.float32) if units(name) else x
 
     def proj(x, name):
         out = plain_proj(x, name)
