@@ -458,7 +458,7 @@ def moe_gate_up_coop(wg: Buffer[u8], wu: Buffer[u8], offsets: Buffer[u32], pairs
     """moe_gate_up_grouped on matrix units, x in f32 and k a multiple of BK: workgroup (g, e)
     makes rows g·BM/2 … of expert e's gate and up products for its pairs, then their SwiGLU."""
     half = BM // 2
-    tiles = mma.Tiles(BM, BN, BK, TM, TN, SG)
+    tiles = mma.Tiles(BM, BN, BK, TM, TN, SG, QTYPE)
     f, ctx, r0, rows = mma.weight_rows(QTYPE, k, m, half)
 
     def tile(e, js, first, end):
@@ -490,7 +490,7 @@ def moe_down_coop(w: Buffer[u8], offsets: Buffer[u32], pairs: Buffer[u32], act: 
                   TM: Const = 1, TN: Const = 1, SPLIT: Const = 1, SG: Const = 32):
     """moe_down_grouped on matrix units, k a multiple of BK: workgroup (g, e) makes rows g·BM …
     of y for expert e's pairs."""
-    tiles = mma.Tiles(BM, BN, BK, TM, TN, SG)
+    tiles = mma.Tiles(BM, BN, BK, TM, TN, SG, QTYPE)
     f, ctx, r0, rows = mma.weight_rows(QTYPE, k, m, BM)
 
     def tile(e, js, first, end):

@@ -102,7 +102,7 @@ def mul_mm_coop(w: Buffer[u8], x: Buffer[f16], y: Buffer[f32], k: u32, m: u32, t
     """mul_mm on matrix units (mma.py): y[i·m + r] (+)= Σ_k W[r, k] · x[i·k + k] for the t rows i
     of x (in f16: half_rows), k a multiple of BK. Workgroup (g, j) makes rows g·BM … and tokens
     j·BN …"""
-    tiles = mma.Tiles(BM, BN, BK, TM, TN, SG)
+    tiles = mma.Tiles(BM, BN, BK, TM, TN, SG, QTYPE)
     f, ctx, r0, rows = mma.weight_rows(QTYPE, k, m, BM)
     n0 = zdsl.workgroup_id(1) * BN
     mma.product(tiles, f, ctx, [(w, rows(0))], x, lambda n: zdsl.min(n0 + n, t - 1) * k, k)

@@ -46,8 +46,9 @@ def fits(v) -> bool:
 
 
 def shared_bytes(v) -> int:
-    """A and B in f16 with their padding, C in f32, the grouped kernels' list of BN pairs."""
-    return 2 * (v.BM + v.BN) * (v.BK + PAD) + 4 * v.BM * v.BN + 4 * v.BN
+    """A and B in f16 with their padding, C in f32, the grouped kernels' list of BN pairs, the
+    weight type's table."""
+    return 2 * (v.BM + v.BN) * (v.BK + PAD) + 4 * v.BM * v.BN + 4 * v.BN + fmt(v.QTYPE).table_bytes()
 
 
 def workgroup(v) -> int:
@@ -62,11 +63,11 @@ def invocations(BM: int, BN: int, TM: int, TN: int, SG: int) -> int:
 class Tiles:
     """The shared arrays of one workgroup's product, and where its subgroup computes."""
 
-    def __init__(self, BM: int, BN: int, BK: int, TM: int, TN: int, SG: int):
-        need = shared_bytes(SimpleNamespace(BM=BM, BN=BN, BK=BK))
+    def __init__(self, BM: int, BN: int, BK: int, TM: int, TN: int, SG: int, QTYPE: str):
+        need = shared_bytes(SimpleNamespace(BM=BM, BN=BN, BK=BK, QTYPE=QTYPE))
         if need > SHARED_BYTES:  # a device may lose itself over a pipeline that asks for more
-            raise zdsl.ZdslError(f"tiles of {BM} × {BN} × {BK} need {need:,} bytes of shared memory, more than "
-                                 f"{SHARED_BYTES:,}")
+            raise zdsl.ZdslError(f"tiles of {BM} × {BN} × {BK} of {QTYPE} need {need:,} bytes of shared memory, "
+                                 f"more than {SHARED_BYTES:,}")
         self.BM, self.BN, self.BK, self.TM, self.TN = BM, BN, BK, TM, TN
         self.WG = invocations(BM, BN, TM, TN, SG)
         self.SA = BK + PAD

@@ -181,10 +181,24 @@ class Format:
         known = (offset & -offset or 16) if isinstance(offset, int) else step
         return words_at(w, base + offset, n, min(self.align, known))
 
-    def setup(self):
-        """Per-kernel state made once at the kernel's start, in uniform control flow (the IQ4
-        level table); `decode` takes it as `ctx`."""
+    def table(self):
+        """(dtype, values) of a constant table the decoder looks up (the IQ codebooks), or None."""
         return None
+
+    def table_bytes(self) -> int:
+        """The shared memory `setup` takes."""
+        t = self.table()
+        return 0 if t is None else t[0].nbytes * len(t[1])
+
+    def setup(self):
+        """Per-kernel state made once at the kernel's start, in uniform control flow: the table,
+        copied into shared memory; `decode` takes it as `ctx` (None: a constant table)."""
+        t = self.table()
+        return None if t is None else shared_table(*t)
+
+    def lookup(self, ctx):
+        """The table `decode` reads: setup's shared copy, or the constants themselves."""
+        return ctx if ctx is not None else zdsl.table(*self.table())
 
     def decode(self, w, base, part, ctx=None) -> list[Group] | Factored:
         """Invocation `part`'s share of the block at byte `base`."""
@@ -535,12 +549,12 @@ class Levels(Format):
     embedding lookup) read the constant table."""
     LEVELS: tuple = ()
 
-    def setup(self):
-        return shared_table(f32, [float(v) for v in self.LEVELS])
+    def table(self):
+        return f32, [float(v) for v in self.LEVELS]
 
     def levels(self, words, shift, ctx):
         """The levels of the nibbles at bit `shift` (0 or 4, maybe traced) of the bytes of `words`."""
-        table = ctx if ctx is not None else zdsl.table(f32, [float(v) for v in self.LEVELS])
+        table = self.lookup(ctx)
         return [table[(wd >> (8 * i + shift)) & 0xF] for wd in words for i in range(4)]
 
 
@@ -601,15 +615,11 @@ class IQ3_XXS(Format):
     of 256 u32 (four bytes each), copied into shared memory where kernels set up."""
     name, block, nbytes, parts, f16_fields = "iq3_xxs", 256, 98, 8, (0,)
 
-    @staticmethod
-    def grid_words() -> list[int]:
-        return [int(w) for w in iq3_grid().view("<u4").reshape(-1)]
-
-    def setup(self):
-        return shared_table(u32, self.grid_words())
+    def table(self):
+        return u32, [int(w) for w in iq3_grid().view("<u4").reshape(-1)]
 
     def decode(self, w, base, part, ctx=None):
-        grid = ctx if ctx is not None else zdsl.table(u32, self.grid_words())
+        grid = self.lookup(ctx)
         d = f16_at(w, base)
         out = []
         for run in range(8):
