@@ -7,8 +7,7 @@ be worth a dispatch of their own), the causal depthwise conv (+ silu) of the q, 
 reads, L2-normalised q and k, the gated delta rule on the f32 state, the read-out o and the gated
 RMSNorm of o, fused: the state (64 KiB per head at d = 128) is read once and written once, and
 neither the conv output nor o leaves the workgroup. A prompt's chunk runs only the recurrence token
-after token (`deltanet_prefill`, by state columns, its inputs staged in shared memory by blocks
-of tokens), between conv rows and gated norm rows.
+after token (`deltanet_prefill`, by state columns), between conv rows and gated norm rows.
 
 Layouts (all f32):
 
@@ -372,13 +371,11 @@ def _prefill_traffic(v, s) -> int:
 
 
 @zdsl.kernel(workgroup="WG", subgroup="SG",
-             variants={"D": [128], "R": [8, 16, 32], "TB": [8, 16], "WG": [64, 128], "SG": SUBGROUPS},
-             where=_columns_fit, sizes=("v_heads",), grid=lambda v, s: s.v_heads * v.D * (v.D // v.R) // v.WG,
-             traffic=_prefill_traffic)
+             variants={"D": [128], "R": [8, 16, 32], "WG": [64, 128], "SG": SUBGROUPS}, where=_columns_fit,
+             sizes=("v_heads",), grid=lambda v, s: s.v_heads * v.D * (v.D // v.R) // v.WG, traffic=_prefill_traffic)
 def deltanet_prefill(conv: Buffer[f32], ba: Buffer[f32], ssm_a: Buffer[f32], dt_bias: Buffer[f32], state: Buffer[f32],
                      o: Buffer[f32], mix: Buffer[f32], conv_state: Buffer[f32], step: Buffer[u32], t: u32,
-                     n_k_heads: u32, D: Const = 128, R: Const = 16, TB: Const = 16, KC: Const = 4, WG: Const = 64,
-                     SG: Const = 32):
+                     n_k_heads: u32, D: Const = 128, R: Const = 16, KC: Const = 4, WG: Const = 64, SG: Const = 32):
     """The gated delta rule for a chunk of t tokens at positions p0 = step[0] … p0 + t − 1, from
     deltanet_conv_rows' rows (q and k normalised) and the gate logits ba the graph projected for
     the chunk ([b_0 … b_{heads−1}, a_0 … a_{heads−1}] per token), into t rows of raw o ([token]
@@ -387,15 +384,14 @@ def deltanet_prefill(conv: Buffer[f32], ba: Buffer[f32], ssm_a: Buffer[f32], dt_
         S[:, j] ← e^g S[:, j];  u_j = kᵀS[:, j];  S[:, j] += k β (v_j − u_j);  o_j = qᵀS[:, j] / √D
     (one pass: o_j = (e^g qᵀS_old + (q·k) δ_j) / √D, δ_j = β (v_j − e^g kᵀS_old)). So the token
     loop is short and the grid wide: P = D / R adjacent lanes hold a column, R rows each in
-    registers, and combine their sums by shuffles. The loop is latency-bound, so the workgroup
-    first copies TB tokens' inputs (q and k of its head, v of its columns, b and a) into shared
-    memory, and the TB steps then read shared memory only; the next block's loads are issued
-    before this block's steps, so they arrive while the steps run. R = 16 and TB = 16 by
-    default: 192 VGPRs on gfx1201 (TB = 8: 144; R = 32 spills), most of them the next block's
-    values in flight. Value head h reads key head h % n_k_heads; the launch names
-    v_heads. Nothing here reads the ring, so every workgroup takes a share of storing the chunk's
-    last min(t, KC) mix rows in their slots (p % KC), leaving the ring as t deltanet_step
-    dispatches would, and the state too up to rounding (the sums run in another order)."""
+    registers, and combine their sums by shuffles; no barrier, no shared memory, and the next
+    token's inputs are loaded while this one's sums run (the loop is latency-bound). R = 16 by
+    default: 72 VGPRs on gfx1201 against R = 32's 144 (state, q and k, and the next q and k), and
+    twice the subgroups to hide each other's latency. Value head h
+    reads key head h % n_k_heads; the launch names v_heads. Nothing here reads the ring, so
+    every workgroup takes a share of storing the chunk's last min(t, KC) mix rows in their slots
+    (p % KC), leaving the ring as t deltanet_step dispatches would, and the state too up to
+    rounding (the sums run in another order)."""
     if not _columns_fit(SimpleNamespace(D=D, R=R, WG=WG, SG=SG)):
         raise zdsl.ZdslError(f"deltanet_prefill needs 4 | R, R | D, a power of two D/R dividing SG, SG | WG and "
                              f"WG·R/D | D, not D={D}, R={R}, WG={WG}, SG={SG}")
@@ -405,73 +401,37 @@ def deltanet_prefill(conv: Buffer[f32], ba: Buffer[f32], ssm_a: Buffer[f32], dt_
     h, Hv = zdsl.workgroup_id() // blocks, zdsl.num_workgroups() // blocks
     kh = h % n_k_heads
     lane = zdsl.local_index()
-    first_col = (zdsl.workgroup_id() % blocks) * cols
-    j = first_col + lane // P
+    j = (zdsl.workgroup_id() % blocks) * cols + lane // P
     top = (lane % P) * R  # this lane's rows: top … top + R − 1
     C = (2 * n_k_heads + Hv) * D
     S = [zdsl.var(zdsl.vec(*[state[(h * D + top + r + e) * D + j] for e in range(4)])) for r in range(0, R, 4)]
     a_h, dt_h = ssm_a[h], dt_bias[h]
-    quads, per_token = D // 4, cols + 2
 
-    def rounds(n):
-        """The offsets of the workgroup's copy of n elements, lane + offset each (the shared arrays
-        are padded to whole rounds)."""
-        return range(0, n, WG)
+    def inputs_of(i):
+        """Token i's q and k (this lane's rows, as quads), v_j and the gate logits b and a."""
+        q, k = ((i * C + head * D + top) // 4 for head in (kh, n_k_heads + kh))
+        return ([conv.vec4[q + r] for r in range(R // 4)] + [conv.vec4[k + r] for r in range(R // 4)]
+                + [conv[i * C + (2 * n_k_heads + h) * D + j], ba[i * 2 * Hv + h], ba[i * 2 * Hv + Hv + h]])
 
-    qk = zdsl.shared(f32.vec(4), len(rounds(TB * 2 * quads)) * WG)  # token i of the block: q then k, as quads
-    vba = zdsl.shared(f32, len(rounds(TB * per_token)) * WG)  # token i: v of the workgroup's columns, then b and a
-
-    def block_inputs(b0):
-        """(array, index, value) of the block from token b0 on, every load issued at once (tokens
-        past t load token t − 1 again, for no reader)."""
-        out = []
-        for n in (lane + n0 for n0 in rounds(TB * 2 * quads)):
-            token, quad = zdsl.min(b0 + n // (2 * quads), t - 1), n % (2 * quads)
-            head = zdsl.where(quad < quads, kh, n_k_heads + kh - 1, u32)  # k's quads count on from q's
-            out.append((qk, n, conv.vec4[(token * C + head * D) // 4 + quad]))
-        for n in (lane + n0 for n0 in rounds(TB * per_token)):
-            token, c = zdsl.min(b0 + n // per_token, t - 1), n % per_token
-            v = conv[token * C + (2 * n_k_heads + h) * D + first_col + zdsl.min(c, cols - 1)]
-            gate = ba[token * 2 * Hv + zdsl.where(c > cols, Hv, 0, u32) + h]
-            out.append((vba, n, zdsl.where(c < cols, v, gate)))
-        return out
-
-    # The next block's loads are in flight while this block's steps run.
-    staged = [(array, n, zdsl.var(value)) for array, n, value in block_inputs(0)]
-    for b0 in zdsl.range(0, t, TB):
-        here = zdsl.min(TB, t - b0)  # tokens in this block
-        zdsl.barrier()  # the last block's readers are done
-        for array, n, value in staged:
-            array[n] = value
-        zdsl.barrier()
-        for (_, _, value), (_, _, nxt) in zip(staged, block_inputs(zdsl.min(b0 + TB, t - 1))):
-            value.set(nxt)
-
-        def inputs_of(i):
-            """Token i's q and k (this lane's rows, as quads), v_j and the gate logits b and a."""
-            return ([qk[i * 2 * quads + top // 4 + r] for r in range(R // 4)]
-                    + [qk[i * 2 * quads + quads + top // 4 + r] for r in range(R // 4)]
-                    + [vba[i * per_token + c] for c in (lane // P, cols, cols + 1)])
-
-        now = [zdsl.var(x) for x in inputs_of(0)]
-        for i in zdsl.range(here):
-            ahead = inputs_of(zdsl.min(i + 1, here - 1))  # off the step's chain of dependent operations
-            q, k, (v, b, a) = now[:R // 4], now[R // 4:R // 2], now[R // 2:]
-            u, y, qq = S[0] * k[0], S[0] * q[0], q[0] * k[0]
-            for s, k_r, q_r in zip(S[1:], k[1:], q[1:]):
-                u, y, qq = zdsl.fma(s, k_r, u), zdsl.fma(s, q_r, y), zdsl.fma(q_r, k_r, qq)
-            u, y, qq = (x.x + x.y + x.z + x.w for x in (u, y, qq))
-            for m in (P >> n for n in range(1, P.bit_length())):  # the column's P lanes, butterfly
-                u, y, qq = u + zdsl.subgroup_shuffle_xor(u, m), y + zdsl.subgroup_shuffle_xor(y, m), \
-                    qq + zdsl.subgroup_shuffle_xor(qq, m)
-            decay = zdsl.exp(a_h * zdsl.softplus(a + dt_h))
-            delta = zdsl.sigmoid(b) * (v - decay * u)
-            for s, k_r in zip(S, k):
-                s.set(zdsl.fma(k_r, zdsl.vec(delta, delta, delta, delta), s * decay))
-            with zdsl.if_(top == 0):
-                o[((b0 + i) * Hv + h) * D + j] = (decay * y + qq * delta) * (1.0 / math.sqrt(D))
-            for x, nxt in zip(now, ahead):
-                x.set(nxt)
+    now = [zdsl.var(x) for x in inputs_of(0)]
+    for i in zdsl.range(t):
+        ahead = inputs_of(zdsl.min(i + 1, t - 1))
+        q, k, (v, b, a) = now[:R // 4], now[R // 4:R // 2], now[R // 2:]
+        u, y, qk = S[0] * k[0], S[0] * q[0], q[0] * k[0]
+        for s, k_r, q_r in zip(S[1:], k[1:], q[1:]):
+            u, y, qk = zdsl.fma(s, k_r, u), zdsl.fma(s, q_r, y), zdsl.fma(q_r, k_r, qk)
+        u, y, qk = (x.x + x.y + x.z + x.w for x in (u, y, qk))
+        for m in (P >> n for n in range(1, P.bit_length())):  # the column's P lanes, butterfly
+            u, y, qk = u + zdsl.subgroup_shuffle_xor(u, m), y + zdsl.subgroup_shuffle_xor(y, m), \
+                qk + zdsl.subgroup_shuffle_xor(qk, m)
+        decay = zdsl.exp(a_h * zdsl.softplus(a + dt_h))
+        delta = zdsl.sigmoid(b) * (v - decay * u)
+        for s, k_r in zip(S, k):
+            s.set(zdsl.fma(k_r, zdsl.vec(delta, delta, delta, delta), s * decay))
+        with zdsl.if_(top == 0):
+            o[(i * Hv + h) * D + j] = (decay * y + qk * delta) * (1.0 / math.sqrt(D))
+        for x, nxt in zip(now, ahead):
+            x.set(nxt)
     for s, r in zip(S, range(0, R, 4)):
         for e, value in enumerate((s.x, s.y, s.z, s.w)):
             state[(h * D + top + r + e) * D + j] = value

@@ -225,9 +225,8 @@ def gated_norm(backend, request, o, z, norm_w, sg, q8):
     return got
 
 
-def prefill(backend, request, x, state, pos, Hk, layout, sg, q8, t=None, tb=16):
-    """The chunk as the graph runs it (x: prefill_inputs; layout: deltanet_prefill's (R, WG); tb
-    its tokens per block staged in shared memory):
+def prefill(backend, request, x, state, pos, Hk, layout, sg, q8, t=None):
+    """The chunk as the graph runs it (x: prefill_inputs; layout: deltanet_prefill's (R, WG)):
     deltanet_conv_rows, deltanet_prefill, then deltanet_gated_norm of the first t rows (all by
     default). Returns the conv rows, raw o, out (and oq, od with q8), the state and the ring."""
     Hv, D = state.shape[:2]
@@ -237,7 +236,7 @@ def prefill(backend, request, x, state, pos, Hk, layout, sg, q8, t=None, tb=16):
     if backend != "interp" and not dn._columns_fit(SimpleNamespace(D=D, R=R, WG=wg, SG=sg)):
         pytest.skip(f"deltanet_prefill's layout R={R}, WG={wg} does not fit the device's subgroup of {sg}")
     conv = conv_rows(backend, request, x, pos, Hk, D, sg, t)
-    v = dn.deltanet_prefill.specialize(D=D, R=R, TB=tb, KC=x["conv_state"].shape[0], WG=wg, SG=sg)
+    v = dn.deltanet_prefill.specialize(D=D, R=R, KC=x["conv_state"].shape[0], WG=wg, SG=sg)
     got = run(v, backend, request, v.groups(v_heads=Hv), conv=conv, ba=x["ba"].reshape(-1), ssm_a=x["ssm_a"],
               dt_bias=x["dt_bias"], state=state.reshape(-1), o=np.full(rows * Hv * D, np.nan, np.float32),
               mix=x["mix"].reshape(-1), conv_state=x["conv_state"].reshape(-1), step=inputs.step_words(pos, pos + t),
@@ -304,16 +303,14 @@ LAVAPIPE_COLUMNS = [(16, 8, 16), (32, 8, 32), (32, 32, 8), (24, 12, 8)]
 @given(hk=st.integers(1, 2), ratio=st.integers(1, 3), T=st.integers(1, 11), d=st.sampled_from([8, 16, 24, 32]),
        r_log=st.integers(0, 3), wg_log=st.integers(0, 2), sg_pick=st.integers(0, 3),
        layout=st.sampled_from(LAVAPIPE_COLUMNS), kc=st.integers(1, 5), pos=st.sampled_from(PREFILL_POSITIONS),
-       q8=st.booleans(), extra=st.integers(0, 2), state_scale=st.sampled_from([0.0, 0.5]), tb=st.sampled_from([1, 3, 16]),
-       seed=st.integers(0, 99))
+       q8=st.booleans(), extra=st.integers(0, 2), state_scale=st.sampled_from([0.0, 0.5]), seed=st.integers(0, 99))
 def test_prefill(backend, request, hk, ratio, T, d, r_log, wg_log, sg_pick, layout, kc, pos, q8, extra, state_scale,
-                 tb, seed):
+                 seed):
     """A chunk of T tokens (1, odd, more than the conv's taps) through the three kernels, each
     against its float64 reference, and the whole against T deltanet_step dispatches (out rows,
     state, ring): n_k_heads · ratio value heads, so up to three value heads read each key head's
-    q and k; any split of a column over lanes and of a head over workgroups; blocks of 1, 3 or 16
-    tokens staged in shared memory (several, the last one partial); rows past t (NaN) neither
-    read nor written."""
+    q and k; any split of a column over lanes and of a head over workgroups; rows past t (NaN)
+    neither read nor written."""
     d, layout, sg = column_layout(backend, request, d, r_log, wg_log, sg_pick, layout)
     if backend == "lavapipe":
         kc = 4
@@ -322,7 +319,7 @@ def test_prefill(backend, request, hk, ratio, T, d, r_log, wg_log, sg_pick, layo
     hv = hk * ratio
     x = prefill_inputs(rng, hk, hv, d, T, kc, extra)
     state = (rng.standard_normal((hv, d, d)) * state_scale).astype(np.float32)
-    got = prefill(backend, request, x, state, pos, hk, layout, sg, q8, T, tb)
+    got = prefill(backend, request, x, state, pos, hk, layout, sg, q8, T)
     check_prefill(got, x, state, pos, hk, T)
     out, want_state, want_ring = steps(backend, request, x, state, pos, hk, 2 * d, subgroup(backend, request, 0), T)
     np.testing.assert_array_equal(got["conv_state"].reshape(want_ring.shape), want_ring)
