@@ -385,7 +385,8 @@ def deltanet_prefill(conv: Buffer[f32], ba: Buffer[f32], ssm_a: Buffer[f32], dt_
     (one pass: o_j = (e^g qᵀS_old + (q·k) δ_j) / √D, δ_j = β (v_j − e^g kᵀS_old)). So the token
     loop is short and the grid wide: P = D / R adjacent lanes hold a column, R rows each in
     registers, and combine their sums by shuffles; no barrier, no shared memory, and the next
-    token's inputs are loaded while this one's sums run (the loop is latency-bound). R = 16 by
+    token's inputs are loaded while this one's sums run (the loop is bound by its chain of dependent
+    operations: ~0.7 µs a token on the H100, no faster with inputs staged in shared memory). R = 16 by
     default: 72 VGPRs on gfx1201 against R = 32's 144 (state, q and k, and the next q and k), and
     twice the subgroups to hide each other's latency. Value head h
     reads key head h % n_k_heads; the launch names v_heads. Nothing here reads the ring, so
