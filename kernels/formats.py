@@ -23,7 +23,7 @@ from zdsl.errors import ZdslError
 __all__ = [
     "QuantType", "SUPPORTED_DEQUANT", "SUPPORTED_QUANT", "Codes", "KScales",
     "block_shape", "row_bytes", "dequantize", "quantize", "unpack", "k_scales", "q8_1_quantize",
-    "unpack_scale_min_k4", "pack_scale_min_k4", "IQ4_LEVELS", "MXFP4_LEVELS", "e8m0_half", "iq3_grid",
+    "unpack_scale_min_k4", "pack_scale_min_k4", "IQ4_LEVELS", "MXFP4_LEVELS", "e8m0_half", "iq_grid", "iq3_grid",
     "sign_byte",
 ]
 
@@ -35,7 +35,7 @@ _BLOCKS = {
     QuantType.Q2_K: (256, 84), QuantType.Q3_K: (256, 110), QuantType.Q4_K: (256, 144),
     QuantType.Q5_K: (256, 176), QuantType.Q6_K: (256, 210),
     QuantType.IQ4_NL: (32, 18), QuantType.IQ4_XS: (256, 136), QuantType.MXFP4: (32, 17),
-    QuantType.IQ3_XXS: (256, 98),
+    QuantType.IQ3_XXS: (256, 98), QuantType.IQ2_XXS: (256, 66),
 }
 _FLOATS = frozenset({QuantType.F32, QuantType.F16, QuantType.BF16})
 SUPPORTED_DEQUANT = frozenset(_BLOCKS)
@@ -217,12 +217,21 @@ def e8m0_half(e: np.ndarray) -> np.ndarray:
 
 
 @cache
-def iq3_grid() -> np.ndarray:
-    """IQ3_XXS's 256 grid points of 4 values each (uint8, 4 … 62), from gguf-py's table."""
+def iq_grid(qtype) -> np.ndarray:
+    """The grid of an IQ1/IQ2/IQ3 type, (points, values) int8, from gguf-py's table (IQ1_M shares
+    IQ1_S's): IQ2 values 8, 25, 43; IQ3 ones 1 … 62; IQ1 ones −1, 0, 1."""
     from gguf import quants
 
-    quants.IQ3_XXS.init_grid()
-    return quants.IQ3_XXS.grid.reshape(256, 4).astype(np.uint8)
+    cls = getattr(quants, QuantType(qtype).name)
+    cls.init_grid()
+    grid = cls.grid.reshape(cls.grid_shape).astype(np.int8)
+    grid.flags.writeable = False
+    return grid
+
+
+def iq3_grid() -> np.ndarray:
+    """IQ3_XXS's 256 grid points of 4 values each (uint8, 4 … 62), from gguf-py's table."""
+    return iq_grid(QuantType.IQ3_XXS).view(np.uint8)
 
 
 def sign_byte(index):
@@ -233,6 +242,16 @@ def sign_byte(index):
     return index | (parity << 7)
 
 
+def _signed(points, signs):
+    """Grid points (..., 8) with element j negated where bit j of their sign byte (...) is set."""
+    negative = (np.asarray(signs, np.uint8)[..., None] >> np.arange(8, dtype=np.uint8)) & 1
+    return points.astype(np.int8) * (1 - 2 * negative.astype(np.int8))
+
+
+def _iq2_scale(d, ls):
+    return d * (np.float32(0.5) + ls.astype(np.float32)) * np.float32(0.25)
+
+
 def _iq3_xxs(b):
     # f16 d, 64 grid indices (a run of 32 takes 8), one u32 per run: four 7-bit sign indices
     # (8 elements each) and a 4-bit scale ls; w = d·(0.5 + ls)·0.5 · ±grid
@@ -240,9 +259,19 @@ def _iq3_xxs(b):
     aux = np.ascontiguousarray(b[:, 66:98]).view("<u4")
     scale = _f16(b, 0) * (np.float32(0.5) + (aux >> 28).astype(np.float32)) * np.float32(0.5)
     signs = sign_byte((aux[..., None] >> np.array([0, 7, 14, 21], np.uint32)) & 0x7F)  # (n, run, 8 elements)
-    negative = (signs[..., None] >> np.arange(8, dtype=np.uint8)) & 1
-    grid = iq3_grid()[b[:, 2:66]].reshape(n, 8, 4, 8).astype(np.int8)
-    return (grid * (1 - 2 * negative.astype(np.int8))).reshape(n, 256), scale, None
+    grid = iq3_grid()[b[:, 2:66]].reshape(n, 8, 4, 8)
+    return _signed(grid, signs).reshape(n, 256), scale, None
+
+
+def _iq2_xxs(b):
+    # f16 d, per 32-element run two u32: four grid indices (8 elements each), and four 7-bit sign
+    # indices under a 4-bit scale ls; w = d·(0.5 + ls)·0.25 · ±grid
+    n = len(b)
+    runs = np.ascontiguousarray(b[:, 2:66]).view("<u4").reshape(n, 8, 2)
+    aux = runs[..., 1]
+    signs = sign_byte((aux[..., None] >> np.array([0, 7, 14, 21], np.uint32)) & 0x7F)  # (n, run, 4)
+    grid = iq_grid(QuantType.IQ2_XXS)[b[:, 2:66].reshape(n, 8, 8)[:, :, :4]]  # (n, run, 4, 8)
+    return _signed(grid, signs).reshape(n, 256), _iq2_scale(_f16(b, 0), aux >> 28), None
 
 
 def _mxfp4(b):
@@ -255,6 +284,7 @@ _DECODERS = {
     QuantType.Q8_0: _q8_0, QuantType.Q8_1: _q8_1, QuantType.Q2_K: _q2_k, QuantType.Q3_K: _q3_k,
     QuantType.Q4_K: _q4_k, QuantType.Q5_K: _q5_k, QuantType.Q6_K: _q6_k,
     QuantType.IQ4_NL: _iq4_nl, QuantType.IQ4_XS: _iq4_xs, QuantType.MXFP4: _mxfp4, QuantType.IQ3_XXS: _iq3_xxs,
+    QuantType.IQ2_XXS: _iq2_xxs,
 }
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import zdsl
 from zdsl import f16, f32, i32, u8, u16, u32
-from zdsl.kernels.formats import MXFP4_LEVELS, iq3_grid
+from zdsl.kernels.formats import MXFP4_LEVELS, QuantType, iq_grid
 
 # IQ4_NL / IQ4_XS: the 16 non-linear levels a 4-bit index selects (ggml's kvalues_iq4nl).
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -607,16 +607,42 @@ class MXFP4(Levels):
         return [Group(part * 8 + 16 * high, self.levels(words, 4 * high, ctx), d) for high in (0, 1)]
 
 
-class IQ3_XXS(Format):
+def sign_bits(index):
+    """The 8 signs a 7-bit index stands for (formats.sign_byte): the index, and an eighth bit that
+    makes the number of negatives even."""
+    parity = index ^ (index >> 4)
+    parity = parity ^ (parity >> 2)
+    return index | (((parity ^ (parity >> 1)) & 1) << 7)
+
+
+def signed_values(point, signs) -> list:
+    """The 4 bytes of a grid word as f32, byte j negated where bit j of `signs` is set."""
+    return [byte_of(point, j).to(f32) * (1.0 - 2.0 * ((signs >> j) & 1).to(f32)) for j in range(4)]
+
+
+def iq2_scale(d, ls):
+    """IQ2's d·(0.5 + ls)·0.25 for a 4-bit scale ls."""
+    return d * (0.5 + ls.to(f32)) * 0.25
+
+
+class Grid(Format):
+    """IQ formats whose indices name points of a fixed grid (formats.iq_grid), held as a table of
+    u32 words, 4 values a word (Format.table: copied into shared memory where kernels set up;
+    kernels without the set-up, the embedding lookup, read the constant table)."""
+    qtype: QuantType
+
+    def table(self):
+        return u32, [int(w) for w in iq_grid(self.qtype).view("<u4").reshape(-1)]
+
+
+class IQ3_XXS(Grid):
     """98 bytes: f16 d, 64 grid indices (a byte each, naming 4 values of formats.iq3_grid), and
     per 32-element run a u32 of four 7-bit sign indices (8 elements each; the eighth sign makes
     the count of negatives even) under a 4-bit scale ls. w = d·(0.5 + ls)·0.5 · ±grid. Part p
     takes elements 4p … 4p + 3 of each run: one index byte and four signs. The grid is a table
     of 256 u32 (four bytes each), copied into shared memory where kernels set up."""
     name, block, nbytes, parts, f16_fields = "iq3_xxs", 256, 98, 8, (0,)
-
-    def table(self):
-        return u32, [int(w) for w in iq3_grid().view("<u4").reshape(-1)]
+    qtype = QuantType.IQ3_XXS
 
     def decode(self, w, base, part, ctx=None):
         grid = self.lookup(ctx)
@@ -625,18 +651,35 @@ class IQ3_XXS(Format):
         for run in range(8):
             aux = self.load(w, base, 66 + 4 * run, 1)[0]
             point = grid[w.view(u8)[base + 2 + 8 * run + part]]
-            index = (aux >> (7 * (part >> 1))) & 0x7F
-            parity = index ^ (index >> 4)
-            parity = parity ^ (parity >> 2)
-            signs = (index | (((parity ^ (parity >> 1)) & 1) << 7)) >> (4 * (part & 1))
-            values = [((point >> (8 * j)) & 0xFF).to(f32) * (1.0 - 2.0 * ((signs >> j) & 1).to(f32)) for j in range(4)]
-            out.append(Group(32 * run + 4 * part, values, d * (0.5 + (aux >> 28).to(f32)) * 0.5))
+            signs = sign_bits((aux >> (7 * (part >> 1))) & 0x7F) >> (4 * (part & 1))
+            out.append(Group(32 * run + 4 * part, signed_values(point, signs), d * (0.5 + (aux >> 28).to(f32)) * 0.5))
+        return out
+
+
+class IQ2_XXS(Grid):
+    """66 bytes: f16 d, then per 32-element run two u32: four grid indices (a byte each, naming 8
+    values of 8, 25 or 43), and four 7-bit sign indices (8 elements each, as IQ3_XXS's) under a
+    4-bit scale ls. w = d·(0.5 + ls)·0.25 · ±grid. Part p takes elements 4p … 4p + 3 of each run:
+    half p & 1 of grid point p >> 1 and four of its signs. The grid is a table of 512 u32 (a
+    point's two words), copied into shared memory where kernels set up."""
+    name, block, nbytes, parts, f16_fields = "iq2_xxs", 256, 66, 8, (0,)
+    qtype = QuantType.IQ2_XXS
+
+    def decode(self, w, base, part, ctx=None):
+        grid = self.lookup(ctx)
+        d = f16_at(w, base)
+        out = []
+        for run in range(8):
+            aux = self.load(w, base, 2 + 8 * run + 4, 1)[0]
+            point = grid[w.view(u8)[base + 2 + 8 * run + (part >> 1)] * 2 + (part & 1)]
+            signs = sign_bits((aux >> (7 * (part >> 1))) & 0x7F) >> (4 * (part & 1))
+            out.append(Group(32 * run + 4 * part, signed_values(point, signs), iq2_scale(d, aux >> 28)))
         return out
 
 
 FORMATS: dict[str, Format] = {f.name: f for f in (F32(), F16(), BF16(), Q8_0(), Q4_0(), Q4_1(), Q5_0(), Q5_1(),
                                                   Q2_K(), Q3_K(), Q4_K(), Q5_K(), Q6_K(), IQ4_NL(), IQ4_XS(),
-                                                  MXFP4(), IQ3_XXS())}
+                                                  MXFP4(), IQ3_XXS(), IQ2_XXS())}
 INT8_FORMATS = [name for name, f in FORMATS.items() if f.iparts]
 
 
