@@ -85,7 +85,7 @@ def test_35b_a3b_figures_from_the_model_doc():
 
 # -- zdsl model info on files zdsl cannot run ------------------------------------------------------
 
-IQ2_XXS_BYTES = 66                          # per 256 values
+TQ2_0_BYTES = 66                            # per 256 values (ternary; no GPU kernel)
 
 
 def info_json(path, capsys) -> dict:
@@ -114,18 +114,18 @@ def gate_as(qtype, tiny, path):
 
 
 def test_info_marks_a_type_without_gpu_kernel_and_still_plans(tiny_q8, tmp_path, capsys):
-    path = gate_as(QuantType.IQ2_XXS, tiny_q8, tmp_path / "iq2.gguf")
+    path = gate_as(QuantType.TQ2_0, tiny_q8, tmp_path / "tq2.gguf")
     r = info_json(path, capsys)
-    assert not r["runnable"] and "blk.0.attn_gate.weight is IQ2_XXS" in r["problem"]
+    assert not r["runnable"] and "blk.0.attn_gate.weight is TQ2_0" in r["problem"]
     assert r["no_gpu_kernel"] == ["blk.0.attn_gate.weight"]
     types = {t["name"]: t for t in r["types"]}
-    assert types["IQ2_XXS"] == {"name": "IQ2_XXS", "tensors": 1, "bytes": 512 * IQ2_XXS_BYTES, "gpu_kernel": False}
+    assert types["TQ2_0"] == {"name": "TQ2_0", "tensors": 1, "bytes": 512 * TQ2_0_BYTES, "gpu_kernel": False}
     assert types["Q8_0"]["gpu_kernel"] and types["F32"]["gpu_kernel"]
     assert r["hparams"]["n_layers"] == 4 and r["plan"]["weight_bytes"] == sum(t["bytes"] for t in r["types"])
-    assert r["plan"]["bytes_by_type"]["IQ2_XXS"] == 512 * IQ2_XXS_BYTES
+    assert r["plan"]["bytes_by_type"]["TQ2_0"] == 512 * TQ2_0_BYTES
     out = info_table(path, capsys)
-    assert re.search(r"│ IQ2_XXS +│ +1 │ +33.00 KiB │ no GPU kernel yet", out)
-    assert re.search(r"│ zdsl +│ cannot run it: .*IQ2_XXS", out) and "DDDA" in out
+    assert re.search(r"│ TQ2_0 +│ +1 │ +33.00 KiB │ no GPU kernel yet", out)
+    assert re.search(r"│ zdsl +│ cannot run it: .*TQ2_0", out) and "DDDA" in out
     assert "no GPU kernel yet for 1 of 76 tensors: blk.0.attn_gate.weight" in out
 
 
@@ -140,8 +140,8 @@ def test_info_tells_a_type_the_reference_reads_from_one_with_a_gpu_kernel(tiny_q
 
 def test_info_describes_an_architecture_zdsl_does_not_run(tiny_q8, tmp_path, capsys):
     llama = rewrite(tiny_q8, tmp_path / "llama.gguf", arch="llama",
-                    replace={"blk.1.ffn_up_exps.weight": ((16, 256, 256), QuantType.IQ2_XXS,
-                                                          np.zeros((16, 256, IQ2_XXS_BYTES), np.uint8))})
+                    replace={"blk.1.ffn_up_exps.weight": ((16, 256, 256), QuantType.TQ2_0,
+                                                          np.zeros((16, 256, TQ2_0_BYTES), np.uint8))})
     r = info_json(llama, capsys)
     assert r["architecture"] == "llama" and "'llama' model" in r["problem"] and not r["runnable"]
     assert r["hparams"] is None and r["plan"] is None
@@ -150,7 +150,7 @@ def test_info_describes_an_architecture_zdsl_does_not_run(tiny_q8, tmp_path, cap
     assert r["no_gpu_kernel"] == ["blk.1.ffn_up_exps.weight"]
     out = info_table(llama, capsys)
     assert re.search(r"│ architecture +│ llama ", out) and re.search(r"│ llama.block_count +│ 4 ", out)
-    assert re.search(r"│ IQ2_XXS +│ +1 │ .*│ no GPU kernel yet", out) and "cannot run it" in out
+    assert re.search(r"│ TQ2_0 +│ +1 │ .*│ no GPU kernel yet", out) and "cannot run it" in out
 
 
 @pytest.mark.parametrize("content, message", [(None, "no such file"), (b"PK\x03\x04" + bytes(64), "not a GGUF"),

@@ -278,10 +278,10 @@ def test_wrong_shape(tiny, tmp_path):
 
 
 def test_unsupported_type(tiny, tmp_path):
-    block, size = 256, 66  # IQ2_XXS
+    block, size = 256, 66  # TQ2_0 (ternary: no Qwen3.5 file uses it, zdsl has no decoder)
     data = np.zeros((512, 256 // block * size), np.uint8)
-    msg = one_line_error(rewrite(tiny, tmp_path / "t.gguf", replace={"blk.0.attn_gate.weight": ((512, 256), QuantType.IQ2_XXS, data)}),
-                         "blk.0.attn_gate.weight is IQ2_XXS, which zdsl cannot run")
+    msg = one_line_error(rewrite(tiny, tmp_path / "t.gguf", replace={"blk.0.attn_gate.weight": ((512, 256), QuantType.TQ2_0, data)}),
+                         "blk.0.attn_gate.weight is TQ2_0, which zdsl cannot run")
     assert "Q4_K" in msg
 
 
