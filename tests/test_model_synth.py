@@ -53,6 +53,18 @@ def test_35b_a3b_dynamic_mix_follows_the_published_recipe():
     assert 15e9 < total < 18e9, total  # 3.06 bits per expert gate/up weight, 4.25 per down
 
 
+def test_35b_a3b_two_bit_mix():
+    tensors = synth.plan(synth.preset("35b-a3b"), "iq2_xxs_dynamic")
+    types = {n: q for n, _, q in tensors}
+    assert types["blk.7.ffn_gate_exps.weight"] == types["blk.7.ffn_up_exps.weight"] == QuantType.IQ2_XXS
+    for family in ("ffn_down_exps", "attn_qkv", "attn_gate", "ssm_out"):
+        assert types[f"blk.4.{family}.weight"] == QuantType.IQ3_XXS, family
+    assert types["blk.3.attn_q.weight"] == types["blk.3.attn_output.weight"] == QuantType.IQ3_XXS
+    assert types["blk.4.ffn_up_shexp.weight"] == types["blk.4.ssm_beta.weight"] == QuantType.Q8_0
+    total = sum(int(np.prod(s[:-1])) * synth.row_bytes(q, s[-1]) for _, s, q in tensors)
+    assert 10e9 < total < 12.5e9, total  # 2.06 bits per expert gate/up weight, 3.06 per down
+
+
 @pytest.mark.parametrize("qtype", [QuantType.IQ3_XXS, QuantType.IQ4_XS, QuantType.IQ4_NL])
 def test_random_rows_of_a_type_without_encoder_have_the_asked_rms(qtype):
     """Random blocks in the type's layout, scaled per block to the std asked (up to f16 rounding)."""

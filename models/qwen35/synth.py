@@ -52,7 +52,7 @@ PRESETS: dict[str, Hparams] = {
         n_experts=256, n_experts_used=8, expert_ffn=512, shared_ffn=512),
 }
 FULL_ATTENTION_INTERVAL = 4
-QUANTS = ("q4_k_m", "iq3_xxs_dynamic", "mxfp4_moe", "q8_0", "f16", "f32")
+QUANTS = ("q4_k_m", "iq3_xxs_dynamic", "iq2_xxs_dynamic", "mxfp4_moe", "q8_0", "f16", "f32")
 SPECIAL_TOKENS = {  # text: GGUF token type (Qwen marks the think tags as plain added tokens)
     "<|endoftext|>": TokenType.CONTROL, "<|im_start|>": TokenType.CONTROL, "<|im_end|>": TokenType.CONTROL,
     "<think>": TokenType.USER_DEFINED, "</think>": TokenType.USER_DEFINED,
@@ -126,6 +126,16 @@ def tensor_type(name: str, spec: TensorSpec, quant: str, layer: int, n_layers: i
             return QuantType.IQ3_XXS
         if name.endswith("ffn_down_exps.weight"):
             return QuantType.IQ4_XS
+        return {"output.weight": QuantType.Q6_K, "token_embd.weight": QuantType.Q4_K}.get(name, QuantType.Q8_0)
+    if quant == "iq2_xxs_dynamic":
+        # The 2-bit files' shape: the FFN's gate and up (routed or dense) at 2 bits, its down and
+        # the attention and delta-net projections IQ3_XXS (as the dense Qwen3.5 files have
+        # them), the shared expert and the delta-net's gates Q8_0.
+        if name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_gate.weight", "ffn_up.weight")):
+            return QuantType.IQ2_XXS
+        if name.endswith(("ffn_down_exps.weight", "ffn_down.weight", "attn_qkv.weight", "attn_gate.weight",
+                          "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ssm_out.weight")):
+            return QuantType.IQ3_XXS
         return {"output.weight": QuantType.Q6_K, "token_embd.weight": QuantType.Q4_K}.get(name, QuantType.Q8_0)
     if quant != "q4_k_m":
         return {"q8_0": QuantType.Q8_0, "f16": QuantType.F16, "f32": QuantType.F32}[quant]
