@@ -516,14 +516,20 @@ class Q6_K(Format):
 def shared_table(dtype, values: list):
     """A constant table copied into shared memory by the whole workgroup, for a kernel's set-up:
     the lanes of a subgroup look up different entries at once, which a constant table serves one
-    address at a time on some GPUs."""
+    address at a time on some GPUs. A table larger than the workgroup is copied in a loop the GPU
+    runs: one read of the constant table in the code (an unrolled copy of the IQ grids' 1024 or
+    2048 words read it hundreds of times, and lavapipe's compiler, which makes each read of a
+    constant array a copy of the whole array, ran out of memory)."""
     n = len(values)
     constants = zdsl.table(dtype, values)
     table = zdsl.shared(dtype, n)
     wg = zdsl.workgroup_size(0) * zdsl.workgroup_size(1) * zdsl.workgroup_size(2)
-    for first in range(0, n, wg):
-        i = zdsl.local_index() + first
+    if n <= wg:
+        i = zdsl.local_index()
         with zdsl.if_(i < n):
+            table[i] = constants[i]
+    else:
+        for i in zdsl.range(zdsl.local_index(), n, wg):
             table[i] = constants[i]
     zdsl.barrier()
     return table
@@ -670,9 +676,33 @@ class IQ2_XXS(Grid):
         return out
 
 
+class IQ2_XS(Grid):
+    """74 bytes: f16 d, 32 u16 (8 elements each: a 9-bit grid index naming 8 values of 8, 25 or
+    43, under a 7-bit sign index as IQ2_XXS's), and 8 bytes of 4-bit scales ls (16 elements
+    each, low nibble first). w = d·(0.5 + ls)·0.25 · ±grid. Part p takes elements 4p … 4p + 3 of
+    each run: half p & 1 of the run's grid point p >> 1, under the run's scale p >> 2. The grid
+    is a table of 1024 u32 (a point's two words), copied into shared memory where kernels set
+    up."""
+    name, block, nbytes, parts, f16_fields = "iq2_xs", 256, 74, 8, (0,)
+    qtype = QuantType.IQ2_XS
+
+    def decode(self, w, base, part, ctx=None):
+        grid = self.grid(ctx)
+        d = f16_at(w, base)
+        scales = self.load(w, base, 66, 2)
+        out = []
+        for run in range(8):
+            q = w.view(u16)[((base + 2 + 8 * run) >> 1) + (part >> 1)]
+            point = grid[(q & 511) * 2 + (part & 1)]
+            signs = sign_bits(q >> 9) >> (4 * (part & 1))
+            ls = (byte_of(scales[run >> 2], run & 3) >> (4 * (part >> 2))) & 0xF
+            out.append(Group(32 * run + 4 * part, signed_values(point, signs), iq2_scale(d, ls)))
+        return out
+
+
 FORMATS: dict[str, Format] = {f.name: f for f in (F32(), F16(), BF16(), Q8_0(), Q4_0(), Q4_1(), Q5_0(), Q5_1(),
                                                   Q2_K(), Q3_K(), Q4_K(), Q5_K(), Q6_K(), IQ4_NL(), IQ4_XS(),
-                                                  MXFP4(), IQ3_XXS(), IQ2_XXS())}
+                                                  MXFP4(), IQ3_XXS(), IQ2_XXS(), IQ2_XS())}
 INT8_FORMATS = [name for name, f in FORMATS.items() if f.iparts]
 
 
