@@ -36,7 +36,7 @@ _BLOCKS = {
     QuantType.Q5_K: (256, 176), QuantType.Q6_K: (256, 210),
     QuantType.IQ4_NL: (32, 18), QuantType.IQ4_XS: (256, 136), QuantType.MXFP4: (32, 17),
     QuantType.IQ3_XXS: (256, 98), QuantType.IQ2_XXS: (256, 66),
-    QuantType.IQ2_XS: (256, 74),
+    QuantType.IQ2_XS: (256, 74), QuantType.IQ2_S: (256, 82),
 }
 _FLOATS = frozenset({QuantType.F32, QuantType.F16, QuantType.BF16})
 SUPPORTED_DEQUANT = frozenset(_BLOCKS)
@@ -283,6 +283,14 @@ def _iq2_xs(b):
     return q, _iq2_scale(_f16(b, 0), _bits(b[:, 66:74], 1, 4)), None
 
 
+def _iq2_s(b):
+    # f16 d, 32 low bytes of 10-bit grid indices (8 elements each), 32 sign bytes, 8 bytes of the
+    # indices' top 2 bits, 16 4-bit scales ls (16 elements each); w = d·(0.5 + ls)·0.25 · ±grid
+    index = b[:, 2:34] | (_bits(b[:, 66:74], 1, 2).astype(np.uint16) << 8)
+    q = _signed(iq_grid(QuantType.IQ2_S)[index], b[:, 34:66]).reshape(len(b), 256)
+    return q, _iq2_scale(_f16(b, 0), _bits(b[:, 74:82], 1, 4)), None
+
+
 def _mxfp4(b):
     # E8M0 byte, 16 bytes of nibbles laid out as Q4_0
     return MXFP4_LEVELS[_bits(b[:, 1:], 16, 4)], e8m0_half(b[:, :1]), None
@@ -293,7 +301,7 @@ _DECODERS = {
     QuantType.Q8_0: _q8_0, QuantType.Q8_1: _q8_1, QuantType.Q2_K: _q2_k, QuantType.Q3_K: _q3_k,
     QuantType.Q4_K: _q4_k, QuantType.Q5_K: _q5_k, QuantType.Q6_K: _q6_k,
     QuantType.IQ4_NL: _iq4_nl, QuantType.IQ4_XS: _iq4_xs, QuantType.MXFP4: _mxfp4, QuantType.IQ3_XXS: _iq3_xxs,
-    QuantType.IQ2_XXS: _iq2_xxs, QuantType.IQ2_XS: _iq2_xs,
+    QuantType.IQ2_XXS: _iq2_xxs, QuantType.IQ2_XS: _iq2_xs, QuantType.IQ2_S: _iq2_s,
 }
 
 

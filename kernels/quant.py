@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cache
 
 import zdsl
 from zdsl import f16, f32, i32, u8, u16, u32
@@ -620,7 +621,7 @@ def iq2_scale(d, ls):
 class Grid(Format):
     """IQ formats whose indices name points of a fixed grid (formats.iq_grid), held as a table of
     u32 words (`grid_words`). Kernels copy it into shared memory where they set up (`setup`,
-    shared_table); kernels without the set-up (the embedding lookup) read the constant table."""
+    shared_table); kernels without the set-up read the constant table."""
     qtype: QuantType
 
     def grid_words(self) -> list[int]:
@@ -632,6 +633,35 @@ class Grid(Format):
 
     def grid(self, ctx):
         return ctx if ctx is not None else zdsl.table(u32, self.grid_words())
+
+
+@cache
+def two_bit_words(qtype) -> list[int]:
+    """A grid of three levels (IQ2's 8, 25, 43; IQ1's −1, 0, 1) as 2-bit codes, each value its
+    level's rank, lowest first: 16 bits a point, two points a u32."""
+    grid = iq_grid(qtype)
+    levels = sorted(set(int(v) for v in grid.flat))
+    points = [sum(levels.index(int(v)) << (2 * j) for j, v in enumerate(row)) for row in grid]
+    return [points[i] | (points[i + 1] << 16) for i in range(0, len(points), 2)]
+
+
+class TwoBitGrid(Grid):
+    """Grids of 8 values from three levels, kept as two_bit_words: a quarter of their bytes."""
+
+    def grid_words(self) -> list[int]:
+        return two_bit_words(self.qtype)
+
+    @staticmethod
+    def codes(grid, index, half):
+        """The codes of elements 4·half … 4·half + 3 of grid point `index`: the low 8 bits (higher
+        bits belong to other elements)."""
+        return grid[index >> 1] >> (16 * (index & 1) + 8 * half)
+
+
+def iq2_bytes(codes):
+    """IQ2's values 8, 25, 43 of four 2-bit codes (the low 8 bits of `codes`), a byte each."""
+    b = (codes & 3) | ((codes & 0xC) << 6) | ((codes & 0x30) << 12) | ((codes & 0xC0) << 18)
+    return 0x08080808 + 17 * b + ((b >> 1) & 0x01010101)
 
 
 class IQ3_XXS(Grid):
@@ -655,12 +685,12 @@ class IQ3_XXS(Grid):
         return out
 
 
-class IQ2_XXS(Grid):
+class IQ2_XXS(TwoBitGrid):
     """66 bytes: f16 d, then per 32-element run two u32: four grid indices (a byte each, naming 8
     values of 8, 25 or 43), and four 7-bit sign indices (8 elements each, as IQ3_XXS's) under a
     4-bit scale ls. w = d·(0.5 + ls)·0.25 · ±grid. Part p takes elements 4p … 4p + 3 of each run:
-    half p & 1 of grid point p >> 1 and four of its signs. The grid is a table of 512 u32 (a
-    point's two words), copied into shared memory where kernels set up."""
+    half p & 1 of grid point p >> 1 and four of its signs. The grid is a table of 128 u32
+    (two_bit_words), copied into shared memory where kernels set up."""
     name, block, nbytes, parts, f16_fields = "iq2_xxs", 256, 66, 8, (0,)
     qtype = QuantType.IQ2_XXS
 
@@ -670,19 +700,18 @@ class IQ2_XXS(Grid):
         out = []
         for run in range(8):
             aux = self.load(w, base, 2 + 8 * run + 4, 1)[0]
-            point = grid[w.view(u8)[base + 2 + 8 * run + (part >> 1)] * 2 + (part & 1)]
+            point = iq2_bytes(self.codes(grid, w.view(u8)[base + 2 + 8 * run + (part >> 1)], part & 1))
             signs = sign_bits((aux >> (7 * (part >> 1))) & 0x7F) >> (4 * (part & 1))
             out.append(Group(32 * run + 4 * part, signed_values(point, signs), iq2_scale(d, aux >> 28)))
         return out
 
 
-class IQ2_XS(Grid):
+class IQ2_XS(TwoBitGrid):
     """74 bytes: f16 d, 32 u16 (8 elements each: a 9-bit grid index naming 8 values of 8, 25 or
     43, under a 7-bit sign index as IQ2_XXS's), and 8 bytes of 4-bit scales ls (16 elements
     each, low nibble first). w = d·(0.5 + ls)·0.25 · ±grid. Part p takes elements 4p … 4p + 3 of
     each run: half p & 1 of the run's grid point p >> 1, under the run's scale p >> 2. The grid
-    is a table of 1024 u32 (a point's two words), copied into shared memory where kernels set
-    up."""
+    is a table of 256 u32 (two_bit_words), copied into shared memory where kernels set up."""
     name, block, nbytes, parts, f16_fields = "iq2_xs", 256, 74, 8, (0,)
     qtype = QuantType.IQ2_XS
 
@@ -693,8 +722,33 @@ class IQ2_XS(Grid):
         out = []
         for run in range(8):
             q = w.view(u16)[((base + 2 + 8 * run) >> 1) + (part >> 1)]
-            point = grid[(q & 511) * 2 + (part & 1)]
+            point = iq2_bytes(self.codes(grid, q & 511, part & 1))
             signs = sign_bits(q >> 9) >> (4 * (part & 1))
+            ls = (byte_of(scales[run >> 2], run & 3) >> (4 * (part >> 2))) & 0xF
+            out.append(Group(32 * run + 4 * part, signed_values(point, signs), iq2_scale(d, ls)))
+        return out
+
+
+class IQ2_S(TwoBitGrid):
+    """82 bytes: f16 d, 32 low bytes of 10-bit grid indices (8 elements each, naming 8 values of 8,
+    25 or 43), 32 sign bytes (bit j: element j negative), 8 bytes of the indices' top 2 bits (four
+    a byte), and 8 bytes of 4-bit scales ls (16 elements each, low nibble first). w = d·(0.5 +
+    ls)·0.25 · ±grid. Part p takes elements 4p … 4p + 3 of each run: half p & 1 of the run's grid
+    point p >> 1 under the run's scale p >> 2. The grid is a table of 512 u32 (2 KiB;
+    two_bit_words), copied into shared memory where kernels set up."""
+    name, block, nbytes, parts, f16_fields = "iq2_s", 256, 82, 8, (0,)
+    qtype = QuantType.IQ2_S
+
+    def decode(self, w, base, part, ctx=None):
+        grid = self.grid(ctx)
+        d = f16_at(w, base)
+        high, scales = self.load(w, base, 66, 2), self.load(w, base, 74, 2)
+        b, k = w.view(u8), part >> 1
+        out = []
+        for run in range(8):
+            index = b[base + 2 + 4 * run + k] | (((byte_of(high[run >> 2], run & 3) >> (2 * k)) & 3) << 8)
+            point = iq2_bytes(self.codes(grid, index, part & 1))
+            signs = b[base + 34 + 4 * run + k] >> (4 * (part & 1))
             ls = (byte_of(scales[run >> 2], run & 3) >> (4 * (part >> 2))) & 0xF
             out.append(Group(32 * run + 4 * part, signed_values(point, signs), iq2_scale(d, ls)))
         return out
@@ -702,7 +756,7 @@ class IQ2_XS(Grid):
 
 FORMATS: dict[str, Format] = {f.name: f for f in (F32(), F16(), BF16(), Q8_0(), Q4_0(), Q4_1(), Q5_0(), Q5_1(),
                                                   Q2_K(), Q3_K(), Q4_K(), Q5_K(), Q6_K(), IQ4_NL(), IQ4_XS(),
-                                                  MXFP4(), IQ3_XXS(), IQ2_XXS(), IQ2_XS())}
+                                                  MXFP4(), IQ3_XXS(), IQ2_XXS(), IQ2_XS(), IQ2_S())}
 INT8_FORMATS = [name for name, f in FORMATS.items() if f.iparts]
 
 
