@@ -37,6 +37,7 @@ _BLOCKS = {
     QuantType.IQ4_NL: (32, 18), QuantType.IQ4_XS: (256, 136), QuantType.MXFP4: (32, 17),
     QuantType.IQ3_XXS: (256, 98), QuantType.IQ2_XXS: (256, 66),
     QuantType.IQ2_XS: (256, 74), QuantType.IQ2_S: (256, 82),
+    QuantType.IQ3_S: (256, 110),
 }
 _FLOATS = frozenset({QuantType.F32, QuantType.F16, QuantType.BF16})
 SUPPORTED_DEQUANT = frozenset(_BLOCKS)
@@ -291,6 +292,15 @@ def _iq2_s(b):
     return q, _iq2_scale(_f16(b, 0), _bits(b[:, 74:82], 1, 4)), None
 
 
+def _iq3_s(b):
+    # f16 d, 64 low bytes of 9-bit grid indices (4 elements each), 8 bytes of their top bits, 32
+    # sign bytes (8 elements each), 8 4-bit scales ls (32 elements each); w = d·(1 + 2·ls) · ±grid
+    n = len(b)
+    index = b[:, 2:66] | (_bits(b[:, 66:74], 1, 1).astype(np.uint16) << 8)
+    q = _signed(iq_grid(QuantType.IQ3_S)[index].reshape(n, 32, 8), b[:, 74:106]).reshape(n, 256)
+    return q, _f16(b, 0) * (1 + 2 * _bits(b[:, 106:110], 1, 4)).astype(np.float32), None
+
+
 def _mxfp4(b):
     # E8M0 byte, 16 bytes of nibbles laid out as Q4_0
     return MXFP4_LEVELS[_bits(b[:, 1:], 16, 4)], e8m0_half(b[:, :1]), None
@@ -302,6 +312,7 @@ _DECODERS = {
     QuantType.Q4_K: _q4_k, QuantType.Q5_K: _q5_k, QuantType.Q6_K: _q6_k,
     QuantType.IQ4_NL: _iq4_nl, QuantType.IQ4_XS: _iq4_xs, QuantType.MXFP4: _mxfp4, QuantType.IQ3_XXS: _iq3_xxs,
     QuantType.IQ2_XXS: _iq2_xxs, QuantType.IQ2_XS: _iq2_xs, QuantType.IQ2_S: _iq2_s,
+    QuantType.IQ3_S: _iq3_s,
 }
 
 

@@ -754,9 +754,33 @@ class IQ2_S(TwoBitGrid):
         return out
 
 
+class IQ3_S(Grid):
+    """110 bytes: f16 d, 64 low bytes of 9-bit grid indices (4 elements each, naming 4 odd values
+    1 … 15), 8 bytes of the indices' top bits (bit i of byte r: index 8r + i), 32 sign bytes (bit
+    j: element j negative), and 4 bytes of 4-bit scales ls (32 elements each, low nibble first).
+    w = d·(1 + 2·ls) · ±grid. Part p takes elements 4p … 4p + 3 of each run: its grid point p and
+    half p & 1 of its sign byte p >> 1. The grid is a table of 512 u32 (four bytes each), copied
+    into shared memory where kernels set up."""
+    name, block, nbytes, parts, f16_fields = "iq3_s", 256, 110, 8, (0,)
+    qtype = QuantType.IQ3_S
+
+    def decode(self, w, base, part, ctx=None):
+        grid = self.grid(ctx)
+        d = f16_at(w, base)
+        high, scales = self.load(w, base, 66, 2), self.load(w, base, 106, 1)[0]
+        b = w.view(u8)
+        out = []
+        for run in range(8):
+            index = b[base + 2 + 8 * run + part] | (((byte_of(high[run >> 2], run & 3) >> part) & 1) << 8)
+            signs = b[base + 74 + 4 * run + (part >> 1)] >> (4 * (part & 1))
+            ls = (scales >> (4 * run)) & 0xF
+            out.append(Group(32 * run + 4 * part, signed_values(grid[index], signs), d * ((ls << 1) | 1).to(f32)))
+        return out
+
+
 FORMATS: dict[str, Format] = {f.name: f for f in (F32(), F16(), BF16(), Q8_0(), Q4_0(), Q4_1(), Q5_0(), Q5_1(),
                                                   Q2_K(), Q3_K(), Q4_K(), Q5_K(), Q6_K(), IQ4_NL(), IQ4_XS(),
-                                                  MXFP4(), IQ3_XXS(), IQ2_XXS(), IQ2_XS(), IQ2_S())}
+                                                  MXFP4(), IQ3_XXS(), IQ2_XXS(), IQ2_XS(), IQ2_S(), IQ3_S())}
 INT8_FORMATS = [name for name, f in FORMATS.items() if f.iparts]
 
 

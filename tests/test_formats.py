@@ -38,7 +38,7 @@ FLOAT_TYPES = [Q.F32, Q.F16, Q.BF16]
 F16_FIELDS = {
     Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,), Q.Q2_K: (80, 82),
     Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,), Q.IQ3_XXS: (0,),
-    Q.IQ2_XXS: (0,), Q.IQ2_XS: (0,), Q.IQ2_S: (0,),
+    Q.IQ2_XXS: (0,), Q.IQ2_XS: (0,), Q.IQ2_S: (0,), Q.IQ3_S: (0,),
 }
 RMS_BOUND = {Q.Q4_K: 0.035, Q.Q5_K: 0.018, Q.Q6_K: 0.009}
 # Small blocks have subnormal f16 scales, rounded to 2⁻²⁴ absolute: adds 2⁻²⁵ · (max sc·q + 63 for dmin).
@@ -147,12 +147,12 @@ def test_unpack_codes_rebuild_the_values(qtype, rows, nblocks, seed):
     lo, hi = {Q.Q4_0: (-8, 7), Q.Q4_1: (0, 15), Q.Q5_0: (-16, 15), Q.Q5_1: (0, 31), Q.Q8_0: (-128, 127),
               Q.Q2_K: (0, 3), Q.Q3_K: (-4, 3), Q.Q4_K: (0, 15), Q.Q5_K: (0, 31), Q.Q6_K: (-32, 31),
               Q.IQ4_NL: (-127, 113), Q.IQ4_XS: (-127, 113), Q.MXFP4: (-12, 12), Q.IQ3_XXS: (-62, 62),
-              Q.IQ2_XXS: (-43, 43), Q.IQ2_XS: (-43, 43), Q.IQ2_S: (-43, 43)}[qtype]
+              Q.IQ2_XXS: (-43, 43), Q.IQ2_XS: (-43, 43), Q.IQ2_S: (-43, 43), Q.IQ3_S: (-15, 15)}[qtype]
     assert lo <= c.q.min() and c.q.max() <= hi
     assert_same_bits(c.values(), gguf_dequant(raw, qtype, (rows, k)))
 
 
-@pytest.mark.parametrize("qtype", [Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS])
+@pytest.mark.parametrize("qtype", [Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S])
 def test_iq_grid_blocks_equal_gguf_bit_for_bit(qtype):
     """Many blocks of each grid type at once (every grid index and sign pattern is likely met),
     finite and not."""
