@@ -36,7 +36,8 @@ from zdsl.kernels.reduce import SUBGROUPS, workgroup_sums
 
 QTYPES = list(FORMATS)
 # The types GGUF files use for expert tensors (other types and K still specialize on demand).
-EXPERT_QTYPES = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q8_0", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq4_xs", "mxfp4"]
+EXPERT_QTYPES = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q8_0", "iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s",
+                 "iq3_xxs", "iq3_s", "iq4_xs", "mxfp4"]
 NSUBS = [1, 2, 4]  # subgroups per workgroup, each with rows of its own (the tuner's choice; see Rows)
 
 

@@ -29,7 +29,7 @@ from functools import cache
 
 import zdsl
 from zdsl import f16, f32, i32, u8, u16, u32
-from zdsl.kernels.formats import MXFP4_LEVELS, QuantType, iq_grid
+from zdsl.kernels.formats import MXFP4_LEVELS, QuantType, iq_grid, set_iq1_m_d_bits
 
 # IQ4_NL / IQ4_XS: the 16 non-linear levels a 4-bit index selects (ggml's kvalues_iq4nl).
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -198,6 +198,14 @@ class Format:
 
     def int_groups(self, w, base, part) -> list[IntGroup]:
         raise NotImplementedError
+
+    def finite_scales(self, rng, blocks, bound: float):
+        """Random blocks (a uint8 array, nbytes last) given f16 scales uniform in ±bound and E8M0
+        exponents of 2⁻¹⁰ … 2⁻¹, in place: synthetic weights whose products stay finite."""
+        for at in self.f16_fields:
+            blocks[..., at:at + 2] = rng.uniform(-bound, bound, blocks.shape[:-1] + (1,)).astype("<f2").view("u1")
+        for at in self.e8m0_fields:
+            blocks[..., at] = rng.integers(118, 128, blocks.shape[:-1])
 
 
 class F32(Format):
@@ -778,9 +786,71 @@ class IQ3_S(Grid):
         return out
 
 
+class IQ1(TwoBitGrid):
+    """Shared by IQ1_S and IQ1_M: 11-bit indices name 8 values of −1, 0 or 1 (formats.iq_grid;
+    IQ1_M uses IQ1_S's), kept as 2-bit codes c = value + 1 (two_bit_words): a table of 1024 u32
+    (4 KiB), copied into shared memory where kernels set up. w = dl·(value + delta), delta = ±1/8
+    per point; in unit form 4·dl·(1 + c/4) + dl·(delta − 5)."""
+    qtype = QuantType.IQ1_S
+
+    def group(self, grid, offset, index, half, dl, negative) -> Group:
+        """Elements 4·half … 4·half + 3 of grid point `index`, w = dl·(value ± 1/8)."""
+        codes = self.codes(grid, index, half)
+        delta = zdsl.where(negative, -0.125, 0.125)
+        return unit_group(offset, [unit(codes, 2 * j, 2) for j in range(4)], 2, dl, dl * (delta - 1.0))
+
+
+class IQ1_S(IQ1):
+    """50 bytes: f16 d, 32 low bytes of 11-bit grid indices (8 elements each), and per 32-element
+    run a u16: the run's four indices' top 3 bits (bits 0, 3, 6, 9), a 3-bit scale ls (bit 12)
+    and the sign of delta (bit 15). w = d·(2·ls + 1)·(grid ± 1/8). Part p takes elements
+    4p … 4p + 3 of each run: half p & 1 of its grid point p >> 1."""
+    name, block, nbytes, parts, f16_fields = "iq1_s", 256, 50, 8, (0,)
+
+    def decode(self, w, base, part, ctx=None):
+        grid = self.grid(ctx)
+        d = f16_at(w, base)
+        k = part >> 1
+        out = []
+        for run in range(8):
+            qh = w.view(u16)[(base + 34 + 2 * run) >> 1]
+            index = w.view(u8)[base + 2 + 4 * run + k] | (((qh >> (3 * k)) & 7) << 8)
+            dl = d * (((qh >> 11) & 0xE) | 1).to(f32)  # 2·ls + 1
+            out.append(self.group(grid, 32 * run + 4 * part, index, part & 1, dl, (qh & 0x8000) != 0))
+        return out
+
+
+class IQ1_M(IQ1):
+    """56 bytes: 32 low bytes of 11-bit grid indices (8 elements each), 16 bytes of nibbles (index
+    i: nibble i; its top 3 bits, and bit 3 the sign of delta), and four u16 of 3-bit scales ls
+    (16 elements each, bits 0, 3, 6, 9) whose top nibbles hold the f16 d, lowest first. w =
+    d·(2·ls + 1)·(grid ± 1/8). Part p takes elements 4p … 4p + 3 of each run: half p & 1 of its
+    grid point p >> 1, under its scale p >> 2."""
+    name, block, nbytes, parts = "iq1_m", 256, 56, 8
+
+    def finite_scales(self, rng, blocks, bound: float):
+        set_iq1_m_d_bits(blocks, rng.uniform(-bound, bound, blocks.shape[:-1]).astype("<f2").view("<u2"))
+
+    def decode(self, w, base, part, ctx=None):
+        grid = self.grid(ctx)
+        sc = self.load(w, base, 48, 2)  # the four u16
+        d = zdsl.f16_bits(((sc[0] >> 12) & 0xF) | ((sc[0] >> 24) & 0xF0) | ((sc[1] >> 4) & 0xF00)
+                          | ((sc[1] >> 16) & 0xF000))
+        high = self.load(w, base, 32, 4)
+        k = part >> 1
+        out = []
+        for run in range(8):  # grid points 4·run + k, scale 2·run + (part >> 2)
+            nibble = (byte_of(high[run >> 1], 2 * (run & 1) + (part >> 2)) >> (4 * (k & 1))) & 0xF
+            index = w.view(u8)[base + 4 * run + k] | ((nibble & 7) << 8)
+            ls = (sc[run >> 2] >> (16 * ((run >> 1) & 1) + 6 * (run & 1) + 3 * (part >> 2))) & 7
+            dl = d * ((ls << 1) | 1).to(f32)
+            out.append(self.group(grid, 32 * run + 4 * part, index, part & 1, dl, (nibble & 8) != 0))
+        return out
+
+
 FORMATS: dict[str, Format] = {f.name: f for f in (F32(), F16(), BF16(), Q8_0(), Q4_0(), Q4_1(), Q5_0(), Q5_1(),
                                                   Q2_K(), Q3_K(), Q4_K(), Q5_K(), Q6_K(), IQ4_NL(), IQ4_XS(),
-                                                  MXFP4(), IQ3_XXS(), IQ2_XXS(), IQ2_XS(), IQ2_S(), IQ3_S())}
+                                                  MXFP4(), IQ3_XXS(), IQ2_XXS(), IQ2_XS(), IQ2_S(), IQ3_S(), IQ1_S(), IQ1_M())}
 INT8_FORMATS = [name for name, f in FORMATS.items() if f.iparts]
 
 

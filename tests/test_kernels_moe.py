@@ -237,7 +237,7 @@ def test_gate_up_grouped(backend, request, qtype, q8, t, n, K, few, kb, m, rows,
     np.testing.assert_allclose(out["act"], want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
 
 
-GRID_TYPES = ["iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s"]  # the IQ grid formats (quant.Grid)
+GRID_TYPES = ["iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m"]  # the IQ grid formats (quant.Grid)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
