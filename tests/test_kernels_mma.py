@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zdsl.kernels import dmmv, ffn, inputs, matmul
-from zdsl.kernels.dmmv import EXPERT_QTYPES, QTYPES
+from zdsl.kernels.dmmv import EXPERT_QTYPES
+from zdsl.kernels.quant import FORMATS
 from kernel_testing import run
 
 BACKENDS = ["interp", "device"]
@@ -50,7 +51,7 @@ def products(stack, ids, x, k):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("qtype", list(FORMATS))  # those built ahead (dmmv.QTYPES) and those made on demand
 @settings(max_examples=3, deadline=None)
 @given(m=st.integers(1, 70), t=st.integers(1, 70), steps=st.integers(1, 2),
        tiles=st.sampled_from([(32, 48, 1), (48, 32, 1), (48, 32, 2), (32, 32, 2), (16, 64, 2)]), add=st.booleans(),
