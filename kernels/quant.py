@@ -850,7 +850,8 @@ class IQ1_M(IQ1):
 
 FORMATS: dict[str, Format] = {f.name: f for f in (F32(), F16(), BF16(), Q8_0(), Q4_0(), Q4_1(), Q5_0(), Q5_1(),
                                                   Q2_K(), Q3_K(), Q4_K(), Q5_K(), Q6_K(), IQ4_NL(), IQ4_XS(),
-                                                  MXFP4(), IQ3_XXS(), IQ2_XXS(), IQ2_XS(), IQ2_S(), IQ3_S(), IQ1_S(), IQ1_M())}
+                                                  MXFP4(), IQ3_XXS(), IQ2_XXS(), IQ2_XS(), IQ2_S(), IQ3_S(),
+                                                  IQ1_S(), IQ1_M())}
 INT8_FORMATS = [name for name, f in FORMATS.items() if f.iparts]
 
 

@@ -143,7 +143,8 @@ def test_unpack_codes_rebuild_the_values(qtype, rows, nblocks, seed):
     k = F.block_shape(qtype)[0] * nblocks
     raw = random_blocks(rng, qtype, rows, k, finite=True)
     c = F.unpack(raw, qtype, (rows, k))
-    group = {Q.Q2_K: 16, Q.Q3_K: 16, Q.Q6_K: 16, Q.Q4_K: 32, Q.Q5_K: 32, Q.IQ4_XS: 32, Q.IQ2_XS: 16, Q.IQ2_S: 16, Q.IQ1_M: 16}.get(qtype, 32)
+    group = {Q.Q2_K: 16, Q.Q3_K: 16, Q.Q6_K: 16, Q.Q4_K: 32, Q.Q5_K: 32, Q.IQ4_XS: 32, Q.IQ2_XS: 16, Q.IQ2_S: 16,
+             Q.IQ1_M: 16}.get(qtype, 32)
     assert c.q.dtype == np.int8 and c.q.shape == (rows, k) and c.group == group
     assert c.scale.shape == (rows, k // group)
     assert (c.bias is None) == (qtype not in {Q.Q4_1, Q.Q5_1, Q.Q2_K, Q.Q4_K, Q.Q5_K})
