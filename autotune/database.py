@@ -14,11 +14,13 @@ subgroup size.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
+from types import SimpleNamespace
 
 from zdsl.cache import cache_dir, warn, write_atomic
 
@@ -156,4 +158,19 @@ def choose(kernel, info, shape: dict, db: Database | None = None, **fixed):
         known = {p.name for p in kernel.params if p.kind in ("const", "spec")}
         # a parameter the kernel no longer has (an entry older than the kernel) is ignored
         params.update({k: v for k, v in entry.params.items() if k not in fixed and k in known})
-    return kernel.specialize(**params)
+    return kernel.specialize(**_accepted(kernel, params))
+
+
+def _accepted(kernel, params: dict) -> dict:
+    """params, or where the kernel's constraint refuses its defaults under them, the first of its
+    declared choices for the other parameters that it accepts (IQ1's 4 KiB grid leaves no room
+    for the matrix-unit kernels' default 64-row tiles)."""
+    accepts = kernel.constraint or (lambda v: True)
+    if accepts(SimpleNamespace(**kernel.complete(params))):
+        return params
+    free = [k for k in kernel.variant_space if k not in params]
+    for values in itertools.product(*(kernel.variant_space[k] for k in free)):
+        choice = {**params, **dict(zip(free, values))}
+        if accepts(SimpleNamespace(**kernel.complete(choice))):
+            return choice
+    return params

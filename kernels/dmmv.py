@@ -31,12 +31,20 @@ from gguf import GGMLQuantizationType as QuantType
 from gguf.quants import dequantize
 from zdsl.kernels import inputs
 from zdsl.kernels.q8_1 import q8_1_values
-from zdsl.kernels.quant import FORMATS, INT8_FORMATS, Factored, fmt
+from zdsl.kernels.quant import FORMATS, INT8_FORMATS, Factored, Grid, fmt
 from zdsl.kernels.reduce import SUBGROUPS, workgroup_sums
 
-QTYPES = list(FORMATS)
-# The types GGUF files use for expert tensors (other types and K still specialize on demand).
-EXPERT_QTYPES = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q8_0", "iq2_xxs", "iq3_xxs", "iq4_xs", "mxfp4"]
+# The weight types built ahead (`zdsl build`) for every kernel that takes one: all but the IQ grid
+# types (quant.Grid, IQ1_S … IQ3_S), which published files use for routed experts (the "dynamic"
+# quants keep the other tensors at K-quants or Q8_0). Those are built ahead for the expert kernels
+# only (EXPERT_QTYPES, and ffn_gate_up: GATE_UP_QTYPES) and specialize on demand elsewhere, as any
+# type or K not listed does; built everywhere, their 952 variants added ~2 minutes to the build.
+QTYPES = [name for name, f in FORMATS.items() if not isinstance(f, Grid)]
+# The types GGUF files use for expert tensors.
+EXPERT_QTYPES = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q8_0", "iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s",
+                 "iq3_xxs", "iq3_s", "iq4_xs", "mxfp4"]
+# ffn_gate_up also runs the routed experts' gate·up at decode.
+GATE_UP_QTYPES = QTYPES + [q for q in EXPERT_QTYPES if q not in QTYPES]
 NSUBS = [1, 2, 4]  # subgroups per workgroup, each with rows of its own (the tuner's choice; see Rows)
 
 

@@ -17,13 +17,14 @@ def embed(table: Buffer[u8], ids: Buffer[u32], out: Buffer[f32], k: u32, index: 
     one token at decode, where the id stays on the GPU (the sampler wrote it), a prompt's chunk
     at prefill."""
     f = fmt(QTYPE)
+    ctx = f.setup()  # the IQ grids and levels in shared memory: one read of the constant table
     nblocks = k // f.block
     per_group = 64 // f.parts
     r = zdsl.workgroup_id(1)
     b = zdsl.workgroup_id() * per_group + zdsl.local_index() // f.parts
     with zdsl.if_(b < nblocks):
         base = (ids[index + r] * nblocks + b) * f.nbytes
-        for g in f.groups(table, base, zdsl.local_index() % f.parts):
+        for g in f.groups(table, base, zdsl.local_index() % f.parts, ctx):
             for i, q in enumerate(g.q):
                 w = q * g.scale if g.scale is not None else q
                 out[r * k + b * f.block + g.offset + i] = w + g.bias if g.bias is not None else w

@@ -14,8 +14,8 @@ import numpy as np
 import zdsl
 from zdsl import Buffer, Const, Spec, boolean, f32, u8, u32
 from zdsl.kernels import inputs, mma
-from zdsl.kernels.dmmv import (EXPERT_QTYPES, NSUBS, QTYPES, Rows, as_read, block_step, decoder, dequant_rows,
-                               input_bytes, old_rows, row_dots, row_groups, store_rows, workgroup)
+from zdsl.kernels.dmmv import (EXPERT_QTYPES, GATE_UP_QTYPES, NSUBS, QTYPES, Rows, as_read, block_step, decoder,
+                               dequant_rows, input_bytes, old_rows, row_dots, row_groups, store_rows, workgroup)
 from zdsl.kernels.q8_1 import q8_1_values
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS, fmt
 from zdsl.kernels.reduce import SUBGROUPS
@@ -26,7 +26,7 @@ def _gate_up_traffic(v, s) -> int:
 
 
 @zdsl.kernel(workgroup=workgroup, subgroup="SG",
-             variants={"QTYPE": QTYPES, "Q8": [False, True], "ROWS": [1, 2, 4], "SG": SUBGROUPS},
+             variants={"QTYPE": GATE_UP_QTYPES, "Q8": [False, True], "ROWS": [1, 2, 4], "SG": SUBGROUPS},
              tune={"NSUB": NSUBS}, where=lambda v: not v.Q8 or v.QTYPE in INT8_FORMATS,
              key=("k", "m", "slots"), sizes=("slots",), grid=lambda v, s: (row_groups(v, s.m), s.slots),
              traffic=_gate_up_traffic)

@@ -24,7 +24,7 @@ __all__ = [
     "QuantType", "SUPPORTED_DEQUANT", "SUPPORTED_QUANT", "Codes", "KScales",
     "block_shape", "row_bytes", "dequantize", "quantize", "unpack", "k_scales", "q8_1_quantize",
     "unpack_scale_min_k4", "pack_scale_min_k4", "IQ4_LEVELS", "MXFP4_LEVELS", "e8m0_half", "iq_grid", "iq3_grid",
-    "sign_byte",
+    "sign_byte", "iq1_m_d_bits", "set_iq1_m_d_bits",
 ]
 
 # (elements, bytes) per block
@@ -36,6 +36,9 @@ _BLOCKS = {
     QuantType.Q5_K: (256, 176), QuantType.Q6_K: (256, 210),
     QuantType.IQ4_NL: (32, 18), QuantType.IQ4_XS: (256, 136), QuantType.MXFP4: (32, 17),
     QuantType.IQ3_XXS: (256, 98), QuantType.IQ2_XXS: (256, 66),
+    QuantType.IQ2_XS: (256, 74), QuantType.IQ2_S: (256, 82),
+    QuantType.IQ3_S: (256, 110),
+    QuantType.IQ1_S: (256, 50), QuantType.IQ1_M: (256, 56),
 }
 _FLOATS = frozenset({QuantType.F32, QuantType.F16, QuantType.BF16})
 SUPPORTED_DEQUANT = frozenset(_BLOCKS)
@@ -274,6 +277,76 @@ def _iq2_xxs(b):
     return _signed(grid, signs).reshape(n, 256), _iq2_scale(_f16(b, 0), aux >> 28), None
 
 
+def _iq2_xs(b):
+    # f16 d, 32 u16 (8 elements each): a 9-bit grid index under a 7-bit sign index; 16 4-bit
+    # scales ls (16 elements each); w = d·(0.5 + ls)·0.25 · ±grid
+    qs = np.ascontiguousarray(b[:, 2:66]).view("<u2")
+    q = _signed(iq_grid(QuantType.IQ2_XS)[qs & 511], sign_byte(qs >> 9)).reshape(len(b), 256)
+    return q, _iq2_scale(_f16(b, 0), _bits(b[:, 66:74], 1, 4)), None
+
+
+def _iq2_s(b):
+    # f16 d, 32 low bytes of 10-bit grid indices (8 elements each), 32 sign bytes, 8 bytes of the
+    # indices' top 2 bits, 16 4-bit scales ls (16 elements each); w = d·(0.5 + ls)·0.25 · ±grid
+    index = b[:, 2:34] | (_bits(b[:, 66:74], 1, 2).astype(np.uint16) << 8)
+    q = _signed(iq_grid(QuantType.IQ2_S)[index], b[:, 34:66]).reshape(len(b), 256)
+    return q, _iq2_scale(_f16(b, 0), _bits(b[:, 74:82], 1, 4)), None
+
+
+def _iq3_s(b):
+    # f16 d, 64 low bytes of 9-bit grid indices (4 elements each), 8 bytes of their top bits, 32
+    # sign bytes (8 elements each), 8 4-bit scales ls (32 elements each); w = d·(1 + 2·ls) · ±grid
+    n = len(b)
+    index = b[:, 2:66] | (_bits(b[:, 66:74], 1, 1).astype(np.uint16) << 8)
+    q = _signed(iq_grid(QuantType.IQ3_S)[index].reshape(n, 32, 8), b[:, 74:106]).reshape(n, 256)
+    return q, _f16(b, 0) * (1 + 2 * _bits(b[:, 106:110], 1, 4)).astype(np.float32), None
+
+
+def _iq1(b, index, dl, negative):
+    # IQ1 grid values g of −1, 0, 1 and delta = ∓1/8 (negative: −) as codes q = 8·(g + delta) under
+    # dl/8: the products equal gguf-py's dl·(g + delta) bit for bit (dl/8 is exact, q·dl/8 and
+    # dl·(g + delta) are one rounding of one number)
+    q = 8 * iq_grid(QuantType.IQ1_S)[index] + np.where(negative, -1, 1).astype(np.int8)[..., None]
+    return q.reshape(len(b), 256), dl * np.float32(0.125), None
+
+
+def _iq1_s(b):
+    # f16 d, 32 low bytes of 11-bit grid indices (8 elements each), per 32-element run a u16: the
+    # indices' top 3 bits (four fields), a 3-bit scale ls and the sign of delta (bit 15);
+    # w = d·(2·ls + 1) · (grid ± 1/8)
+    qh = np.ascontiguousarray(b[:, 34:50]).view("<u2")
+    index = b[:, 2:34] | (((qh[..., None] >> np.array([0, 3, 6, 9], np.uint16)) & 7) << 8).reshape(len(b), 32)
+    dl = _f16(b, 0) * (2 * ((qh >> 12) & 7) + 1).astype(np.float32)
+    return _iq1(b, index, dl, np.repeat(qh >> 15, 4, axis=1))
+
+
+def iq1_m_d_bits(blocks: np.ndarray) -> np.ndarray:
+    """IQ1_M's f16 d of each block (..., 56) as uint16 bits: the top nibbles of the four u16 at
+    byte 48, lowest first."""
+    s = np.ascontiguousarray(blocks[..., 48:56]).view("<u2")
+    return (s[..., 0] >> 12) | ((s[..., 1] >> 12) << 4) | ((s[..., 2] >> 12) << 8) | (s[..., 3] & 0xF000)
+
+
+def set_iq1_m_d_bits(blocks: np.ndarray, bits) -> None:
+    """Write f16 bits (...) as the d of IQ1_M blocks (..., 56), in place (the inverse of iq1_m_d_bits)."""
+    s = np.ascontiguousarray(blocks[..., 48:56]).view("<u2")
+    bits = np.asarray(bits, np.uint16)[..., None]
+    s = (s & 0x0FFF) | (((bits >> np.array([0, 4, 8, 12], np.uint16)) & 0xF) << 12)
+    blocks[..., 48:56] = s.astype("<u2").view(np.uint8)
+
+
+def _iq1_m(b):
+    # 32 low bytes of 11-bit grid indices (8 elements each), 16 bytes of nibbles (one per index:
+    # its top 3 bits and the sign of delta), four u16 of 3-bit scales ls (16 elements each) with
+    # the f16 d in their top nibbles; w = d·(2·ls + 1) · (grid ± 1/8)
+    high = _bits(b[:, 32:48], 1, 4)
+    index = b[:, :32] | ((high & 7).astype(np.uint16) << 8)
+    s = np.ascontiguousarray(b[:, 48:56]).view("<u2")
+    ls = ((s[..., None] >> np.array([0, 3, 6, 9], np.uint16)) & 7).reshape(len(b), 16)
+    d = iq1_m_d_bits(b).view(np.float16).astype(np.float32)[:, None]
+    return _iq1(b, index, d * (2 * ls + 1).astype(np.float32), high >> 3)
+
+
 def _mxfp4(b):
     # E8M0 byte, 16 bytes of nibbles laid out as Q4_0
     return MXFP4_LEVELS[_bits(b[:, 1:], 16, 4)], e8m0_half(b[:, :1]), None
@@ -284,7 +357,9 @@ _DECODERS = {
     QuantType.Q8_0: _q8_0, QuantType.Q8_1: _q8_1, QuantType.Q2_K: _q2_k, QuantType.Q3_K: _q3_k,
     QuantType.Q4_K: _q4_k, QuantType.Q5_K: _q5_k, QuantType.Q6_K: _q6_k,
     QuantType.IQ4_NL: _iq4_nl, QuantType.IQ4_XS: _iq4_xs, QuantType.MXFP4: _mxfp4, QuantType.IQ3_XXS: _iq3_xxs,
-    QuantType.IQ2_XXS: _iq2_xxs,
+    QuantType.IQ2_XXS: _iq2_xxs, QuantType.IQ2_XS: _iq2_xs, QuantType.IQ2_S: _iq2_s,
+    QuantType.IQ3_S: _iq3_s,
+    QuantType.IQ1_S: _iq1_s, QuantType.IQ1_M: _iq1_m,
 }
 
 

@@ -24,10 +24,7 @@ def rows(rng, qtype: str, n: int, k: int) -> np.ndarray:
         return (x if qtype == "f32" else x.astype(np.float16) if qtype == "f16"
                 else (x.view(np.uint32) >> 16).astype(np.uint16)).view(np.uint8).reshape(-1)
     w = rng.integers(0, 256, (n, k // f.block, f.nbytes), dtype=np.uint8)
-    for at in f.f16_fields:
-        w[:, :, at:at + 2] = rng.uniform(-0.01, 0.01, w.shape[:2] + (1,)).astype("<f2").view(np.uint8)
-    for at in f.e8m0_fields:
-        w[:, :, at] = rng.integers(118, 128, w.shape[:2])
+    f.finite_scales(rng, w, 0.01)
     return w.reshape(-1)
 
 

@@ -93,7 +93,7 @@ def _coop_traffic(v, s) -> int:
             + 4 * s.t * s.m * (2 if v.ADD else 1))
 
 
-@zdsl.kernel(workgroup=mma.workgroup, subgroup="SG", variants={"QTYPE": QTYPES, "SG": [32]},
+@zdsl.kernel(workgroup=mma.workgroup, subgroup="SG", variants={"QTYPE": QTYPES, "BN": [48, 32], "SG": [32]},
              tune={"TN": [1, 2]}, where=mma.fits, key=("k", "m"),
              grid=lambda v, s: (-(-s.m // v.BM), -(-s.t // v.BN)), traffic=_coop_traffic)
 def mul_mm_coop(w: Buffer[u8], x: Buffer[f16], y: Buffer[f32], k: u32, m: u32, t: u32, ADD: Spec[boolean] = False,

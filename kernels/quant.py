@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cache
 
 import zdsl
 from zdsl import f16, f32, i32, u8, u16, u32
-from zdsl.kernels.formats import MXFP4_LEVELS, QuantType, iq_grid
+from zdsl.kernels.formats import MXFP4_LEVELS, QuantType, iq_grid, set_iq1_m_d_bits
 
 # IQ4_NL / IQ4_XS: the 16 non-linear levels a 4-bit index selects (ggml's kvalues_iq4nl).
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -211,6 +212,14 @@ class Format:
 
     def int_groups(self, w, base, part) -> list[IntGroup]:
         raise NotImplementedError
+
+    def finite_scales(self, rng, blocks, bound: float):
+        """Random blocks (a uint8 array, nbytes last) given f16 scales uniform in ±bound and E8M0
+        exponents of 2⁻¹⁰ … 2⁻¹, in place: synthetic weights whose products stay finite."""
+        for at in self.f16_fields:
+            blocks[..., at:at + 2] = rng.uniform(-bound, bound, blocks.shape[:-1] + (1,)).astype("<f2").view("u1")
+        for at in self.e8m0_fields:
+            blocks[..., at] = rng.integers(118, 128, blocks.shape[:-1])
 
 
 class F32(Format):
@@ -530,14 +539,20 @@ class Q6_K(Format):
 def shared_table(dtype, values: list):
     """A constant table copied into shared memory by the whole workgroup, for a kernel's set-up:
     the lanes of a subgroup look up different entries at once, which a constant table serves one
-    address at a time on some GPUs."""
+    address at a time on some GPUs. A table larger than the workgroup is copied in a loop the GPU
+    runs: one read of the constant table in the code (an unrolled copy of the IQ grids' 1024 or
+    2048 words read it hundreds of times, and lavapipe's compiler, which makes each read of a
+    constant array a copy of the whole array, ran out of memory)."""
     n = len(values)
     constants = zdsl.table(dtype, values)
     table = zdsl.shared(dtype, n)
     wg = zdsl.workgroup_size(0) * zdsl.workgroup_size(1) * zdsl.workgroup_size(2)
-    for first in range(0, n, wg):
-        i = zdsl.local_index() + first
+    if n <= wg:
+        i = zdsl.local_index()
         with zdsl.if_(i < n):
+            table[i] = constants[i]
+    else:
+        for i in zdsl.range(zdsl.local_index(), n, wg):
             table[i] = constants[i]
     zdsl.barrier()
     return table
@@ -627,12 +642,44 @@ def iq2_scale(d, ls):
 
 class Grid(Format):
     """IQ formats whose indices name points of a fixed grid (formats.iq_grid), held as a table of
-    u32 words, 4 values a word (Format.table: copied into shared memory where kernels set up;
-    kernels without the set-up, the embedding lookup, read the constant table)."""
+    u32 words, 4 values a word (`grid_words`; Format.table: copied into shared memory where
+    kernels set up; kernels without the set-up, the embedding lookup, read the constant table)."""
     qtype: QuantType
 
+    def grid_words(self) -> list[int]:
+        return [int(w) for w in iq_grid(self.qtype).view("<u4").reshape(-1)]
+
     def table(self):
-        return u32, [int(w) for w in iq_grid(self.qtype).view("<u4").reshape(-1)]
+        return u32, self.grid_words()
+
+
+@cache
+def two_bit_words(qtype) -> list[int]:
+    """A grid of three levels (IQ2's 8, 25, 43; IQ1's −1, 0, 1) as 2-bit codes, each value its
+    level's rank, lowest first: 16 bits a point, two points a u32."""
+    grid = iq_grid(qtype)
+    levels = sorted(set(int(v) for v in grid.flat))
+    points = [sum(levels.index(int(v)) << (2 * j) for j, v in enumerate(row)) for row in grid]
+    return [points[i] | (points[i + 1] << 16) for i in range(0, len(points), 2)]
+
+
+class TwoBitGrid(Grid):
+    """Grids of 8 values from three levels, kept as two_bit_words: a quarter of their bytes."""
+
+    def grid_words(self) -> list[int]:
+        return two_bit_words(self.qtype)
+
+    @staticmethod
+    def codes(grid, index, half):
+        """The codes of elements 4·half … 4·half + 3 of grid point `index`: the low 8 bits (higher
+        bits belong to other elements)."""
+        return grid[index >> 1] >> (16 * (index & 1) + 8 * half)
+
+
+def iq2_bytes(codes):
+    """IQ2's values 8, 25, 43 of four 2-bit codes (the low 8 bits of `codes`), a byte each."""
+    b = (codes & 3) | ((codes & 0xC) << 6) | ((codes & 0x30) << 12) | ((codes & 0xC0) << 18)
+    return 0x08080808 + 17 * b + ((b >> 1) & 0x01010101)
 
 
 class IQ3_XXS(Grid):
@@ -656,12 +703,12 @@ class IQ3_XXS(Grid):
         return out
 
 
-class IQ2_XXS(Grid):
+class IQ2_XXS(TwoBitGrid):
     """66 bytes: f16 d, then per 32-element run two u32: four grid indices (a byte each, naming 8
     values of 8, 25 or 43), and four 7-bit sign indices (8 elements each, as IQ3_XXS's) under a
     4-bit scale ls. w = d·(0.5 + ls)·0.25 · ±grid. Part p takes elements 4p … 4p + 3 of each run:
-    half p & 1 of grid point p >> 1 and four of its signs. The grid is a table of 512 u32 (a
-    point's two words), copied into shared memory where kernels set up."""
+    half p & 1 of grid point p >> 1 and four of its signs. The grid is a table of 128 u32
+    (two_bit_words), copied into shared memory where kernels set up."""
     name, block, nbytes, parts, f16_fields = "iq2_xxs", 256, 66, 8, (0,)
     qtype = QuantType.IQ2_XXS
 
@@ -671,15 +718,150 @@ class IQ2_XXS(Grid):
         out = []
         for run in range(8):
             aux = self.load(w, base, 2 + 8 * run + 4, 1)[0]
-            point = grid[w.view(u8)[base + 2 + 8 * run + (part >> 1)] * 2 + (part & 1)]
+            point = iq2_bytes(self.codes(grid, w.view(u8)[base + 2 + 8 * run + (part >> 1)], part & 1))
             signs = sign_bits((aux >> (7 * (part >> 1))) & 0x7F) >> (4 * (part & 1))
             out.append(Group(32 * run + 4 * part, signed_values(point, signs), iq2_scale(d, aux >> 28)))
         return out
 
 
+class IQ2_XS(TwoBitGrid):
+    """74 bytes: f16 d, 32 u16 (8 elements each: a 9-bit grid index naming 8 values of 8, 25 or
+    43, under a 7-bit sign index as IQ2_XXS's), and 8 bytes of 4-bit scales ls (16 elements
+    each, low nibble first). w = d·(0.5 + ls)·0.25 · ±grid. Part p takes elements 4p … 4p + 3 of
+    each run: half p & 1 of the run's grid point p >> 1, under the run's scale p >> 2. The grid
+    is a table of 256 u32 (two_bit_words), copied into shared memory where kernels set up."""
+    name, block, nbytes, parts, f16_fields = "iq2_xs", 256, 74, 8, (0,)
+    qtype = QuantType.IQ2_XS
+
+    def decode(self, w, base, part, ctx=None):
+        grid = self.lookup(ctx)
+        d = f16_at(w, base)
+        scales = self.load(w, base, 66, 2)
+        out = []
+        for run in range(8):
+            q = w.view(u16)[((base + 2 + 8 * run) >> 1) + (part >> 1)]
+            point = iq2_bytes(self.codes(grid, q & 511, part & 1))
+            signs = sign_bits(q >> 9) >> (4 * (part & 1))
+            ls = (byte_of(scales[run >> 2], run & 3) >> (4 * (part >> 2))) & 0xF
+            out.append(Group(32 * run + 4 * part, signed_values(point, signs), iq2_scale(d, ls)))
+        return out
+
+
+class IQ2_S(TwoBitGrid):
+    """82 bytes: f16 d, 32 low bytes of 10-bit grid indices (8 elements each, naming 8 values of 8,
+    25 or 43), 32 sign bytes (bit j: element j negative), 8 bytes of the indices' top 2 bits (four
+    a byte), and 8 bytes of 4-bit scales ls (16 elements each, low nibble first). w = d·(0.5 +
+    ls)·0.25 · ±grid. Part p takes elements 4p … 4p + 3 of each run: half p & 1 of the run's grid
+    point p >> 1 under the run's scale p >> 2. The grid is a table of 512 u32 (2 KiB;
+    two_bit_words), copied into shared memory where kernels set up."""
+    name, block, nbytes, parts, f16_fields = "iq2_s", 256, 82, 8, (0,)
+    qtype = QuantType.IQ2_S
+
+    def decode(self, w, base, part, ctx=None):
+        grid = self.lookup(ctx)
+        d = f16_at(w, base)
+        high, scales = self.load(w, base, 66, 2), self.load(w, base, 74, 2)
+        b, k = w.view(u8), part >> 1
+        out = []
+        for run in range(8):
+            index = b[base + 2 + 4 * run + k] | (((byte_of(high[run >> 2], run & 3) >> (2 * k)) & 3) << 8)
+            point = iq2_bytes(self.codes(grid, index, part & 1))
+            signs = b[base + 34 + 4 * run + k] >> (4 * (part & 1))
+            ls = (byte_of(scales[run >> 2], run & 3) >> (4 * (part >> 2))) & 0xF
+            out.append(Group(32 * run + 4 * part, signed_values(point, signs), iq2_scale(d, ls)))
+        return out
+
+
+class IQ3_S(Grid):
+    """110 bytes: f16 d, 64 low bytes of 9-bit grid indices (4 elements each, naming 4 odd values
+    1 … 15), 8 bytes of the indices' top bits (bit i of byte r: index 8r + i), 32 sign bytes (bit
+    j: element j negative), and 4 bytes of 4-bit scales ls (32 elements each, low nibble first).
+    w = d·(1 + 2·ls) · ±grid. Part p takes elements 4p … 4p + 3 of each run: its grid point p and
+    half p & 1 of its sign byte p >> 1. The grid is a table of 512 u32 (four bytes each), copied
+    into shared memory where kernels set up."""
+    name, block, nbytes, parts, f16_fields = "iq3_s", 256, 110, 8, (0,)
+    qtype = QuantType.IQ3_S
+
+    def decode(self, w, base, part, ctx=None):
+        grid = self.lookup(ctx)
+        d = f16_at(w, base)
+        high, scales = self.load(w, base, 66, 2), self.load(w, base, 106, 1)[0]
+        b = w.view(u8)
+        out = []
+        for run in range(8):
+            index = b[base + 2 + 8 * run + part] | (((byte_of(high[run >> 2], run & 3) >> part) & 1) << 8)
+            signs = b[base + 74 + 4 * run + (part >> 1)] >> (4 * (part & 1))
+            ls = (scales >> (4 * run)) & 0xF
+            out.append(Group(32 * run + 4 * part, signed_values(grid[index], signs), d * ((ls << 1) | 1).to(f32)))
+        return out
+
+
+class IQ1(TwoBitGrid):
+    """Shared by IQ1_S and IQ1_M: 11-bit indices name 8 values of −1, 0 or 1 (formats.iq_grid;
+    IQ1_M uses IQ1_S's), kept as 2-bit codes c = value + 1 (two_bit_words): a table of 1024 u32
+    (4 KiB), copied into shared memory where kernels set up. w = dl·(value + delta), delta = ±1/8
+    per point; in unit form 4·dl·(1 + c/4) + dl·(delta − 5)."""
+    qtype = QuantType.IQ1_S
+
+    def group(self, grid, offset, index, half, dl, negative) -> Group:
+        """Elements 4·half … 4·half + 3 of grid point `index`, w = dl·(value ± 1/8)."""
+        codes = self.codes(grid, index, half)
+        delta = zdsl.where(negative, -0.125, 0.125)
+        return unit_group(offset, [unit(codes, 2 * j, 2) for j in range(4)], 2, dl, dl * (delta - 1.0))
+
+
+class IQ1_S(IQ1):
+    """50 bytes: f16 d, 32 low bytes of 11-bit grid indices (8 elements each), and per 32-element
+    run a u16: the run's four indices' top 3 bits (bits 0, 3, 6, 9), a 3-bit scale ls (bit 12)
+    and the sign of delta (bit 15). w = d·(2·ls + 1)·(grid ± 1/8). Part p takes elements
+    4p … 4p + 3 of each run: half p & 1 of its grid point p >> 1."""
+    name, block, nbytes, parts, f16_fields = "iq1_s", 256, 50, 8, (0,)
+
+    def decode(self, w, base, part, ctx=None):
+        grid = self.lookup(ctx)
+        d = f16_at(w, base)
+        k = part >> 1
+        out = []
+        for run in range(8):
+            qh = w.view(u16)[(base + 34 + 2 * run) >> 1]
+            index = w.view(u8)[base + 2 + 4 * run + k] | (((qh >> (3 * k)) & 7) << 8)
+            dl = d * (((qh >> 11) & 0xE) | 1).to(f32)  # 2·ls + 1
+            out.append(self.group(grid, 32 * run + 4 * part, index, part & 1, dl, (qh & 0x8000) != 0))
+        return out
+
+
+class IQ1_M(IQ1):
+    """56 bytes: 32 low bytes of 11-bit grid indices (8 elements each), 16 bytes of nibbles (index
+    i: nibble i; its top 3 bits, and bit 3 the sign of delta), and four u16 of 3-bit scales ls
+    (16 elements each, bits 0, 3, 6, 9) whose top nibbles hold the f16 d, lowest first. w =
+    d·(2·ls + 1)·(grid ± 1/8). Part p takes elements 4p … 4p + 3 of each run: half p & 1 of its
+    grid point p >> 1, under its scale p >> 2."""
+    name, block, nbytes, parts = "iq1_m", 256, 56, 8
+
+    def finite_scales(self, rng, blocks, bound: float):
+        set_iq1_m_d_bits(blocks, rng.uniform(-bound, bound, blocks.shape[:-1]).astype("<f2").view("<u2"))
+
+    def decode(self, w, base, part, ctx=None):
+        grid = self.lookup(ctx)
+        sc = self.load(w, base, 48, 2)  # the four u16
+        d = zdsl.f16_bits(((sc[0] >> 12) & 0xF) | ((sc[0] >> 24) & 0xF0) | ((sc[1] >> 4) & 0xF00)
+                          | ((sc[1] >> 16) & 0xF000))
+        high = self.load(w, base, 32, 4)
+        k = part >> 1
+        out = []
+        for run in range(8):  # grid points 4·run + k, scale 2·run + (part >> 2)
+            nibble = (byte_of(high[run >> 1], 2 * (run & 1) + (part >> 2)) >> (4 * (k & 1))) & 0xF
+            index = w.view(u8)[base + 4 * run + k] | ((nibble & 7) << 8)
+            ls = (sc[run >> 2] >> (16 * ((run >> 1) & 1) + 6 * (run & 1) + 3 * (part >> 2))) & 7
+            dl = d * ((ls << 1) | 1).to(f32)
+            out.append(self.group(grid, 32 * run + 4 * part, index, part & 1, dl, (nibble & 8) != 0))
+        return out
+
+
 FORMATS: dict[str, Format] = {f.name: f for f in (F32(), F16(), BF16(), Q8_0(), Q4_0(), Q4_1(), Q5_0(), Q5_1(),
                                                   Q2_K(), Q3_K(), Q4_K(), Q5_K(), Q6_K(), IQ4_NL(), IQ4_XS(),
-                                                  MXFP4(), IQ3_XXS(), IQ2_XXS())}
+                                                  MXFP4(), IQ3_XXS(), IQ2_XXS(), IQ2_XS(), IQ2_S(), IQ3_S(),
+                                                  IQ1_S(), IQ1_M())}
 INT8_FORMATS = [name for name, f in FORMATS.items() if f.iparts]
 
 

@@ -38,7 +38,7 @@ FLOAT_TYPES = [Q.F32, Q.F16, Q.BF16]
 F16_FIELDS = {
     Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,), Q.Q2_K: (80, 82),
     Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,), Q.IQ3_XXS: (0,),
-    Q.IQ2_XXS: (0,),
+    Q.IQ2_XXS: (0,), Q.IQ2_XS: (0,), Q.IQ2_S: (0,), Q.IQ3_S: (0,), Q.IQ1_S: (0,),
 }
 RMS_BOUND = {Q.Q4_K: 0.035, Q.Q5_K: 0.018, Q.Q6_K: 0.009}
 # Small blocks have subnormal f16 scales, rounded to 2⁻²⁴ absolute: adds 2⁻²⁵ · (max sc·q + 63 for dmin).
@@ -66,6 +66,9 @@ def random_blocks(rng, qtype, rows: int, k: int, finite: bool) -> np.ndarray:
             h = np.ascontiguousarray(blocks[..., at:at + 2]).view(np.uint16)
             h = np.where((h & 0x7C00) == 0x7C00, h ^ 0x4000, h)  # exponent 31 (inf/NaN) -> 15
             blocks[..., at:at + 2] = h.view(np.uint8)
+        if qtype == Q.IQ1_M:  # its d sits in the top nibbles of four u16
+            h = F.iq1_m_d_bits(blocks)
+            F.set_iq1_m_d_bits(blocks, np.where((h & 0x7C00) == 0x7C00, h ^ 0x4000, h))
         if qtype == Q.MXFP4:  # 2^(e − 128) · 12 stays finite for e ≤ 252
             blocks[..., 0] = np.minimum(blocks[..., 0], 252)
     return raw
@@ -140,16 +143,28 @@ def test_unpack_codes_rebuild_the_values(qtype, rows, nblocks, seed):
     k = F.block_shape(qtype)[0] * nblocks
     raw = random_blocks(rng, qtype, rows, k, finite=True)
     c = F.unpack(raw, qtype, (rows, k))
-    group = {Q.Q2_K: 16, Q.Q3_K: 16, Q.Q6_K: 16, Q.Q4_K: 32, Q.Q5_K: 32, Q.IQ4_XS: 32}.get(qtype, 32)
+    group = {Q.Q2_K: 16, Q.Q3_K: 16, Q.Q6_K: 16, Q.Q4_K: 32, Q.Q5_K: 32, Q.IQ4_XS: 32, Q.IQ2_XS: 16, Q.IQ2_S: 16,
+             Q.IQ1_M: 16}.get(qtype, 32)
     assert c.q.dtype == np.int8 and c.q.shape == (rows, k) and c.group == group
     assert c.scale.shape == (rows, k // group)
     assert (c.bias is None) == (qtype not in {Q.Q4_1, Q.Q5_1, Q.Q2_K, Q.Q4_K, Q.Q5_K})
     lo, hi = {Q.Q4_0: (-8, 7), Q.Q4_1: (0, 15), Q.Q5_0: (-16, 15), Q.Q5_1: (0, 31), Q.Q8_0: (-128, 127),
               Q.Q2_K: (0, 3), Q.Q3_K: (-4, 3), Q.Q4_K: (0, 15), Q.Q5_K: (0, 31), Q.Q6_K: (-32, 31),
               Q.IQ4_NL: (-127, 113), Q.IQ4_XS: (-127, 113), Q.MXFP4: (-12, 12), Q.IQ3_XXS: (-62, 62),
-              Q.IQ2_XXS: (-43, 43)}[qtype]
+              Q.IQ2_XXS: (-43, 43), Q.IQ2_XS: (-43, 43), Q.IQ2_S: (-43, 43), Q.IQ3_S: (-15, 15),
+              Q.IQ1_S: (-9, 9), Q.IQ1_M: (-9, 9)}[qtype]
     assert lo <= c.q.min() and c.q.max() <= hi
     assert_same_bits(c.values(), gguf_dequant(raw, qtype, (rows, k)))
+
+
+@pytest.mark.parametrize("qtype", [Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M])
+def test_iq_grid_blocks_equal_gguf_bit_for_bit(qtype):
+    """Many blocks of each grid type at once (every grid index and sign pattern is likely met),
+    finite and not."""
+    rng = np.random.default_rng(int(qtype))
+    for finite in (True, False):
+        raw = random_blocks(rng, qtype, 32, 256 * 16, finite)
+        assert_same_bits(F.dequantize(raw, qtype, (32, 4096)), gguf_dequant(raw, qtype, (32, 4096)))
 
 
 def test_iq_sign_patterns_are_ggmls():

@@ -51,10 +51,7 @@ def weights(rng, qtype, rows, k, quantizer):
         return formats.quantize(rng.standard_normal((rows, k)).astype(np.float32), qt)
     f = FORMATS[qtype]
     w = rng.integers(0, 256, (rows, k // f.block, f.nbytes), dtype=np.uint8)
-    for at in f.f16_fields:  # the rest of a block may be anything
-        w[:, :, at:at + 2] = rng.uniform(-0.05, 0.05, w.shape[:2] + (1,)).astype("<f2").view(np.uint8)
-    for at in f.e8m0_fields:  # exponents that keep the products finite: 2⁻¹⁰ … 2⁻¹
-        w[:, :, at] = rng.integers(118, 128, w.shape[:2])
+    f.finite_scales(rng, w, 0.05)  # the rest of a block may be anything
     return w.reshape(rows, -1)
 
 

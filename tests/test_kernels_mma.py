@@ -21,7 +21,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from zdsl.kernels import dmmv, ffn, inputs, matmul, mma
-from zdsl.kernels.dmmv import EXPERT_QTYPES, QTYPES
+from zdsl.kernels.dmmv import EXPERT_QTYPES
+from zdsl.kernels.quant import FORMATS
 from kernel_testing import run
 
 BACKENDS = ["interp", "device"]
@@ -45,9 +46,25 @@ def check(y, ref16, ref, scale):
 
 def test_a_weight_types_table_counts_against_shared_memory():
     """32 × 48 tiles fit the H100's 48 KiB beside Q4_K's decoder, not beside IQ3_XXS's 1 KiB grid
-    (the driver fails the pipeline), so no such variant is registered."""
+    (the driver fails the pipeline), so no such variant is registered; where a type's table
+    leaves no room for the default tiles (IQ1's 4 KiB), a launch takes the first declared tiles
+    that fit."""
+    from zdsl.autotune.database import choose
+
     tiles = dict(BM=32, BN=48, BK=256, TM=1, TN=1)
     assert mma.fits(SimpleNamespace(QTYPE="q4_k", **tiles)) and not mma.fits(SimpleNamespace(QTYPE="iq3_xxs", **tiles))
+    info = SimpleNamespace(subgroup_size=32)
+    for qtype, bm in (("q4_k", 64), ("iq1_m", 32)):
+        v = choose(ffn.moe_down_coop, info, {}, db=EmptyDatabase(), QTYPE=qtype)
+        assert v.params["BM"] == bm and mma.fits(SimpleNamespace(**v.params))
+    for qtype, bn in (("q4_k", 48), ("iq3_xxs", 32), ("iq1_s", 32)):
+        v = choose(matmul.mul_mm_coop, info, {}, db=EmptyDatabase(), QTYPE=qtype)
+        assert v.params["BN"] == bn and mma.fits(SimpleNamespace(**v.params))
+
+
+class EmptyDatabase:
+    def lookup(self, *args):
+        return None
 
 
 def products(stack, ids, x, k):
@@ -59,7 +76,7 @@ def products(stack, ids, x, k):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("qtype", list(FORMATS))  # those built ahead (dmmv.QTYPES) and those made on demand
 @settings(max_examples=3, deadline=None)
 @given(m=st.integers(1, 70), t=st.integers(1, 70), steps=st.integers(1, 2),
        tiles=st.sampled_from([(32, 48, 1), (48, 32, 1), (48, 32, 2), (32, 32, 2), (16, 64, 2)]), add=st.booleans(),
@@ -111,6 +128,7 @@ def routing(rng, t, K, n_exp):
 @given(m=st.integers(1, 40), t=st.integers(1, 40), K=st.integers(1, 4), n_exp=st.integers(4, 9),
        tiles=st.sampled_from([(32, 16), (32, 32), (64, 16)]), split=st.sampled_from([1, 2]), seed=st.integers(0, 99))
 def test_grouped_coop(backend, request, qtype, m, t, K, n_exp, tiles, split, seed):
+    assume(mma.shared_bytes(SimpleNamespace(BM=tiles[0], BN=tiles[1], BK=256, QTYPE=qtype)) <= mma.SHARED_BYTES)  # IQ1
     grouped_case(runner(backend, request), qtype, m, t, K, n_exp, *tiles, split, seed, 256)
 
 

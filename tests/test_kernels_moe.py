@@ -237,6 +237,39 @@ def test_gate_up_grouped(backend, request, qtype, q8, t, n, K, few, kb, m, rows,
     np.testing.assert_allclose(out["act"], want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
 
 
+GRID_TYPES = ["iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m"]  # the IQ grid formats (quant.Grid)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("qtype", GRID_TYPES)
+def test_grouped_products_of_grid_types(backend, request, qtype):
+    """The grouped gate·up and down products in each IQ grid type (their grids in shared memory),
+    13 tokens over 9 experts, 45 rows (odd) and COLS 4; on lavapipe one of the two kernels per
+    type, alternating (each is a pipeline compile there)."""
+    rng = np.random.default_rng(GRID_TYPES.index(qtype))
+    t, n, K, m, k = 13, 9, 3, 45, 512
+    ids, offsets, pairs = grouped_case(rng, t, n, K, 0)
+    sg = subgroup(backend, request, GRID_TYPES.index(qtype))
+    kernels = ["gate_up", "down"] if backend == "interp" else [["gate_up", "down"][GRID_TYPES.index(qtype) % 2]]
+    if "gate_up" in kernels:
+        x = rng.standard_normal(t * k).astype(np.float32)
+        wg, wu = (kernel_inputs.rows(rng, qtype, n * m, k) for _ in range(2))
+        v = ffn.moe_gate_up_grouped.specialize(QTYPE=qtype, Q8=False, ROWS=2, COLS=4, SPLIT=2, NSUB=1, SG=sg)
+        out = run(v, backend, request, v.groups(m=m, n_expert=n, t=t), wg=wg, wu=wu, offsets=offsets, pairs=pairs,
+                  x=x, xq=np.zeros(1, np.uint32), xd=np.zeros(1, np.float32),
+                  act=np.full(t * K * m, np.nan, np.float32), k=k, m=m, topk=K)
+        want = ffn.moe_gate_up_grouped_ref(wg, wu, ids, x, qtype, m, k)
+        np.testing.assert_allclose(out["act"], want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+    if "down" in kernels:
+        act = rng.standard_normal(t * K * k).astype(np.float32)
+        w = kernel_inputs.rows(rng, qtype, n * m, k)
+        v = ffn.moe_down_grouped.specialize(QTYPE=qtype, ROWS=1, COLS=4, SPLIT=1, NSUB=1, SG=sg)
+        out = run(v, backend, request, v.groups(m=m, n_expert=n, t=t), w=w, offsets=offsets, pairs=pairs, act=act,
+                  y=np.full(t * K * m, np.nan, np.float32), k=k, m=m)
+        want = ffn.moe_down_grouped_ref(w, ids, act, qtype, m, k)
+        np.testing.assert_allclose(out["y"], want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=6, deadline=None)
 @given(qtype=st.sampled_from(PRODUCT_TYPES), t=st.sampled_from([1, 3, 13]), n=st.integers(8, 12), K=st.integers(2, 4),
