@@ -212,9 +212,10 @@ def dot_words(a, b):
     return total
 
 
-def q8_step(f, rows, xq, xd, x_bases, b, part):
-    """This invocation's share of block b against Q8_1 activations; returns [row][col] f32."""
-    groups = [f.int_groups(w, base + b * f.nbytes, part) for w, base in rows]
+def q8_step(f, rows, xq, xd, x_bases, b, part, ctx=None):
+    """This invocation's share of block b against Q8_1 activations (ctx: f's set-up); returns
+    [row][col] f32."""
+    groups = [f.int_groups(w, base + b * f.nbytes, part, ctx) for w, base in rows]
     out = [[None] * len(x_bases) for _ in rows]
     for c, xb in enumerate(x_bases):
         first = xb + b * f.block
@@ -273,7 +274,7 @@ def decoder(QTYPE: str, Q8: bool):
     """(format, its set-up, Q8) for row_dots: the set-up (shared tables, a barrier) runs once, at
     the kernel's start, outside any loop over tiles."""
     f = int8_decoder(QTYPE) if Q8 else fmt(QTYPE)
-    return f, None if Q8 else f.setup(), Q8
+    return f, f.setup(), Q8
 
 
 def row_dots(f, ctx, Q8: bool, rows, x, xq, xd, x_bases, nblocks, group: Rows):
@@ -282,7 +283,7 @@ def row_dots(f, ctx, Q8: bool, rows, x, xq, xd, x_bases, nblocks, group: Rows):
     `decoder`). Each weight block is decoded once for all the columns."""
     if Q8:
         return block_loop(f.iparts, nblocks, group, len(rows), len(x_bases),
-                          lambda b, part: q8_step(f, rows, xq, xd, x_bases, b, part))
+                          lambda b, part: q8_step(f, rows, xq, xd, x_bases, b, part, ctx))
     return block_dots(f, ctx, rows, x, x_bases, nblocks, group)
 
 

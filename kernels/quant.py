@@ -210,7 +210,8 @@ class Format:
         share = self.decode(w, base, part, ctx)
         return share.expand() if isinstance(share, Factored) else share
 
-    def int_groups(self, w, base, part) -> list[IntGroup]:
+    def int_groups(self, w, base, part, ctx=None) -> list[IntGroup]:
+        """Invocation `part`'s share as signed bytes (iparts shares a block), ctx as in decode."""
         raise NotImplementedError
 
     def finite_scales(self, rng, blocks, bound: float):
@@ -259,7 +260,7 @@ class Q8_0(Format):
         unsigned = [wd ^ 0x80808080 for wd in words]  # q + 128
         return [unit_group(part * 8, byte_units(unsigned, 8), 8, d, d * -128.0)]
 
-    def int_groups(self, w, base, part):
+    def int_groups(self, w, base, part, ctx=None):
         d, words = self.quants(w, base, part)
         return [IntGroup(part * 8, words, d)]
 
@@ -275,7 +276,7 @@ class Q4_0(Format):
         return [unit_group(part * 8, byte_units(words, 4), 4, d, d * -8.0),
                 unit_group(part * 8 + 16, byte_units(words, 4, 4), 4, d, d * -8.0)]
 
-    def int_groups(self, w, base, part):
+    def int_groups(self, w, base, part, ctx=None):
         d = f16_at(w, base)
         words = self.load(w, base, 2, 4)
         return [IntGroup(0, low_nibbles(words) + high_nibbles(words), d, d * -8.0)]
@@ -292,7 +293,7 @@ class Q4_1(Format):
         return [unit_group(part * 8, byte_units(words, 4), 4, d, m),
                 unit_group(part * 8 + 16, byte_units(words, 4, 4), 4, d, m)]
 
-    def int_groups(self, w, base, part):
+    def int_groups(self, w, base, part, ctx=None):
         head, *words = self.load(w, base, 0, 5)
         return [IntGroup(0, low_nibbles(words) + high_nibbles(words), half(head, False), half(head, True))]
 
@@ -317,7 +318,7 @@ class Q5_0(Format):
         return [unit_group(first, byte_units(five_bits(words, qh, first, False), 5), 5, d, d * -16.0),
                 unit_group(first + 16, byte_units(five_bits(words, qh, first + 16, True), 5), 5, d, d * -16.0)]
 
-    def int_groups(self, w, base, part):
+    def int_groups(self, w, base, part, ctx=None):
         d = f16_at(w, base)
         qh, *words = self.load(w, base, 2, 5)
         return [IntGroup(0, five_bits(words, qh, 0, False) + five_bits(words, qh, 16, True), d, d * -16.0)]
@@ -335,7 +336,7 @@ class Q5_1(Format):
         return [unit_group(first, byte_units(five_bits(words, qh, first, False), 5), 5, d, m),
                 unit_group(first + 16, byte_units(five_bits(words, qh, first + 16, True), 5), 5, d, m)]
 
-    def int_groups(self, w, base, part):
+    def int_groups(self, w, base, part, ctx=None):
         head, qh, *words = self.load(w, base, 0, 6)
         q = five_bits(words, qh, 0, False) + five_bits(words, qh, 16, True)
         return [IntGroup(0, q, half(head, False), half(head, True))]
@@ -363,7 +364,7 @@ class Q2_K(Format):
                                  (sc & 0xF).to(f32), (sc >> 4).to(f32)))
         return Factored(out, d, 4, -4, -dmin)  # q = 4·(unit − 1)
 
-    def int_groups(self, w, base, part):
+    def int_groups(self, w, base, part, ctx=None):
         h, r = part >> 1, part & 1
         d, dmin, scales = self.head(w, base, h)
         words = self.load(w, base, 16 + 32 * h + 16 * r, 4)
@@ -403,7 +404,7 @@ class Q3_K(Format):
                                  self.scale(scales, h, s, part >> 2)))
         return Factored(out, d, 8, -12)  # q − 4 = 8·(unit − 1) − 4
 
-    def int_groups(self, w, base, part):
+    def int_groups(self, w, base, part, ctx=None):
         h, r = part >> 1, part & 1
         d = f16_at(w, base + 108)
         scales = self.load(w, base, 96, 3)
@@ -451,7 +452,7 @@ class Q4_K(Format):
                 out.append(Group(32 * s + 4 * part, [unit(word, 8 * i + 4 * t, 4) for i in range(4)], sc[s], mn[s]))
         return Factored(out, d, 16, -16, -dmin)  # q = 16·(unit − 1)
 
-    def int_groups(self, w, base, part):
+    def int_groups(self, w, base, part, ctx=None):
         head = self.load(w, base, 0, 4)
         d, dmin = half(head[0], False), half(head[0], True)
         sc, mn = k_scale_min(head, part)
@@ -482,7 +483,7 @@ class Q5_K(Format):
                 out.append(Group(32 * s + 4 * part, byte_units(self.with_high(nib, qh, s), 5), sc[s], mn[s]))
         return Factored(out, d, 32, -32, -dmin)  # q = 32·(unit − 1)
 
-    def int_groups(self, w, base, part):
+    def int_groups(self, w, base, part, ctx=None):
         head = self.load(w, base, 0, 4)
         d, dmin = half(head[0], False), half(head[0], True)
         sc, mn = k_scale_min(head, part)
@@ -530,7 +531,7 @@ class Q6_K(Format):
                 out.append(Group(128 * n + 32 * g + 4 * part, byte_units([q], 6), sc))
         return Factored(out, d, 64, -96)  # q − 32 = 64·(unit − 1) − 32
 
-    def int_groups(self, w, base, part):
+    def int_groups(self, w, base, part, ctx=None):
         n, l0 = part >> 1, (part & 1) * 16
         return [IntGroup(128 * n + 32 * g + l0, signed_bytes(q, 32), sc)
                 for g, (q, sc) in enumerate(self.quants(w, base, n, l0, 4))]
@@ -686,9 +687,10 @@ class IQ3_XXS(Grid):
     """98 bytes: f16 d, 64 grid indices (a byte each, naming 4 values of formats.iq3_grid), and
     per 32-element run a u32 of four 7-bit sign indices (8 elements each; the eighth sign makes
     the count of negatives even) under a 4-bit scale ls. w = d·(0.5 + ls)·0.5 · ±grid. Part p
-    takes elements 4p … 4p + 3 of each run: one index byte and four signs. The grid is a table
-    of 256 u32 (four bytes each), copied into shared memory where kernels set up."""
-    name, block, nbytes, parts, f16_fields = "iq3_xxs", 256, 98, 8, (0,)
+    takes elements 4p … 4p + 3 of each run: one index byte and four signs; in the int8 path, run
+    p whole. The grid is a table of 256 u32 (four bytes each), copied into shared memory where
+    kernels set up."""
+    name, block, nbytes, parts, iparts, f16_fields = "iq3_xxs", 256, 98, 8, 8, (0,)
     qtype = QuantType.IQ3_XXS
 
     def decode(self, w, base, part, ctx=None):
@@ -701,6 +703,19 @@ class IQ3_XXS(Grid):
             signs = sign_bits((aux >> (7 * (part >> 1))) & 0x7F) >> (4 * (part & 1))
             out.append(Group(32 * run + 4 * part, signed_values(point, signs), d * (0.5 + (aux >> 28).to(f32)) * 0.5))
         return out
+
+    def int_groups(self, w, base, part, ctx=None):
+        """Run `part` whole: its 8 grid points as bytes (4 … 62), negated where the signs say so;
+        a byte's negation is (b ^ 0xFF) + 1, which cannot carry into the next byte."""
+        grid = self.lookup(ctx)
+        aux = self.load(w, base, 66 + 4 * part, 1)[0]
+        indices = self.load(w, base, 2 + 8 * part, 2, step=2)
+        words = []
+        for i in range(8):
+            point = grid[(indices[i >> 2] >> (8 * (i & 3))) & 0xFF]
+            ones = spread_bits((sign_bits((aux >> (7 * (i >> 1))) & 0x7F) >> (4 * (i & 1))) & 0xF, 0)
+            words.append((point ^ (ones * 0xFF)) + ones)
+        return [IntGroup(32 * part, words, f16_at(w, base) * (0.5 + (aux >> 28).to(f32)) * 0.5)]
 
 
 class IQ2_XXS(TwoBitGrid):
@@ -856,6 +871,19 @@ class IQ1_M(IQ1):
             dl = d * ((ls << 1) | 1).to(f32)
             out.append(self.group(grid, 32 * run + 4 * part, index, part & 1, dl, (nibble & 8) != 0))
         return out
+
+    def int_groups(self, w, base, part, ctx=None):
+        """Run `part`: its 8 grid points as bytes (4 … 62), negated where the signs say so; a
+        byte's negation is (b ^ 0xFF) + 1, which cannot carry into the next byte."""
+        grid = self.lookup(ctx)
+        aux = self.load(w, base, 66 + 4 * part, 1)[0]
+        indices = self.load(w, base, 2 + 8 * part, 2, step=2)
+        words = []
+        for i in range(8):
+            point = grid[(indices[i >> 2] >> (8 * (i & 3))) & 0xFF]
+            ones = spread_bits((self.signs(aux, i >> 1) >> (4 * (i & 1))) & 0xF, 0)
+            words.append((point ^ (ones * 0xFF)) + ones)
+        return [IntGroup(32 * part, words, self.scale(f16_at(w, base), aux))]
 
 
 FORMATS: dict[str, Format] = {f.name: f for f in (F32(), F16(), BF16(), Q8_0(), Q4_0(), Q4_1(), Q5_0(), Q5_1(),

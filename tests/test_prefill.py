@@ -21,7 +21,10 @@ for a token lie within rounding of each other the two may pick differently; one 
 these random models' logits by half their spread (the 248k-vocabulary model at 64 tokens:
 layer 1, token 29, logits 7·10⁻⁴ of the row's largest apart). So where the logits miss the
 reference, they must meet it with one of its near ties of the routing taken the other way. The
-kernels themselves are held to tight bounds in tests/test_kernels_mma.py.
+same holds on lavapipe, where both paths read Q8_1 as the reference does: the IQ3_XXS model's
+decode path at 300 tokens took layer 1's tie at token 88 (a gap of 2⁻⁹ of the row's largest
+logit) the other way, which moved the last logits by 37% of their spread. The kernels themselves
+are held to tight bounds in tests/test_kernels_mma.py and the other kernel tests.
 """
 
 import numpy as np
@@ -55,26 +58,27 @@ def model(request, tmp_path_factory):
     return open_model(path)
 
 
-def units_reference(model, prompt, flip=None):
-    """The last position's logits with the prompt's products rounded as on matrix units, and the
-    near ties of the routing: (layer, position) where the router's K-th and (K+1)-th logits lie
-    within TIE of the row's largest |logit|, so that a rounding elsewhere can swap them. `flip`
-    names one of those whose two experts are swapped."""
+def units_reference(model, prompt, flip=None, units=True):
+    """The last position's logits with the prompt's products rounded as on matrix units (not
+    with units=False: Q8_1 throughout, as the decode path), and the near ties of the routing:
+    (layer, position) where the router's K-th and (K+1)-th logits lie within TIE of the row's
+    largest |logit|, so that a rounding elsewhere can swap them. `flip` names one of those whose
+    two experts are swapped."""
     ref = ReferenceModel(model, int8_activations=True)
     q8, plain_w, plain_proj = ref.input_of, ref.w, ref.proj
     K, state, ties = model.hparams.n_experts_used, ref.new_state(), []
 
-    def units(name):
+    def on_units(name):
         """Whether the prompt's product by weight `name` runs on matrix units: all but the router's."""
-        return "gate_inp" not in name
+        return units and "gate_inp" not in name
 
     def w16(name):
         w = plain_w(name)
         return w.astype(np.float16).astype(np.float32) if name.endswith(".weight") and "norm" not in name \
-            and "token_embd" not in name and "conv1d" not in name and units(name) else w
+            and "token_embd" not in name and "conv1d" not in name and on_units(name) else w
 
     def prompt_input(name, x):
-        return np.asarray(x, np.float32).astype(np.float16).astype(np.float32) if units(name) else x
+        return np.asarray(x, np.float32).astype(np.float16).astype(np.float32) if on_units(name) else q8(name, x)
 
     def proj(x, name):
         out = plain_proj(x, name)
@@ -126,14 +130,20 @@ def test_prefill_leaves_what_decode_steps_leave(model, device):
                     assert first == int(np.argmax(expected)), f"{n} tokens: greedy token"
                 assert g.decode_burst(4) is not None and g.position == n + 4
                 continue
-            assert np.abs(logits - want_logits).max() <= LOGITS * spread, f"{n} tokens: against the decode path"
-            assert np.abs(logits - expected).max() <= LOGITS * spread, f"{n} tokens: against the reference"
-            for name, value in want.items():
-                err = np.linalg.norm(got[name] - value) / max(np.linalg.norm(value), 1e-30)
-                assert err <= STATE, f"{n} tokens: {name} differs by {err:.3g} of its norm"
-            top2 = np.sort(expected)[-2:]
-            if top2[1] - top2[0] > 2 * LOGITS * spread:
-                assert first == stepped == int(np.argmax(expected)), f"{n} tokens: greedy token"
+            tol = LOGITS * spread
+            if max(np.abs(logits - want_logits).max(), np.abs(logits - expected).max()) <= tol:
+                for name, value in want.items():
+                    err = np.linalg.norm(got[name] - value) / max(np.linalg.norm(value), 1e-30)
+                    assert err <= STATE, f"{n} tokens: {name} differs by {err:.3g} of its norm"
+                top2 = np.sort(expected)[-2:]
+                if top2[1] - top2[0] > 2 * tol:
+                    assert first == stepped == int(np.argmax(expected)), f"{n} tokens: greedy token"
+            else:  # a near tie of the routing taken one way by a path and the other by the reference?
+                ties = units_reference(model, prompt, units=False)[1]
+                refs = [expected] + [units_reference(model, prompt, flip=tie, units=False)[0] for tie in ties]
+                for path, out in (("prompt", logits), ("decode", want_logits)):
+                    assert min(np.abs(out - e).max() for e in refs) <= tol, \
+                        f"{n} tokens: the {path} path against the reference ({len(ties)} near ties tried)"
             # decoding continues from the prefilled state as from the stepped one
             assert g.decode_burst(4) is not None and g.position == n + 4
     finally:
