@@ -29,7 +29,7 @@ from zdsl.kernels import ffn
 from zdsl.kernels import embedding as emb
 from zdsl.kernels import formats
 from zdsl.kernels import q8_1 as q8
-from zdsl.kernels.quant import FORMATS, INT8_FORMATS
+from zdsl.kernels.quant import FORMATS, INT8_FORMATS, Grid
 from kernel_testing import BACKENDS, run, subgroup
 
 QTYPES = list(FORMATS)
@@ -42,6 +42,16 @@ SHAPES = [(1, 1), (1, 2), (3, 1), (1, 4), (2, 1), (4, 1), (5, 1), (6, 1), (7, 1)
 def pick(backend, qtype, draw, n):
     """An option index: drawn in the interpreter, fixed per weight type on lavapipe."""
     return draw % n if backend == "interp" else QTYPES.index(qtype) % n
+
+
+GRID = {name for name, f in FORMATS.items() if isinstance(f, Grid)}
+
+
+def fixed(backend, qtype, draw, n):
+    """`pick` for the IQ grid types only: their tables make each lavapipe compile cost 10-70 s
+    (mul_mm), so lavapipe builds one variant of a kernel per grid type; the interpreter draws
+    them all."""
+    return pick(backend, qtype, draw, n) if qtype in GRID else draw % n
 
 
 def weights(rng, qtype, rows, k, quantizer):
@@ -82,7 +92,8 @@ def test_dmmv(backend, request, qtype, m, nb, shape, add, quantizer, sg_pick, ns
     w = weights(rng, qtype, m, k, quantizer)
     x = rng.standard_normal(cols * k).astype(np.float32)
     y0 = rng.standard_normal(cols * m).astype(np.float32)
-    sg = subgroup(backend, request, sg_pick)
+    sg = subgroup(backend, request, fixed(backend, qtype, sg_pick, 4))
+    nsub = [1, 2, 4][fixed(backend, qtype, [1, 2, 4].index(nsub), 3)]
     nsub = nsub if sg % FORMATS[qtype].parts == 0 else 1  # rows per subgroup need whole blocks in one
     v = dm.dmmv.specialize(QTYPE=qtype, COLS=cols, ROWS=rows, NSUB=nsub, ADD=add, SG=sg)
     y = run(v, backend, request, v.groups(m=m), w=w, x=x, y=y0, k=k, m=m)["y"]
@@ -311,7 +322,9 @@ def test_mul_mm_over_a_chunk_of_tokens(backend, request, qtype, m, nb, t, cols, 
     from zdsl.kernels import matmul
 
     rng = np.random.default_rng(seed)
-    int8 = int8 and qtype in INT8_FORMATS
+    cols, rows = [4, 8][fixed(backend, qtype, [4, 8].index(cols), 2)], [1, 4][fixed(backend, qtype, [1, 4].index(rows), 2)]
+    add, sg_pick = bool(fixed(backend, qtype, add, 2)), fixed(backend, qtype, sg_pick, 4)
+    int8 = bool(fixed(backend, qtype, int8, 2)) and qtype in INT8_FORMATS
     k = FORMATS[qtype].block * block_count(qtype, nb)
     w = weights(rng, qtype, m, k, quantizer=False)
     x = rng.standard_normal(t * k).astype(np.float32)
