@@ -631,6 +631,12 @@ def sign_bits(index):
     return index | (((parity ^ (parity >> 1)) & 1) << 7)
 
 
+def quad_signs(aux, q):
+    """The signs of elements 4q … 4q + 3 of a run (bits 0-3; higher bits belong to later
+    elements), from the run's u32 of four 7-bit sign indices (IQ2_XXS, IQ3_XXS)."""
+    return sign_bits((aux >> (7 * (q >> 1))) & 0x7F) >> (4 * (q & 1))
+
+
 def signed_values(point, signs) -> list:
     """The 4 bytes of a grid word as f32, byte j negated where bit j of `signs` is set."""
     return [byte_of(point, j).to(f32) * (1.0 - 2.0 * ((signs >> j) & 1).to(f32)) for j in range(4)]
@@ -693,6 +699,11 @@ class IQ3_XXS(Grid):
     name, block, nbytes, parts, iparts, f16_fields = "iq3_xxs", 256, 98, 8, 8, (0,)
     qtype = QuantType.IQ3_XXS
 
+    @staticmethod
+    def scale(d, aux):
+        """A run's d·(0.5 + ls)·0.5, ls the top 4 bits of its u32 of sign indices."""
+        return d * (0.5 + (aux >> 28).to(f32)) * 0.5
+
     def decode(self, w, base, part, ctx=None):
         grid = self.lookup(ctx)
         d = f16_at(w, base)
@@ -700,8 +711,7 @@ class IQ3_XXS(Grid):
         for run in range(8):
             aux = self.load(w, base, 66 + 4 * run, 1)[0]
             point = grid[w.view(u8)[base + 2 + 8 * run + part]]
-            signs = sign_bits((aux >> (7 * (part >> 1))) & 0x7F) >> (4 * (part & 1))
-            out.append(Group(32 * run + 4 * part, signed_values(point, signs), d * (0.5 + (aux >> 28).to(f32)) * 0.5))
+            out.append(Group(32 * run + 4 * part, signed_values(point, quad_signs(aux, part)), self.scale(d, aux)))
         return out
 
     def int_groups(self, w, base, part, ctx=None):
@@ -713,9 +723,9 @@ class IQ3_XXS(Grid):
         words = []
         for i in range(8):
             point = grid[(indices[i >> 2] >> (8 * (i & 3))) & 0xFF]
-            ones = spread_bits((sign_bits((aux >> (7 * (i >> 1))) & 0x7F) >> (4 * (i & 1))) & 0xF, 0)
+            ones = spread_bits(quad_signs(aux, i) & 0xF, 0)
             words.append((point ^ (ones * 0xFF)) + ones)
-        return [IntGroup(32 * part, words, f16_at(w, base) * (0.5 + (aux >> 28).to(f32)) * 0.5)]
+        return [IntGroup(32 * part, words, self.scale(f16_at(w, base), aux))]
 
 
 class IQ2_XXS(TwoBitGrid):
@@ -734,8 +744,7 @@ class IQ2_XXS(TwoBitGrid):
         for run in range(8):
             aux = self.load(w, base, 2 + 8 * run + 4, 1)[0]
             point = iq2_bytes(self.codes(grid, w.view(u8)[base + 2 + 8 * run + (part >> 1)], part & 1))
-            signs = sign_bits((aux >> (7 * (part >> 1))) & 0x7F) >> (4 * (part & 1))
-            out.append(Group(32 * run + 4 * part, signed_values(point, signs), iq2_scale(d, aux >> 28)))
+            out.append(Group(32 * run + 4 * part, signed_values(point, quad_signs(aux, part)), iq2_scale(d, aux >> 28)))
         return out
 
 
@@ -871,19 +880,6 @@ class IQ1_M(IQ1):
             dl = d * ((ls << 1) | 1).to(f32)
             out.append(self.group(grid, 32 * run + 4 * part, index, part & 1, dl, (nibble & 8) != 0))
         return out
-
-    def int_groups(self, w, base, part, ctx=None):
-        """Run `part`: its 8 grid points as bytes (4 … 62), negated where the signs say so; a
-        byte's negation is (b ^ 0xFF) + 1, which cannot carry into the next byte."""
-        grid = self.lookup(ctx)
-        aux = self.load(w, base, 66 + 4 * part, 1)[0]
-        indices = self.load(w, base, 2 + 8 * part, 2, step=2)
-        words = []
-        for i in range(8):
-            point = grid[(indices[i >> 2] >> (8 * (i & 3))) & 0xFF]
-            ones = spread_bits((self.signs(aux, i >> 1) >> (4 * (i & 1))) & 0xF, 0)
-            words.append((point ^ (ones * 0xFF)) + ones)
-        return [IntGroup(32 * part, words, self.scale(f16_at(w, base), aux))]
 
 
 FORMATS: dict[str, Format] = {f.name: f for f in (F32(), F16(), BF16(), Q8_0(), Q4_0(), Q4_1(), Q5_0(), Q5_1(),
