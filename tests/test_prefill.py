@@ -15,7 +15,7 @@ A device with matrix units (the H100: ZDSL_TEST_DEVICE=0) runs the prompt's prod
 (all but the router's), W and x rounded to f16 (kernels/mma.py); the decode path reads Q8_1
 throughout, and on these random models the two roundings alone move the logits by up to 44% of
 their spread. So there the logits are held to a reference that rounds as the prompt path does
-(`units_reference`: f16 products, Q8_1 for the last token's decode step), and the greedy token
+(`reference_with_ties`: f16 products, Q8_1 for the last token's decode step), and the greedy token
 to it. Even that reference sums in another order, and where the router's 8th and 9th experts
 for a token lie within rounding of each other the two may pick differently; one such pick moves
 these random models' logits by half their spread (the 248k-vocabulary model at 64 tokens:
@@ -49,16 +49,16 @@ TIE = 2 ** -9  # router logits this close (relative to the row's largest) may sw
                                         ("tiny", "q4_k_m", "qwen35")],
                 ids=["moe-q4_k_m", "dense-q4_k_m", "moe-q8_0", "moe-f16", "moe-mxfp4", "moe-iq3_xxs_dynamic", "moe-248k-vocab"])
 def model(request, tmp_path_factory):
-    """Q4_K_M mixes four int8 types, Q8_0 is one, F16 has no int8 decoder (the f32 path), nor have
-    MXFP4 and the IQ types (the experts, beside a Q8_0 shared expert); the last
-    has Qwen3.5's 248,320-row output head."""
+    """Q4_K_M mixes four int8 types, Q8_0 is one, F16 has no int8 decoder (the f32 path), nor has
+    MXFP4 (the experts, beside a Q8_0 shared expert); IQ3_XXS experts have one, beside IQ4_XS
+    down on the f32 path; the last has Qwen3.5's 248,320-row output head."""
     preset, quant, vocab = request.param
     path = tmp_path_factory.mktemp("models") / f"{preset}-{quant}-{vocab}.gguf"
     synth.write(path, preset, quant=quant, seed=5, vocab=synth.REAL_VOCABS[vocab] if vocab else None)
     return open_model(path)
 
 
-def units_reference(model, prompt, flip=None, units=True):
+def reference_with_ties(model, prompt, flip=None, units=True):
     """The last position's logits with the prompt's products rounded as on matrix units (not
     with units=False: Q8_1 throughout, as the decode path), and the near ties of the routing:
     (layer, position) where the router's K-th and (K+1)-th logits lie within TIE of the row's
@@ -120,9 +120,9 @@ def test_prefill_leaves_what_decode_steps_leave(model, device):
             expected = ref.forward(prompt, ref.new_state())[-1]
             spread = expected.std()
             if units:
-                expected, ties = units_reference(model, prompt)
+                expected, ties = reference_with_ties(model, prompt)
                 if np.abs(logits - expected).max() > LOGITS * spread:  # a near tie of the routing taken the other way?
-                    near = [units_reference(model, prompt, flip=tie)[0] for tie in ties]
+                    near = [reference_with_ties(model, prompt, flip=tie)[0] for tie in ties]
                     assert min(np.abs(logits - e).max() for e in near + [expected]) <= LOGITS * spread, \
                         f"{n} tokens: against the reference ({len(ties)} near ties of the routing tried)"
                 top2 = np.sort(expected)[-2:]
@@ -139,8 +139,8 @@ def test_prefill_leaves_what_decode_steps_leave(model, device):
                 if top2[1] - top2[0] > 2 * tol:
                     assert first == stepped == int(np.argmax(expected)), f"{n} tokens: greedy token"
             else:  # a near tie of the routing taken one way by a path and the other by the reference?
-                ties = units_reference(model, prompt, units=False)[1]
-                refs = [expected] + [units_reference(model, prompt, flip=tie, units=False)[0] for tie in ties]
+                ties = reference_with_ties(model, prompt, units=False)[1]
+                refs = [expected] + [reference_with_ties(model, prompt, flip=tie, units=False)[0] for tie in ties]
                 for path, out in (("prompt", logits), ("decode", want_logits)):
                     assert min(np.abs(out - e).max() for e in refs) <= tol, \
                         f"{n} tokens: the {path} path against the reference ({len(ties)} near ties tried)"

@@ -30,8 +30,10 @@ def model():
 @click.option("--vocab", default=None, metavar="N|qwen35|qwen3",
               help="Vocabulary size (default: the preset's); qwen35 = 248,320 and qwen3 = 151,936 tokens, as real files.")
 @click.option("--quant", type=click.Choice(QUANTS), default="q4_k_m", show_default=True,
-              help="Type mix: q4_k_m mixes Q4_K/Q5_K/Q6_K/Q8_0 like llama.cpp; mxfp4_moe has the routed "
-                   "experts in MXFP4 and the rest (the shared expert too) Q8_0; others are uniform.")
+              help="Type mix: q4_k_m mixes Q4_K/Q5_K/Q6_K/Q8_0 like llama.cpp; iq3_xxs_dynamic has the routed "
+                   "experts' gate and up IQ3_XXS, their down IQ4_XS; iq2_xxs_dynamic the FFN's gate and up "
+                   "IQ2_XXS, its down and the projections IQ3_XXS; mxfp4_moe the routed experts MXFP4 (the "
+                   "low-bit mixes keep the rest, the shared expert too, at Q8_0); others are uniform.")
 @click.option("--seed", type=int, default=0, show_default=True)
 def synth(out, preset, layers, vocab, quant, seed):
     """Write a random-weight model with the real tensor names, shapes and types."""

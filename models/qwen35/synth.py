@@ -112,6 +112,11 @@ def preset(name: str, layers: int | None = None, vocab: int | None = None) -> Hp
                    vocab=hp.vocab if vocab is None else vocab)
 
 
+def _kept_high(name: str) -> QuantType:
+    """What the low-bit mixes keep at more bits: the head Q6_K, the embedding Q4_K, the rest Q8_0."""
+    return {"output.weight": QuantType.Q6_K, "token_embd.weight": QuantType.Q4_K}.get(name, QuantType.Q8_0)
+
+
 def tensor_type(name: str, spec: TensorSpec, quant: str, layer: int, n_layers: int) -> QuantType:
     """The type a llama.cpp-style quantizer would pick for this tensor."""
     if spec.vector or name.endswith("ssm_conv1d.weight") or name.endswith("ffn_gate_inp.weight"):
@@ -126,7 +131,7 @@ def tensor_type(name: str, spec: TensorSpec, quant: str, layer: int, n_layers: i
             return QuantType.IQ3_XXS
         if name.endswith("ffn_down_exps.weight"):
             return QuantType.IQ4_XS
-        return {"output.weight": QuantType.Q6_K, "token_embd.weight": QuantType.Q4_K}.get(name, QuantType.Q8_0)
+        return _kept_high(name)
     if quant == "iq2_xxs_dynamic":
         # The 2-bit files' shape: the FFN's gate and up (routed or dense) at 2 bits, its down and
         # the attention and delta-net projections IQ3_XXS (as the dense Qwen3.5 files have
@@ -136,7 +141,7 @@ def tensor_type(name: str, spec: TensorSpec, quant: str, layer: int, n_layers: i
         if name.endswith(("ffn_down_exps.weight", "ffn_down.weight", "attn_qkv.weight", "attn_gate.weight",
                           "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ssm_out.weight")):
             return QuantType.IQ3_XXS
-        return {"output.weight": QuantType.Q6_K, "token_embd.weight": QuantType.Q4_K}.get(name, QuantType.Q8_0)
+        return _kept_high(name)
     if quant != "q4_k_m":
         return {"q8_0": QuantType.Q8_0, "f16": QuantType.F16, "f32": QuantType.F32}[quant]
     # Q4_K_M: more bits for V, shared-expert down, the head, delta-net qkv, and ffn_down on
@@ -180,15 +185,15 @@ _pools: dict[tuple, np.ndarray] = {}  # per process: quantized rows by (seed, wi
 
 
 # Block types whose first two bytes are the block's f16 scale d, all other bytes free.
-SCALE_FIRST = frozenset(getattr(QuantType, t) for t in ("Q4_0", "Q5_0", "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS",
+SCALE_FIRST = frozenset(QuantType[t] for t in ("Q4_0", "Q5_0", "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS",
                                                         "IQ2_XS", "IQ2_S", "IQ1_S"))
 
 
 def random_rows(std: float, n: int, width: int, qtype: QuantType, rng: np.random.Generator) -> np.ndarray:
     """n rows of `width` weights of about this std in `qtype`: Gaussian values quantized where
-    zdsl has the type's encoder; otherwise (the IQ types but IQ4_NL) random blocks whose f16
-    scale d (the block's first two bytes in every such type) is set so that each block's values
-    have that RMS: valid blocks in the type's real layout, as a file's would be, which is all a
+    zdsl has the type's encoder; otherwise (SCALE_FIRST: Q4_0, Q5_0 and the IQ types but IQ1_M)
+    random blocks whose f16 scale d (the block's first two bytes in each) is set so that each
+    block's values have that RMS: valid blocks in the type's real layout, as a file's would be, which is all a
     random-weight model needs."""
     if qtype in SUPPORTED_QUANT:
         return quantize(std * rng.standard_normal((n, width), dtype=np.float32), qtype)
