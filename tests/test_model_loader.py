@@ -139,8 +139,8 @@ def test_fused_files_decode_on_the_gpu_as_the_unfused(tiny, tmp_path, device):
 
 def test_graph_weights_split_fused_tensors_stack_shared_experts_and_join_gates():
     """Fused tensors split into row ranges, the shared expert stacked as expert E (kept apart
-    where it has a type of its own), its gate as the router's last row, β and α joined; a part of
-    another type or width is refused with the names."""
+    where it has a type or width of its own), its gate as the router's last row, β and α joined;
+    gates of another type or width are refused with the names."""
     from zdsl.models.qwen35.weights import GraphWeights, Part
 
     hp = synth.preset("tiny")
@@ -182,11 +182,12 @@ def test_graph_weights_split_fused_tensors_stack_shared_experts_and_join_gates()
     assert w.shape("blk.1.ffn_gate_exps.weight") == w.shape("blk.1.ffn_up_exps.weight") == (E, F, H)
     assert w.tensors["blk.1.ffn_up_shexp.weight"].qtype == QuantType.Q8_0 and w.shape("blk.1.ffn_up_shexp.weight") == (F, H)
     assert w.shape("blk.2.ffn_up_exps.weight") == (E + 1, F, H) and "blk.2.ffn_up_shexp.weight" not in w
-    files["blk.1.ffn_up_shexp.weight"] = ((2 * F, H), QuantType.Q8_0)
-    with pytest.raises(ModelError, match="blk.1.ffn_up_shexp.weight .Q8_0.* has another width than the experts'"):
-        GraphWeights(hp, files)
-    for x in ("gate", "up"):
-        files[f"blk.1.ffn_{x}_shexp.weight"] = files[f"blk.2.ffn_{x}_shexp.weight"]
+    for x in ("gate", "up", "down"):  # a wider shared expert of the experts' types stays out of them too
+        (rows, cols), qtype = files[f"blk.2.ffn_{x}_shexp.weight"]
+        files[f"blk.2.ffn_{x}_shexp.weight"] = ((rows, 2 * cols) if x == "down" else (2 * rows, cols), qtype)
+    w = GraphWeights(hp, files)
+    assert w.shape("blk.2.ffn_up_exps.weight") == (E, F, H) and w.shape("blk.2.ffn_up_shexp.weight") == (2 * F, H)
+    assert w.shape("blk.2.ffn_down_exps.weight")[0] == E and w.shape("blk.2.ffn_down_shexp.weight") == (H, 2 * F)
     files[alpha] = (files[alpha][0], QuantType.F16)
     with pytest.raises(ModelError, match=f"{alpha} .F16.* differs from {beta}"):
         GraphWeights(hp, files)

@@ -133,6 +133,10 @@ def test_bad_arguments(tmp_path):
         synth.write(tmp_path / "x.gguf", "tiny", layers=0)
     with pytest.raises(ModelError, match="cannot write"):
         synth.write(tmp_path / "no" / "such" / "dir.gguf", "tiny", quant="f32")
+    with pytest.raises(ModelError, match="blk.0.ffn_down_shexp.weight would be Q6_K, .* multiples of 256 values, not 400"):
+        synth.write(tmp_path / "x.gguf", "tiny", shared_ffn=400)
+    with pytest.raises(ModelError, match="'tiny-dense' is dense"):
+        synth.write(tmp_path / "x.gguf", "tiny-dense", shared_ffn=512)
 
 
 def test_cli_synth_then_info(tmp_path):
@@ -143,3 +147,7 @@ def test_cli_synth_then_info(tmp_path):
     r = CliRunner().invoke(model_cli, ["info", str(out), "--memory", "0.5"])
     assert r.exit_code == 0, r.output
     assert "qwen35" in r.output and "dense SwiGLU 768" in r.output and "context in 0.5 GiB" in r.output
+    r = CliRunner().invoke(model_cli, ["synth", str(out), "--quant", "q8_0", "--layers", "1", "--shared-ffn", "352"])
+    assert r.exit_code == 0, r.output
+    hp = open_model(out).hparams
+    assert (hp.expert_ffn, hp.shared_ffn) == (256, 352)

@@ -46,15 +46,18 @@ TIE = 2 ** -9  # router logits this close (relative to the row's largest) may sw
 
 @pytest.fixture(scope="module", params=[("tiny", "q4_k_m", None), ("tiny-dense", "q4_k_m", None), ("tiny", "q8_0", None),
                                         ("tiny", "f16", None), ("tiny", "mxfp4_moe", None), ("tiny", "iq3_xxs_dynamic", None),
-                                        ("tiny", "q4_k_m", "qwen35")],
-                ids=["moe-q4_k_m", "dense-q4_k_m", "moe-q8_0", "moe-f16", "moe-mxfp4", "moe-iq3_xxs_dynamic", "moe-248k-vocab"])
+                                        ("tiny", "iq3_xxs_dynamic", None, 416), ("tiny", "q4_k_m", "qwen35")],
+                ids=["moe-q4_k_m", "dense-q4_k_m", "moe-q8_0", "moe-f16", "moe-mxfp4", "moe-iq3_xxs_dynamic",
+                     "moe-wide-shared", "moe-248k-vocab"])
 def model(request, tmp_path_factory):
     """Q4_K_M mixes four int8 types, Q8_0 is one, F16 has no int8 decoder (the f32 path), nor has
     MXFP4 (the experts, beside a Q8_0 shared expert); IQ3_XXS experts have one, beside IQ4_XS
-    down on the f32 path; the last has Qwen3.5's 248,320-row output head."""
-    preset, quant, vocab = request.param
-    path = tmp_path_factory.mktemp("models") / f"{preset}-{quant}-{vocab}.gguf"
-    synth.write(path, preset, quant=quant, seed=5, vocab=synth.REAL_VOCABS[vocab] if vocab else None)
+    down on the f32 path, and beside a Q8_0 shared expert as wide as them or wider (416: products
+    of its own); the last has Qwen3.5's 248,320-row output head."""
+    preset, quant, vocab, *shared_ffn = request.param
+    path = tmp_path_factory.mktemp("models") / f"{preset}-{quant}-{vocab}-{shared_ffn}.gguf"
+    synth.write(path, preset, quant=quant, seed=5, vocab=synth.REAL_VOCABS[vocab] if vocab else None,
+                shared_ffn=(shared_ffn or [None])[0])
     return open_model(path)
 
 

@@ -81,11 +81,11 @@ def decode_buffers(hp, tensors, n_ctx: int, candidates: int, checkpoint: bool = 
         specs += [Spec(f"conv_state.{i}", 4 * hp.conv_kernel * C, "recurrent state"),
                   Spec(f"ssm_state.{i}", 4 * hp.ssm_v_heads * hp.ssm_head_dim ** 2, "recurrent state")]
     if hp.moe:
-        E, K, F = hp.n_experts, hp.n_experts_used, hp.expert_ffn  # the shared expert's width is F (weights.py)
+        E, K, F, S = hp.n_experts, hp.n_experts_used, hp.expert_ffn, hp.shared_ffn
         specs += [f32("router_logits", E + 1),    # [E]: the shared expert's gate
                   Spec("route_ids", 4 * (K + 1), "scratch"),  # [K]: the shared expert, E
                   f32("route_weights", K + 1),    # [K]: the shared expert's gate
-                  f32("expert_act", (K + 1) * F),  # slot K: the shared expert
+                  f32("expert_act", K * F + S),   # after the K slots of F: the shared expert's S
                   Spec("zero_id", 4, "scratch")]
     else:
         specs.append(f32("ffn_act", hp.ffn))
@@ -114,12 +114,12 @@ def chunk_buffers(hp, chunk: int, halves: bool = False) -> list[Spec]:
              *vector("chunk.deltanet_out", chunk * vd, halves),
              Spec("chunk.one_offsets", 8, "scratch"), Spec("chunk.one_pairs", 4 * chunk, "scratch")]
     if hp.moe:
-        E, K, F = hp.n_experts, hp.n_experts_used, hp.expert_ffn
+        E, K, F, S = hp.n_experts, hp.n_experts_used, hp.expert_ffn, hp.shared_ffn
         specs += [f32("chunk.router_logits", chunk * (E + 1)), Spec("chunk.expert_counts", 4 * E, "scratch"),
                   Spec("chunk.route_ids", 4 * chunk * K, "scratch"), f32("chunk.route_weights", chunk * K),
                   Spec("chunk.expert_offsets", 4 * (E + 1), "scratch"), Spec("chunk.pairs", 4 * chunk * K, "scratch"),
                   f32("chunk.act", chunk * K * F), f32("chunk.pair_out", chunk * K * H),
-                  f32("chunk.act_shared", chunk * F), f32("chunk.shared_out", chunk * H)]
+                  f32("chunk.act_shared", chunk * S), f32("chunk.shared_out", chunk * H)]
     else:
         specs += [f32("chunk.act", chunk * hp.ffn)] + ([Spec("chunk.act_f16", 2 * chunk * hp.ffn, "scratch")] if halves else [])
     return specs

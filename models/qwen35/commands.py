@@ -34,8 +34,10 @@ def model():
                    "experts' gate and up IQ3_XXS, their down IQ4_XS; iq2_xxs_dynamic the FFN's gate and up "
                    "IQ2_XXS, its down and the projections IQ3_XXS; mxfp4_moe the routed experts MXFP4 (the "
                    "low-bit mixes keep the rest, the shared expert too, at Q8_0); others are uniform.")
+@click.option("--shared-ffn", type=int, default=None, metavar="N",
+              help="The shared expert's width (default: the preset's, the routed experts' width).")
 @click.option("--seed", type=int, default=0, show_default=True)
-def synth(out, preset, layers, vocab, quant, seed):
+def synth(out, preset, layers, vocab, quant, shared_ffn, seed):
     """Write a random-weight model with the real tensor names, shapes and types."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
@@ -44,7 +46,7 @@ def synth(out, preset, layers, vocab, quant, seed):
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                   TimeRemainingColumn(), transient=True) as bar:
         task = bar.add_task(f"writing {out}", total=None)
-        hp = write(out, preset, layers=layers, vocab=_vocab_size(vocab), quant=quant, seed=seed,
+        hp = write(out, preset, layers=layers, vocab=_vocab_size(vocab), shared_ffn=shared_ffn, quant=quant, seed=seed,
                    progress=lambda done, total: bar.update(task, completed=done, total=total))
     click.echo(f"wrote {out}: {hp.arch} preset {preset}, {hp.n_layers} layers, hidden {hp.hidden}, "
                f"vocab {hp.vocab}, {quant}")

@@ -225,7 +225,7 @@ class DecodeGraph:
             K, F = hp.n_experts_used, hp.expert_ffn
             self.router, self.route_ids, self.route_w = b["router_logits"], b["route_ids"], b["route_weights"]
             self.act = b["expert_act"]
-            self.act_shared = self.act.slice(4 * K * F, 4 * F)
+            self.act_shared = self.act.slice(4 * K * F, 4 * hp.shared_ffn)  # slot K where the stacks hold it
             self.route_w_shared = self.route_w.slice(4 * K, 4)
             self.zero_id = b["zero_id"]
         else:
@@ -416,7 +416,9 @@ class DecodeGraph:
         """The router (x normed, its logits, then the experts picked by the workgroup that
         finishes last), one dispatch for every expert's gate·up (the shared expert as one more
         slot: the stacks' last expert, weights.py), one for every down projection added to x,
-        then x normed for the next layer."""
+        then x normed for the next layer. A shared expert of another type or width than the
+        experts' takes a dispatch of its own for its gate·up, and its down one where it has
+        another width or block layout."""
         hp, p = self.hp, f"blk.{i}."
         K, E = hp.n_experts_used, hp.n_experts
         router = p + "ffn_gate_inp.weight"
@@ -435,7 +437,7 @@ class DecodeGraph:
         qd = self._qname(down)
         qs = self._qname(down_sh) if down_sh in self.tensors else ""  # "": the stack's last expert
         fd, fs = FORMATS[qd], FORMATS[qs or qd]
-        if (fd.block, fd.parts) != (fs.block, fs.parts):
+        if (fd.block, fd.parts) != (fs.block, fs.parts) or (qs and self.tensors.shape(down_sh)[-1] != kd):
             self._down(seq, down, self.route_ids, self.route_w, self.act, K)
             self._down(seq, down_sh, self.zero_id, self.route_w_shared, self.act_shared, 1)
         else:

@@ -288,7 +288,8 @@ class Prefill:
                          else (gate, _expert(g, gate, E), _expert(g, up, E)))
         self._gate_up(seq, p + "ffn_gate_up_shexp", named, wg, wu, *one, self.act_shared, 1, t, 1)
         w_sh, q_sh = (g.weights[down_sh], g._qname(down_sh)) if down_sh in g.tensors else (_expert(g, down, E), qd)
-        self._down(seq, p + "ffn_down_shexp", q_sh, w_sh, *one, self.act_shared, self.y_shared, F, H, 1, t, 1)
+        self._down(seq, p + "ffn_down_shexp", q_sh, w_sh, *one, self.act_shared, self.y_shared, hp.shared_ffn, H, 1,
+                   t, 1)
         moe.moe_combine_rows.launch(seq, g._pick, label=p + "moe_combine", SHARED=True, x=self.x, weights=self.route_w,
                                     y=self.y, shared=self.y_shared, logits=self.logits, k=H, topk=K, n_expert=E,
                                     stride=E + 1, t=t)

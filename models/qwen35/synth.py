@@ -96,10 +96,11 @@ CHAT_TEMPLATE = """\
 REAL_VOCABS = {"qwen35": 248320, "qwen3": 151936}
 
 
-def preset(name: str, layers: int | None = None, vocab: int | None = None) -> Hparams:
+def preset(name: str, layers: int | None = None, vocab: int | None = None, shared_ffn: int | None = None) -> Hparams:
     """A preset's hyperparameters, with layer kinds filled in (every 4th layer is attention) and
     optionally another vocabulary size (real ones have more output rows than many devices launch
-    workgroups along one axis)."""
+    workgroups along one axis) or another shared-expert width (some files' is wider than the
+    routed experts')."""
     if name not in PRESETS:
         raise ModelError(f"unknown preset '{name}'; choose one of {', '.join(PRESETS)}")
     hp = PRESETS[name]
@@ -108,8 +109,13 @@ def preset(name: str, layers: int | None = None, vocab: int | None = None) -> Hp
         raise ModelError(f"--layers must be at least 1, got {n}")
     if vocab is not None and vocab < MIN_VOCAB:
         raise ModelError(f"--vocab must be at least {MIN_VOCAB} (256 bytes and the special tokens), got {vocab}")
+    if shared_ffn is not None and not hp.moe:
+        raise ModelError(f"--shared-ffn: preset '{name}' is dense; it has no shared expert")
+    if shared_ffn is not None and shared_ffn < 1:
+        raise ModelError(f"--shared-ffn must be at least 1, got {shared_ffn}")
     return replace(hp, n_layers=n, attention=tuple((i + 1) % FULL_ATTENTION_INTERVAL == 0 for i in range(n)),
-                   vocab=hp.vocab if vocab is None else vocab)
+                   vocab=hp.vocab if vocab is None else vocab,
+                   shared_ffn=hp.shared_ffn if shared_ffn is None else shared_ffn)
 
 
 def _kept_high(name: str) -> QuantType:
@@ -312,7 +318,12 @@ def plan(hp: Hparams, quant: str = "q4_k_m") -> list[tuple[str, tuple[int, ...],
     out = []
     for name, spec in tensor_specs(hp).items():
         layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
-        out.append((name, tuple(reversed(spec.ne)), tensor_type(name, spec, quant, layer, hp.n_layers)))
+        qtype = tensor_type(name, spec, quant, layer, hp.n_layers)
+        block = block_shape(qtype)[0]
+        if spec.ne[0] % block:
+            raise ModelError(f"{name} would be {qtype.name}, whose rows hold multiples of {block} values, not "
+                             f"{spec.ne[0]}; choose widths that fit --quant {quant}")
+        out.append((name, tuple(reversed(spec.ne)), qtype))
     return out
 
 
@@ -336,10 +347,10 @@ class PresetModel:
 
 
 def write(path: str | os.PathLike, preset_name: str = "tiny", *, layers: int | None = None,
-          vocab: int | None = None, quant: str = "q4_k_m", seed: int = 0,
+          vocab: int | None = None, shared_ffn: int | None = None, quant: str = "q4_k_m", seed: int = 0,
           progress: Callable[[int, int], None] | None = None) -> Hparams:
     """Write a synthetic model; `progress(done_bytes, total_bytes)` is called after each tensor."""
-    hp = preset(preset_name, layers, vocab)
+    hp = preset(preset_name, layers, vocab, shared_ffn)
     tensors = plan(hp, quant)
     path = Path(path)
     w = GGUFWriter(path, hp.arch)

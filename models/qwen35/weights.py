@@ -108,16 +108,12 @@ class GraphWeights:
 
     def _stack_shared_expert(self, p: str) -> None:
         """The shared expert's gate and up become the stacks' last expert where both have the
-        experts' type and shape; otherwise they stay tensors of their own, which the graphs run
-        in a dispatch of their own. Its down runs beside the stack in any type either way."""
+        experts' type and shape, its down likewise; otherwise they stay tensors of their own
+        (another type, or another width: published files may widen the shared expert), which
+        the graphs run in dispatches of their own."""
         pairs = [(p + f"ffn_{kind}_exps.weight", p + f"ffn_{kind}_shexp.weight") for kind in ("gate", "up", "down")]
-        for stack, shared in pairs:
-            s, sh = self.tensors[stack], self.tensors[shared]
-            if sh.shape != s.shape[1:]:
-                raise ModelError(f"{shared} ({sh.qtype.name} {list(reversed(sh.shape))}) has another width than the "
-                                 f"experts' {stack} ({s.qtype.name} {list(reversed(s.shape[1:]))} per expert); zdsl "
-                                 "runs the shared expert in the experts' activation slots, which needs one width")
-        same = [self.tensors[sh].qtype == self.tensors[s].qtype for s, sh in pairs]
+        same = [(self.tensors[sh].qtype, self.tensors[sh].shape) == (self.tensors[s].qtype, self.tensors[s].shape[1:])
+                for s, sh in pairs]
         joins = [same[0] and same[1]] * 2 + [same[2]]  # gate and up join together or not at all
         for (stack, shared), join in zip(pairs, joins):
             if join:
