@@ -34,16 +34,18 @@ MEDIAN, P95, WORST = 0.04, 0.08, 0.5  # of the logits' standard deviation
 
 @pytest.fixture(scope="module", params=[("tiny", "q4_k_m"), ("tiny-dense", "q4_k_m"), ("tiny", "q8_0"), ("tiny", "f16"),
                                         ("tiny", "mxfp4_moe"), ("tiny", "iq3_xxs_dynamic"),
-                                        ("tiny", "iq3_xxs_dynamic", 416),
-                                        ("tiny", "iq2_xxs_dynamic"), ("tiny-dense", "iq2_xxs_dynamic")],
+                                        ("tiny", "iq3_xxs_dynamic", 416), ("tiny-dense", "mxfp4_moe"),
+                                        ("tiny-dense", "iq3_xxs_dynamic"), ("tiny", "iq2_xxs_dynamic"),
+                                        ("tiny-dense", "iq2_xxs_dynamic")],
                 ids=["moe-q4_k_m", "dense-q4_k_m", "moe-q8_0", "moe-f16", "moe-mxfp4", "moe-iq3_xxs_dynamic",
-                     "moe-wide-shared", "moe-iq2_xxs_dynamic", "dense-iq2_xxs_dynamic"])
+                     "moe-wide-shared", "dense-mxfp4", "dense-iq3_xxs_dynamic", "moe-iq2_xxs_dynamic",
+                     "dense-iq2_xxs_dynamic"])
 def model(request, tmp_path_factory):
     """Q4_K_M and Q8_0 run the int8 products; F16 weights (no int8 decoder) the f32 path, where
     the residual norm is a dispatch of its own; MXFP4 experts (no int8 decoder) beside Q8_0; and
     the "dynamic" files' shape: IQ3_XXS experts' gate and up, IQ4_XS down, beside a Q8_0 shared
     expert, once as wide as the experts and once wider (416 against 256: dispatches of its own);
-    and the 2-bit one, IQ2_XXS gate and up, IQ3_XXS down and projections, MoE and dense."""
+    and the 2-bit one, IQ2_XXS gate and up, IQ3_XXS down and projections; each mix also dense."""
     preset, quant, *shared_ffn = request.param
     path = tmp_path_factory.mktemp("models") / f"{preset}-{quant}.gguf"
     synth.write(path, preset, quant=quant, shared_ffn=(shared_ffn or [None])[0], seed=3)

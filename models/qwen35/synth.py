@@ -118,6 +118,9 @@ def preset(name: str, layers: int | None = None, vocab: int | None = None, share
                    shared_ffn=hp.shared_ffn if shared_ffn is None else shared_ffn)
 
 
+DENSE_FFN = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+
+
 def _kept_high(name: str) -> QuantType:
     """What the low-bit mixes keep at more bits: the head Q6_K, the embedding Q4_K, the rest Q8_0."""
     return {"output.weight": QuantType.Q6_K, "token_embd.weight": QuantType.Q4_K}.get(name, QuantType.Q8_0)
@@ -127,24 +130,24 @@ def tensor_type(name: str, spec: TensorSpec, quant: str, layer: int, n_layers: i
     """The type a llama.cpp-style quantizer would pick for this tensor."""
     if spec.vector or name.endswith("ssm_conv1d.weight") or name.endswith("ffn_gate_inp.weight"):
         return QuantType.F32
-    if quant == "mxfp4_moe":  # the routed experts in MXFP4, every other matrix (the shared expert's too) Q8_0
-        return QuantType.MXFP4 if name.endswith("_exps.weight") else QuantType.Q8_0
+    if quant == "mxfp4_moe":  # the routed experts (a dense FFN) in MXFP4, every other matrix (the shared expert's too) Q8_0
+        return QuantType.MXFP4 if name.endswith(("_exps.weight", *DENSE_FFN)) else QuantType.Q8_0
     if quant == "iq3_xxs_dynamic":
-        # The popular "dynamic" files' shape: the routed experts' gate and up at 3 bits, their
-        # down a step higher, and the few small matrices every token reads (attention,
-        # delta-net, the shared expert) kept at Q8_0 beside them.
-        if name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):
+        # The popular "dynamic" files' shape: the routed experts' (a dense FFN's) gate and up at
+        # 3 bits, their down a step higher, and the few small matrices every token reads
+        # (attention, delta-net, the shared expert) kept at Q8_0 beside them.
+        if name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight", *DENSE_FFN[:2])):
             return QuantType.IQ3_XXS
-        if name.endswith("ffn_down_exps.weight"):
+        if name.endswith(("ffn_down_exps.weight", DENSE_FFN[2])):
             return QuantType.IQ4_XS
         return _kept_high(name)
     if quant == "iq2_xxs_dynamic":
         # The 2-bit files' shape: the FFN's gate and up (routed or dense) at 2 bits, its down and
         # the attention and delta-net projections IQ3_XXS (as the dense Qwen3.5 files have
         # them), the shared expert and the delta-net's gates Q8_0.
-        if name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_gate.weight", "ffn_up.weight")):
+        if name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight", *DENSE_FFN[:2])):
             return QuantType.IQ2_XXS
-        if name.endswith(("ffn_down_exps.weight", "ffn_down.weight", "attn_qkv.weight", "attn_gate.weight",
+        if name.endswith(("ffn_down_exps.weight", DENSE_FFN[2], "attn_qkv.weight", "attn_gate.weight",
                           "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ssm_out.weight")):
             return QuantType.IQ3_XXS
         return _kept_high(name)
