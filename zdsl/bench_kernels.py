@@ -89,6 +89,7 @@ def print_table(device_name: str, copy_gbps: float, copy_bytes: int, results: li
 @click.argument("model", required=False, type=click.Path(exists=True, dir_okay=False))
 @click.option("--preset", default=None, help="Synthetic preset whose step to time when no MODEL is given "
                                              "[default: 35b-a3b; tiny on a CPU device].")
+@click.option("--quant", default="q4_k_m", show_default=True, help="The preset's type mix (zdsl model synth --quant).")
 @click.option("--device", "device_name", default=None, help="Device index or name (default: $ZDSL_DEVICE or the best).")
 @click.option("--kernels", "names", default=None, help="Comma-separated kernel names (default: every one the step tunes).")
 @click.option("--ctx", "n_ctx", default=4096, show_default=True, help="Context the attention kernels see.")
@@ -102,7 +103,7 @@ def print_table(device_name: str, copy_gbps: float, copy_bytes: int, results: li
 @click.option("--cache-mb", default=256, show_default=True,
               help="Rotate weight copies until this many MB lie between reuses (defeats the caches).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def bench_kernels(model, preset, device_name, names, n_ctx, warmup, warm_ms, repeats, copy_mb, cache_mb, as_json):
+def bench_kernels(model, preset, quant, device_name, names, n_ctx, warmup, warm_ms, repeats, copy_mb, cache_mb, as_json):
     """Time each kernel launch of a model's decode step: GPU time and GB/s against measured copy bandwidth."""
     from zdsl.autotune import timing, tuner
     from zdsl.models.qwen35.gguf_file import open_model
@@ -120,7 +121,7 @@ def bench_kernels(model, preset, device_name, names, n_ctx, warmup, warm_ms, rep
         if model is None and preset is None and dev.info.device_type == "cpu":
             say(f"preset tiny: {dev.info.name} is a CPU, and the 35b-a3b step is sized for a GPU (--preset times others)")
             preset = "tiny"
-        source = open_model(model) if model else PresetModel(preset or "35b-a3b")
+        source = open_model(model) if model else PresetModel(preset or "35b-a3b", quant)
         uses = select(step_uses(source, dev.info, n_ctx, (1,)), names)
         copy_bytes = device_defaults.copy_mb(dev.info, copy_mb, say) << 20
         measure = tuner.Measure(dev, warmup=warmup, repeats=repeats, warm_s=warm_ms / 1e3, cache_bytes=cache_mb << 20)

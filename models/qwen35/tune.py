@@ -23,7 +23,7 @@ from zdsl.errors import ZdslError
 from .gguf_file import open_model
 from .graph import DecodeGraph, record_chunk_launches, record_launches
 from .sampler import SamplerConfig
-from .synth import PresetModel
+from .synth import QUANTS, PresetModel
 
 from zdsl.autotune import cost_model, tuner
 from zdsl.autotune.database import Database, database, user_path
@@ -89,6 +89,8 @@ def select(uses, names: str | None, what: str = "decode step"):
 @click.option("--model", "model_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="GGUF file whose shapes to tune (default: the --preset's).")
 @click.option("--preset", default="35b-a3b", show_default=True, help="Synthetic preset used when no --model is given.")
+@click.option("--quant", type=click.Choice(QUANTS), default="q4_k_m", show_default=True,
+              help="The preset's type mix (zdsl model synth --quant).")
 @click.option("--kernels", "names", default=None, help="Comma-separated kernel names (default: every kernel the step uses).")
 @click.option("--budget", default=600.0, show_default=True, help="Seconds to spend; uses left when it runs out stay untuned. With --model on a device "
                    "that runs code, half times kernels alone and the rest tries the winners in the decode step.")
@@ -107,7 +109,7 @@ def select(uses, names: str | None, what: str = "decode step"):
 @click.option("--cache-mb", default=256, show_default=True,
               help="Rotate input copies until this many MB lie between reuses (defeats the caches).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
-def tune(device_name, model_path, preset, names, budget, n_ctx, caps, prompt, out_path, warmup, repeats, warm_ms,
+def tune(device_name, model_path, preset, quant, names, budget, n_ctx, caps, prompt, out_path, warmup, repeats, warm_ms,
          cache_mb, as_json):
     """Pick the fastest kernel variants for a device (measured, or modelled for compile-only targets)."""
     if budget <= 0 or n_ctx < 1 or repeats < 1 or min(warmup, warm_ms, cache_mb, prompt) < 0:
@@ -119,7 +121,7 @@ def tune(device_name, model_path, preset, names, budget, n_ctx, caps, prompt, ou
         raise ZdslError(f"--caps '{caps}': write comma-separated integers such as 1,64") from None
     method, info, dev = _open(device_name, warmup, repeats, warm_ms, cache_mb)
     try:
-        model = open_model(model_path) if model_path else PresetModel(preset)
+        model = open_model(model_path) if model_path else PresetModel(preset, quant)
         source = str(model_path) if model_path else model.source
         if prompt:
             uses = select(chunk_uses(model, info, max(n_ctx, prompt), prompt), names, f"{prompt}-token prompt chunk")
