@@ -52,7 +52,12 @@ PRESETS: dict[str, Hparams] = {
         n_experts=256, n_experts_used=8, expert_ffn=512, shared_ffn=512),
 }
 FULL_ATTENTION_INTERVAL = 4
-QUANTS = ("q4_k_m", "iq3_xxs_dynamic", "iq2_xxs_dynamic", "mxfp4_moe", "q8_0", "f16", "f32")
+# the FFN's matrices (routed experts', or a dense FFN's) in one type, every other matrix Q8_0: MXFP4
+# as the gpt-oss-style MoE files have them, and each IQ type that the published mixes above lack
+# (for timing its kernels; IQ1_M is left out: zdsl writes no random IQ1_M blocks, random_rows)
+FFN_MIXES = {"mxfp4_moe": QuantType.MXFP4, "iq3_s_moe": QuantType.IQ3_S, "iq2_xs_moe": QuantType.IQ2_XS,
+             "iq2_s_moe": QuantType.IQ2_S, "iq1_s_moe": QuantType.IQ1_S}
+QUANTS = ("q4_k_m", "iq3_xxs_dynamic", "iq2_xxs_dynamic", *FFN_MIXES, "q8_0", "f16", "f32")
 SPECIAL_TOKENS = {  # text: GGUF token type (Qwen marks the think tags as plain added tokens)
     "<|endoftext|>": TokenType.CONTROL, "<|im_start|>": TokenType.CONTROL, "<|im_end|>": TokenType.CONTROL,
     "<think>": TokenType.USER_DEFINED, "</think>": TokenType.USER_DEFINED,
@@ -130,8 +135,8 @@ def tensor_type(name: str, spec: TensorSpec, quant: str, layer: int, n_layers: i
     """The type a llama.cpp-style quantizer would pick for this tensor."""
     if spec.vector or name.endswith("ssm_conv1d.weight") or name.endswith("ffn_gate_inp.weight"):
         return QuantType.F32
-    if quant == "mxfp4_moe":  # the routed experts (a dense FFN) in MXFP4, every other matrix (the shared expert's too) Q8_0
-        return QuantType.MXFP4 if name.endswith(("_exps.weight", *DENSE_FFN)) else QuantType.Q8_0
+    if quant in FFN_MIXES:  # the routed experts (a dense FFN) in one type, every other matrix (the shared expert's too) Q8_0
+        return FFN_MIXES[quant] if name.endswith(("_exps.weight", *DENSE_FFN)) else QuantType.Q8_0
     if quant == "iq3_xxs_dynamic":
         # The popular "dynamic" files' shape: the routed experts' (a dense FFN's) gate and up at
         # 3 bits, their down a step higher, and the few small matrices every token reads
