@@ -53,6 +53,20 @@ def model(request, tmp_path_factory):
 
 
 def test_logits_and_greedy_tokens_match_reference(model, device):
+    decodes_like_the_reference(model, device)
+
+
+@pytest.mark.parametrize("preset,quant", [("tiny", "iq3_s_moe"), ("tiny-dense", "iq2_xs_moe"), ("tiny", "iq2_s_moe"),
+                                          ("tiny-dense", "iq1_s_moe"), ("tiny", "iq1_m_moe")])
+def test_every_ffn_type_decodes_like_the_reference(preset, quant, device, tmp_path):
+    """The FFN mixes of the IQ types the published mixes lack (IQ3_S, IQ2_XS, IQ2_S, IQ1_S,
+    IQ1_M; the rest Q8_0), MoE or dense: the same bounds, logits only."""
+    path = tmp_path / f"{preset}-{quant}.gguf"
+    synth.write(path, preset, quant=quant, seed=3)
+    decodes_like_the_reference(open_model(path), device)
+
+
+def decodes_like_the_reference(model, device):
     graph = DecodeGraph(model, device, POSITIONS + 1, SamplerConfig(temperature=0), progress=False)
     ref, exact = ReferenceModel(model, int8_activations=True), ReferenceModel(model)
     state, exact_state = ref.new_state(), exact.new_state()

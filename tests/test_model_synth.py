@@ -65,7 +65,7 @@ def test_35b_a3b_two_bit_mix():
     assert 10e9 < total < 12.5e9, total  # 2.06 bits per expert gate/up weight, 3.06 per down
 
 
-@pytest.mark.parametrize("qtype", [QuantType.IQ3_XXS, QuantType.IQ4_XS, QuantType.IQ4_NL])
+@pytest.mark.parametrize("qtype", [QuantType.IQ3_XXS, QuantType.IQ4_XS, QuantType.IQ4_NL, QuantType.IQ1_S, QuantType.IQ1_M])
 def test_random_rows_of_a_type_without_encoder_have_the_asked_rms(qtype):
     """Random blocks in the type's layout, scaled per block to the std asked (up to f16 rounding)."""
     rows = synth.random_rows(0.03, 12, 512, qtype, np.random.default_rng(1))

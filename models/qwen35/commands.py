@@ -33,7 +33,7 @@ def model():
               help="Type mix: q4_k_m mixes Q4_K/Q5_K/Q6_K/Q8_0 like llama.cpp; iq3_xxs_dynamic has the FFN's "
                    "(routed experts' or dense) gate and up IQ3_XXS, its down IQ4_XS; iq2_xxs_dynamic the FFN's gate "
                    "and up IQ2_XXS, its down and the projections IQ3_XXS; mxfp4_moe, iq3_s_moe, iq2_xs_moe, "
-                   "iq2_s_moe and iq1_s_moe the FFN in that type (the "
+                   "iq2_s_moe, iq1_s_moe and iq1_m_moe the FFN in that type (the "
                    "low-bit mixes keep the rest, the shared expert too, at Q8_0); others are uniform.")
 @click.option("--shared-ffn", type=int, default=None, metavar="N",
               help="The shared expert's width (default: the preset's, the routed experts' width).")

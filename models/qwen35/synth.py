@@ -54,9 +54,9 @@ PRESETS: dict[str, Hparams] = {
 FULL_ATTENTION_INTERVAL = 4
 # the FFN's matrices (routed experts', or a dense FFN's) in one type, every other matrix Q8_0: MXFP4
 # as the gpt-oss-style MoE files have them, and each IQ type that the published mixes above lack
-# (for timing its kernels; IQ1_M is left out: zdsl writes no random IQ1_M blocks, random_rows)
+# (for timing their kernels)
 FFN_MIXES = {"mxfp4_moe": QuantType.MXFP4, "iq3_s_moe": QuantType.IQ3_S, "iq2_xs_moe": QuantType.IQ2_XS,
-             "iq2_s_moe": QuantType.IQ2_S, "iq1_s_moe": QuantType.IQ1_S}
+             "iq2_s_moe": QuantType.IQ2_S, "iq1_s_moe": QuantType.IQ1_S, "iq1_m_moe": QuantType.IQ1_M}
 QUANTS = ("q4_k_m", "iq3_xxs_dynamic", "iq2_xxs_dynamic", *FFN_MIXES, "q8_0", "f16", "f32")
 SPECIAL_TOKENS = {  # text: GGUF token type (Qwen marks the think tags as plain added tokens)
     "<|endoftext|>": TokenType.CONTROL, "<|im_start|>": TokenType.CONTROL, "<|im_end|>": TokenType.CONTROL,
@@ -198,27 +198,39 @@ PARALLEL_BYTES = 256 << 20
 _pools: dict[tuple, np.ndarray] = {}  # per process: quantized rows by (seed, width, type, std)
 
 
-# Block types whose first two bytes are the block's f16 scale d, all other bytes free.
+# Block types whose f16 scale d is the first two bytes, all other bytes free; IQ1_M's d is spread
+# over the top nibbles of its four scale words (_set_scale).
 SCALE_FIRST = frozenset(QuantType[t] for t in ("Q4_0", "Q5_0", "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS",
                                                         "IQ2_XS", "IQ2_S", "IQ1_S"))
+IQ1_M_SCALES = 48  # the byte offset of IQ1_M's four 16-bit scale words (after qs[32], qh[16])
 
 
 def random_rows(std: float, n: int, width: int, qtype: QuantType, rng: np.random.Generator) -> np.ndarray:
     """n rows of `width` weights of about this std in `qtype`: Gaussian values quantized where
-    zdsl has the type's encoder; otherwise (SCALE_FIRST: Q4_0, Q5_0 and the IQ types but IQ1_M)
-    random blocks whose f16 scale d (the block's first two bytes in each) is set so that each
-    block's values have that RMS: valid blocks in the type's real layout, as a file's would be, which is all a
-    random-weight model needs."""
+    zdsl has the type's encoder; otherwise (Q4_0, Q5_0 and the IQ types) random blocks whose f16
+    scale d is set so that each block's values have that RMS: valid blocks in the type's real
+    layout, as a file's would be, which is all a random-weight model needs."""
     if qtype in SUPPORTED_QUANT:
         return quantize(std * rng.standard_normal((n, width), dtype=np.float32), qtype)
-    if qtype not in SCALE_FIRST:
+    if qtype not in SCALE_FIRST and qtype != QuantType.IQ1_M:
         raise ModelError(f"zdsl model synth cannot write {qtype.name} weights")
     block, nbytes = block_shape(qtype)
     blocks = rng.integers(0, 256, (n * width // block, nbytes), dtype=np.uint8)
-    blocks[:, :2] = np.float16(1).reshape(1).view(np.uint8)
+    _set_scale(blocks, qtype, np.ones(len(blocks), np.float16))
     rms = np.sqrt(np.mean(np.square(dequantize(blocks, qtype, (len(blocks), block))), axis=1))
-    blocks[:, :2] = (std / np.maximum(rms, 1e-30)).astype("<f2")[:, None].view(np.uint8)
+    _set_scale(blocks, qtype, (std / np.maximum(rms, 1e-30)).astype(np.float16))
     return blocks.reshape(n, width // block * nbytes)
+
+
+def _set_scale(blocks: np.ndarray, qtype: QuantType, d: np.ndarray) -> None:
+    """Each block's f16 scale d (in place)."""
+    bits = d.astype("<f2").view("<u2")
+    if qtype != QuantType.IQ1_M:
+        blocks[:, :2] = bits[:, None].view(np.uint8)
+        return
+    words = blocks[:, IQ1_M_SCALES:IQ1_M_SCALES + 8].view("<u2")  # d's nibble w tops word w
+    for w in range(4):
+        words[:, w] = (words[:, w] & 0x0FFF) | (((bits >> (4 * w)) & 0xF) << 12)
 
 
 def _tensor_data(task: tuple) -> np.ndarray:
