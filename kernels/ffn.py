@@ -22,26 +22,51 @@ from zdsl.kernels.reduce import SUBGROUPS
 
 
 def _gate_up_traffic(v, s) -> int:
-    return 2 * s.slots * s.m * inputs.row_bytes(v.QTYPE, s.k) + input_bytes(s.k, v.Q8) + 4 * s.slots * s.m
+    return (s.slots * s.m * (inputs.row_bytes(v.QTYPE, s.k) + inputs.row_bytes(v.QTYPE_UP or v.QTYPE, s.k))
+            + input_bytes(s.k, v.Q8) + 4 * s.slots * s.m)
+
+
+def _gate_up_fits(v) -> bool:
+    """The int8 path only where both types have an int8 decoder."""
+    return not v.Q8 or (v.QTYPE in INT8_FORMATS and (v.QTYPE_UP or v.QTYPE) in INT8_FORMATS)
+
+
+def gate_up_decoders(QTYPE: str, QTYPE_UP: str, Q8: bool) -> list:
+    """One decoder for gate and up rows (QTYPE_UP "" or the same type), or one each (files may
+    mix them); set up once, at the kernel's start."""
+    if not QTYPE_UP or QTYPE_UP == QTYPE:
+        return [decoder(QTYPE, Q8)]
+    return [decoder(QTYPE, Q8), decoder(QTYPE_UP, Q8)]
+
+
+def gate_up_dots(decoders: list, wg, wu, expert, x, xq, xd, bases, k, m, group: Rows):
+    """The gate rows' partial products, then the up rows': in one pass over x with one decoder,
+    else a pass each."""
+    if len(decoders) == 1:
+        return expert_dots(*decoders[0], [wg, wu], expert, x, xq, xd, bases, k, m, group)
+    return [a for dec, w in zip(decoders, (wg, wu)) for a in expert_dots(*dec, [w], expert, x, xq, xd, bases, k, m,
+                                                                         group)]
 
 
 @zdsl.kernel(workgroup=workgroup, subgroup="SG",
              variants={"QTYPE": GATE_UP_QTYPES, "Q8": [False, True], "ROWS": [1, 2, 4], "SG": SUBGROUPS},
-             tune={"NSUB": NSUBS}, where=lambda v: not v.Q8 or v.QTYPE in INT8_FORMATS,
+             tune={"NSUB": NSUBS}, where=_gate_up_fits,
              key=("k", "m", "slots"), sizes=("slots",), grid=lambda v, s: (row_groups(v, s.m), s.slots),
              traffic=_gate_up_traffic)
 def ffn_gate_up(wg: Buffer[u8], wu: Buffer[u8], ids: Buffer[u32], x: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32],
                 act: Buffer[f32], k: u32, m: u32, EXPERTS: Spec[boolean] = True, QTYPE: Const = "q4_k",
-                Q8: Const = False, ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
+                QTYPE_UP: Const = "", Q8: Const = False, ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32,
+                WG: Const = 0):
     """act[s·m + r] = silu(Wg[r]·x) · (Wu[r]·x) for slot s = workgroup_id(1), with the pair of
     expert ids[s] (EXPERTS) or the single pair (not EXPERTS: a dense FFN; `ids` unused); x in f32,
     or with Q8 as Q8_1 (xq, xd). A MoE layer's shared expert is one more expert of the stacks
     (the graph appends it; the router names it in ids[K]), so routed and shared experts are one
-    dispatch with one code path. Gate and up rows are read in one pass over x."""
+    dispatch with one code path. Gate and up rows are read in one pass over x; Wu's type is
+    QTYPE_UP where it differs from Wg's ("" where not)."""
     group = Rows(ROWS, NSUB, SG)
     slot = zdsl.workgroup_id(1)
     expert = ids.load(slot, mask=EXPERTS, other=0)
-    acc = expert_dots(*decoder(QTYPE, Q8), [wg, wu], expert, x, xq, xd, [0], k, m, group)
+    acc = gate_up_dots(gate_up_decoders(QTYPE, QTYPE_UP, Q8), wg, wu, expert, x, xq, xd, [0], k, m, group)
     store_swiglu(act, tile_sums(group, acc), group, m, [slot])
 
 
@@ -74,40 +99,41 @@ def experts_of(w_bytes, qtype, m, k) -> int:
 
 
 @ffn_gate_up.reference
-def ffn_gate_up_ref(wg_bytes, wu_bytes, ids, x, qtype, m, k, experts=True):
+def ffn_gate_up_ref(wg_bytes, wu_bytes, ids, x, qtype, m, k, experts=True, qtype_up=None):
     """act of every slot: the experts `ids` of the stacks (the shared one among them), or the
-    one pair (not experts)."""
+    one pair (not experts); Wu in qtype_up where given."""
     nexp = experts_of(wg_bytes, qtype, m, k)
     g = dequant_rows(wg_bytes, qtype, nexp * m, k).reshape(nexp, m, k)
-    u = dequant_rows(wu_bytes, qtype, nexp * m, k).reshape(nexp, m, k)
+    u = dequant_rows(wu_bytes, qtype_up or qtype, nexp * m, k).reshape(nexp, m, k)
     xv = np.asarray(x, np.float64)
     with np.errstate(over="ignore"):  # silu of a large negative gate: −0, as on the GPU
         out = [(lambda a: a / (1 + np.exp(-a)))(g[e] @ xv) * (u[e] @ xv) for e in (list(ids) if experts else [0])]
     return np.concatenate(out)
 
 
-def ffn_gate_up_q8_ref(wg_bytes, wu_bytes, ids, xq, xd, qtype, m, k, experts=True):
+def ffn_gate_up_q8_ref(wg_bytes, wu_bytes, ids, xq, xd, qtype, m, k, experts=True, qtype_up=None):
     """ffn_gate_up_ref on the activations the Q8_1 buffers stand for."""
-    return ffn_gate_up_ref(wg_bytes, wu_bytes, ids, q8_1_values(xq, xd), qtype, m, k, experts)
+    return ffn_gate_up_ref(wg_bytes, wu_bytes, ids, q8_1_values(xq, xd), qtype, m, k, experts, qtype_up)
 
 
 @ffn_gate_up.example
 def ffn_gate_up_example(use, rng, check):
     """A dense pair (1 slot) or experts picked from the stacks (the shared expert is one of them)."""
     q, q8, experts = use.fixed["QTYPE"], use.fixed.get("Q8", False), use.fixed["EXPERTS"]
+    qu = use.fixed.get("QTYPE_UP") or q
     k, m, slots = use.sizes["k"], use.sizes["m"], use.sizes["slots"]
     n_exp = use.buffers["wg"] // (m * inputs.row_bytes(q, k))
     m = min(m, inputs.CHECK_ROWS) if check else m
     n_exp = min(n_exp, 2 * slots + 1) if check and experts else n_exp
-    args = dict(wg=inputs.rows(rng, q, n_exp * m, k), wu=inputs.rows(rng, q, n_exp * m, k),
+    args = dict(wg=inputs.rows(rng, q, n_exp * m, k), wu=inputs.rows(rng, qu, n_exp * m, k),
                 ids=inputs.experts(rng, n_exp, slots), **inputs.activations(rng, k, q8),
                 act=np.zeros(slots * m, np.float32), k=k, m=m, slots=slots)
 
     def expect(p):
         if q8:
-            want = ffn_gate_up_q8_ref(args["wg"], args["wu"], args["ids"], args["xq"], args["xd"], q, m, k, experts)
+            want = ffn_gate_up_q8_ref(args["wg"], args["wu"], args["ids"], args["xq"], args["xd"], q, m, k, experts, qu)
         else:
-            want = ffn_gate_up_ref(args["wg"], args["wu"], args["ids"], args["x"], q, m, k, experts)
+            want = ffn_gate_up_ref(args["wg"], args["wu"], args["ids"], args["x"], q, m, k, experts, qu)
         return {"act": (want, 2e-4)}
 
     def rotate(n):
@@ -292,8 +318,9 @@ def _experts_used(s) -> int:
 
 def _gate_up_grouped_traffic(v, s) -> int:
     q8 = getattr(v, "Q8", False)  # the matrix-unit kernel reads x in f32 and has no Q8
-    return (2 * _experts_used(s) * s.m * inputs.row_bytes(v.QTYPE, s.k) + s.t * input_bytes(s.k, q8)
-            + 4 * s.t * s.topk * (s.m + 2) + 4 * s.n_expert)
+    up = getattr(v, "QTYPE_UP", "") or v.QTYPE
+    return (_experts_used(s) * s.m * (inputs.row_bytes(v.QTYPE, s.k) + inputs.row_bytes(up, s.k))
+            + s.t * input_bytes(s.k, q8) + 4 * s.t * s.topk * (s.m + 2) + 4 * s.n_expert)
 
 
 # Defaults ROWS = 2, COLS = 4: on the H100 a 256-token chunk of the 35B-A3B spends 72.5 ms in the
@@ -305,32 +332,33 @@ _GROUPED = dict(workgroup=workgroup, subgroup="SG", tune={"NSUB": NSUBS, "SPLIT"
 
 
 @zdsl.kernel(variants={"QTYPE": EXPERT_QTYPES, "Q8": [False, True], "ROWS": [1, 2], "COLS": [4, 8], "SG": SUBGROUPS},
-             where=lambda v: not v.Q8 or v.QTYPE in INT8_FORMATS, sizes=("t", "n_expert"),
-             traffic=_gate_up_grouped_traffic, **_GROUPED)
+             where=_gate_up_fits, sizes=("t", "n_expert"), traffic=_gate_up_grouped_traffic, **_GROUPED)
 def moe_gate_up_grouped(wg: Buffer[u8], wu: Buffer[u8], offsets: Buffer[u32], pairs: Buffer[u32], x: Buffer[f32],
                         xq: Buffer[u32], xd: Buffer[f32], act: Buffer[f32], k: u32, m: u32, topk: u32,
-                        QTYPE: Const = "q4_k", Q8: Const = False, ROWS: Const = 2, COLS: Const = 4,
-                        NSUB: Const = 1, SPLIT: Const = 1, SG: Const = 32, WG: Const = 0):
+                        QTYPE: Const = "q4_k", QTYPE_UP: Const = "", Q8: Const = False, ROWS: Const = 2,
+                        COLS: Const = 4, NSUB: Const = 1, SPLIT: Const = 1, SG: Const = 32, WG: Const = 0):
     """act[j·m + r] = silu(Wg_e[r]·x_i) · (Wu_e[r]·x_i) for every pair j = i·topk + slot of
     expert e, grouped by moe.moe_group (offsets, pairs); x_i is row i of the T normed rows (k
-    values each), in f32 or with Q8 as Q8_1 (xq, xd)."""
+    values each), in f32 or with Q8 as Q8_1 (xq, xd); Wu in QTYPE_UP where it differs ("" where
+    not)."""
     group = Rows(ROWS, NSUB, SG)
-    dec = decoder(QTYPE, Q8)
+    decs = gate_up_decoders(QTYPE, QTYPE_UP, Q8)
 
     def tile(e, js, live):
         bases = [(j // topk) * k for j in js]
-        acc = expert_dots(*dec, [wg, wu], e, x, xq, xd, bases, k, m, group)
+        acc = gate_up_dots(decs, wg, wu, e, x, xq, xd, bases, k, m, group)
         store_swiglu(act, tile_sums(group, acc), group, m, js, live)
     expert_tiles(offsets, pairs, COLS, SPLIT, group, tile)
 
 
 @moe_gate_up_grouped.reference
-def moe_gate_up_grouped_ref(wg_bytes, wu_bytes, ids, x, qtype, m, k, f16=False):
+def moe_gate_up_grouped_ref(wg_bytes, wu_bytes, ids, x, qtype, m, k, f16=False, qtype_up=None):
     """act of every pair j (the expert ids[j], token j // K of the rows x; K = len(ids) / rows);
-    with f16 the weights and x rounded to f16 first."""
+    with f16 the weights and x rounded to f16 first; Wu in qtype_up where given."""
     xs = as_read(x, f16).reshape(-1, k)
     rows = xs[np.arange(len(ids)) // (len(ids) // len(xs))]
-    g, u = (as_read(_stack(w, qtype, m, k), f16)[np.asarray(ids)] for w in (wg_bytes, wu_bytes))
+    g, u = (as_read(_stack(w, q, m, k), f16)[np.asarray(ids)] for w, q in ((wg_bytes, qtype),
+                                                                            (wu_bytes, qtype_up or qtype)))
     gate, up = np.einsum("jrk,jk->jr", g, rows), np.einsum("jrk,jk->jr", u, rows)
     with np.errstate(over="ignore"):  # silu of a large negative gate: −0, as on the GPU
         return (gate / (1 + np.exp(-gate)) * up).reshape(-1)
@@ -360,12 +388,13 @@ def _gate_up_example(use, rng, check, q8: bool, f16: bool, tol: float):
     c = _grouped_case(use, rng, check)
     xs = [inputs.activations(rng, c.k, q8) for _ in range(c.t)]
     acts = {name: np.concatenate([a[name] for a in xs]) for name in xs[0]}
-    args = dict(wg=inputs.rows(rng, c.q, c.n_exp * c.m, c.k), wu=inputs.rows(rng, c.q, c.n_exp * c.m, c.k), **acts,
+    qu = use.fixed.get("QTYPE_UP") or c.q
+    args = dict(wg=inputs.rows(rng, c.q, c.n_exp * c.m, c.k), wu=inputs.rows(rng, qu, c.n_exp * c.m, c.k), **acts,
                 act=np.zeros(c.t * c.K * c.m, np.float32), k=c.k, m=c.m, **c.routing)
 
     def expect(p):
         x = q8_1_values(args["xq"], args["xd"]) if q8 else args["x"]
-        return {"act": (moe_gate_up_grouped_ref(args["wg"], args["wu"], c.ids, x, c.q, c.m, c.k, f16), tol)}
+        return {"act": (moe_gate_up_grouped_ref(args["wg"], args["wu"], c.ids, x, c.q, c.m, c.k, f16, qu), tol)}
     return zdsl.Example(args, expect)
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from zdsl.models.qwen35 import synth
-from zdsl.models.qwen35.gguf_file import open_model
+from zdsl.models.qwen35.gguf_file import QuantType, open_model
 from zdsl.models.qwen35.graph import DecodeGraph
 from zdsl.models.qwen35.reference import ReferenceModel
 from zdsl.models.qwen35.sampler import SamplerConfig
@@ -64,6 +64,21 @@ def test_every_ffn_type_decodes_like_the_reference(preset, quant, device, tmp_pa
     path = tmp_path / f"{preset}-{quant}.gguf"
     synth.write(path, preset, quant=quant, seed=3)
     decodes_like_the_reference(open_model(path), device)
+
+
+@pytest.mark.parametrize("preset,types", [
+    ("tiny", {r"ffn_up_exps": "q5_k", r"ffn_up_shexp": "q8_0", r"blk\.1\.ffn_gate_exps": "q6_k"}),
+    ("tiny-dense", {r"ffn_up\.": "q6_k", r"blk\.0\.ffn_gate\.": "q8_0"})])
+def test_gate_and_up_of_two_types_decode_like_the_reference(preset, types, device, tmp_path):
+    """Per-tensor mixes whose gate and up differ in type (zdsl model synth --tensor-type): the
+    routed experts' (one layer's gate another type again), the shared expert's (so it runs apart
+    from the stacks), a dense FFN's."""
+    path = tmp_path / f"{preset}-mixed.gguf"
+    synth.write(path, preset, tensor_types={p: QuantType[t.upper()] for p, t in types.items()}, seed=3)
+    model = open_model(path)
+    gate, up = ("ffn_gate_exps", "ffn_up_exps") if preset == "tiny" else ("ffn_gate", "ffn_up")
+    assert model.tensors[f"blk.0.{gate}.weight"].qtype != model.tensors[f"blk.0.{up}.weight"].qtype
+    decodes_like_the_reference(model, device)
 
 
 def decodes_like_the_reference(model, device):

@@ -240,6 +240,46 @@ def test_gate_up_grouped(backend, request, qtype, q8, t, n, K, few, kb, m, rows,
 GRID_TYPES = ["iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m"]  # the IQ grid formats (quant.Grid)
 
 
+# gate and up of different types, as per-tensor mixes may have them: K-quants, IQ grid + IQ4,
+# block 32 + 256
+MIXED_PAIRS = [("q4_k", "q6_k"), ("iq3_xxs", "iq4_xs"), ("q8_0", "q5_k")]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("pair", MIXED_PAIRS)
+@pytest.mark.parametrize("q8", [False, True])
+def test_gate_up_of_two_types(backend, request, pair, q8):
+    """Wg in one type, Wu in another: the decode step's ffn_gate_up (experts by id, the shared
+    one among them, and a dense pair) and the prompt's grouped product, each against numpy with
+    each matrix dequantized by its own type; Q8_1 rows where both types have an int8 decoder."""
+    qg, qu = pair
+    if q8 and not (qg in INT8_FORMATS and qu in INT8_FORMATS):
+        pytest.skip(f"{qg} or {qu} has no int8 decoder")
+    if backend == "lavapipe" and qg in GRID_TYPES:
+        pytest.skip("lavapipe's LLVM takes minutes over an IQ grid beside another decoder (the interpreter runs it)")
+    rng = np.random.default_rng(MIXED_PAIRS.index(pair))
+    t, n, K, m, k = 5, 7, 3, 37, 512
+    sg = subgroup(backend, request, MIXED_PAIRS.index(pair))
+    wg, wu = kernel_inputs.rows(rng, qg, n * m, k), kernel_inputs.rows(rng, qu, n * m, k)
+    x = rng.standard_normal(t * k).astype(np.float32)
+    xq, xd = q8_1_buffers(x)
+    rows_x = q8_1_values(xq, xd) if q8 else x
+    for experts in (True, False):
+        ids = rng.integers(0, n, K + 1).astype(np.uint32)
+        slots = K + 1 if experts else 1
+        v = ffn.ffn_gate_up.specialize(QTYPE=qg, QTYPE_UP=qu, Q8=q8, ROWS=2, EXPERTS=experts, SG=sg)
+        got = run(v, backend, request, v.groups(m=m, slots=slots), wg=wg, wu=wu, ids=ids, x=x[:k], xq=xq[:k // 4],
+                  xd=xd[:k // 16], act=np.full(slots * m, np.nan, np.float32), k=k, m=m)["act"]
+        want = ffn.ffn_gate_up_ref(wg, wu, ids, rows_x[:k], qg, m, k, experts, qu)
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+    ids, offsets, pairs = grouped_case(rng, t, n, K, 0)
+    v = ffn.moe_gate_up_grouped.specialize(QTYPE=qg, QTYPE_UP=qu, Q8=q8, ROWS=2, COLS=4, SPLIT=2, NSUB=1, SG=sg)
+    got = run(v, backend, request, v.groups(m=m, n_expert=n, t=t), wg=wg, wu=wu, offsets=offsets, pairs=pairs, x=x,
+              xq=xq, xd=xd, act=np.full(t * K * m, np.nan, np.float32), k=k, m=m, topk=K)["act"]
+    want = ffn.moe_gate_up_grouped_ref(wg, wu, ids, rows_x, qg, m, k, qtype_up=qu)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("qtype", GRID_TYPES)
 def test_grouped_products_of_grid_types(backend, request, qtype):

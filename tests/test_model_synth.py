@@ -151,3 +151,14 @@ def test_cli_synth_then_info(tmp_path):
     assert r.exit_code == 0, r.output
     hp = open_model(out).hparams
     assert (hp.expert_ffn, hp.shared_ffn) == (256, 352)
+    r = CliRunner().invoke(model_cli, ["synth", str(out), "--layers", "2", "--tensor-type", r"blk\.1\.ffn_up_exps=iq4_xs",
+                                       "--tensor-type", "ffn_up=q6_k", "--tensor-type", "norm=q8_0"])
+    assert r.exit_code == 0, r.output
+    types = {name: t.qtype for name, t in open_model(out).tensors.items()}
+    assert types["blk.1.ffn_up_exps.weight"] == QuantType.IQ4_XS  # the first match wins
+    assert types["blk.0.ffn_up_exps.weight"] == types["blk.0.ffn_up_shexp.weight"] == QuantType.Q6_K
+    assert types["blk.0.ffn_gate_exps.weight"] == QuantType.Q4_K and types["output_norm.weight"] == QuantType.F32
+    for bad, says in (("ffn_up", "write PATTERN=TYPE"), ("(=q4_k", "regular expression"), ("x=q9_k", "GGUF type"),
+                      ("x=tq2_0", "cannot write TQ2_0")):
+        r = CliRunner().invoke(model_cli, ["synth", str(out), "--tensor-type", bad])
+        assert r.exit_code != 0 and says in str(r.exception or r.output), (bad, r.output)

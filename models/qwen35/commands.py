@@ -37,17 +37,22 @@ def model():
                    "low-bit mixes keep the rest, the shared expert too, at Q8_0); others are uniform.")
 @click.option("--shared-ffn", type=int, default=None, metavar="N",
               help="The shared expert's width (default: the preset's, the routed experts' width).")
+@click.option("--tensor-type", "tensor_types", multiple=True, metavar="REGEX=TYPE",
+              help="Give the matrices whose names match REGEX this type (as llama-quantize's --tensor-type; "
+                   "repeatable, the first match wins), e.g. ffn_up_exps=q5_k.")
 @click.option("--seed", type=int, default=0, show_default=True)
-def synth(out, preset, layers, vocab, quant, shared_ffn, seed):
+def synth(out, preset, layers, vocab, quant, shared_ffn, tensor_types, seed):
     """Write a random-weight model with the real tensor names, shapes and types."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
-    from .synth import write
+    from .synth import tensor_type_option, write
 
+    overrides = dict(tensor_type_option(t) for t in tensor_types)
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                   TimeRemainingColumn(), transient=True) as bar:
         task = bar.add_task(f"writing {out}", total=None)
-        hp = write(out, preset, layers=layers, vocab=_vocab_size(vocab), shared_ffn=shared_ffn, quant=quant, seed=seed,
+        hp = write(out, preset, layers=layers, vocab=_vocab_size(vocab), shared_ffn=shared_ffn, quant=quant,
+                   tensor_types=overrides, seed=seed,
                    progress=lambda done, total: bar.update(task, completed=done, total=total))
     click.echo(f"wrote {out}: {hp.arch} preset {preset}, {hp.n_layers} layers, hidden {hp.hidden}, "
                f"vocab {hp.vocab}, {quant}")

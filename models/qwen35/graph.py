@@ -401,13 +401,14 @@ class DecodeGraph:
         shared expert is the stacks' last, slot K, unless it has a type of its own) or the one
         pair (a dense FFN, a shared expert of its own type); `act` the graph's act by default."""
         m, k = self.tensors.shape(gate)[-2:]
-        q = self._qname(gate)
-        if self._qname(up) != q or self.tensors.shape(up)[-2:] != (m, k):
-            raise ZdslError(f"{up} differs in type or shape from {gate}; zdsl's fused gate·up needs one type "
-                            "and one width")
-        q8 = self._int8(gate)
+        q, q_up = self._qname(gate), self._qname(up)
+        if self.tensors.shape(up)[-2:] != (m, k):
+            raise ZdslError(f"{up} {list(reversed(self.tensors.shape(up)[-2:]))} differs in shape from {gate} "
+                            f"{[k, m]}; a SwiGLU's gate and up have one shape")
+        q8 = self._int8(gate) and self._int8(up)
         label = gate.removesuffix(".weight") + "+up" + ("+shexp" if experts and slots > self.hp.n_experts_used else "")
-        ffn.ffn_gate_up.launch(seq, self._pick, label=label, QTYPE=q, Q8=q8, EXPERTS=experts, wg=self.weights[gate],
+        ffn.ffn_gate_up.launch(seq, self._pick, label=label, QTYPE=q, QTYPE_UP=q_up if q_up != q else "", Q8=q8,
+                               EXPERTS=experts, wg=self.weights[gate],
                                wu=self.weights[up], ids=self.route_ids if experts else self.step,
                                act=self.act if act is None else act, k=k, m=m,
                                slots=slots, **(dict(xq=self.normed.q, xd=self.normed.d) if q8 else dict(x=self.normed.f32)))

@@ -13,6 +13,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -331,20 +332,42 @@ def _metadata(w: GGUFWriter, hp: Hparams, name: str) -> None:
     w.add_string("tokenizer.chat_template", CHAT_TEMPLATE)
 
 
-def plan(hp: Hparams, quant: str = "q4_k_m") -> list[tuple[str, tuple[int, ...], QuantType]]:
-    """(name, numpy-order shape, type) of every tensor a synthetic file holds, in file order."""
+def plan(hp: Hparams, quant: str = "q4_k_m", tensor_types: dict[str, QuantType] | None = None
+         ) -> list[tuple[str, tuple[int, ...], QuantType]]:
+    """(name, numpy-order shape, type) of every tensor a synthetic file holds, in file order:
+    the mix's type, or that of the first of `tensor_types` (regular expression: type, as
+    llama-quantize's --tensor-type) that a matrix's name matches."""
     if quant not in QUANTS:
         raise ModelError(f"unknown --quant '{quant}'; choose one of {', '.join(QUANTS)}")
     out = []
     for name, spec in tensor_specs(hp).items():
         layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
         qtype = tensor_type(name, spec, quant, layer, hp.n_layers)
+        if not spec.vector and not name.endswith("ssm_conv1d.weight"):  # the conv's taps stay F32
+            qtype = next((t for pattern, t in (tensor_types or {}).items() if re.search(pattern, name)), qtype)
         block = block_shape(qtype)[0]
         if spec.ne[0] % block:
             raise ModelError(f"{name} would be {qtype.name}, whose rows hold multiples of {block} values, not "
                              f"{spec.ne[0]}; choose widths that fit --quant {quant}")
         out.append((name, tuple(reversed(spec.ne)), qtype))
     return out
+
+
+def tensor_type_option(text: str) -> tuple[str, QuantType]:
+    """`REGEX=TYPE` (--tensor-type) as (pattern, type), checked: a pattern that compiles, a type
+    synth writes."""
+    pattern, sep, name = text.rpartition("=")
+    if not sep or not pattern:
+        raise ModelError(f"--tensor-type '{text}': write PATTERN=TYPE, e.g. ffn_up_exps=q5_k")
+    try:
+        re.compile(pattern)
+        qtype = QuantType[name.upper()]
+    except (re.error, KeyError):
+        raise ModelError(f"--tensor-type '{text}': '{pattern}' must be a regular expression and '{name}' a GGUF "
+                         "type such as q4_k or iq3_xxs") from None
+    if qtype not in SUPPORTED_QUANT and qtype not in SCALE_FIRST and qtype != QuantType.IQ1_M:
+        raise ModelError(f"--tensor-type '{text}': zdsl model synth cannot write {qtype.name} weights")
+    return pattern, qtype
 
 
 class PresetModel:
@@ -367,11 +390,13 @@ class PresetModel:
 
 
 def write(path: str | os.PathLike, preset_name: str = "tiny", *, layers: int | None = None,
-          vocab: int | None = None, shared_ffn: int | None = None, quant: str = "q4_k_m", seed: int = 0,
+          vocab: int | None = None, shared_ffn: int | None = None, quant: str = "q4_k_m",
+          tensor_types: dict[str, QuantType] | None = None, seed: int = 0,
           progress: Callable[[int, int], None] | None = None) -> Hparams:
-    """Write a synthetic model; `progress(done_bytes, total_bytes)` is called after each tensor."""
+    """Write a synthetic model (`tensor_types`: plan's overrides); `progress(done_bytes,
+    total_bytes)` is called after each tensor."""
     hp = preset(preset_name, layers, vocab, shared_ffn)
-    tensors = plan(hp, quant)
+    tensors = plan(hp, quant, tensor_types)
     path = Path(path)
     w = GGUFWriter(path, hp.arch)
     pool = None
