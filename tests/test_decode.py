@@ -18,6 +18,8 @@ bound, and at 90% of positions or more in all; the GPU's sampled token is always
 its own logits.
 """
 
+import re
+
 import numpy as np
 import pytest
 
@@ -68,16 +70,20 @@ def test_every_ffn_type_decodes_like_the_reference(preset, quant, device, tmp_pa
 
 @pytest.mark.parametrize("preset,types", [
     ("tiny", {r"ffn_up_exps": "q5_k", r"ffn_up_shexp": "q8_0", r"blk\.1\.ffn_gate_exps": "q6_k"}),
-    ("tiny-dense", {r"ffn_up\.": "q6_k", r"blk\.0\.ffn_gate\.": "q8_0"})])
-def test_gate_and_up_of_two_types_decode_like_the_reference(preset, types, device, tmp_path):
-    """Per-tensor mixes whose gate and up differ in type (zdsl model synth --tensor-type): the
-    routed experts' (one layer's gate another type again), the shared expert's (so it runs apart
-    from the stacks), a dense FFN's."""
+    ("tiny-dense", {r"ffn_up\.": "q6_k", r"blk\.0\.ffn_gate\.": "q8_0"}),
+    ("tiny", {r"ssm_alpha": "f16", r"blk\.1\.ffn_gate_inp\.": "q8_0"})],
+    ids=["moe-gate-up", "dense-gate-up", "gates-and-router"])
+def test_per_tensor_mixes_decode_like_the_reference(preset, types, device, tmp_path):
+    """Per-tensor mixes (zdsl model synth --tensor-type) that pair tensors of two types: gate and
+    up of the routed experts (one layer's gate another type again), of the shared expert (so it
+    runs apart from the stacks), of a dense FFN; the delta-net's β and α, and a router beside
+    the shared expert's F32 gate (both pairs joined as F32 values)."""
     path = tmp_path / f"{preset}-mixed.gguf"
-    synth.write(path, preset, tensor_types={p: QuantType[t.upper()] for p, t in types.items()}, seed=3)
+    overrides = {p: QuantType[t.upper()] for p, t in types.items()}
+    synth.write(path, preset, tensor_types=overrides, seed=3)
     model = open_model(path)
-    gate, up = ("ffn_gate_exps", "ffn_up_exps") if preset == "tiny" else ("ffn_gate", "ffn_up")
-    assert model.tensors[f"blk.0.{gate}.weight"].qtype != model.tensors[f"blk.0.{up}.weight"].qtype
+    for pattern, qtype in overrides.items():  # each override took
+        assert any(re.search(pattern, n) and t.qtype == qtype for n, t in model.tensors.items()), pattern
     decodes_like_the_reference(model, device)
 
 

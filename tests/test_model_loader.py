@@ -139,8 +139,8 @@ def test_fused_files_decode_on_the_gpu_as_the_unfused(tiny, tmp_path, device):
 
 def test_graph_weights_split_fused_tensors_stack_shared_experts_and_join_gates():
     """Fused tensors split into row ranges, the shared expert stacked as expert E (kept apart
-    where it has a type or width of its own), its gate as the router's last row, β and α joined;
-    gates of another type or width are refused with the names."""
+    where it has a type or width of its own), its gate as the router's last row, β and α joined
+    (as F32 values where their types differ); gates of another shape are refused with the names."""
     from zdsl.models.qwen35.weights import GraphWeights, Part
 
     hp = synth.preset("tiny")
@@ -188,12 +188,21 @@ def test_graph_weights_split_fused_tensors_stack_shared_experts_and_join_gates()
     w = GraphWeights(hp, files)
     assert w.shape("blk.2.ffn_up_exps.weight") == (E, F, H) and w.shape("blk.2.ffn_up_shexp.weight") == (2 * F, H)
     assert w.shape("blk.2.ffn_down_exps.weight")[0] == E and w.shape("blk.2.ffn_down_shexp.weight") == (H, 2 * F)
+    # gates of two types join as F32 values (dequantized on upload); of two shapes, refused
     files[alpha] = (files[alpha][0], QuantType.F16)
-    with pytest.raises(ModelError, match=f"{alpha} .F16.* differs from {beta}"):
+    files["blk.1.ffn_gate_inp_shexp.weight"] = (files["blk.1.ffn_gate_inp_shexp.weight"][0], QuantType.F16)
+    w = GraphWeights(hp, files)
+    joined, router = w.tensors[f"blk.{d}.ssm_beta_alpha.weight"], w.tensors["blk.1.ffn_gate_inp.weight"]
+    assert (joined.qtype, joined.shape, joined.parts, joined.dequantized) == (
+        QuantType.F32, (2 * hp.ssm_v_heads, H), (Part(beta), Part(alpha)), True)
+    assert (router.qtype, router.shape, router.dequantized) == (QuantType.F32, (E + 1, H), True)
+    assert not w.tensors["blk.2.ffn_gate_inp.weight"].dequantized
+    files[alpha] = ((hp.ssm_v_heads + 1, H), QuantType.F16)
+    with pytest.raises(ModelError, match=f"{alpha} .F16.* differs in shape from {beta}"):
         GraphWeights(hp, files)
     files[alpha] = files[beta]
-    files["blk.1.ffn_gate_inp_shexp.weight"] = (files["blk.1.ffn_gate_inp_shexp.weight"][0], QuantType.F16)
-    with pytest.raises(ModelError, match="blk.1.ffn_gate_inp_shexp.weight .F16.* differs from a row of blk.1.ffn_gate_inp"):
+    files["blk.1.ffn_gate_inp_shexp.weight"] = ((H + 32,), QuantType.F32)
+    with pytest.raises(ModelError, match="blk.1.ffn_gate_inp_shexp.weight .F32.* differs in length from a row of"):
         GraphWeights(hp, files)
 
 

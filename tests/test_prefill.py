@@ -47,15 +47,17 @@ TIE = 2 ** -9  # router logits this close (relative to the row's largest) may sw
 @pytest.fixture(scope="module", params=[("tiny", "q4_k_m", None), ("tiny-dense", "q4_k_m", None), ("tiny", "q8_0", None),
                                         ("tiny", "f16", None), ("tiny", "mxfp4_moe", None), ("tiny", "iq3_xxs_dynamic", None),
                                         ("tiny", "iq3_xxs_dynamic", None, 416), ("tiny", "q4_k_m", "qwen35"),
-                                        ("tiny", "q4_k_m", None, None, {"ffn_up_exps": "q5_k", "ffn_up_shexp": "q8_0"})],
+                                        ("tiny", "q4_k_m", None, None, {"ffn_up_exps": "q5_k", "ffn_up_shexp": "q8_0"}),
+                                        ("tiny", "q4_k_m", None, None, {"ssm_alpha": "f16", r"blk\.1\.ffn_gate_inp\.": "q8_0"})],
                 ids=["moe-q4_k_m", "dense-q4_k_m", "moe-q8_0", "moe-f16", "moe-mxfp4", "moe-iq3_xxs_dynamic",
-                     "moe-wide-shared", "moe-248k-vocab", "moe-gate-up-two-types"])
+                     "moe-wide-shared", "moe-248k-vocab", "moe-gate-up-two-types", "moe-gates-two-types"])
 def model(request, tmp_path_factory):
     """Q4_K_M mixes four int8 types, Q8_0 is one, F16 has no int8 decoder (the f32 path), nor has
     MXFP4 (the experts, beside a Q8_0 shared expert); IQ3_XXS experts have one, beside IQ4_XS
     down on the f32 path, and beside a Q8_0 shared expert as wide as them or wider (416: products
-    of its own); one has Qwen3.5's 248,320-row output head, the last gate and up of two types
-    (Q4_K and Q5_K experts, Q4_K and Q8_0 shared)."""
+    of its own); one has Qwen3.5's 248,320-row output head, the last two pairs of two types: gate
+    and up (Q4_K and Q5_K experts, Q4_K and Q8_0 shared), β and α (Q8_0, F16) and a Q8_0 router
+    beside the shared expert's F32 gate."""
     preset, quant, vocab, shared_ffn, types = (*request.param, None, None)[:5]
     path = tmp_path_factory.mktemp("models") / "model.gguf"
     synth.write(path, preset, quant=quant, seed=5, vocab=synth.REAL_VOCABS[vocab] if vocab else None,

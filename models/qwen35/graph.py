@@ -179,6 +179,10 @@ class DecodeGraph:
 
         jobs = []
         for name, t in self.tensors.tensors.items():
+            if t.dequantized:  # parts of two types joined: their values (weights.py)
+                values = [self.model.dequant(part.tensor).reshape(-1) for part in t.parts]
+                self.weights[name].write(np.concatenate(values).astype(np.float32))
+                continue
             at = 0
             for file_offset, n in file_ranges(self.model, t):
                 jobs.append((self.weights[name], at, file_offset, n))

@@ -6,13 +6,15 @@ conv and delta-net states in `state`, so a prompt followed by one-token steps gi
 logits as one forward over everything. float32 by default; pass dtype=np.float64 to check.
 With `int8_activations=True` every projection whose weight type has an int8 decoder reads its
 input rounded to Q8_1, as the GPU's int8 products do (the SwiGLU outputs that the down
-projections read excepted: the GPU keeps them f32); without it, the exact f32 forward.
+projections read excepted: the GPU keeps them f32, and so are small tensors it joins with one
+of another type as F32 values); without it, the exact f32 forward.
 On the 35B-A3B shapes it keeps ~8 GB of dequantized non-expert weights and takes ~40 s per
 token on 2 cores: fine for spot checks, while tests use the tiny synthetic models.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -141,9 +143,17 @@ class ReferenceModel:
         """What a projection by weight `name` reads of x (module doc: int8_activations)."""
         from zdsl.kernels.quant import INT8_FORMATS
 
-        if self.int8_activations and self.file.qtype(name).name.lower() in INT8_FORMATS:
+        if self.int8_activations and name not in self._as_f32 and self.file.qtype(name).name.lower() in INT8_FORMATS:
             return q8_1_round(x)
         return x
+
+    @functools.cached_property
+    def _as_f32(self) -> set[str]:
+        """Tensors the GPU holds as F32 values, joined with a tensor of another type (weights.py):
+        it reads their input in f32."""
+        from .weights import graph_weights
+
+        return {p.tensor for t in graph_weights(self.file).tensors.values() if t.dequantized for p in t.parts}
 
     def proj(self, x, name: str):
         """x @ W(name)ᵀ, with x as that projection reads it."""

@@ -11,7 +11,8 @@ only when it has the experts' type; otherwise it stays a tensor of its own. A de
 projections, `ssm_beta` and `ssm_alpha` (one row per head each), become one tensor
 `ssm_beta_alpha`, which the delta-net step reads itself. The shared expert's gate vector
 (`ffn_gate_inp_shexp`) becomes the router's last row, so the router computes it as one more
-logit, with the same code as the others.
+logit, with the same code as the others. Either pair, where its two tensors have two types, is
+joined as F32 values (dequantized on upload: a few rows).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from gguf import GGMLQuantizationType as QuantType
 
 from zdsl.errors import ModelError
 
@@ -41,6 +44,7 @@ class GraphTensor:
     qtype: object                 # the GGUF quantization type
     shape: tuple[int, ...]        # numpy order, as the graph sees it (a stack: experts + 1)
     parts: tuple[Part, ...]       # whose bytes, one after another, make it up
+    dequantized: bool = False     # F32: the parts' values, not their bytes (parts of two types joined)
 
 
 class GraphWeights:
@@ -96,13 +100,14 @@ class GraphWeights:
         return [rows[n] for n in names]
 
     def _join_gates(self, p: str) -> None:
+        """β's rows, then α's, one tensor; as F32 values where their types differ (a few rows)."""
         beta, alpha = p + "ssm_beta.weight", p + "ssm_alpha.weight"
         b, a = self.tensors[beta], self.tensors[alpha]
-        if (b.qtype, b.shape) != (a.qtype, a.shape):
-            raise ModelError(f"{alpha} ({a.qtype.name} {list(reversed(a.shape))}) differs from {beta} "
-                             f"({b.qtype.name} {list(reversed(b.shape))}); zdsl's delta-net step reads both "
-                             "gates as one tensor, which needs one type and shape")
-        joined = GraphTensor(b.qtype, (2 * b.shape[0], b.shape[1]), b.parts + a.parts)
+        if b.shape != a.shape:
+            raise ModelError(f"{alpha} ({a.qtype.name} {list(reversed(a.shape))}) differs in shape from {beta} "
+                             f"({b.qtype.name} {list(reversed(b.shape))}); the delta-net's gates have a row per "
+                             "value head each, over the hidden size")
+        joined = _joined(b, a, (2 * b.shape[0], b.shape[1]))
         self.tensors[p + "ssm_beta_alpha.weight"] = joined
         del self.tensors[beta], self.tensors[alpha]
 
@@ -120,19 +125,31 @@ class GraphWeights:
                 self._append_slab(stack, shared)
 
     def _join_router_gate(self, p: str) -> None:
+        """The shared expert's gate as the router's last row; as F32 values where their types
+        differ."""
         router, gate = p + "ffn_gate_inp.weight", p + "ffn_gate_inp_shexp.weight"
         r, g = self.tensors[router], self.tensors[gate]
-        if (g.qtype, g.shape) != (r.qtype, r.shape[1:]):
-            raise ModelError(f"{gate} ({g.qtype.name} {list(reversed(g.shape))}) differs from a row of {router} "
-                             f"({r.qtype.name} {list(reversed(r.shape[1:]))}); zdsl computes the shared expert's gate "
-                             "as the router's last row, which needs one type and length")
-        self._append_slab(router, gate)
+        if g.shape != r.shape[1:]:
+            raise ModelError(f"{gate} ({g.qtype.name} {list(reversed(g.shape))}) differs in length from a row of "
+                             f"{router} ({r.qtype.name} {list(reversed(r.shape[1:]))}); both weigh the hidden state")
+        if g.qtype == r.qtype:
+            self._append_slab(router, gate)
+            return
+        self.tensors[router] = _joined(r, self.tensors.pop(gate), (r.shape[0] + 1, *r.shape[1:]))
 
     def _append_slab(self, base: str, extra: str) -> None:
         """Tensor `extra`, of base's type and the shape of one slab of it (an expert's matrix, a
         row), becomes base's last slab: one more expert, one more row."""
         b, e = self.tensors[base], self.tensors.pop(extra)
         self.tensors[base] = GraphTensor(b.qtype, (b.shape[0] + 1, *b.shape[1:]), b.parts + e.parts)
+
+
+def _joined(first: GraphTensor, second: GraphTensor, shape: tuple[int, ...]) -> GraphTensor:
+    """Two tensors' rows one after the other: their bytes where they have one type, else their
+    values as F32 (dequantized on upload: small tensors, which files rarely mix)."""
+    if first.qtype == second.qtype:
+        return GraphTensor(first.qtype, shape, first.parts + second.parts)
+    return GraphTensor(QuantType.F32, shape, first.parts + second.parts, dequantized=True)
 
 
 def graph_weights(model) -> GraphWeights:
