@@ -411,8 +411,9 @@ class DecodeGraph:
                             f"{[k, m]}; a SwiGLU's gate and up have one shape")
         q8 = self._int8(gate) and self._int8(up)
         label = gate.removesuffix(".weight") + "+up" + ("+shexp" if experts and slots > self.hp.n_experts_used else "")
-        ffn.ffn_gate_up.launch(seq, self._pick, label=label, QTYPE=q, QTYPE_UP=q_up if q_up != q else "", Q8=q8,
-                               EXPERTS=experts, wg=self.weights[gate],
+        two = dict(QTYPE_UP=q_up) if q_up != q else {}  # named only where it differs: one type keeps its tuning key
+        ffn.ffn_gate_up.launch(seq, self._pick, label=label, QTYPE=q, Q8=q8, EXPERTS=experts, **two,
+                               wg=self.weights[gate],
                                wu=self.weights[up], ids=self.route_ids if experts else self.step,
                                act=self.act if act is None else act, k=k, m=m,
                                slots=slots, **(dict(xq=self.normed.q, xd=self.normed.d) if q8 else dict(x=self.normed.f32)))
