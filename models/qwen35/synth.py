@@ -22,7 +22,7 @@ import numpy as np
 from gguf import GGUFWriter, TokenType
 
 from zdsl.errors import ModelError
-from zdsl.kernels.formats import SUPPORTED_QUANT, block_shape, dequantize, quantize
+from zdsl.kernels.formats import SUPPORTED_QUANT, block_shape, dequantize, quantize, set_iq1_m_d_bits
 
 from .gguf_file import Hparams, QuantType, TensorInfo, TensorSpec, row_bytes, tensor_specs
 
@@ -200,10 +200,10 @@ _pools: dict[tuple, np.ndarray] = {}  # per process: quantized rows by (seed, wi
 
 
 # Block types whose f16 scale d is the first two bytes, all other bytes free; IQ1_M's d is spread
-# over the top nibbles of its four scale words (_set_scale).
+# over the top nibbles of its four scale words (formats.set_iq1_m_d_bits).
 SCALE_FIRST = frozenset(QuantType[t] for t in ("Q4_0", "Q5_0", "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS",
                                                         "IQ2_XS", "IQ2_S", "IQ1_S"))
-IQ1_M_SCALES = 48  # the byte offset of IQ1_M's four 16-bit scale words (after qs[32], qh[16])
+RANDOM_BLOCKS = SCALE_FIRST | {QuantType.IQ1_M}  # the types without encoder written as scaled random blocks
 
 
 def random_rows(std: float, n: int, width: int, qtype: QuantType, rng: np.random.Generator) -> np.ndarray:
@@ -213,7 +213,7 @@ def random_rows(std: float, n: int, width: int, qtype: QuantType, rng: np.random
     layout, as a file's would be, which is all a random-weight model needs."""
     if qtype in SUPPORTED_QUANT:
         return quantize(std * rng.standard_normal((n, width), dtype=np.float32), qtype)
-    if qtype not in SCALE_FIRST and qtype != QuantType.IQ1_M:
+    if qtype not in RANDOM_BLOCKS:
         raise ModelError(f"zdsl model synth cannot write {qtype.name} weights")
     block, nbytes = block_shape(qtype)
     blocks = rng.integers(0, 256, (n * width // block, nbytes), dtype=np.uint8)
@@ -226,12 +226,10 @@ def random_rows(std: float, n: int, width: int, qtype: QuantType, rng: np.random
 def _set_scale(blocks: np.ndarray, qtype: QuantType, d: np.ndarray) -> None:
     """Each block's f16 scale d (in place)."""
     bits = d.astype("<f2").view("<u2")
-    if qtype != QuantType.IQ1_M:
+    if qtype == QuantType.IQ1_M:
+        set_iq1_m_d_bits(blocks, bits)
+    else:
         blocks[:, :2] = bits[:, None].view(np.uint8)
-        return
-    words = blocks[:, IQ1_M_SCALES:IQ1_M_SCALES + 8].view("<u2")  # d's nibble w tops word w
-    for w in range(4):
-        words[:, w] = (words[:, w] & 0x0FFF) | (((bits >> (4 * w)) & 0xF) << 12)
 
 
 def _tensor_data(task: tuple) -> np.ndarray:
@@ -365,7 +363,7 @@ def tensor_type_option(text: str) -> tuple[str, QuantType]:
     except (re.error, KeyError):
         raise ModelError(f"--tensor-type '{text}': '{pattern}' must be a regular expression and '{name}' a GGUF "
                          "type such as q4_k or iq3_xxs") from None
-    if qtype not in SUPPORTED_QUANT and qtype not in SCALE_FIRST and qtype != QuantType.IQ1_M:
+    if qtype not in SUPPORTED_QUANT and qtype not in RANDOM_BLOCKS:
         raise ModelError(f"--tensor-type '{text}': zdsl model synth cannot write {qtype.name} weights")
     return pattern, qtype
 
