@@ -468,7 +468,7 @@ def _coop_grid(stacks: int):
     return lambda v, s: (-(-s.m // (v.BM // stacks)), s.n_expert * v.SPLIT)
 
 
-_COOP = dict(workgroup=mma.workgroup, subgroup="SG", where=mma.fits, tune={"SPLIT": [1, 2]},
+_COOP = dict(workgroup=mma.workgroup, subgroup="SG", where=mma.fits, tune={"SPLIT": [1, 2], "BK": mma.STEPS},
              key=("k", "m", "n_expert"))
 # Tiles of BM weight rows (of an expert; half gate, half up rows for gate·up) by BN pairs, one
 # 16-row tile per subgroup. By default 64 × 16: a routed expert gets ~16 of a 512-token chunk's
@@ -482,7 +482,7 @@ _COOP_TILES = {"BM": [32, 64], "BN": [16, 32], "SG": [32]}
              grid=_coop_grid(2), traffic=_gate_up_grouped_traffic, **_COOP)
 def moe_gate_up_coop(wg: Buffer[u8], wu: Buffer[u8], offsets: Buffer[u32], pairs: Buffer[u32], x: Buffer[f32],
                      act: Buffer[f32], k: u32, m: u32, topk: u32, QTYPE: Const = "q4_k", BM: Const = 64,
-                     BN: Const = 16, BK: Const = 256, TM: Const = 1, TN: Const = 1, SPLIT: Const = 1,
+                     BN: Const = 16, BK: Const = 0, TM: Const = 1, TN: Const = 1, SPLIT: Const = 1,
                      SG: Const = 32):
     """moe_gate_up_grouped on matrix units, x in f32 and k a multiple of BK: workgroup (g, e)
     makes rows g·BM/2 … of expert e's gate and up products for its pairs, then their SwiGLU."""
@@ -515,7 +515,7 @@ def moe_gate_up_coop_example(use, rng, check):
 @zdsl.kernel(variants={"QTYPE": EXPERT_QTYPES, **_COOP_TILES}, sizes=("t", "n_expert", "topk"),
              grid=_coop_grid(1), traffic=_down_grouped_traffic, **_COOP)
 def moe_down_coop(w: Buffer[u8], offsets: Buffer[u32], pairs: Buffer[u32], act: Buffer[f32], y: Buffer[f32],
-                  k: u32, m: u32, QTYPE: Const = "q4_k", BM: Const = 64, BN: Const = 16, BK: Const = 256,
+                  k: u32, m: u32, QTYPE: Const = "q4_k", BM: Const = 64, BN: Const = 16, BK: Const = 0,
                   TM: Const = 1, TN: Const = 1, SPLIT: Const = 1, SG: Const = 32):
     """moe_down_grouped on matrix units, k a multiple of BK: workgroup (g, e) makes rows g·BM …
     of y for expert e's pairs."""

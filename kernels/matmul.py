@@ -94,10 +94,10 @@ def _coop_traffic(v, s) -> int:
 
 
 @zdsl.kernel(workgroup=mma.workgroup, subgroup="SG", variants={"QTYPE": QTYPES, "BN": [48, 32], "SG": [32]},
-             tune={"TN": [1, 2]}, where=mma.fits, key=("k", "m"),
+             tune={"TN": [1, 2], "BK": mma.STEPS}, where=mma.fits, key=("k", "m"),
              grid=lambda v, s: (-(-s.m // v.BM), -(-s.t // v.BN)), traffic=_coop_traffic)
 def mul_mm_coop(w: Buffer[u8], x: Buffer[f16], y: Buffer[f32], k: u32, m: u32, t: u32, ADD: Spec[boolean] = False,
-                QTYPE: Const = "q4_k", BM: Const = 32, BN: Const = 48, BK: Const = 256, TM: Const = 1,
+                QTYPE: Const = "q4_k", BM: Const = 32, BN: Const = 48, BK: Const = 0, TM: Const = 1,
                 TN: Const = 1, SG: Const = 32):
     """mul_mm on matrix units (mma.py): y[i·m + r] (+)= Σ_k W[r, k] · x[i·k + k] for the t rows i
     of x (in f16: half_rows), k a multiple of BK. Workgroup (g, j) makes rows g·BM … and tokens

@@ -4,7 +4,7 @@ The prompt's products have T tokens, so each weight element serves many of them:
 once per tile into f16 and letting the matrix units (zdsl.mat_mul_add: tensor cores, WMMA) do
 the multiply-adds makes the work the decode, not the arithmetic. Per step of BK along K:
 
-    A[BM][BK] ← the weight rows' blocks, dequantized (quant.py's Groups: w = scale·q + bias)
+    A[BM][BK] ← the weight rows, dequantized (quant.py's Groups: w = scale·q + bias)
     B[BN][BK] ← the tokens' activation rows (f16, or f32 rounded to f16)
     the next step's loads issued (Staged)
     barrier
@@ -29,26 +29,44 @@ from types import SimpleNamespace
 
 import zdsl
 from zdsl import f16, f32
+from zdsl.kernels import quant
 from zdsl.kernels.quant import fmt
 
 TILE = 16  # the matrix units' tile edge (zdsl/lang/matrices.py)
-BK = 256   # K per step: whole blocks of every format; products with other K take the f32 kernels
+BK = 256   # K per step by default, and the K a product must be a multiple of: whole blocks of every format
 PAD = 8    # f16 elements after each shared row: rows start 16 bytes apart from bank to bank
 
 
 SHARED_BYTES = 48 * 1024  # the shared memory a workgroup may have on the H100 (and most Vulkan devices)
 
 
+STEPS = [0, 128]  # the K steps the tuner may try (0: the default, BK)
+
+
+def step_k(bk: int) -> int:
+    """K per step: bk, by default BK (whole blocks of every format). A format whose int8 parts
+    cover K in runs (the K-quants: 64 or 128; IQ3_XXS: 32) may step through part of a block,
+    which leaves shared memory and registers for more workgroups per SM. On the H100 that is
+    slower (2026-11-26, pp512 of the 35B-A3B: 4,190 tok/s in steps of 128, 4,827–4,867 with
+    Q4_K in steps of 64, 4,886–4,910 in steps of 256): more steps, each a chain of loads,
+    decode, barrier and products."""
+    return bk or BK
+
+
 def fits(v) -> bool:
-    """Whole tiles per subgroup, K steps of whole weight blocks, and the tiles in shared memory."""
-    return (v.BM % (TILE * v.TM) == 0 and v.BN % (TILE * v.TN) == 0 and v.BK % fmt(v.QTYPE).block == 0
+    """Whole tiles per subgroup, K steps of whole blocks or of whole runs of int8 parts, and the
+    tiles in shared memory."""
+    f, bk = fmt(v.QTYPE), step_k(v.BK)
+    steps = bk % f.block == 0 or (f.ispan and bk % f.ispan == 0 and f.block % bk == 0)
+    return (v.BM % (TILE * v.TM) == 0 and v.BN % (TILE * v.TN) == 0 and bool(steps)
             and shared_bytes(v) <= SHARED_BYTES)
 
 
 def shared_bytes(v) -> int:
     """A and B in f16 with their padding, C in f32, the grouped kernels' list of BN pairs, the
     weight type's table."""
-    return 2 * (v.BM + v.BN) * (v.BK + PAD) + 4 * v.BM * v.BN + 4 * v.BN + fmt(v.QTYPE).table_bytes()
+    bk = step_k(v.BK)
+    return 2 * (v.BM + v.BN) * (bk + PAD) + 4 * v.BM * v.BN + 4 * v.BN + fmt(v.QTYPE).table_bytes()
 
 
 def workgroup(v) -> int:
@@ -64,6 +82,7 @@ class Tiles:
     """The shared arrays of one workgroup's product, and where its subgroup computes."""
 
     def __init__(self, BM: int, BN: int, BK: int, TM: int, TN: int, SG: int, QTYPE: str):
+        BK = step_k(BK)
         need = shared_bytes(SimpleNamespace(BM=BM, BN=BN, BK=BK, QTYPE=QTYPE))
         if need > SHARED_BYTES:  # a device may lose itself over a pipeline that asks for more
             raise zdsl.ZdslError(f"tiles of {BM} × {BN} × {BK} of {QTYPE} need {need:,} bytes of shared memory, "
@@ -170,18 +189,28 @@ def product(t: Tiles, f, ctx, stacks, x, token_base, k):
     activations, token_base(n) the element offset of tile token n's row. Accumulators in f32."""
     BM, BN, BK, TM, TN = t.BM, t.BN, t.BK, t.TM, t.TN
     per_stack = BM // len(stacks)
-    nb, parts = BK // f.block, f.parts
+    whole = BK % f.block == 0
+    # a row's shares of a step: every part of its whole blocks, or the int8 parts of BK elements
+    per_row = (BK // f.block) * f.parts if whole else BK // (f.block // f.iparts)
     staged = [Staged(w) for w, _ in stacks] + [Staged(x)]
+
+    def share(w, row, k0, r):
+        """(groups, element offset in the step of element 0 of the block) of a row's share r."""
+        if whole:
+            b, part = r // f.parts, r % f.parts
+            return f.groups(w, row + (k0 // f.block + b) * f.nbytes, part, ctx), b * f.block
+        within = k0 % f.block
+        part = within // (f.block // f.iparts) + r
+        groups = f.int_groups(w, row + (k0 // f.block) * f.nbytes, part, ctx)
+        return [quant.unit_group_of(g) for g in groups], 0 - within
 
     def step(k0, store: bool):
         """The loads of the K step at k0 and, with store, A and B decoded from them."""
         for s, (_, row_base) in enumerate(stacks):
             def decode(u, live, s=s, row_base=row_base):
-                i, rest = u // (nb * parts), u % (nb * parts)
-                b, part = rest // parts, rest % parts
-                base = row_base(i) + (k0 // f.block + b) * f.nbytes
-                at = (s * per_stack + i) * t.SA + b * f.block
-                groups = f.groups(staged[s], base, part, ctx)
+                i = u // per_row
+                groups, shift = share(staged[s], row_base(i), k0, u % per_row)
+                at = (s * per_stack + i) * t.SA + shift
                 if store:
                     with _stores(live):
                         for g in groups:
@@ -189,7 +218,7 @@ def product(t: Tiles, f, ctx, stacks, x, token_base, k):
                                  for q in g.q]
                             for j in range(0, len(v), 4):  # groups are fours (or eights) at multiples of four
                                 t.a[(at + g.offset + j) // 4] = zdsl.vec(*(e.to(f16) for e in v[j:j + 4]))
-            _shares(t, per_stack * nb * parts, decode)
+            _shares(t, per_stack * per_row, decode)
 
         def activations(u, live):
             n, c = u // (BK // 4), u % (BK // 4)

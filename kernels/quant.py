@@ -142,6 +142,15 @@ def byte_units(words, bits: int, shift: int = 0) -> list:
     return [unit(wd, 8 * i + shift, bits) for wd in words for i in range(4)]
 
 
+def unit_group_of(g: "IntGroup") -> Group:
+    """An IntGroup's signed bytes as `unit` values (1 + (q + 128)/256, no conversion
+    instruction) under w = 256·scale·unit − 384·scale + bias: for kernels that need the values
+    themselves rather than their int8 dot products (the matrix-unit tiles)."""
+    bias = g.scale * -384.0
+    return Group(g.offset, byte_units([wd ^ 0x80808080 for wd in g.words], 8), g.scale * 256.0,
+                 bias if g.bias is None else bias + g.bias)
+
+
 def low_nibbles(words):
     return [wd & 0x0F0F0F0F for wd in words]
 
@@ -169,6 +178,7 @@ class Format:
     nbytes: int  # bytes per block
     parts: int  # invocations sharing one block (f32 activations)
     iparts: int = 0  # invocations sharing one block in the int8-dot path (0: none)
+    ispan: int = 0  # elements an aligned run of int8 parts covers without gaps (0: the whole block)
     f16_fields: tuple = ()  # byte offsets of the block's f16 scales (synthetic weights keep them finite)
     e8m0_fields: tuple = ()  # byte offsets of E8M0 exponents (synthetic weights keep them moderate)
 
@@ -347,6 +357,7 @@ class Q2_K(Format):
     f16 d, f16 dmin. Element 128h + 32s + l is bits 2s of byte 32h + l, in sub-block (e / 16).
     w = d·sc·q − dmin·m."""
     name, block, nbytes, parts, iparts, f16_fields = "q2_k", 256, 84, 8, 4, (80, 82)
+    ispan = 128
 
     def head(self, w, base, h):
         dd = self.load(w, base, 80, 1)[0]
@@ -382,6 +393,7 @@ class Q3_K(Format):
     + 4·high − 4. Scale i (of e / 16): nibble i / 8 of byte i % 8, bits 2·(i / 4) of byte 8 + i % 4
     as bits 4-5, minus 32. w = d·scale·q."""
     name, block, nbytes, parts, iparts, f16_fields = "q3_k", 256, 110, 8, 4, (108,)
+    ispan = 128
 
     def scale(self, words, h, s: int, t):
         """scale − 32 of sub-block 8h + 2s + t, as f32."""
@@ -440,6 +452,7 @@ class Q4_K(Format):
     Elements 64j..64j+31 are the low nibbles of bytes 32j..32j+31 (sub-block 2j), elements
     64j+32..64j+63 their high nibbles (sub-block 2j+1). w = d·sc·q − dmin·m."""
     name, block, nbytes, parts, iparts, f16_fields = "q4_k", 256, 144, 8, 4, (0, 2)
+    ispan = 64
 
     def decode(self, w, base, part, ctx=None):
         head = self.load(w, base, 0, 4)
@@ -465,6 +478,7 @@ class Q5_K(Format):
     """176 bytes: f16 d, f16 dmin, 12 bytes of scales/mins, 32 bytes of high bits, 128 bytes of
     nibbles. As Q4_K, plus bit (2j + high) of qh[l] as bit 4 of element 64j + 32·high + l."""
     name, block, nbytes, parts, iparts, f16_fields = "q5_k", 256, 176, 8, 4, (0, 2)
+    ispan = 64
 
     @staticmethod
     def with_high(nibbles, qh, bit):
@@ -505,6 +519,7 @@ class Q6_K(Format):
     For half n and l in 0..31, byte ql[64n+l], ql[64n+l+32] and qh[32n+l] give elements
     128n + l + {0, 32, 64, 96} with scales 8n + l/16 + {0, 2, 4, 6}. w = d·scale·(q − 32)."""
     name, block, nbytes, parts, iparts, f16_fields = "q6_k", 256, 210, 8, 4, (208,)
+    ispan = 128
 
     def quants(self, w, base, n, l0, count):
         """Per g = 0..3, the bytes of 6-bit values of elements 128n + 32g + l0 .. + 4·count, and
@@ -697,6 +712,7 @@ class IQ3_XXS(Grid):
     p whole. The grid is a table of 256 u32 (four bytes each), copied into shared memory where
     kernels set up."""
     name, block, nbytes, parts, iparts, f16_fields = "iq3_xxs", 256, 98, 8, 8, (0,)
+    ispan = 32
     qtype = QuantType.IQ3_XXS
 
     @staticmethod

@@ -37,6 +37,7 @@ def runner(backend, request):
 
 
 E = 2.0 ** -10
+STEPS = mma.STEPS  # K per step: whole blocks, and 128 (part of a block for the K-quants and IQ3_XXS)
 
 
 def check(y, ref16, ref, scale):
@@ -45,14 +46,15 @@ def check(y, ref16, ref, scale):
 
 
 def test_a_weight_types_table_counts_against_shared_memory():
-    """32 × 48 tiles fit the H100's 48 KiB beside Q4_K's decoder, not beside IQ3_XXS's 1 KiB grid
-    (the driver fails the pipeline), so no such variant is registered; where a type's table
-    leaves no room for the default tiles (IQ1's 4 KiB), a launch takes the first declared tiles
-    that fit."""
+    """32 × 48 tiles in K steps of 256 fit the H100's 48 KiB beside Q4_K's decoder, not beside
+    IQ3_XXS's 1 KiB grid (the driver fails the pipeline), so no such variant is registered (in
+    steps of 128 they fit); where a type's table leaves no room for the default tiles (IQ1's 4
+    KiB), a launch takes the first declared tiles that fit."""
     from zdsl.autotune.database import choose
 
     tiles = dict(BM=32, BN=48, BK=256, TM=1, TN=1)
     assert mma.fits(SimpleNamespace(QTYPE="q4_k", **tiles)) and not mma.fits(SimpleNamespace(QTYPE="iq3_xxs", **tiles))
+    assert mma.fits(SimpleNamespace(QTYPE="iq3_xxs", **{**tiles, "BK": 128}))
     info = SimpleNamespace(subgroup_size=32)
     for qtype, bm in (("q4_k", 64), ("iq1_m", 32)):
         v = choose(ffn.moe_down_coop, info, {}, db=EmptyDatabase(), QTYPE=qtype)
@@ -80,22 +82,49 @@ def products(stack, ids, x, k):
 @settings(max_examples=3, deadline=None)
 @given(m=st.integers(1, 70), t=st.integers(1, 70), steps=st.integers(1, 2),
        tiles=st.sampled_from([(32, 48, 1), (48, 32, 1), (48, 32, 2), (32, 32, 2), (16, 64, 2)]), add=st.booleans(),
-       seed=st.integers(0, 99))
-def test_mul_mm_coop(backend, request, qtype, m, t, steps, tiles, add, seed):
+       bk=st.sampled_from(STEPS), seed=st.integers(0, 99))
+def test_mul_mm_coop(backend, request, qtype, m, t, steps, tiles, add, bk, seed):
     go = runner(backend, request)
     rng = np.random.default_rng(seed)
     k = 256 * steps
     w, x = inputs.rows(rng, qtype, m, k), inputs.normal(rng, t * k)
     y0 = inputs.normal(rng, t * m) if add else np.zeros(t * m, np.float32)
     bm, bn, tn = tiles
-    assume(mma.shared_bytes(SimpleNamespace(BM=bm, BN=bn, BK=256, QTYPE=qtype)) <= mma.SHARED_BYTES)  # IQ3_XXS's grid
-    v = matmul.mul_mm_coop.specialize(QTYPE=qtype, BM=bm, BN=bn, TN=tn, ADD=add)
+    assume(mma.fits(SimpleNamespace(BM=bm, BN=bn, BK=bk, TM=1, TN=tn, QTYPE=qtype)))  # IQ grids, steps
+    v = matmul.mul_mm_coop.specialize(QTYPE=qtype, BM=bm, BN=bn, TN=tn, ADD=add, BK=bk)
     y = go(v, v.groups(m=m, t=t), w=w, x=x.astype(np.float16), y=y0.copy(), k=k, m=m, t=t)["y"]
     wf = dmmv.dequant_rows(w, qtype, m, k).astype(np.float64)
     xf = x.reshape(t, k).astype(np.float64)
     base = y0.astype(np.float64) if add else 0.0
     check(y, matmul.mul_mm_coop_ref(w, x, qtype, m, k, y0 if add else None), (xf @ wf.T).reshape(-1) + base,
           (np.abs(xf) @ np.abs(wf).T).reshape(-1))
+
+
+PARTIAL_STEPS = [(q, bk) for q, f in FORMATS.items() if f.ispan for bk in (32, 64, 128)
+                 if bk % f.ispan == 0 and f.block % bk == 0 and bk < f.block]
+
+
+def test_k_quants_step_through_part_of_a_block():
+    assert {q for q, _ in PARTIAL_STEPS} == {"q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq3_xxs"}
+    for q, ok in (("q4_k", True), ("q6_k", False), ("q8_0", True), ("iq4_xs", False)):  # Q6_K's int8 parts pair up
+        assert mma.fits(SimpleNamespace(QTYPE=q, BM=32, BN=32, BK=64, TM=1, TN=1)) == ok
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("qtype, bk", PARTIAL_STEPS)
+@settings(max_examples=2, deadline=None)
+@given(m=st.integers(1, 40), t=st.integers(1, 40), steps=st.integers(1, 2), seed=st.integers(0, 99))
+def test_steps_within_a_block(backend, request, qtype, bk, m, t, steps, seed):
+    """Every K step shorter than a block a type allows (its int8 parts' runs), against numpy."""
+    go = runner(backend, request)
+    rng = np.random.default_rng(seed)
+    k = 256 * steps
+    w, x = inputs.rows(rng, qtype, m, k), inputs.normal(rng, t * k)
+    v = matmul.mul_mm_coop.specialize(QTYPE=qtype, BM=32, BN=32, BK=bk)
+    y = go(v, v.groups(m=m, t=t), w=w, x=x.astype(np.float16), y=np.zeros(t * m, np.float32), k=k, m=m, t=t)["y"]
+    wf = dmmv.dequant_rows(w, qtype, m, k).astype(np.float64)
+    xf = x.reshape(t, k).astype(np.float64)
+    check(y, matmul.mul_mm_coop_ref(w, x, qtype, m, k), (xf @ wf.T).reshape(-1), (np.abs(xf) @ np.abs(wf).T).reshape(-1))
 
 
 @pytest.mark.parametrize("backend", ["interp", "lavapipe"])
@@ -126,10 +155,11 @@ def routing(rng, t, K, n_exp):
 @pytest.mark.parametrize("qtype", EXPERT_QTYPES)
 @settings(max_examples=3, deadline=None)
 @given(m=st.integers(1, 40), t=st.integers(1, 40), K=st.integers(1, 4), n_exp=st.integers(4, 9),
-       tiles=st.sampled_from([(32, 16), (32, 32), (64, 16)]), split=st.sampled_from([1, 2]), seed=st.integers(0, 99))
-def test_grouped_coop(backend, request, qtype, m, t, K, n_exp, tiles, split, seed):
-    assume(mma.shared_bytes(SimpleNamespace(BM=tiles[0], BN=tiles[1], BK=256, QTYPE=qtype)) <= mma.SHARED_BYTES)  # IQ1
-    grouped_case(runner(backend, request), qtype, m, t, K, n_exp, *tiles, split, seed, 256)
+       tiles=st.sampled_from([(32, 16), (32, 32), (64, 16)]), split=st.sampled_from([1, 2]), bk=st.sampled_from(STEPS),
+       seed=st.integers(0, 99))
+def test_grouped_coop(backend, request, qtype, m, t, K, n_exp, tiles, split, bk, seed):
+    assume(mma.fits(SimpleNamespace(BM=tiles[0], BN=tiles[1], BK=bk, TM=1, TN=1, QTYPE=qtype)))  # IQ1's grid
+    grouped_case(runner(backend, request), qtype, m, t, K, n_exp, *tiles, split, seed, 256, bk)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -140,13 +170,13 @@ def test_grouped_coop_model_shapes(backend, request):
         grouped_case(runner(backend, request), "q4_k", 256, t, 4, 16, 64, 16, 1, 5, k)
 
 
-def grouped_case(go, qtype, m, t, K, n_exp, bm, bn, split, seed, k):
-    """Both grouped products with BM × BN tiles (one 16-row tile per subgroup)."""
+def grouped_case(go, qtype, m, t, K, n_exp, bm, bn, split, seed, k, bk=0):
+    """Both grouped products with BM × BN tiles (one 16-row tile per subgroup) in K steps of bk."""
     rng = np.random.default_rng(seed)
     ids, offsets, pairs = routing(rng, t, K, n_exp)
     wg, wu = inputs.rows(rng, qtype, n_exp * m, k), inputs.rows(rng, qtype, n_exp * m, k)
     x = inputs.normal(rng, t * k)
-    v = ffn.moe_gate_up_coop.specialize(QTYPE=qtype, BM=bm, TM=1, BN=bn, SPLIT=split)
+    v = ffn.moe_gate_up_coop.specialize(QTYPE=qtype, BM=bm, TM=1, BN=bn, SPLIT=split, BK=bk)
     act = go(v, v.groups(m=m, n_expert=n_exp, t=t), wg=wg, wu=wu, offsets=offsets, pairs=pairs, x=x,
              act=np.zeros(t * K * m, np.float32), k=k, m=m, topk=K)["act"]
     (g, sg), (u, su) = (products(dmmv.dequant_rows(w, qtype, n_exp * m, k).reshape(n_exp, m, k).astype(np.float64),
@@ -158,7 +188,7 @@ def grouped_case(go, qtype, m, t, K, n_exp, bm, bn, split, seed, k):
     assert np.all(np.abs(act - ref16) <= bound / 8 + 1e-30), np.max(np.abs(act - ref16) / (bound + 1e-30))
 
     a = inputs.normal(rng, t * K * k)
-    v = ffn.moe_down_coop.specialize(QTYPE=qtype, BM=bm, TM=1, BN=bn, SPLIT=split)
+    v = ffn.moe_down_coop.specialize(QTYPE=qtype, BM=bm, TM=1, BN=bn, SPLIT=split, BK=bk)
     y = go(v, v.groups(m=m, n_expert=n_exp, t=t), w=wg, offsets=offsets, pairs=pairs, act=a,
            y=np.zeros(t * K * m, np.float32), k=k, m=m)["y"]
     stack = dmmv.dequant_rows(wg, qtype, n_exp * m, k).reshape(n_exp, m, k).astype(np.float64)
@@ -171,7 +201,7 @@ def test_tiles_beyond_shared_memory_are_refused():
     from zdsl import ZdslError
 
     with pytest.raises(ZdslError, match=r"64 × 32 × 256 of q4_k need 59,008 bytes of shared memory"):
-        matmul.mul_mm_coop.specialize(QTYPE="q4_k", BM=64, TM=2, BN=32, TN=1).ir
+        matmul.mul_mm_coop.specialize(QTYPE="q4_k", BM=64, TM=2, BN=32, TN=1, BK=256).ir
     assert matmul.mul_mm_coop.specialize(QTYPE="q4_k").ir is not None
 
 
