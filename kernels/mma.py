@@ -189,20 +189,26 @@ def product(t: Tiles, f, ctx, stacks, x, token_base, k):
     activations, token_base(n) the element offset of tile token n's row. Accumulators in f32."""
     BM, BN, BK, TM, TN = t.BM, t.BN, t.BK, t.TM, t.TN
     per_stack = BM // len(stacks)
-    whole = BK % f.block == 0
-    # a row's shares of a step: every part of its whole blocks, or the int8 parts of BK elements
-    per_row = (BK // f.block) * f.parts if whole else BK // (f.block // f.iparts)
+    # a row's shares of a step: the int8 parts of its BK elements where the format has them (a
+    # part's runs share a scale: Q4_K's part is two runs of 32 under one scale each, where its
+    # f32 part takes 4 values of each of 8 runs, 8 scales and mins made per 32 values), else
+    # every f32 part of its whole blocks
+    ints = f.iparts > 0
+    per_row = BK * (f.iparts if ints else f.parts) // f.block
     staged = [Staged(w) for w, _ in stacks] + [Staged(x)]
 
     def share(w, row, k0, r):
         """(groups, element offset in the step of element 0 of the block) of a row's share r."""
-        if whole:
+        if not ints:
             b, part = r // f.parts, r % f.parts
             return f.groups(w, row + (k0 // f.block + b) * f.nbytes, part, ctx), b * f.block
-        within = k0 % f.block
-        part = within // (f.block // f.iparts) + r
-        groups = f.int_groups(w, row + (k0 // f.block) * f.nbytes, part, ctx)
-        return [quant.unit_group_of(g) for g in groups], 0 - within
+        if BK % f.block == 0:  # whole blocks
+            b, part, within = r // f.iparts, r % f.iparts, 0
+        else:
+            within = k0 % f.block
+            b, part = 0, within // (f.block // f.iparts) + r
+        groups = f.int_groups(w, row + (k0 // f.block + b) * f.nbytes, part, ctx)
+        return [quant.unit_group_of(g) for g in groups], b * f.block - within
 
     def step(k0, store: bool):
         """The loads of the K step at k0 and, with store, A and B decoded from them."""
