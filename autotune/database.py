@@ -162,22 +162,15 @@ def choose(kernel, info, shape: dict, db: Database | None = None, **fixed):
 
 
 def _accepted(kernel, params: dict) -> dict:
-    """params, or where the kernel's constraint refuses its defaults under them, the accepted
-    choice (of those declared for the other parameters, variants and tuning choices) that departs
-    from the defaults in the fewest parameters, tuning choices the least: IQ1's 4 KiB grid
-    leaves no room for the matrix-unit kernels' default 64-row tiles; a type that cannot step
-    through part of a block takes the experts' down in whole-block steps of the old 16-token tiles."""
+    """params, or where the kernel's constraint refuses its defaults under them, the first of its
+    declared choices for the other parameters that it accepts (IQ1's 4 KiB grid leaves no room
+    for the matrix-unit kernels' default 64-row tiles)."""
     accepts = kernel.constraint or (lambda v: True)
     if accepts(SimpleNamespace(**kernel.complete(params))):
         return params
-    space = {**kernel.variant_space, **kernel.tune}
-    free = [k for k in space if k not in params]
-    defaults = kernel.complete(params)
-    choices = [{**params, **dict(zip(free, values))} for values in itertools.product(*(space[k] for k in free))]
-    # fewest departures first, tuning choices last among equals, then declared order (a stable sort)
-    choices.sort(key=lambda c: (sum(c[k] != defaults[k] for k in free),
-                                sum(c[k] != defaults[k] for k in free if k in kernel.tune)))
-    for choice in choices:
+    free = [k for k in kernel.variant_space if k not in params]
+    for values in itertools.product(*(kernel.variant_space[k] for k in free)):
+        choice = {**params, **dict(zip(free, values))}
         if accepts(SimpleNamespace(**kernel.complete(choice))):
             return choice
     return params

@@ -476,12 +476,6 @@ _COOP = dict(workgroup=mma.workgroup, subgroup="SG", where=mma.fits, tune={"SPLI
 # reads its pairs' rows again). H200, 511-token chunk of the 35B-A3B, against 32 × 32: routed down
 # 58.8 → 44.4 ms, shared gate·up 11.3 → 8.0 (a workgroup per 16 tokens: prefill.py's SPLIT).
 _COOP_TILES = {"BM": [32, 64], "BN": [16, 32], "SG": [32]}
-# The experts' down (k = the expert width, 512: four steps of 128) in 64 × 32 tiles where the type
-# steps through part of a block: each expert's rows decoded once for its ~16 pairs, where 16-token
-# tiles decode them again for an expert's 17th pair and on (2026-11-26, H100, zdsl profile
-# --prompt 511 of the 35B-A3B: 20.5 ms against 23.7). The experts' gate·up keeps 64 × 16 in steps
-# of 256: in steps of 128 it took 34.2 ms against 29.7 (sixteen steps of K = 2048).
-_DOWN_TILES = {"BM": [64, 32], "BN": [32, 16], "SG": [32]}
 
 
 @zdsl.kernel(variants={"QTYPE": EXPERT_QTYPES, **_COOP_TILES}, sizes=("t", "n_expert"),
@@ -518,11 +512,17 @@ def moe_gate_up_coop_example(use, rng, check):
     return _gate_up_example(use, rng, check, False, True, 1e-3)
 
 
-@zdsl.kernel(variants={"QTYPE": EXPERT_QTYPES, **_DOWN_TILES}, sizes=("t", "n_expert", "topk"),
+# The experts' down (k = the expert width, 512: four steps of 128) takes 64 × 32 tiles where the
+# type steps by 128: each expert's rows decoded once for its ~16 pairs, where 16-token tiles
+# decode them again from its 17th pair on (2026-11-26, H100, zdsl profile --prompt 511 of the
+# 35B-A3B: 20.6 ms against 23.7). The gate·up keeps 64 × 16 in steps of 256: 64 × 32 in steps of
+# 128 took 34.2 ms against 29.7, 48 × 32 in steps of 256 33.5, 32 × 32 42.1.
+@zdsl.kernel(variants={"QTYPE": EXPERT_QTYPES, **_COOP_TILES}, sizes=("t", "n_expert", "topk"),
              grid=_coop_grid(1), traffic=_down_grouped_traffic, **_COOP)
 def moe_down_coop(w: Buffer[u8], offsets: Buffer[u32], pairs: Buffer[u32], act: Buffer[f32], y: Buffer[f32],
-                  k: u32, m: u32, QTYPE: Const = "q4_k", BM: Const = 64, BN: Const = 32, BK: Const = 128,
-                  TM: Const = 1, TN: Const = 1, SPLIT: Const = 1, SG: Const = 32):
+                  k: u32, m: u32, QTYPE: Const = "q4_k", BM: Const = 64, BN: Const = mma.by_steps(32, 16),
+                  BK: Const = mma.by_steps(128, 0), TM: Const = 1, TN: Const = 1, SPLIT: Const = 1,
+                  SG: Const = 32):
     """moe_down_grouped on matrix units, k a multiple of BK: workgroup (g, e) makes rows g·BM …
     of y for expert e's pairs."""
     tiles = mma.Tiles(BM, BN, BK, TM, TN, SG, QTYPE)

@@ -53,6 +53,19 @@ def step_k(bk: int) -> int:
     return bk or BK
 
 
+def short_steps(QTYPE: str) -> bool:
+    """Whether the type steps through K by 128: whole blocks of at most 128 elements, or runs of
+    int8 parts that tile 128 (the K-quants, IQ3_XXS)."""
+    f = fmt(QTYPE)
+    return 128 % f.block == 0 or (0 < f.ispan and 128 % f.ispan == 0 and f.block % 128 == 0)
+
+
+def by_steps(short, whole) -> zdsl.Derived:
+    """A tile default: `short` where the type steps by 128 (which leaves shared memory for larger
+    tiles), `whole` where it takes whole blocks of 256."""
+    return zdsl.Derived(lambda v: short if short_steps(v.QTYPE) else whole)
+
+
 def fits(v) -> bool:
     """Whole tiles per subgroup, K steps of whole blocks or of whole runs of int8 parts, and the
     tiles in shared memory."""

@@ -86,6 +86,20 @@ def test_spec_constant_does_not_recompile():
     assert a.spec_constants() != b.spec_constants()
 
 
+def test_a_derived_default_follows_the_parameters_before_it():
+    """A Const default may depend on the Consts declared before it (zdsl.Derived); a value given
+    wins, and the derived value is the variant's (its label, its code)."""
+    @zdsl.kernel(workgroup="WG", register=False)
+    def scaled(x: Buffer[f32], y: Buffer[f32], WIDE: Const = False, WG: Const = zdsl.Derived(lambda v: 256 if v.WIDE else 64)):
+        i = zdsl.global_id()
+        y[i] = x[i] * float(WG)
+
+    assert [scaled.specialize(**given).params["WG"] for given in ({}, {"WIDE": True}, {"WIDE": True, "WG": 32})] == [64, 256, 32]
+    x = np.arange(256, dtype=np.float32)
+    y = scaled.specialize(WIDE=True).interpret(1, x=x, y=np.zeros_like(x))["y"]
+    assert np.array_equal(y, x * 256)
+
+
 # ---- language features beyond the sample kernels -------------------------------------------------
 
 import zdsl  # noqa: E402

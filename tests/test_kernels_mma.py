@@ -48,8 +48,8 @@ def check(y, ref16, ref, scale):
 def test_a_weight_types_table_counts_against_shared_memory():
     """32 × 48 tiles in K steps of 256 fit the H100's 48 KiB beside Q4_K's decoder, not beside
     IQ3_XXS's 1 KiB grid (the driver fails the pipeline), so no such variant is registered (in
-    steps of 128 they fit); where a type's table leaves no room for the default tiles (IQ1's 4
-    KiB), a launch takes the first declared tiles that fit."""
+    steps of 128 they fit); where a type's table leaves no room for the default tiles (IQ2_XS's
+    1 KiB, IQ1's 4 KiB), a launch takes the first declared tiles that fit."""
     from zdsl.autotune.database import choose
 
     tiles = dict(BM=32, BN=48, BK=256, TM=1, TN=1)
@@ -59,14 +59,13 @@ def test_a_weight_types_table_counts_against_shared_memory():
     for qtype, bm in (("q4_k", 64), ("iq1_m", 32)):
         v = choose(ffn.moe_down_coop, info, {}, db=EmptyDatabase(), QTYPE=qtype)
         assert v.params["BM"] == bm and mma.fits(SimpleNamespace(**v.params))
-    for qtype, bn in (("q4_k", 48), ("iq3_xxs", 32), ("iq1_s", 32)):
-        v = choose(matmul.mul_mm_coop, info, {}, db=EmptyDatabase(), QTYPE=qtype)
-        assert v.params["BN"] == bn and mma.fits(SimpleNamespace(**v.params))
-    # the experts' down: 64 × 32 tiles in steps of 128 where the type steps through part of a
-    # block, else the nearest tiles that fit (whole-block steps)
-    for qtype, tiles in (("q6_k", (64, 32, 128)), ("iq3_xxs", (64, 32, 128)), ("iq4_xs", (64, 16, 0)),
-                         ("iq2_xs", (64, 16, 0)), ("iq1_m", (32, 32, 0))):
-        v = choose(ffn.moe_down_coop, info, {}, db=EmptyDatabase(), QTYPE=qtype)
+    # projections and the experts' down: larger tiles in steps of 128 where the type steps so,
+    # whole blocks and the tiles that fit beside them otherwise
+    for kernel, qtype, tiles in ((matmul.mul_mm_coop, "q4_k", (48, 64, 128)), (matmul.mul_mm_coop, "iq3_xxs", (48, 64, 128)),
+                                 (matmul.mul_mm_coop, "iq4_xs", (32, 48, 0)), (matmul.mul_mm_coop, "iq2_xs", (32, 32, 0)),
+                                 (matmul.mul_mm_coop, "iq1_s", (32, 32, 0)), (ffn.moe_down_coop, "q6_k", (64, 32, 128)),
+                                 (ffn.moe_down_coop, "mxfp4", (64, 32, 128)), (ffn.moe_down_coop, "iq4_xs", (64, 16, 0))):
+        v = choose(kernel, info, {}, db=EmptyDatabase(), QTYPE=qtype)
         assert (v.params["BM"], v.params["BN"], v.params["BK"]) == tiles and mma.fits(SimpleNamespace(**v.params))
 
 
@@ -87,7 +86,7 @@ def products(stack, ids, x, k):
 @pytest.mark.parametrize("qtype", list(FORMATS))  # those built ahead (dmmv.QTYPES) and those made on demand
 @settings(max_examples=3, deadline=None)
 @given(m=st.integers(1, 70), t=st.integers(1, 70), steps=st.integers(1, 2),
-       tiles=st.sampled_from([(32, 48, 1), (48, 32, 1), (48, 32, 2), (32, 32, 2), (16, 64, 2)]), add=st.booleans(),
+       tiles=st.sampled_from([(32, 48, 1), (48, 64, 1), (48, 32, 1), (48, 32, 2), (32, 32, 2), (16, 64, 2)]), add=st.booleans(),
        bk=st.sampled_from(STEPS), seed=st.integers(0, 99))
 def test_mul_mm_coop(backend, request, qtype, m, t, steps, tiles, add, bk, seed):
     go = runner(backend, request)

@@ -30,7 +30,7 @@ import numpy as np
 from zdsl.errors import CompileError, KernelError, ZdslError
 from zdsl.lang import ir
 from zdsl.lang.glsl import GRID_SPEC_IDS
-from zdsl.lang.language import BufferAnnotation, Const, SpecAnnotation
+from zdsl.lang.language import BufferAnnotation, Const, Derived, SpecAnnotation
 from zdsl.lang.trace import BufferParam, Tracer, Value, fail
 from zdsl.lang.types import DType
 
@@ -175,6 +175,8 @@ class KernelDef:
         out = {}
         for name, p in names.items():
             value = given.get(name, p.default)
+            if isinstance(value, Derived):
+                value = value.fn(SimpleNamespace(**out))
             if value is None:
                 raise ZdslError(f"{self.name} needs a value for {name}")
             out[name] = value

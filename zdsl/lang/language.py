@@ -58,6 +58,15 @@ class Const:
     Use it for what changes the code: types, unroll counts, subgroup size."""
 
 
+class Derived:
+    """`BM: Const = Derived(lambda v: 48 if short(v.QTYPE) else 32)`: a default that depends on
+    the compile-time parameters declared before it (v holds their values), for a choice that
+    is right for some weight types and does not fit others. A value given still wins."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+
 # ---- invocation ids -----------------------------------------------------------------------------
 
 def _builtin(name: str, axis: int = 0) -> Value:
@@ -452,6 +461,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 __all__ = [
+    "Derived",
     "Buffer", "Coherent", "Spec", "Const", "workgroup_id", "num_workgroups", "local_id", "local_index", "global_id",
     "workgroup_size", "subgroup_size", "subgroup_id", "lane_id", "var", "range", "if_", "else_", "where",
     "shared", "local_array", "table", "barrier", "memory_barrier", "last_workgroup", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "sin", "cos", "tanh", "floor",
