@@ -40,7 +40,7 @@ PAD = 8    # f16 elements after each shared row: rows start 16 bytes apart from 
 SHARED_BYTES = 48 * 1024  # the shared memory a workgroup may have on the H100 (and most Vulkan devices)
 
 
-STEPS = [0, 128]  # the K steps the tuner may try (0: the default, BK)
+STEPS = [0, 128]  # the K steps the tuner may try (0: BK, whole blocks)
 
 
 def step_k(bk: int) -> int:
