@@ -46,8 +46,8 @@ STEPS = [0, 128]  # the K steps the tuner may try (0: BK, whole blocks)
 def step_k(bk: int) -> int:
     """K per step: bk, by default BK (whole blocks of every format). A format whose int8 parts
     cover K in runs (the K-quants: 64 or 128; IQ3_XXS: 32) may step through part of a block,
-    which leaves shared memory and registers for more workgroups per SM. On the H100 that is
-    slower (2026-11-26, pp512 of the 35B-A3B: 4,190 tok/s in steps of 128, 4,827–4,867 with
+    which leaves shared memory for larger tiles (by_steps). In the same tiles it is slower on
+    the H100 (2026-11-26, pp512 of the 35B-A3B: 4,190 tok/s in steps of 128, 4,827–4,867 with
     Q4_K in steps of 64, 4,886–4,910 in steps of 256): more steps, each a chain of loads,
     decode, barrier and products."""
     return bk or BK
