@@ -59,12 +59,13 @@ def test_a_weight_types_table_counts_against_shared_memory():
     for qtype, bm in (("q4_k", 64), ("iq1_m", 32)):
         v = choose(ffn.moe_down_coop, info, {}, db=EmptyDatabase(), QTYPE=qtype)
         assert v.params["BM"] == bm and mma.fits(SimpleNamespace(**v.params))
-    # projections and the experts' down: larger tiles in steps of 128 where the type steps so,
+    # projections and the experts' products: larger tiles in steps of 128 where the type steps so,
     # whole blocks and the tiles that fit beside them otherwise
     for kernel, qtype, tiles in ((matmul.mul_mm_coop, "q4_k", (48, 64, 128)), (matmul.mul_mm_coop, "iq3_xxs", (48, 64, 128)),
                                  (matmul.mul_mm_coop, "iq4_xs", (32, 48, 0)), (matmul.mul_mm_coop, "iq2_xs", (32, 32, 0)),
                                  (matmul.mul_mm_coop, "iq1_s", (32, 32, 0)), (ffn.moe_down_coop, "q6_k", (64, 32, 128)),
-                                 (ffn.moe_down_coop, "mxfp4", (64, 32, 128)), (ffn.moe_down_coop, "iq4_xs", (64, 16, 0))):
+                                 (ffn.moe_down_coop, "mxfp4", (64, 32, 128)), (ffn.moe_down_coop, "iq4_xs", (64, 16, 0)),
+                                 (ffn.moe_gate_up_coop, "q4_k", (128, 16, 128)), (ffn.moe_gate_up_coop, "iq4_xs", (64, 16, 0))):
         v = choose(kernel, info, {}, db=EmptyDatabase(), QTYPE=qtype)
         assert (v.params["BM"], v.params["BN"], v.params["BK"]) == tiles and mma.fits(SimpleNamespace(**v.params))
 
@@ -160,7 +161,7 @@ def routing(rng, t, K, n_exp):
 @pytest.mark.parametrize("qtype", EXPERT_QTYPES)
 @settings(max_examples=3, deadline=None)
 @given(m=st.integers(1, 40), t=st.integers(1, 40), K=st.integers(1, 4), n_exp=st.integers(4, 9),
-       tiles=st.sampled_from([(32, 16), (32, 32), (64, 16), (64, 32)]), split=st.sampled_from([1, 2]), bk=st.sampled_from(STEPS),
+       tiles=st.sampled_from([(32, 16), (32, 32), (64, 16), (64, 32), (128, 16)]), split=st.sampled_from([1, 2]), bk=st.sampled_from(STEPS),
        seed=st.integers(0, 99))
 def test_grouped_coop(backend, request, qtype, m, t, K, n_exp, tiles, split, bk, seed):
     assume(mma.fits(SimpleNamespace(BM=tiles[0], BN=tiles[1], BK=bk, TM=1, TN=1, QTYPE=qtype)))  # IQ1's grid
@@ -174,6 +175,7 @@ def test_grouped_coop_model_shapes(backend, request):
     for t, k in ((6, 256), (63, 256), (63, 512)):
         grouped_case(runner(backend, request), "q4_k", 256, t, 4, 16, 64, 16, 1, 5, k)
     grouped_case(runner(backend, request), "q6_k", 256, 63, 4, 16, 64, 32, 1, 5, 512, 128)  # the down's default
+    grouped_case(runner(backend, request), "q4_k", 256, 63, 4, 16, 128, 16, 1, 5, 512, 128)  # the gate·up's
 
 
 def grouped_case(go, qtype, m, t, K, n_exp, bm, bn, split, seed, k, bk=0):
