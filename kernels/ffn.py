@@ -471,10 +471,11 @@ def _coop_grid(stacks: int):
 _COOP = dict(workgroup=mma.workgroup, subgroup="SG", where=mma.fits, tune={"SPLIT": [1, 2], "BK": mma.STEPS},
              key=("k", "m", "n_expert"))
 # Tiles of BM weight rows (of an expert; half gate, half up rows for gate·up) by BN pairs, one
-# 16-row tile per subgroup. By default 64 × 16: a routed expert gets ~16 of a 512-token chunk's
-# pairs, and 64 rows are the most the 48 KiB of shared memory hold beside them (each row tile
-# reads its pairs' rows again). H200, 511-token chunk of the 35B-A3B, against 32 × 32: routed down
-# 58.8 → 44.4 ms, shared gate·up 11.3 → 8.0 (a workgroup per 16 tokens: prefill.py's SPLIT).
+# 16-row tile per subgroup. In whole-block steps of 256, 64 × 16: a routed expert gets ~16 of a
+# 512-token chunk's pairs, and 64 rows are the most the 48 KiB of shared memory hold beside them
+# (each row tile reads its pairs' rows again). H200, 511-token chunk of the 35B-A3B, against 32 ×
+# 32: routed down 58.8 → 44.4 ms, shared gate·up 11.3 → 8.0 (a workgroup per 16 tokens:
+# prefill.py's SPLIT). Types that step by 128 have room for larger tiles (below).
 _COOP_TILES = {"BM": [32, 64], "BN": [16, 32], "SG": [32]}
 
 
