@@ -53,11 +53,15 @@ def step_k(bk: int) -> int:
     return bk or BK
 
 
+def steps_by(f, bk: int) -> bool:
+    """Whether format f steps through K by bk: whole blocks, or whole runs of int8 parts within
+    a block (the K-quants, IQ3_XXS)."""
+    return bk % f.block == 0 or (0 < f.ispan and bk % f.ispan == 0 and f.block % bk == 0)
+
+
 def short_steps(QTYPE: str) -> bool:
-    """Whether the type steps through K by 128: whole blocks of at most 128 elements, or runs of
-    int8 parts that tile 128 (the K-quants, IQ3_XXS)."""
-    f = fmt(QTYPE)
-    return 128 % f.block == 0 or (0 < f.ispan and 128 % f.ispan == 0 and f.block % 128 == 0)
+    """Whether the type steps through K by 128."""
+    return steps_by(fmt(QTYPE), 128)
 
 
 def by_steps(short, whole) -> zdsl.Derived:
@@ -69,9 +73,7 @@ def by_steps(short, whole) -> zdsl.Derived:
 def fits(v) -> bool:
     """Whole tiles per subgroup, K steps of whole blocks or of whole runs of int8 parts, and the
     tiles in shared memory."""
-    f, bk = fmt(v.QTYPE), step_k(v.BK)
-    steps = bk % f.block == 0 or (f.ispan and bk % f.ispan == 0 and f.block % bk == 0)
-    return (v.BM % (TILE * v.TM) == 0 and v.BN % (TILE * v.TN) == 0 and bool(steps)
+    return (v.BM % (TILE * v.TM) == 0 and v.BN % (TILE * v.TN) == 0 and steps_by(fmt(v.QTYPE), step_k(v.BK))
             and shared_bytes(v) <= SHARED_BYTES)
 
 

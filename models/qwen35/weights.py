@@ -132,9 +132,6 @@ class GraphWeights:
         if g.shape != r.shape[1:]:
             raise ModelError(f"{gate} ({g.qtype.name} {list(reversed(g.shape))}) differs in length from a row of "
                              f"{router} ({r.qtype.name} {list(reversed(r.shape[1:]))}); both weigh the hidden state")
-        if g.qtype == r.qtype:
-            self._append_slab(router, gate)
-            return
         self.tensors[router] = _joined(r, self.tensors.pop(gate), (r.shape[0] + 1, *r.shape[1:]))
 
     def _append_slab(self, base: str, extra: str) -> None:
