@@ -483,13 +483,16 @@ _COOP_TILES = {"BM": [32, 64], "BN": [16, 32], "SG": [32]}
 # eight subgroups share a step's 16 activation rows and each invocation decodes half of what it
 # decoded in 64-row tiles (2026-11-26, H100, zdsl profile --prompt 511 of the 35B-A3B: 26.5 ms
 # against 29.9 for 64 × 16 in steps of 256, pp512 5,645.8 against 5,437.4; 96 × 16 in steps of
-# 128: 33.6; 64 × 16 in steps of 128: 44.4; 64 × 32: 34.2; 48 × 32 in steps of 256: 33.5).
+# 128: 33.6; 64 × 16 in steps of 128: 44.4; 64 × 32: 34.2; 48 × 32 in steps of 256: 33.5). Each
+# subgroup takes two row tiles (four subgroups): the activations' tile is read from shared memory
+# four times a step instead of eight, and the 128 invocations decode one int8 part each (timed
+# alone, 2026-11-26, H100: 554 µs against 572; four row tiles a subgroup: 840).
 @zdsl.kernel(variants={"QTYPE": EXPERT_QTYPES, **_COOP_TILES, "BM": [32, 64, 128]}, sizes=("t", "n_expert"),
              grid=_coop_grid(2), traffic=_gate_up_grouped_traffic, **_COOP)
 def moe_gate_up_coop(wg: Buffer[u8], wu: Buffer[u8], offsets: Buffer[u32], pairs: Buffer[u32], x: Buffer[f32],
                      act: Buffer[f32], k: u32, m: u32, topk: u32, QTYPE: Const = "q4_k",
                      BM: Const = mma.by_steps(128, 64), BN: Const = 16, BK: Const = mma.by_steps(128, 0),
-                     TM: Const = 1, TN: Const = 1, SPLIT: Const = 1, SG: Const = 32):
+                     TM: Const = mma.by_steps(2, 1), TN: Const = 1, SPLIT: Const = 1, SG: Const = 32):
     """moe_gate_up_grouped on matrix units, x in f32 and k a multiple of BK: workgroup (g, e)
     makes rows g·BM/2 … of expert e's gate and up products for its pairs, then their SwiGLU."""
     half = BM // 2

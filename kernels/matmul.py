@@ -96,13 +96,15 @@ def _coop_traffic(v, s) -> int:
 # Tiles of 48 rows × 64 tokens in steps of 128 where the type steps so (the weights decoded 8
 # times for a 512-token chunk, not 11), 32 × 48 in whole blocks otherwise: 2026-11-26, H100,
 # zdsl profile --prompt 511 of the 35B-A3B, the projections 22.2 ms against 25.6 (32 × 96 in
-# steps of 128: 24.1).
+# steps of 128: 24.1). Those 48 × 64 take two token tiles per subgroup: each A tile is read from
+# shared memory by two subgroups instead of four (timed alone, 2026-11-26, H100: Q5_K 8192 rows
+# 239 µs against 256, Q4_K 4096 rows 124.5 against 133).
 @zdsl.kernel(workgroup=mma.workgroup, subgroup="SG", variants={"QTYPE": QTYPES, "BN": [64, 48, 32], "SG": [32]},
              tune={"TN": [1, 2], "BK": mma.STEPS}, where=mma.fits, key=("k", "m"),
              grid=lambda v, s: (-(-s.m // v.BM), -(-s.t // v.BN)), traffic=_coop_traffic)
 def mul_mm_coop(w: Buffer[u8], x: Buffer[f16], y: Buffer[f32], k: u32, m: u32, t: u32, ADD: Spec[boolean] = False,
                 QTYPE: Const = "q4_k", BM: Const = mma.by_steps(48, 32), BN: Const = mma.by_steps(64, 48),
-                BK: Const = mma.by_steps(128, 0), TM: Const = 1, TN: Const = 1, SG: Const = 32):
+                BK: Const = mma.by_steps(128, 0), TM: Const = 1, TN: Const = mma.by_steps(2, 1), SG: Const = 32):
     """mul_mm on matrix units (mma.py): y[i·m + r] (+)= Σ_k W[r, k] · x[i·k + k] for the t rows i
     of x (in f16: half_rows), k a multiple of BK. Workgroup (g, j) makes rows g·BM … and tokens
     j·BN …"""

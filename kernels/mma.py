@@ -181,6 +181,16 @@ class _StagedView:
         return self.staged.load(self.dtype, index)
 
 
+def split(f, shares: int, invocations: int) -> int:
+    """Pieces per int8 part (a power of two, at most the format's ipieces) so that a stack's
+    shares of a step reach the invocations: where they do not, the decode, a step's longest
+    chain, runs on some of them while the rest wait at the barrier."""
+    pieces = 1
+    while pieces < f.ipieces and shares * pieces < invocations:
+        pieces *= 2
+    return pieces
+
+
 def _shares(t: Tiles, count: int, body) -> None:
     """body(u, live) for this invocation's shares u of 0 … count − 1, unrolled (each share's loads
     are staged apart). In a last, partial round u is clamped to count − 1 (its loads stay in
@@ -206,10 +216,11 @@ def product(t: Tiles, f, ctx, stacks, x, token_base, k):
     per_stack = BM // len(stacks)
     # a row's shares of a step: the int8 parts of its BK elements where the format has them (a
     # part's runs share a scale: Q4_K's part is two runs of 32 under one scale each, where its
-    # f32 part takes 4 values of each of 8 runs, 8 scales and mins made per 32 values), else
-    # every f32 part of its whole blocks
+    # f32 part takes 4 values of each of 8 runs, 8 scales and mins made per 32 values), split
+    # into pieces until every invocation has one; else every f32 part of its whole blocks
     ints = f.iparts > 0
-    per_row = BK * (f.iparts if ints else f.parts) // f.block
+    pieces = split(f, per_stack * BK * f.iparts // f.block, t.WG) if ints else 1
+    per_row = BK * (f.iparts * pieces if ints else f.parts) // f.block
     staged = [Staged(w) for w, _ in stacks] + [Staged(x)]
 
     def share(w, row, k0, r):
@@ -218,11 +229,11 @@ def product(t: Tiles, f, ctx, stacks, x, token_base, k):
             b, part = r // f.parts, r % f.parts
             return f.groups(w, row + (k0 // f.block + b) * f.nbytes, part, ctx), b * f.block
         if BK % f.block == 0:  # whole blocks
-            b, part, within = r // f.iparts, r % f.iparts, 0
+            b, part, within = r // (f.iparts * pieces), r % (f.iparts * pieces), 0
         else:
             within = k0 % f.block
-            b, part = 0, within // (f.block // f.iparts) + r
-        groups = f.int_groups(w, row + (k0 // f.block + b) * f.nbytes, part, ctx)
+            b, part = 0, within // (f.block // f.iparts) * pieces + r
+        groups = f.int_groups(w, row + (k0 // f.block + b) * f.nbytes, part, ctx, pieces)
         return [quant.unit_group_of(g) for g in groups], b * f.block - within
 
     def step(k0, store: bool):

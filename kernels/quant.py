@@ -170,6 +170,14 @@ def spread_bits(bits4, pos: int):
     return (bits4 * (0x00204081 << pos)) & (0x01010101 << pos)
 
 
+def split_part(part, pieces: int):
+    """(int8 part, piece) of share `part` when each part is split into `pieces` (a power of
+    two): more invocations share a block where a tile has more of them than parts."""
+    if pieces == 1:
+        return part, 0
+    return part >> (pieces.bit_length() - 1), part & (pieces - 1)
+
+
 # ---- formats ----------------------------------------------------------------------------------
 
 class Format:
@@ -179,6 +187,7 @@ class Format:
     parts: int  # invocations sharing one block (f32 activations)
     iparts: int = 0  # invocations sharing one block in the int8-dot path (0: none)
     ispan: int = 0  # elements an aligned run of int8 parts covers without gaps (0: the whole block)
+    ipieces: int = 1  # pieces an int8 part may be split into (int_groups' `pieces`)
     f16_fields: tuple = ()  # byte offsets of the block's f16 scales (synthetic weights keep them finite)
     e8m0_fields: tuple = ()  # byte offsets of E8M0 exponents (synthetic weights keep them moderate)
 
@@ -220,8 +229,10 @@ class Format:
         share = self.decode(w, base, part, ctx)
         return share.expand() if isinstance(share, Factored) else share
 
-    def int_groups(self, w, base, part, ctx=None) -> list[IntGroup]:
-        """Invocation `part`'s share as signed bytes (iparts shares a block), ctx as in decode."""
+    def int_groups(self, w, base, part, ctx=None, pieces=1) -> list[IntGroup]:
+        """Invocation `part`'s share as signed bytes, ctx as in decode: iparts · pieces shares
+        a block, pieces (a power of two, at most ipieces) splitting each int8 part into equal
+        runs of its bytes (split_part)."""
         raise NotImplementedError
 
     def finite_scales(self, rng, blocks, bound: float):
@@ -270,7 +281,7 @@ class Q8_0(Format):
         unsigned = [wd ^ 0x80808080 for wd in words]  # q + 128
         return [unit_group(part * 8, byte_units(unsigned, 8), 8, d, d * -128.0)]
 
-    def int_groups(self, w, base, part, ctx=None):
+    def int_groups(self, w, base, part, ctx=None, pieces=1):
         d, words = self.quants(w, base, part)
         return [IntGroup(part * 8, words, d)]
 
@@ -286,7 +297,7 @@ class Q4_0(Format):
         return [unit_group(part * 8, byte_units(words, 4), 4, d, d * -8.0),
                 unit_group(part * 8 + 16, byte_units(words, 4, 4), 4, d, d * -8.0)]
 
-    def int_groups(self, w, base, part, ctx=None):
+    def int_groups(self, w, base, part, ctx=None, pieces=1):
         d = f16_at(w, base)
         words = self.load(w, base, 2, 4)
         return [IntGroup(0, low_nibbles(words) + high_nibbles(words), d, d * -8.0)]
@@ -303,7 +314,7 @@ class Q4_1(Format):
         return [unit_group(part * 8, byte_units(words, 4), 4, d, m),
                 unit_group(part * 8 + 16, byte_units(words, 4, 4), 4, d, m)]
 
-    def int_groups(self, w, base, part, ctx=None):
+    def int_groups(self, w, base, part, ctx=None, pieces=1):
         head, *words = self.load(w, base, 0, 5)
         return [IntGroup(0, low_nibbles(words) + high_nibbles(words), half(head, False), half(head, True))]
 
@@ -328,7 +339,7 @@ class Q5_0(Format):
         return [unit_group(first, byte_units(five_bits(words, qh, first, False), 5), 5, d, d * -16.0),
                 unit_group(first + 16, byte_units(five_bits(words, qh, first + 16, True), 5), 5, d, d * -16.0)]
 
-    def int_groups(self, w, base, part, ctx=None):
+    def int_groups(self, w, base, part, ctx=None, pieces=1):
         d = f16_at(w, base)
         qh, *words = self.load(w, base, 2, 5)
         return [IntGroup(0, five_bits(words, qh, 0, False) + five_bits(words, qh, 16, True), d, d * -16.0)]
@@ -346,7 +357,7 @@ class Q5_1(Format):
         return [unit_group(first, byte_units(five_bits(words, qh, first, False), 5), 5, d, m),
                 unit_group(first + 16, byte_units(five_bits(words, qh, first + 16, True), 5), 5, d, m)]
 
-    def int_groups(self, w, base, part, ctx=None):
+    def int_groups(self, w, base, part, ctx=None, pieces=1):
         head, qh, *words = self.load(w, base, 0, 6)
         q = five_bits(words, qh, 0, False) + five_bits(words, qh, 16, True)
         return [IntGroup(0, q, half(head, False), half(head, True))]
@@ -357,7 +368,7 @@ class Q2_K(Format):
     f16 d, f16 dmin. Element 128h + 32s + l is bits 2s of byte 32h + l, in sub-block (e / 16).
     w = d·sc·q − dmin·m."""
     name, block, nbytes, parts, iparts, f16_fields = "q2_k", 256, 84, 8, 4, (80, 82)
-    ispan = 128
+    ispan, ipieces = 128, 4
 
     def head(self, w, base, h):
         dd = self.load(w, base, 80, 1)[0]
@@ -375,15 +386,17 @@ class Q2_K(Format):
                                  (sc & 0xF).to(f32), (sc >> 4).to(f32)))
         return Factored(out, d, 4, -4, -dmin)  # q = 4·(unit − 1)
 
-    def int_groups(self, w, base, part, ctx=None):
-        h, r = part >> 1, part & 1
+    def int_groups(self, w, base, part, ctx=None, pieces=1):
+        part, piece = split_part(part, pieces)
+        h, r, n = part >> 1, part & 1, 4 // pieces
+        l0 = 16 * r + 4 * n * piece
         d, dmin, scales = self.head(w, base, h)
-        words = self.load(w, base, 16 + 32 * h + 16 * r, 4)
+        words = self.load(w, base, 16 + 32 * h + l0, n, step=4 * n)
         out = []
         for s in range(4):
             sc = byte_of(scales[s >> 1], r + 2 * (s & 1))
             q = [(wd >> (2 * s)) & 0x03030303 for wd in words]
-            out.append(IntGroup(128 * h + 32 * s + 16 * r, q, d * (sc & 0xF).to(f32), -(dmin * (sc >> 4).to(f32))))
+            out.append(IntGroup(128 * h + 32 * s + l0, q, d * (sc & 0xF).to(f32), -(dmin * (sc >> 4).to(f32))))
         return out
 
 
@@ -393,7 +406,7 @@ class Q3_K(Format):
     + 4·high − 4. Scale i (of e / 16): nibble i / 8 of byte i % 8, bits 2·(i / 4) of byte 8 + i % 4
     as bits 4-5, minus 32. w = d·scale·q."""
     name, block, nbytes, parts, iparts, f16_fields = "q3_k", 256, 110, 8, 4, (108,)
-    ispan = 128
+    ispan, ipieces = 128, 4
 
     def scale(self, words, h, s: int, t):
         """scale − 32 of sub-block 8h + 2s + t, as f32."""
@@ -416,13 +429,15 @@ class Q3_K(Format):
                                  self.scale(scales, h, s, part >> 2)))
         return Factored(out, d, 8, -12)  # q − 4 = 8·(unit − 1) − 4
 
-    def int_groups(self, w, base, part, ctx=None):
-        h, r = part >> 1, part & 1
+    def int_groups(self, w, base, part, ctx=None, pieces=1):
+        part, piece = split_part(part, pieces)
+        h, r, n = part >> 1, part & 1, 4 // pieces
+        l0 = 16 * r + 4 * n * piece
         d = f16_at(w, base + 108)
         scales = self.load(w, base, 96, 3)
-        qs = self.load(w, base, 32 + 32 * h + 16 * r, 4)
-        hm = self.load(w, base, 16 * r, 4)
-        return [IntGroup(128 * h + 32 * s + 16 * r, signed_bytes(self.three_bits(qs, hm, h, s), 4),
+        qs = self.load(w, base, 32 + 32 * h + l0, n, step=4 * n)
+        hm = self.load(w, base, l0, n, step=4 * n)
+        return [IntGroup(128 * h + 32 * s + l0, signed_bytes(self.three_bits(qs, hm, h, s), 4),
                          d * self.scale(scales, h, s, r)) for s in range(4)]
 
 
@@ -452,7 +467,7 @@ class Q4_K(Format):
     Elements 64j..64j+31 are the low nibbles of bytes 32j..32j+31 (sub-block 2j), elements
     64j+32..64j+63 their high nibbles (sub-block 2j+1). w = d·sc·q − dmin·m."""
     name, block, nbytes, parts, iparts, f16_fields = "q4_k", 256, 144, 8, 4, (0, 2)
-    ispan = 64
+    ispan, ipieces = 64, 4
 
     def decode(self, w, base, part, ctx=None):
         head = self.load(w, base, 0, 4)
@@ -465,12 +480,15 @@ class Q4_K(Format):
                 out.append(Group(32 * s + 4 * part, [unit(word, 8 * i + 4 * t, 4) for i in range(4)], sc[s], mn[s]))
         return Factored(out, d, 16, -16, -dmin)  # q = 16·(unit − 1)
 
-    def int_groups(self, w, base, part, ctx=None):
+    def int_groups(self, w, base, part, ctx=None, pieces=1):
+        part, piece = split_part(part, pieces)
+        n = 8 // pieces
+        l0 = 4 * n * piece
         head = self.load(w, base, 0, 4)
         d, dmin = half(head[0], False), half(head[0], True)
         sc, mn = k_scale_min(head, part)
-        words = self.load(w, base, 16 + 32 * part, 8)
-        return [IntGroup(64 * part + 32 * t, nib, d * sc[t], -(dmin * mn[t]))
+        words = self.load(w, base, 16 + 32 * part + l0, n, step=4 * n)
+        return [IntGroup(64 * part + 32 * t + l0, nib, d * sc[t], -(dmin * mn[t]))
                 for t, nib in enumerate((low_nibbles(words), high_nibbles(words)))]
 
 
@@ -478,7 +496,7 @@ class Q5_K(Format):
     """176 bytes: f16 d, f16 dmin, 12 bytes of scales/mins, 32 bytes of high bits, 128 bytes of
     nibbles. As Q4_K, plus bit (2j + high) of qh[l] as bit 4 of element 64j + 32·high + l."""
     name, block, nbytes, parts, iparts, f16_fields = "q5_k", 256, 176, 8, 4, (0, 2)
-    ispan = 64
+    ispan, ipieces = 64, 4
 
     @staticmethod
     def with_high(nibbles, qh, bit):
@@ -497,13 +515,16 @@ class Q5_K(Format):
                 out.append(Group(32 * s + 4 * part, byte_units(self.with_high(nib, qh, s), 5), sc[s], mn[s]))
         return Factored(out, d, 32, -32, -dmin)  # q = 32·(unit − 1)
 
-    def int_groups(self, w, base, part, ctx=None):
+    def int_groups(self, w, base, part, ctx=None, pieces=1):
+        part, piece = split_part(part, pieces)
+        n = 8 // pieces
+        l0 = 4 * n * piece
         head = self.load(w, base, 0, 4)
         d, dmin = half(head[0], False), half(head[0], True)
         sc, mn = k_scale_min(head, part)
-        qh = self.load(w, base, 16, 8)
-        words = self.load(w, base, 48 + 32 * part, 8)
-        return [IntGroup(64 * part + 32 * t, self.with_high(nib, qh, 2 * part + t), d * sc[t], -(dmin * mn[t]))
+        qh = self.load(w, base, 16 + l0, n, step=4 * n)
+        words = self.load(w, base, 48 + 32 * part + l0, n, step=4 * n)
+        return [IntGroup(64 * part + 32 * t + l0, self.with_high(nib, qh, 2 * part + t), d * sc[t], -(dmin * mn[t]))
                 for t, nib in enumerate((low_nibbles(words), high_nibbles(words)))]
 
 
@@ -519,15 +540,16 @@ class Q6_K(Format):
     For half n and l in 0..31, byte ql[64n+l], ql[64n+l+32] and qh[32n+l] give elements
     128n + l + {0, 32, 64, 96} with scales 8n + l/16 + {0, 2, 4, 6}. w = d·scale·(q − 32)."""
     name, block, nbytes, parts, iparts, f16_fields = "q6_k", 256, 210, 8, 4, (208,)
-    ispan = 128
+    ispan, ipieces = 128, 4
 
     def quants(self, w, base, n, l0, count):
         """Per g = 0..3, the bytes of 6-bit values of elements 128n + 32g + l0 .. + 4·count, and
         the sub-blocks' scales (d·scale) as f32."""
         d = f16_at(w, base + 208)
-        ql_a = self.load(w, base, 64 * n + l0, count, step=8)
-        ql_b = self.load(w, base, 64 * n + 32 + l0, count, step=8)
-        qh = self.load(w, base, 128 + 32 * n + l0, count, step=8)
+        step = min(8, 4 * count)
+        ql_a = self.load(w, base, 64 * n + l0, count, step=step)
+        ql_b = self.load(w, base, 64 * n + 32 + l0, count, step=step)
+        qh = self.load(w, base, 128 + 32 * n + l0, count, step=step)
         scales = self.load(w, base, 192 + 8 * n, 2, step=8)
         out = []
         for g in range(4):
@@ -546,10 +568,12 @@ class Q6_K(Format):
                 out.append(Group(128 * n + 32 * g + 4 * part, byte_units([q], 6), sc))
         return Factored(out, d, 64, -96)  # q − 32 = 64·(unit − 1) − 32
 
-    def int_groups(self, w, base, part, ctx=None):
-        n, l0 = part >> 1, (part & 1) * 16
+    def int_groups(self, w, base, part, ctx=None, pieces=1):
+        part, piece = split_part(part, pieces)
+        count = 4 // pieces
+        n, l0 = part >> 1, (part & 1) * 16 + 4 * count * piece
         return [IntGroup(128 * n + 32 * g + l0, signed_bytes(q, 32), sc)
-                for g, (q, sc) in enumerate(self.quants(w, base, n, l0, 4))]
+                for g, (q, sc) in enumerate(self.quants(w, base, n, l0, count))]
 
 
 def shared_table(dtype, values: list):
@@ -730,7 +754,7 @@ class IQ3_XXS(Grid):
             out.append(Group(32 * run + 4 * part, signed_values(point, quad_signs(aux, part)), self.scale(d, aux)))
         return out
 
-    def int_groups(self, w, base, part, ctx=None):
+    def int_groups(self, w, base, part, ctx=None, pieces=1):
         """Run `part` whole: its 8 grid points as bytes (4 … 62), negated where the signs say so;
         a byte's negation is (b ^ 0xFF) + 1, which cannot carry into the next byte."""
         grid = self.lookup(ctx)

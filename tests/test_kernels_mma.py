@@ -133,6 +133,31 @@ def test_steps_within_a_block(backend, request, qtype, bk, m, t, steps, seed):
     check(y, matmul.mul_mm_coop_ref(w, x, qtype, m, k), (xf @ wf.T).reshape(-1), (np.abs(xf) @ np.abs(wf).T).reshape(-1))
 
 
+SPLIT_TYPES = [q for q, f in FORMATS.items() if f.ipieces > 1]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("qtype", SPLIT_TYPES)
+@pytest.mark.parametrize("tiles, pieces", [((32, 16), 1), ((32, 32), 2), ((16, 64), 4)])
+@settings(max_examples=2, deadline=None)
+@given(m=st.integers(1, 40), t=st.integers(1, 70), seed=st.integers(0, 99))
+def test_int8_parts_split_into_pieces(backend, request, qtype, tiles, pieces, m, t, seed):
+    """Where a step's int8 parts are fewer than the invocations, each is split into pieces
+    (mma.split, Format.int_groups' pieces): the product of every split against numpy."""
+    go = runner(backend, request)
+    rng = np.random.default_rng(seed)
+    bm, bn = tiles
+    v = matmul.mul_mm_coop.specialize(QTYPE=qtype, BM=bm, BN=bn, BK=128, TN=1)
+    f = FORMATS[qtype]
+    assert mma.split(f, bm * 128 * f.iparts // f.block, mma.workgroup(SimpleNamespace(**v.params))) == pieces
+    k = 512
+    w, x = inputs.rows(rng, qtype, m, k), inputs.normal(rng, t * k)
+    y = go(v, v.groups(m=m, t=t), w=w, x=x.astype(np.float16), y=np.zeros(t * m, np.float32), k=k, m=m, t=t)["y"]
+    wf = dmmv.dequant_rows(w, qtype, m, k).astype(np.float64)
+    xf = x.reshape(t, k).astype(np.float64)
+    check(y, matmul.mul_mm_coop_ref(w, x, qtype, m, k), (xf @ wf.T).reshape(-1), (np.abs(xf) @ np.abs(wf).T).reshape(-1))
+
+
 @pytest.mark.parametrize("backend", ["interp", "lavapipe"])
 @settings(max_examples=5, deadline=None)
 @given(n4=st.integers(1, 1500), scale=st.sampled_from([1e-6, 1.0, 3e4]), seed=st.integers(0, 99))
