@@ -356,10 +356,11 @@ def deltanet_conv_rows_example(use, rng, check):
 
 def _columns_fit(v) -> bool:
     """R rows per lane (whole 16-byte loads), P = D / R lanes per column (a power of two within a
-    subgroup), whole columns per workgroup."""
+    subgroup), whole columns per workgroup; U tokens' inputs twice over in registers beside the
+    state (U · R ≤ 32: about the registers of R = 32 one token at a time)."""
     P = v.D // v.R
     return (v.R % 4 == 0 and v.D % v.R == 0 and P & (P - 1) == 0 and v.SG % P == 0 and v.WG % v.SG == 0
-            and v.D % (v.WG // P) == 0)
+            and v.D % (v.WG // P) == 0 and v.U * v.R <= 32)
 
 
 def _prefill_traffic(v, s) -> int:
@@ -371,11 +372,12 @@ def _prefill_traffic(v, s) -> int:
 
 
 @zdsl.kernel(workgroup="WG", subgroup="SG",
-             variants={"D": [128], "R": [8, 16, 32], "WG": [64, 128], "SG": SUBGROUPS}, where=_columns_fit,
+             variants={"D": [128], "R": [8, 16, 32], "WG": [64, 128], "U": [1, 2, 4], "SG": SUBGROUPS}, where=_columns_fit,
              sizes=("v_heads",), grid=lambda v, s: s.v_heads * v.D * (v.D // v.R) // v.WG, traffic=_prefill_traffic)
 def deltanet_prefill(conv: Buffer[f32], ba: Buffer[f32], ssm_a: Buffer[f32], dt_bias: Buffer[f32], state: Buffer[f32],
                      o: Buffer[f32], mix: Buffer[f32], conv_state: Buffer[f32], step: Buffer[u32], t: u32,
-                     n_k_heads: u32, D: Const = 128, R: Const = 16, KC: Const = 4, WG: Const = 64, SG: Const = 32):
+                     n_k_heads: u32, D: Const = 128, R: Const = 16, KC: Const = 4, WG: Const = 64, U: Const = 1,
+                     SG: Const = 32):
     """The gated delta rule for a chunk of t tokens at positions p0 = step[0] … p0 + t − 1, from
     deltanet_conv_rows' rows (q and k normalised) and the gate logits ba the graph projected for
     the chunk ([b_0 … b_{heads−1}, a_0 … a_{heads−1}] per token), into t rows of raw o ([token]
@@ -388,14 +390,16 @@ def deltanet_prefill(conv: Buffer[f32], ba: Buffer[f32], ssm_a: Buffer[f32], dt_
     token's inputs are loaded while this one's sums run (the loop is bound by its chain of dependent
     operations: ~0.7 µs a token on the H100, no faster with inputs staged in shared memory). R = 16 by
     default: 72 VGPRs on gfx1201 against R = 32's 144 (state, q and k, and the next q and k), and
-    twice the subgroups to hide each other's latency. Value head h
+    twice the subgroups to hide each other's latency. U > 1 takes U tokens a trip with the next
+    U tokens' inputs loaded at its top: a trip's register copies wait on loads that U steps have
+    covered, where U = 1's wait on a load one step old (not yet measured). Value head h
     reads key head h % n_k_heads; the launch names v_heads. Nothing here reads the ring, so
     every workgroup takes a share of storing the chunk's last min(t, KC) mix rows in their slots
     (p % KC), leaving the ring as t deltanet_step dispatches would, and the state too up to
     rounding (the sums run in another order)."""
-    if not _columns_fit(SimpleNamespace(D=D, R=R, WG=WG, SG=SG)):
-        raise zdsl.ZdslError(f"deltanet_prefill needs 4 | R, R | D, a power of two D/R dividing SG, SG | WG and "
-                             f"WG·R/D | D, not D={D}, R={R}, WG={WG}, SG={SG}")
+    if not _columns_fit(SimpleNamespace(D=D, R=R, WG=WG, SG=SG, U=U)):
+        raise zdsl.ZdslError(f"deltanet_prefill needs 4 | R, R | D, a power of two D/R dividing SG, SG | WG, "
+                             f"WG·R/D | D and U·R ≤ 32, not D={D}, R={R}, WG={WG}, SG={SG}, U={U}")
     P = D // R
     cols = WG // P  # columns per workgroup
     blocks = D // cols  # workgroups per head
@@ -414,9 +418,8 @@ def deltanet_prefill(conv: Buffer[f32], ba: Buffer[f32], ssm_a: Buffer[f32], dt_
         return ([conv.vec4[q + r] for r in range(R // 4)] + [conv.vec4[k + r] for r in range(R // 4)]
                 + [conv[i * C + (2 * n_k_heads + h) * D + j], ba[i * 2 * Hv + h], ba[i * 2 * Hv + Hv + h]])
 
-    now = [zdsl.var(x) for x in inputs_of(0)]
-    for i in zdsl.range(t):
-        ahead = inputs_of(zdsl.min(i + 1, t - 1))
+    def advance(now, i):
+        """Token i: the state's update and o's row, from its inputs `now`."""
         q, k, (v, b, a) = now[:R // 4], now[R // 4:R // 2], now[R // 2:]
         u, y, qk = S[0] * k[0], S[0] * q[0], q[0] * k[0]
         for s, k_r, q_r in zip(S[1:], k[1:], q[1:]):
@@ -431,8 +434,19 @@ def deltanet_prefill(conv: Buffer[f32], ba: Buffer[f32], ssm_a: Buffer[f32], dt_
             s.set(zdsl.fma(k_r, zdsl.vec(delta, delta, delta, delta), s * decay))
         with zdsl.if_(top == 0):
             o[(i * Hv + h) * D + j] = (decay * y + qk * delta) * (1.0 / math.sqrt(D))
-        for x, nxt in zip(now, ahead):
-            x.set(nxt)
+
+    now = [[zdsl.var(x) for x in inputs_of(zdsl.min(t - 1, n) if n else 0)] for n in range(U)]
+    for i in zdsl.range(0, t, U):
+        ahead = [inputs_of(zdsl.min(i + U + n, t - 1)) for n in range(U)]
+        for n in range(U):
+            if U == 1:
+                advance(now[n], i)
+            else:
+                with zdsl.if_(i + n < t):  # the last trip's tokens past t leave the state alone
+                    advance(now[n], i + n)
+        for regs, nxt in zip(now, ahead):
+            for x, value in zip(regs, nxt):
+                x.set(value)
     for s, r in zip(S, range(0, R, 4)):
         for e, value in enumerate((s.x, s.y, s.z, s.w)):
             state[(h * D + top + r + e) * D + j] = value

@@ -226,17 +226,17 @@ def gated_norm(backend, request, o, z, norm_w, sg, q8):
 
 
 def prefill(backend, request, x, state, pos, Hk, layout, sg, q8, t=None):
-    """The chunk as the graph runs it (x: prefill_inputs; layout: deltanet_prefill's (R, WG)):
+    """The chunk as the graph runs it (x: prefill_inputs; layout: deltanet_prefill's (R, WG, U)):
     deltanet_conv_rows, deltanet_prefill, then deltanet_gated_norm of the first t rows (all by
     default). Returns the conv rows, raw o, out (and oq, od with q8), the state and the ring."""
     Hv, D = state.shape[:2]
     rows, C = x["mix"].shape
     t = rows if t is None else t
-    R, wg = layout
-    if backend != "interp" and not dn._columns_fit(SimpleNamespace(D=D, R=R, WG=wg, SG=sg)):
-        pytest.skip(f"deltanet_prefill's layout R={R}, WG={wg} does not fit the device's subgroup of {sg}")
+    R, wg, U = layout
+    if backend != "interp" and not dn._columns_fit(SimpleNamespace(D=D, R=R, WG=wg, SG=sg, U=U)):
+        pytest.skip(f"deltanet_prefill's layout R={R}, WG={wg}, U={U} does not fit the device's subgroup of {sg}")
     conv = conv_rows(backend, request, x, pos, Hk, D, sg, t)
-    v = dn.deltanet_prefill.specialize(D=D, R=R, KC=x["conv_state"].shape[0], WG=wg, SG=sg)
+    v = dn.deltanet_prefill.specialize(D=D, R=R, KC=x["conv_state"].shape[0], WG=wg, U=U, SG=sg)
     got = run(v, backend, request, v.groups(v_heads=Hv), conv=conv, ba=x["ba"].reshape(-1), ssm_a=x["ssm_a"],
               dt_bias=x["dt_bias"], state=state.reshape(-1), o=np.full(rows * Hv * D, np.nan, np.float32),
               mix=x["mix"].reshape(-1), conv_state=x["conv_state"].reshape(-1), step=inputs.step_words(pos, pos + t),
@@ -281,37 +281,38 @@ def steps(backend, request, x, state, pos, Hk, wg, sg, T):
     return np.stack(outs), state, ring
 
 
-def column_layout(backend, request, d, r_log, wg_log, sg_pick, layout):
-    """(D, (R, WG), SG) for deltanet_prefill: any that fits in the interpreter, else a listed one."""
+def column_layout(backend, request, d, r_log, wg_log, u, sg_pick, layout):
+    """(D, (R, WG, U), SG) for deltanet_prefill: any that fits in the interpreter, else a listed one."""
     sg = subgroup(backend, request, sg_pick)
     if backend == "interp":
         r = d >> r_log
         wg = sg << wg_log
     else:
-        d, r, wg = layout
-    assume(r > 0 and dn._columns_fit(SimpleNamespace(D=d, R=r, WG=wg, SG=sg)))
-    return d, (r, wg), sg
+        d, r, wg, u = layout
+    assume(r > 0 and dn._columns_fit(SimpleNamespace(D=d, R=r, WG=wg, SG=sg, U=u)))
+    return d, (r, wg, u), sg
 
 
 PREFILL_POSITIONS = [0, 1, 3, 5, 1001, 2**32 - 16]  # an empty ring, one filling, wrapped, far out, near the u32 end
-# (D, R, WG) on lavapipe (subgroups of 8): 2, 4 and 1 lanes per column; 2 to 6 workgroups per
-# head; a head dim that is no power of two
-LAVAPIPE_COLUMNS = [(16, 8, 16), (32, 8, 32), (32, 32, 8), (24, 12, 8)]
+# (D, R, WG, U) on lavapipe (subgroups of 8): 2, 4 and 1 lanes per column; 2 to 6 workgroups per
+# head; a head dim that is no power of two; 1, 2 and 4 tokens a trip
+LAVAPIPE_COLUMNS = [(16, 8, 16, 4), (32, 8, 32, 2), (32, 32, 8, 1), (24, 12, 8, 2)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @given(hk=st.integers(1, 2), ratio=st.integers(1, 3), T=st.integers(1, 11), d=st.sampled_from([8, 16, 24, 32]),
-       r_log=st.integers(0, 3), wg_log=st.integers(0, 2), sg_pick=st.integers(0, 3),
+       r_log=st.integers(0, 3), wg_log=st.integers(0, 2), u=st.sampled_from([1, 2, 4]), sg_pick=st.integers(0, 3),
        layout=st.sampled_from(LAVAPIPE_COLUMNS), kc=st.integers(1, 5), pos=st.sampled_from(PREFILL_POSITIONS),
        q8=st.booleans(), extra=st.integers(0, 2), state_scale=st.sampled_from([0.0, 0.5]), seed=st.integers(0, 99))
-def test_prefill(backend, request, hk, ratio, T, d, r_log, wg_log, sg_pick, layout, kc, pos, q8, extra, state_scale,
-                 seed):
+def test_prefill(backend, request, hk, ratio, T, d, r_log, wg_log, u, sg_pick, layout, kc, pos, q8, extra,
+                 state_scale, seed):
     """A chunk of T tokens (1, odd, more than the conv's taps) through the three kernels, each
     against its float64 reference, and the whole against T deltanet_step dispatches (out rows,
     state, ring): n_k_heads · ratio value heads, so up to three value heads read each key head's
-    q and k; any split of a column over lanes and of a head over workgroups; rows past t (NaN)
-    neither read nor written."""
-    d, layout, sg = column_layout(backend, request, d, r_log, wg_log, sg_pick, layout)
+    q and k; any split of a column over lanes and of a head over workgroups; 1, 2 or 4 tokens a
+    trip (T not a multiple of it: the last trip's extra tokens leave the state alone); rows past t
+    (NaN) neither read nor written."""
+    d, layout, sg = column_layout(backend, request, d, r_log, wg_log, u, sg_pick, layout)
     if backend == "lavapipe":
         kc = 4
     q8 = q8 and d % 32 == 0
@@ -336,7 +337,7 @@ def test_prefill_long_chunk(backend, request):
     sg = subgroup(backend, request, 0)
     x = prefill_inputs(rng, hk, hv, d, T, extra=1)
     state = (rng.standard_normal((hv, d, d)) * 0.5).astype(np.float32)
-    got = prefill(backend, request, x, state, 70_001, hk, (8, 16), sg, False, T)
+    got = prefill(backend, request, x, state, 70_001, hk, (8, 16, 4), sg, False, T)
     check_prefill(got, x, state, 70_001, hk, T)
 
 
@@ -355,7 +356,7 @@ def test_prefill_chunks_then_decode(backend, request):
     outs, pos = [], 0
     for T in (1, 5, 2):
         chunk = dict(x, mix=x["mix"][pos:pos + T], z=x["z"][pos:pos + T], ba=x["ba"][pos:pos + T], conv_state=ring)
-        got = prefill(backend, request, chunk, state, pos, Hk, (8, sg), sg, True)
+        got = prefill(backend, request, chunk, state, pos, Hk, (8, sg, 2), sg, True)
         ring, state = got["conv_state"].reshape(KC, C), got["state"].reshape(Hv, D, D)
         outs.append(got["out"].reshape(T, -1))
         pos += T
