@@ -480,13 +480,13 @@ _COOP_TILES = {"BM": [32, 64], "BN": [16, 32], "SG": [32]}
 
 
 # The gate·up takes 128 rows (64 gate, 64 up) × 16 pairs in steps of 128 where the type steps so:
-# eight subgroups share a step's 16 activation rows and each invocation decodes half of what it
-# decoded in 64-row tiles (2026-11-26, H100, zdsl profile --prompt 511 of the 35B-A3B: 26.5 ms
-# against 29.9 for 64 × 16 in steps of 256, pp512 5,645.8 against 5,437.4; 96 × 16 in steps of
-# 128: 33.6; 64 × 16 in steps of 128: 44.4; 64 × 32: 34.2; 48 × 32 in steps of 256: 33.5). Each
-# subgroup takes two row tiles (four subgroups): the activations' tile is read from shared memory
-# four times a step instead of eight, and the 128 invocations decode one int8 part each (timed
-# alone, 2026-11-26, H100: 554 µs against 572; four row tiles a subgroup: 840).
+# a step's 16 activation rows serve twice the rows of 64-row tiles (2026-11-26, H100, zdsl profile
+# --prompt 511 of the 35B-A3B, one row tile per subgroup: 26.5 ms against 29.9 for 64 × 16 in steps
+# of 256, pp512 5,645.8 against 5,437.4; 96 × 16 in steps of 128: 33.6; 64 × 16 in steps of 128:
+# 44.4; 64 × 32: 34.2; 48 × 32 in steps of 256: 33.5). Each subgroup takes two row tiles (four
+# subgroups): the activations' tile is read from shared memory four times a step instead of eight,
+# and the 128 invocations decode one int8 part each (timed alone, 2026-11-26, H100: 554 µs against
+# 572 with eight subgroups; four row tiles a subgroup: 840).
 @zdsl.kernel(variants={"QTYPE": EXPERT_QTYPES, **_COOP_TILES, "BM": [32, 64, 128]}, sizes=("t", "n_expert"),
              grid=_coop_grid(2), traffic=_gate_up_grouped_traffic, **_COOP)
 def moe_gate_up_coop(wg: Buffer[u8], wu: Buffer[u8], offsets: Buffer[u32], pairs: Buffer[u32], x: Buffer[f32],
