@@ -376,7 +376,7 @@ def _prefill_traffic(v, s) -> int:
              sizes=("v_heads",), grid=lambda v, s: s.v_heads * v.D * (v.D // v.R) // v.WG, traffic=_prefill_traffic)
 def deltanet_prefill(conv: Buffer[f32], ba: Buffer[f32], ssm_a: Buffer[f32], dt_bias: Buffer[f32], state: Buffer[f32],
                      o: Buffer[f32], mix: Buffer[f32], conv_state: Buffer[f32], step: Buffer[u32], t: u32,
-                     n_k_heads: u32, D: Const = 128, R: Const = 16, KC: Const = 4, WG: Const = 64, U: Const = 1,
+                     n_k_heads: u32, D: Const = 128, R: Const = 8, KC: Const = 4, WG: Const = 64, U: Const = 4,
                      SG: Const = 32):
     """The gated delta rule for a chunk of t tokens at positions p0 = step[0] … p0 + t − 1, from
     deltanet_conv_rows' rows (q and k normalised) and the gate logits ba the graph projected for
@@ -388,13 +388,12 @@ def deltanet_prefill(conv: Buffer[f32], ba: Buffer[f32], ssm_a: Buffer[f32], dt_
     loop is short and the grid wide: P = D / R adjacent lanes hold a column, R rows each in
     registers, and combine their sums by shuffles; no barrier, no shared memory, and the next
     token's inputs are loaded while this one's sums run (the loop is bound by its chain of dependent
-    operations: ~0.7 µs a token on the H100, no faster with inputs staged in shared memory). R = 16 by
-    default: 72 VGPRs on gfx1201 against R = 32's 144 (state, q and k, and the next q and k), and
-    twice the subgroups to hide each other's latency. U > 1 takes U tokens a trip with the next
-    U tokens' inputs loaded at its top: a trip's register copies wait on loads that U steps have
-    covered, where U = 1's wait on a load one step old (not yet measured). Value head h
-    reads key head h % n_k_heads; the launch names v_heads. Nothing here reads the ring, so
-    every workgroup takes a share of storing the chunk's last min(t, KC) mix rows in their slots
+    operations, and by each copy of a prefetched input waiting on its load). U tokens a trip, the
+    next U tokens' inputs loaded at its top, so a trip's copies wait on loads that U steps have
+    covered: R = 8, U = 4 by default, 96 VGPRs on gfx1201. On the H100, a 512-token chunk of the
+    35B-A3B's heads (µs a layer, 2026-11-26): R 16 U 1 355, R 16 U 2 359, R 8 U 2 307, R 8 U 4
+    276 (WG 128: 278). Value head h reads key head h % n_k_heads; the launch names v_heads.
+    Nothing here reads the ring, so every workgroup takes a share of storing the chunk's last min(t, KC) mix rows in their slots
     (p % KC), leaving the ring as t deltanet_step dispatches would, and the state too up to
     rounding (the sums run in another order)."""
     if not _columns_fit(SimpleNamespace(D=D, R=R, WG=WG, SG=SG, U=U)):
