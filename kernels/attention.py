@@ -25,6 +25,7 @@ back to back, one per token):
   position, softmax computed online (running max and sum), gated, and as Q8_1 if asked; a
   workgroup owns a block of tokens of one KV head, so each K/V row it loads serves several
   queries. No partials: a chunk has enough queries to fill the GPU without splitting the rows.
+- `attn_prefill_coop`: the same on matrix units (flash attention), where the device has them.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import numpy as np
 
 import zdsl
 from zdsl import Buffer, Const, f16, f32, u32
-from zdsl.kernels import inputs
+from zdsl.kernels import inputs, mma
 from zdsl.kernels.norm import rms_scale
 from zdsl.kernels.q8_1 import store_q8_1
 from zdsl.kernels.reduce import SUBGROUPS
@@ -597,6 +598,212 @@ def attn_prefill_ref(q, qg, k_cache, v_cache, p0):
     return (o / (1 + np.exp(-qg[..., d:].astype(np.float64)))).astype(np.float32)
 
 
+
+# ---- the same on matrix units ---------------------------------------------------------------------
+
+KV_BLOCK = 64  # the caches hold whole blocks of attn_prefill_coop's rows (its largest BKV)
+TAU = 8.0  # a row's running max moves only when a block passes it by this much: p ≤ e⁸ (f16 holds it)
+
+
+def cache_rows(n_ctx: int) -> int:
+    """The rows a KV cache for n_ctx positions holds: whole blocks, which attn_prefill_coop reads."""
+    return -(-n_ctx // KV_BLOCK) * KV_BLOCK
+
+
+def _coop_layout(v):
+    """Row strides of the shared arrays: q in f16 (+8: rows 16 bytes apart from bank to bank), a
+    subgroup's block of scores or two O tiles in f32, p in f16."""
+    return v.D + 8, max(v.BKV, 32) + 4, v.BKV + 8
+
+
+def _coop_shared_bytes(v) -> int:
+    SQ, SS, SP = _coop_layout(v)
+    return 16 * v.NW * (2 * SQ + 4 * SS + 2 * SP + 4) + 4 * v.NW
+
+
+def _coop_fits(v) -> bool:
+    """Heads of whole pairs of tiles (the epilogue writes 32 dims, a Q8_1 block, at a time), 16
+    rows per subgroup with SG / 16 lanes each, the arrays in shared memory, and at least two
+    subgroups: on the H100 (driver 580) a workgroup of one gives outputs into which the cache rows
+    past the chunk leak (the device test's huge rows), where the interpreter is right; not
+    understood, so not offered."""
+    return (v.D % 32 == 0 and v.SG in (16, 32, 64) and v.BKV % 16 == 0 and v.NW >= 2
+            and _coop_shared_bytes(v) <= mma.SHARED_BYTES)
+
+
+def _coop_traffic(v, s) -> int:
+    """The cache rows once per workgroup (from L2 after the first), q, the gates and o."""
+    rows = s.t * s.n_kv * v.G
+    groups = -(-s.t * v.G // (16 * v.NW)) * s.n_kv
+    return 4 * s.ctx * v.D * groups // 2 + 12 * rows * v.D + (rows * (v.D + v.D // 4) if v.Q8 else 0)
+
+
+@zdsl.kernel(workgroup=lambda v: v.NW * v.SG, subgroup="SG",
+             variants={"D": [128, 256], "G": [2, 4, 8], "NW": [2, 4], "BKV": [16, 32, 64], "AHEAD": [4, 8, 16],
+                       "Q8": [False, True], "SG": [32]},
+             where=_coop_fits, key=("t",), sizes=("ctx",),
+             grid=lambda v, s: (-(-s.t * v.G // (16 * v.NW)), s.n_kv), traffic=_coop_traffic)
+def attn_prefill_coop(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16],
+                      step: Buffer[u32], o: Buffer[f32], oq: Buffer[u32], od: Buffer[f32], n_kv: u32, t: u32,
+                      G: Const = 8, D: Const = 256, NW: Const = 2, BKV: Const = 32, AHEAD: Const = 8,
+                      Q8: Const = False, SG: Const = 32):
+    """attn_prefill on matrix units (flash attention): the same outputs, with q, p and the cache
+    rows as f16 operands and every sum in f32.
+
+    The query rows of KV head g are the chunk's (token, head) pairs, token-major (row = token · G
+    + head); workgroup (b, g) takes 16 · NW of them, a subgroup 16. Per block of BKV cache rows
+    (up to the workgroup's last token's position):
+        S = Q · Kᵀ                     tiles: q from shared memory, K straight from the cache
+        m' = max(m, rowmax S) where it passes m by more than TAU, else m
+        P = exp(S − m') masked by position, l = l · e^(m − m') + Σ P
+        O = O · e^(m − m') + P · V     V straight from the cache
+    The accumulators stay in the matrix units' registers: a row's scale reaches them only through
+    shared memory, so the max moves in steps of TAU (a block rarely passes it once the first
+    blocks are in), and a block where some row's does takes O through shared memory to scale it.
+    At the end O / l times sigmoid(gate) goes out two tiles (a Q8_1 block) at a time. Each cache
+    tile is loaded AHEAD products before it is multiplied (V's first ones while the softmax runs).
+
+    H100, a 512-token chunk of the 35B-A3B (16 heads of 256, 2 KV heads), µs a layer at depth
+    4,096 / 32,768 (2026-11-26): attn_prefill 2,537 / 18,194; this kernel 1,143 / 8,274 (NW 2,
+    BKV 32, AHEAD 8; AHEAD 4: 1,193 / 8,466, 16: 1,180 / 8,168; NW 4: 1,372 / 9,515; BKV 16:
+    1,289 / 8,855). About 30 TFLOP/s at depth: the tiles come from L2 once per subgroup, and
+    two subgroups per workgroup leave about four per SM for the whole chunk.
+
+    Cache rows past the chunk's last position are read (whole blocks) and weighed 0: they must
+    hold finite values (the graph zeroes its caches, and the KV buffers hold whole blocks)."""
+    if not _coop_fits(SimpleNamespace(D=D, SG=SG, BKV=BKV, NW=NW)):
+        raise zdsl.ZdslError(f"attn_prefill_coop needs D a multiple of 32, SG of 16, 32 or 64, BKV a multiple of 16, "
+                             f"NW ≥ 2 and {mma.SHARED_BYTES:,} bytes of shared memory, not D={D}, SG={SG}, BKV={BKV}, "
+                             f"NW={NW}")
+    SQ, SS, SP = _coop_layout(SimpleNamespace(D=D, BKV=BKV))
+    ROWS, LR = 16 * NW, SG // 16  # a workgroup's query rows; the lanes sharing a row's softmax
+    qs = zdsl.shared(f16.vec(4), ROWS * SQ // 4)
+    ss = zdsl.shared(f32, ROWS * SS)
+    ps = zdsl.shared(f16, ROWS * SP)
+    rs = zdsl.shared(f32, ROWS)  # per row: the block's e^(m − m'); at the end 1 / l
+    late = zdsl.shared(u32, NW)  # per subgroup: rows whose max moved with O already begun
+    g, sub, lane, tid = zdsl.workgroup_id(1), zdsl.subgroup_id(), zdsl.lane_id(), zdsl.local_index()
+    row0 = zdsl.workgroup_id(0) * ROWS
+    p0, stride = step[0], n_kv * D
+
+    def qo_row(r):
+        """The q / o row of query row r (past the chunk: its last, computed and not written)."""
+        r = zdsl.min(r, t * G - 1)
+        return (r // G) * (n_kv * G) + g * G + r % G
+
+    sm = 1.0 / math.sqrt(D)
+    for u in zdsl.range(tid, ROWS * D // 4, NW * SG):
+        r, quad = u // (D // 4), u % (D // 4)
+        qs[r * (SQ // 4) + quad] = (q.vec4[qo_row(row0 + r) * (D // 4) + quad] * sm).to(f16.vec(4))
+    end = p0 + (zdsl.min(row0 + ROWS, t * G) - 1) // G + 1  # cache rows 0 .. end − 1 serve a query here
+    mine = sub * 16 + lane // LR  # this lane's softmax row in the workgroup, and its columns
+    cols = [lane % LR + LR * c for c in range(BKV // LR)]
+    limit = p0 + zdsl.min(row0 + mine, t * G - 1) // G  # the last cache row its token sees
+    m, l = zdsl.var(LOWEST), zdsl.var(0.0)
+    O = [zdsl.var(zdsl.mat_fill(0.0)) for _ in range(D // 16)]
+
+    def through_shared(pair, body):
+        """O's tiles 2·pair and 2·pair + 1 side by side in the subgroup's rows of ss, body(row,
+        quad, at) for each of its 16 × 8 quads (eight lanes a row's 32 values), then back."""
+        base = sub * 16 * SS
+        for n in range(2):
+            zdsl.mat_store(O[2 * pair + n], ss, base + 16 * n, SS)
+        zdsl.barrier()
+        for k in range(128 // SG):
+            row, quad = k * (SG // 8) + lane // 8, lane % 8
+            body(row, quad, base + row * SS + 4 * quad)
+        zdsl.barrier()
+
+    zdsl.barrier()
+    jobs = [("k", dk, n) for dk in range(D // 16) for n in range(BKV // 16)]  # S's products, then O's
+    jobs += [("v", n, dt) for n in range(BKV // 16) for dt in range(D // 16)]
+    NK = D // 16 * (BKV // 16)
+    for kb in zdsl.range(0, end, BKV):
+        tiles = []
+
+        def issue(upto):
+            """Cache tiles in flight up to job `upto` (AHEAD beyond the one multiplying), V's first
+            ones through the softmax."""
+            for which, i, j in jobs[len(tiles):min(upto, len(jobs))]:
+                if which == "k":  # K[kb + 16 j …][16 i …] as a d × row tile
+                    tiles.append(zdsl.mat_load(k_cache, (kb + 16 * j) * stride + g * D + 16 * i, stride, use="b",
+                                               column_major=True))
+                else:  # V[kb + 16 i …][16 j …]
+                    tiles.append(zdsl.mat_load(v_cache, (kb + 16 * i) * stride + g * D + 16 * j, stride, use="b"))
+
+        S = [zdsl.mat_fill(0.0) for _ in range(BKV // 16)]
+        for at, (_, dk, n) in enumerate(jobs[:NK]):
+            issue(at + AHEAD + 1)
+            if n == 0:
+                a = zdsl.mat_load(qs, (sub * 16 * SQ + 16 * dk) // 4, SQ // 4, use="a")
+            S[n] = zdsl.mat_mul_add(a, tiles[at], S[n])
+        for n in range(BKV // 16):
+            zdsl.mat_store(S[n], ss, sub * 16 * SS + 16 * n, SS)
+        zdsl.barrier()
+        seen = [kb + c <= limit for c in cols]
+        s = [zdsl.where(ok, ss[mine * SS + c], LOWEST) for ok, c in zip(seen, cols)]
+        top = s[0]
+        for x in s[1:]:
+            top = zdsl.max(top, x)
+        if LR > 1:
+            top = zdsl.subgroup_max(top, cluster=LR)
+        moved = top > m + TAU
+        m_new = zdsl.where(moved, top, m)
+        alpha = zdsl.exp(m - m_new)
+        p = [zdsl.where(ok, zdsl.exp(x - m_new), 0.0) for ok, x in zip(seen, s)]
+        total = p[0]
+        for x in p[1:]:
+            total = total + x
+        if LR > 1:
+            total = zdsl.subgroup_sum(total, cluster=LR)
+        for c, x in zip(cols, p):
+            ps[mine * SP + c] = x.to(f16)
+        with zdsl.if_(lane % LR == 0):
+            rs[mine] = alpha
+        begun = zdsl.subgroup_ballot_count(moved & (m > LOWEST))
+        with zdsl.if_(lane == 0):
+            late[sub] = begun
+        l.set(l * alpha + total)
+        m.set(m_new)
+        zdsl.barrier()
+        count = late[0]
+        for n in range(1, NW):
+            count = count + late[n]
+        with zdsl.if_(count > 0):  # uniform: every subgroup reads the same counts
+            for pair in range(D // 32):
+                def scale(row, quad, at):
+                    a = rs[sub * 16 + row]
+                    for e in range(4):
+                        ss[at + e] = ss[at + e] * a
+                through_shared(pair, scale)
+                for n in range(2):
+                    O[2 * pair + n].set(zdsl.mat_load(ss, sub * 16 * SS + 16 * n, SS, use="acc"))
+        p_tiles = [zdsl.mat_load(ps, sub * 16 * SP + 16 * n, SP, use="a") for n in range(BKV // 16)]
+        for at, (_, n, dt) in enumerate(jobs[NK:], NK):
+            issue(at + AHEAD + 1)
+            O[dt].set(zdsl.mat_mul_add(p_tiles[n], tiles[at], O[dt]))
+    with zdsl.if_(lane % LR == 0):
+        rs[mine] = 1.0 / l
+    for pair in range(D // 32):
+        def emit(row, quad, at):
+            r = row0 + sub * 16 + row
+            at_o = qo_row(r) * (D // 4) + 8 * pair + quad
+            gate = qg.vec4[qo_row(r) * (D // 2) + D // 4 + 8 * pair + quad]
+            value = (zdsl.vec(*[ss[at + e] for e in range(4)]) * rs[sub * 16 + row]
+                     * zdsl.vec(*[zdsl.sigmoid(gate[e]) for e in range(4)]))
+            ok = r < t * G
+            with zdsl.if_(ok):
+                o.vec4[at_o] = value
+            if Q8:
+                store_q8_1(value, at_o, ok, oq, od)
+        through_shared(pair, emit)
+
+
+@attn_prefill_coop.reference
+def attn_prefill_coop_ref(q, qg, k_cache, v_cache, p0):
+    """attn_prefill_ref: the same attention (the units' f16 roundings are within the tests' bounds)."""
+    return attn_prefill_ref(q, qg, k_cache, v_cache, p0)
+
 # ---- examples ------------------------------------------------------------------------------------
 
 @attn_prep.example
@@ -684,22 +891,32 @@ def attn_prep_rows_example(use, rng, check):
     return zdsl.Example(args, expect)
 
 
-@attn_prefill.example
-def attn_prefill_example(use, rng, check):
+def _prefill_example(use, rng, check, tol):
     D, G, q8 = use.fixed["D"], use.fixed["G"], use.fixed["Q8"]
     nkv, T = use.sizes["n_kv"], use.sizes["t"]
     nh = nkv * G
     ctx = max(inputs.CHECK_CTX, T) if check else use.sizes["ctx"]
-    p0 = ctx - T  # the last chunk of a full cache: the most rows
+    rows = cache_rows(ctx)
+    p0 = ctx - T  # the last chunk of a full context: the most rows
     args = dict(q=inputs.normal(rng, T * nh * D), qg=inputs.normal(rng, T * nh * 2 * D),
-                k_cache=inputs.kv_cache(rng, ctx, nkv, D), v_cache=inputs.kv_cache(rng, ctx, nkv, D),
-                step=inputs.step_words(p0, ctx), o=np.zeros(T * nh * D, np.float32), n_kv=nkv, t=T, ctx=ctx)
+                k_cache=inputs.kv_cache(rng, rows, nkv, D), v_cache=inputs.kv_cache(rng, rows, nkv, D),
+                step=inputs.step_words(p0, ctx), o=np.zeros(T * nh * D, np.float32), n_kv=nkv, t=T, ctx=rows)
     if q8:
         args.update(oq=np.zeros(T * nh * D // 4, np.uint32), od=np.zeros(T * nh * D // 16, np.float32))
 
     def expect(p):
         o = attn_prefill_ref(args["q"].reshape(T, nh, D), args["qg"].reshape(T, nh, 2 * D),
-                             args["k_cache"].reshape(ctx, nkv, D), args["v_cache"].reshape(ctx, nkv, D), p0)
-        return {"o": (o, 1e-4), **({"od": (inputs.q8_1_scales(o), 1e-4)} if q8 else {})}
+                             args["k_cache"].reshape(rows, nkv, D), args["v_cache"].reshape(rows, nkv, D), p0)
+        return {"o": (o, tol), **({"od": (inputs.q8_1_scales(o), tol)} if q8 else {})}
     return zdsl.Example(args, expect, lambda n: {"k_cache": inputs.copies(args["k_cache"], n),
                                                  "v_cache": inputs.copies(args["v_cache"], n)})
+
+
+@attn_prefill.example
+def attn_prefill_example(use, rng, check):
+    return _prefill_example(use, rng, check, 1e-4)
+
+
+@attn_prefill_coop.example
+def attn_prefill_coop_example(use, rng, check):
+    return _prefill_example(use, rng, check, 1e-2)  # q and p rounded to f16

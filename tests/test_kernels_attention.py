@@ -328,13 +328,75 @@ def test_prefill_matches_decode(backend, request, d, group, p0, T, q8):
     np.testing.assert_array_equal(rows["v_cache"], vc)
 
 
+def coop_bound(q, k_cache, v_cache, p0):
+    """What the units' f16 q and p cost, per output row (T, n_head, 1): a score moves by up to
+    2⁻¹¹ · Σ_d |q_d k_d| / √d (q rounded), a weight by that plus 2⁻¹¹ (p rounded), and o, an
+    average of V, by the weights' largest relative move times 2 · max |v|; twice that here."""
+    T, n_head, d = q.shape
+    rows = p0 + T
+    K = np.repeat(np.abs(k_cache[:rows].astype(np.float64)), n_head // k_cache.shape[1], axis=1)
+    A = np.einsum("thd,shd->ths", np.abs(q.astype(np.float64)), K) / np.sqrt(d)
+    A = np.where(np.arange(rows)[None, None, :] <= p0 + np.arange(T)[:, None, None], A, 0).max(axis=2)
+    return (2.0 ** -10 * (A + 1) * 2 * np.abs(v_cache[:rows].astype(np.float64)).max())[..., None] + 1e-6
+
+
+@pytest.mark.parametrize("backend", ["interp", "device"])
+@given(T=st.integers(1, 21), p0=st.sampled_from([0, 1, 37, 90]), n_kv=st.integers(1, 2),
+       group=st.sampled_from([1, 2, 3, 4, 8]), d=st.sampled_from([32, 64]), nw=st.sampled_from([2, 4]),
+       bkv=st.sampled_from([16, 32, 64]), ahead=st.sampled_from([4, 8, 16]), scale=st.sampled_from([0.3, 3.0]),
+       rising=st.booleans(), q8=st.booleans(), sg_pick=st.integers(0, 2), seed=st.integers(0, 99))
+def test_prefill_coop(backend, request, T, p0, n_kv, group, d, nw, bkv, ahead, scale, rising, q8, sg_pick, seed):
+    """attn_prefill_coop against plain masked softmax within coop_bound, over query blocks cut
+    short, odd groups (a token's heads across two subgroups), every block size and subgroup, and
+    cache rows past p0 + T − 1 read in whole blocks: K and V there huge (weighed 0; finite, as
+    the graph's caches are: Vulkan leaves inf and NaN arithmetic undefined). With
+    `rising`, keys grow along the cache, so the rows' maxima keep passing TAU and O is rescaled
+    (with the rescale left out the outputs are inf and NaN)."""
+    if backend == "device" and "coopmat" not in request.getfixturevalue("device").info.features:
+        pytest.skip("the device has no cooperative matrices")
+    rng = np.random.default_rng(seed)
+    n_head, rows = n_kv * group, att.cache_rows(p0 + T)
+    q = (rng.standard_normal((T, n_head, d)) * scale).astype(np.float32)
+    qg = rng.standard_normal((T, n_head, 2 * d), dtype=np.float32)
+    grow = (1 + np.arange(rows) / 8)[:, None, None] if rising else 1.0
+    k_cache = (rng.standard_normal((rows, n_kv, d)) * scale * grow).astype(np.float16)
+    v_cache = random_cache(rng, rows, n_kv, d)
+    for cache in (k_cache, v_cache):
+        cache[p0 + T:] = np.float16(60000) * np.sign(rng.standard_normal(cache[p0 + T:].shape))
+    sg = [16, 32, 64][sg_pick] if backend == "interp" else request.getfixturevalue("device").info.subgroup_size
+    v = att.attn_prefill_coop.specialize(D=d, G=group, NW=nw, BKV=bkv, AHEAD=ahead, Q8=q8, SG=sg)
+    q8_out = (dict(oq=np.zeros(T * n_head * d // 4, np.uint32), od=np.full(T * n_head * d // 16, np.nan, np.float32))
+              if q8 else {})
+    out = run(v, "interp" if backend == "interp" else "lavapipe", request, (-(-T * group // (16 * nw)), n_kv), q=q,
+              qg=qg, k_cache=k_cache, v_cache=v_cache, step=np.array([p0, p0 + T, 0, 0], np.uint32),
+              o=np.full((T, n_head, d), np.nan, np.float32), n_kv=n_kv, t=T, **q8_out)
+    want = att.attn_prefill_ref(q, qg, k_cache, v_cache, p0)
+    err = np.abs(out["o"] - want)
+    assert np.all(err <= coop_bound(q, k_cache, v_cache, p0)), err.max()
+    if q8:
+        assert_q8_1_of(out["oq"], out["od"], out["o"])
+
+
+def test_prefill_coop_tiles_fit_shared_memory():
+    """The default (D 256: the 35B-A3B's heads) fits the H100's 48 KiB, and so do four subgroups
+    or 64-row blocks; both together do not, and are refused before a device sees them; nor is a
+    workgroup of one subgroup offered (wrong on the H100)."""
+    fits = lambda **v: att._coop_fits(SimpleNamespace(**{"D": 256, "SG": 32, "NW": 2, "BKV": 32, **v}))
+    assert fits() and fits(NW=4) and fits(BKV=64) and not fits(NW=4, BKV=64) and not fits(NW=1)
+    with pytest.raises(Exception, match="shared memory"):
+        att.attn_prefill_coop.specialize(D=256, G=8, NW=4, BKV=64, SG=32).ir
+
+
 @pytest.mark.parametrize("kernel,args", [
     (att.attn_prep_rows, dict(q=3 * 16 * 128, qg=3 * 16 * 256, k=3 * 2 * 128, v=3 * 2 * 128, q_norm=128, k_norm=128,
                               step=8, k_cache=40 * 2 * 128 // 2, v_cache=40 * 2 * 128 // 2, n_head=16, n_kv=2, d=128,
                               rope_dims=64, rope_base=1e7, eps=EPS, t=3)),
     (att.attn_prefill, dict(q=6 * 4 * 128, qg=6 * 4 * 256, k_cache=400 * 2 * 128 // 2, v_cache=400 * 2 * 128 // 2,
                             step=8, o=6 * 4 * 128, oq=6 * 4 * 32, od=6 * 4 * 8, n_kv=2, t=6, ctx=400, D=128, G=2,
-                            Q8=True))])
+                            Q8=True)),
+    (att.attn_prefill_coop, dict(q=6 * 4 * 128, qg=6 * 4 * 256, k_cache=448 * 2 * 128 // 2, v_cache=448 * 2 * 128 // 2,
+                                 step=8, o=6 * 4 * 128, oq=6 * 4 * 32, od=6 * 4 * 8, n_kv=2, t=6, ctx=448, D=128, G=2,
+                                 Q8=True, SG=32))])
 def test_examples(kernel, args):
     """The inputs the tuner and the benches build for a recorded launch give what its example expects."""
     assert_example_holds(kernel, args)

@@ -399,7 +399,7 @@ def test_gated_norm(backend, request, rows, d, q8, sg_pick, scale, seed):
     (dn.deltanet_conv_rows, dict(mix=3 * 1024, conv_w=1024 * 4, conv_state=4 * 1024, step=8, conv=3 * 1024,
                                  channels=1024, n_k_heads=2, eps=EPS, t=3, D=128, KC=4)),
     (dn.deltanet_prefill, dict(conv=3 * 1024, ba=3 * 8, ssm_a=4, dt_bias=4, state=4 * 128 * 128, o=3 * 4 * 128,
-                               mix=3 * 1024, conv_state=4 * 1024, step=8, t=3, n_k_heads=2, v_heads=4, D=128, KC=4)),
+                               mix=3 * 1024, conv_state=4 * 1024, step=8, t=3, n_k_heads=2, v_heads=4, D=128, KC=4, SG=16)),
     (dn.deltanet_gated_norm, dict(o=3 * 512, z=3 * 512, norm_w=128, out=3 * 512, oq=3 * 128, od=3 * 32, d=128,
                                   eps=EPS, rows=12, Q8=True))])
 def test_examples(kernel, args):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from zdsl.errors import OutOfMemoryError, ZdslError
-from zdsl.kernels.attention import split_count
+from zdsl.kernels.attention import cache_rows, split_count
 from zdsl.kernels.formats import row_bytes
 from zdsl.runtime.memory import fmt_bytes
 
@@ -75,7 +75,8 @@ def decode_buffers(hp, tensors, n_ctx: int, candidates: int, checkpoint: bool = 
               *vector("attn_o", qd), f32("attn_partials", hp.n_heads * splits * (hp.head_dim + 2)),
               f32("mix", C), f32("z", vd), *vector("deltanet_out", vd)]
     for i in hp.attention_layers:
-        specs += [Spec(f"k_cache.{i}", 2 * n_ctx * kvd, "KV cache"), Spec(f"v_cache.{i}", 2 * n_ctx * kvd, "KV cache")]
+        rows = cache_rows(n_ctx)  # whole blocks, which the prompt's attention reads
+        specs += [Spec(f"k_cache.{i}", 2 * rows * kvd, "KV cache"), Spec(f"v_cache.{i}", 2 * rows * kvd, "KV cache")]
     for i in hp.deltanet_layers:
         # the conv inputs as a ring of conv_kernel slots indexed by position (kernels/deltanet.py)
         specs += [Spec(f"conv_state.{i}", 4 * hp.conv_kernel * C, "recurrent state"),

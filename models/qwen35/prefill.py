@@ -218,7 +218,8 @@ class Prefill:
 
     def _attention(self, seq, i: int, t: int) -> None:
         """q, k and v for the chunk, normed and rotated, k and v into the cache rows p0 … p0 + t − 1
-        (attn_prep_rows), then causal attention of the t queries over the cache (attn_prefill)."""
+        (attn_prep_rows), then causal attention of the t queries over the cache (attn_prefill, on
+        matrix units where the device has them: attn_prefill_coop)."""
         g, hp, p = self.g, self.hp, f"blk.{i}."
         nh, nkv, d = hp.n_heads, hp.n_kv_heads, hp.head_dim
         for name, out in (("attn_q", self.qg), ("attn_k", self.k), ("attn_v", self.v)):
@@ -231,9 +232,10 @@ class Prefill:
             q=self.q, k_cache=k_cache, v_cache=v_cache, n_head=nh, n_kv=nkv, d=d, rope_dims=hp.rope_dims,
             rope_base=hp.rope_base, eps=hp.eps, t=t)
         o = self.attn_o
-        attention.attn_prefill.launch(seq, g._pick, label=p + "attn_prefill", D=d, G=nh // nkv,
-                                      Q8=g._int8(p + "attn_output.weight"), q=self.q, qg=self.qg, k_cache=k_cache,
-                                      v_cache=v_cache, step=step, o=o.f32, oq=o.q, od=o.d, n_kv=nkv, t=t, ctx=g.n_ctx)
+        kernel = attention.attn_prefill_coop if self.coop and d % 32 == 0 else attention.attn_prefill
+        kernel.launch(seq, g._pick, label=p + "attn_prefill", D=d, G=nh // nkv, Q8=g._int8(p + "attn_output.weight"),
+                      q=self.q, qg=self.qg, k_cache=k_cache, v_cache=v_cache, step=step, o=o.f32, oq=o.q, od=o.d,
+                      n_kv=nkv, t=t, ctx=g.n_ctx)
         self._halves(seq, o, t * nh * d)
         self._project(seq, p + "attn_output.weight", self.x, t, o, add=True)
         self._after_mixer(seq, i, t)
