@@ -618,41 +618,41 @@ def _coop_layout(v):
 
 def _coop_shared_bytes(v) -> int:
     SQ, SS, SP = _coop_layout(v)
-    return 16 * v.NW * (2 * SQ + 4 * SS + 2 * SP + 4) + 4 * v.NW
+    return 32 * SQ + 16 * v.NW * (4 * SS + 2 * SP + 12) + 4 * v.NW
 
 
 def _coop_fits(v) -> bool:
-    """Heads of whole pairs of tiles (the epilogue writes 32 dims, a Q8_1 block, at a time), 16
-    rows per subgroup with SG / 16 lanes each, the arrays in shared memory, and at least two
-    subgroups: on the H100 (driver 580) a workgroup of one gives outputs into which the cache rows
-    past the chunk leak (the device test's huge rows), where the interpreter is right; not
-    understood, so not offered."""
-    return (v.D % 32 == 0 and v.SG in (16, 32, 64) and v.BKV % 16 == 0 and v.NW >= 2
+    """Heads of whole pairs of tiles (the epilogue writes 32 dims, a Q8_1 block, at a time), SG /
+    16 lanes a row, the arrays in shared memory, and at least four subgroups: on the H100 (driver
+    580) workgroups of one or two give wrong outputs (by ~1 with zeroed cache rows past the
+    chunk, ~10⁴ with huge ones), four and eight right, over D 32 and 256, BKV 16, 32 and 64,
+    groups 1 and 8 (2026-11-26); the interpreter is right for all. Not understood, so not offered."""
+    return (v.D % 32 == 0 and v.SG in (16, 32, 64) and v.BKV % 16 == 0 and v.NW >= 4
             and _coop_shared_bytes(v) <= mma.SHARED_BYTES)
 
 
 def _coop_traffic(v, s) -> int:
     """The cache rows once per workgroup (from L2 after the first), q, the gates and o."""
     rows = s.t * s.n_kv * v.G
-    groups = -(-s.t * v.G // (16 * v.NW)) * s.n_kv
+    groups = -(-s.t * v.G // 16) * s.n_kv
     return 4 * s.ctx * v.D * groups // 2 + 12 * rows * v.D + (rows * (v.D + v.D // 4) if v.Q8 else 0)
 
 
 @zdsl.kernel(workgroup=lambda v: v.NW * v.SG, subgroup="SG",
-             variants={"D": [128, 256], "G": [2, 4, 8], "NW": [2, 4], "BKV": [16, 32, 64], "AHEAD": [4, 8, 16],
+             variants={"D": [128, 256], "G": [2, 4, 8], "NW": [4, 8], "BKV": [16, 32, 64], "AHEAD": [4, 8, 16],
                        "Q8": [False, True], "SG": [32]},
              where=_coop_fits, key=("t",), sizes=("ctx",),
-             grid=lambda v, s: (-(-s.t * v.G // (16 * v.NW)), s.n_kv), traffic=_coop_traffic)
+             grid=lambda v, s: (-(-s.t * v.G // 16), s.n_kv), traffic=_coop_traffic)
 def attn_prefill_coop(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16],
                       step: Buffer[u32], o: Buffer[f32], oq: Buffer[u32], od: Buffer[f32], n_kv: u32, t: u32,
-                      G: Const = 8, D: Const = 256, NW: Const = 2, BKV: Const = 32, AHEAD: Const = 8,
+                      G: Const = 8, D: Const = 256, NW: Const = 4, BKV: Const = 32, AHEAD: Const = 8,
                       Q8: Const = False, SG: Const = 32):
     """attn_prefill on matrix units (flash attention): the same outputs, with q, p and the cache
     rows as f16 operands and every sum in f32.
 
     The query rows of KV head g are the chunk's (token, head) pairs, token-major (row = token · G
-    + head); workgroup (b, g) takes 16 · NW of them, a subgroup 16. Per block of BKV cache rows
-    (up to the workgroup's last token's position):
+    + head); workgroup (b, g) takes 16 of them, and its NW subgroups split the cache between them,
+    block by block (subgroup s: blocks s, s + NW, …). Per block of BKV cache rows:
         S = Q · Kᵀ                     tiles: q from shared memory, K straight from the cache
         m' = max(m, rowmax S) where it passes m by more than TAU, else m
         P = exp(S − m') masked by position, l = l · e^(m − m') + Σ P
@@ -660,30 +660,32 @@ def attn_prefill_coop(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_c
     The accumulators stay in the matrix units' registers: a row's scale reaches them only through
     shared memory, so the max moves in steps of TAU (a block rarely passes it once the first
     blocks are in), and a block where some row's does takes O through shared memory to scale it.
-    At the end O / l times sigmoid(gate) goes out two tiles (a Q8_1 block) at a time. Each cache
-    tile is loaded AHEAD products before it is multiplied (V's first ones while the softmax runs).
-
-    H100, a 512-token chunk of the 35B-A3B (16 heads of 256, 2 KV heads), µs a layer at depth
-    4,096 / 32,768 (2026-11-26): attn_prefill 2,537 / 18,194; this kernel 1,143 / 8,274 (NW 2,
-    BKV 32, AHEAD 8; AHEAD 4: 1,193 / 8,466, 16: 1,180 / 8,168; NW 4: 1,372 / 9,515; BKV 16:
-    1,289 / 8,855). About 30 TFLOP/s at depth: the tiles come from L2 once per subgroup, and
-    two subgroups per workgroup leave about four per SM for the whole chunk.
+    Each cache tile is loaded AHEAD products before it is multiplied (V's first ones while the
+    softmax runs). At the end the subgroups' (m, l, O) merge through shared memory, and
+    O / l times sigmoid(gate) goes out two tiles (a Q8_1 block) at a time.
 
     Cache rows past the chunk's last position are read (whole blocks) and weighed 0: they must
-    hold finite values (the graph zeroes its caches, and the KV buffers hold whole blocks)."""
+    hold finite values (the graph zeroes its caches, and the KV buffers hold whole blocks).
+
+    H100, a 512-token chunk of the 35B-A3B (16 heads of 256, 2 KV heads), µs a layer at depth
+    4,096 / 32,768 (2026-11-26): attn_prefill 2,537 / 18,194; this kernel 1,080 / 7,750 (NW 4,
+    BKV 32, AHEAD 8; BKV 16: 1,075 / 7,752; BKV 64: 1,254 / 10,033; NW 8: 1,161 / 8,063); a
+    workgroup of 64 rows taking the cache whole per subgroup (4a230de's layout, NW 4): 1,372 /
+    9,515. About 35 TFLOP/s at depth, far below the units' peak."""
     if not _coop_fits(SimpleNamespace(D=D, SG=SG, BKV=BKV, NW=NW)):
         raise zdsl.ZdslError(f"attn_prefill_coop needs D a multiple of 32, SG of 16, 32 or 64, BKV a multiple of 16, "
-                             f"NW ≥ 2 and {mma.SHARED_BYTES:,} bytes of shared memory, not D={D}, SG={SG}, BKV={BKV}, "
+                             f"NW ≥ 4 and {mma.SHARED_BYTES:,} bytes of shared memory, not D={D}, SG={SG}, BKV={BKV}, "
                              f"NW={NW}")
     SQ, SS, SP = _coop_layout(SimpleNamespace(D=D, BKV=BKV))
-    ROWS, LR = 16 * NW, SG // 16  # a workgroup's query rows; the lanes sharing a row's softmax
-    qs = zdsl.shared(f16.vec(4), ROWS * SQ // 4)
-    ss = zdsl.shared(f32, ROWS * SS)
-    ps = zdsl.shared(f16, ROWS * SP)
-    rs = zdsl.shared(f32, ROWS)  # per row: the block's e^(m − m'); at the end 1 / l
+    LR, WG = SG // 16, NW * SG  # the lanes sharing a row's softmax; the workgroup
+    qs = zdsl.shared(f16.vec(4), 16 * SQ // 4)
+    ss = zdsl.shared(f32, NW * 16 * SS)  # per subgroup: S, or two of its O tiles
+    ps = zdsl.shared(f16, NW * 16 * SP)
+    rs = zdsl.shared(f32, NW * 16)  # per subgroup and row: the block's e^(m − m')
+    ms, ls = zdsl.shared(f32, NW * 16), zdsl.shared(f32, NW * 16)  # and at the end m and l
     late = zdsl.shared(u32, NW)  # per subgroup: rows whose max moved with O already begun
     g, sub, lane, tid = zdsl.workgroup_id(1), zdsl.subgroup_id(), zdsl.lane_id(), zdsl.local_index()
-    row0 = zdsl.workgroup_id(0) * ROWS
+    row0 = zdsl.workgroup_id(0) * 16
     p0, stride = step[0], n_kv * D
 
     def qo_row(r):
@@ -692,33 +694,33 @@ def attn_prefill_coop(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_c
         return (r // G) * (n_kv * G) + g * G + r % G
 
     sm = 1.0 / math.sqrt(D)
-    for u in zdsl.range(tid, ROWS * D // 4, NW * SG):
+    for u in zdsl.range(tid, 4 * D, WG):
         r, quad = u // (D // 4), u % (D // 4)
         qs[r * (SQ // 4) + quad] = (q.vec4[qo_row(row0 + r) * (D // 4) + quad] * sm).to(f16.vec(4))
-    end = p0 + (zdsl.min(row0 + ROWS, t * G) - 1) // G + 1  # cache rows 0 .. end − 1 serve a query here
-    mine = sub * 16 + lane // LR  # this lane's softmax row in the workgroup, and its columns
+    end = p0 + (zdsl.min(row0 + 16, t * G) - 1) // G + 1  # cache rows 0 .. end − 1 serve a query here
+    last = (end - 1) // BKV * BKV  # the last block's first row
+    row = lane // LR  # this lane's softmax row, its place in the subgroup's arrays, and its columns
+    mine = sub * 16 + row
     cols = [lane % LR + LR * c for c in range(BKV // LR)]
-    limit = p0 + zdsl.min(row0 + mine, t * G - 1) // G  # the last cache row its token sees
+    limit = p0 + zdsl.min(row0 + row, t * G - 1) // G  # the last cache row its token sees
     m, l = zdsl.var(LOWEST), zdsl.var(0.0)
     O = [zdsl.var(zdsl.mat_fill(0.0)) for _ in range(D // 16)]
 
-    def through_shared(pair, body):
-        """O's tiles 2·pair and 2·pair + 1 side by side in the subgroup's rows of ss, body(row,
-        quad, at) for each of its 16 × 8 quads (eight lanes a row's 32 values), then back."""
-        base = sub * 16 * SS
+    def tiles_through_shared(pair, body):
+        """O's tiles 2·pair and 2·pair + 1 side by side in the subgroup's rows of ss, then body()."""
         for n in range(2):
-            zdsl.mat_store(O[2 * pair + n], ss, base + 16 * n, SS)
+            zdsl.mat_store(O[2 * pair + n], ss, sub * 16 * SS + 16 * n, SS)
         zdsl.barrier()
-        for k in range(128 // SG):
-            row, quad = k * (SG // 8) + lane // 8, lane % 8
-            body(row, quad, base + row * SS + 4 * quad)
+        body()
         zdsl.barrier()
 
-    zdsl.barrier()
     jobs = [("k", dk, n) for dk in range(D // 16) for n in range(BKV // 16)]  # S's products, then O's
     jobs += [("v", n, dt) for n in range(BKV // 16) for dt in range(D // 16)]
     NK = D // 16 * (BKV // 16)
-    for kb in zdsl.range(0, end, BKV):
+    zdsl.barrier()
+    for first in zdsl.range(0, end, NW * BKV):
+        kb = first + sub * BKV  # this subgroup's block; past the last: read the last, weighed 0
+        at_kb = zdsl.min(kb, last)
         tiles = []
 
         def issue(upto):
@@ -726,16 +728,17 @@ def attn_prefill_coop(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_c
             ones through the softmax."""
             for which, i, j in jobs[len(tiles):min(upto, len(jobs))]:
                 if which == "k":  # K[kb + 16 j …][16 i …] as a d × row tile
-                    tiles.append(zdsl.mat_load(k_cache, (kb + 16 * j) * stride + g * D + 16 * i, stride, use="b",
-                                               column_major=True))
+                    tiles.append(zdsl.mat_load(k_cache, (at_kb + 16 * j) * stride + g * D + 16 * i, stride,
+                                               use="b", column_major=True))
                 else:  # V[kb + 16 i …][16 j …]
-                    tiles.append(zdsl.mat_load(v_cache, (kb + 16 * i) * stride + g * D + 16 * j, stride, use="b"))
+                    tiles.append(zdsl.mat_load(v_cache, (at_kb + 16 * i) * stride + g * D + 16 * j, stride,
+                                               use="b"))
 
         S = [zdsl.mat_fill(0.0) for _ in range(BKV // 16)]
         for at, (_, dk, n) in enumerate(jobs[:NK]):
             issue(at + AHEAD + 1)
             if n == 0:
-                a = zdsl.mat_load(qs, (sub * 16 * SQ + 16 * dk) // 4, SQ // 4, use="a")
+                a = zdsl.mat_load(qs, 4 * dk, SQ // 4, use="a")
             S[n] = zdsl.mat_mul_add(a, tiles[at], S[n])
         for n in range(BKV // 16):
             zdsl.mat_store(S[n], ss, sub * 16 * SS + 16 * n, SS)
@@ -771,11 +774,13 @@ def attn_prefill_coop(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_c
             count = count + late[n]
         with zdsl.if_(count > 0):  # uniform: every subgroup reads the same counts
             for pair in range(D // 32):
-                def scale(row, quad, at):
-                    a = rs[sub * 16 + row]
-                    for e in range(4):
-                        ss[at + e] = ss[at + e] * a
-                through_shared(pair, scale)
+                def scale():
+                    for k in range(128 // SG):  # the subgroup's 16 rows × 8 quads
+                        r, quad = k * (SG // 8) + lane // 8, lane % 8
+                        at, a = (sub * 16 + r) * SS + 4 * quad, rs[sub * 16 + r]
+                        for e in range(4):
+                            ss[at + e] = ss[at + e] * a
+                tiles_through_shared(pair, scale)
                 for n in range(2):
                     O[2 * pair + n].set(zdsl.mat_load(ss, sub * 16 * SS + 16 * n, SS, use="acc"))
         p_tiles = [zdsl.mat_load(ps, sub * 16 * SP + 16 * n, SP, use="a") for n in range(BKV // 16)]
@@ -783,20 +788,33 @@ def attn_prefill_coop(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_c
             issue(at + AHEAD + 1)
             O[dt].set(zdsl.mat_mul_add(p_tiles[n], tiles[at], O[dt]))
     with zdsl.if_(lane % LR == 0):
-        rs[mine] = 1.0 / l
+        ms[mine] = m
+        ls[mine] = l
     for pair in range(D // 32):
-        def emit(row, quad, at):
-            r = row0 + sub * 16 + row
-            at_o = qo_row(r) * (D // 4) + 8 * pair + quad
-            gate = qg.vec4[qo_row(r) * (D // 2) + D // 4 + 8 * pair + quad]
-            value = (zdsl.vec(*[ss[at + e] for e in range(4)]) * rs[sub * 16 + row]
-                     * zdsl.vec(*[zdsl.sigmoid(gate[e]) for e in range(4)]))
-            ok = r < t * G
-            with zdsl.if_(ok):
-                o.vec4[at_o] = value
-            if Q8:
-                store_q8_1(value, at_o, ok, oq, od)
-        through_shared(pair, emit)
+        def emit():
+            """Row r's quad: Σ_s O_s · e^(m_s − M) / Σ_s l_s · e^(m_s − M), M = max_s m_s, gated."""
+            for k in range(-(-128 // WG)):  # 16 rows × 8 quads over the workgroup
+                j = k * WG + tid
+                r, quad = j // 8 % 16, j % 8
+                top = ms[r]
+                for n in range(1, NW):
+                    top = zdsl.max(top, ms[n * 16 + r])
+                w = [zdsl.exp(ms[n * 16 + r] - top) for n in range(NW)]
+                total = ls[r] * w[0]
+                for n in range(1, NW):
+                    total = total + ls[n * 16 + r] * w[n]
+                value = zdsl.vec(*[ss[r * SS + 4 * quad + e] for e in range(4)]) * w[0]
+                for n in range(1, NW):
+                    value = value + zdsl.vec(*[ss[(n * 16 + r) * SS + 4 * quad + e] for e in range(4)]) * w[n]
+                at_o = qo_row(row0 + r) * (D // 4) + 8 * pair + quad
+                gate = qg.vec4[qo_row(row0 + r) * (D // 2) + D // 4 + 8 * pair + quad]
+                value = value * (1.0 / total) * zdsl.vec(*[zdsl.sigmoid(gate[e]) for e in range(4)])
+                ok = (j < 128) & (row0 + r < t * G)
+                with zdsl.if_(ok):
+                    o.vec4[at_o] = value
+                if Q8:
+                    store_q8_1(value, at_o, ok, oq, od)
+        tiles_through_shared(pair, emit)
 
 
 @attn_prefill_coop.reference

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from zdsl.kernels import attention as att
@@ -342,12 +342,13 @@ def coop_bound(q, k_cache, v_cache, p0):
 
 @pytest.mark.parametrize("backend", ["interp", "device"])
 @given(T=st.integers(1, 21), p0=st.sampled_from([0, 1, 37, 90]), n_kv=st.integers(1, 2),
-       group=st.sampled_from([1, 2, 3, 4, 8]), d=st.sampled_from([32, 64]), nw=st.sampled_from([2, 4]),
+       group=st.sampled_from([1, 2, 3, 4, 8]), d=st.sampled_from([32, 64]), nw=st.sampled_from([4, 8]),
        bkv=st.sampled_from([16, 32, 64]), ahead=st.sampled_from([4, 8, 16]), scale=st.sampled_from([0.3, 3.0]),
        rising=st.booleans(), q8=st.booleans(), sg_pick=st.integers(0, 2), seed=st.integers(0, 99))
 def test_prefill_coop(backend, request, T, p0, n_kv, group, d, nw, bkv, ahead, scale, rising, q8, sg_pick, seed):
     """attn_prefill_coop against plain masked softmax within coop_bound, over query blocks cut
-    short, odd groups (a token's heads across two subgroups), every block size and subgroup, and
+    short, odd groups (a token's heads across two workgroups), the cache split between 4 or 8
+    subgroups (some with no block to take), every block size and subgroup size, and
     cache rows past p0 + T − 1 read in whole blocks: K and V there huge (weighed 0; finite, as
     the graph's caches are: Vulkan leaves inf and NaN arithmetic undefined). With
     `rising`, keys grow along the cache, so the rows' maxima keep passing TAU and O is rescaled
@@ -364,10 +365,11 @@ def test_prefill_coop(backend, request, T, p0, n_kv, group, d, nw, bkv, ahead, s
     for cache in (k_cache, v_cache):
         cache[p0 + T:] = np.float16(60000) * np.sign(rng.standard_normal(cache[p0 + T:].shape))
     sg = [16, 32, 64][sg_pick] if backend == "interp" else request.getfixturevalue("device").info.subgroup_size
+    assume(att._coop_fits(SimpleNamespace(D=d, SG=sg, BKV=bkv, NW=nw)))  # 8 subgroups of 64-row blocks: too big
     v = att.attn_prefill_coop.specialize(D=d, G=group, NW=nw, BKV=bkv, AHEAD=ahead, Q8=q8, SG=sg)
     q8_out = (dict(oq=np.zeros(T * n_head * d // 4, np.uint32), od=np.full(T * n_head * d // 16, np.nan, np.float32))
               if q8 else {})
-    out = run(v, "interp" if backend == "interp" else "lavapipe", request, (-(-T * group // (16 * nw)), n_kv), q=q,
+    out = run(v, "interp" if backend == "interp" else "lavapipe", request, v.groups(t=T, n_kv=n_kv, ctx=rows), q=q,
               qg=qg, k_cache=k_cache, v_cache=v_cache, step=np.array([p0, p0 + T, 0, 0], np.uint32),
               o=np.full((T, n_head, d), np.nan, np.float32), n_kv=n_kv, t=T, **q8_out)
     want = att.attn_prefill_ref(q, qg, k_cache, v_cache, p0)
@@ -378,13 +380,13 @@ def test_prefill_coop(backend, request, T, p0, n_kv, group, d, nw, bkv, ahead, s
 
 
 def test_prefill_coop_tiles_fit_shared_memory():
-    """The default (D 256: the 35B-A3B's heads) fits the H100's 48 KiB, and so do four subgroups
+    """The default (D 256: the 35B-A3B's heads) fits the H100's 48 KiB, and so do eight subgroups
     or 64-row blocks; both together do not, and are refused before a device sees them; nor is a
-    workgroup of one subgroup offered (wrong on the H100)."""
-    fits = lambda **v: att._coop_fits(SimpleNamespace(**{"D": 256, "SG": 32, "NW": 2, "BKV": 32, **v}))
-    assert fits() and fits(NW=4) and fits(BKV=64) and not fits(NW=4, BKV=64) and not fits(NW=1)
+    workgroup of one or two subgroups offered (wrong on the H100)."""
+    fits = lambda **v: att._coop_fits(SimpleNamespace(**{"D": 256, "SG": 32, "NW": 4, "BKV": 32, **v}))
+    assert fits() and fits(NW=8) and fits(BKV=64) and not fits(NW=8, BKV=64) and not fits(NW=2)
     with pytest.raises(Exception, match="shared memory"):
-        att.attn_prefill_coop.specialize(D=256, G=8, NW=4, BKV=64, SG=32).ir
+        att.attn_prefill_coop.specialize(D=256, G=8, NW=8, BKV=64, SG=32).ir
 
 
 @pytest.mark.parametrize("kernel,args", [
