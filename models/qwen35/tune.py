@@ -217,7 +217,7 @@ def _header(console, info, source: str, n: int, method, in_place: bool, per: str
     if isinstance(method, tuner.Model):
         console.print(f"[bold]{info.name}[/bold]: {n} {what}, [bold yellow]MODELLED[/bold yellow] "
                       f"with the {method.target} cost model ({method.card.name}, {method.card.bandwidth_gbs:.0f} GB/s, "
-                      f"{method.card.cus} CUs) from RADV machine-code statistics — not measured, nothing ran")
+                      f"{method.card.units} CUs) from RADV machine-code statistics and the work the interpreter counts — not measured, nothing ran")
     else:
         console.print(f"[bold]{info.name}[/bold]: {n} {what}, measured: each candidate checked "
                       f"against its numpy reference, then timed ({method.warmup} warm-up + {method.repeats} timed dispatches, "
@@ -234,7 +234,7 @@ def _use_table(console, r: tuner.Result, per: str = "token") -> None:
         modelled = r.method == "modelled"
         table = Table(title=title + ("  [yellow]modelled[/yellow]" if modelled else ""), title_justify="left")
         cols = ["#", "variant", "modelled µs" if modelled else "µs"]
-        cols += ["VGPR", "waves/SIMD", "spills", "VALU", "VMEM", "occupancy", "issue µs"] if modelled else ["spread", "GB/s"]
+        cols += ["VGPR", "waves/SIMD", "spills", "VALU", "rounds", "groups/CU", "bound by"] if modelled else ["spread", "GB/s"]
         for c in cols:
             table.add_column(c, justify="left" if c == "variant" else "right")
         shown = r.ranked[:SHOWN] + ([r.default] if any(c is r.default for c in r.ranked[SHOWN:]) else [])
@@ -245,7 +245,7 @@ def _use_table(console, r: tuner.Result, per: str = "token") -> None:
             if modelled:
                 row += [str(f.get("VGPRs", "")), str(f.get("Subgroups per SIMD", "")),
                         str(f.get("Spilled VGPRs", 0) + f.get("Spilled SGPRs", 0)), str(f.get("VALU", "")),
-                        str(f.get("VMEM", "")), f"{f.get('occupancy_factor', 0):.2f}", f"{f.get('issue_us', 0):,.2f}"]
+                        f"{f.get('rounds', 0):,.1f}", str(f.get("groups_per_unit", "")), f.get("bound", "")]
             else:
                 row += [f"{100 * c.spread:.0f}%", f"{f.get('gbps', 0):,.1f}"]
             table.add_row(*row)
