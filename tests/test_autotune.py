@@ -281,6 +281,63 @@ def test_cost_model_terms():
         cost_model.card_of("llvmpipe (LLVM 15.0.6, 256 bits)")
 
 
+@given(st.lists(st.tuples(st.integers(0, 6), st.floats(0, 1)), min_size=3, max_size=12, unique_by=lambda t: t[1]))
+def test_spearman_is_pearson_of_mean_ranks(pairs):
+    """Against ranks computed another way (ties: the mean of the first and last sorted position)."""
+    from zdsl.autotune import check
+
+    a = np.asarray([p[0] for p in pairs], float)
+    b = np.asarray([p[1] for p in pairs])
+
+    def mean_ranks(x):
+        s = np.sort(x)
+        return (np.searchsorted(s, x, "left") + np.searchsorted(s, x, "right") - 1) / 2
+    assert check.ranks(a) == pytest.approx(mean_ranks(a))
+    want = 0.0 if len(set(a)) == 1 else float(np.corrcoef(mean_ranks(a), mean_ranks(b))[0, 1])
+    assert check.spearman(a, b) == pytest.approx(want)
+    assert check.spearman(b, b) == pytest.approx(1.0) and check.spearman(-b, b) == pytest.approx(-1.0)
+
+
+def _synthetic_uses(card, seed: int, n: int):
+    """Uses whose 'measured' times are the model's own under `card`, candidates differing in
+    rounds, instructions, grid and registers, as a kernel's variants do."""
+    from zdsl.autotune import check
+    from zdsl.autotune.work import Work
+
+    rng = np.random.default_rng(seed)
+    uses = []
+    for u in range(n):
+        nbytes = float(rng.choice([1e5, 1e6, 1e7]))
+        parts = []
+        for _ in range(8):
+            rounds = float(rng.choice([1, 2, 4, 8, 16]))
+            parts.append([cost_model.Dispatch({"Register Count": int(rng.integers(24, 200)), "Binary Size":
+                                               int(rng.integers(2, 40)) * 1024}, int(rng.integers(16, 20000)),
+                                              int(rng.choice([32, 64, 128, 256])), 32, nbytes,
+                                              Work(rounds, 4 * rounds, float(rng.integers(50, 2000)), 400))])
+        measured = np.asarray([cost_model.estimate_run(card, p)["us"] for p in parts])
+        uses.append(check.Use("k", f"use{u}", {}, [f"c{i}" for i in range(8)], measured, parts))
+    return uses
+
+
+def test_fit_recovers_the_parameters_that_made_the_timings():
+    """Timings the model made with known free parameters: the fit finds them up to the one scale
+    the ranks cannot see (latency and cpi halved with the issue efficiency doubled halve the
+    chain and issue terms alike: here it picks half of each), ranks every use as they do, on
+    uses it was not fitted on too, and the nominal figures it started from do not."""
+    from zdsl.autotune import check
+
+    h100 = cost_model.card("h100")
+    truth = cost_model.with_fit(h100, 800, 4, 0.25)
+    uses = _synthetic_uses(truth, 0, 8)
+    fitted = check.fit(h100, uses)
+    scale = fitted.latency_ns / 800
+    assert fitted.cpi / 4 == scale and 0.25 / fitted.issue_efficiency == scale
+    report = check.cross_validate(h100, uses, 4)
+    assert report.summary(report.held_out) == (pytest.approx(1.0), 1.0)
+    assert report.summary(report.nominal)[0] < 0.95
+
+
 def test_cli_measured_json(tmp_path, capsys):
     from zdsl.cli import main
 
@@ -296,6 +353,31 @@ def test_cli_measured_json(tmp_path, capsys):
     assert use["best"]["us"] > 0 and not use["rejected"]
     (entry,) = json.loads(out.read_text())["entries"]
     assert entry["kernel"] == "norm_q8_1" and entry["method"] == "measured" and entry["params"] == use["best"]["params"]
+
+
+def test_cli_check_model_measures_then_replays_the_record(tmp_path, capsys, monkeypatch):
+    """`zdsl tune --check-model` on lavapipe measures every candidate, scores the model's ranking
+    of each use with parameters fitted on the other fold, and saves what it measured; replaying
+    that file reports the same. lavapipe has no figures of its own, so it borrows the H100's."""
+    from zdsl.cli import main
+
+    monkeypatch.setitem(cost_model.CARDS, "llvmpipe", cost_model.card("h100"))
+    rec = tmp_path / "measured.json"
+    args = ["tune", "--check-model", "--preset", "tiny-dense", "--kernels", "dmmv", "--folds", "2", "--json"]
+    assert main([*args, "--device", "lavapipe", "--repeats", "3", "--warmup", "1", "--warm-ms", "0", "--cache-mb", "0",
+                 "--record", str(rec)]) == 0
+    live = json.loads(capsys.readouterr().out)
+    assert main([*args, "--measured", str(rec)]) == 0
+    assert json.loads(capsys.readouterr().out) == live
+    assert len(live["uses"]) >= 2 and len(live["folds"]) == 2
+    for u in live["uses"]:
+        pick = u["candidates"].index(u["pick"])
+        assert u["modelled_us"][pick] == min(u["modelled_us"])
+        assert u["pick_over_best"] == pytest.approx(u["measured_us"][pick] / min(u["measured_us"]))
+        assert -1 <= u["rho"] <= 1
+    assert live["within_5pct"] == pytest.approx(np.mean([u["pick_over_best"] <= 1.05 for u in live["uses"]]))
+    assert main(["tune", "--measured", str(rec)]) == 2
+    assert "go with --check-model" in capsys.readouterr().err
 
 
 def test_cli_errors(capsys):
