@@ -71,8 +71,8 @@ class Use:
     """One use's measured candidates and, for each, the dispatches the model estimates."""
     kernel: str
     label: str
-    default: dict
-    labels: list[str]
+    default: str          # the label of the variant that runs untuned
+    labels: list[str]     # the candidates' labels ("ROWS=2 NSUB=1 ...")
     measured: np.ndarray
     dispatches: list[list[cost_model.Dispatch]]
 
@@ -92,11 +92,15 @@ def use_of(rec: dict) -> Use:
         for v, saved in zip(tuner.variants(extra, example, c["params"]), c["variants"]):
             parts.append(cost_model.Dispatch(saved["stats"], math.prod(saved["groups"]), math.prod(saved["workgroup"]),
                                              saved["sg"], saved["nbytes"], work(v, example.args, saved["groups"])))
-        labels.append(" ".join(f"{k}={v}" for k, v in c["tuned"].items()))
+        labels.append(_label(c["tuned"]))
         measured.append(c["us"])
         dispatches.append(parts)
     label = " ".join(v if isinstance(v, str) else f"{k}={v}" for k, v in rec["key"].items() if v != "")
-    return Use(rec["kernel"], label, rec["default"], labels, np.asarray(measured, float), dispatches)
+    return Use(rec["kernel"], label, _label(rec["default"]), labels, np.asarray(measured, float), dispatches)
+
+
+def _label(params: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in params.items())
 
 
 # -- scoring -------------------------------------------------------------------------------------------
@@ -122,6 +126,12 @@ def spearman(a, b) -> float:
     if ra.std() == 0 or rb.std() == 0:
         return 0.0
     return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def order(u: Use, s: "Score") -> list[float]:
+    """The measured ranks (1 = fastest) of the candidates in the model's order."""
+    measured = ranks(u.measured) + 1
+    return [float(measured[i]) for i in np.argsort(s.predicted, kind="stable")]
 
 
 @dataclass
@@ -177,9 +187,10 @@ class Report:
         return float(np.median([s.rho for s in scores])), float(np.mean([s.within for s in scores]))
 
     def defaults_within(self) -> float:
-        """The share of uses whose default variant is within 5% of the best (the untuned baseline)."""
-        ok = [u.measured[u.labels.index(" ".join(f"{k}={v}" for k, v in u.default.items()))] / u.measured.min()
-              <= WITHIN for u in self.uses if " ".join(f"{k}={v}" for k, v in u.default.items()) in u.labels]
+        """The share of uses whose default variant is within 5% of the best (the untuned baseline),
+        over the uses where the default was measured."""
+        ok = [u.measured[u.labels.index(u.default)] / u.measured.min() <= WITHIN
+              for u in self.uses if u.default in u.labels]
         return float(np.mean(ok)) if ok else math.nan
 
 

@@ -242,12 +242,6 @@ def _check_model(device_name, model_path, preset, quant, names, budget, n_ctx, c
         _check_tables(console, device, card, report)
 
 
-def _order(u: check.Use, s: check.Score) -> str:
-    """The measured ranks (1 = fastest) of the candidates in the model's order."""
-    measured = check.ranks(u.measured) + 1
-    return " ".join(f"{measured[i]:g}" for i in check.np.argsort(s.predicted, kind="stable"))
-
-
 def _check_tables(console, device: str, card, report: check.Report) -> None:
     folds = len(report.fold_cards)
     table = Table(title=f"{device}: the cost model ({card.name}) beside the measurement, each use scored with the "
@@ -258,7 +252,7 @@ def _check_tables(console, device: str, card, report: check.Report) -> None:
     for u, s, f in zip(report.uses, report.held_out, report.fold_of):
         ratio = f"{s.ratio:.3f}" + ("" if s.within else " [red]✗[/red]")
         table.add_row(u.kernel, u.label, str(f), str(len(u.labels)), f"{s.rho:.2f}", u.labels[s.pick], ratio, s.bound,
-                      _order(u, s))
+                      " ".join(f"{r:g}" for r in check.order(u, s)))
     console.print(table)
     for f, c in enumerate(report.fold_cards):
         console.print(f"fold {f}: fitted latency {c.latency_ns:g} ns, {c.cpi:g} cycles per dependent instruction, "
@@ -361,6 +355,10 @@ def _use_table(console, r: tuner.Result, per: str = "token") -> None:
                 row += [f"{100 * c.spread:.0f}%", f"{f.get('gbps', 0):,.1f}"]
             table.add_row(*row)
         console.print(table)
+        tied = [c for c in r.ranked if c.us == r.ranked[0].us]
+        if modelled and len(tied) > 1:
+            console.print(f"  {len(tied)} candidates tie: the {r.ranked[0].figures.get('bound')} term decides them alike "
+                          "(ranked by their lanes' paths, then issue; the default stays first among them)")
         if r.skipped:
             console.print(f"  [yellow]{r.skipped}[/yellow]")
     for c in r.rejected:
