@@ -201,6 +201,7 @@ def _measured_uses(device_name, model_path, preset, quant, names, budget, n_ctx,
         if dev is None:
             raise ZdslError(f"{info.name} is compile-only: it measures nothing; check the model on a device that "
                             "runs code, or replay a measurement with --measured FILE")
+        cost_model.card_of(info.name)  # a device without figures fails here, before minutes of measuring
         model = open_model(model_path) if model_path else PresetModel(preset, quant)
         where = "chunk" if prompt else "step"
         if prompt:
