@@ -1,118 +1,181 @@
-"""A cost model for compile-only targets: rank kernel variants from RADV's machine-code statistics.
+"""A static cost model: rank kernel variants from the driver's statistics of their machine code
+and the work the interpreter counts for one invocation (`work.Work`).
 
-The null device compiles each candidate to real RDNA code but cannot run it, so a candidate's
-time is modelled, not measured. Decode kernels stream weights once, so the model starts from
-the bytes a dispatch moves and asks what keeps the card from moving them at full bandwidth:
+A compile-only target (RADV's null device) compiles each candidate to real code but cannot run
+it, so its time is modelled; on a device that runs code `zdsl tune --check-model` puts the same
+model beside the measurement. Decode kernels move their bytes once, and most of them are too
+short to reach the card's bandwidth, so the model asks which of three limits binds:
 
-    t = max(t_memory, t_issue) + t_launch
+    t = max(t_memory, t_chain, t_issue) + LAUNCH_US
 
-- **Memory, with latency hiding.** By Little's law the card reaches its bandwidth B only with
-  B · latency bytes in flight. The waves resident at once are min(grid waves, SIMDs ·
-  "Subgroups per SIMD") — the occupancy the compiler reports after register and LDS allocation —
-  and each keeps about VMEM × LANE_BYTES bytes per lane in flight (its vector-memory
-  instructions issue together, one loop trip apart), and never more than the dispatch moves.
-  The occupancy factor is min(1, in-flight bytes / (B · latency)), and t_memory = (bytes + spill
-  traffic) / (B · factor): a dispatch too small to fill the pipe costs at least one latency.
-- **Spills.** Every spilled VGPR is stored and reloaded through scratch memory once per loop trip
-  of every lane: 8 bytes × spilled VGPRs × trips × lanes of extra traffic. Spilled SGPRs go to
-  VGPR lanes: two instructions each per trip.
-- **Issue.** The static instruction counts stand for one loop trip: a wave issues VALU cycles
-  (× the card's wave64 passes for wave64: a SIMD32 takes a wave64 vector instruction in two
-  passes, RDNA3 and later dual-issue part of them in one; wave32 gains from VOPD dual issue,
-  which already shrinks its VALU count) plus SALU and VMEM, every trip. Trips per lane are the
-  lane's share of the bytes over what one trip loads (VMEM × LANE_BYTES), at least one.
-  t_issue = waves per SIMD × trips × cycles per trip / clock.
-- **Launch.** A fixed LAUNCH_US per dispatch (dependent dispatches in a decode step pay it).
+- **Memory.** The bytes the launch moves at the card's bandwidth.
+- **Chain (Little's law).** A lane issues a round of loads, waits one memory latency for them,
+  then runs the instructions that use them, one after another: its path is rounds × latency +
+  executed instructions × cycles per dependent instruction. Rounds come from the interpreter
+  (`Work.rounds`: the loop trips at the use's sizes), executed instructions are the machine
+  code's static count × how often the average operation runs (`Work.repeats`). The groups the
+  card holds at once (occupancy: registers, shared memory, its caps on waves and workgroups)
+  run their paths together; more groups come in waves of that many. This is Little's law:
+  the bytes in flight are the resident lanes' rounds, so a variant with few lanes or many
+  rounds cannot keep enough bytes in flight to reach the bandwidth.
+- **Issue.** Every wave's executed instructions through the units' issue slots (wave64 on a
+  SIMD32 takes more than one pass), at `issue_efficiency` of the nominal rate.
 
-The figures are nominal (public specifications) and the model is coarse: it knows nothing of
-caches, so reused activations count as fresh loads in the trip estimate. It is for ranking the
-variants of one kernel at one shape, where those errors are shared; its microseconds are
-estimates, not measurements.
+Occupancy follows each vendor's rules: NVIDIA's from the driver's register count (allocated per
+warp in units of 256) and shared memory (plus 1 KiB the driver reserves per block), under 64
+warps and 32 blocks per SM; RDNA's from the compiler's waves per SIMD (its VGPR budget) and LDS
+per workgroup, under the workgroups a CU holds. Card figures are public specifications;
+`latency_ns`, `cpi` and `issue_efficiency` are the free parameters, fitted on measurement where
+a card of that kind ran (`check.py`), nominal guesses elsewhere. Its microseconds are for ranking
+the variants of one kernel at one shape, not predictions of a run.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from zdsl.errors import ZdslError
 
-LANE_BYTES = 16   # bytes a lane moves per vector-memory instruction in a streaming loop (16-byte loads)
-LAUNCH_US = 2.0   # fixed cost of a dependent dispatch
+from .work import Work
+
+LAUNCH_US = 2.0  # fixed cost of a dependent dispatch
+SASS_BYTES = 16  # bytes per NVIDIA machine instruction (Volta and later)
 
 
 @dataclass(frozen=True)
 class Card:
-    """Nominal figures of the fastest card of a RADV family."""
+    """Figures of one GPU: nominal where public, fitted where it ran (latency, cpi, efficiency)."""
     name: str
-    cus: int
+    isa: str                # "nvidia" or "rdna": which occupancy rules and statistics apply
+    units: int              # SMs or CUs
     bandwidth_gbs: float
     clock_ghz: float
-    latency_ns: float      # DRAM load latency seen by a wave
-    wave64_passes: float = 1.5  # SIMD passes per wave64 VALU instruction (2 without dual issue)
-    simds_per_cu: int = 2  # SIMD32 units per compute unit (RDNA)
+    latency_ns: float       # free: a round of loads' latency as a lane sees it
+    cpi: float = 16.0       # free: cycles per dependent instruction on a lane's path
+    issue_efficiency: float = 0.5  # free: share of the nominal issue rate reached
+    issue: int = 4          # wave instructions issued per clock per unit (SM schedulers, CU SIMDs)
+    wave: int = 32          # the native wave (NVIDIA warp, RDNA SIMD32)
+    max_waves: int = 64     # resident waves per unit (NVIDIA)
+    max_groups: int = 32    # resident workgroups per unit
+    registers: int = 65536  # 32-bit registers per unit (NVIDIA)
+    register_granule: int = 256  # registers a warp's allocation is rounded up to (NVIDIA)
+    shared: int = 233472    # shared memory (LDS) bytes per unit for workgroups
+    shared_reserve: int = 1024   # bytes the driver keeps per resident workgroup (NVIDIA)
+    wave64_passes: float = 1.5   # SIMD32 passes per wave64 vector instruction (RDNA; 2 without dual issue)
 
     @property
-    def simds(self) -> int:
-        return self.cus * self.simds_per_cu
+    def bytes_per_us(self) -> float:
+        return self.bandwidth_gbs * 1e3
 
 
-# RADV family names (RADV_FORCE_FAMILY) → figures. Latencies: ~600 ns for GDDR6 cards, more on
-# LPDDR5X APUs. Wave64 passes: 1.5 where about half the vector instructions dual-issue (RDNA3+).
+def _rdna(name, cus, bandwidth, clock, latency=600.0, **more) -> Card:
+    """An RDNA card: 2 SIMD32 per CU, 16 waves per SIMD; LDS 64 KiB per CU (128 KiB per WGP of
+    two CUs, the mode RADV compiles compute for); a WGP holds 32 workgroups, 16 per CU."""
+    return Card(name, "rdna", cus, bandwidth, clock, latency, issue=2, max_waves=32, max_groups=16,
+                registers=0, register_granule=0, shared=65536, shared_reserve=0, **more)
+
+
+# Families by RADV's names (RADV_FORCE_FAMILY) and NVIDIA cards by a word of their device name.
+# RDNA latency, cpi and efficiency are not measured: they stay at the nominal guesses.
 CARDS = {
-    "gfx1201": Card("Radeon AI PRO R9700 / RX 9070 XT (RDNA4)", 64, 640, 2.9, 600),
-    "gfx1200": Card("Radeon RX 9060 XT (RDNA4)", 32, 320, 3.1, 600),
-    "gfx1151": Card("Radeon 8060S, Strix Halo (RDNA3.5)", 40, 256, 2.9, 800),
-    "gfx1150": Card("Radeon 890M, Strix Point (RDNA3.5)", 16, 120, 2.9, 800),
-    "navi31": Card("Radeon RX 7900 XTX (RDNA3)", 96, 960, 2.5, 600),
-    "navi32": Card("Radeon RX 7800 XT (RDNA3)", 60, 624, 2.4, 600),
-    "navi33": Card("Radeon RX 7600 (RDNA3)", 32, 288, 2.6, 600),
-    "navi21": Card("Radeon RX 6900 XT (RDNA2)", 80, 512, 2.25, 600, wave64_passes=2.0),
+    "h100": Card("NVIDIA H100 SXM (Hopper)", "nvidia", 132, 3350, 1.98, 200.0),
+    "gfx1201": _rdna("Radeon AI PRO R9700 / RX 9070 XT (RDNA4)", 64, 640, 2.9),
+    "gfx1200": _rdna("Radeon RX 9060 XT (RDNA4)", 32, 320, 3.1),
+    "gfx1151": _rdna("Radeon 8060S, Strix Halo (RDNA3.5)", 40, 256, 2.9, 800.0),
+    "gfx1150": _rdna("Radeon 890M, Strix Point (RDNA3.5)", 16, 120, 2.9, 800.0),
+    "navi31": _rdna("Radeon RX 7900 XTX (RDNA3)", 96, 960, 2.5),
+    "navi32": _rdna("Radeon RX 7800 XT (RDNA3)", 60, 624, 2.4),
+    "navi33": _rdna("Radeon RX 7600 (RDNA3)", 32, 288, 2.6),
+    "navi21": _rdna("Radeon RX 6900 XT (RDNA2)", 80, 512, 2.25, wave64_passes=2.0),
 }
 
 
-def card(family: str) -> Card:
+def card(name: str) -> Card:
     try:
-        return CARDS[family.lower()]
+        return CARDS[name.lower()]
     except KeyError:
-        raise ZdslError(f"no cost-model figures for '{family}'; known: {', '.join(CARDS)} "
+        raise ZdslError(f"no cost-model figures for '{name}'; known: {', '.join(CARDS)} "
                         "(add the card to CARDS in autotune/cost_model.py)") from None
+
+
+def card_of(device_name: str) -> Card:
+    """The figures of a device that runs code, by a word of its name ("NVIDIA H100 80GB HBM3")."""
+    words = device_name.lower().replace("(", " ").replace(")", " ").split()
+    found = [CARDS[w] for w in words if w in CARDS]
+    if not found:
+        raise ZdslError(f"no cost-model figures for {device_name}; known: {', '.join(CARDS)} "
+                        "(add the card to CARDS in autotune/cost_model.py)")
+    return found[0]
+
+
+def with_fit(c: Card, latency_ns: float, cpi: float, issue_efficiency: float) -> Card:
+    return replace(c, latency_ns=latency_ns, cpi=cpi, issue_efficiency=issue_efficiency)
 
 
 @dataclass(frozen=True)
 class Dispatch:
     """What the model needs of one compiled dispatch."""
-    stats: dict      # RADV statistics of the pipeline
-    groups: int      # workgroups in the grid
-    workgroup: int   # invocations per workgroup
-    wave: int        # subgroup size (32 or 64)
+    stats: dict        # the driver's statistics of the pipeline
+    groups: int        # workgroups in the grid
+    workgroup: int     # invocations per workgroup
+    wave: int          # subgroup size it runs at
+    nbytes: float      # bytes the launch moves
+    work: Work | None  # one invocation's executed work; None: each statement once
 
 
-def estimate(c: Card, d: Dispatch, nbytes: float) -> dict:
-    """Modelled µs of one dispatch moving `nbytes`, with the terms it came from."""
+def groups_per_unit(c: Card, d: Dispatch) -> int:
+    """Workgroups one SM or CU holds at once (at least 1: a dispatch that fits nowhere is refused
+    before it gets here)."""
     s = d.stats
-    waves_per_group = math.ceil(d.workgroup / d.wave)
-    waves = d.groups * waves_per_group
-    lanes = d.groups * d.workgroup
-    occupancy = max(1, int(s.get("Subgroups per SIMD", 1)))
-    vmem = max(1, int(s.get("VMEM", 1)))
-    trips = max(1.0, nbytes / lanes / (vmem * LANE_BYTES))
-    resident = min(waves, c.simds * occupancy)
-    in_flight = min(resident * d.wave * vmem * LANE_BYTES, nbytes) if nbytes else 1.0
-    bandwidth = c.bandwidth_gbs * 1e3  # bytes per µs
-    factor = min(1.0, in_flight / (bandwidth * c.latency_ns * 1e-3))
-    spill = 8.0 * s.get("Spilled VGPRs", 0) * trips * lanes
-    t_memory = (nbytes + spill) / (bandwidth * factor)
+    waves = math.ceil(d.workgroup / d.wave) if c.isa == "rdna" else math.ceil(d.workgroup / c.wave)
+    limits = [c.max_groups, c.max_waves // waves]
+    if c.isa == "nvidia":
+        per_warp = math.ceil(max(1, int(s.get("Register Count", 32))) * c.wave / c.register_granule) \
+            * c.register_granule
+        limits.append(c.registers // (per_warp * waves))
+        shared = int(s.get("Shared Memory Size", 0))
+    else:
+        per_simd = int(s.get("Subgroups per SIMD", 16))
+        limits.append(per_simd * c.issue // waves)
+        shared = int(s.get("LDS size", 0))
+    if shared:
+        limits.append(c.shared // (shared + c.shared_reserve))
+    return max(1, min(limits))
+
+
+def static_instructions(c: Card, d: Dispatch) -> float:
+    """Machine instructions in the code, counted once, in SIMD passes: NVIDIA's from the binary's
+    size, RDNA's from the compiler's counts (wave64 vector instructions take more than one pass)."""
+    s = d.stats
+    if c.isa == "nvidia":
+        return max(1.0, s.get("Binary Size", 0) / SASS_BYTES)
     passes = c.wave64_passes if d.wave == 64 else 1.0
-    cycles = s.get("VALU", 0) * passes + s.get("SALU", 0) + vmem + 2 * s.get("Spilled SGPRs", 0)
-    t_issue = max(1.0, waves / c.simds) * trips * cycles / (c.clock_ghz * 1e3)
-    return {"us": max(t_memory, t_issue) + LAUNCH_US, "memory_us": t_memory, "issue_us": t_issue,
-            "occupancy_factor": factor, "trips": trips}
+    return max(1.0, s.get("VALU", 0) * passes + s.get("SALU", 0) + s.get("VMEM", 0) + s.get("SMEM", 0)
+               + 2 * s.get("Spilled SGPRs", 0))
 
 
-def estimate_run(c: Card, parts: list[tuple[Dispatch, float]]) -> dict:
-    """A run of dispatches, each with the bytes it moves (the sampler's two passes): the sum of
-    their times, with the terms of the costliest."""
-    est = [estimate(c, d, nbytes) for d, nbytes in parts]
+def estimate(c: Card, d: Dispatch) -> dict:
+    """Modelled µs of one dispatch, with the terms it came from and the one that decided it."""
+    rounds = d.work.rounds if d.work else 1.0
+    executed = static_instructions(c, d) * (d.work.repeats if d.work else 1.0)
+    waves_per_group = math.ceil(d.workgroup / d.wave)
+    resident = c.units * groups_per_unit(c, d)
+    spill = 8.0 * d.stats.get("Spilled VGPRs", 0) * rounds * d.groups * d.workgroup
+    clock = c.clock_ghz * 1e3  # cycles per µs
+    terms = {
+        "memory_us": (d.nbytes + spill) / c.bytes_per_us,
+        "chain_us": max(1.0, d.groups / resident) * (rounds * c.latency_ns * 1e-3 + executed * c.cpi / clock),
+        "issue_us": d.groups * waves_per_group * executed / (c.units * c.issue * c.issue_efficiency * clock),
+    }
+    bound = max(terms, key=terms.get)
+    return {"us": terms[bound] + LAUNCH_US, **terms, "bound": bound.removesuffix("_us"),
+            "groups_per_unit": resident // c.units, "rounds": rounds}
+
+
+def estimate_run(c: Card, parts: list[Dispatch]) -> dict:
+    """A run of dispatches (the sampler's two passes): the sum of their times, with the terms of
+    the costliest."""
+    est = [estimate(c, d) for d in parts]
     main = max(est, key=lambda e: e["us"])
     return {**main, "us": sum(e["us"] for e in est)}

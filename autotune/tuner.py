@@ -13,7 +13,8 @@ unbuildable candidate is rejected, with the reason), then the full use is timed 
 timestamps: warm-up dispatches, then repeats (median and spread), rotating copies of the big
 inputs between dispatches, after replaying for a while so that the clocks are up.
 Modelled: each candidate is compiled for the target by RADV's null device and ranked by
-`cost_model` from its machine-code statistics and the bytes its launch moves.
+`cost_model` from its machine-code statistics, the bytes its launch moves and the work the
+interpreter counts for one invocation of its first workgroup (`work.py`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from zdsl.lang.kernel import Example, Launch, Variant
 
 from . import cost_model
 from .database import Entry, device_key, family, shape_key
+from .work import work
 
 SUBGROUP_SIZES = (8, 16, 32, 64, 128)
 STAT_FIGURES = ("VGPRs", "SGPRs", "Spilled VGPRs", "Spilled SGPRs", "Subgroups per SIMD", "VALU", "SALU", "VMEM",
@@ -196,8 +198,8 @@ def launch_of(v: Variant, example: Example) -> tuple[tuple, int]:
 
 def _finish(use: Use, method: str, default_ident: dict, accepted: list[Candidate], rejected: list[Candidate],
             skipped: str | None = None, then=()) -> Result:
-    # modelled ties (memory-bound candidates moving the same bytes) rank by issue time
-    accepted.sort(key=lambda c: (c.us, c.figures.get("issue_us", 0.0)))
+    # modelled ties (candidates that one term decides alike) rank by the lane's path, then issue
+    accepted.sort(key=lambda c: (c.us, c.figures.get("chain_us", 0.0), c.figures.get("issue_us", 0.0)))
     default = next((c for c in accepted + rejected if c.params == default_ident), None)
     if default is None:
         default = Candidate(default_ident, {}, error="not built on this device")
@@ -394,12 +396,13 @@ class Model:
             parts = []
             for v, s in zip(c.variants, stats):
                 groups, nbytes = launch_of(v, example)
-                parts.append((cost_model.Dispatch(s, math.prod(groups), math.prod(v.ir.workgroup),
-                                                  v.ir.subgroup_size or info.subgroup_size), nbytes))
+                parts.append(cost_model.Dispatch(s, math.prod(groups), math.prod(v.ir.workgroup),
+                                                 v.ir.subgroup_size or info.subgroup_size, nbytes,
+                                                 work(v, example.args, groups)))
             est = cost_model.estimate_run(self.card, parts)
             c.us = est["us"]
             c.figures = {k: stats[0][k] for k in STAT_FIGURES if k in stats[0]}
-            c.figures.update({k: round(v, 4) for k, v in est.items() if k != "us"})
+            c.figures.update({k: round(v, 4) if isinstance(v, float) else v for k, v in est.items() if k != "us"})
             accepted.append(c)
         return _finish(use, "modelled", default_params(use, info), accepted, rejected, then=example.then)
 

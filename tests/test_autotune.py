@@ -11,6 +11,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
 
 import zdsl
 from zdsl import Buffer, Const, f32, u32
@@ -185,20 +187,155 @@ def test_every_kernel_example_checks_its_default_variant(device):
                                     "attn_combine", "moe_router", "ffn_gate_up", "moe_down_all", "sample_candidates"}
 
 
+# A strided sum: invocation i adds x[i], x[i + WG], ... — its loop runs ceil((n − i) / WG) times.
+@zdsl.kernel(workgroup="WG", variants={"WG": [64, 256]}, name="strided_sum_test", register=False,
+             grid=lambda v, s: 1, traffic=lambda v, s: 4 * s.n)
+def strided_sum(x: Buffer[f32], out: Buffer[f32], n: u32, WG: Const = 64):
+    acc = zdsl.var(0.0)
+    for i in zdsl.range(zdsl.local_index(), n, WG):
+        acc += x[i] * 2.0
+    out[zdsl.local_index()] = acc
+
+
+@pytest.mark.parametrize("wg", [64, 256])
+def test_work_counts_the_loop_trips_of_each_invocation(wg):
+    """The interpreter's counts are the trips each invocation makes at the use's size, averaged
+    over the first workgroup: with n = 1000 the first n mod WG invocations make one more."""
+    from zdsl.autotune.work import work
+
+    n = 1000
+    trips = [len(range(i, n, wg)) for i in range(wg)]
+    w = work(strided_sum.specialize(WG=wg), {"x": np.ones(n, np.float32), "out": np.zeros(wg, np.float32), "n": n}, (1,))
+    assert w.rounds == pytest.approx(np.mean(trips))  # the loop's body loads; the top level does not
+    assert w.loads == pytest.approx(np.mean(trips))
+    assert w.repeats > 1 and w.static >= 3
+
+
+def _nvidia(regs, shared, workgroup):
+    return cost_model.Dispatch({"Register Count": regs, "Shared Memory Size": shared}, 1, workgroup, 32, 0.0, None)
+
+
+@pytest.mark.parametrize("regs, shared, workgroup, groups", [
+    (32, 0, 32, 32),        # the 32-block cap
+    (64, 0, 128, 8),        # 64 registers × 32 lanes × 4 warps = 8 KiB registers a block: 64 Ki / 8 Ki
+    (255, 0, 64, 4),        # 255 rounds up to 256 a lane: 8 Ki a warp, 2 warps, 64 Ki / 16 Ki
+    (40, 0, 512, 3),        # 40 × 32 = 1280 → 1280 a warp, 16 warps: 65536 / 20480 = 3 (warps would allow 4)
+    (32, 47424, 128, 4),    # shared: 228 KiB / (47424 + 1 KiB reserved)
+])
+def test_nvidia_occupancy_by_hand(regs, shared, workgroup, groups):
+    assert cost_model.groups_per_unit(cost_model.card("h100"), _nvidia(regs, shared, workgroup)) == groups
+
+
+@given(st.integers(1, 255), st.sampled_from([0, 16, 1024, 8448, 47424, 100000]), st.integers(1, 32))
+def test_nvidia_occupancy_is_the_most_blocks_every_limit_allows(regs, shared, warps):
+    """The blocks an SM holds fit all four limits (blocks, warps, registers in 256-register units
+    per warp, shared memory with 1 KiB reserved per block), and one more would break one."""
+    c = cost_model.card("h100")
+    n = cost_model.groups_per_unit(c, _nvidia(regs, shared, 32 * warps))
+    per_warp = -(-regs * 32 // 256) * 256
+
+    def fits(k):
+        return k <= 32 and k * warps <= 64 and k * warps * per_warp <= 65536 and (not shared or k * (shared + 1024) <= 233472)
+    assume(fits(1))  # the driver compiles no block that fits nowhere
+    assert fits(n) and not fits(n + 1)
+
+
+@pytest.mark.parametrize("per_simd, lds, workgroup, wave, groups", [
+    (16, 0, 64, 32, 16),     # two waves a group, 32 a CU: the 16-group cap
+    (10, 0, 256, 32, 2),     # 8 waves a group, 10 × 2 SIMDs = 20 a CU
+    (10, 0, 256, 64, 5),     # wave64: 4 waves a group
+    (10, 43008, 256, 64, 1),  # 64 KiB of LDS holds one 42 KiB group
+])
+def test_rdna_occupancy_by_hand(per_simd, lds, workgroup, wave, groups):
+    d = cost_model.Dispatch({"Subgroups per SIMD": per_simd, "LDS size": lds}, 1, workgroup, wave, 0.0, None)
+    assert cost_model.groups_per_unit(cost_model.card("gfx1201"), d) == groups
+
+
 def test_cost_model_terms():
+    from zdsl.autotune.work import Work
+
     c = cost_model.card("gfx1201")
     stats = {"Subgroups per SIMD": 16, "VMEM": 8, "VALU": 100, "SALU": 10}
-    big = cost_model.Dispatch(stats, 4096, 64, 64)
-    t = cost_model.estimate(c, big, 64e6)
-    assert t["occupancy_factor"] == 1.0 and t["us"] == pytest.approx(64e6 / 640e3 + cost_model.LAUNCH_US)
-    few = cost_model.Dispatch({**stats, "Subgroups per SIMD": 1}, 64, 64, 64)
-    more = cost_model.Dispatch(stats, 64, 64, 64)
-    assert cost_model.estimate(c, few, 4e6)["us"] >= cost_model.estimate(c, more, 4e6)["us"]
-    assert cost_model.estimate(c, cost_model.Dispatch({**stats, "Spilled VGPRs": 20}, 4096, 64, 64), 64e6)["us"] > t["us"]
-    heavy = cost_model.Dispatch({**stats, "VALU": 20000}, 4096, 64, 64)
-    assert cost_model.estimate(c, heavy, 64e6)["issue_us"] > cost_model.estimate(c, heavy, 64e6)["memory_us"]
+    one = Work(rounds=1, loads=8, ops=110, static=118)
+    big = cost_model.Dispatch(stats, 4096, 64, 32, 64e6, one)
+    t = cost_model.estimate(c, big)
+    assert t["bound"] == "memory" and t["us"] == pytest.approx(64e6 / 640e3 + cost_model.LAUNCH_US)
+    # a few groups walking a long loop: each lane's rounds of latency decide, not the bytes
+    long = Work(rounds=64, loads=512, ops=7040, static=118)
+    few = cost_model.estimate(c, cost_model.Dispatch(stats, 16, 64, 32, 4e6, long))
+    assert few["bound"] == "chain" and few["chain_us"] >= 64 * c.latency_ns * 1e-3
+    # more groups than the card holds come in waves
+    held = c.units * 16
+    assert cost_model.estimate(c, cost_model.Dispatch(stats, 2 * held, 64, 32, 0, long))["chain_us"] == \
+        pytest.approx(2 * cost_model.estimate(c, cost_model.Dispatch(stats, held, 64, 32, 0, long))["chain_us"])
+    # wave64 vector instructions take more than one pass on a SIMD32
+    assert cost_model.static_instructions(c, cost_model.Dispatch(stats, 1, 64, 64, 0, one)) > \
+        cost_model.static_instructions(c, cost_model.Dispatch(stats, 1, 64, 32, 0, one))
+    assert cost_model.estimate(c, cost_model.Dispatch({**stats, "Spilled VGPRs": 20}, 4096, 64, 32, 64e6, one))["us"] > t["us"]
+    heavy = cost_model.Dispatch({**stats, "VALU": 20000}, 4096, 64, 32, 64e6, Work(16, 128, 320000, 20118))
+    assert cost_model.estimate(c, heavy)["bound"] == "issue"
+    assert cost_model.card_of("NVIDIA H100 80GB HBM3") is cost_model.card("h100")
     with pytest.raises(ZdslError, match="no cost-model figures for 'gfx9'"):
         cost_model.card("gfx9")
+    with pytest.raises(ZdslError, match="no cost-model figures for llvmpipe"):
+        cost_model.card_of("llvmpipe (LLVM 15.0.6, 256 bits)")
+
+
+@given(st.lists(st.tuples(st.integers(0, 6), st.floats(0, 1)), min_size=3, max_size=12, unique_by=lambda t: t[1]))
+def test_spearman_is_pearson_of_mean_ranks(pairs):
+    """Against ranks computed another way (ties: the mean of the first and last sorted position)."""
+    from zdsl.autotune import check
+
+    a = np.asarray([p[0] for p in pairs], float)
+    b = np.asarray([p[1] for p in pairs])
+
+    def mean_ranks(x):
+        s = np.sort(x)
+        return (np.searchsorted(s, x, "left") + np.searchsorted(s, x, "right") - 1) / 2
+    assert check.ranks(a) == pytest.approx(mean_ranks(a))
+    want = 0.0 if len(set(a)) == 1 else float(np.corrcoef(mean_ranks(a), mean_ranks(b))[0, 1])
+    assert check.spearman(a, b) == pytest.approx(want)
+    assert check.spearman(b, b) == pytest.approx(1.0) and check.spearman(-b, b) == pytest.approx(-1.0)
+
+
+def _synthetic_uses(card, seed: int, n: int):
+    """Uses whose 'measured' times are the model's own under `card`, candidates differing in
+    rounds, instructions, grid and registers, as a kernel's variants do."""
+    from zdsl.autotune import check
+    from zdsl.autotune.work import Work
+
+    rng = np.random.default_rng(seed)
+    uses = []
+    for u in range(n):
+        nbytes = float(rng.choice([1e5, 1e6, 1e7]))
+        parts = []
+        for _ in range(8):
+            rounds = float(rng.choice([1, 2, 4, 8, 16]))
+            parts.append([cost_model.Dispatch({"Register Count": int(rng.integers(24, 200)), "Binary Size":
+                                               int(rng.integers(2, 40)) * 1024}, int(rng.integers(16, 20000)),
+                                              int(rng.choice([32, 64, 128, 256])), 32, nbytes,
+                                              Work(rounds, 4 * rounds, float(rng.integers(50, 2000)), 400))])
+        measured = np.asarray([cost_model.estimate_run(card, p)["us"] for p in parts])
+        uses.append(check.Use("k", f"use{u}", {}, [f"c{i}" for i in range(8)], measured, parts))
+    return uses
+
+
+def test_fit_recovers_the_parameters_that_made_the_timings():
+    """Timings the model made with known free parameters: the fit finds them up to the one scale
+    the ranks cannot see (latency and cpi halved with the issue efficiency doubled halve the
+    chain and issue terms alike: here it picks half of each), ranks every use as they do, on
+    uses it was not fitted on too, and the nominal figures it started from do not."""
+    from zdsl.autotune import check
+
+    h100 = cost_model.card("h100")
+    truth = cost_model.with_fit(h100, 800, 4, 0.25)
+    uses = _synthetic_uses(truth, 0, 8)
+    fitted = check.fit(h100, uses)
+    scale = fitted.latency_ns / 800
+    assert fitted.cpi / 4 == scale and 0.25 / fitted.issue_efficiency == scale
+    report = check.cross_validate(h100, uses, 4)
+    assert report.summary(report.held_out) == (pytest.approx(1.0), 1.0)
+    assert report.summary(report.nominal)[0] < 0.95
 
 
 def test_cli_measured_json(tmp_path, capsys):
@@ -216,6 +353,31 @@ def test_cli_measured_json(tmp_path, capsys):
     assert use["best"]["us"] > 0 and not use["rejected"]
     (entry,) = json.loads(out.read_text())["entries"]
     assert entry["kernel"] == "norm_q8_1" and entry["method"] == "measured" and entry["params"] == use["best"]["params"]
+
+
+def test_cli_check_model_measures_then_replays_the_record(tmp_path, capsys, monkeypatch):
+    """`zdsl tune --check-model` on lavapipe measures every candidate, scores the model's ranking
+    of each use with parameters fitted on the other fold, and saves what it measured; replaying
+    that file reports the same. lavapipe has no figures of its own, so it borrows the H100's."""
+    from zdsl.cli import main
+
+    monkeypatch.setitem(cost_model.CARDS, "llvmpipe", cost_model.card("h100"))
+    rec = tmp_path / "measured.json"
+    args = ["tune", "--check-model", "--preset", "tiny-dense", "--kernels", "dmmv", "--folds", "2", "--json"]
+    assert main([*args, "--device", "lavapipe", "--repeats", "3", "--warmup", "1", "--warm-ms", "0", "--cache-mb", "0",
+                 "--record", str(rec)]) == 0
+    live = json.loads(capsys.readouterr().out)
+    assert main([*args, "--measured", str(rec)]) == 0
+    assert json.loads(capsys.readouterr().out) == live
+    assert len(live["uses"]) >= 2 and len(live["folds"]) == 2
+    for u in live["uses"]:
+        pick = u["candidates"].index(u["pick"])
+        assert u["modelled_us"][pick] == min(u["modelled_us"])
+        assert u["pick_over_best"] == pytest.approx(u["measured_us"][pick] / min(u["measured_us"]))
+        assert -1 <= u["rho"] <= 1
+    assert live["within_5pct"] == pytest.approx(np.mean([u["pick_over_best"] <= 1.05 for u in live["uses"]]))
+    assert main(["tune", "--measured", str(rec)]) == 2
+    assert "go with --check-model" in capsys.readouterr().err
 
 
 def test_cli_errors(capsys):
@@ -248,7 +410,7 @@ def test_modelled_ranking_on_gfx1201_compares_wave32_and_wave64():
     assert {c.params["SG"] for c in result.ranked} == {32, 64}
     for c in result.ranked:
         assert c.us > cost_model.LAUNCH_US and c.figures["VGPRs"] > 0 and c.figures["Subgroups per SIMD"] > 0
-        assert 0 < c.figures["occupancy_factor"] <= 1
+        assert c.figures["bound"] in ("memory", "chain", "issue") and c.figures["rounds"] >= 1
     times = [c.us for c in result.ranked[1:]]
     assert times == sorted(times) and result.default.params["SG"] == 64
     (entry,) = tuner.entries(result, info)

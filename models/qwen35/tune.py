@@ -8,6 +8,8 @@ a tuning database file (the user's own for the device by default, or --out), whe
 finds them at run time. Given a model file on a device that runs code, the kernel-by-kernel
 winners are only nominees: each is tried in the model's real decode step and kept only if whole
 steps get faster (`in_place.py`), so a tuned decode is never slower than an untuned one.
+With --check-model nothing is written: every candidate is measured (or a saved measurement is
+replayed, --measured) and the cost model's ranking is scored against it (`autotune/check.py`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from .graph import DecodeGraph, record_chunk_launches, record_launches
 from .sampler import SamplerConfig
 from .synth import QUANTS, PresetModel
 
-from zdsl.autotune import cost_model, tuner
+from zdsl.autotune import check, cost_model, tuner
 from zdsl.autotune.database import Database, database, user_path
 
 SHOWN = 5  # candidates listed per use (plus the default when it is not among them)
@@ -109,9 +111,24 @@ def select(uses, names: str | None, what: str = "decode step"):
 @click.option("--cache-mb", default=256, show_default=True,
               help="Rotate input copies until this many MB lie between reuses (defeats the caches).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+@click.option("--check-model", is_flag=True,
+              help="Write no entries: measure every candidate and put the cost model beside the measurement, per "
+                   "use (Spearman's rho, whether its pick is within 5% of the best), its free parameters fitted on "
+                   "the other uses (--folds).")
+@click.option("--measured", "measured_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="With --check-model: replay this measurement file (written by --record) instead of measuring.")
+@click.option("--record", "record_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="With --check-model on a device: save the measurements to this file, for --measured.")
+@click.option("--folds", default=4, show_default=True, help="With --check-model: fold f holds out uses f, f + folds, ...")
 def tune(device_name, model_path, preset, quant, names, budget, n_ctx, caps, prompt, out_path, warmup, repeats, warm_ms,
-         cache_mb, as_json):
+         cache_mb, as_json, check_model, measured_path, record_path, folds):
     """Pick the fastest kernel variants for a device (measured, or modelled for compile-only targets)."""
+    if check_model:
+        _check_model(device_name, model_path, preset, quant, names, budget, n_ctx, caps, prompt, warmup, repeats,
+                     warm_ms, cache_mb, as_json, measured_path, record_path, folds)
+        return
+    if measured_path or record_path:
+        raise ZdslError("--measured and --record go with --check-model")
     if budget <= 0 or n_ctx < 1 or repeats < 1 or min(warmup, warm_ms, cache_mb, prompt) < 0:
         raise ZdslError("--budget, --ctx and --repeats must be positive; --warmup, --warm-ms, --cache-mb and "
                         "--prompt ≥ 0")
@@ -176,6 +193,95 @@ def tune(device_name, model_path, preset, quant, names, budget, n_ctx, caps, pro
                       f"{user}): merge them there to use them")
 
 
+def _measured_uses(device_name, model_path, preset, quant, names, budget, n_ctx, caps, prompt, warmup, repeats,
+                   warm_ms, cache_mb, record_path, console) -> tuple[str, list[dict]]:
+    """(device name, records) of every candidate of the step's (or the chunk's) uses, measured now."""
+    method, info, dev = _open(device_name, warmup, repeats, warm_ms, cache_mb)
+    try:
+        if dev is None:
+            raise ZdslError(f"{info.name} is compile-only: it measures nothing; check the model on a device that "
+                            "runs code, or replay a measurement with --measured FILE")
+        cost_model.card_of(info.name)  # a device without figures fails here, before minutes of measuring
+        model = open_model(model_path) if model_path else PresetModel(preset, quant)
+        where = "chunk" if prompt else "step"
+        if prompt:
+            uses = select(chunk_uses(model, info, max(n_ctx, prompt), prompt), names, f"{prompt}-token prompt chunk")
+        else:
+            uses = select(step_uses(model, info, n_ctx, tuple(int(c) for c in caps.split(","))), names)
+        results = _run(method, uses, budget, console)
+        records = [check.record(r.use, where, r, dev) for r in results if r.ranked]
+    finally:
+        if dev is not None:
+            dev.close()
+    if record_path:
+        check.save(record_path, info.name, records)
+    return info.name, records
+
+
+def _check_model(device_name, model_path, preset, quant, names, budget, n_ctx, caps, prompt, warmup, repeats, warm_ms,
+                 cache_mb, as_json, measured_path, record_path, folds) -> None:
+    """`zdsl tune --check-model`: the cost model's ranking beside the measured one, fitted on other uses."""
+    console = make_console(stderr=as_json)
+    if measured_path:
+        if record_path:
+            raise ZdslError("--record saves a new measurement; --measured replays one: give one of them")
+        device, records = check.load(measured_path)
+        where = "chunk" if prompt else "step"
+        records = [r for r in records if r["where"] == where and (not names or r["kernel"] in names.split(","))]
+    else:
+        device, records = _measured_uses(device_name, model_path, preset, quant, names, budget, n_ctx, caps, prompt,
+                                         warmup, repeats, warm_ms, cache_mb, record_path, console)
+    card = cost_model.card_of(device)
+    uses = [check.use_of(r) for r in records if len(r["cands"]) >= check.MIN_CANDIDATES]
+    if len(uses) < 2:
+        raise ZdslError(f"{len(uses)} uses with {check.MIN_CANDIDATES} or more measured candidates: too few to fit on "
+                        "some and score the others")
+    report = check.cross_validate(card, uses, folds)
+    if as_json:
+        click.echo(json.dumps(_check_json(device, card, report), indent=1))
+    else:
+        _check_tables(console, device, card, report)
+
+
+def _check_tables(console, device: str, card, report: check.Report) -> None:
+    folds = len(report.fold_cards)
+    table = Table(title=f"{device}: the cost model ({card.name}) beside the measurement, each use scored with the "
+                        f"free parameters fitted on the other folds ({folds} folds)", title_justify="left")
+    for c in ("kernel", "shape", "fold", "n", "ρ", "model's pick", "pick / best", "bound by",
+              "measured ranks in the model's order"):
+        table.add_column(c, justify="left" if c in ("kernel", "shape", "model's pick", "bound by") else "right")
+    for u, s, f in zip(report.uses, report.held_out, report.fold_of):
+        ratio = f"{s.ratio:.3f}" + ("" if s.within else " [red]✗[/red]")
+        table.add_row(u.kernel, u.label, str(f), str(len(u.labels)), f"{s.rho:.2f}", u.labels[s.pick], ratio, s.bound,
+                      " ".join(f"{r:g}" for r in check.order(u, s)))
+    console.print(table)
+    for f, c in enumerate(report.fold_cards):
+        console.print(f"fold {f}: fitted latency {c.latency_ns:g} ns, {c.cpi:g} cycles per dependent instruction, "
+                      f"issue efficiency {c.issue_efficiency:g}")
+    rho, within = report.summary(report.held_out)
+    n = len(report.uses)
+    console.print(f"[bold]held out[/bold]: median ρ {rho:.2f}, pick within 5% of the best in "
+                  f"{round(within * n)} of {n} uses ({within:.0%})")
+    rho, within = report.summary(report.nominal)
+    console.print(f"the card's own figures (latency {card.latency_ns:g} ns, cpi {card.cpi:g}, efficiency "
+                  f"{card.issue_efficiency:g}), no fit: median ρ {rho:.2f}, picks within 5% {within:.0%}; "
+                  f"the defaults alone are within 5% in {report.defaults_within():.0%}")
+
+
+def _check_json(device: str, card, report: check.Report) -> dict:
+    rho, within = report.summary(report.held_out)
+    return {
+        "device": device, "card": card.name, "median_rho": rho, "within_5pct": within,
+        "defaults_within_5pct": report.defaults_within(),
+        "folds": [{"latency_ns": c.latency_ns, "cpi": c.cpi, "issue_efficiency": c.issue_efficiency}
+                  for c in report.fold_cards],
+        "uses": [{"kernel": u.kernel, "shape": u.label, "fold": f, "candidates": u.labels,
+                  "measured_us": u.measured.tolist(), "modelled_us": s.predicted.tolist(), "rho": s.rho,
+                  "pick": u.labels[s.pick], "pick_over_best": s.ratio, "bound": s.bound}
+                 for u, s, f in zip(report.uses, report.held_out, report.fold_of)],
+    }
+
+
 def _in_place(dev, model_path, n_ctx: int, results, info, deadline: float, console):
     """Build the model's decode step on the device and keep only the choices that speed it up."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -217,7 +323,7 @@ def _header(console, info, source: str, n: int, method, in_place: bool, per: str
     if isinstance(method, tuner.Model):
         console.print(f"[bold]{info.name}[/bold]: {n} {what}, [bold yellow]MODELLED[/bold yellow] "
                       f"with the {method.target} cost model ({method.card.name}, {method.card.bandwidth_gbs:.0f} GB/s, "
-                      f"{method.card.cus} CUs) from RADV machine-code statistics — not measured, nothing ran")
+                      f"{method.card.units} CUs) from RADV machine-code statistics and the work the interpreter counts — not measured, nothing ran")
     else:
         console.print(f"[bold]{info.name}[/bold]: {n} {what}, measured: each candidate checked "
                       f"against its numpy reference, then timed ({method.warmup} warm-up + {method.repeats} timed dispatches, "
@@ -234,7 +340,7 @@ def _use_table(console, r: tuner.Result, per: str = "token") -> None:
         modelled = r.method == "modelled"
         table = Table(title=title + ("  [yellow]modelled[/yellow]" if modelled else ""), title_justify="left")
         cols = ["#", "variant", "modelled µs" if modelled else "µs"]
-        cols += ["VGPR", "waves/SIMD", "spills", "VALU", "VMEM", "occupancy", "issue µs"] if modelled else ["spread", "GB/s"]
+        cols += ["VGPR", "waves/SIMD", "spills", "VALU", "rounds", "groups/CU", "bound by"] if modelled else ["spread", "GB/s"]
         for c in cols:
             table.add_column(c, justify="left" if c == "variant" else "right")
         shown = r.ranked[:SHOWN] + ([r.default] if any(c is r.default for c in r.ranked[SHOWN:]) else [])
@@ -245,11 +351,15 @@ def _use_table(console, r: tuner.Result, per: str = "token") -> None:
             if modelled:
                 row += [str(f.get("VGPRs", "")), str(f.get("Subgroups per SIMD", "")),
                         str(f.get("Spilled VGPRs", 0) + f.get("Spilled SGPRs", 0)), str(f.get("VALU", "")),
-                        str(f.get("VMEM", "")), f"{f.get('occupancy_factor', 0):.2f}", f"{f.get('issue_us', 0):,.2f}"]
+                        f"{f.get('rounds', 0):,.1f}", str(f.get("groups_per_unit", "")), f.get("bound", "")]
             else:
                 row += [f"{100 * c.spread:.0f}%", f"{f.get('gbps', 0):,.1f}"]
             table.add_row(*row)
         console.print(table)
+        tied = [c for c in r.ranked if c.us == r.ranked[0].us]
+        if modelled and len(tied) > 1:
+            console.print(f"  {len(tied)} candidates tie: the {r.ranked[0].figures.get('bound')} term decides them alike "
+                          "(ranked by their lanes' paths, then issue; the default stays first among them)")
         if r.skipped:
             console.print(f"  [yellow]{r.skipped}[/yellow]")
     for c in r.rejected:
