@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from zdsl.errors import ZdslError
+from zdsl.kernels import all_kernels
 from zdsl.lang.kernel import Launch
 
 from . import cost_model, tuner
@@ -79,8 +80,6 @@ class Use:
 
 def use_of(rec: dict) -> Use:
     """The model's view of a record: the work of each dispatch counted on the use's example."""
-    from zdsl.build import all_kernels
-
     kernel = all_kernels()[rec["kernel"]]
     launch = Launch(kernel, kernel.specialize(**rec["fixed"]), rec["fixed"], rec["key"], rec["sizes"],
                     rec["buffers"], (1, 1, 1), rec["where"])

@@ -15,7 +15,6 @@ import functools
 import importlib
 import multiprocessing
 import os
-import pkgutil
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -25,22 +24,14 @@ import click
 
 from zdsl.cache import cache_dir, content_key, read_entry, write_entry
 from zdsl.errors import ZdslError
-from zdsl.lang.kernel import REGISTRY, KernelDef, Variant
+from zdsl.kernels import all_kernels
+from zdsl.lang.kernel import Variant
 
 # RADV statistic names → short column headers
 STAT_COLUMNS = {"VGPRs": "VGPR", "SGPRs": "SGPR", "Spilled VGPRs": "spill V", "Spilled SGPRs": "spill S",
                 "LDS size": "LDS", "Scratch size": "scratch", "Subgroups per SIMD": "waves/SIMD",
                 "Instructions": "instr", "Code size": "code B", "VALU": "VALU", "SALU": "SALU", "VMEM": "VMEM",
                 "SMEM": "SMEM"}
-
-
-def all_kernels() -> dict[str, KernelDef]:
-    """The library's kernels by name: every module of zdsl.kernels imported so that its kernels
-    register (kernels registered elsewhere, say by tests, are not the library's)."""
-    import zdsl.kernels
-    for mod in pkgutil.iter_modules(zdsl.kernels.__path__):
-        importlib.import_module(f"zdsl.kernels.{mod.name}")
-    return {name: k for name, k in sorted(REGISTRY.items()) if k.fn.__module__.startswith("zdsl.kernels.")}
 
 
 @functools.cache
