@@ -379,6 +379,38 @@ def test_prefill_coop(backend, request, T, p0, n_kv, group, d, nw, bkv, ahead, s
         assert_q8_1_of(out["oq"], out["od"], out["o"])
 
 
+@pytest.mark.parametrize("backend", ["interp", "device"])
+def test_prefill_coop_as_the_graph_runs_it(backend, request):
+    """The variant a graph picks for the 35B-A3B's attention (heads of 256 in groups of 8: the
+    kernel's defaults, or the device's tuning entry) over a chunk of 37 tokens at depth 100,
+    the rows past it huge: the kernel tests draw their own layouts, and 4a230de's default
+    (two subgroups) was wrong on the H100 while every drawn layout they tried passed."""
+    from zdsl.autotune.database import choose
+
+    if backend == "device":
+        dev = request.getfixturevalue("device")
+        if "coopmat" not in dev.info.features:
+            pytest.skip("the device has no cooperative matrices")
+        v = choose(att.attn_prefill_coop, dev.info, {"t": 37}, D=256, G=8, Q8=True)
+    else:
+        v = att.attn_prefill_coop.specialize(D=256, G=8, Q8=True)
+    rng = np.random.default_rng(5)
+    T, p0, n_kv, d = 37, 100, 2, 256
+    n_head, rows = 8 * n_kv, att.cache_rows(p0 + T)
+    q = rng.standard_normal((T, n_head, d)).astype(np.float32)
+    qg = rng.standard_normal((T, n_head, 2 * d)).astype(np.float32)
+    k_cache, v_cache = random_cache(rng, rows, n_kv, d), random_cache(rng, rows, n_kv, d)
+    for cache in (k_cache, v_cache):
+        cache[p0 + T:] = np.float16(60000) * np.sign(rng.standard_normal(cache[p0 + T:].shape))
+    out = run(v, "interp" if backend == "interp" else "lavapipe", request, v.groups(t=T, n_kv=n_kv, ctx=rows), q=q,
+              qg=qg, k_cache=k_cache, v_cache=v_cache, step=np.array([p0, p0 + T, 0, 0], np.uint32),
+              o=np.full((T, n_head, d), np.nan, np.float32), oq=np.zeros(T * n_head * d // 4, np.uint32),
+              od=np.full(T * n_head * d // 16, np.nan, np.float32), n_kv=n_kv, t=T)
+    err = np.abs(out["o"] - att.attn_prefill_ref(q, qg, k_cache, v_cache, p0))
+    assert np.all(err <= coop_bound(q, k_cache, v_cache, p0)), err.max()
+    assert_q8_1_of(out["oq"], out["od"], out["o"])
+
+
 def test_prefill_coop_tiles_fit_shared_memory():
     """The default (D 256: the 35B-A3B's heads) fits the H100's 48 KiB, and so do eight subgroups
     or 64-row blocks; both together do not, and are refused before a device sees them; nor is a
