@@ -598,7 +598,6 @@ def attn_prefill_ref(q, qg, k_cache, v_cache, p0):
     return (o / (1 + np.exp(-qg[..., d:].astype(np.float64)))).astype(np.float32)
 
 
-
 # ---- the same on matrix units ---------------------------------------------------------------------
 
 KV_BLOCK = 64  # the caches hold whole blocks of attn_prefill_coop's rows (its largest BKV)
@@ -821,6 +820,7 @@ def attn_prefill_coop(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_c
 def attn_prefill_coop_ref(q, qg, k_cache, v_cache, p0):
     """attn_prefill_ref: the same attention (the units' f16 roundings are within the tests' bounds)."""
     return attn_prefill_ref(q, qg, k_cache, v_cache, p0)
+
 
 # ---- examples ------------------------------------------------------------------------------------
 

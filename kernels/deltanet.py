@@ -393,9 +393,9 @@ def deltanet_prefill(conv: Buffer[f32], ba: Buffer[f32], ssm_a: Buffer[f32], dt_
     covered: R = 8, U = 4 by default, 96 VGPRs on gfx1201. On the H100, a 512-token chunk of the
     35B-A3B's heads (µs a layer, 2026-11-26): R 16 U 1 355, R 16 U 2 359, R 8 U 2 307, R 8 U 4
     276 (WG 128: 278). Value head h reads key head h % n_k_heads; the launch names v_heads.
-    Nothing here reads the ring, so every workgroup takes a share of storing the chunk's last min(t, KC) mix rows in their slots
-    (p % KC), leaving the ring as t deltanet_step dispatches would, and the state too up to
-    rounding (the sums run in another order)."""
+    Nothing here reads the ring, so every workgroup takes a share of storing the chunk's last
+    min(t, KC) mix rows in their slots (p % KC), leaving the ring as t deltanet_step dispatches
+    would, and the state too up to rounding (the sums run in another order)."""
     if not _columns_fit(SimpleNamespace(D=D, R=R, WG=WG, SG=SG, U=U)):
         raise zdsl.ZdslError(f"deltanet_prefill needs 4 | R, R | D, a power of two D/R dividing SG, SG | WG, "
                              f"WG·R/D | D and U·R ≤ 32, not D={D}, R={R}, WG={WG}, SG={SG}, U={U}")

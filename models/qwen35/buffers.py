@@ -74,8 +74,8 @@ def decode_buffers(hp, tensors, n_ctx: int, candidates: int, checkpoint: bool = 
               Spec("router_arrivals", 4, "scratch"), f32("qg", 2 * qd), f32("q", qd), f32("k", kvd), f32("v", kvd),
               *vector("attn_o", qd), f32("attn_partials", hp.n_heads * splits * (hp.head_dim + 2)),
               f32("mix", C), f32("z", vd), *vector("deltanet_out", vd)]
+    rows = cache_rows(n_ctx)  # whole blocks, which the prompt's attention reads
     for i in hp.attention_layers:
-        rows = cache_rows(n_ctx)  # whole blocks, which the prompt's attention reads
         specs += [Spec(f"k_cache.{i}", 2 * rows * kvd, "KV cache"), Spec(f"v_cache.{i}", 2 * rows * kvd, "KV cache")]
     for i in hp.deltanet_layers:
         # the conv inputs as a ring of conv_kernel slots indexed by position (kernels/deltanet.py)
