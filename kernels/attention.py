@@ -670,7 +670,12 @@ def attn_prefill_coop(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_c
     4,096 / 32,768 (2026-11-26): attn_prefill 2,537 / 18,194; this kernel 1,080 / 7,750 (NW 4,
     BKV 32, AHEAD 8; BKV 16: 1,075 / 7,752; BKV 64: 1,254 / 10,033; NW 8: 1,161 / 8,063); a
     workgroup of 64 rows taking the cache whole per subgroup (4a230de's layout, NW 4): 1,372 /
-    9,515. About 35 TFLOP/s at depth, far below the units' peak."""
+    9,515. The epilogue's weights computed once per row, not per pair of tiles (2026-11-27):
+    960 / 7,618. Tried and slower (2026-11-27): workgroups of 32 or 64 rows whose subgroups
+    share each block (1,086–1,290 / 8,809–10,161); a pair of subgroups splitting each block's
+    dims, for half of O in registers a subgroup (1,002 / 8,015: the driver still gives the
+    kernel all 255 registers a lane, now without spilling). About 36 TFLOP/s at depth, far below
+    the units' peak."""
     if not _coop_fits(SimpleNamespace(D=D, SG=SG, BKV=BKV, NW=NW)):
         raise zdsl.ZdslError(f"attn_prefill_coop needs D a multiple of 32, SG of 16, 32 or 64, BKV a multiple of 16, "
                              f"NW ≥ 4 and {mma.SHARED_BYTES:,} bytes of shared memory, not D={D}, SG={SG}, BKV={BKV}, "
@@ -789,25 +794,32 @@ def attn_prefill_coop(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_c
     with zdsl.if_(lane % LR == 0):
         ms[mine] = m
         ls[mine] = l
+    zdsl.barrier()
+    # O_r = Σ_s O_s · e^(m_s − M) / Σ_s l_s · e^(m_s − M), M = max_s m_s over the subgroups s: the
+    # weights once per row for each of this invocation's jobs (16 rows × 8 quads over the workgroup)
+    outs = []
+    for k in range(-(-128 // WG)):
+        j = k * WG + tid
+        r, quad = j // 8 % 16, j % 8
+        top = ms[r]
+        for n in range(1, NW):
+            top = zdsl.max(top, ms[n * 16 + r])
+        w = [zdsl.var(zdsl.exp(ms[n * 16 + r] - top)) for n in range(NW)]
+        total = ls[r] * w[0]
+        for n in range(1, NW):
+            total = total + ls[n * 16 + r] * w[n]
+        inv = zdsl.var(1.0 / total)
+        outs.append((j, r, quad, [zdsl.var(x * inv) for x in w]))
     for pair in range(D // 32):
         def emit():
-            """Row r's quad: Σ_s O_s · e^(m_s − M) / Σ_s l_s · e^(m_s − M), M = max_s m_s, gated."""
-            for k in range(-(-128 // WG)):  # 16 rows × 8 quads over the workgroup
-                j = k * WG + tid
-                r, quad = j // 8 % 16, j % 8
-                top = ms[r]
-                for n in range(1, NW):
-                    top = zdsl.max(top, ms[n * 16 + r])
-                w = [zdsl.exp(ms[n * 16 + r] - top) for n in range(NW)]
-                total = ls[r] * w[0]
-                for n in range(1, NW):
-                    total = total + ls[n * 16 + r] * w[n]
+            """Each job's quad of O, merged over the subgroups and gated, to o (and Q8_1)."""
+            for j, r, quad, w in outs:
                 value = zdsl.vec(*[ss[r * SS + 4 * quad + e] for e in range(4)]) * w[0]
                 for n in range(1, NW):
                     value = value + zdsl.vec(*[ss[(n * 16 + r) * SS + 4 * quad + e] for e in range(4)]) * w[n]
                 at_o = qo_row(row0 + r) * (D // 4) + 8 * pair + quad
                 gate = qg.vec4[qo_row(row0 + r) * (D // 2) + D // 4 + 8 * pair + quad]
-                value = value * (1.0 / total) * zdsl.vec(*[zdsl.sigmoid(gate[e]) for e in range(4)])
+                value = value * zdsl.vec(*[zdsl.sigmoid(gate[e]) for e in range(4)])
                 ok = (j < 128) & (row0 + r < t * G)
                 with zdsl.if_(ok):
                     o.vec4[at_o] = value
