@@ -414,9 +414,12 @@ def test_prefill_coop_as_the_graph_runs_it(backend, request):
 def test_prefill_coop_tiles_fit_shared_memory():
     """The default (D 256: the 35B-A3B's heads) fits the H100's 48 KiB, and so do eight subgroups
     or 64-row blocks; both together do not, and are refused before a device sees them; nor is a
-    workgroup of one or two subgroups offered (wrong on the H100)."""
+    workgroup of one or two subgroups offered (wrong on the H100), nor heads of other than whole
+    pairs of tiles (the graph asks, and takes attn_prefill for those)."""
     fits = lambda **v: att._coop_fits(SimpleNamespace(**{"D": 256, "SG": 32, "NW": 4, "BKV": 32, **v}))
     assert fits() and fits(NW=8) and fits(BKV=64) and not fits(NW=8, BKV=64) and not fits(NW=2)
+    allows = att.attn_prefill_coop.allows  # as the graph asks, for its heads
+    assert allows(D=256, G=8) and allows(D=96, G=3) and not allows(D=80, G=8) and not allows(D=256, NW=2)
     with pytest.raises(Exception, match="shared memory"):
         att.attn_prefill_coop.specialize(D=256, G=8, NW=8, BKV=64, SG=32).ir
 

@@ -15,8 +15,9 @@ A device with matrix units (the H100: ZDSL_TEST_DEVICE=0) runs the prompt's prod
 (all but the router's), W and x rounded to f16 (kernels/mma.py); the decode path reads Q8_1
 throughout, and on these random models the two roundings alone move the logits by up to 44% of
 their spread. So there the logits are held to a reference that rounds as the prompt path does
-(`reference_with_ties`: f16 products, Q8_1 for the last token's decode step), and the greedy token
-to it. Even that reference sums in another order, and where the router's 8th and 9th experts
+(`reference_with_ties`: f16 products, Q8_1 for the last token's decode step), the KV caches and
+delta-net states to its state (5% of their norm; everywhere, the prompt path's state is also held
+to the reference's), and the greedy token to it. Even that reference sums in another order, and where the router's 8th and 9th experts
 for a token lie within rounding of each other the two may pick differently; one such pick moves
 these random models' logits by half their spread (the 248k-vocabulary model at 64 tokens:
 layer 1, token 29, logits 7·10⁻⁴ of the row's largest apart). So where the logits miss the
@@ -44,7 +45,7 @@ LOGITS, STATE = 0.08, 0.05
 TIE = 2 ** -9  # router logits this close (relative to the row's largest) may swap under f16 rounding
 
 
-@pytest.fixture(scope="module", params=[("tiny", "q4_k_m", None), ("tiny-dense", "q4_k_m", None), ("tiny", "q8_0", None),
+@pytest.fixture(scope="module", params=[("tiny", "q4_k_m", None, None, None, 5), ("tiny-dense", "q4_k_m", None), ("tiny", "q8_0", None),
                                         ("tiny", "f16", None), ("tiny", "mxfp4_moe", None), ("tiny", "iq3_xxs_dynamic", None),
                                         ("tiny", "iq3_xxs_dynamic", None, 416), ("tiny", "q4_k_m", "qwen35"),
                                         ("tiny", "q4_k_m", None, None, {"ffn_up_exps": "q5_k", "ffn_up_shexp": "q8_0"}),
@@ -57,20 +58,22 @@ def model(request, tmp_path_factory):
     down on the f32 path, and beside a Q8_0 shared expert as wide as them or wider (416: products
     of its own); one has Qwen3.5's 248,320-row output head, the last two pairs of two types: gate
     and up (Q4_K and Q5_K experts, Q4_K and Q8_0 shared), β and α (Q8_0, F16) and a Q8_0 router
-    beside the shared expert's F32 gate."""
-    preset, quant, vocab, shared_ffn, types = (*request.param, None, None)[:5]
+    beside the shared expert's F32 gate. The first has a fifth layer, a delta-net after the
+    attention layer, whose state shows the attention's output (in four layers only the logits
+    do)."""
+    preset, quant, vocab, shared_ffn, types, layers = (*request.param, None, None, None)[:6]
     path = tmp_path_factory.mktemp("models") / "model.gguf"
-    synth.write(path, preset, quant=quant, seed=5, vocab=synth.REAL_VOCABS[vocab] if vocab else None,
+    synth.write(path, preset, layers=layers, quant=quant, seed=5, vocab=synth.REAL_VOCABS[vocab] if vocab else None,
                 shared_ffn=shared_ffn, tensor_types={p: QuantType[t.upper()] for p, t in (types or {}).items()})
     return open_model(path)
 
 
 def reference_with_ties(model, prompt, flip=None, units=True):
     """The last position's logits with the prompt's products rounded as on matrix units (not
-    with units=False: Q8_1 throughout, as the decode path), and the near ties of the routing:
+    with units=False: Q8_1 throughout, as the decode path), the near ties of the routing:
     (layer, position) where the router's K-th and (K+1)-th logits lie within TIE of the row's
-    largest |logit|, so that a rounding elsewhere can swap them. `flip` names one of those whose
-    two experts are swapped."""
+    largest |logit|, so that a rounding elsewhere can swap them, and the state it leaves. `flip`
+    names one of those ties whose two experts are swapped."""
     ref = ReferenceModel(model, int8_activations=True)
     q8, plain_w, plain_proj = ref.input_of, ref.w, ref.proj
     K, state, ties = model.hparams.n_experts_used, ref.new_state(), []
@@ -104,7 +107,19 @@ def reference_with_ties(model, prompt, flip=None, units=True):
     ref.w, ref.expert, ref.input_of = w16, (lambda name, e: w16(name)[e]), prompt_input
     ref.forward(prompt[:-1], state)
     ref.w, ref.expert, ref.input_of = plain_w, ReferenceModel.expert.__get__(ref), q8
-    return ref.forward(prompt[-1:], state)[-1], ties
+    return ref.forward(prompt[-1:], state)[-1], ties, state
+
+
+def assert_states_near(got, state, what: str) -> None:
+    """The graph's KV caches and delta-net states (state_of) within STATE of their norm of the
+    reference's: K and V as (position, kv head, dim), each value head's state as (key, value)."""
+    want = {f"ssm{i}": s for i, s in state.ssm.items()}
+    for i, (k, v) in state.kv.items():
+        want[f"k{i}"], want[f"v{i}"] = k.transpose(1, 0, 2), v.transpose(1, 0, 2)
+    for name, value in want.items():
+        value = np.asarray(value, np.float64).reshape(-1)
+        err = np.linalg.norm(got[name] - value) / max(np.linalg.norm(value), 1e-30)
+        assert err <= STATE, f"{what}: {name} differs from the reference's by {err:.3g} of its norm"
 
 
 def test_prefill_leaves_what_decode_steps_leave(model, device):
@@ -124,11 +139,14 @@ def test_prefill_leaves_what_decode_steps_leave(model, device):
             assert g.position == n - 1
             first = g.decode(prompt[-1])
             logits, got = g.logits(), state_of(g)
-            expected = ref.forward(prompt, ref.new_state())[-1]
+            ref_state = ref.new_state()
+            expected = ref.forward(prompt, ref_state)[-1]
             spread = expected.std()
             if units:
-                expected, ties = reference_with_ties(model, prompt)
-                if np.abs(logits - expected).max() > LOGITS * spread:  # a near tie of the routing taken the other way?
+                expected, ties, ref_state = reference_with_ties(model, prompt)
+                if np.abs(logits - expected).max() <= LOGITS * spread:
+                    assert_states_near(got, ref_state, f"{n} tokens")
+                else:  # a near tie of the routing taken the other way?
                     near = [reference_with_ties(model, prompt, flip=tie)[0] for tie in ties]
                     assert min(np.abs(logits - e).max() for e in near + [expected]) <= LOGITS * spread, \
                         f"{n} tokens: against the reference ({len(ties)} near ties of the routing tried)"
@@ -142,6 +160,7 @@ def test_prefill_leaves_what_decode_steps_leave(model, device):
                 for name, value in want.items():
                     err = np.linalg.norm(got[name] - value) / max(np.linalg.norm(value), 1e-30)
                     assert err <= STATE, f"{n} tokens: {name} differs by {err:.3g} of its norm"
+                assert_states_near(got, ref_state, f"{n} tokens")
                 top2 = np.sort(expected)[-2:]
                 if top2[1] - top2[0] > 2 * tol:
                     assert first == stepped == int(np.argmax(expected)), f"{n} tokens: greedy token"

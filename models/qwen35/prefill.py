@@ -232,7 +232,8 @@ class Prefill:
             q=self.q, k_cache=k_cache, v_cache=v_cache, n_head=nh, n_kv=nkv, d=d, rope_dims=hp.rope_dims,
             rope_base=hp.rope_base, eps=hp.eps, t=t)
         o = self.attn_o
-        kernel = attention.attn_prefill_coop if self.coop and d % 32 == 0 else attention.attn_prefill
+        on_units = self.coop and attention.attn_prefill_coop.allows(D=d, G=nh // nkv)
+        kernel = attention.attn_prefill_coop if on_units else attention.attn_prefill
         kernel.launch(seq, g._pick, label=p + "attn_prefill", D=d, G=nh // nkv, Q8=g._int8(p + "attn_output.weight"),
                       q=self.q, qg=self.qg, k_cache=k_cache, v_cache=v_cache, step=step, o=o.f32, oq=o.q, od=o.d,
                       n_kv=nkv, t=t, ctx=g.n_ctx)

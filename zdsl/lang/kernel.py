@@ -166,6 +166,11 @@ class KernelDef:
                 out.append(v)
         return out
 
+    def allows(self, **given) -> bool:
+        """Whether the variant of `given` values (the rest at their defaults) meets the kernel's
+        constraint: a graph asks before it picks the kernel for a shape."""
+        return self.constraint is None or bool(self.constraint(SimpleNamespace(**self.complete(given))))
+
     def complete(self, given: dict) -> dict:
         names = {p.name: p for p in self.params if p.kind in ("const", "spec")}
         unknown = set(given) - set(names)
