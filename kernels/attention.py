@@ -38,6 +38,7 @@ import numpy as np
 import zdsl
 from zdsl import Buffer, Const, f16, f32, u32
 from zdsl.kernels import inputs, mma
+from zdsl.kernels.kvcache import FORMATS as KV_FORMATS, KV_TYPES
 from zdsl.kernels.norm import rms_scale
 from zdsl.kernels.q8_1 import store_q8_1
 from zdsl.kernels.reduce import SUBGROUPS
@@ -47,25 +48,33 @@ LOWEST = float(np.finfo(np.float32).min)  # the "no score yet" max: finite, so e
 
 # ---- q/k norm, RoPE, KV-cache append --------------------------------------------------------------
 
-@zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [64, 256], "SG": SUBGROUPS}, key=("d",),
-             grid=lambda v, s: s.n_head + s.n_kv,
-             traffic=lambda v, s: 4 * (s.n_head * 3 * s.d + 2 * s.n_kv * s.d + 2 * s.d) + 4 * s.n_kv * s.d)
+def _prep_traffic(v, s, t: int = 1) -> int:
+    """Per token q, k and v in, q out, a cache row of each KV head written; the norms' weights."""
+    row = KV_FORMATS[v.KT].row_bytes(s.d) + KV_FORMATS[v.VT].row_bytes(s.d)
+    return t * (4 * (s.n_head * 3 * s.d + 2 * s.n_kv * s.d) + s.n_kv * row) + 8 * s.d
+
+
+@zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [64, 256], "KT": KV_TYPES, "VT": KV_TYPES, "SG": SUBGROUPS},
+             key=("d",), grid=lambda v, s: s.n_head + s.n_kv, traffic=_prep_traffic)
 def attn_prep(qg: Buffer[f32], k: Buffer[f32], v: Buffer[f32], q_norm: Buffer[f32], k_norm: Buffer[f32],
               step: Buffer[u32], q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16],
               n_head: u32, n_kv: u32, d: u32, rope_dims: u32, rope_base: f32, eps: f32,
-              WG: Const = 256, SG: Const = 32):
+              WG: Const = 256, KT: Const = "f16", VT: Const = "f16", SG: Const = 32):
     """Workgroup h < n_head: q[h] = rope(rmsnorm(qg[h, :d]) · q_norm) (qg holds [query d | gate d]
     per head). Workgroup n_head + g: k_cache[pos, g] = rope(rmsnorm(k[g]) · k_norm) and
-    v_cache[pos, g] = v[g], as f16, pos = step[0]. RoPE pairs dim i with i + rope_dims/2,
-    θ_i = pos · rope_base^(−2i/rope_dims); rope_dims is even and ≤ d."""
+    v_cache[pos, g] = v[g], in the KV formats KT and VT (kvcache.py), pos = step[0]; d is a
+    multiple of 4 (of 32 for a quantized format). RoPE pairs dim i with i + rope_dims/2, θ_i = pos · rope_base^(−2i/rope_dims);
+    rope_dims is even and ≤ d."""
     _prep_head(qg, k, v, q_norm, k_norm, q, k_cache, v_cache, zdsl.workgroup_id(), None, step[0],
-               n_head, n_kv, d, rope_dims, rope_base, eps, WG, SG)
+               n_head, n_kv, d, rope_dims, rope_base, eps, WG, SG, KT, VT)
 
 
 def _prep_head(qg, k, v, q_norm, k_norm, q, k_cache, v_cache, head, token, pos, n_head, n_kv, d, rope_dims,
-               rope_base, eps, WG: int, SG: int):
+               rope_base, eps, WG: int, SG: int, KT: str, VT: str):
     """One workgroup's head of attn_prep: query head `head` < n_head or KV head head − n_head, of
-    row `token` of qg, k, v and q (None: the only row), written to cache row `pos`."""
+    row `token` of qg, k, v and q (None: the only row), written to cache row `pos`. Invocation
+    t holds four consecutive values, t + WG the next four, …, so that a cache format's block of
+    32 lies in eight neighbours."""
     is_q = head < n_head
     g = head - n_head  # the KV head (wraps for query heads, where it is never used)
     q_base, k_base, q_out = head * 2 * d, g * d, head * d
@@ -79,7 +88,9 @@ def _prep_head(qg, k, v, q_norm, k_norm, q, k_cache, v_cache, head, token, pos, 
     scale = rms_scale(x, d, eps, WG, SG)
     half = rope_dims // 2
     log2_base = zdsl.log2(rope_base)
-    for j in zdsl.range(zdsl.local_index(), d, WG):
+
+    def rotated(j):
+        """Element j normed, weighted and rotated."""
         value = zdsl.var(x(j) * scale * zdsl.where(is_q, q_norm[j], k_norm[j]))
         with zdsl.if_(j < rope_dims):
             first = j < half
@@ -90,12 +101,21 @@ def _prep_head(qg, k, v, q_norm, k_norm, q, k_cache, v_cache, head, token, pos, 
             turns = pos.to(f32) * zdsl.exp2(-(2 * i).to(f32) / rope_dims.to(f32) * log2_base) * (0.5 / math.pi)
             angle = (turns - zdsl.round(turns)) * (2 * math.pi)
             value.set(value * zdsl.cos(angle) + zdsl.where(first, -partner, partner) * zdsl.sin(angle))
+        return value
+
+    quads = d >> 2
+    row = pos * n_kv + g
+    for first in zdsl.range(0, quads, WG):  # uniform trip count: a block's eight store together
+        quad = first + zdsl.local_index()
+        ok = quad < quads
+        at = zdsl.min(quad, quads - 1)
+        values = zdsl.vec(*[rotated(4 * at + e) for e in range(4)])
         with zdsl.if_(is_q):
-            q[q_out + j] = value
+            with zdsl.if_(ok):
+                q.vec4[(q_out >> 2) + at] = values
         with zdsl.else_():
-            row = (pos * n_kv + g) * d + j
-            k_cache[row] = value.to(f16)
-            v_cache[row] = v[k_base + j].to(f16)
+            KV_FORMATS[KT].store(k_cache, row, at, values, ok, d)
+            KV_FORMATS[VT].store(v_cache, row, at, v.vec4[(k_base >> 2) + at], ok, d)
 
 
 def rmsnorm_ref(x, w, eps):
@@ -113,42 +133,42 @@ def rope_ref(x, pos, rope_dims, base):
 
 
 @attn_prep.reference
-def attn_prep_ref(qg, k, v, q_norm, k_norm, k_cache, v_cache, pos, rope_dims, rope_base, eps):
-    """qg: (n_head, 2d); k, v: (n_kv, d); caches (n_ctx, n_kv, d) f16. Returns (q, k_cache, v_cache)."""
-    d = k.shape[-1]
-    q = rope_ref(rmsnorm_ref(qg[:, :d], q_norm, eps), pos, rope_dims, rope_base)
-    kc, vc = k_cache.copy(), v_cache.copy()
-    kc[pos] = rope_ref(rmsnorm_ref(k, k_norm, eps), pos, rope_dims, rope_base)
-    vc[pos] = v
-    return q.astype(np.float32), kc, vc
+def attn_prep_ref(qg, k, v, q_norm, k_norm, k_cache, v_cache, pos, rope_dims, rope_base, eps, kt="f16", vt="f16"):
+    """qg: (n_head, 2d); k, v: (n_kv, d); caches (n_ctx, n_kv, …) holding rows in formats kt, vt
+    (kvcache.py; of any dtype, as bytes). Returns (q, k_cache, v_cache), the caches as given."""
+    q, kc, vc = attn_prep_rows_ref(qg[None], k[None], v[None], q_norm, k_norm, k_cache, v_cache, pos, rope_dims,
+                                   rope_base, eps, kt, vt)
+    return q[0], kc, vc
 
 
-@zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [64, 256], "SG": SUBGROUPS}, key=("d", "t"), sizes=("t",),
-             grid=lambda v, s: (s.n_head + s.n_kv, s.t),
-             traffic=lambda v, s: s.t * (4 * (s.n_head * 3 * s.d + 2 * s.n_kv * s.d) + 4 * s.n_kv * s.d) + 8 * s.d)
+@zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [64, 256], "KT": KV_TYPES, "VT": KV_TYPES, "SG": SUBGROUPS},
+             key=("d", "t"), sizes=("t",), grid=lambda v, s: (s.n_head + s.n_kv, s.t),
+             traffic=lambda v, s: _prep_traffic(v, s, s.t))
 def attn_prep_rows(qg: Buffer[f32], k: Buffer[f32], v: Buffer[f32], q_norm: Buffer[f32], k_norm: Buffer[f32],
                    step: Buffer[u32], q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16],
                    n_head: u32, n_kv: u32, d: u32, rope_dims: u32, rope_base: f32, eps: f32,
-                   WG: Const = 256, SG: Const = 32):
+                   WG: Const = 256, KT: Const = "f16", VT: Const = "f16", SG: Const = 32):
     """attn_prep for a chunk of t tokens at positions step[0] + i (i = workgroup_id(1) < t): row i
     of qg (n_head · 2d), k and v (n_kv · d) gives row i of q (n_head · d) and cache row step[0] + i.
     The launch names t (the grid's y)."""
     token = zdsl.workgroup_id(1)
     _prep_head(qg, k, v, q_norm, k_norm, q, k_cache, v_cache, zdsl.workgroup_id(0), token, step[0] + token,
-               n_head, n_kv, d, rope_dims, rope_base, eps, WG, SG)
+               n_head, n_kv, d, rope_dims, rope_base, eps, WG, SG, KT, VT)
 
 
 @attn_prep_rows.reference
-def attn_prep_rows_ref(qg, k, v, q_norm, k_norm, k_cache, v_cache, p0, rope_dims, rope_base, eps):
-    """qg: (T, n_head, 2d); k, v: (T, n_kv, d); caches (n_ctx, n_kv, d) f16. Returns (q (T, n_head, d),
-    k_cache, v_cache) with rows p0 .. p0 + T − 1 written, token i rotated at position p0 + i."""
+def attn_prep_rows_ref(qg, k, v, q_norm, k_norm, k_cache, v_cache, p0, rope_dims, rope_base, eps, kt="f16",
+                       vt="f16"):
+    """qg: (T, n_head, 2d); k, v: (T, n_kv, d); caches (n_ctx, n_kv, …) holding rows in formats
+    kt, vt (kvcache.py; of any dtype, as bytes). Returns (q (T, n_head, d), k_cache, v_cache) with
+    rows p0 .. p0 + T − 1 written, token i rotated at position p0 + i, the caches as given."""
     T, d = k.shape[0], k.shape[-1]
     pos = (p0 + np.arange(T))[:, None, None]
     q = rope_ref(rmsnorm_ref(qg[..., :d], q_norm, eps), pos, rope_dims, rope_base)
-    kc, vc = k_cache.copy(), v_cache.copy()
-    kc[p0:p0 + T] = rope_ref(rmsnorm_ref(k, k_norm, eps), pos, rope_dims, rope_base)
-    vc[p0:p0 + T] = v
-    return q.astype(np.float32), kc, vc
+    kc, vc = k_cache.view(np.uint8).copy(), v_cache.view(np.uint8).copy()
+    kc[p0:p0 + T] = KV_FORMATS[kt].encode(rope_ref(rmsnorm_ref(k, k_norm, eps), pos, rope_dims, rope_base))
+    vc[p0:p0 + T] = KV_FORMATS[vt].encode(v)
+    return q.astype(np.float32), kc.view(k_cache.dtype), vc.view(v_cache.dtype)
 
 
 # ---- split attention over the cache ----------------------------------------------------------------
@@ -250,23 +270,36 @@ def merge_clusters(m, l, acc, C: int, SG: int):
         mask *= 2
 
 
+def _load_rows(k_cache, v_cache, rows, r, C: int, P: int, D: int, KT: str, VT: str):
+    """([row][piece] K, the same of V): lane r's P pieces (float4 at dims 4·(r + C·p)) of each
+    cache row in `rows` (row = position · n_kv + KV head), all loads issued before any is used."""
+    k, v = KV_FORMATS[KT], KV_FORMATS[VT]
+    return ([[k.load(k_cache, row, r + C * p, D) for p in range(P)] for row in rows],
+            [[v.load(v_cache, row, r + C * p, D) for p in range(P)] for row in rows])
+
+
 def _decode_fits(v) -> bool:
     lanes = row_lanes(v.D, v.SG)
     return v.D % 4 == 0 and lanes & (lanes - 1) == 0 and v.D % (4 * lanes) == 0
 
 
+def _cache_bytes(v, s) -> int:
+    """K and V for ctx rows of every KV head, in their formats."""
+    return s.ctx * s.n_kv * (KV_FORMATS[v.KT].row_bytes(v.D) + KV_FORMATS[v.VT].row_bytes(v.D))
+
+
 def _decode_traffic(v, s) -> int:
     """The whole cache as allocated (the length a step reads grows to it), q and the partials."""
-    cache = 2 * s.ctx * s.n_kv * v.D
-    return 2 * cache + 4 * s.n_kv * v.G * v.D * (1 + s.nsplit) + 8 * s.n_kv * v.G * s.nsplit
+    return _cache_bytes(v, s) + 4 * s.n_kv * v.G * v.D * (1 + s.nsplit) + 8 * s.n_kv * v.G * s.nsplit
 
 
 @zdsl.kernel(workgroup=lambda v: v.NW * v.SG, subgroup="SG",
-             variants={"D": [128, 256], "G": [2, 4, 8], "NW": [1, 4], "U": [2, 4], "SG": SUBGROUPS}, where=_decode_fits,
+             variants={"D": [128, 256], "G": [2, 4, 8], "NW": [1, 4], "U": [2, 4], "KT": KV_TYPES, "VT": KV_TYPES,
+                       "SG": SUBGROUPS}, where=_decode_fits,
              sizes=("nsplit", "ctx"), grid=lambda v, s: (s.nsplit, s.n_kv), traffic=_decode_traffic)
 def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step: Buffer[u32], part: Buffer[f32],
                 n_kv: u32, min_chunk: u32, G: Const = 8, D: Const = 256, NW: Const = 4, U: Const = 2,
-                SG: Const = 32):
+                KT: Const = "f16", VT: Const = "f16", SG: Const = 32):
     """Partial attention of the G query heads of KV head g = workgroup_id(1) (query heads
     g·G .. g·G + G − 1) over split s = workgroup_id(0) of the cache rows 0 .. step[1] − 1, cut by
     `split_rows` with nsplit = the grid's x size; splits past the last in use exit at once and
@@ -276,10 +309,13 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
     those dims of the G queries and G accumulators in registers, so K and V are read once for
     all G heads. A subgroup takes U rows per cluster of lanes per round (their loads in flight
     together); the NW subgroups of the workgroup take alternate rounds, and their running
-    softmaxes are merged through shared memory at the end. The launch names nsplit (the grid's x)
-    and ctx (the rows the cache holds)."""
+    softmaxes are merged through shared memory at the end. K and V are read in their formats KT
+    and VT (kvcache.py), four values at a time, dequantized in registers. The launch names nsplit
+    (the grid's x) and ctx (the rows the cache holds)."""
     if not _decode_fits(SimpleNamespace(D=D, SG=SG)):
         raise zdsl.ZdslError(f"attn_decode needs D / 4 a power of two or a multiple of 4·SG, not D={D}, SG={SG}")
+    for kv_type in (KT, VT):
+        KV_FORMATS[kv_type].check(D)
     C = row_lanes(D, SG)
     P, NC = D // (4 * C), SG // C  # float4 pieces per lane, row clusters per subgroup
     rows_per_round = U * NC
@@ -301,9 +337,7 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
             valid = [t < end for t in rows] if rows_per_round > 1 else None  # the last round may run out
             if valid:
                 rows = [zdsl.min(t, end - 1) for t in rows]
-            bases = [(t * n_kv + g) * (D // 4) + r for t in rows]
-            kv = [[k_cache.vec4[b + C * p].to(f32) for p in range(P)] for b in bases]
-            vv = [[v_cache.vec4[b + C * p].to(f32) for p in range(P)] for b in bases]
+            kv, vv = _load_rows(k_cache, v_cache, [t * n_kv + g for t in rows], r, C, P, D, KT, VT)
             row_scores = []  # [row][head]
             for u in range(U):
                 dots = []
@@ -505,17 +539,18 @@ def _prefill_fits(v) -> bool:
 def _prefill_traffic(v, s) -> int:
     """The cache rows the chunk reads (ctx: the rows the cache holds) once, q, the gates and o."""
     rows = s.t * s.n_kv * v.G
-    return 4 * s.ctx * s.n_kv * v.D + 12 * rows * v.D + (rows * (v.D + v.D // 4) if v.Q8 else 0)
+    return _cache_bytes(v, s) + 12 * rows * v.D + (rows * (v.D + v.D // 4) if v.Q8 else 0)
 
 
 @zdsl.kernel(workgroup=lambda v: v.NW * v.SG, subgroup="SG",
              variants={"D": [128, 256], "G": [2, 4, 8], "BT": [1, 2, 4], "NW": [1, 4], "U": [1, 2],
-                       "Q8": [False, True], "SG": SUBGROUPS},
+                       "Q8": [False, True], "KT": KV_TYPES, "VT": KV_TYPES, "SG": SUBGROUPS},
              where=_prefill_fits, key=("t",), sizes=("ctx",),
              grid=lambda v, s: (-(-s.t // (v.NW * v.BT)), s.n_kv), traffic=_prefill_traffic)
 def attn_prefill(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step: Buffer[u32],
                  o: Buffer[f32], oq: Buffer[u32], od: Buffer[f32], n_kv: u32, t: u32, G: Const = 8,
-                 D: Const = 256, BT: Const = 1, NW: Const = 4, U: Const = 2, Q8: Const = False, SG: Const = 32):
+                 D: Const = 256, BT: Const = 1, NW: Const = 4, U: Const = 2, Q8: Const = False, KT: Const = "f16",
+                 VT: Const = "f16", SG: Const = 32):
     """Causal attention of a chunk of t tokens at positions p0 + i (p0 = step[0]): token i's query
     head h (q row i, n_kv · G heads of D) attends cache rows 0 .. p0 + i of KV head h // G with
     scale 1/√D; o row i, head h = softmax · V · sigmoid(gate), the gate from qg row i (per head
@@ -527,12 +562,15 @@ def attn_prefill(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_cache:
     as attn_decode does (`row_lanes` lanes share a row, U rows per cluster in flight), each K/V
     row it loads serving its BT · G queries (masked past each token's position), and the NW
     subgroups read the same rows at about the same time (from cache after the first). The
-    subgroups share nothing: no barriers. The launch names ctx (the rows the cache holds)."""
+    subgroups share nothing: no barriers. K and V are read in their formats KT and VT
+    (kvcache.py), dequantized in registers. The launch names ctx (the rows the cache holds)."""
     if not _prefill_fits(SimpleNamespace(D=D, SG=SG, BT=BT, G=G)):
         raise zdsl.ZdslError(f"attn_prefill needs D / 4 a power of two or a multiple of 4·SG, and BT = 1 or "
                              f"BT·G·D / (4·row_lanes) ≤ 16, not D={D}, SG={SG}, BT={BT}, G={G}")
     if Q8 and D % 32:
         raise zdsl.ZdslError(f"attn_prefill writes Q8_1 blocks of 32 dims: D = {D} is not a multiple of 32")
+    for kv_type in (KT, VT):
+        KV_FORMATS[kv_type].check(D)
     C = row_lanes(D, SG)
     P, NC = D // (4 * C), SG // C  # float4 pieces per lane, row clusters per subgroup
     g, lane = zdsl.workgroup_id(1), zdsl.lane_id()
@@ -551,9 +589,7 @@ def attn_prefill(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_cache:
     end = ends[-1]
     for first in zdsl.range(0, end, U * NC):
         rows = [first + c + NC * u for u in range(U)]
-        bases = [(zdsl.min(x, end - 1) * n_kv + g) * (D // 4) + r for x in rows]
-        kv = [[k_cache.vec4[b + C * p].to(f32) for p in range(P)] for b in bases]
-        vv = [[v_cache.vec4[b + C * p].to(f32) for p in range(P)] for b in bases]
+        kv, vv = _load_rows(k_cache, v_cache, [zdsl.min(x, end - 1) * n_kv + g for x in rows], r, C, P, D, KT, VT)
         seen = [[x < e for e in ends] for x in rows]  # [row][token]: the row is in the token's past
         row_scores = []
         for u in range(U):
@@ -836,42 +872,70 @@ def attn_prefill_coop_ref(q, qg, k_cache, v_cache, p0):
 
 # ---- examples ------------------------------------------------------------------------------------
 
+def _kv_types(use) -> tuple[str, str]:
+    return use.variant.params["KT"], use.variant.params["VT"]
+
+
+def _written(kc, vc, kt: str, vt: str) -> dict:
+    """The expected caches (uint8 rows) where they are f16: a quantized row's codes may differ
+    from numpy's by a step where a value sits on a rounding boundary (the kernel tests check
+    those rows decoded, test_kernels_attention)."""
+    out = {}
+    if kt == "f16":
+        out["k_cache"] = (kc.view(np.float16).astype(np.float32), 2e-3)
+    if vt == "f16":
+        out["v_cache"] = (vc.view(np.float16).astype(np.float32), 1e-3)
+    return out
+
+
+def _bytes(cache, rows: int, n_kv: int) -> np.ndarray:
+    """A cache as the references take it: (rows, n_kv, row bytes) uint8."""
+    return cache.view(np.uint8).reshape(rows, n_kv, -1)
+
+
+def _values(cache, kv_type: str, rows: int, n_kv: int, d: int) -> np.ndarray:
+    """A cache's values (rows, n_kv, d), decoded."""
+    return KV_FORMATS[kv_type].decode(cache, d).reshape(rows, n_kv, d)
+
+
 @attn_prep.example
 def attn_prep_example(use, rng, check):
     s = use.sizes
     nh, nkv, d = s["n_head"], s["n_kv"], s["d"]
-    ctx = use.buffers["k_cache"] // (2 * nkv * d)
+    kt, vt = _kv_types(use)
+    ctx = use.buffers["k_cache"] // (nkv * KV_FORMATS[kt].row_bytes(d))
     ctx = min(ctx, inputs.CHECK_CTX) if check else ctx
     pos = ctx - 1
     args = dict(qg=inputs.normal(rng, nh * 2 * d), k=inputs.normal(rng, nkv * d), v=inputs.normal(rng, nkv * d),
                 q_norm=rng.uniform(0.5, 1.5, d).astype(np.float32), k_norm=rng.uniform(0.5, 1.5, d).astype(np.float32),
                 step=inputs.step_words(pos, pos + 1), q=np.zeros(nh * d, np.float32),
-                k_cache=inputs.kv_cache(rng, ctx, nkv, d), v_cache=inputs.kv_cache(rng, ctx, nkv, d),
+                k_cache=inputs.kv_cache(rng, ctx, nkv, d, kt), v_cache=inputs.kv_cache(rng, ctx, nkv, d, vt),
                 **{n: s[n] for n in ("n_head", "n_kv", "d", "rope_dims", "rope_base", "eps")})
 
     def expect(p):
         a = args
         q, kc, vc = attn_prep_ref(a["qg"].reshape(nh, 2 * d), a["k"].reshape(nkv, d), a["v"].reshape(nkv, d),
-                                  a["q_norm"], a["k_norm"], a["k_cache"].reshape(ctx, nkv, d),
-                                  a["v_cache"].reshape(ctx, nkv, d), pos, s["rope_dims"], s["rope_base"], s["eps"])
-        return {"q": (q, 1e-4), "k_cache": (kc.astype(np.float32), 2e-3), "v_cache": (vc.astype(np.float32), 1e-3)}
+                                  a["q_norm"], a["k_norm"], _bytes(a["k_cache"], ctx, nkv), _bytes(a["v_cache"], ctx, nkv),
+                                  pos, s["rope_dims"], s["rope_base"], s["eps"], kt, vt)
+        return {"q": (q, 1e-4), **_written(kc, vc, kt, vt)}
     return zdsl.Example(args, expect)
 
 
 @attn_decode.example
 def attn_decode_example(use, rng, check):
     D, G = use.fixed["D"], use.fixed["G"]
+    kt, vt = _kv_types(use)
     nkv, min_chunk = use.sizes["n_kv"], use.sizes["min_chunk"]
     nh = nkv * G
     ctx, nsplit = ((inputs.CHECK_CTX, -(-inputs.CHECK_CTX // min_chunk)) if check
                    else (use.sizes["ctx"], use.sizes["nsplit"]))
-    args = dict(q=inputs.normal(rng, nh * D), k_cache=inputs.kv_cache(rng, ctx, nkv, D),
-                v_cache=inputs.kv_cache(rng, ctx, nkv, D), step=inputs.step_words(ctx - 1, ctx),
+    args = dict(q=inputs.normal(rng, nh * D), k_cache=inputs.kv_cache(rng, ctx, nkv, D, kt),
+                v_cache=inputs.kv_cache(rng, ctx, nkv, D, vt), step=inputs.step_words(ctx - 1, ctx),
                 part=np.zeros(nh * nsplit * (D + 2), np.float32), n_kv=nkv, min_chunk=min_chunk, nsplit=nsplit, ctx=ctx)
 
     def expect(p):
-        want = attn_decode_ref(args["q"].reshape(nh, D), args["k_cache"].reshape(ctx, nkv, D),
-                               args["v_cache"].reshape(ctx, nkv, D), ctx, nsplit, min_chunk)
+        want = attn_decode_ref(args["q"].reshape(nh, D), _values(args["k_cache"], kt, ctx, nkv, D),
+                               _values(args["v_cache"], vt, ctx, nkv, D), ctx, nsplit, min_chunk)
         return {"part": (want, 1e-4)}  # NaN where a split is not in use
     return zdsl.Example(args, expect, lambda n: {"k_cache": inputs.copies(args["k_cache"], n),
                                                  "v_cache": inputs.copies(args["v_cache"], n)})
@@ -901,27 +965,28 @@ def attn_combine_example(use, rng, check):
 def attn_prep_rows_example(use, rng, check):
     s = use.sizes
     nh, nkv, d, T = s["n_head"], s["n_kv"], s["d"], s["t"]
-    ctx = use.buffers["k_cache"] // (2 * nkv * d)
+    kt, vt = _kv_types(use)
+    ctx = use.buffers["k_cache"] // (nkv * KV_FORMATS[kt].row_bytes(d))
     ctx = max(min(ctx, inputs.CHECK_CTX), T) if check else ctx
     p0 = ctx - T
     args = dict(qg=inputs.normal(rng, T * nh * 2 * d), k=inputs.normal(rng, T * nkv * d),
                 v=inputs.normal(rng, T * nkv * d), q_norm=rng.uniform(0.5, 1.5, d).astype(np.float32),
                 k_norm=rng.uniform(0.5, 1.5, d).astype(np.float32), step=inputs.step_words(p0, ctx),
-                q=np.zeros(T * nh * d, np.float32), k_cache=inputs.kv_cache(rng, ctx, nkv, d),
-                v_cache=inputs.kv_cache(rng, ctx, nkv, d), t=T,
+                q=np.zeros(T * nh * d, np.float32), k_cache=inputs.kv_cache(rng, ctx, nkv, d, kt),
+                v_cache=inputs.kv_cache(rng, ctx, nkv, d, vt), t=T,
                 **{n: s[n] for n in ("n_head", "n_kv", "d", "rope_dims", "rope_base", "eps")})
 
     def expect(p):
         a = args
         q, kc, vc = attn_prep_rows_ref(a["qg"].reshape(T, nh, 2 * d), a["k"].reshape(T, nkv, d),
                                        a["v"].reshape(T, nkv, d), a["q_norm"], a["k_norm"],
-                                       a["k_cache"].reshape(ctx, nkv, d), a["v_cache"].reshape(ctx, nkv, d), p0,
-                                       s["rope_dims"], s["rope_base"], s["eps"])
-        return {"q": (q, 1e-4), "k_cache": (kc.astype(np.float32), 2e-3), "v_cache": (vc.astype(np.float32), 1e-3)}
+                                       _bytes(a["k_cache"], ctx, nkv), _bytes(a["v_cache"], ctx, nkv), p0,
+                                       s["rope_dims"], s["rope_base"], s["eps"], kt, vt)
+        return {"q": (q, 1e-4), **_written(kc, vc, kt, vt)}
     return zdsl.Example(args, expect)
 
 
-def _prefill_example(use, rng, check, tol):
+def _prefill_example(use, rng, check, tol, kt="f16", vt="f16"):
     D, G, q8 = use.fixed["D"], use.fixed["G"], use.fixed["Q8"]
     nkv, T = use.sizes["n_kv"], use.sizes["t"]
     nh = nkv * G
@@ -929,14 +994,14 @@ def _prefill_example(use, rng, check, tol):
     rows = cache_rows(ctx)
     p0 = ctx - T  # the last chunk of a full context: the most rows
     args = dict(q=inputs.normal(rng, T * nh * D), qg=inputs.normal(rng, T * nh * 2 * D),
-                k_cache=inputs.kv_cache(rng, rows, nkv, D), v_cache=inputs.kv_cache(rng, rows, nkv, D),
+                k_cache=inputs.kv_cache(rng, rows, nkv, D, kt), v_cache=inputs.kv_cache(rng, rows, nkv, D, vt),
                 step=inputs.step_words(p0, ctx), o=np.zeros(T * nh * D, np.float32), n_kv=nkv, t=T, ctx=rows)
     if q8:
         args.update(oq=np.zeros(T * nh * D // 4, np.uint32), od=np.zeros(T * nh * D // 16, np.float32))
 
     def expect(p):
         o = attn_prefill_ref(args["q"].reshape(T, nh, D), args["qg"].reshape(T, nh, 2 * D),
-                             args["k_cache"].reshape(rows, nkv, D), args["v_cache"].reshape(rows, nkv, D), p0)
+                             _values(args["k_cache"], kt, rows, nkv, D), _values(args["v_cache"], vt, rows, nkv, D), p0)
         return {"o": (o, tol), **({"od": (inputs.q8_1_scales(o), tol)} if q8 else {})}
     return zdsl.Example(args, expect, lambda n: {"k_cache": inputs.copies(args["k_cache"], n),
                                                  "v_cache": inputs.copies(args["v_cache"], n)})
@@ -944,7 +1009,7 @@ def _prefill_example(use, rng, check, tol):
 
 @attn_prefill.example
 def attn_prefill_example(use, rng, check):
-    return _prefill_example(use, rng, check, 1e-4)
+    return _prefill_example(use, rng, check, 1e-4, *_kv_types(use))
 
 
 @attn_prefill_coop.example

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from zdsl.kernels.kvcache import FORMATS as KV_FORMATS
 from zdsl.kernels.q8_1 import q8_1_buffers, q8_1_ref
 from zdsl.kernels.quant import FORMATS
 
@@ -57,8 +58,10 @@ def step_words(pos: int, length: int, counter: int = 0) -> np.ndarray:
     return s
 
 
-def kv_cache(rng, ctx: int, n_kv: int, d: int) -> np.ndarray:
-    return rng.standard_normal(ctx * n_kv * d).astype(np.float16)
+def kv_cache(rng, ctx: int, n_kv: int, d: int, kv_type: str = "f16") -> np.ndarray:
+    """A cache of random rows in a KV format (kvcache.py), as the f16 units kernels declare."""
+    rows = rng.standard_normal((ctx * n_kv, d)).astype(np.float32)
+    return KV_FORMATS[kv_type].encode(rows).view(np.float16).reshape(-1)
 
 
 def copies(array, n: int) -> list:

@@ -30,9 +30,11 @@ from zdsl.kernels.norm import rms_norm_ref
 from zdsl.kernels.reduce import SUBGROUPS, workgroup_sums
 
 
-def store_q8_1(v, i, valid, xq, xd):
-    """Invocation i's four values v (a vec4) into Q8_1 block i // 8, where `valid`. Eight
-    consecutive invocations hold a block: call in control flow uniform over each eight."""
+def quantize_8bit(v):
+    """ggml's 8-bit rounding of a block of 32 held four values (a vec4) per invocation by eight
+    consecutive invocations: d = max|x| / 127, q = round(x / d) (through 1/d). Returns (d, this
+    invocation's four q as i32, the four packed as int8 bytes of a u32). Call in control flow
+    uniform over each eight."""
     a = zdsl.abs(v)
     amax = zdsl.subgroup_max(zdsl.max(zdsl.max(a.x, a.y), zdsl.max(a.z, a.w)), cluster=8)
     d = amax / 127.0
@@ -41,6 +43,13 @@ def store_q8_1(v, i, valid, xq, xd):
     packed = zdsl.bitcast(lanes[0], u32) & 0xFF
     for j in range(1, 4):
         packed = packed | ((zdsl.bitcast(lanes[j], u32) & 0xFF) << (8 * j))
+    return d, lanes, packed
+
+
+def store_q8_1(v, i, valid, xq, xd):
+    """Invocation i's four values v (a vec4) into Q8_1 block i // 8, where `valid`. Eight
+    consecutive invocations hold a block: call in control flow uniform over each eight."""
+    d, lanes, packed = quantize_8bit(v)
     qsum = zdsl.subgroup_sum(lanes[0] + lanes[1] + lanes[2] + lanes[3], cluster=8)
     with zdsl.if_(valid):
         xq[i] = packed

@@ -81,7 +81,7 @@ def test_block_shapes_match_gguf_and_q8_1_is_ggmls_36_byte_block():
         assert F.block_shape(t) == GGML_QUANT_SIZES[t], t.name
     assert F.block_shape(Q.Q8_1) == (32, 36)
     assert F.row_bytes(Q.Q4_K, 2048) == 8 * 144 and F.row_bytes(Q.BF16, 7) == 14
-    assert F.SUPPORTED_QUANT == {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q8_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4}
+    assert F.SUPPORTED_QUANT == {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q8_0, Q.Q8_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4}
 
 
 def test_user_errors_are_one_line_zdsl_errors():
@@ -90,7 +90,7 @@ def test_user_errors_are_one_line_zdsl_errors():
         (lambda: F.dequantize(b"\0" * 143, Q.Q4_K, (256,)), "takes 144 bytes, got 143"),
         (lambda: F.dequantize(b"", Q.Q8_0, ()), "shape"),
         (lambda: F.dequantize(b"\0" * 66, Q.TQ2_0, (256,)), "TQ2_0 is not supported by dequantize"),
-        (lambda: F.quantize(np.zeros(32), Q.Q4_0), "Q4_0 is not supported by quantize; supported: F32"),
+        (lambda: F.quantize(np.zeros(32), Q.Q4_1), "Q4_1 is not supported by quantize; supported: F32"),
         (lambda: F.block_shape(12345), "12345 is not supported"),
         (lambda: F.quantize(np.float32(1), Q.Q8_0), "scalar"),
         (lambda: F.quantize(np.full(256, np.nan), Q.Q4_K), "NaN"),
@@ -103,7 +103,7 @@ def test_user_errors_are_one_line_zdsl_errors():
         with pytest.raises(ZdslError, match=text) as e:
             call()
         assert "\n" not in str(e.value)
-    assert "Q6_K" in str(pytest.raises(ZdslError, F.quantize, np.zeros(32), Q.Q4_0).value)
+    assert "Q6_K" in str(pytest.raises(ZdslError, F.quantize, np.zeros(32), Q.Q4_1).value)
 
 
 # ---- decoding ------------------------------------------------------------------------------------
@@ -261,16 +261,16 @@ def test_zero_and_constant_rows(qtype):
 
 
 @settings(max_examples=100)
-@given(rows=st.integers(1, 4), nblocks=st.integers(1, 4), log_scale=st.floats(-4, 4),
-       ties=st.booleans(), seed=st.integers(0, 2**32 - 1))
-def test_q8_0_bytes_equal_gguf(rows, nblocks, log_scale, ties, seed):
+@given(qtype=st.sampled_from([Q.Q8_0, Q.Q4_0]), rows=st.integers(1, 4), nblocks=st.integers(1, 4),
+       log_scale=st.floats(-4, 4), ties=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_q8_0_and_q4_0_bytes_equal_gguf(qtype, rows, nblocks, log_scale, ties, seed):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((rows, 32 * nblocks)) * 10.0 ** log_scale
     if ties:  # x / d lands on halves: roundf's ties away from zero, not to even
         x = rng.integers(-254, 255, x.shape) / 2.0
         x[:, ::32] = 127.0
     x = x.astype(np.float32)
-    assert np.array_equal(F.quantize(x, Q.Q8_0), quants.quantize(x, Q.Q8_0))
+    assert np.array_equal(F.quantize(x, qtype), quants.quantize(x, qtype))
 
 
 @settings(max_examples=100)

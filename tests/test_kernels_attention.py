@@ -12,10 +12,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from zdsl.kernels import attention as att
+from zdsl.errors import ZdslError
+from zdsl.kernels.kvcache import FORMATS as KV_FORMATS, KV_TYPES, kv_format
 from zdsl.models.qwen35 import reference as model
 from kernel_testing import BACKENDS, assert_example_holds, assert_q8_1_of, run, subgroup
 
@@ -37,20 +39,22 @@ def assert_f16_close(got, want, atol=0.0):
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4 + atol)
 
 
-def prep(backend, request, qg, k, v, q_norm, k_norm, k_cache, v_cache, pos, rope_dims, rope_base=1e7, wg=64, sg=8):
+def prep(backend, request, qg, k, v, q_norm, k_norm, k_cache, v_cache, pos, rope_dims, rope_base=1e7, wg=64, sg=8,
+         kt="f16", vt="f16"):
     n_head, n_kv, d = qg.shape[0], k.shape[0], k.shape[1]
-    return run(att.attn_prep.specialize(WG=wg, SG=sg), backend, request, n_head + n_kv, qg=qg, k=k, v=v,
+    return run(att.attn_prep.specialize(WG=wg, KT=kt, VT=vt, SG=sg), backend, request, n_head + n_kv, qg=qg, k=k, v=v,
                q_norm=q_norm, k_norm=k_norm, step=step_buffer(pos), q=np.full((n_head, d), np.nan, np.float32),
                k_cache=k_cache, v_cache=v_cache, n_head=n_head, n_kv=n_kv, d=d, rope_dims=rope_dims,
                rope_base=rope_base, eps=EPS)
 
 
-def decode(backend, request, q, k_cache, v_cache, qg, length, nsplit, sg, *, min_chunk=1, nw=1, u=1, wg=64, sp=1, r=1):
+def decode(backend, request, q, k_cache, v_cache, qg, length, nsplit, sg, *, min_chunk=1, nw=1, u=1, wg=64, sp=1, r=1,
+           kt="f16", vt="f16"):
     """attn_decode then attn_combine; returns (partials, o)."""
     n_head, d = q.shape
     n_kv = k_cache.shape[1]
     step = np.array([length - 1, length, 0, 0], np.uint32)
-    part = run(att.attn_decode.specialize(G=n_head // n_kv, D=d, NW=nw, U=u, SG=sg), backend, request, (nsplit, n_kv),
+    part = run(att.attn_decode.specialize(G=n_head // n_kv, D=d, NW=nw, U=u, KT=kt, VT=vt, SG=sg), backend, request, (nsplit, n_kv),
                q=q, k_cache=k_cache, v_cache=v_cache, step=step,
                part=np.full(n_head * nsplit * (d + 2), np.nan, np.float32), n_kv=n_kv, min_chunk=min_chunk)["part"]
     q8 = d % 32 == 0  # o also as Q8_1 where it is whole blocks
@@ -67,8 +71,14 @@ def random_cache(rng, n_ctx, n_kv, d, scale=1.0):
     return (rng.standard_normal((n_ctx, n_kv, d)) * scale).astype(np.float16)
 
 
+def quantized_cache(rng, n_ctx, n_kv, d, kv_type, scale=1.0):
+    """Random rows in a KV format, as the f16 units the kernels declare: (n_ctx, n_kv, row bytes / 2)."""
+    rows = (rng.standard_normal((n_ctx, n_kv, d)) * scale).astype(np.float32)
+    return KV_FORMATS[kv_type].encode(rows).view(np.float16)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-@given(n_kv=st.integers(1, 3), group=st.integers(1, 4), d=st.integers(2, 70), rope_frac=st.floats(0, 1),
+@given(n_kv=st.integers(1, 3), group=st.integers(1, 4), d=st.integers(1, 17).map(lambda n: 4 * n), rope_frac=st.floats(0, 1),
        pos=st.integers(0, 3000), extra=st.integers(0, 2), wg=st.sampled_from([64, 256]), sg_pick=st.integers(0, 3),
        seed=st.integers(0, 99))
 def test_prep(backend, request, n_kv, group, d, rope_frac, pos, extra, wg, sg_pick, seed):
@@ -221,22 +231,24 @@ def test_several_tokens(backend, request):
 
 # ---- a chunk of tokens (prefill) -----------------------------------------------------------------
 
-def prep_rows(backend, request, qg, k, v, q_norm, k_norm, k_cache, v_cache, p0, rope_dims, rope_base=1e7, wg=64, sg=8):
+def prep_rows(backend, request, qg, k, v, q_norm, k_norm, k_cache, v_cache, p0, rope_dims, rope_base=1e7, wg=64, sg=8,
+              kt="f16", vt="f16"):
     T, n_head, n_kv, d = qg.shape[0], qg.shape[1], k.shape[1], k.shape[2]
-    return run(att.attn_prep_rows.specialize(WG=wg, SG=sg), backend, request, (n_head + n_kv, T), qg=qg, k=k, v=v,
+    return run(att.attn_prep_rows.specialize(WG=wg, KT=kt, VT=vt, SG=sg), backend, request, (n_head + n_kv, T), qg=qg, k=k, v=v,
                q_norm=q_norm, k_norm=k_norm, step=np.array([p0, p0 + T, 0, 0], np.uint32),
                q=np.full((T, n_head, d), np.nan, np.float32), k_cache=k_cache, v_cache=v_cache, n_head=n_head,
                n_kv=n_kv, d=d, rope_dims=rope_dims, rope_base=rope_base, eps=EPS)
 
 
-def prefill(backend, request, q, qg, k_cache, v_cache, p0, sg, *, bt=1, nw=1, u=1, q8=False):
+def prefill(backend, request, q, qg, k_cache, v_cache, p0, sg, *, bt=1, nw=1, u=1, q8=False, kt="f16", vt="f16"):
     """attn_prefill of the T queries q (T, n_head, d) at positions p0 ..; returns its outputs, the
     Q8_1 form checked against o."""
     T, n_head, d = q.shape
     n_kv = k_cache.shape[1]
     q8_out = (dict(oq=np.zeros(T * n_head * d // 4, np.uint32), od=np.full(T * n_head * d // 16, np.nan, np.float32))
               if q8 else {})
-    out = run(att.attn_prefill.specialize(D=d, G=n_head // n_kv, BT=bt, NW=nw, U=u, Q8=q8, SG=sg), backend, request,
+    out = run(att.attn_prefill.specialize(D=d, G=n_head // n_kv, BT=bt, NW=nw, U=u, Q8=q8, KT=kt, VT=vt, SG=sg),
+              backend, request,
               (-(-T // (nw * bt)), n_kv), q=q, qg=qg, k_cache=k_cache, v_cache=v_cache,
               step=np.array([p0, p0 + T, 0, 0], np.uint32), o=np.full((T, n_head, d), np.nan, np.float32),
               n_kv=n_kv, t=T, **q8_out)
@@ -246,7 +258,7 @@ def prefill(backend, request, q, qg, k_cache, v_cache, p0, sg, *, bt=1, nw=1, u=
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@given(T=st.integers(1, 9), n_kv=st.integers(1, 2), group=st.integers(1, 3), d=st.integers(2, 40),
+@given(T=st.integers(1, 9), n_kv=st.integers(1, 2), group=st.integers(1, 3), d=st.integers(1, 10).map(lambda n: 4 * n),
        rope_frac=st.floats(0, 1), p0=st.sampled_from([0, 1, 37, 2000]), extra=st.integers(0, 2),
        wg=st.sampled_from([64, 256]), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
 def test_prep_rows(backend, request, T, n_kv, group, d, rope_frac, p0, extra, wg, sg_pick, seed):
@@ -298,9 +310,10 @@ def test_prefill(backend, request, T, p0, n_kv, extra, scale, bt, nw, u, q8, sg_
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("d,group,p0,T,q8", [(128, 2, 0, 7, True), (256, 2, 13, 5, False), (128, 4, 6, 9, True),
-                                              (128, 8, 21, 4, False)])
-def test_prefill_matches_decode(backend, request, d, group, p0, T, q8):
+@pytest.mark.parametrize("d,group,p0,T,q8,kt,vt", [(128, 2, 0, 7, True, "f16", "f16"), (256, 2, 13, 5, False, "f16", "f16"),
+                                                    (128, 4, 6, 9, True, "f16", "f16"), (128, 8, 21, 4, False, "f16", "f16"),
+                                                    (64, 3, 40, 6, True, "q4_0", "q8_0")])
+def test_prefill_matches_decode(backend, request, d, group, p0, T, q8, kt, vt):
     """attn_prep_rows + attn_prefill over a chunk equal T decode steps (attn_prep, attn_decode,
     attn_combine per token) on the same cache, whose rows 0 .. p0 − 1 earlier chunks filled: the
     same q rows, cache rows and o (Q8_1 too)."""
@@ -311,18 +324,19 @@ def test_prefill_matches_decode(backend, request, d, group, p0, T, q8):
     qg = rng.standard_normal((T, n_head, 2 * d), dtype=np.float32)
     k, v = rng.standard_normal((T, n_kv, d), dtype=np.float32), rng.standard_normal((T, n_kv, d), dtype=np.float32)
     q_norm, k_norm = rng.uniform(0.5, 1.5, d).astype(np.float32), rng.uniform(0.5, 1.5, d).astype(np.float32)
-    k_cache, v_cache = random_cache(rng, n_ctx, n_kv, d), random_cache(rng, n_ctx, n_kv, d)
+    k_cache, v_cache = quantized_cache(rng, n_ctx, n_kv, d, kt), quantized_cache(rng, n_ctx, n_kv, d, vt)
     k_cache[p0:], v_cache[p0:] = 0, 0
+    kv = dict(kt=kt, vt=vt)
 
-    rows = prep_rows(backend, request, qg, k, v, q_norm, k_norm, k_cache, v_cache, p0, rope_dims, sg=sg)
-    chunk = prefill(backend, request, rows["q"], qg, rows["k_cache"], rows["v_cache"], p0, sg, nw=2, q8=q8)
+    rows = prep_rows(backend, request, qg, k, v, q_norm, k_norm, k_cache, v_cache, p0, rope_dims, sg=sg, **kv)
+    chunk = prefill(backend, request, rows["q"], qg, rows["k_cache"], rows["v_cache"], p0, sg, nw=2, q8=q8, **kv)
 
     kc, vc = k_cache, v_cache
     for i in range(T):
-        one = prep(backend, request, qg[i], k[i], v[i], q_norm, k_norm, kc, vc, p0 + i, rope_dims, sg=sg)
+        one = prep(backend, request, qg[i], k[i], v[i], q_norm, k_norm, kc, vc, p0 + i, rope_dims, sg=sg, **kv)
         kc, vc = one["k_cache"], one["v_cache"]
         np.testing.assert_allclose(rows["q"][i], one["q"], rtol=1e-6, atol=1e-6)
-        _, o = decode(backend, request, one["q"], kc, vc, qg[i], p0 + i + 1, 4, sg, min_chunk=2)
+        _, o = decode(backend, request, one["q"], kc, vc, qg[i], p0 + i + 1, 4, sg, min_chunk=2, **kv)
         np.testing.assert_allclose(chunk["o"][i], o, rtol=2e-5, atol=2e-6)
     np.testing.assert_array_equal(rows["k_cache"], kc)
     np.testing.assert_array_equal(rows["v_cache"], vc)
@@ -437,3 +451,122 @@ def test_prefill_coop_tiles_fit_shared_memory():
 def test_examples(kernel, args):
     """The inputs the tuner and the benches build for a recorded launch give what its example expects."""
     assert_example_holds(kernel, args)
+
+
+# ---- quantized KV caches ---------------------------------------------------------------------------
+
+def block_steps(values, kv_type):
+    """Each value's quantization step in its format: its block's scale |d| (f16 for f16 values)."""
+    fmt = KV_FORMATS[kv_type]
+    if fmt.block == 1:
+        return np.abs(values) * 2.0 ** -10
+    blocks = np.abs(values).reshape(*values.shape[:-1], -1, fmt.block).max(axis=-1, keepdims=True)
+    step = blocks / (127 if kv_type == "q8_0" else 8)
+    return np.broadcast_to(step, (*step.shape[:-2], step.shape[-2], fmt.block)).reshape(values.shape)
+
+
+def assert_rows_written(got, want_values, kv_type, d, atol):
+    """Rows as a kernel wrote them, decoded, equal numpy's rows of the same values (gguf's
+    rounding) to within one step (the kernel's f32 values and numpy's float64 ones may sit on
+    either side of a rounding boundary), and the values to within half a step (a whole one for
+    q4_0, whose codes reach 7 steps on the side opposite the block's largest |x|, 8 on its own)."""
+    fmt = KV_FORMATS[kv_type]
+    got_values = fmt.decode(got, d).reshape(want_values.shape)
+    ours = fmt.decode(fmt.encode(want_values), d).reshape(want_values.shape)
+    step = block_steps(want_values, kv_type)
+    assert np.all(np.abs(got_values - ours) <= step * 1.01 + atol)
+    error = step * (1.01 if kv_type == "q4_0" else 0.51) + atol + 2.0 ** -11 * np.abs(want_values)
+    assert np.all(np.abs(got_values - want_values) <= error)
+
+
+def test_kv_formats_are_gguf_blocks():
+    """A quantized row holds GGUF's Q8_0 / Q4_0 blocks (gguf-py's quantize), codes first, scales
+    after; sizes per value are the types'."""
+    from gguf import GGMLQuantizationType as Q, quants
+
+    x = np.random.default_rng(3).standard_normal((5, 96)).astype(np.float32)
+    for name, qtype, nbytes in (("q8_0", Q.Q8_0, 34), ("q4_0", Q.Q4_0, 18)):
+        fmt = KV_FORMATS[name]
+        rows = fmt.encode(x)
+        assert rows.shape == (5, 3 * nbytes) and fmt.row_bytes(96) == 3 * nbytes
+        blocks = quants.quantize(x, qtype).reshape(5, 3, nbytes)
+        np.testing.assert_array_equal(rows[:, :3 * (nbytes - 2)], blocks[:, :, 2:].reshape(5, -1))
+        np.testing.assert_array_equal(rows[:, 3 * (nbytes - 2):], blocks[:, :, :2].reshape(5, -1))
+        np.testing.assert_array_equal(fmt.decode(rows, 96), quants.dequantize(blocks.reshape(5, -1), qtype))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=8)
+@given(n_kv=st.sampled_from([1, 3]), group=st.sampled_from([1, 2, 8]), d=st.sampled_from([32, 64, 96]),
+       kt=st.sampled_from(KV_TYPES), vt=st.sampled_from(KV_TYPES), pos=st.integers(0, 300), scale=st.sampled_from([0.01, 30.0]),
+       wg=st.sampled_from([64, 256]), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
+def test_prep_quantized(backend, request, n_kv, group, d, kt, vt, pos, scale, wg, sg_pick, seed):
+    """attn_prep writes row `pos` of each KV head in the formats asked (blocks of 32 held by eight
+    invocations of any subgroup size, rows of a size only 2-byte aligned at d = 96), no other."""
+    rng = np.random.default_rng(seed)
+    n_head = n_kv * group
+    qg = rng.standard_normal((n_head, 2 * d), dtype=np.float32)
+    k, v = rng.standard_normal((n_kv, d), dtype=np.float32), (rng.standard_normal((n_kv, d)) * scale).astype(np.float32)
+    q_norm, k_norm = rng.standard_normal(d, dtype=np.float32), rng.standard_normal(d, dtype=np.float32)
+    k_cache, v_cache = quantized_cache(rng, pos + 2, n_kv, d, kt), quantized_cache(rng, pos + 2, n_kv, d, vt)
+    out = prep(backend, request, qg, k, v, q_norm, k_norm, k_cache, v_cache, pos, 32, wg=wg,
+               sg=subgroup(backend, request, sg_pick), kt=kt, vt=vt)
+    q, _, _ = att.attn_prep_ref(qg, k, v, q_norm, k_norm, k_cache, v_cache, pos, 32, 1e7, EPS, kt, vt)
+    np.testing.assert_allclose(out["q"], q, rtol=1e-5, atol=rope_atol(pos, q))
+    others = np.arange(pos + 2) != pos
+    np.testing.assert_array_equal(out["k_cache"][others].view(np.uint8), k_cache[others].view(np.uint8))
+    np.testing.assert_array_equal(out["v_cache"][others].view(np.uint8), v_cache[others].view(np.uint8))
+    kr = att.rope_ref(att.rmsnorm_ref(k, k_norm, EPS), pos, 32, 1e7)
+    assert_rows_written(out["k_cache"][pos], kr, kt, d, rope_atol(pos, kr))
+    assert_rows_written(out["v_cache"][pos], v, vt, d, 0.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=8)
+@given(n_kv=st.sampled_from([1, 3]), group=st.sampled_from([1, 2, 8]), length=st.integers(1, 90),
+       kt=st.sampled_from(KV_TYPES), vt=st.sampled_from(KV_TYPES), nsplit=st.integers(1, 6), nw=st.sampled_from([1, 4]),
+       u=st.integers(1, 2), scale=st.sampled_from([0.3, 3.0]), sg_pick=st.integers(0, 3), seed=st.integers(0, 99),
+       data=st.data())
+def test_decode_quantized(backend, request, n_kv, group, length, kt, vt, nsplit, nw, u, scale, sg_pick, seed, data):
+    """attn_decode reading K and V in their formats, dequantized in registers, equals softmax
+    attention over the decoded caches: any length, every GQA group, lanes reading pieces of a
+    block (d = 64 at SG 8: 16 lanes a row, two of them a block) and whole rows of blocks."""
+    d = data.draw(st.sampled_from([32, 64, 128] if backend == "interp" else [32]), label="d")
+    rng = np.random.default_rng(seed)
+    n_head = n_kv * group
+    q = (rng.standard_normal((n_head, d)) * scale).astype(np.float32)
+    qg = rng.standard_normal((n_head, 2 * d), dtype=np.float32)
+    k_cache = quantized_cache(rng, length + 1, n_kv, d, kt, scale)
+    v_cache = quantized_cache(rng, length + 1, n_kv, d, vt)
+    _, o = decode(backend, request, q, k_cache, v_cache, qg, length, nsplit, subgroup(backend, request, sg_pick),
+                  min_chunk=4, nw=nw, u=u, kt=kt, vt=vt)
+    K = KV_FORMATS[kt].decode(k_cache, d).reshape(length + 1, n_kv, d)
+    V = KV_FORMATS[vt].decode(v_cache, d).reshape(length + 1, n_kv, d)
+    np.testing.assert_allclose(o, att.attention_ref(q, K, V, qg, length), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=8)
+@given(T=st.integers(1, 9), p0=st.sampled_from([0, 3, 40]), n_kv=st.sampled_from([1, 3]), group=st.sampled_from([1, 2, 8]),
+       kt=st.sampled_from(KV_TYPES), vt=st.sampled_from(KV_TYPES), nw=st.sampled_from([1, 4]), u=st.integers(1, 2),
+       q8=st.booleans(), sg_pick=st.integers(0, 3), seed=st.integers(0, 99), data=st.data())
+def test_prefill_quantized(backend, request, T, p0, n_kv, group, kt, vt, nw, u, q8, sg_pick, seed, data):
+    """attn_prefill reading quantized caches equals masked softmax over the decoded caches."""
+    d = data.draw(st.sampled_from([32, 64] if backend == "interp" else [32]), label="d")
+    rng = np.random.default_rng(seed)
+    n_head = n_kv * group
+    q = rng.standard_normal((T, n_head, d), dtype=np.float32)
+    qg = rng.standard_normal((T, n_head, 2 * d), dtype=np.float32)
+    k_cache, v_cache = quantized_cache(rng, p0 + T + 1, n_kv, d, kt), quantized_cache(rng, p0 + T + 1, n_kv, d, vt)
+    out = prefill(backend, request, q, qg, k_cache, v_cache, p0, subgroup(backend, request, sg_pick), nw=nw, u=u,
+                  q8=q8, kt=kt, vt=vt)
+    K = KV_FORMATS[kt].decode(k_cache, d).reshape(p0 + T + 1, n_kv, d)
+    V = KV_FORMATS[vt].decode(v_cache, d).reshape(p0 + T + 1, n_kv, d)
+    np.testing.assert_allclose(out["o"], att.attn_prefill_ref(q, qg, K, V, p0), rtol=2e-5, atol=2e-6)
+
+
+def test_quantized_formats_need_heads_of_whole_blocks():
+    with pytest.raises(ZdslError, match="blocks of 32 values.*--kv-type f16"):
+        att.attn_decode.specialize(D=16, G=1, NW=1, U=1, KT="q8_0", SG=8).ir
+    with pytest.raises(ZdslError, match="unknown KV cache type 'q5_0'"):
+        kv_format("q5_0")

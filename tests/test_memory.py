@@ -2,6 +2,7 @@
 decode graph's buffer plan and its refusal in one line, and uploads from a file through the
 mapping or through staging slots in flight."""
 
+import dataclasses
 import os
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 
 from zdsl.errors import OutOfMemoryError, ZdslError
 from zdsl.models.qwen35 import synth
-from zdsl.models.qwen35.buffers import Footprint, check_fits, decode_buffers
+from zdsl.models.qwen35.buffers import Footprint, check_fits, decode_buffers, largest_context
 from zdsl.models.qwen35.info import plan_tensors
 from zdsl.models.qwen35.weights import GraphWeights
 from zdsl.runtime import memory
@@ -81,6 +82,7 @@ def test_a_model_that_does_not_fit_is_refused_naming_a_context_that_does():
         check_fits(specs_at, 262_144, available, card)
     msg = str(e.value)
     assert "\n" not in msg and "--ctx 262144 needs" in msg and "--ctx 100000 would fit" in msg
+    assert "a quantized --kv-type holds more" in msg
     with pytest.raises(OutOfMemoryError, match="this model cannot run on it"):
         check_fits(specs_at, 4096, 18 * GIB, card)
     lavapipe = SimpleNamespace(name="lavapipe", max_storage_buffer_range=128 * MIB)
@@ -92,6 +94,29 @@ def test_a_model_that_does_not_fit_is_refused_naming_a_context_that_does():
     with pytest.raises(ZdslError, match=r"k_cache.3 would be 195.3 MiB, more than the 128.0 MiB lavapipe binds in "
                                         r"one buffer; --ctx 131072 would fit"):
         check_fits(lambda n: decode_buffers(hp, tensors, n, 1024), 200_000, 1 << 50, lavapipe)
+
+
+def test_the_caches_take_their_formats_bytes_and_the_longest_context_follows():
+    """The 35B-A3B's KV caches: 2 KV heads of 256 in 10 layers are 20 KiB a token at f16, 10.6
+    KiB at q8_0, 8.1 KiB at q4_0 K with q8_0 V; the caches hold whole blocks of 64 positions and
+    nothing else grows with the format. Beside the weights and every other buffer, the full
+    262,144-token context fits a 32 GiB card in any format, a 23 GiB one only quantized (f16:
+    160,896 tokens), and at 22 GiB q4_0,q8_0 still holds it where q8_0 does not."""
+    hp, tensors, _ = _35b_buffers(4096)
+    plans = {kv: decode_buffers(hp, tensors, 1000, 0, kv=kv) for kv in (("f16", "f16"), ("q8_0", "q8_0"),
+                                                                        ("q4_0", "q8_0"))}
+    kv_bytes = {kv: Footprint(specs).by_kind["KV cache"] for kv, specs in plans.items()}
+    assert kv_bytes == {("f16", "f16"): 1024 * 20 * 1024, ("q8_0", "q8_0"): 1024 * 10 * 2 * 2 * 272,
+                        ("q4_0", "q8_0"): 1024 * 10 * 2 * (144 + 272)}
+    others = {kv: Footprint(specs).total - kv_bytes[kv] for kv, specs in plans.items()}
+    assert len(set(others.values())) == 1
+    contexts = {gib: [largest_context(hp, tensors, gib * GIB, kv) for kv in plans] for gib in (22, 23, 32)}
+    assert contexts == {22: [108_480, 204_160, 262_144], 23: [160_896, 262_144, 262_144], 32: [262_144] * 3}
+    n = contexts[23][0]  # the largest: one more block of 64 positions does not fit
+    fits = [Footprint(decode_buffers(hp, tensors, c, 0, chunk=512, halves=True)).total <= 23 * GIB for c in (n, n + 64)]
+    assert fits == [True, False]
+    with pytest.raises(ZdslError, match="blocks of 32 values, but this model's heads have 48: use --kv-type f16"):
+        decode_buffers(dataclasses.replace(hp, head_dim=48), tensors, 64, 0, kv=("f16", "q8_0"))
 
 
 def test_alloc_many_on_a_device(device):

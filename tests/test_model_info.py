@@ -44,7 +44,8 @@ def test_tiny_by_hand(plan):
     assert plan.read_per_token == total - embd + q8(1, 256) - 4 * experts * 12 // 16
     assert plan.bytes_by_type == {"Q8_0": total - plan.bytes_by_type["F32"], "F32": plan.bytes_by_type["F32"]}
     assert plan.kv_bytes_per_token == {"f16": 1 * 2 * 256 * 2 * 2, "q8_0": 1 * 2 * 256 * 2 * 34 // 32,
-                                       "q4_0/q8_0": 2 * 256 * (18 + 34) // 32}
+                                       "q4_0,q8_0": 2 * 256 * (18 + 34) // 32, "q4_0": 2 * 256 * 2 * 18 // 32}
+    assert plan.kv_bytes(("q8_0", "q4_0")) == plan.kv_bytes("q4_0,q8_0")
     assert plan.ssm_state_bytes == 3 * 4 * 128 * 128 * 4
     assert plan.conv_state_bytes == 3 * 4 * 1024 * 4                  # a ring of 4 slots for the 3 past inputs
 
@@ -54,7 +55,7 @@ def test_max_context(plan):
     assert plan.fixed_bytes() == fixed
     assert plan.max_context(fixed + 100 * 2048, "f16") == 100
     assert plan.max_context(fixed + 100 * 2048 + 2047, "f16") == 100
-    assert plan.max_context(fixed + 100 * 832, "q4_0/q8_0") == 100
+    assert plan.max_context(fixed + 100 * 832, "q4_0,q8_0") == 100
     assert plan.max_context(fixed - 1) == 0
     assert plan.max_context(GIB) == 4096                    # capped at the trained context
     assert plan.max_context(GIB, sequences=2) == 8192

@@ -144,9 +144,9 @@ def test_cli_synth_then_info(tmp_path):
     r = CliRunner().invoke(model_cli, ["synth", str(out), "--preset", "tiny-dense", "--quant", "q8_0", "--layers", "2"])
     assert r.exit_code == 0, r.output
     assert "wrote" in r.output and open_model(out).hparams.n_layers == 2
-    r = CliRunner().invoke(model_cli, ["info", str(out), "--memory", "0.5"])
+    r = CliRunner().invoke(model_cli, ["info", str(out), "--vram", "0.5GiB"])
     assert r.exit_code == 0, r.output
-    assert "qwen35" in r.output and "dense SwiGLU 768" in r.output and "context in 0.5 GiB" in r.output
+    assert "qwen35" in r.output and "dense SwiGLU 768" in r.output and "context in 512.00 MiB" in r.output
     r = CliRunner().invoke(model_cli, ["synth", str(out), "--quant", "q8_0", "--layers", "1", "--shared-ffn", "352"])
     assert r.exit_code == 0, r.output
     hp = open_model(out).hparams

@@ -23,6 +23,8 @@ import numpy as np
 
 from zdsl import device_defaults
 from zdsl.errors import ZdslError
+from zdsl.kernels.kvcache import DEFAULT as KV_DEFAULT
+from zdsl.models.qwen35.run import kv_type_option
 
 DEFAULT_CONTEXTS = "0,4096,16384,32768"  # llama-bench reports pp512 and tg128 at depth 0
 PROMPT_NOTE = ("prompt = batched prefill in chunks of up to 512 tokens (each expert's weights read once per chunk, "
@@ -71,10 +73,11 @@ def check_contexts(hp, contexts: list[int], extra: int) -> None:
                             f"{hp.context_length} tokens; drop it from --contexts or lower --tokens/--prompt")
 
 
-def bytes_per_token(plan, depth: int, tokens: int) -> dict:
+def bytes_per_token(plan, depth: int, tokens: int, kv: tuple[str, str] = KV_DEFAULT) -> dict:
     """Bytes one decoded token moves at `depth`: the `tokens` timed steps at positions depth ..
-    depth+tokens-1 read depth+1 .. depth+tokens cache rows, (tokens+1)/2 more than `depth` on average."""
-    kv = plan.kv_bytes_per_token["f16"]
+    depth+tokens-1 read depth+1 .. depth+tokens cache rows, (tokens+1)/2 more than `depth` on
+    average, in the (K, V) formats `kv`."""
+    kv = plan.kv_bytes(kv)
     # the delta rule's state is read and written; of the conv ring, all slots but one are read
     # and that one is written
     b = {"weights": plan.read_per_token, "kv_read": kv * (depth + (tokens + 1) / 2), "kv_written": kv,
@@ -146,7 +149,7 @@ def measure(gen, plan, depths: list[int], tokens: int, prompt_len: int, repeats:
         time_prompt(g, depth, ids)
         prompt = [time_prompt(g, depth, ids) for _ in range(repeats)]
         decode = summary([time_decode(g, depth, tokens, gen.burst) for _ in range(repeats)])
-        b = bytes_per_token(plan, depth, tokens)
+        b = bytes_per_token(plan, depth, tokens, g.kv_types)
         ceiling = copy_gbps * 1e9 / b["total"]
         rows.append({"context": depth, "prompt": summary(prompt), "decode": decode, "bytes_per_token": b,
                      "ceiling_tok_per_s": ceiling, "pct_of_ceiling": 100 * decode["median"] / ceiling})
@@ -160,7 +163,8 @@ def markdown(r: dict) -> str:
              f"({r['device']['driver']}), `{r['command']}`", "",
              f"Copy bandwidth {r['copy_gbps']:,.0f} GB/s (DSL copy kernel, read + write, same run). "
              f"Decode: {s['tokens']} tokens after each depth, median of {s['repeats']} "
-             f"± standard deviation; bytes per token = weights read + KV rows read and written (f16) + "
+             f"± standard deviation; bytes per token = weights read + KV rows read and written "
+             f"({s['kv_type']}) + "
              f"delta-net state read and written. Prompt: {s['prompt']} tokens; {PROMPT_NOTE}.", "",
              "| context | prompt tok/s | decode tok/s | GB read / token | ceiling tok/s | % of ceiling |",
              "|---|---|---|---|---|---|"]
@@ -185,7 +189,8 @@ def plot(r: dict, plan, path: Path) -> bool:
     lo, hi = max(min(ctx), 1), max(max(ctx), 2)
     xs = np.geomspace(lo, hi, 200)
     n = r["settings"]["tokens"]
-    ax.plot(xs, [r["copy_gbps"] * 1e9 / bytes_per_token(plan, x, n)["total"] for x in xs], "k--",
+    kv = tuple(r["settings"]["kv_type"].split(","))
+    ax.plot(xs, [r["copy_gbps"] * 1e9 / bytes_per_token(plan, x, n, kv)["total"] for x in xs], "k--",
             label=f"ceiling at {r['copy_gbps']:,.0f} GB/s")
     for key, label, style in (("decode", "decode", "o-"), ("prompt", "prompt (batched prefill)", "s:")):
         med = [row[key]["median"] for row in r["rows"]]
@@ -248,7 +253,8 @@ def results_table(r: dict):
                    f"binds less or is a CPU].")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench"),
               show_default=True, help="Where bench.json, bench.md and bench.png go.")
-def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir):
+@kv_type_option
+def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir, kv):
     """Decode and prompt tok/s at each context depth, against the ceiling that the device's
     measured copy bandwidth and the bytes read per token imply."""
     from zdsl.console import make_console
@@ -282,7 +288,7 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
         available = dev.memory_available()
 
         def specs_at(n_ctx: int):
-            return plan_buffers(m, info, n_ctx, sampler)
+            return plan_buffers(m, info, n_ctx, sampler, kv=kv)
 
         rows = memory_rows(specs_at, depths, extra, available)
         console.print(memory_table(rows, available, info.name))
@@ -294,13 +300,13 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
 
         copy_gbps = copy_bandwidth(dev, copy_mb << 20)
         say(f"copy bandwidth {copy_gbps:,.0f} GB/s; {PROMPT_NOTE}")
-        gen = Generator(m, dev, n_ctx=depths[-1] + extra, sampler=sampler, say=say)
+        gen = Generator(m, dev, n_ctx=depths[-1] + extra, sampler=sampler, say=say, kv=kv)
         results = measure(gen, plan, depths, tokens, prompt_len, repeats, copy_gbps, say)
         report = {
             "command": " ".join(["zdsl bench", str(m.path), f"--contexts {','.join(map(str, depths))}"]
                                 + ([f"--device {device}"] if device is not None else [])
                                 + [f"--tokens {tokens}", f"--prompt {prompt_len}", f"--repeats {repeats}",
-                                   f"--copy-mb {copy_mb}", f"--out {out_dir}"]),
+                                   f"--copy-mb {copy_mb}", f"--kv-type {','.join(kv)}", f"--out {out_dir}"]),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "commit": git_commit(),
             "device": {"name": info.name, "driver": f"{info.driver_name} {info.driver_info}".strip(),
@@ -309,15 +315,16 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
             "model": {"path": str(m.path), "name": m.path.name, "arch": m.hparams.arch, "layers": m.hparams.n_layers,
                       "attention_layers": len(m.hparams.attention_layers), "weight_bytes": plan.weight_bytes,
                       "weight_bytes_read_per_token": plan.read_per_token,
-                      "kv_bytes_per_token_f16": plan.kv_bytes_per_token["f16"],
+                      "kv_bytes_per_token": plan.kv_bytes(kv),
                       "recurrent_state_bytes": plan.recurrent_state_bytes},
             "settings": {"contexts": depths, "tokens": tokens, "prompt": prompt_len, "repeats": repeats,
+                         "kv_type": ",".join(kv),
                          "burst": gen.burst, "copy_bytes": 2 * (copy_mb << 20),
                          "warmup": f"{tokens} decode tokens per depth"},
             "copy_gbps": copy_gbps,
             "dispatches_per_token": gen.graph.dispatches,
             "memory_plan": rows,
-            "notes": [PROMPT_NOTE, "bytes_per_token: weights read + f16 KV rows read (mean over the timed steps) and "
+            "notes": [PROMPT_NOTE, "bytes_per_token: weights read + KV rows read (mean over the timed steps) and "
                       "the row written + delta-net state read and written; ceiling = copy bandwidth / those bytes"],
             "rows": results,
         }

@@ -16,6 +16,7 @@ import numpy as np
 from zdsl.errors import OutOfMemoryError, ZdslError
 from zdsl.kernels.attention import cache_rows, split_count
 from zdsl.kernels.formats import row_bytes
+from zdsl.kernels.kvcache import DEFAULT as KV_DEFAULT, FORMATS as KV_FORMATS
 from zdsl.runtime.memory import fmt_bytes
 
 KINDS = ("weights", "KV cache", "recurrent state", "scratch")
@@ -59,12 +60,13 @@ SAVED = "saved."  # the prefix of the checkpoint twins of a sequence's state
 
 
 def decode_buffers(hp, tensors, n_ctx: int, candidates: int, checkpoint: bool = False, chunk: int = 0,
-                   halves: bool = False) -> list[Spec]:
+                   halves: bool = False, kv: tuple[str, str] = KV_DEFAULT) -> list[Spec]:
     """The decode graph's buffers for hyperparameters `hp`, the graph's weights `tensors`
     (weights.GraphWeights), a context of n_ctx tokens and `candidates` bytes of sampler room;
     with `checkpoint`, a twin of the sequence state that steps overwrite (DecodeGraph.checkpoint);
     with `chunk`, the prompt path's buffers for chunks of that many tokens (at most n_ctx), with
-    `halves` their f16 activations for matrix units."""
+    `halves` their f16 activations for matrix units; the KV caches in the (K, V) formats `kv`
+    (kernels/kvcache.py)."""
     H, C, vd = hp.hidden, hp.conv_channels, hp.ssm_value_dim
     qd, kvd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
     splits = split_count(n_ctx, ATTN_MIN_CHUNK, ATTN_MAX_SPLITS)
@@ -74,9 +76,13 @@ def decode_buffers(hp, tensors, n_ctx: int, candidates: int, checkpoint: bool = 
               Spec("router_arrivals", 4, "scratch"), f32("qg", 2 * qd), f32("q", qd), f32("k", kvd), f32("v", kvd),
               *vector("attn_o", qd), f32("attn_partials", hp.n_heads * splits * (hp.head_dim + 2)),
               f32("mix", C), f32("z", vd), *vector("deltanet_out", vd)]
-    rows = cache_rows(n_ctx)  # whole blocks, which the prompt's attention reads
+    rows = cache_rows(n_ctx) * hp.n_kv_heads  # whole blocks of positions, which the prompt's attention reads
+    k_fmt, v_fmt = (KV_FORMATS[name] for name in kv)
+    for fmt in (k_fmt, v_fmt):
+        fmt.check(hp.head_dim)
     for i in hp.attention_layers:
-        specs += [Spec(f"k_cache.{i}", 2 * rows * kvd, "KV cache"), Spec(f"v_cache.{i}", 2 * rows * kvd, "KV cache")]
+        specs += [Spec(f"k_cache.{i}", rows * k_fmt.row_bytes(hp.head_dim), "KV cache"),
+                  Spec(f"v_cache.{i}", rows * v_fmt.row_bytes(hp.head_dim), "KV cache")]
     for i in hp.deltanet_layers:
         # the conv inputs as a ring of conv_kernel slots indexed by position (kernels/deltanet.py)
         specs += [Spec(f"conv_state.{i}", 4 * hp.conv_kernel * C, "recurrent state"),
@@ -163,9 +169,27 @@ def check_fits(specs_at, n_ctx: int, available: int, info) -> Footprint:
     why = problem(n_ctx)
     if why is None:
         return Footprint(specs_at(n_ctx))
-    lo, hi = 0, n_ctx  # the largest context that fits: lo does (or is 0), hi does not
+    lo = largest(lambda n: problem(n) is None, n_ctx - 1)
+    fix = (f"--ctx {lo} would fit (a quantized --kv-type holds more)" if lo
+           else "this model cannot run on it (a smaller model or quantization could)")
+    raise OutOfMemoryError(f"{why}; {fix}")
+
+
+def largest(fits, limit: int) -> int:
+    """The largest context n ≤ limit for which fits(n) (which holds for all smaller n), or 0."""
+    if fits(limit):
+        return limit
+    lo, hi = 0, limit  # lo fits (or is 0), hi does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if problem(mid) is None else (lo, mid)
-    fix = f"--ctx {lo} would fit" if lo else "this model cannot run on it (a smaller model or quantization could)"
-    raise OutOfMemoryError(f"{why}; {fix}")
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def largest_context(hp, tensors, memory: int, kv: tuple[str, str]) -> int:
+    """The longest context (at most the trained one) whose buffers, with the KV caches in the
+    formats `kv`, fit `memory` bytes: the decode graph's and the prompt path's, as on a device
+    with matrix units (their f16 rows: the larger plan), less the sampler's few KiB of candidates,
+    which depend on the device."""
+    return largest(lambda n: Footprint(decode_buffers(hp, tensors, n, 0, chunk=CHUNK, halves=True, kv=kv)).total <= memory,
+                   hp.context_length)

@@ -75,14 +75,18 @@ def _vocab_size(text: str | None) -> int | None:
 
 @model.command()
 @click.argument("path", type=click.Path(dir_okay=False))
-@click.option("--memory", type=float, default=None, help="Device memory in GiB: how much context fits.")
+@click.option("--vram", default=None, metavar="SIZE",
+              help="Card memory (e.g. 32GiB, 24GB, 512MiB; a bare number is GiB): the longest context each KV cache "
+                   "format allows beside the weights and the other buffers [default: --device's free memory].")
+@click.option("--device", default=None, help="Index, name substring or alias (zdsl devices) whose free memory to plan for.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
-def info(path, memory, as_json):
+def info(path, vram, device, as_json):
     """Architecture, type mix and what zdsl can run of any GGUF file; for a Qwen3.5 model also
-    hyperparameters, bytes read per token, KV and state sizes."""
+    hyperparameters, bytes read per token, KV and state sizes, and the context that fits a card."""
     from .describe import NO_KERNEL, describe
 
     d = describe(path)
+    memory = parse_size(vram) if vram is not None else _free_memory(device) if device is not None else None
     if as_json:
         click.echo(json.dumps(_as_json(d, memory), indent=1, ensure_ascii=False))
         return
@@ -116,7 +120,50 @@ def info(path, memory, as_json):
 SHOWN = 8  # tensors named in the table output's list of those without a GPU kernel
 
 
-def _model_rows(d, memory: float | None) -> list[tuple[str, str]]:
+def parse_size(text: str) -> int:
+    """Bytes of a size such as 32GiB, 24GB, 512MiB or 32 (GiB)."""
+    from zdsl.errors import ZdslError
+
+    units = {"": GIB, "gib": GIB, "gb": 10**9, "mib": 1 << 20, "mb": 10**6, "tib": 1 << 40, "tb": 10**12}
+    number = text.strip().rstrip("bBiIkKmMgGtT ")
+    unit = text.strip()[len(number):].strip().lower()
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in units or value <= 0:
+        raise ZdslError(f"--vram '{text}': give a size such as 32GiB, 24GB or 512MiB")
+    return int(value * units[unit])
+
+
+def _free_memory(selector: str) -> int:
+    from zdsl.runtime import open_device
+
+    dev = open_device(selector)
+    try:
+        return dev.memory_available()
+    finally:
+        dev.close()
+
+
+def _contexts(d, memory: int) -> dict[str, int]:
+    """The longest context each KV format allows in `memory` bytes: from the buffers a run
+    allocates (buffers.py) where zdsl runs the file, else beside the weights and state alone."""
+    from zdsl.kernels.kvcache import kv_types
+
+    from .info import KV_FORMATS
+
+    if not d.runnable:
+        return {f: d.plan.max_context(memory, f) for f in KV_FORMATS}
+    from .buffers import largest_context
+    from .gguf_file import open_model
+    from .weights import graph_weights
+
+    tensors = graph_weights(open_model(d.path))
+    return {f: largest_context(d.hparams, tensors, memory, kv_types(f)) for f in KV_FORMATS}
+
+
+def _model_rows(d, memory: int | None) -> list[tuple[str, str]]:
     """Hyperparameters, and the memory plan when the file holds every tensor the model needs."""
     from .info import KV_FORMATS
 
@@ -146,15 +193,12 @@ def _model_rows(d, memory: float | None) -> list[tuple[str, str]]:
         *((f"KV per token, {f}", _size(plan.kv_bytes_per_token[f])) for f in KV_FORMATS),
     ]
     if memory is not None:
-        rows += [(f"context in {memory:g} GiB, KV {f}", f"{plan.max_context(int(memory * GIB), f):,} tokens")
-                 for f in KV_FORMATS]
+        rows += [(f"context in {_size(memory)}, KV {f}", f"{n:,} tokens") for f, n in _contexts(d, memory).items()]
     return rows
 
 
-def _as_json(d, memory: float | None) -> dict:
+def _as_json(d, memory: int | None) -> dict:
     from dataclasses import asdict
-
-    from .info import KV_FORMATS
 
     plan = None
     if d.plan is not None:
@@ -163,7 +207,7 @@ def _as_json(d, memory: float | None) -> dict:
                 "expert_bytes": p.expert_bytes, "kv_bytes_per_token": p.kv_bytes_per_token,
                 "ssm_state_bytes": p.ssm_state_bytes, "conv_state_bytes": p.conv_state_bytes}
         if memory is not None:
-            plan["max_context"] = {f: p.max_context(int(memory * GIB), f) for f in KV_FORMATS}
+            plan["memory_bytes"], plan["max_context"] = memory, _contexts(d, memory)
     return {"path": str(d.path), "architecture": d.arch, "runnable": d.runnable, "problem": d.problem,
             "metadata": d.metadata, "hparams": asdict(d.hparams) if d.hparams else None, "plan": plan,
             "types": [asdict(s) for s in d.types], "families": d.families, "no_gpu_kernel": d.no_kernel}

@@ -13,6 +13,7 @@ from typing import Callable, Iterator
 
 from zdsl.cache import cache_dir, discard
 from zdsl.errors import ModelError, ZdslError
+from zdsl.kernels.kvcache import DEFAULT as KV_DEFAULT
 from zdsl.models.qwen35.gguf_file import ModelFile, open_model
 from zdsl.models.qwen35.graph import DecodeGraph
 from zdsl.models.qwen35.sampler import SamplerConfig
@@ -79,9 +80,11 @@ class Generator:
     far, which a later `generate(..., keep=True)` whose prompt extends them does not feed again."""
 
     def __init__(self, model: ModelFile, device, *, n_ctx: int, sampler: SamplerConfig, progress: bool = True,
-                 burst: int = 8, say: Callable[[str], None] | None = None, keep: bool = False):
+                 burst: int = 8, say: Callable[[str], None] | None = None, keep: bool = False,
+                 kv: tuple[str, str] = KV_DEFAULT):
         """`keep`: prompts that extend the context continue it (a chat); bursts that run past an
-        end-of-turn token are then undone from a checkpoint of the sequence state."""
+        end-of-turn token are then undone from a checkpoint of the sequence state; `kv`: the
+        KV caches' formats (kernels/kvcache.py)."""
         self.model, self.device = model, device
         self.burst = burst  # decode steps per submission: the host waits once per burst
         self.tokenizer = Tokenizer.from_model(model)
@@ -90,7 +93,7 @@ class Generator:
             say(f"context {hp.context_length:,} tokens: {model.path.name} was trained for no more (asked {n_ctx:,})")
         self.n_ctx = min(n_ctx, hp.context_length)
         self.keep = keep
-        self.graph = DecodeGraph(model, device, self.n_ctx, sampler, progress=progress, say=say, checkpoint=keep)
+        self.graph = DecodeGraph(model, device, self.n_ctx, sampler, progress=progress, say=say, checkpoint=keep, kv=kv)
         self.context: list[int] = []
         tok = self.tokenizer
         self.stop_ids = frozenset(i for i in [tok.eos_id] + [tok.tokens.index(t) for t in ("<|im_end|>", "<|endoftext|>")
@@ -158,7 +161,8 @@ class Generator:
 
 
 def load(path: str | None, device_selector: str | None, *, n_ctx: int, sampler: SamplerConfig,
-         progress: bool = True, say: Callable[[str], None] | None = None, keep: bool = False) -> Generator:
+         progress: bool = True, say: Callable[[str], None] | None = None, keep: bool = False,
+         kv: tuple[str, str] = KV_DEFAULT) -> Generator:
     from zdsl.runtime import open_device
 
     model = open_model(path) if path is not None else default_model(say)
@@ -166,7 +170,7 @@ def load(path: str | None, device_selector: str | None, *, n_ctx: int, sampler: 
     if device.info.compile_only:
         raise ZdslError(f"{device.info.name} is a compile-only target; pick a device that runs code (zdsl devices)")
     try:
-        return Generator(model, device, n_ctx=n_ctx, sampler=sampler, progress=progress, say=say, keep=keep)
+        return Generator(model, device, n_ctx=n_ctx, sampler=sampler, progress=progress, say=say, keep=keep, kv=kv)
     except BaseException:
         device.close()
         raise

@@ -26,6 +26,7 @@ import numpy as np
 from zdsl.autotune.database import Database, choose, shape_key
 from zdsl.errors import ZdslError
 from zdsl.kernels import attention, deltanet, dmmv, embedding, ffn, moe, q8_1, sampling, steps
+from zdsl.kernels.kvcache import DEFAULT as KV_DEFAULT
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS
 from zdsl.runtime.memory import fmt_bytes
 from zdsl.models.qwen35.buffers import (ATTN_MAX_SPLITS, ATTN_MIN_CHUNK, CHUNK, SAVED, STEP_WORDS, check_fits,
@@ -62,30 +63,33 @@ def candidate_bytes(sampler: SamplerConfig, groups: int) -> int:
     return 8 * sampler.kernel_cap * groups
 
 
-def plan_buffers(model: ModelFile, info, n_ctx: int, sampler: SamplerConfig, tuning: Database | None = None):
+def plan_buffers(model: ModelFile, info, n_ctx: int, sampler: SamplerConfig, tuning: Database | None = None,
+                 kv: tuple[str, str] = KV_DEFAULT):
     """The buffers (buffers.Spec) a DecodeGraph of `model` holds on device `info`, sized before
     one is made: to show and check the memory plan up front."""
     groups = sampler_kernels(lambda kernel, key, fixed: choose(kernel, info, key, db=tuning, **fixed),
                              model.hparams.vocab, sampler)[2]
     return decode_buffers(model.hparams, graph_weights(model), n_ctx, candidate_bytes(sampler, groups), chunk=CHUNK,
-                          halves="coopmat" in info.features)
+                          halves="coopmat" in info.features, kv=kv)
 
 
-def record_launches(model, info, n_ctx: int, sampler: SamplerConfig | None = None, tuning: Database | None = None):
+def record_launches(model, info, n_ctx: int, sampler: SamplerConfig | None = None, tuning: Database | None = None,
+                    kv: tuple[str, str] = KV_DEFAULT):
     """The launches of one decode step of `model` (a ModelFile or synth.PresetModel) as a device
     of `info` would run it (KernelDef.launch records them; a DryDevice allocates and runs nothing)."""
     from zdsl.runtime.dry import DryDevice
 
-    graph = DecodeGraph(model, DryDevice(info), n_ctx, sampler, progress=False, tuning=tuning)
+    graph = DecodeGraph(model, DryDevice(info), n_ctx, sampler, progress=False, tuning=tuning, kv=kv)
     return graph.seq.launches
 
 
-def record_chunk_launches(model, info, n_ctx: int, t: int, tuning: Database | None = None):
+def record_chunk_launches(model, info, n_ctx: int, t: int, tuning: Database | None = None,
+                          kv: tuple[str, str] = KV_DEFAULT):
     """The launches of one prompt chunk of t tokens (prefill.py) of `model` as a device of `info`
     would run it, recorded as record_launches records a step."""
     from zdsl.runtime.dry import DryDevice
 
-    graph = DecodeGraph(model, DryDevice(info), n_ctx, progress=False, tuning=tuning)
+    graph = DecodeGraph(model, DryDevice(info), n_ctx, progress=False, tuning=tuning, kv=kv)
     if not 0 < t <= graph.chunk:
         raise ZdslError(f"a prompt chunk holds 1 to {graph.chunk} tokens, not {t}: pick a --prompt in that range")
     return graph.prompt.record(t).launches
@@ -94,11 +98,13 @@ def record_chunk_launches(model, info, n_ctx: int, t: int, tuning: Database | No
 class DecodeGraph:
     def __init__(self, model: ModelFile, device, n_ctx: int, sampler: SamplerConfig | None = None,
                  progress: bool = True, tuning: Database | None = None, say=None, checkpoint: bool = False,
-                 chunk: int = CHUNK):
+                 chunk: int = CHUNK, kv: tuple[str, str] = KV_DEFAULT):
         """`say(line)` hears the memory plan before anything is allocated; `progress` shows the
         weights' upload; `checkpoint` keeps room to save the sequence state (`checkpoint()`);
-        `chunk`: the most prompt tokens `prefill` runs at once (prefill.py)."""
+        `chunk`: the most prompt tokens `prefill` runs at once (prefill.py); `kv`: the formats of
+        the K and V caches (kernels/kvcache.py)."""
         self.can_checkpoint = checkpoint
+        self.kv_types = tuple(kv)
         self.chunk = max(1, min(chunk, n_ctx))
         self.model, self.device, self.hp = model, device, model.hparams
         self.tensors = graph_weights(model)  # what the graph reads, by its names (weights.py)
@@ -125,7 +131,7 @@ class DecodeGraph:
     def buffers(self, n_ctx: int) -> list:
         """Every device buffer the graph holds at a context of n_ctx tokens (buffers.py)."""
         return decode_buffers(self.hp, self.tensors, n_ctx, self._candidate_bytes(), self.can_checkpoint, self.chunk,
-                              "coopmat" in self.device.info.features)
+                              "coopmat" in self.device.info.features, self.kv_types)
 
     def _prepare_kernels(self, progress: bool) -> float:
         """Record the step (building the kernels not built before) and run it once, and a short
@@ -370,11 +376,12 @@ class DecodeGraph:
         for name, out in (("attn_q", self.qg), ("attn_k", self.k), ("attn_v", self.v)):
             self._project(seq, p + name + ".weight", out)
         k_cache, v_cache = self.kv[i]
+        kt, vt = self.kv_types
         attention.attn_prep.launch(
-            seq, self._pick, label=p + "attn_prep", qg=self.qg, k=self.k, v=self.v, q_norm=self.weights[p + "attn_q_norm.weight"],
+            seq, self._pick, label=p + "attn_prep", KT=kt, VT=vt, qg=self.qg, k=self.k, v=self.v, q_norm=self.weights[p + "attn_q_norm.weight"],
             k_norm=self.weights[p + "attn_k_norm.weight"], step=self.step, q=self.q, k_cache=k_cache, v_cache=v_cache,
             n_head=nh, n_kv=nkv, d=d, rope_dims=hp.rope_dims, rope_base=hp.rope_base, eps=hp.eps)
-        attention.attn_decode.launch(seq, self._pick, label=p + "attn_decode", D=d, G=nh // nkv, q=self.q,
+        attention.attn_decode.launch(seq, self._pick, label=p + "attn_decode", D=d, G=nh // nkv, KT=kt, VT=vt, q=self.q,
                                      k_cache=k_cache, v_cache=v_cache, step=self.step, part=self.attn_part, n_kv=nkv,
                                      min_chunk=ATTN_MIN_CHUNK, nsplit=self.attn_splits, ctx=self.n_ctx)
         o = self.attn_o

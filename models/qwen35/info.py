@@ -15,19 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGML_QUANT_SIZES
 
+from zdsl.kernels.kvcache import FORMATS as KV_TYPES, kv_types
+
 from .gguf_file import Hparams, ModelFile, QuantType
 
-def _per_elem(q: QuantType) -> float:
-    block, size = GGML_QUANT_SIZES[q]
-    return size / block
-
-
-# KV cache formats: (K bytes per element, V bytes per element).
-KV_FORMATS = {
-    "f16": (_per_elem(QuantType.F16), _per_elem(QuantType.F16)),
-    "q8_0": (_per_elem(QuantType.Q8_0), _per_elem(QuantType.Q8_0)),
-    "q4_0/q8_0": (_per_elem(QuantType.Q4_0), _per_elem(QuantType.Q8_0)),   # K at 4 bits, V at 8
-}
+# The KV cache formats the plan shows, as --kv-type spells them (K,V where they differ).
+KV_FORMATS = ("f16", "q8_0", "q4_0,q8_0", "q4_0")
 F32 = 4
 
 
@@ -38,9 +31,19 @@ class MemoryPlan:
     bytes_by_type: dict[str, int]      # type name -> bytes
     read_per_token: int                # weight bytes one decoded token reads
     expert_bytes: int                  # all routed-expert tensors (of which n_used/n_experts are read)
-    kv_bytes_per_token: dict[str, int]  # KV format -> bytes per token of context, all attention layers
+    kv_values: int                     # K (and as many V) values per token of context, all attention layers
     ssm_state_bytes: int               # delta-net S matrices, f32, per sequence
     conv_state_bytes: int              # delta-net conv inputs, a ring of conv_kernel slots, f32, per sequence
+
+    def kv_bytes(self, kv: str | tuple[str, str]) -> int:
+        """KV cache bytes per token of context in the formats `kv` (a --kv-type value, or (K, V))."""
+        return sum(self.kv_values * KV_TYPES[t].nbytes // KV_TYPES[t].block
+                   for t in (kv_types(kv) if isinstance(kv, str) else kv))
+
+    @property
+    def kv_bytes_per_token(self) -> dict[str, int]:
+        """Bytes per token of context for each format the plan shows."""
+        return {f: self.kv_bytes(f) for f in KV_FORMATS}
 
     @property
     def recurrent_state_bytes(self) -> int:
@@ -57,7 +60,7 @@ class MemoryPlan:
         free = memory_bytes - reserve_bytes - self.fixed_bytes(sequences)
         if free <= 0:
             return 0
-        kv = self.kv_bytes_per_token[kv_format]
+        kv = self.kv_bytes(kv_format)
         return min(free // kv, sequences * self.hparams.context_length) if kv else sequences * self.hparams.context_length
 
 
@@ -93,14 +96,13 @@ def plan_tensors(hp: Hparams, tensors: Iterable[tuple[str, QuantType, tuple[int,
     if "output.weight" not in names:
         read += tied                                      # the head reads the whole embedding
     n_attn, n_dn = len(hp.attention_layers), len(hp.deltanet_layers)
-    kv_elems = n_attn * hp.n_kv_heads * hp.head_dim      # per token, for K and for V each
     return MemoryPlan(
         hparams=hp,
         weight_bytes=total,
         bytes_by_type=dict(sorted(by_type.items(), key=lambda kv: -kv[1])),
         read_per_token=read,
         expert_bytes=expert,
-        kv_bytes_per_token={f: round(kv_elems * (k + v)) for f, (k, v) in KV_FORMATS.items()},
+        kv_values=n_attn * hp.n_kv_heads * hp.head_dim,
         ssm_state_bytes=n_dn * hp.ssm_v_heads * hp.ssm_head_dim * hp.ssm_head_dim * F32,
         # the model needs the last conv_kernel − 1 inputs; the decode kernel keeps conv_kernel slots
         # (kernels/deltanet.py: the slot written is never one being read)

@@ -219,24 +219,28 @@ class Prefill:
     def _attention(self, seq, i: int, t: int) -> None:
         """q, k and v for the chunk, normed and rotated, k and v into the cache rows p0 … p0 + t − 1
         (attn_prep_rows), then causal attention of the t queries over the cache (attn_prefill, on
-        matrix units where the device has them: attn_prefill_coop)."""
+        matrix units where the device has them: attn_prefill_coop). attn_prefill_coop reads f16
+        caches only, so far: quantized ones (kernels/kvcache.py) take attn_prefill, which reads
+        them in registers, on every device."""
         g, hp, p = self.g, self.hp, f"blk.{i}."
         nh, nkv, d = hp.n_heads, hp.n_kv_heads, hp.head_dim
         for name, out in (("attn_q", self.qg), ("attn_k", self.k), ("attn_v", self.v)):
             self._project(seq, p + name + ".weight", out, t)
         k_cache, v_cache = g.kv[i]
-        step = self.steps
+        step, (kt, vt) = self.steps, g.kv_types
         attention.attn_prep_rows.launch(
-            seq, g._pick, label=p + "attn_prep_rows", qg=self.qg, k=self.k, v=self.v,
+            seq, g._pick, label=p + "attn_prep_rows", KT=kt, VT=vt, qg=self.qg, k=self.k, v=self.v,
             q_norm=g.weights[p + "attn_q_norm.weight"], k_norm=g.weights[p + "attn_k_norm.weight"], step=step,
             q=self.q, k_cache=k_cache, v_cache=v_cache, n_head=nh, n_kv=nkv, d=d, rope_dims=hp.rope_dims,
             rope_base=hp.rope_base, eps=hp.eps, t=t)
         o = self.attn_o
-        on_units = self.coop and attention.attn_prefill_coop.allows(D=d, G=nh // nkv)
-        kernel = attention.attn_prefill_coop if on_units else attention.attn_prefill
-        kernel.launch(seq, g._pick, label=p + "attn_prefill", D=d, G=nh // nkv, Q8=g._int8(p + "attn_output.weight"),
-                      q=self.q, qg=self.qg, k_cache=k_cache, v_cache=v_cache, step=step, o=o.f32, oq=o.q, od=o.d,
-                      n_kv=nkv, t=t, ctx=g.n_ctx)
+        fixed = dict(D=d, G=nh // nkv, Q8=g._int8(p + "attn_output.weight"))
+        if self.coop and kt == vt == "f16" and attention.attn_prefill_coop.allows(D=d, G=nh // nkv):
+            kernel = attention.attn_prefill_coop
+        else:
+            kernel, fixed = attention.attn_prefill, dict(fixed, KT=kt, VT=vt)
+        kernel.launch(seq, g._pick, label=p + "attn_prefill", **fixed, q=self.q, qg=self.qg, k_cache=k_cache,
+                      v_cache=v_cache, step=step, o=o.f32, oq=o.q, od=o.d, n_kv=nkv, t=t, ctx=g.n_ctx)
         self._halves(seq, o, t * nh * d)
         self._project(seq, p + "attn_output.weight", self.x, t, o, add=True)
         self._after_mixer(seq, i, t)

@@ -18,6 +18,8 @@ from pathlib import Path
 import click
 import numpy as np
 
+from zdsl.models.qwen35.run import kv_type_option
+
 PHASES = [  # (phase, pattern on the dispatch label "<role>:<kernel variant>")
     ("embedding", r"^embed"),
     ("norms", r":norm_q8_1\b"),
@@ -120,7 +122,8 @@ def chrome_trace(timings: list[tuple[str, float]]) -> dict:
               help="Time a batched prefill chunk of this many prompt tokens instead of a decode step.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("profile"),
               show_default=True, help="Where profile.json and trace.json go.")
-def profile(model, device, n_ctx, position, top, steps, warm_ms, prompt_len, out_dir):
+@kv_type_option
+def profile(model, device, n_ctx, position, top, steps, warm_ms, prompt_len, out_dir, kv):
     """Time a decode step (or a prompt chunk) dispatch by dispatch (GPU timestamps)."""
     from zdsl.console import Table, make_console
     from zdsl.errors import ZdslError
@@ -132,7 +135,7 @@ def profile(model, device, n_ctx, position, top, steps, warm_ms, prompt_len, out
                         + (f" and a {prompt_len}-token prompt" if prompt_len else ""))
     if steps < 1 or warm_ms < 0:
         raise ZdslError("--steps must be at least 1 and --warm-ms at least 0")
-    gen = load(model, device, n_ctx=n_ctx, sampler=SamplerConfig(temperature=0))
+    gen = load(model, device, n_ctx=n_ctx, sampler=SamplerConfig(temperature=0), kv=kv)
     if "timestamps" not in gen.device.info.features:
         raise ZdslError(f"{gen.device.info.name} has no timestamp queries; zdsl profile needs them")
     g = gen.graph
@@ -157,7 +160,8 @@ def profile(model, device, n_ctx, position, top, steps, warm_ms, prompt_len, out
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "trace.json").write_text(json.dumps(chrome_trace(timings)))
     (out_dir / "profile.json").write_text(json.dumps({"model": str(gen.model.path), "device": gen.device.info.name,
-                                                      "position": at, "steps": steps, **s}, indent=1))
+                                                      "position": at, "steps": steps, "kv_type": ",".join(kv), **s},
+                                                     indent=1))
     console = make_console()
     code = f", {s['code_bytes'] / 1024:,.0f} KB of machine code run" if "code_bytes" in s else ""
     what = f"a prefill chunk of {prompt_len} tokens" if prompt_len else "a decode step"

@@ -10,8 +10,18 @@ import click
 from zdsl.models.qwen35.sampler import SamplerConfig
 
 
+def kv_type_option(f):
+    """--kv-type: the KV caches' formats (kernels/kvcache.py), as (K, V)."""
+    from zdsl.kernels.kvcache import FORMATS, kv_types
+
+    return click.option("--kv-type", "kv", default="f16", show_default=True, callback=lambda ctx, param, v: kv_types(v),
+                        help=f"KV cache format for K and V ({', '.join(FORMATS)}), or K,V: e.g. q8_0 (both) or "
+                             "q4_0,q8_0.")(f)
+
+
 def sampler_options(f):
     for decorator in reversed([
+        kv_type_option,
         click.option("--temp", "temperature", type=float, default=0.8, show_default=True, help="0 samples greedily."),
         click.option("--top-k", type=int, default=40, show_default=True),
         click.option("--top-p", type=float, default=0.95, show_default=True),
@@ -58,7 +68,8 @@ def run(model, prompt, n_predict, chat, no_think, ignore_eos, as_json, **opts):
     if n_predict < 1:
         raise ZdslError(f"-n must be at least 1, got {n_predict}")
     sampler = make_sampler(opts)
-    gen = load(model, opts["device"], n_ctx=opts["n_ctx"], sampler=sampler, progress=not as_json, say=_say)
+    gen = load(model, opts["device"], n_ctx=opts["n_ctx"], sampler=sampler, progress=not as_json, say=_say,
+               kv=opts["kv"])
     tok = gen.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": prompt}], enable_thinking=not no_think) if chat else prompt
     ids = tok.encode(text, parse_special=chat)
@@ -95,7 +106,8 @@ def chat(model, n_predict, no_think, system, **opts):
     conversation stays in the caches: each turn feeds only its new tokens."""
     from zdsl.models.qwen35.generate import load
 
-    gen = load(model, opts["device"], n_ctx=opts["n_ctx"], sampler=make_sampler(opts), say=_say, keep=True)
+    gen = load(model, opts["device"], n_ctx=opts["n_ctx"], sampler=make_sampler(opts), say=_say, keep=True,
+               kv=opts["kv"])
     tok = gen.tokenizer
     start = [{"role": "system", "content": system}] if system else []
     messages = list(start)
