@@ -115,19 +115,21 @@ def select(uses, names: str | None, what: str = "decode step"):
               help="Write no entries: measure every candidate and put the cost model beside the measurement, per "
                    "use (Spearman's rho, whether its pick is within 5% of the best), its free parameters fitted on "
                    "the other uses (--folds).")
-@click.option("--measured", "measured_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="With --check-model: replay this measurement file (written by --record) instead of measuring.")
+@click.option("--measured", "measured_paths", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              multiple=True, help="With --check-model: replay these measurement files (written by --record; the "
+                                  "option repeats) instead of measuring: every use they hold, the decode step's and "
+                                  "the prompt chunk's, scored together.")
 @click.option("--record", "record_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="With --check-model on a device: save the measurements to this file, for --measured.")
 @click.option("--folds", default=4, show_default=True, help="With --check-model: fold f holds out uses f, f + folds, ...")
 def tune(device_name, model_path, preset, quant, names, budget, n_ctx, caps, prompt, out_path, warmup, repeats, warm_ms,
-         cache_mb, as_json, check_model, measured_path, record_path, folds):
+         cache_mb, as_json, check_model, measured_paths, record_path, folds):
     """Pick the fastest kernel variants for a device (measured, or modelled for compile-only targets)."""
     if check_model:
         _check_model(device_name, model_path, preset, quant, names, budget, n_ctx, caps, prompt, warmup, repeats,
-                     warm_ms, cache_mb, as_json, measured_path, record_path, folds)
+                     warm_ms, cache_mb, as_json, measured_paths, record_path, folds)
         return
-    if measured_path or record_path:
+    if measured_paths or record_path:
         raise ZdslError("--measured and --record go with --check-model")
     if budget <= 0 or n_ctx < 1 or repeats < 1 or min(warmup, warm_ms, cache_mb, prompt) < 0:
         raise ZdslError("--budget, --ctx and --repeats must be positive; --warmup, --warm-ms, --cache-mb and "
@@ -219,15 +221,20 @@ def _measured_uses(device_name, model_path, preset, quant, names, budget, n_ctx,
 
 
 def _check_model(device_name, model_path, preset, quant, names, budget, n_ctx, caps, prompt, warmup, repeats, warm_ms,
-                 cache_mb, as_json, measured_path, record_path, folds) -> None:
+                 cache_mb, as_json, measured_paths, record_path, folds) -> None:
     """`zdsl tune --check-model`: the cost model's ranking beside the measured one, fitted on other uses."""
     console = make_console(stderr=as_json)
-    if measured_path:
+    if measured_paths:
         if record_path:
             raise ZdslError("--record saves a new measurement; --measured replays one: give one of them")
-        device, records = check.load(measured_path)
-        where = "chunk" if prompt else "step"
-        records = [r for r in records if r["where"] == where and (not names or r["kernel"] in names.split(","))]
+        devices, records = set(), []
+        for path in measured_paths:
+            device, more = check.load(path)
+            devices.add(device)
+            records += [r for r in more if not names or r["kernel"] in names.split(",")]
+        if len(devices) > 1:
+            raise ZdslError(f"the measurement files are of {len(devices)} devices ({', '.join(sorted(devices))}): "
+                            "replay one device's at a time")
     else:
         device, records = _measured_uses(device_name, model_path, preset, quant, names, budget, n_ctx, caps, prompt,
                                          warmup, repeats, warm_ms, cache_mb, record_path, console)
