@@ -113,7 +113,8 @@ def chrome_trace(timings: list[tuple[str, float]]) -> dict:
 @click.argument("model", required=False, type=click.Path(dir_okay=False))
 @click.option("--device", default=None, help="Index, name substring or alias (zdsl devices).")
 @click.option("--ctx", "n_ctx", type=int, default=512, show_default=True, help="Context to allocate.")
-@click.option("--position", type=int, default=16, show_default=True, help="Tokens decoded before the timed step.")
+@click.option("--position", type=int, default=16, show_default=True,
+              help="Tokens before the timed step (a random prompt, fed by batched prefill).")
 @click.option("--top", type=int, default=15, show_default=True, help="Rows of the slowest-dispatch table.")
 @click.option("--steps", type=int, default=5, show_default=True, help="Timed steps (each dispatch: the median).")
 @click.option("--warm-ms", type=int, default=500, show_default=True,
@@ -139,11 +140,11 @@ def profile(model, device, n_ctx, position, top, steps, warm_ms, prompt_len, out
     if "timestamps" not in gen.device.info.features:
         raise ZdslError(f"{gen.device.info.name} has no timestamp queries; zdsl profile needs them")
     g = gen.graph
-    g.decode(1)
-    for _ in range(position - 1):
-        g.decode()
+    rng = np.random.default_rng(0)
+    if position:  # a random prompt of that many tokens, fed as `zdsl run` feeds one
+        g.prefill(rng.integers(0, g.hp.vocab, position).tolist())
     at = g.position
-    ids = np.random.default_rng(0).integers(0, g.hp.vocab, prompt_len).tolist()
+    ids = rng.integers(0, g.hp.vocab, prompt_len).tolist()
     timed = (lambda: g.prompt.profile(ids)) if prompt_len else g.profile
     end = time.perf_counter() + warm_ms / 1e3
     while True:  # the same step over and over, until the clocks are up
