@@ -419,7 +419,8 @@ def _combine_traffic(v, s) -> int:
 
 
 @zdsl.kernel(workgroup="WG", subgroup="SG",
-             variants={"D": [128, 256], "WG": [64, 256], "SP": [1, 4], "R": [1, 4], "Q8": [False, True], "SG": SUBGROUPS},
+             variants={"D": [128, 256], "WG": [64, 256], "SP": [1, 4, 16], "R": [1, 4], "Q8": [False, True],
+                       "SG": SUBGROUPS},
              where=lambda v: v.WG % v.SP == 0 and v.D % (v.WG // v.SP) == 0,
              sizes=("n_head", "ctx"), grid=lambda v, s: s.n_head, traffic=_combine_traffic)
 def attn_combine(part: Buffer[f32], qg: Buffer[f32], step: Buffer[u32], o: Buffer[f32], oq: Buffer[u32],

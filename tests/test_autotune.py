@@ -170,6 +170,14 @@ def test_recorded_launches_are_what_the_real_graph_launches(device, tmp_path):
             [(l.kernel.name, l.key) for l in dry]
 
 
+def test_uses_follow_the_kv_cache_format(device):
+    """`zdsl tune --kv-type`: the step's attention uses carry the formats the graph would run, so
+    a quantized cache's kernels are tuned and looked up apart from the f16 ones."""
+    kv = {u.kernel.name: (u.key.get("KT"), u.key.get("VT"))
+          for u in step_uses(PresetModel("35b-a3b"), device.info, 4096, (1,), ("q4_0", "q8_0"))}
+    assert kv["attn_decode"] == kv["attn_prep"] == ("q4_0", "q8_0")
+
+
 def test_every_kernel_example_checks_its_default_variant(device):
     """Each kind of use of the 35B step: the default variant on its example's check case agrees
     with the kernel's reference on lavapipe (the examples the tuner and the benches rest on)."""

@@ -23,7 +23,8 @@ from zdsl.console import Table, make_console
 from zdsl.errors import ZdslError
 
 from .gguf_file import open_model
-from .graph import DecodeGraph, record_chunk_launches, record_launches
+from .graph import KV_DEFAULT, DecodeGraph, record_chunk_launches, record_launches
+from .run import kv_type_option
 from .sampler import SamplerConfig
 from .synth import QUANTS, PresetModel
 
@@ -53,13 +54,14 @@ def _open(device_name: str | None, warmup: int, repeats: int, warm_ms: int, cach
         dev.info, dev
 
 
-def step_uses(model, info, n_ctx: int, caps: tuple[int, ...]) -> list[tuner.Use]:
+def step_uses(model, info, n_ctx: int, caps: tuple[int, ...], kv: tuple[str, str] = KV_DEFAULT) -> list[tuner.Use]:
     """The tunable uses of one decode step of `model` as a device of `info` records it, once per
-    sampler candidate cap in `caps` (1 is greedy decoding; a step records one of them)."""
+    sampler candidate cap in `caps` (1 is greedy decoding; a step records one of them), with KV
+    caches in the formats `kv`."""
     launches = []
     for cap in caps:
         sampler = SamplerConfig(temperature=0) if cap == 1 else SamplerConfig(cap=cap)
-        launches += record_launches(model, info, n_ctx, sampler)
+        launches += record_launches(model, info, n_ctx, sampler, kv=kv)
     found = tuner.uses(launches)
     for use in found:  # the graph's steps around the sampler repeat for each cap: count one step's
         if use.kernel.name != "sample_candidates":
@@ -67,9 +69,9 @@ def step_uses(model, info, n_ctx: int, caps: tuple[int, ...]) -> list[tuner.Use]
     return found
 
 
-def chunk_uses(model, info, n_ctx: int, t: int) -> list[tuner.Use]:
+def chunk_uses(model, info, n_ctx: int, t: int, kv: tuple[str, str] = KV_DEFAULT) -> list[tuner.Use]:
     """The tunable uses of one prompt chunk of t tokens of `model` (batched prefill)."""
-    return tuner.uses(record_chunk_launches(model, info, n_ctx, t))
+    return tuner.uses(record_chunk_launches(model, info, n_ctx, t, kv=kv))
 
 
 def select(uses, names: str | None, what: str = "decode step"):
@@ -122,8 +124,9 @@ def select(uses, names: str | None, what: str = "decode step"):
 @click.option("--record", "record_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="With --check-model on a device: save the measurements to this file, for --measured.")
 @click.option("--folds", default=4, show_default=True, help="With --check-model: fold f holds out uses f, f + folds, ...")
+@kv_type_option
 def tune(device_name, model_path, preset, quant, names, budget, n_ctx, caps, prompt, out_path, warmup, repeats, warm_ms,
-         cache_mb, as_json, check_model, measured_paths, record_path, folds):
+         cache_mb, as_json, check_model, measured_paths, record_path, folds, kv):
     """Pick the fastest kernel variants for a device (measured, or modelled for compile-only targets)."""
     if check_model:
         _check_model(device_name, model_path, preset, quant, names, budget, n_ctx, caps, prompt, warmup, repeats,
@@ -143,9 +146,10 @@ def tune(device_name, model_path, preset, quant, names, budget, n_ctx, caps, pro
         model = open_model(model_path) if model_path else PresetModel(preset, quant)
         source = str(model_path) if model_path else model.source
         if prompt:
-            uses = select(chunk_uses(model, info, max(n_ctx, prompt), prompt), names, f"{prompt}-token prompt chunk")
+            uses = select(chunk_uses(model, info, max(n_ctx, prompt), prompt, kv), names,
+                          f"{prompt}-token prompt chunk")
         else:
-            uses = select(step_uses(model, info, n_ctx, cap_list), names)
+            uses = select(step_uses(model, info, n_ctx, cap_list, kv), names)
     except BaseException:
         if dev is not None:
             dev.close()
@@ -161,7 +165,7 @@ def tune(device_name, model_path, preset, quant, names, budget, n_ctx, caps, pro
         deadline = time.monotonic() + budget
         results = _run(method, uses, budget / 2 if in_place else budget, console)
         if in_place:
-            report = _in_place(dev, model_path, n_ctx, results, info, deadline, console)
+            report = _in_place(dev, model_path, n_ctx, kv, results, info, deadline, console)
     finally:
         if dev is not None:
             dev.close()
@@ -289,13 +293,13 @@ def _check_json(device: str, card, report: check.Report) -> dict:
     }
 
 
-def _in_place(dev, model_path, n_ctx: int, results, info, deadline: float, console):
+def _in_place(dev, model_path, n_ctx: int, kv, results, info, deadline: float, console):
     """Build the model's decode step on the device and keep only the choices that speed it up."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from .in_place import InPlace
 
-    graph = DecodeGraph(open_model(model_path), dev, n_ctx, progress=console.is_terminal)
+    graph = DecodeGraph(open_model(model_path), dev, n_ctx, progress=console.is_terminal, kv=kv)
     try:
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
                       transient=True, disable=not console.is_terminal) as bar:
