@@ -418,37 +418,51 @@ def _combine_traffic(v, s) -> int:
     return 4 * s.n_head * (used * (v.D + 2) + 3 * v.D)
 
 
+def _combine_lanes(D: int) -> int:
+    """Invocations of attn_combine that share a split's record: each holds four dims, eight hold
+    a Q8_1 block of 32 (all of a narrower head)."""
+    return min(8, D // 4)
+
+
 @zdsl.kernel(workgroup="WG", subgroup="SG",
-             variants={"D": [128, 256], "WG": [64, 256], "SP": [1, 4, 16], "R": [1, 4], "Q8": [False, True],
-                       "SG": SUBGROUPS},
-             where=lambda v: v.WG % v.SP == 0 and v.D % (v.WG // v.SP) == 0,
-             sizes=("n_head", "ctx"), grid=lambda v, s: s.n_head, traffic=_combine_traffic)
+             variants={"D": [128, 256], "WG": [64, 256], "R": [1, 4], "Q8": [False, True], "SG": SUBGROUPS},
+             where=lambda v: v.D % 4 == 0 and v.WG % _combine_lanes(v.D) == 0,
+             sizes=("n_head", "ctx"), grid=lambda v, s: (s.n_head, v.D // (4 * _combine_lanes(v.D))),
+             traffic=_combine_traffic)
 def attn_combine(part: Buffer[f32], qg: Buffer[f32], step: Buffer[u32], o: Buffer[f32], oq: Buffer[u32],
-                 od: Buffer[f32], nsplit: u32, min_chunk: u32, D: Const = 256, WG: Const = 256, SP: Const = 4,
-                 R: Const = 4, Q8: Const = False, SG: Const = 32):
+                 od: Buffer[f32], nsplit: u32, min_chunk: u32, D: Const = 256, WG: Const = 256, R: Const = 4,
+                 Q8: Const = False, SG: Const = 32):
     """o[h] = (Σ_s e^(m_s − M) acc_s) / (Σ_s e^(m_s − M) l_s) · sigmoid(gate_h) over the splits
-    attn_decode used (same nsplit, min_chunk), M = max_s m_s; gate_h = qg[h, D:2D]. The
-    workgroup's invocations are SP groups that merge alternate blocks of R splits (R records
-    loaded before any is used), each invocation of a group owning D / (WG / SP) dims; the groups
-    then merge through shared memory. With Q8, o also goes out as Q8_1 (oq, od: the output
-    projection's int8 input; q8_1.py; D a multiple of 32), four consecutive dims per invocation
-    through shared memory. The launch names n_head (the grid) and ctx (the rows the cache holds)."""
-    JW = WG // SP  # invocations along the dims
-    if WG % SP or D % JW:
-        raise zdsl.ZdslError(f"attn_combine needs SP | WG and WG / SP | D, not WG={WG}, SP={SP}, D={D}")
-    h, t = zdsl.workgroup_id(), zdsl.local_index()
-    jl, sp = t % JW, t // JW
-    dims = [jl + JW * k for k in range(D // JW)]
+    attn_decode used (same nsplit, min_chunk), M = max_s m_s; gate_h = qg[h, D:2D].
+
+    Workgroup (h, b) makes head h's dims 32·b … 32·b + 31 (a Q8_1 block; a narrower head whole).
+    Its invocations are groups of eight, each holding four of those dims, and the groups split
+    the head's splits between them (group n: splits n·R …, R records loaded before any is used,
+    then n·R + groups·R …), each keeping a running merge; the groups then merge through shared
+    memory. So up to WG / 8 groups walk a head's splits at once, and the heads' blocks are apart:
+    at depth 32,768 (256 splits) a group takes 2 rounds of loads, where one workgroup a head with
+    four groups took 16 (26 µs a layer on the H100, 2026-11-27). With Q8, o also goes out as Q8_1
+    (oq, od: the output projection's int8 input; q8_1.py; D a multiple of 32). The launch names
+    n_head and ctx (the rows the cache holds)."""
+    L = _combine_lanes(D)
+    NG = WG // L  # groups
+    if D % 4 or WG % L:
+        raise zdsl.ZdslError(f"attn_combine needs D a multiple of 4 and WG a multiple of {L}, not D={D}, WG={WG}")
+    if Q8 and D % 32:
+        raise zdsl.ZdslError(f"attn_combine writes Q8_1 blocks of 32 dims: D = {D} is not a multiple of 32")
+    h, t = zdsl.workgroup_id(0), zdsl.local_index()
+    lane, group = t % L, t // L
+    quad = zdsl.workgroup_id(1) * L + lane  # this invocation's four dims of the head, over 4
     _, used = split_rows(step[1], nsplit, min_chunk)
     top, total = zdsl.var(LOWEST), zdsl.var(0.0)
-    acc = [zdsl.var(0.0) for _ in dims]
-    for first in zdsl.range(sp * R, used, SP * R):
+    acc = zdsl.var(zdsl.vec(0.0, 0.0, 0.0, 0.0))
+    for first in zdsl.range(group * R, used, NG * R):
         splits = [first + k for k in range(R)]
         valid = [s < used for s in splits] if R > 1 else None
         recs = [(h * nsplit + (zdsl.min(s, used - 1) if valid else s)) * (D + 2) for s in splits]
         m_s = [part[rec] for rec in recs]
         l_s = [part[rec + 1] for rec in recs]
-        acc_s = [[part[rec + 2 + j] for j in dims] for rec in recs]
+        acc_s = [zdsl.vec(*[part[rec + 2 + 4 * quad + e] for e in range(4)]) for rec in recs]  # rows: 8-byte aligned
         m_new = top
         for m_k in m_s:
             m_new = zdsl.max(m_new, m_k)
@@ -456,53 +470,34 @@ def attn_combine(part: Buffer[f32], qg: Buffer[f32], step: Buffer[u32], o: Buffe
         b = [zdsl.exp(m_k - m_new) for m_k in m_s]
         if valid:  # a clamped record past the last split counts for nothing
             b = [zdsl.where(ok, b_k, 0.0) for ok, b_k in zip(valid, b)]
-        new_total = total * a
-        for b_k, l_k in zip(b, l_s):
+        new_total, new_acc = total * a, acc * a
+        for b_k, l_k, acc_k in zip(b, l_s, acc_s):
             new_total = new_total + l_k * b_k
+            new_acc = new_acc + acc_k * b_k
         total.set(new_total)
-        for i, x in enumerate(acc):
-            new = x * a
-            for b_k, rec_acc in zip(b, acc_s):
-                new = new + rec_acc[i] * b_k
-            x.set(new)
+        acc.set(new_acc)
         top.set(m_new)
-    if SP > 1:
-        m_sh, l_sh, acc_sh = zdsl.shared(f32, SP), zdsl.shared(f32, SP), zdsl.shared(f32, SP * D)
-        with zdsl.if_(jl == 0):
-            m_sh[sp], l_sh[sp] = top, total
-        for x, j in zip(acc, dims):
-            acc_sh[sp * D + j] = x
-        zdsl.barrier()
-        m_all = m_sh[0]
-        for p in range(1, SP):
-            m_all = zdsl.max(m_all, m_sh[p])
-        weights = [zdsl.exp(m_sh[p] - m_all) for p in range(SP)]
-        denom = l_sh[0] * weights[0]
-        for p in range(1, SP):
-            denom = denom + l_sh[p] * weights[p]
-        for x, j in zip(acc, dims):
-            num = acc_sh[j] * weights[0]
-            for p in range(1, SP):
-                num = num + acc_sh[p * D + j] * weights[p]
-            x.set(num)
-        total.set(denom)
-    o_sh = zdsl.shared(f32, D) if Q8 else None
-    with zdsl.if_(sp == 0):
-        for x, j in zip(acc, dims):
-            value = x / total * zdsl.sigmoid(qg[h * 2 * D + D + j])
-            o[h * D + j] = value
-            if Q8:
-                o_sh[j] = value
-    if not Q8:
-        return
-    if D % 32:
-        raise zdsl.ZdslError(f"attn_combine writes Q8_1 blocks of 32 dims: D = {D} is not a multiple of 32")
+    m_sh, l_sh = zdsl.shared(f32, NG), zdsl.shared(f32, NG)
+    acc_sh = zdsl.shared(f32.vec(4), WG)
+    with zdsl.if_(lane == 0):
+        m_sh[group], l_sh[group] = top, total
+    acc_sh[t] = acc
     zdsl.barrier()
-    for first in range(0, D // 4, WG):
-        quad = first + t
-        at = zdsl.min(quad, D // 4 - 1)
-        v = zdsl.vec(*[o_sh[4 * at + e] for e in range(4)])
-        store_q8_1(v, h * (D // 4) + quad, quad < D // 4, oq, od)
+    m_all = zdsl.var(LOWEST)  # every group merges the same (a group without splits weighs e^(LOWEST − M) = 0)
+    for n in zdsl.range(NG):
+        m_all.set(zdsl.max(m_all, m_sh[n]))
+    denom, num = zdsl.var(0.0), zdsl.var(zdsl.vec(0.0, 0.0, 0.0, 0.0))
+    for n in zdsl.range(NG):
+        w = zdsl.exp(m_sh[n] - m_all)
+        denom.set(denom + l_sh[n] * w)
+        num.set(num + acc_sh[n * L + lane] * w)
+    gate = qg.vec4[h * (D // 2) + D // 4 + quad]
+    value = num * (1.0 / denom) * zdsl.vec(*[zdsl.sigmoid(gate[e]) for e in range(4)])
+    at = h * (D // 4) + quad
+    with zdsl.if_(group == 0):
+        o.vec4[at] = value
+    if Q8:
+        store_q8_1(value, at, group == 0, oq, od)
 
 
 @attn_combine.reference

@@ -48,7 +48,7 @@ def prep(backend, request, qg, k, v, q_norm, k_norm, k_cache, v_cache, pos, rope
                rope_base=rope_base, eps=EPS)
 
 
-def decode(backend, request, q, k_cache, v_cache, qg, length, nsplit, sg, *, min_chunk=1, nw=1, u=1, wg=64, sp=1, r=1,
+def decode(backend, request, q, k_cache, v_cache, qg, length, nsplit, sg, *, min_chunk=1, nw=1, u=1, wg=64, r=1,
            kt="f16", vt="f16"):
     """attn_decode then attn_combine; returns (partials, o)."""
     n_head, d = q.shape
@@ -59,7 +59,8 @@ def decode(backend, request, q, k_cache, v_cache, qg, length, nsplit, sg, *, min
                part=np.full(n_head * nsplit * (d + 2), np.nan, np.float32), n_kv=n_kv, min_chunk=min_chunk)["part"]
     q8 = d % 32 == 0  # o also as Q8_1 where it is whole blocks
     q8_out = dict(oq=np.zeros(n_head * d // 4, np.uint32), od=np.full(n_head * d // 16, np.nan, np.float32)) if q8 else {}
-    out = run(att.attn_combine.specialize(D=d, WG=wg, SP=max(sp, wg // d), R=r, Q8=q8, SG=sg), backend, request, n_head,
+    blocks = d // (4 * att._combine_lanes(d))  # a workgroup per head and block of 32 dims
+    out = run(att.attn_combine.specialize(D=d, WG=wg, R=r, Q8=q8, SG=sg), backend, request, (n_head, blocks),
               part=part, qg=qg, step=step, o=np.full((n_head, d), np.nan, np.float32), nsplit=nsplit,
               min_chunk=min_chunk, **q8_out)
     if q8:
@@ -120,9 +121,9 @@ def test_prep_matches_model_reference():
 @given(n_kv=st.integers(1, 3), group=st.sampled_from([1, 2, 3, 4, 8]), d=st.sampled_from([4, 8, 16, 32, 64]),
        length=st.integers(1, 80), nsplit=st.integers(1, 12), min_chunk=st.integers(0, 20), extra=st.integers(0, 3),
        scale=st.sampled_from([0.3, 3.0]), nw=st.sampled_from([1, 2, 4]), u=st.integers(1, 3), sg_pick=st.integers(0, 3),
-       wg=st.sampled_from([64, 256]), sp=st.sampled_from([1, 4]), r=st.sampled_from([1, 3]), seed=st.integers(0, 99))
+       wg=st.sampled_from([64, 256]), r=st.sampled_from([1, 3]), seed=st.integers(0, 99))
 def test_decode_and_combine(backend, request, n_kv, group, d, length, nsplit, min_chunk, extra, scale, nw, u, sg_pick,
-                            wg, sp, r, seed):
+                            wg, r, seed):
     """Any length ≥ 1, split count and minimum chunk: splits past the last in use stay empty and are
     skipped; every GQA group, row-cluster and subgroup layout."""
     rng = np.random.default_rng(seed)
@@ -133,7 +134,7 @@ def test_decode_and_combine(backend, request, n_kv, group, d, length, nsplit, mi
     v_cache = random_cache(rng, length + extra, n_kv, d)
     k_cache[length:] = np.float16(np.inf)  # rows past the length must never be read
     part, o = decode(backend, request, q, k_cache, v_cache, qg, length, nsplit, subgroup(backend, request, sg_pick),
-                     min_chunk=min_chunk, nw=nw, u=u, wg=wg, sp=sp, r=r)
+                     min_chunk=min_chunk, nw=nw, u=u, wg=wg, r=r)
     used = len(att.split_bounds(length, nsplit, min_chunk))
     np.testing.assert_allclose(part[:, :used], att.attn_decode_ref(q, k_cache, v_cache, length, nsplit, min_chunk)[:, :used],
                                rtol=2e-5, atol=2e-5)
@@ -152,7 +153,7 @@ def test_split_edges(length, nsplit, min_chunk, d, sg, nw, u):
     q, qg = rng.standard_normal((4, d), dtype=np.float32), rng.standard_normal((4, 2 * d), dtype=np.float32)
     k_cache, v_cache = random_cache(rng, length, 2, d), random_cache(rng, length, 2, d)
     part, o = decode("interp", None, q, k_cache, v_cache, qg, length, nsplit, sg, min_chunk=min_chunk, nw=nw, u=u,
-                     sp=4, r=3)
+                     r=3)
     np.testing.assert_allclose(o, att.attention_ref(q, k_cache, v_cache, qg, length), rtol=2e-5, atol=2e-6)
     assert np.isnan(part[:, len(att.split_bounds(length, nsplit, min_chunk)):]).all()
 
@@ -198,7 +199,7 @@ def test_decode_model_shape():
     q, qg = rng.standard_normal((16, 256), dtype=np.float32), rng.standard_normal((16, 512), dtype=np.float32)
     k_cache, v_cache = random_cache(rng, 300, 2, 256), random_cache(rng, 300, 2, 256)
     for sg, nw, u in ((32, 1, 4), (64, 4, 2)):
-        _, o = decode("interp", None, q, k_cache, v_cache, qg, 300, 8, sg, min_chunk=16, nw=nw, u=u, wg=256, sp=4, r=4)
+        _, o = decode("interp", None, q, k_cache, v_cache, qg, 300, 8, sg, min_chunk=16, nw=nw, u=u, wg=256, r=4)
         np.testing.assert_allclose(o, att.attention_ref(q, k_cache, v_cache, qg, 300), rtol=2e-5, atol=2e-6)
 
 
