@@ -308,9 +308,9 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
     `row_lanes` lanes share a cache row: each reads D / lanes of its dims as float4 and keeps
     those dims of the G queries and G accumulators in registers, so K and V are read once for
     all G heads. A subgroup takes U rows per cluster of lanes per round (their loads in flight
-    together); the NW subgroups of the workgroup take alternate rounds, and their running
-    softmaxes are merged through shared memory at the end. K and V are read in their formats KT
-    and VT (kvcache.py), four values at a time, dequantized in registers. The launch names nsplit
+    together, issued a round ahead); the NW subgroups of the workgroup take alternate rounds,
+    and their running softmaxes are merged through shared memory at the end. K and V are read in
+    their formats KT and VT (kvcache.py), four values at a time, dequantized in registers. The launch names nsplit
     (the grid's x) and ctx (the rows the cache holds)."""
     if not _decode_fits(SimpleNamespace(D=D, SG=SG)):
         raise zdsl.ZdslError(f"attn_decode needs D / 4 a power of two or a multiple of 4·SG, not D={D}, SG={SG}")
@@ -332,12 +332,17 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
         m = [zdsl.var(LOWEST) for _ in range(G)]
         l = [zdsl.var(0.0) for _ in range(G)]
         acc = [[zdsl.var(zdsl.vec(0.0, 0.0, 0.0, 0.0)) for _ in range(P)] for _ in range(G)]
-        for first in zdsl.range(start + sub * rows_per_round, end, NW * rows_per_round):
-            rows = [first + c + NC * u for u in range(U)]
-            valid = [t < end for t in rows] if rows_per_round > 1 else None  # the last round may run out
-            if valid:
-                rows = [zdsl.min(t, end - 1) for t in rows]
-            kv, vv = _load_rows(k_cache, v_cache, [t * n_kv + g for t in rows], r, C, P, D, KT, VT)
+        def load(first):
+            """This lane's pieces of the round at `first`: its cluster's rows (past the end, the last)."""
+            rows = [zdsl.min(first + c + NC * u, end - 1) * n_kv + g for u in range(U)]
+            return _load_rows(k_cache, v_cache, rows, r, C, P, D, KT, VT)
+
+        begin, stride = start + sub * rows_per_round, NW * rows_per_round
+        kv, vv = [[[zdsl.var(x) for x in row] for row in rows] for rows in load(begin)]
+        for first in zdsl.range(begin, end, stride):
+            # the next round's loads go out before this round's arithmetic, which hides their latency
+            ahead = load(first + stride)
+            valid = [first + c + NC * u < end for u in range(U)] if rows_per_round > 1 else None  # the last may run out
             row_scores = []  # [row][head]
             for u in range(U):
                 dots = []
@@ -349,6 +354,9 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
                 scores = head_scores(dots, C, SG, lane)
                 row_scores.append([zdsl.where(valid[u], x, LOWEST) for x in scores] if valid else scores)
             online_softmax(m, l, acc, row_scores, vv, (lambda u, h: valid[u]) if valid else None)
+            for now, nxt in zip(kv + vv, ahead[0] + ahead[1]):
+                for x, y in zip(now, nxt):
+                    x.set(y)
         merge_clusters(m, l, acc, C, SG)
         record = [((g * G + h) * nsplit + s) * (D + 2) for h in range(G)]
         if NW == 1:
