@@ -6,7 +6,9 @@ import tempfile
 import pytest
 from hypothesis import HealthCheck, settings
 
-# Tests never touch the user's cache; each xdist worker gets its own.
+# Tests never touch the user's cache. The directory is made once per session: pytest loads this
+# file in the xdist controller too, and the workers inherit its environment, so they share it
+# (entries are written atomically; a SPIR-V module compiled by one worker is read by the other).
 os.environ.setdefault("ZDSL_CACHE_DIR", tempfile.mkdtemp(prefix="zdsl-test-cache-"))
 
 settings.register_profile("zdsl", deadline=None, max_examples=25, derandomize=True,
@@ -24,3 +26,13 @@ def device():
     dev = open_device(os.environ.get("ZDSL_TEST_DEVICE", "lavapipe"))
     yield dev
     dev.close()
+
+
+def pytest_collection_modifyitems(items):
+    """Tests marked `early` first: the whole registry's build is the suite's longest test (minutes,
+    on worker processes of its own), and under `--dist worksteal` (Makefile) the first of the
+    collection starts on the first worker at once, so the other worker runs the rest beside it
+    and nothing long is left for the end."""
+    early = [item for item in items if item.get_closest_marker("early")]
+    if early:
+        items[:] = early + [item for item in items if not item.get_closest_marker("early")]

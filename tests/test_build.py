@@ -8,6 +8,7 @@ from zdsl.build import add_target_statistics, build, spill_summary, variants_for
 from zdsl.cli import main
 
 
+@pytest.mark.early
 def test_every_registered_variant_builds_then_comes_from_cache(capsys):
     assert main(["build", "--no-progress", "-j", "2"]) == 0
     first = capsys.readouterr().out
