@@ -38,7 +38,7 @@ import numpy as np
 import zdsl
 from zdsl import Buffer, Const, f16, f32, u32
 from zdsl.kernels import inputs, mma
-from zdsl.kernels.kvcache import FORMATS as KV_FORMATS, KV_TYPES
+from zdsl.kernels.kvcache import FORMATS as KV_FORMATS
 from zdsl.kernels.norm import rms_scale
 from zdsl.kernels.q8_1 import store_q8_1
 from zdsl.kernels.reduce import SUBGROUPS
@@ -54,7 +54,7 @@ def _prep_traffic(v, s, t: int = 1) -> int:
     return t * (4 * (s.n_head * 3 * s.d + 2 * s.n_kv * s.d) + s.n_kv * row) + 8 * s.d
 
 
-@zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [64, 256], "KT": KV_TYPES, "VT": KV_TYPES, "SG": SUBGROUPS},
+@zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [64, 256], "SG": SUBGROUPS},
              key=("d",), grid=lambda v, s: s.n_head + s.n_kv, traffic=_prep_traffic)
 def attn_prep(qg: Buffer[f32], k: Buffer[f32], v: Buffer[f32], q_norm: Buffer[f32], k_norm: Buffer[f32],
               step: Buffer[u32], q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16],
@@ -141,7 +141,7 @@ def attn_prep_ref(qg, k, v, q_norm, k_norm, k_cache, v_cache, pos, rope_dims, ro
     return q[0], kc, vc
 
 
-@zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [64, 256], "KT": KV_TYPES, "VT": KV_TYPES, "SG": SUBGROUPS},
+@zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [64, 256], "SG": SUBGROUPS},
              key=("d", "t"), sizes=("t",), grid=lambda v, s: (s.n_head + s.n_kv, s.t),
              traffic=lambda v, s: _prep_traffic(v, s, s.t))
 def attn_prep_rows(qg: Buffer[f32], k: Buffer[f32], v: Buffer[f32], q_norm: Buffer[f32], k_norm: Buffer[f32],
@@ -270,12 +270,12 @@ def merge_clusters(m, l, acc, C: int, SG: int):
         mask *= 2
 
 
-def _load_rows(k_cache, v_cache, rows, r, C: int, P: int, D: int, KT: str, VT: str):
-    """([row][piece] K, the same of V): lane r's P pieces (float4 at dims 4·(r + C·p)) of each
+def _load_rows(k_cache, v_cache, rows, quads, D: int, KT: str, VT: str):
+    """([row][piece] K, the same of V): this lane's pieces (float4 at dims 4·quads[p]) of each
     cache row in `rows` (row = position · n_kv + KV head), all loads issued before any is used."""
     k, v = KV_FORMATS[KT], KV_FORMATS[VT]
-    return ([[k.load(k_cache, row, r + C * p, D) for p in range(P)] for row in rows],
-            [[v.load(v_cache, row, r + C * p, D) for p in range(P)] for row in rows])
+    return ([[k.load(k_cache, row, quad, D) for quad in quads] for row in rows],
+            [[v.load(v_cache, row, quad, D) for quad in quads] for row in rows])
 
 
 def _decode_fits(v) -> bool:
@@ -294,8 +294,7 @@ def _decode_traffic(v, s) -> int:
 
 
 @zdsl.kernel(workgroup=lambda v: v.NW * v.SG, subgroup="SG",
-             variants={"D": [128, 256], "G": [2, 4, 8], "NW": [1, 4], "U": [2, 4], "KT": KV_TYPES, "VT": KV_TYPES,
-                       "SG": SUBGROUPS}, where=_decode_fits,
+             variants={"D": [128, 256], "G": [2, 4, 8], "NW": [1, 4], "U": [2, 4], "SG": SUBGROUPS}, where=_decode_fits,
              sizes=("nsplit", "ctx"), grid=lambda v, s: (s.nsplit, s.n_kv), traffic=_decode_traffic)
 def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step: Buffer[u32], part: Buffer[f32],
                 n_kv: u32, min_chunk: u32, G: Const = 8, D: Const = 256, NW: Const = 4, U: Const = 2,
@@ -328,14 +327,15 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
     r, c = lane % C, lane // C
     with zdsl.if_(s < used):
         sm = 1.0 / math.sqrt(D)
-        qv = [[q.vec4[(g * G + h) * (D // 4) + r + C * p] * sm for p in range(P)] for h in range(G)]
+        quads = [P * r + p for p in range(P)]  # a lane's pieces side by side: one run of the row
+        qv = [[q.vec4[(g * G + h) * (D // 4) + quad] * sm for quad in quads] for h in range(G)]
         m = [zdsl.var(LOWEST) for _ in range(G)]
         l = [zdsl.var(0.0) for _ in range(G)]
         acc = [[zdsl.var(zdsl.vec(0.0, 0.0, 0.0, 0.0)) for _ in range(P)] for _ in range(G)]
         def load(first):
             """This lane's pieces of the round at `first`: its cluster's rows (past the end, the last)."""
             rows = [zdsl.min(first + c + NC * u, end - 1) * n_kv + g for u in range(U)]
-            return _load_rows(k_cache, v_cache, rows, r, C, P, D, KT, VT)
+            return _load_rows(k_cache, v_cache, rows, quads, D, KT, VT)
 
         begin, stride = start + sub * rows_per_round, NW * rows_per_round
         kv, vv = [[[zdsl.var(x) for x in row] for row in rows] for rows in load(begin)]
@@ -367,7 +367,7 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
                 with zdsl.if_(lane < C):
                     for p in range(P):
                         for e in range(4):
-                            part[record[h] + 2 + 4 * (r + C * p) + e] = acc[h][p][e]
+                            part[record[h] + 2 + 4 * quads[p] + e] = acc[h][p][e]
         else:  # merge the subgroups: statistics first, then the rescaled sums one subgroup at a time
             m_sh, l_sh = zdsl.shared(f32, NW * G), zdsl.shared(f32, NW * G)
             acc_sh = zdsl.shared(f32.vec(4), G * D // 4)
@@ -391,7 +391,7 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
                 with zdsl.if_((sub == w) & (lane < C)):
                     for h in range(G):
                         for p in range(P):
-                            i = h * (D // 4) + r + C * p
+                            i = h * (D // 4) + quads[p]
                             mine = acc[h][p] * m[h]
                             acc_sh[i] = zdsl.where(w == 0, mine, acc_sh[i] + mine)
                 zdsl.barrier()
@@ -548,7 +548,7 @@ def _prefill_traffic(v, s) -> int:
 
 @zdsl.kernel(workgroup=lambda v: v.NW * v.SG, subgroup="SG",
              variants={"D": [128, 256], "G": [2, 4, 8], "BT": [1, 2, 4], "NW": [1, 4], "U": [1, 2],
-                       "Q8": [False, True], "KT": KV_TYPES, "VT": KV_TYPES, "SG": SUBGROUPS},
+                       "Q8": [False, True], "SG": SUBGROUPS},
              where=_prefill_fits, key=("t",), sizes=("ctx",),
              grid=lambda v, s: (-(-s.t // (v.NW * v.BT)), s.n_kv), traffic=_prefill_traffic)
 def attn_prefill(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step: Buffer[u32],
@@ -586,14 +586,15 @@ def attn_prefill(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_cache:
     queries = [(j, h) for j in range(BT) for h in range(G)]
     heads = [tokens[j] * (n_kv * G) + g * G + h for j, h in queries]  # q / o rows of (token, head)
     sm = 1.0 / math.sqrt(D)
-    qv = [[q.vec4[row * (D // 4) + r + C * p] * sm for p in range(P)] for row in heads]
+    quads = [r + C * p for p in range(P)]  # strided: eight neighbouring lanes hold a Q8_1 block of o
+    qv = [[q.vec4[row * (D // 4) + quad] * sm for quad in quads] for row in heads]
     m = [zdsl.var(LOWEST) for _ in queries]
     l = [zdsl.var(0.0) for _ in queries]
     acc = [[zdsl.var(zdsl.vec(0.0, 0.0, 0.0, 0.0)) for _ in range(P)] for _ in queries]
     end = ends[-1]
     for first in zdsl.range(0, end, U * NC):
         rows = [first + c + NC * u for u in range(U)]
-        kv, vv = _load_rows(k_cache, v_cache, [zdsl.min(x, end - 1) * n_kv + g for x in rows], r, C, P, D, KT, VT)
+        kv, vv = _load_rows(k_cache, v_cache, [zdsl.min(x, end - 1) * n_kv + g for x in rows], quads, D, KT, VT)
         seen = [[x < e for e in ends] for x in rows]  # [row][token]: the row is in the token's past
         row_scores = []
         for u in range(U):
@@ -611,7 +612,7 @@ def attn_prefill(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_cache:
         mine = (first_token + j < t) & (lane < C)
         inv = 1.0 / l[qi]
         for p in range(P):
-            quad = r + C * p
+            quad = quads[p]
             gate = qg.vec4[heads[qi] * (D // 2) + D // 4 + quad]
             value = acc[qi][p] * inv * zdsl.vec(*[zdsl.sigmoid(gate[e]) for e in range(4)])
             with zdsl.if_(mine):

@@ -13,7 +13,9 @@ a time, in registers: a writer's eight neighbouring invocations hold a block bet
 kernels that write the caches (attention.attn_prep, attn_prep_rows) and those that read them
 (attn_decode, attn_prefill) take the formats of K and V as Consts (`KT`, `VT`) and go through
 here; the caches are declared f16 (the f16 format's unit) and the other formats view the same
-bytes.
+bytes. The formats are not in those kernels' declared variants: the nine (K, V) pairs would
+multiply what `zdsl build` compiles (7,972 variants against 4,068), so a run's formats are
+fixed by its launches and their pipelines compile on first use, cached as any other.
 """
 
 from __future__ import annotations
