@@ -98,6 +98,21 @@ def use_of(rec: dict) -> Use:
     return Use(rec["kernel"], label, _label(rec["default"]), labels, np.asarray(measured, float), dispatches)
 
 
+def uses_of(records: list[dict]) -> tuple[list[Use], list[str]]:
+    """The model's view of the records with enough candidates to rank, and the kernels of those
+    measured on parameters the kernel no longer has (a variant space changed since: the
+    measurement says nothing about today's variants)."""
+    uses, stale = [], []
+    for r in records:
+        if len(r["cands"]) < MIN_CANDIDATES:
+            continue
+        try:
+            uses.append(use_of(r))
+        except ZdslError:
+            stale.append(r["kernel"])
+    return uses, stale
+
+
 def _label(params: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in params.items())
 

@@ -243,7 +243,10 @@ def _check_model(device_name, model_path, preset, quant, names, budget, n_ctx, c
         device, records = _measured_uses(device_name, model_path, preset, quant, names, budget, n_ctx, caps, prompt,
                                          warmup, repeats, warm_ms, cache_mb, record_path, console)
     card = cost_model.card_of(device)
-    uses = [check.use_of(r) for r in records if len(r["cands"]) >= check.MIN_CANDIDATES]
+    uses, stale = check.uses_of(records)
+    if stale:
+        console.print(f"skipped {len(stale)} uses measured on parameters their kernels no longer have "
+                      f"({', '.join(sorted(set(stale)))}): measure again with --record")
     if len(uses) < 2:
         raise ZdslError(f"{len(uses)} uses with {check.MIN_CANDIDATES} or more measured candidates: too few to fit on "
                         "some and score the others")
