@@ -105,3 +105,25 @@ def test_chat_ids_keep_the_sampled_tokens(model):
     before, after = text.split("hey", 1)
     assert ids == tok.encode(before, parse_special=True) + odd + tok.encode(after, parse_special=True)
     assert tok.decode(ids) == text
+
+
+def test_a_prompt_that_leaves_the_context_resumes_from_a_checkpoint(model, device):
+    """A prompt sharing only its start with the context restarts from the latest snapshot within
+    the shared tokens (at a chunk boundary, where a prompt fed whole is cut too) and generates
+    exactly what a fresh run does; a snapshot past the point of divergence is not used."""
+    greedy = SamplerConfig(temperature=0)
+    fresh = Generator(model, device, n_ctx=160, sampler=greedy, progress=False, chunk=16)
+    kept = Generator(model, device, n_ctx=160, sampler=greedy, progress=False, chunk=16, keep=True,
+                     checkpoints=1 << 24)
+    rng = np.random.default_rng(3)
+    first = rng.integers(0, fresh.tokenizer.vocab_size, 50).tolist()
+    second = first[:37] + rng.integers(0, fresh.tokenizer.vocab_size, 20).tolist()
+    list(kept.generate(first, 4, stop=False))
+    assert kept.checkpoints.positions == [16, 32, 48, 49]   # chunk boundaries and the prompt's end
+    out = list(kept.generate(second, 8, stop=False))
+    assert kept.timings.reused_tokens == 32 and kept.timings.prompt_tokens == len(second) - 32
+    assert out == list(fresh.generate(second, 8, stop=False))
+    again = list(kept.generate(second, 8, stop=False))   # the same prompt: from its end's snapshot
+    assert again == out and kept.timings.reused_tokens == len(second) - 1
+    kept.close()
+    fresh.close()

@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-kernels": ("zdsl.bench_kernels:bench_kernels", "Time kernels: GPU time and GB/s against measured copy bandwidth."),
     "run": ("zdsl.models.qwen35.run:run", "Generate text from a GGUF model (default: a synthetic one)."),
     "chat": ("zdsl.models.qwen35.run:chat", "Chat interactively with a GGUF model."),
+    "serve": ("zdsl.models.qwen35.serve:serve", "Serve a GGUF model over an OpenAI-compatible HTTP API."),
     "profile": ("zdsl.models.qwen35.profile:profile", "Time one decode step dispatch by dispatch."),
     "eval": ("zdsl.models.qwen35.quality:eval_group", "Measure quality: KV cache formats against f16 (eval kv)."),
     "tune": ("zdsl.models.qwen35.tune:tune", "Pick the fastest kernel variants for a device (measured, or modelled for compile-only targets)."),

@@ -14,6 +14,8 @@ from typing import Callable, Iterator
 from zdsl.cache import cache_dir, discard
 from zdsl.errors import ModelError, ZdslError
 from zdsl.kernels.kvcache import DEFAULT as KV_DEFAULT
+from zdsl.models.qwen35.buffers import CHUNK
+from zdsl.models.qwen35.checkpoints import Checkpoints
 from zdsl.models.qwen35.gguf_file import ModelFile, open_model
 from zdsl.models.qwen35.graph import DecodeGraph
 from zdsl.models.qwen35.sampler import SamplerConfig
@@ -75,16 +77,24 @@ class Timings:
                 f"decode {self.decode_tokens} tok at {self.decode_tps:.1f} tok/s{gpu}")
 
 
+def penalty_window(sampler: SamplerConfig, n_ctx: int) -> int:
+    """The tokens the penalties' counts cover (0: none kept): part of the sequence state."""
+    return sampler.window(n_ctx) if sampler.penalties else 0
+
+
 class Generator:
     """A model on a device, ready to generate. `context` is what the caches hold: the tokens fed so
     far, which a later `generate(..., keep=True)` whose prompt extends them does not feed again."""
 
     def __init__(self, model: ModelFile, device, *, n_ctx: int, sampler: SamplerConfig, progress: bool = True,
                  burst: int = 8, say: Callable[[str], None] | None = None, keep: bool = False,
-                 kv: tuple[str, str] = KV_DEFAULT):
+                 kv: tuple[str, str] = KV_DEFAULT, checkpoints: int = 0, chunk: int = CHUNK):
         """`keep`: prompts that extend the context continue it (a chat); bursts that run past an
         end-of-turn token are then undone from a checkpoint of the sequence state; `kv`: the
-        KV caches' formats (kernels/kvcache.py)."""
+        KV caches' formats (kernels/kvcache.py); `checkpoints` (with keep): bytes of device memory
+        for snapshots of the sequence state at each prompt chunk's boundary and at the prompt's
+        end (checkpoints.py), from which a prompt that leaves the context part-way resumes;
+        `chunk`: the most prompt tokens fed at once (prefill.py)."""
         self.model, self.device = model, device
         self.burst = burst  # decode steps per submission: the host waits once per burst
         self.tokenizer = Tokenizer.from_model(model)
@@ -93,8 +103,10 @@ class Generator:
             say(f"context {hp.context_length:,} tokens: {model.path.name} was trained for no more (asked {n_ctx:,})")
         self.n_ctx = min(n_ctx, hp.context_length)
         self.keep = keep
-        self.graph = DecodeGraph(model, device, self.n_ctx, sampler, progress=progress, say=say, checkpoint=keep, kv=kv)
+        self.graph = DecodeGraph(model, device, self.n_ctx, sampler, progress=progress, say=say, checkpoint=keep, kv=kv,
+                                 chunk=chunk)
         self.context: list[int] = []
+        self.checkpoints = Checkpoints(self.graph, checkpoints) if keep and checkpoints else None
         tok = self.tokenizer
         self.stop_ids = frozenset(i for i in [tok.eos_id] + [tok.tokens.index(t) for t in ("<|im_end|>", "<|endoftext|>")
                                                           if t in tok.tokens] if i is not None)
@@ -103,6 +115,54 @@ class Generator:
         """How many of `prompt_ids` the caches already hold (0 unless the context is a proper prefix)."""
         n = len(self.context)
         return n if self.keep and 0 < n < len(prompt_ids) and prompt_ids[:n] == self.context else 0
+
+    def resume(self, prompt_ids: list[int]) -> int:
+        """Put the caches at the longest start of `prompt_ids` they hold, or hold a checkpoint of,
+        and return its length (0: they start over)."""
+        n = self.reusable(prompt_ids)
+        if n:
+            return n
+        if self.checkpoints is None:
+            n = 0
+            self.graph.reset()
+        else:
+            shared = next((i for i, (a, b) in enumerate(zip(self.context, prompt_ids)) if a != b),
+                          min(len(self.context), len(prompt_ids)))
+            self.checkpoints.keep_upto(shared)
+            n = self.checkpoints.resume(min(shared, len(prompt_ids) - 1))  # the last token is fed: its logits
+        self.context = self.context[:n]
+        return n
+
+    def forget(self) -> None:
+        """Start the next prompt from nothing (the context and its checkpoints no longer match the
+        sequence state)."""
+        self.context = []
+        if self.checkpoints is not None:
+            self.checkpoints.keep_upto(0)
+
+    def use(self, sampler: SamplerConfig) -> None:
+        """Sample with `sampler` from the next generate() on (the step is recorded again). A
+        context fed under another penalty window is forgotten: the window is sequence state."""
+        g = self.graph
+        if sampler == g.sampler:
+            return
+        if penalty_window(sampler, self.n_ctx) != penalty_window(g.sampler, self.n_ctx):
+            self.forget()
+        g.retune(g.tuning, sampler)
+
+    def _prefill(self, tokens: list[int]) -> None:
+        """Feed prompt tokens; with checkpoints, in pieces that end at multiples of the prompt
+        chunk (where a prompt fed whole is cut too), each followed by a snapshot."""
+        g = self.graph
+        if self.checkpoints is None:
+            g.prefill(tokens)
+            return
+        at = 0
+        while at < len(tokens):
+            n = min(len(tokens) - at, g.chunk - g.position % g.chunk)
+            g.prefill(tokens[at:at + n])
+            self.checkpoints.save()
+            at += n
 
     def generate(self, prompt_ids: list[int], n: int, *, stop: bool = True) -> Iterator[int]:
         """Yield up to n generated token ids after `prompt_ids`, ending after a stop token when
@@ -115,14 +175,15 @@ class Generator:
                             f"{self.n_ctx} tokens; shorten the prompt, lower -n, or raise --ctx")
         g, t = self.graph, Timings()
         self.timings = t
-        reused = self.reusable(prompt_ids)
-        if not reused:
-            g.reset()
-            self.context = []
         start = time.perf_counter()
+        reused = self.resume(prompt_ids)
         new = prompt_ids[reused:]
-        g.prefill(new[:-1])  # in chunks; the last token's step samples the first new one
-        token = g.decode(new[-1])
+        try:
+            self._prefill(new[:-1])  # in chunks; the last token's step samples the first new one
+            token = g.decode(new[-1])
+        except BaseException:
+            self.forget()  # fed part-way: what the caches hold is known no more
+            raise
         self.context = list(prompt_ids)
         t.prompt_tokens, t.reused_tokens, t.prompt_s = len(prompt_ids) - reused, reused, time.perf_counter() - start
         start = time.perf_counter()
@@ -157,12 +218,14 @@ class Generator:
             t.gpu_ms.append(sum(ms for _, ms in g.profile()))  # one more timed step; generation is over
 
     def close(self) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.close()
         self.graph.close()
 
 
 def load(path: str | None, device_selector: str | None, *, n_ctx: int, sampler: SamplerConfig,
          progress: bool = True, say: Callable[[str], None] | None = None, keep: bool = False,
-         kv: tuple[str, str] = KV_DEFAULT) -> Generator:
+         kv: tuple[str, str] = KV_DEFAULT, checkpoints: int = 0) -> Generator:
     from zdsl.runtime import open_device
 
     model = open_model(path) if path is not None else default_model(say)
@@ -170,7 +233,8 @@ def load(path: str | None, device_selector: str | None, *, n_ctx: int, sampler: 
     if device.info.compile_only:
         raise ZdslError(f"{device.info.name} is a compile-only target; pick a device that runs code (zdsl devices)")
     try:
-        return Generator(model, device, n_ctx=n_ctx, sampler=sampler, progress=progress, say=say, keep=keep, kv=kv)
+        return Generator(model, device, n_ctx=n_ctx, sampler=sampler, progress=progress, say=say, keep=keep, kv=kv,
+                         checkpoints=checkpoints)
     except BaseException:
         device.close()
         raise

@@ -160,8 +160,10 @@ class DecodeGraph:
 
     def retune(self, tuning: Database | None, sampler: SamplerConfig | None = None) -> None:
         """Record the step again with the variants `tuning` picks (and another sampler, if given);
-        weights, caches and states stay. The tuner times candidates in place this way."""
+        weights, caches and states stay. The tuner times candidates in place this way. Prompt
+        chunks are recorded again on their next use: their variants and penalty window change too."""
         self._free_steps()
+        self.prompt.forget()
         self.tuning = tuning
         if sampler is not None:
             self.sampler = sampler
@@ -245,9 +247,11 @@ class DecodeGraph:
         self.tokens_out, self.cand = b["tokens_out"], b["candidates"]
         self._owned = list(b.values())
         self.prompt = Prefill(self, b)
+        # what a step overwrites that the sequence needs to be undone or resumed (buffers.checkpointed)
+        self.sequence_state = {name: b[name] for name in sorted(checkpointed(hp))}
         self._save = self._load = self._saved = None
         if self.can_checkpoint:
-            pairs = [(b[name], b[SAVED + name]) for name in sorted(checkpointed(hp))]
+            pairs = [(live, b[SAVED + name]) for name, live in self.sequence_state.items()]
             self._save, self._load = dev.sequence(), dev.sequence()
             for live, saved in pairs:
                 self._save.copy(live, saved)
@@ -529,7 +533,12 @@ class DecodeGraph:
         if self._saved is None:
             raise ZdslError("restore() without a checkpoint()")
         self._load.run()
-        self.position, words = self._saved
+        self.rewind(*self._saved)
+
+    def rewind(self, position: int, words: np.ndarray) -> None:
+        """Continue at `position` with the step values `words` (the sampler's counter too), once
+        the sequence state of that position is back in place (restore(), checkpoints.py)."""
+        self.position = position
         self.step_words[:] = words
         self._synced = False
 

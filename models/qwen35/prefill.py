@@ -113,10 +113,14 @@ class Prefill:
         if self.hp.moe:
             seq.fill(self.counts)
 
-    def free(self) -> None:
+    def forget(self) -> None:
+        """Free the recorded chunks (recorded again when next run)."""
         for seq in self._seqs.values():
             seq.free()
         self._seqs.clear()
+
+    def free(self) -> None:
+        self.forget()
         self.host.free()
 
     # -- recording --------------------------------------------------------------------------

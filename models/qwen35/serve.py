@@ -1,0 +1,197 @@
+"""`zdsl serve`: the model behind an OpenAI-compatible HTTP API (starlette on uvicorn).
+
+Routes: POST /v1/chat/completions and /v1/completions (streamed as server-sent events with
+`stream: true`), GET /v1/models, /health and /metrics. Generation is engine.py's; the protocol's
+checks are api.py's. Every error a client can cause answers with OpenAI's error body and a 4xx
+status; anything else with a 500 and the same body, the traceback only in the server's log.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import logging
+import time
+import uuid
+
+import click
+
+from zdsl.errors import ZdslError
+from zdsl.models.qwen35.api import ApiError, chat_job, completion_job
+from zdsl.models.qwen35.engine import Engine
+from zdsl.models.qwen35.run import kv_type_option
+
+log = logging.getLogger("zdsl.serve")
+OPEN = {"/health"}  # routes that need no API key
+
+
+def app(engine: Engine, model_id: str, api_key: str | None = None):
+    """The ASGI application serving `engine` as model `model_id`."""
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.middleware import Middleware
+    from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.routing import Route
+
+    def error(e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    async def body_of(request) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        if isinstance(body, dict) and body.get("model") not in (None, model_id):
+            raise ApiError(404, f"model {body['model']!r} is not served here; this server serves {model_id!r}",
+                           param="model", code="model_not_found")
+        return body
+
+    def usage(p) -> dict:
+        return {"prompt_tokens": p.prompt_tokens, "completion_tokens": p.completion_tokens,
+                "total_tokens": p.prompt_tokens + p.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": p.reused_tokens}}
+
+    async def complete(request, chat: bool):
+        body = await body_of(request)
+        try:
+            job = (chat_job if chat else completion_job)(body, engine.tokenizer, engine.n_ctx)
+        except ZdslError as e:  # the chat template refused the messages
+            raise ApiError(400, str(e), param="messages") from None
+        rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                "model": model_id}
+
+        def choice(text: str | None, finish: str | None, first: bool = False) -> dict:
+            if not chat:
+                return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            delta = ({"role": "assistant", "content": ""} if first else {}) | ({"content": text} if text else {})
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+        if job.stream:
+            async def events():
+                yield f"data: {json.dumps(head | {'choices': [choice(None, None, first=True)]})}\n\n"
+                async for p in engine.run(job):
+                    if p.text or p.finish:
+                        yield f"data: {json.dumps(head | {'choices': [choice(p.text, p.finish)]})}\n\n"
+                    if p.finish and job.include_usage:
+                        yield f"data: {json.dumps(head | {'choices': [], 'usage': usage(p)})}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        text = []
+        async for p in engine.run(job):
+            text.append(p.text)
+        reply = "".join(text)
+        message = ({"index": 0, "message": {"role": "assistant", "content": reply}, "logprobs": None,
+                    "finish_reason": p.finish} if chat else choice(reply, p.finish))
+        return JSONResponse(head | {"object": "chat.completion" if chat else "text_completion",
+                                    "choices": [message], "usage": usage(p)})
+
+    async def chat_completions(request):
+        return await complete(request, chat=True)
+
+    async def completions(request):
+        return await complete(request, chat=False)
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [{"id": model_id, "object": "model",
+                                                         "created": int(engine.started), "owned_by": "zdsl"}]})
+
+    async def health(request):
+        return JSONResponse({"status": "ok", "slots_idle": len(engine.slots) - engine.busy,
+                             "slots_processing": engine.busy, "requests_waiting": engine.waiting})
+
+    async def metrics(request):
+        return PlainTextResponse(engine.prometheus(), media_type="text/plain; version=0.0.4")
+
+    async def on_api_error(request, e: ApiError):
+        return error(e)
+
+    async def on_http_error(request, e: HTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return error(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind=kind))
+
+    async def on_crash(request, e: Exception):
+        log.exception("request %s %s failed", request.method, request.url.path)
+        return error(ApiError(500, f"the server failed on this request ({type(e).__name__}); its log has the details",
+                              kind="server_error"))
+
+    class Auth:
+        """Requests other than /health must carry `Authorization: Bearer <api key>`."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] == "http" and scope["path"] not in OPEN:
+                given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+                if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                    e = ApiError(401, "a valid API key is needed: send the header 'Authorization: Bearer <key>'",
+                                 code="invalid_api_key")
+                    return await error(e)(scope, receive, send)
+            await self.inner(scope, receive, send)
+
+    routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+              Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/models", models, methods=["GET"]),
+              Route("/health", health, methods=["GET"]),
+              Route("/metrics", metrics, methods=["GET"])]
+    return Starlette(routes=routes, middleware=[Middleware(Auth)] if api_key else [],
+                     exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_crash})
+
+
+def loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def open_engine(model, device, *, n_ctx: int, kv, checkpoint_mib: int, say=None) -> tuple[Engine, str]:
+    """One slot on `model` (a path, or None: the synthetic default) and its model id."""
+    from zdsl.models.qwen35.engine import Slot
+    from zdsl.models.qwen35.generate import load
+    from zdsl.models.qwen35.sampler import SamplerConfig
+
+    slot = Slot(lambda: load(model, device, n_ctx=n_ctx, sampler=SamplerConfig(), progress=say is not None, say=say,
+                             keep=True, kv=kv, checkpoints=checkpoint_mib << 20))
+    return Engine([slot]), slot.gen.model.path.name
+
+
+def _say(msg: str) -> None:
+    click.echo(msg, err=True)
+
+
+@click.command("serve")
+@click.argument("model", required=False, type=click.Path(dir_okay=False))
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on; one beyond this machine needs --api-key.")
+@click.option("--port", type=int, default=8080, show_default=True)
+@click.option("--ctx", "n_ctx", type=int, default=4096, show_default=True, help="Context length of a slot.")
+@click.option("--parallel", type=click.IntRange(1, 1), default=1, show_default=True,
+              help="Slots generating at once (one for now: more requests queue for it).")
+@click.option("--checkpoint-mib", type=click.IntRange(0), default=1024, show_default=True,
+              help="Device memory for snapshots of the delta-net state at prompt chunk boundaries, from which a "
+                   "prompt that shares only part of the last one resumes (0: only prompts that extend it).")
+@click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' (all routes but /health).")
+@click.option("--device", "device", default=None, help="Index, name substring or alias (zdsl devices).")
+@kv_type_option
+def serve(model, host, port, n_ctx, parallel, checkpoint_mib, api_key, device, kv):
+    """Serve MODEL over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
+    /v1/models, /health, /metrics. A request whose prompt starts with what the slot holds feeds
+    only the rest. Ctrl-C finishes the requests under way, then exits."""
+    import uvicorn
+
+    if not loopback(host) and not api_key:
+        raise ZdslError(f"--host {host} listens beyond this machine: give --api-key KEY too (clients then send it "
+                        "as 'Authorization: Bearer KEY')")
+    engine, model_id = open_engine(model, device, n_ctx=n_ctx, kv=kv, checkpoint_mib=checkpoint_mib, say=_say)
+    try:
+        _say(f"serving {model_id} on http://{host}:{port}/v1 (context {engine.n_ctx} tokens, {parallel} slot)")
+        uvicorn.run(app(engine, model_id, api_key), host=host, port=port, log_level="warning")
+    finally:
+        engine.close()
