@@ -37,8 +37,7 @@ class MemoryPlan:
 
     def kv_bytes(self, kv: str | tuple[str, str]) -> int:
         """KV cache bytes per token of context in the formats `kv` (a --kv-type value, or (K, V))."""
-        return sum(self.kv_values * KV_TYPES[t].nbytes // KV_TYPES[t].block
-                   for t in (kv_types(kv) if isinstance(kv, str) else kv))
+        return sum(KV_TYPES[t].row_bytes(self.kv_values) for t in (kv_types(kv) if isinstance(kv, str) else kv))
 
     @property
     def kv_bytes_per_token(self) -> dict[str, int]:
