@@ -74,6 +74,15 @@ def chunk_uses(model, info, n_ctx: int, t: int, kv: tuple[str, str] = KV_DEFAULT
     return tuner.uses(record_chunk_launches(model, info, n_ctx, t, kv=kv))
 
 
+def uses_of(model, info, n_ctx: int, caps: tuple[int, ...], prompt: int, kv: tuple[str, str],
+            names: str | None) -> list[tuner.Use]:
+    """The uses `zdsl tune` takes: one prompt chunk's of `prompt` tokens, or else the decode
+    step's (per sampler cap), with the KV caches in the formats `kv`, narrowed to `names`."""
+    if prompt:
+        return select(chunk_uses(model, info, max(n_ctx, prompt), prompt, kv), names, f"{prompt}-token prompt chunk")
+    return select(step_uses(model, info, n_ctx, caps, kv), names)
+
+
 def select(uses, names: str | None, what: str = "decode step"):
     if not names:
         return uses
@@ -129,7 +138,7 @@ def tune(device_name, model_path, preset, quant, names, budget, n_ctx, caps, pro
          cache_mb, as_json, check_model, measured_paths, record_path, folds, kv):
     """Pick the fastest kernel variants for a device (measured, or modelled for compile-only targets)."""
     if check_model:
-        _check_model(device_name, model_path, preset, quant, names, budget, n_ctx, caps, prompt, warmup, repeats,
+        _check_model(device_name, model_path, preset, quant, names, budget, n_ctx, caps, prompt, kv, warmup, repeats,
                      warm_ms, cache_mb, as_json, measured_paths, record_path, folds)
         return
     if measured_paths or record_path:
@@ -145,11 +154,7 @@ def tune(device_name, model_path, preset, quant, names, budget, n_ctx, caps, pro
     try:
         model = open_model(model_path) if model_path else PresetModel(preset, quant)
         source = str(model_path) if model_path else model.source
-        if prompt:
-            uses = select(chunk_uses(model, info, max(n_ctx, prompt), prompt, kv), names,
-                          f"{prompt}-token prompt chunk")
-        else:
-            uses = select(step_uses(model, info, n_ctx, cap_list, kv), names)
+        uses = uses_of(model, info, n_ctx, cap_list, prompt, kv, names)
     except BaseException:
         if dev is not None:
             dev.close()
@@ -199,7 +204,7 @@ def tune(device_name, model_path, preset, quant, names, budget, n_ctx, caps, pro
                       f"{user}): merge them there to use them")
 
 
-def _measured_uses(device_name, model_path, preset, quant, names, budget, n_ctx, caps, prompt, warmup, repeats,
+def _measured_uses(device_name, model_path, preset, quant, names, budget, n_ctx, caps, prompt, kv, warmup, repeats,
                    warm_ms, cache_mb, record_path, console) -> tuple[str, list[dict]]:
     """(device name, records) of every candidate of the step's (or the chunk's) uses, measured now."""
     method, info, dev = _open(device_name, warmup, repeats, warm_ms, cache_mb)
@@ -210,10 +215,7 @@ def _measured_uses(device_name, model_path, preset, quant, names, budget, n_ctx,
         cost_model.card_of(info.name)  # a device without figures fails here, before minutes of measuring
         model = open_model(model_path) if model_path else PresetModel(preset, quant)
         where = "chunk" if prompt else "step"
-        if prompt:
-            uses = select(chunk_uses(model, info, max(n_ctx, prompt), prompt), names, f"{prompt}-token prompt chunk")
-        else:
-            uses = select(step_uses(model, info, n_ctx, tuple(int(c) for c in caps.split(","))), names)
+        uses = uses_of(model, info, n_ctx, tuple(int(c) for c in caps.split(",")), prompt, kv, names)
         results = _run(method, uses, budget, console)
         records = [check.record(r.use, where, r, dev) for r in results if r.ranked]
     finally:
@@ -224,8 +226,8 @@ def _measured_uses(device_name, model_path, preset, quant, names, budget, n_ctx,
     return info.name, records
 
 
-def _check_model(device_name, model_path, preset, quant, names, budget, n_ctx, caps, prompt, warmup, repeats, warm_ms,
-                 cache_mb, as_json, measured_paths, record_path, folds) -> None:
+def _check_model(device_name, model_path, preset, quant, names, budget, n_ctx, caps, prompt, kv, warmup, repeats,
+                 warm_ms, cache_mb, as_json, measured_paths, record_path, folds) -> None:
     """`zdsl tune --check-model`: the cost model's ranking beside the measured one, fitted on other uses."""
     console = make_console(stderr=as_json)
     if measured_paths:
@@ -241,7 +243,7 @@ def _check_model(device_name, model_path, preset, quant, names, budget, n_ctx, c
                             "replay one device's at a time")
     else:
         device, records = _measured_uses(device_name, model_path, preset, quant, names, budget, n_ctx, caps, prompt,
-                                         warmup, repeats, warm_ms, cache_mb, record_path, console)
+                                         kv, warmup, repeats, warm_ms, cache_mb, record_path, console)
     card = cost_model.card_of(device)
     uses, stale = check.uses_of(records)
     if stale:
