@@ -7,7 +7,10 @@ no checkpoints) over the tokenizer's ids for what a reused prefix must not chang
 
 import json
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -210,3 +213,99 @@ def test_api_key_and_loopback(server, model_path):
     assert loopback("127.0.0.1") and loopback("::1") and loopback("localhost") and not loopback("0.0.0.0")
     result = CliRunner().invoke(serve, [str(model_path), "--host", "0.0.0.0"])
     assert result.exit_code != 0 and "--api-key" in str(result.exception)
+
+
+PROMPTS = [f"Tell me about the number {n}." for n in range(8)]
+
+
+def test_eight_clients_at_once_some_leaving_midway(server, client, cold):
+    """A bounded load test: 8 streaming clients at once (one slot: they queue), three of them
+    leaving after their first piece. Every one that stays gets what a cold run gives; afterwards
+    no slot is held, nothing waits, and the server still answers."""
+    url, tok = server[0], cold.tokenizer
+    cold.use(SamplerConfig(temperature=0))
+    want = {}
+    for p in PROMPTS:
+        ids = list(cold.generate(tok.chat_ids([{"role": "user", "content": p}]), 10))
+        want[p] = tok.decode([t for t in ids if t not in cold.stop_ids], skip_special=True)
+    requests_before = metric(url, "requests_total")
+    got, errors = {}, []
+
+    def one(i: int, prompt: str) -> None:
+        try:
+            stream = client.chat.completions.create(model="tiny.gguf", messages=[{"role": "user", "content": prompt}],
+                                                    stream=True, temperature=0, max_tokens=10, timeout=120)
+            text = []
+            for n, chunk in enumerate(stream):
+                text += [c.delta.content or "" for c in chunk.choices]
+                if i % 3 == 1 and n == 1:
+                    stream.close()     # this client leaves after its first piece
+                    return
+            got[prompt] = "".join(text)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(f"{prompt}: {e!r}")
+
+    threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(PROMPTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not any(t.is_alive() for t in threads) and not errors
+    stayed = [p for i, p in enumerate(PROMPTS) if i % 3 != 1]
+    assert got == {p: want[p] for p in stayed}
+    deadline = time.time() + 10
+    while httpx.get(url + "/health").json()["slots_processing"] and time.time() < deadline:
+        time.sleep(0.05)
+    health = httpx.get(url + "/health").json()
+    assert health == {"status": "ok", "slots_idle": 1, "slots_processing": 0, "requests_waiting": 0}
+    assert metric(url, "requests_total") - requests_before == len(PROMPTS)
+
+
+def test_a_client_gone_before_a_plain_reply_frees_the_slot(server, client):
+    url = server[0]
+    before = metric(url, "tokens_predicted_total")
+    body = {"messages": HELLO, "max_tokens": 220, "temperature": 0.9, "seed": 2}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(url + "/v1/chat/completions", json=body, timeout=0.5)
+    deadline = time.time() + 10
+    while httpx.get(url + "/health").json()["slots_processing"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(url + "/health").json()["slots_processing"] == 0
+    assert metric(url, "tokens_predicted_total") - before < 150   # stopped, not run to the end
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_finishes_the_stream_under_way_then_exits(model_path, sig):
+    """`zdsl serve` as a process: a signal while a reply streams lets it finish, then the server
+    exits 0 with one line saying why."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "zdsl.cli", "serve", str(model_path), "--port", str(port),
+                             "--ctx", str(CTX), "--device", os.environ.get("ZDSL_TEST_DEVICE", "lavapipe")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while proc.poll() is None and time.time() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[1]
+        body = {"messages": HELLO, "max_tokens": 40, "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            proc.send_signal(sig)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2].removeprefix("data: "))["choices"][0]["finish_reason"] in ("stop", "length")
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert f"stopped by {sig.name} after 1 request" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()

@@ -1,8 +1,8 @@
 """Text generation on the GPU decode graph: prompt in, tokens streamed out, honest timings.
 
-The prompt runs through the same recorded decode step one token at a time (batched prefill
-will replace this loop); each sampled token is fed back on the GPU, and the host reads only its
-id to stream text.
+The prompt goes in by chunks (prefill.py) and its last token through the decode step, which
+samples the first new token; each sampled token is fed back on the GPU, in bursts of steps, and
+the host reads only the ids to stream text.
 """
 
 from __future__ import annotations
@@ -77,11 +77,6 @@ class Timings:
                 f"decode {self.decode_tokens} tok at {self.decode_tps:.1f} tok/s{gpu}")
 
 
-def penalty_window(sampler: SamplerConfig, n_ctx: int) -> int:
-    """The tokens the penalties' counts cover (0: none kept): part of the sequence state."""
-    return sampler.window(n_ctx) if sampler.penalties else 0
-
-
 class Generator:
     """A model on a device, ready to generate. `context` is what the caches hold: the tokens fed so
     far, which a later `generate(..., keep=True)` whose prompt extends them does not feed again."""
@@ -146,7 +141,7 @@ class Generator:
         g = self.graph
         if sampler == g.sampler:
             return
-        if penalty_window(sampler, self.n_ctx) != penalty_window(g.sampler, self.n_ctx):
+        if sampler.kept_window(self.n_ctx) != g.sampler.kept_window(self.n_ctx):
             self.forget()
         g.retune(g.tuning, sampler)
 

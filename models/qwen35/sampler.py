@@ -76,6 +76,11 @@ class SamplerConfig:
         """How many of the last context tokens the penalties see, in a context of n_ctx."""
         return n_ctx if self.last_n < 0 else min(self.last_n, n_ctx)
 
+    def kept_window(self, n_ctx: int) -> int:
+        """The tokens whose counts a sequence keeps: the window with a penalty on, else none. Part
+        of the sequence state: a context fed under another kept window cannot be continued."""
+        return self.window(n_ctx) if self.penalties else 0
+
     @property
     def kernel_cap(self) -> int:
         """The CAP variant of the sampling kernels to record: greedy needs one candidate."""

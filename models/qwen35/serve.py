@@ -8,10 +8,12 @@ status; anything else with a 500 and the same body, the traceback only in the se
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import ipaddress
 import json
 import logging
+import signal
 import time
 import uuid
 
@@ -31,7 +33,7 @@ def app(engine: Engine, model_id: str, api_key: str | None = None):
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.middleware import Middleware
-    from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.routing import Route
 
     def error(e: ApiError) -> JSONResponse:
@@ -81,8 +83,11 @@ def app(engine: Engine, model_id: str, api_key: str | None = None):
             return StreamingResponse(events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         text = []
-        async for p in engine.run(job):
-            text.append(p.text)
+        async with contextlib.aclosing(engine.run(job)) as pieces:
+            async for p in pieces:
+                text.append(p.text)
+                if await request.is_disconnected():   # no one waits for the reply: stop, free the slot
+                    return Response(status_code=499)
         reply = "".join(text)
         message = ({"index": 0, "message": {"role": "assistant", "content": reply}, "logprobs": None,
                     "finish_reason": p.finish} if chat else choice(reply, p.finish))
@@ -183,7 +188,7 @@ def _say(msg: str) -> None:
 def serve(model, host, port, n_ctx, parallel, checkpoint_mib, api_key, device, kv):
     """Serve MODEL over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
     /v1/models, /health, /metrics. A request whose prompt starts with what the slot holds feeds
-    only the rest. Ctrl-C finishes the requests under way, then exits."""
+    only the rest. Ctrl-C (or SIGTERM) finishes the requests under way, then exits."""
     import uvicorn
 
     if not loopback(host) and not api_key:
@@ -192,6 +197,31 @@ def serve(model, host, port, n_ctx, parallel, checkpoint_mib, api_key, device, k
     engine, model_id = open_engine(model, device, n_ctx=n_ctx, kv=kv, checkpoint_mib=checkpoint_mib, say=_say)
     try:
         _say(f"serving {model_id} on http://{host}:{port}/v1 (context {engine.n_ctx} tokens, {parallel} slot)")
-        uvicorn.run(app(engine, model_id, api_key), host=host, port=port, log_level="warning")
+        with stopped_by_signals():
+            uvicorn.run(app(engine, model_id, api_key), host=host, port=port, log_level="warning")
+    except Stopped as e:
+        n = engine.metrics.requests
+        _say(f"stopped by {e.args[0]} after {n} request{'' if n == 1 else 's'}")
     finally:
         engine.close()
+
+
+class Stopped(Exception):
+    """SIGINT or SIGTERM, once uvicorn has finished the requests under way (it passes the signal
+    on when it is done)."""
+
+
+@contextlib.contextmanager
+def stopped_by_signals():
+    """While uvicorn runs, its own handlers drain the server on SIGINT or SIGTERM; it then raises
+    the signal again, which these handlers turn into Stopped, so the engine closes and the
+    process exits 0 (SIGTERM's default would kill it with the device still open)."""
+    def stop(signum, frame):
+        raise Stopped(signal.Signals(signum).name)
+
+    before = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
