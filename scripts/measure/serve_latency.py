@@ -1,0 +1,83 @@
+"""Time to first token and aggregate decode speed of `zdsl serve`'s engine, without HTTP.
+
+Cold: a prompt of --prompt random token ids into an empty slot. Cached: the same prompt's first
+--shared tokens, then new ones: the slot resumes from its last checkpoint at or before --shared.
+Streams: k greedy jobs of --tokens each submitted at once; aggregate tok/s = k·tokens / wall
+time. Prints one JSON line per measurement. Run on the GPU machine (see docs/PERF.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import click
+import numpy as np
+
+from zdsl.kernels.kvcache import kv_types
+from zdsl.models.qwen35.api import Job
+from zdsl.models.qwen35.sampler import SamplerConfig
+from zdsl.models.qwen35.serve import open_engine
+
+
+def job(ids: list[int], tokens: int) -> Job:
+    return Job(ids, tokens, SamplerConfig(temperature=0), [], True, True)
+
+
+async def first_token(engine, ids: list[int], tokens: int) -> tuple[float, float, int]:
+    """(seconds to the first piece, seconds to the last, the last piece: its usage counts)."""
+    start = time.perf_counter()
+    first = None
+    async for p in engine.run(job(ids, tokens)):
+        first = first or time.perf_counter() - start
+    return first, time.perf_counter() - start, p
+
+
+async def streams(engine, k: int, length: int, tokens: int, rng) -> float:
+    start = time.perf_counter()
+    prompts = [rng.integers(0, engine.tokenizer.vocab_size, length).tolist() for _ in range(k)]
+
+    async def one(ids) -> int:
+        async for p in engine.run(job(ids, tokens)):
+            pass
+        return p.completion_tokens
+
+    produced = await asyncio.gather(*(one(ids) for ids in prompts))
+    return sum(produced) / (time.perf_counter() - start)
+
+
+@click.command()
+@click.argument("model")
+@click.option("--device", default=None)
+@click.option("--ctx", "n_ctx", type=int, default=8192)
+@click.option("--prompt", "prompt_len", type=int, default=4096)
+@click.option("--shared", type=int, default=3900)
+@click.option("--tokens", type=int, default=64)
+@click.option("--streams", "stream_counts", default="1,2,4,8")
+@click.option("--kv-type", "kv", default="f16")
+def main(model, device, n_ctx, prompt_len, shared, tokens, stream_counts, kv):
+    engine, _ = open_engine(model, device, n_ctx=n_ctx, kv=kv_types(kv), checkpoint_mib=1024)
+    rng = np.random.default_rng(0)
+    vocab = engine.tokenizer.vocab_size
+    base = rng.integers(0, vocab, prompt_len).tolist()
+    other = base[:shared] + rng.integers(0, vocab, prompt_len - shared).tolist()
+
+    async def measure():
+        for name, ids in (("warm-up", rng.integers(0, vocab, 600).tolist()), ("cold", base), ("cached", other)):
+            ttft, total, last = await first_token(engine, ids, tokens)
+            print(json.dumps({"what": name, "prompt": len(ids), "cached": last.reused_tokens, "kv": kv,
+                              "ttft_s": round(ttft, 4), "tokens": last.completion_tokens,
+                              "decode_tok_s": round((last.completion_tokens - 1) / (total - ttft), 1)}), flush=True)
+        for k in [int(s) for s in stream_counts.split(",") if s]:
+            tps = await streams(engine, k, 32, tokens, rng)
+            print(json.dumps({"what": "streams", "k": k, "tokens": tokens, "aggregate_tok_s": round(tps, 1)}), flush=True)
+
+    try:
+        asyncio.run(measure())
+    finally:
+        engine.close()
+
+
+if __name__ == "__main__":
+    main()
