@@ -656,9 +656,14 @@ def _coop_layout(v):
     return v.D + 8, max(v.BKV, 32) + 4, v.BKV + 8
 
 
+STAGED_TILE = 16 * 16 * 2  # bytes of an f16 tile decoded from a quantized cache; two a subgroup
+
+
 def _coop_shared_bytes(v) -> int:
+    """q, and per subgroup its scores, p, its softmax's statistics and the two tiles a quantized
+    cache's rows are decoded into (counted for every variant: the formats are fixed per launch)."""
     SQ, SS, SP = _coop_layout(v)
-    return 32 * SQ + 16 * v.NW * (4 * SS + 2 * SP + 12) + 4 * v.NW
+    return 32 * SQ + 16 * v.NW * (4 * SS + 2 * SP + 12) + 4 * v.NW + 2 * STAGED_TILE * v.NW
 
 
 def _coop_fits(v) -> bool:
@@ -674,8 +679,8 @@ def _coop_fits(v) -> bool:
 def _coop_traffic(v, s) -> int:
     """The cache rows once per workgroup (from L2 after the first), q, the gates and o."""
     rows = s.t * s.n_kv * v.G
-    groups = -(-s.t * v.G // 16) * s.n_kv
-    return 4 * s.ctx * v.D * groups // 2 + 12 * rows * v.D + (rows * (v.D + v.D // 4) if v.Q8 else 0)
+    groups = -(-s.t * v.G // 16)
+    return _cache_bytes(v, s) * groups // 2 + 12 * rows * v.D + (rows * (v.D + v.D // 4) if v.Q8 else 0)
 
 
 @zdsl.kernel(workgroup=lambda v: v.NW * v.SG, subgroup="SG",
@@ -686,7 +691,7 @@ def _coop_traffic(v, s) -> int:
 def attn_prefill_coop(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16],
                       step: Buffer[u32], o: Buffer[f32], oq: Buffer[u32], od: Buffer[f32], n_kv: u32, t: u32,
                       G: Const = 8, D: Const = 256, NW: Const = 4, BKV: Const = 32, AHEAD: Const = 8,
-                      Q8: Const = False, SG: Const = 32):
+                      Q8: Const = False, KT: Const = "f16", VT: Const = "f16", SG: Const = 32):
     """attn_prefill on matrix units (flash attention): the same outputs, with q, p and the cache
     rows as f16 operands and every sum in f32.
 
@@ -707,6 +712,11 @@ def attn_prefill_coop(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_c
     Cache rows past the chunk's last position are read (whole blocks) and weighed 0: they must
     hold finite values (the graph zeroes its caches, and the KV buffers hold whole blocks).
 
+    A quantized cache (KT or VT, kvcache.py) is read in registers as the other attention kernels
+    read it, a tile's rows AHEAD products early; just before its product the subgroup writes the
+    tile's values, rounded to f16, into one of its two tiles of shared memory, and the units load
+    it from there (no f16 copy of the cache anywhere).
+
     H100, a 512-token chunk of the 35B-A3B (16 heads of 256, 2 KV heads), µs a layer at depth
     4,096 / 32,768 (2026-11-26): attn_prefill 2,537 / 18,194; this kernel 1,080 / 7,750 (NW 4,
     BKV 32, AHEAD 8; BKV 16: 1,075 / 7,752; BKV 64: 1,254 / 10,033; NW 8: 1,161 / 8,063); a
@@ -721,8 +731,13 @@ def attn_prefill_coop(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_c
         raise zdsl.ZdslError(f"attn_prefill_coop needs D a multiple of 32, SG of 16, 32 or 64, BKV a multiple of 16, "
                              f"NW ≥ 4 and {mma.SHARED_BYTES:,} bytes of shared memory, not D={D}, SG={SG}, BKV={BKV}, "
                              f"NW={NW}")
+    for kv_type in (KT, VT):
+        KV_FORMATS[kv_type].check(D)
     SQ, SS, SP = _coop_layout(SimpleNamespace(D=D, BKV=BKV))
     LR, WG = SG // 16, NW * SG  # the lanes sharing a row's softmax; the workgroup
+    decoded = {"k": KV_FORMATS[KT] if KT != "f16" else None, "v": KV_FORMATS[VT] if VT != "f16" else None}
+    staged = zdsl.shared(f16.vec(4), NW * 2 * 64) if any(decoded.values()) else None  # two tiles a subgroup
+    QP = 64 // SG  # a staged tile's quads (four values) per lane
     qs = zdsl.shared(f16.vec(4), 16 * SQ // 4)
     ss = zdsl.shared(f32, NW * 16 * SS)  # per subgroup: S, or two of its O tiles
     ps = zdsl.shared(f16, NW * 16 * SP)
@@ -770,21 +785,37 @@ def attn_prefill_coop(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_c
 
         def issue(upto):
             """Cache tiles in flight up to job `upto` (AHEAD beyond the one multiplying), V's first
-            ones through the softmax."""
+            ones through the softmax: K[kb + 16 j …][16 i …] as a d × row tile, V[kb + 16 i …][16 j …];
+            a quantized cache's as this lane's values of the tile (its quads, row by row)."""
             for which, i, j in jobs[len(tiles):min(upto, len(jobs))]:
-                if which == "k":  # K[kb + 16 j …][16 i …] as a d × row tile
-                    tiles.append(zdsl.mat_load(k_cache, (at_kb + 16 * j) * stride + g * D + 16 * i, stride,
-                                               use="b", column_major=True))
-                else:  # V[kb + 16 i …][16 j …]
-                    tiles.append(zdsl.mat_load(v_cache, (at_kb + 16 * i) * stride + g * D + 16 * j, stride,
-                                               use="b"))
+                cache = k_cache if which == "k" else v_cache
+                row, dim = (at_kb + 16 * j, 16 * i) if which == "k" else (at_kb + 16 * i, 16 * j)
+                if decoded[which] is None:
+                    tiles.append(zdsl.mat_load(cache, row * stride + g * D + dim, stride, use="b",
+                                               column_major=which == "k"))
+                else:
+                    quads = [lane * QP + e for e in range(QP)]
+                    tiles.append([decoded[which].load(cache, (row + u // 4) * n_kv + g, dim // 4 + u % 4, D)
+                                  for u in quads])
+
+        def operand(at):
+            """Job `at`'s cache tile for the units: a quantized one through this subgroup's tile
+            (at % 2) of shared memory, which the job two before has done reading (a barrier since)."""
+            tile = tiles[at]
+            if not isinstance(tile, list):
+                return tile
+            base = (sub * 2 + at % 2) * 64
+            for e, value in enumerate(tile):
+                staged[base + lane * QP + e] = value.to(f16.vec(4))
+            zdsl.barrier()
+            return zdsl.mat_load(staged, base, 4, use="b", column_major=jobs[at][0] == "k")
 
         S = [zdsl.mat_fill(0.0) for _ in range(BKV // 16)]
         for at, (_, dk, n) in enumerate(jobs[:NK]):
             issue(at + AHEAD + 1)
             if n == 0:
                 a = zdsl.mat_load(qs, 4 * dk, SQ // 4, use="a")
-            S[n] = zdsl.mat_mul_add(a, tiles[at], S[n])
+            S[n] = zdsl.mat_mul_add(a, operand(at), S[n])
         for n in range(BKV // 16):
             zdsl.mat_store(S[n], ss, sub * 16 * SS + 16 * n, SS)
         zdsl.barrier()
@@ -831,7 +862,7 @@ def attn_prefill_coop(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_c
         p_tiles = [zdsl.mat_load(ps, sub * 16 * SP + 16 * n, SP, use="a") for n in range(BKV // 16)]
         for at, (_, n, dt) in enumerate(jobs[NK:], NK):
             issue(at + AHEAD + 1)
-            O[dt].set(zdsl.mat_mul_add(p_tiles[n], tiles[at], O[dt]))
+            O[dt].set(zdsl.mat_mul_add(p_tiles[n], operand(at), O[dt]))
     with zdsl.if_(lane % LR == 0):
         ms[mine] = m
         ls[mine] = l
@@ -1019,4 +1050,4 @@ def attn_prefill_example(use, rng, check):
 
 @attn_prefill_coop.example
 def attn_prefill_coop_example(use, rng, check):
-    return _prefill_example(use, rng, check, 1e-2)  # q and p rounded to f16
+    return _prefill_example(use, rng, check, 1e-2, *_kv_types(use))  # q, p and the cache rounded to f16

@@ -359,15 +359,17 @@ def coop_bound(q, k_cache, v_cache, p0):
 @given(T=st.integers(1, 21), p0=st.sampled_from([0, 1, 37, 90]), n_kv=st.integers(1, 2),
        group=st.sampled_from([1, 2, 3, 4, 8]), d=st.sampled_from([32, 64]), nw=st.sampled_from([4, 8]),
        bkv=st.sampled_from([16, 32, 64]), ahead=st.sampled_from([4, 8, 16]), scale=st.sampled_from([0.3, 3.0]),
-       rising=st.booleans(), q8=st.booleans(), sg_pick=st.integers(0, 2), seed=st.integers(0, 99))
-def test_prefill_coop(backend, request, T, p0, n_kv, group, d, nw, bkv, ahead, scale, rising, q8, sg_pick, seed):
+       rising=st.booleans(), q8=st.booleans(), sg_pick=st.integers(0, 2), seed=st.integers(0, 99),
+       kv=st.sampled_from([("f16", "f16"), ("q8_0", "q8_0"), ("q4_0", "q8_0"), ("f16", "q4_0")]))
+def test_prefill_coop(backend, request, T, p0, n_kv, group, d, nw, bkv, ahead, scale, rising, q8, sg_pick, seed, kv):
     """attn_prefill_coop against plain masked softmax within coop_bound, over query blocks cut
     short, odd groups (a token's heads across two workgroups), the cache split between 4 or 8
     subgroups (some with no block to take), every block size and subgroup size, and
     cache rows past p0 + T − 1 read in whole blocks: K and V there huge (weighed 0; finite, as
     the graph's caches are: Vulkan leaves inf and NaN arithmetic undefined). With
     `rising`, keys grow along the cache, so the rows' maxima keep passing TAU and O is rescaled
-    (with the rescale left out the outputs are inf and NaN)."""
+    (with the rescale left out the outputs are inf and NaN). Caches in each KV format: the
+    reference reads them decoded and rounded to f16, as the units take them."""
     if backend == "device" and "coopmat" not in request.getfixturevalue("device").info.features:
         pytest.skip("the device has no cooperative matrices")
     rng = np.random.default_rng(seed)
@@ -379,19 +381,27 @@ def test_prefill_coop(backend, request, T, p0, n_kv, group, d, nw, bkv, ahead, s
     v_cache = random_cache(rng, rows, n_kv, d)
     for cache in (k_cache, v_cache):
         cache[p0 + T:] = np.float16(60000) * np.sign(rng.standard_normal(cache[p0 + T:].shape))
+    (k_cache, k_values), (v_cache, v_values) = (in_format(c, t, d) for c, t in ((k_cache, kv[0]), (v_cache, kv[1])))
     sg = [16, 32, 64][sg_pick] if backend == "interp" else request.getfixturevalue("device").info.subgroup_size
     assume(att._coop_fits(SimpleNamespace(D=d, SG=sg, BKV=bkv, NW=nw)))  # 8 subgroups of 64-row blocks: too big
-    v = att.attn_prefill_coop.specialize(D=d, G=group, NW=nw, BKV=bkv, AHEAD=ahead, Q8=q8, SG=sg)
+    v = att.attn_prefill_coop.specialize(D=d, G=group, NW=nw, BKV=bkv, AHEAD=ahead, Q8=q8, KT=kv[0], VT=kv[1], SG=sg)
     q8_out = (dict(oq=np.zeros(T * n_head * d // 4, np.uint32), od=np.full(T * n_head * d // 16, np.nan, np.float32))
               if q8 else {})
     out = run(v, "interp" if backend == "interp" else "lavapipe", request, v.groups(t=T, n_kv=n_kv, ctx=rows), q=q,
               qg=qg, k_cache=k_cache, v_cache=v_cache, step=np.array([p0, p0 + T, 0, 0], np.uint32),
               o=np.full((T, n_head, d), np.nan, np.float32), n_kv=n_kv, t=T, **q8_out)
-    want = att.attn_prefill_ref(q, qg, k_cache, v_cache, p0)
+    want = att.attn_prefill_ref(q, qg, k_values, v_values, p0)
     err = np.abs(out["o"] - want)
-    assert np.all(err <= coop_bound(q, k_cache, v_cache, p0)), err.max()
+    assert np.all(err <= coop_bound(q, k_values, v_values, p0)), err.max()
     if q8:
         assert_q8_1_of(out["oq"], out["od"], out["o"])
+
+
+def in_format(values, kv_type: str, d: int):
+    """(the cache in `kv_type`, as the f16 units the kernels declare; its values decoded, in f16)."""
+    fmt = KV_FORMATS[kv_type]
+    cache = fmt.encode(values.astype(np.float32)).view(np.float16)
+    return cache, fmt.decode(cache, d).reshape(values.shape).astype(np.float16)
 
 
 @pytest.mark.parametrize("backend", ["interp", "device"])

@@ -223,9 +223,8 @@ class Prefill:
     def _attention(self, seq, i: int, t: int) -> None:
         """q, k and v for the chunk, normed and rotated, k and v into the cache rows p0 … p0 + t − 1
         (attn_prep_rows), then causal attention of the t queries over the cache (attn_prefill, on
-        matrix units where the device has them: attn_prefill_coop). attn_prefill_coop reads f16
-        caches only, so far: quantized ones (kernels/kvcache.py) take attn_prefill, which reads
-        them in registers, on every device."""
+        matrix units where the device has them: attn_prefill_coop), both reading the cache in
+        its formats (kernels/kvcache.py)."""
         g, hp, p = self.g, self.hp, f"blk.{i}."
         nh, nkv, d = hp.n_heads, hp.n_kv_heads, hp.head_dim
         for name, out in (("attn_q", self.qg), ("attn_k", self.k), ("attn_v", self.v)):
@@ -238,11 +237,9 @@ class Prefill:
             q=self.q, k_cache=k_cache, v_cache=v_cache, n_head=nh, n_kv=nkv, d=d, rope_dims=hp.rope_dims,
             rope_base=hp.rope_base, eps=hp.eps, t=t)
         o = self.attn_o
-        fixed = dict(D=d, G=nh // nkv, Q8=g._int8(p + "attn_output.weight"))
-        if self.coop and kt == vt == "f16" and attention.attn_prefill_coop.allows(D=d, G=nh // nkv):
-            kernel = attention.attn_prefill_coop
-        else:
-            kernel, fixed = attention.attn_prefill, dict(fixed, KT=kt, VT=vt)
+        fixed = dict(D=d, G=nh // nkv, Q8=g._int8(p + "attn_output.weight"), KT=kt, VT=vt)
+        coop = self.coop and attention.attn_prefill_coop.allows(D=d, G=nh // nkv)
+        kernel = attention.attn_prefill_coop if coop else attention.attn_prefill
         kernel.launch(seq, g._pick, label=p + "attn_prefill", **fixed, q=self.q, qg=self.qg, k_cache=k_cache,
                       v_cache=v_cache, step=step, o=o.f32, oq=o.q, od=o.d, n_kv=nkv, t=t, ctx=g.n_ctx)
         self._halves(seq, o, t * nh * d)
