@@ -40,10 +40,20 @@ def model_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_path):
     """(base URL, engine) of a server running in a thread of this process."""
+    yield from serving(model_path, parallel=1)
+
+
+@pytest.fixture(scope="module")
+def server2(model_path):
+    """The same with two slots."""
+    yield from serving(model_path, parallel=2)
+
+
+def serving(model_path, parallel: int):
     import uvicorn
 
     engine, model_id = open_engine(str(model_path), os.environ.get("ZDSL_TEST_DEVICE", "lavapipe"), n_ctx=CTX,
-                                   kv=("f16", "f16"), checkpoint_mib=16)
+                                   kv=("f16", "f16"), checkpoint_mib=16, parallel=parallel)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -309,3 +319,44 @@ def test_a_signal_finishes_the_stream_under_way_then_exits(model_path, sig):
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+def test_two_slots_stream_together_and_keep_their_own_prefixes(server2, cold):
+    """With --parallel 2 a short request sent while a long one streams finishes first; both say
+    what cold runs say; each conversation, sent again longer, resumes from the slot that holds it."""
+    url, tok = server2[0], cold.tokenizer
+    first, second = (slot.gen.graph for slot in server2[1].slots)
+    assert second.weights is first.weights    # one copy of the weights
+    assert {s.kind for s in first.buffers(CTX)} - {s.kind for s in second.buffers(CTX)} == {"weights"}
+    client2 = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    long_chat = [{"role": "user", "content": "Tell me a long story about a cat."}]
+    short_chat = [{"role": "user", "content": "Say hi."}]
+    cold.use(SamplerConfig(temperature=0))
+    want = {}
+    for name, messages, n in (("long", long_chat, 40), ("short", short_chat, 6)):
+        ids = list(cold.generate(tok.chat_ids(messages), n))
+        want[name] = tok.decode([t for t in ids if t not in cold.stop_ids], skip_special=True)
+    got, done, started = {}, {}, threading.Event()
+
+    def long_request():
+        text = []
+        for chunk in client2.chat.completions.create(model="tiny.gguf", messages=long_chat, stream=True,
+                                                     temperature=0, max_tokens=40, timeout=120):
+            text += [c.delta.content or "" for c in chunk.choices]
+            started.set()
+        got["long"], done["long"] = "".join(text), time.monotonic()
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    assert started.wait(60)
+    got["short"] = chat(client2, short_chat, temperature=0, max_tokens=6)[0]
+    done["short"] = time.monotonic()
+    thread.join(120)
+    assert got == want
+    assert done["short"] < done["long"]   # it did not wait for the long one's slot
+    for messages, reply in ((long_chat, want["long"]), (short_chat, want["short"])):
+        longer = messages + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Again."}]
+        usage = chat(client2, longer, temperature=0, max_tokens=2)[2]
+        assert usage.prompt_tokens_details.cached_tokens >= len(tok.chat_ids(messages)) - 1
+    assert httpx.get(url + "/health").json() == {"status": "ok", "slots_idle": 2, "slots_processing": 0,
+                                                 "requests_waiting": 0}

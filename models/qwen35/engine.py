@@ -3,16 +3,20 @@ streamed out with stop strings applied, and the counters /metrics shows.
 
 A slot is a Generator that keeps its context and checkpoints (generate.py), so a request whose
 prompt starts with what the slot last held (a conversation sent again with one more message)
-feeds only what is new. Its GPU work runs on a thread of its own, one call at a time: the event
-loop stays free to answer other requests while a slot generates, and the calls of one request,
-and of the next, run in the order they were made. A request that goes away (a client that
-disconnects mid-stream) stops its generation at the next token and frees its slot.
+feeds only what is new; a request takes the free slot that holds the longest start of its
+prompt. The slots read one copy of the weights. All GPU work runs on one thread, one call at a
+time (a prompt, or a burst of decode steps): the event loop stays free to answer other requests,
+the calls of one request run in the order they were made, and the requests of several slots
+take turns burst by burst, so their streams advance together (one sequence a step: the
+aggregate speed is one sequence's). A request that goes away (a client that disconnects) stops
+its generation at the next token and frees its slot.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -22,16 +26,15 @@ from zdsl.models.qwen35.generate import Generator
 
 
 class Slot:
-    """One sequence: a Generator and the thread its GPU work runs on."""
+    """One sequence: a Generator, and the thread the GPU work of every slot runs on."""
 
-    def __init__(self, load):
-        """`load()` makes the Generator (on the slot's thread, as all its GPU work)."""
-        self.thread = ThreadPoolExecutor(1, thread_name_prefix="zdsl-slot")
+    def __init__(self, load, thread: ThreadPoolExecutor):
+        """`load()` makes the Generator (on that thread, as all its GPU work)."""
+        self.thread = thread
         self.gen: Generator = self.thread.submit(load).result()
 
     def close(self) -> None:
         self.thread.submit(self.gen.close).result()
-        self.thread.shutdown()
 
 
 @dataclass
@@ -103,7 +106,8 @@ class Engine:
 
     def __init__(self, slots: list[Slot]):
         self.slots = slots
-        self.free: asyncio.Queue[Slot] | None = None  # made on the event loop, at the first request
+        self.idle = list(slots)
+        self.waiters: deque[asyncio.Future] = deque()  # requests waiting for a slot, oldest first
         self.waiting = 0
         self.busy = 0
         self.metrics = Metrics()
@@ -120,15 +124,7 @@ class Engine:
     async def run(self, job: Job) -> AsyncIterator[Piece]:
         """The job's text, piece by piece, once a slot is free. Stopping the iteration (a client
         gone) stops the generation; its slot goes back at once."""
-        if self.free is None:
-            self.free = asyncio.Queue()
-            for slot in self.slots:
-                self.free.put_nowait(slot)
-        self.waiting += 1
-        try:
-            slot = await self.free.get()
-        finally:
-            self.waiting -= 1
+        slot = await self._take(job.prompt_ids)
         self.busy += 1
         self.metrics.requests += 1
         try:
@@ -136,7 +132,36 @@ class Engine:
                 yield piece
         finally:
             self.busy -= 1
-            self.free.put_nowait(slot)  # its thread runs what this job left queued before the next job's calls
+            self._give_back(slot)  # the thread runs what this job left queued before the next job's calls
+
+    async def _take(self, prompt_ids: list[int]) -> Slot:
+        """A free slot, once there is one: the one whose context shares most with the prompt."""
+        while not self.idle:
+            woken = asyncio.get_running_loop().create_future()
+            self.waiters.append(woken)
+            self.waiting += 1
+            try:
+                await woken
+            except asyncio.CancelledError:
+                if woken.done() and not woken.cancelled():
+                    self._wake()  # woken, then gone: the next in line takes the turn
+                raise
+            finally:
+                self.waiting -= 1
+        slot = max(self.idle, key=lambda s: s.gen.shared_prefix(prompt_ids))
+        self.idle.remove(slot)
+        return slot
+
+    def _give_back(self, slot: Slot) -> None:
+        self.idle.append(slot)
+        self._wake()
+
+    def _wake(self) -> None:
+        while self.waiters:
+            woken = self.waiters.popleft()
+            if not woken.done():
+                woken.set_result(None)
+                return
 
     async def _generate(self, slot: Slot, job: Job) -> AsyncIterator[Piece]:
         loop, gen = asyncio.get_running_loop(), slot.gen
@@ -188,5 +213,6 @@ class Engine:
                        for name, kind, what, value in rows)
 
     def close(self) -> None:
-        for slot in self.slots:
+        for slot in reversed(self.slots):  # the first holds the weights the others read
             slot.close()
+        self.slots[0].thread.shutdown()

@@ -83,13 +83,15 @@ class Generator:
 
     def __init__(self, model: ModelFile, device, *, n_ctx: int, sampler: SamplerConfig, progress: bool = True,
                  burst: int = 8, say: Callable[[str], None] | None = None, keep: bool = False,
-                 kv: tuple[str, str] = KV_DEFAULT, checkpoints: int = 0, chunk: int = CHUNK):
+                 kv: tuple[str, str] = KV_DEFAULT, checkpoints: int = 0, chunk: int = CHUNK,
+                 weights_of: Generator | None = None):
         """`keep`: prompts that extend the context continue it (a chat); bursts that run past an
         end-of-turn token are then undone from a checkpoint of the sequence state; `kv`: the
         KV caches' formats (kernels/kvcache.py); `checkpoints` (with keep): bytes of device memory
         for snapshots of the sequence state at each prompt chunk's boundary and at the prompt's
         end (checkpoints.py), from which a prompt that leaves the context part-way resumes;
-        `chunk`: the most prompt tokens fed at once (prefill.py)."""
+        `chunk`: the most prompt tokens fed at once (prefill.py); `weights_of`: a Generator of this
+        model on this device whose weights this one reads (another sequence, e.g. a server slot)."""
         self.model, self.device = model, device
         self.burst = burst  # decode steps per submission: the host waits once per burst
         self.tokenizer = Tokenizer.from_model(model)
@@ -99,12 +101,18 @@ class Generator:
         self.n_ctx = min(n_ctx, hp.context_length)
         self.keep = keep
         self.graph = DecodeGraph(model, device, self.n_ctx, sampler, progress=progress, say=say, checkpoint=keep, kv=kv,
-                                 chunk=chunk)
+                                 chunk=chunk, weights_of=weights_of.graph if weights_of else None)
         self.context: list[int] = []
         self.checkpoints = Checkpoints(self.graph, checkpoints) if keep and checkpoints else None
         tok = self.tokenizer
         self.stop_ids = frozenset(i for i in [tok.eos_id] + [tok.tokens.index(t) for t in ("<|im_end|>", "<|endoftext|>")
                                                           if t in tok.tokens] if i is not None)
+
+    def shared_prefix(self, prompt_ids: list[int]) -> int:
+        """How many leading tokens of `prompt_ids` the context holds (what a resume could reuse,
+        from the caches or a checkpoint)."""
+        return next((i for i, (a, b) in enumerate(zip(self.context, prompt_ids)) if a != b),
+                    min(len(self.context), len(prompt_ids)))
 
     def reusable(self, prompt_ids: list[int]) -> int:
         """How many of `prompt_ids` the caches already hold (0 unless the context is a proper prefix)."""
@@ -121,8 +129,7 @@ class Generator:
             n = 0
             self.graph.reset()
         else:
-            shared = next((i for i, (a, b) in enumerate(zip(self.context, prompt_ids)) if a != b),
-                          min(len(self.context), len(prompt_ids)))
+            shared = self.shared_prefix(prompt_ids)
             self.checkpoints.keep_upto(shared)
             n = self.checkpoints.resume(min(shared, len(prompt_ids) - 1))  # the last token is fed: its logits
         self.context = self.context[:n]

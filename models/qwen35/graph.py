@@ -98,11 +98,14 @@ def record_chunk_launches(model, info, n_ctx: int, t: int, tuning: Database | No
 class DecodeGraph:
     def __init__(self, model: ModelFile, device, n_ctx: int, sampler: SamplerConfig | None = None,
                  progress: bool = True, tuning: Database | None = None, say=None, checkpoint: bool = False,
-                 chunk: int = CHUNK, kv: tuple[str, str] = KV_DEFAULT):
+                 chunk: int = CHUNK, kv: tuple[str, str] = KV_DEFAULT, weights_of: DecodeGraph | None = None):
         """`say(line)` hears the memory plan before anything is allocated; `progress` shows the
         weights' upload; `checkpoint` keeps room to save the sequence state (`checkpoint()`);
         `chunk`: the most prompt tokens `prefill` runs at once (prefill.py); `kv`: the formats of
-        the K and V caches (kernels/kvcache.py)."""
+        the K and V caches (kernels/kvcache.py); `weights_of`: a graph of this model on this device
+        whose weights this one reads (one more sequence: only its caches, states and scratch are
+        allocated; that graph must stay open while this one is)."""
+        self.weights_of = weights_of
         self.can_checkpoint = checkpoint
         self.kv_types = tuple(kv)
         self.chunk = max(1, min(chunk, n_ctx))
@@ -122,16 +125,19 @@ class DecodeGraph:
         if say:
             say(f"memory: {need.line()} on {self.info.name}")
         self._allocate()
-        self._upload_weights(progress, say)
+        if weights_of is None:
+            self._upload_weights(progress, say)
         self.seq = self.seq_next = self._timed = None
         seconds = self._prepare_kernels(progress)
         if say and seconds >= 1:
             say(f"kernels ready in {seconds:.1f} s (compiled on this first run, then cached)")
 
     def buffers(self, n_ctx: int) -> list:
-        """Every device buffer the graph holds at a context of n_ctx tokens (buffers.py)."""
-        return decode_buffers(self.hp, self.tensors, n_ctx, self._candidate_bytes(), self.can_checkpoint, self.chunk,
-                              "coopmat" in self.device.info.features, self.kv_types)
+        """Every device buffer the graph holds at a context of n_ctx tokens (buffers.py): the
+        weights too, unless it reads another graph's."""
+        specs = decode_buffers(self.hp, self.tensors, n_ctx, self._candidate_bytes(), self.can_checkpoint, self.chunk,
+                               "coopmat" in self.device.info.features, self.kv_types)
+        return specs if self.weights_of is None else [s for s in specs if s.kind != "weights"]
 
     def _prepare_kernels(self, progress: bool) -> float:
         """Record the step (building the kernels not built before) and run it once, and a short
@@ -213,7 +219,8 @@ class DecodeGraph:
         hp, dev = self.hp, self.device
         specs = self.buffers(self.n_ctx)
         b = {spec.name: buf for spec, buf in zip(specs, dev.alloc_many([(s.name, s.nbytes) for s in specs]))}
-        self.weights = {name: b[name] for name in self.tensors.tensors}
+        self.weights = {name: b[name] for name in self.tensors.tensors} if self.weights_of is None \
+            else self.weights_of.weights
         vector = functools.partial(self.vector_of, b)
 
         # The host writes position and input token into `step_host`; each step copies it to the

@@ -156,15 +156,29 @@ def loopback(host: str) -> bool:
         return False
 
 
-def open_engine(model, device, *, n_ctx: int, kv, checkpoint_mib: int, say=None) -> tuple[Engine, str]:
-    """One slot on `model` (a path, or None: the synthetic default) and its model id."""
+def open_engine(model, device, *, n_ctx: int, kv, checkpoint_mib: int, parallel: int = 1,
+                say=None) -> tuple[Engine, str]:
+    """`parallel` slots on `model` (a path, or None: the synthetic default), reading one copy of
+    its weights, and its model id."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from zdsl.models.qwen35.engine import Slot
-    from zdsl.models.qwen35.generate import load
+    from zdsl.models.qwen35.generate import Generator, load
     from zdsl.models.qwen35.sampler import SamplerConfig
 
-    slot = Slot(lambda: load(model, device, n_ctx=n_ctx, sampler=SamplerConfig(), progress=say is not None, say=say,
-                             keep=True, kv=kv, checkpoints=checkpoint_mib << 20))
-    return Engine([slot]), slot.gen.model.path.name
+    thread = ThreadPoolExecutor(1, thread_name_prefix="zdsl-gpu")
+    options = dict(n_ctx=n_ctx, sampler=SamplerConfig(), progress=say is not None, say=say, keep=True, kv=kv,
+                   checkpoints=checkpoint_mib << 20)
+    first = Slot(lambda: load(model, device, **options), thread)
+    slots = [first]
+    try:
+        for _ in range(parallel - 1):
+            slots.append(Slot(lambda: Generator(first.gen.model, first.gen.device, weights_of=first.gen, **options),
+                              thread))
+    except BaseException:
+        Engine(slots).close()
+        raise
+    return Engine(slots), first.gen.model.path.name
 
 
 def _say(msg: str) -> None:
@@ -177,8 +191,9 @@ def _say(msg: str) -> None:
               help="Address to listen on; one beyond this machine needs --api-key.")
 @click.option("--port", type=int, default=8080, show_default=True)
 @click.option("--ctx", "n_ctx", type=int, default=4096, show_default=True, help="Context length of a slot.")
-@click.option("--parallel", type=click.IntRange(1, 1), default=1, show_default=True,
-              help="Slots generating at once (one for now: more requests queue for it).")
+@click.option("--parallel", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Slots: sequences kept at once, each with its caches and checkpoints, taking turns on the GPU "
+                   "(more requests queue for one).")
 @click.option("--checkpoint-mib", type=click.IntRange(0), default=1024, show_default=True,
               help="Device memory for snapshots of the delta-net state at prompt chunk boundaries, from which a "
                    "prompt that shares only part of the last one resumes (0: only prompts that extend it).")
@@ -194,9 +209,11 @@ def serve(model, host, port, n_ctx, parallel, checkpoint_mib, api_key, device, k
     if not loopback(host) and not api_key:
         raise ZdslError(f"--host {host} listens beyond this machine: give --api-key KEY too (clients then send it "
                         "as 'Authorization: Bearer KEY')")
-    engine, model_id = open_engine(model, device, n_ctx=n_ctx, kv=kv, checkpoint_mib=checkpoint_mib, say=_say)
+    engine, model_id = open_engine(model, device, n_ctx=n_ctx, kv=kv, checkpoint_mib=checkpoint_mib,
+                                   parallel=parallel, say=_say)
     try:
-        _say(f"serving {model_id} on http://{host}:{port}/v1 (context {engine.n_ctx} tokens, {parallel} slot)")
+        _say(f"serving {model_id} on http://{host}:{port}/v1 (context {engine.n_ctx} tokens, "
+             f"{parallel} slot{'' if parallel == 1 else 's'})")
         with stopped_by_signals():
             uvicorn.run(app(engine, model_id, api_key), host=host, port=port, log_level="warning")
     except Stopped as e:

@@ -2,8 +2,8 @@
 
 Cold: a prompt of --prompt random token ids into an empty slot. Cached: the same prompt's first
 --shared tokens, then new ones: the slot resumes from its last checkpoint at or before --shared.
-Streams: k greedy jobs of --tokens each submitted at once; aggregate tok/s = k·tokens / wall
-time. Prints one JSON line per measurement. Run on the GPU machine (see docs/PERF.md).
+Streams: k greedy jobs of --tokens each submitted at once to --parallel slots; aggregate tok/s =
+the tokens of all / wall time, with each stream's time to its first token. Prints one JSON line per measurement. Run on the GPU machine (see docs/PERF.md).
 """
 
 from __future__ import annotations
@@ -34,17 +34,19 @@ async def first_token(engine, ids: list[int], tokens: int) -> tuple[float, float
     return first, time.perf_counter() - start, p
 
 
-async def streams(engine, k: int, length: int, tokens: int, rng) -> float:
+async def streams(engine, k: int, length: int, tokens: int, rng) -> tuple[float, list[float]]:
+    """(aggregate tok/s, each stream's seconds to its first piece)."""
     start = time.perf_counter()
     prompts = [rng.integers(0, engine.tokenizer.vocab_size, length).tolist() for _ in range(k)]
 
-    async def one(ids) -> int:
+    async def one(ids) -> tuple[int, float]:
+        first = None
         async for p in engine.run(job(ids, tokens)):
-            pass
-        return p.completion_tokens
+            first = first or time.perf_counter() - start
+        return p.completion_tokens, first
 
-    produced = await asyncio.gather(*(one(ids) for ids in prompts))
-    return sum(produced) / (time.perf_counter() - start)
+    done = await asyncio.gather(*(one(ids) for ids in prompts))
+    return sum(n for n, _ in done) / (time.perf_counter() - start), [t for _, t in done]
 
 
 @click.command()
@@ -56,22 +58,26 @@ async def streams(engine, k: int, length: int, tokens: int, rng) -> float:
 @click.option("--tokens", type=int, default=64)
 @click.option("--streams", "stream_counts", default="1,2,4,8")
 @click.option("--kv-type", "kv", default="f16")
-def main(model, device, n_ctx, prompt_len, shared, tokens, stream_counts, kv):
-    engine, _ = open_engine(model, device, n_ctx=n_ctx, kv=kv_types(kv), checkpoint_mib=1024)
+@click.option("--parallel", type=int, default=1, help="Slots (zdsl serve --parallel).")
+def main(model, device, n_ctx, prompt_len, shared, tokens, stream_counts, kv, parallel):
+    engine, _ = open_engine(model, device, n_ctx=n_ctx, kv=kv_types(kv), checkpoint_mib=1024, parallel=parallel)
     rng = np.random.default_rng(0)
     vocab = engine.tokenizer.vocab_size
     base = rng.integers(0, vocab, prompt_len).tolist()
     other = base[:shared] + rng.integers(0, vocab, prompt_len - shared).tolist()
 
     async def measure():
-        for name, ids in (("warm-up", rng.integers(0, vocab, 600).tolist()), ("cold", base), ("cached", other)):
+        for name, ids in (("warm-up", rng.integers(0, vocab, min(600, n_ctx // 2)).tolist()), ("cold", base),
+                          ("cached", other)):
             ttft, total, last = await first_token(engine, ids, tokens)
             print(json.dumps({"what": name, "prompt": len(ids), "cached": last.reused_tokens, "kv": kv,
                               "ttft_s": round(ttft, 4), "tokens": last.completion_tokens,
                               "decode_tok_s": round((last.completion_tokens - 1) / (total - ttft), 1)}), flush=True)
         for k in [int(s) for s in stream_counts.split(",") if s]:
-            tps = await streams(engine, k, 32, tokens, rng)
-            print(json.dumps({"what": "streams", "k": k, "tokens": tokens, "aggregate_tok_s": round(tps, 1)}), flush=True)
+            tps, firsts = await streams(engine, k, 32, tokens, rng)
+            print(json.dumps({"what": "streams", "k": k, "slots": parallel, "tokens": tokens,
+                              "aggregate_tok_s": round(tps, 1), "ttft_mean_s": round(sum(firsts) / k, 3),
+                              "ttft_max_s": round(max(firsts), 3)}), flush=True)
 
     try:
         asyncio.run(measure())
