@@ -21,10 +21,36 @@ ALIGN = 256  # each state buffer's copy starts at a multiple of this in a snapsh
 
 @dataclass
 class Snapshot:
-    buffer: object
-    save: object    # recorded copies: live state -> buffer
+    """A copy of a sequence's state: recorded copies of the live buffers into their saved twins
+    and back, the position it was taken at and the step values then (the sampler's counter).
+    Checkpoints keeps many; DecodeGraph.checkpoint one, in buffers of its memory plan."""
+
+    save: object    # recorded copies: live state -> saved twins
     load: object    # and back
-    words: np.ndarray | None = None  # the step values (the sampler's counter) when it was taken
+    buffer: object = None   # the one buffer holding the twins, where the snapshot owns it
+    position: int = 0
+    words: np.ndarray | None = None
+
+    @classmethod
+    def between(cls, device, pairs, buffer=None) -> Snapshot:
+        """A snapshot of the (live, saved) buffer pairs (`buffer`: what the saved ones lie in,
+        freed with the snapshot)."""
+        save, load = device.sequence(), device.sequence()
+        for live, saved in pairs:
+            save.copy(live, saved)
+            load.copy(saved, live)
+        return cls(save, load, buffer)
+
+    def take(self, position: int, words: np.ndarray) -> None:
+        """Copy the state at `position` (the copies run before the graph's next step)."""
+        self.save.run(wait=False)
+        self.position, self.words = position, words.copy()
+
+    def free(self) -> None:
+        self.save.free()
+        self.load.free()
+        if self.buffer is not None:
+            self.buffer.free()
 
 
 class Checkpoints:
@@ -58,8 +84,7 @@ class Checkpoints:
             self._by_position.move_to_end(p)
             return
         snap = self._by_position.popitem(last=False)[1] if len(self) >= self.capacity else self._new()
-        snap.save.run(wait=False)
-        snap.words = self.g.step_words.copy()
+        snap.take(p, self.g.step_words)
         self._by_position[p] = snap
 
     def resume(self, limit: int) -> int:
@@ -79,23 +104,12 @@ class Checkpoints:
     def keep_upto(self, position: int) -> None:
         """Drop the snapshots past `position`: the tokens before them are about to change."""
         for p in [q for q in self._by_position if q > position]:
-            self._free(self._by_position.pop(p))
+            self._by_position.pop(p).free()
 
     def _new(self) -> Snapshot:
-        dev = self.g.device
-        buffer = dev.alloc(self.nbytes, name="checkpoint")
-        save, load = dev.sequence(), dev.sequence()
-        for live, at in zip(self.live, self.offsets):
-            saved = buffer.slice(at, live.nbytes)
-            save.copy(live, saved)
-            load.copy(saved, live)
-        return Snapshot(buffer, save, load)
-
-    @staticmethod
-    def _free(snap: Snapshot) -> None:
-        snap.save.free()
-        snap.load.free()
-        snap.buffer.free()
+        buffer = self.g.device.alloc(self.nbytes, name="checkpoint")
+        pairs = [(live, buffer.slice(at, live.nbytes)) for live, at in zip(self.live, self.offsets)]
+        return Snapshot.between(self.g.device, pairs, buffer)
 
     def close(self) -> None:
         self.keep_upto(-1)

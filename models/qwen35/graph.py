@@ -31,6 +31,7 @@ from zdsl.kernels.quant import FORMATS, INT8_FORMATS
 from zdsl.runtime.memory import fmt_bytes
 from zdsl.models.qwen35.buffers import (ATTN_MAX_SPLITS, ATTN_MIN_CHUNK, CHUNK, SAVED, STEP_WORDS, check_fits,
                                         checkpointed, decode_buffers)
+from zdsl.models.qwen35.checkpoints import Snapshot
 from zdsl.models.qwen35.gguf_file import ModelFile
 from zdsl.models.qwen35.prefill import Prefill
 from zdsl.models.qwen35.sampler import SamplerConfig
@@ -256,13 +257,10 @@ class DecodeGraph:
         self.prompt = Prefill(self, b)
         # what a step overwrites that the sequence needs to be undone or resumed (buffers.checkpointed)
         self.sequence_state = {name: b[name] for name in sorted(checkpointed(hp))}
-        self._save = self._load = self._saved = None
+        self._snapshot = self._taken = None
         if self.can_checkpoint:
             pairs = [(live, b[SAVED + name]) for name, live in self.sequence_state.items()]
-            self._save, self._load = dev.sequence(), dev.sequence()
-            for live, saved in pairs:
-                self._save.copy(live, saved)
-                self._load.copy(saved, live)
+            self._snapshot = Snapshot.between(dev, pairs)
 
     @staticmethod
     def vector_of(b: dict, name: str) -> Vector:
@@ -530,17 +528,17 @@ class DecodeGraph:
     def checkpoint(self) -> None:
         """Save the sequence's state at this position, so that `restore()` undoes the steps run
         after (a burst that ran past an end-of-turn token). The copies run before the next step."""
-        if self._save is None:
+        if self._snapshot is None:
             raise ZdslError("this decode graph keeps no checkpoint: make it with checkpoint=True")
-        self._save.run(wait=False)
-        self._saved = (self.position, self.step_words.copy())
+        self._snapshot.take(self.position, self.step_words)
+        self._taken = True
 
     def restore(self) -> None:
         """Back to the last checkpoint: position, step values (the sampler's counter too) and state."""
-        if self._saved is None:
+        if not self._taken:
             raise ZdslError("restore() without a checkpoint()")
-        self._load.run()
-        self.rewind(*self._saved)
+        self._snapshot.load.run()
+        self.rewind(self._snapshot.position, self._snapshot.words)
 
     def rewind(self, position: int, words: np.ndarray) -> None:
         """Continue at `position` with the step values `words` (the sampler's counter too), once
@@ -599,9 +597,8 @@ class DecodeGraph:
     def close(self) -> None:
         self._free_steps()
         self.prompt.free()
-        for seq in (self._save, self._load):
-            if seq is not None:
-                seq.free()
+        if self._snapshot is not None:
+            self._snapshot.free()   # its twins are the graph's buffers, freed below
         for buf in self._owned:
             buf.free()
         self._owned.clear()
