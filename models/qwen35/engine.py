@@ -148,6 +148,7 @@ class Engine:
                 raise
             finally:
                 self.waiting -= 1
+        # an estimate (the GPU thread may still be closing a slot's last request): resume() decides
         slot = max(self.idle, key=lambda s: s.gen.shared_prefix(prompt_ids))
         self.idle.remove(slot)
         return slot
