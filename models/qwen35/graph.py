@@ -104,8 +104,9 @@ class DecodeGraph:
         weights' upload; `checkpoint` keeps room to save the sequence state (`checkpoint()`);
         `chunk`: the most prompt tokens `prefill` runs at once (prefill.py); `kv`: the formats of
         the K and V caches (kernels/kvcache.py); `weights_of`: a graph of this model on this device
-        whose weights this one reads (one more sequence: only its caches, states and scratch are
-        allocated; that graph must stay open while this one is)."""
+        whose weights and activations this one uses (one more sequence, run only while that graph
+        runs nothing: only what the sequence keeps is allocated; that graph must stay open while
+        this one is)."""
         self.weights_of = weights_of
         self.can_checkpoint = checkpoint
         self.kv_types = tuple(kv)
@@ -134,11 +135,19 @@ class DecodeGraph:
             say(f"kernels ready in {seconds:.1f} s (compiled on this first run, then cached)")
 
     def buffers(self, n_ctx: int) -> list:
-        """Every device buffer the graph holds at a context of n_ctx tokens (buffers.py): the
-        weights too, unless it reads another graph's."""
+        """Every device buffer the graph holds at a context of n_ctx tokens (buffers.py): without
+        the weights and activations where it uses another graph's."""
         specs = decode_buffers(self.hp, self.tensors, n_ctx, self._candidate_bytes(), self.can_checkpoint, self.chunk,
                                "coopmat" in self.device.info.features, self.kv_types)
-        return specs if self.weights_of is None else [s for s in specs if s.kind != "weights"]
+        return specs if self.weights_of is None else [s for s in specs if not self._borrowed(s)]
+
+    def _borrowed(self, spec) -> bool:
+        """Whether a graph with `weights_of` uses that graph's buffer for `spec`: the weights, and
+        scratch that no step leaves for the next (its sequence's step values, sampled tokens and
+        penalty window, and their saved twins, are its own)."""
+        own = {"step", "tokens_out"} | checkpointed(self.hp)
+        return spec.kind == "weights" or (spec.kind == "scratch" and spec.name not in own
+                                          and not spec.name.startswith(SAVED))
 
     def _prepare_kernels(self, progress: bool) -> float:
         """Record the step (building the kernels not built before) and run it once, and a short
@@ -220,8 +229,11 @@ class DecodeGraph:
         hp, dev = self.hp, self.device
         specs = self.buffers(self.n_ctx)
         b = {spec.name: buf for spec, buf in zip(specs, dev.alloc_many([(s.name, s.nbytes) for s in specs]))}
-        self.weights = {name: b[name] for name in self.tensors.tensors} if self.weights_of is None \
-            else self.weights_of.weights
+        self._owned = list(b.values())
+        if self.weights_of is not None:
+            b.update((name, buf) for name, buf in self.weights_of.by_name.items() if name not in b)
+        self.by_name = b
+        self.weights = {name: b[name] for name in self.tensors.tensors}
         vector = functools.partial(self.vector_of, b)
 
         # The host writes position and input token into `step_host`; each step copies it to the
@@ -253,7 +265,6 @@ class DecodeGraph:
         # the penalties' window: how often each token occurs in it, and its tokens by position
         self.counts, self.penalty_ring = b["token_counts"], b["penalty_ring"]
         self.tokens_out, self.cand = b["tokens_out"], b["candidates"]
-        self._owned = list(b.values())
         self.prompt = Prefill(self, b)
         # what a step overwrites that the sequence needs to be undone or resumed (buffers.checkpointed)
         self.sequence_state = {name: b[name] for name in sorted(checkpointed(hp))}

@@ -214,31 +214,26 @@ def serve(model, host, port, n_ctx, parallel, checkpoint_mib, api_key, device, k
     try:
         _say(f"serving {model_id} on http://{host}:{port}/v1 (context {engine.n_ctx} tokens, "
              f"{parallel} slot{'' if parallel == 1 else 's'})")
-        with stopped_by_signals():
+        with signals_seen() as seen:
             uvicorn.run(app(engine, model_id, api_key), host=host, port=port, log_level="warning")
-    except Stopped as e:
-        n = engine.metrics.requests
-        _say(f"stopped by {e.args[0]} after {n} request{'' if n == 1 else 's'}")
+        if seen:
+            n = engine.metrics.requests
+            _say(f"stopped by {seen[0]} after {n} request{'' if n == 1 else 's'}")
     finally:
         engine.close()
 
 
-class Stopped(Exception):
-    """SIGINT or SIGTERM, once uvicorn has finished the requests under way (it passes the signal
-    on when it is done)."""
-
-
 @contextlib.contextmanager
-def stopped_by_signals():
-    """While uvicorn runs, its own handlers drain the server on SIGINT or SIGTERM; it then raises
-    the signal again, which these handlers turn into Stopped, so the engine closes and the
-    process exits 0 (SIGTERM's default would kill it with the device still open)."""
-    def stop(signum, frame):
-        raise Stopped(signal.Signals(signum).name)
-
-    before = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+def signals_seen():
+    """The SIGINT and SIGTERM that arrive while uvicorn runs, by name. uvicorn drains the server
+    on either with its own handlers, then raises the signal again; these handlers take it then,
+    so the engine closes and the process exits 0 (SIGTERM's default would kill it with the
+    device open, SIGINT's would end in a KeyboardInterrupt)."""
+    seen: list[str] = []
+    before = {sig: signal.signal(sig, lambda signum, frame: seen.append(signal.Signals(signum).name))
+              for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        yield seen
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
