@@ -30,6 +30,7 @@ from zdsl.errors import CompileError, ZdslError
 TARGET_ENV = "vulkan1.3"
 SPIRV_MAGIC = 0x07230203
 TOOLS = ("glslangValidator", "spirv-val", "spirv-opt", "spirv-dis")
+GLSLANG_FLAGS = ("--target-env", TARGET_ENV, "-S", "comp")  # what the C interface calls do too (_GlslangLibrary)
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,7 @@ def compile_glsl(source: str, *, name: str = "kernel", optimize: bool = True) ->
 
 
 def compile_cached(source: str, *, name: str = "kernel", optimize: bool = True) -> Compiled:
-    flags = ["--target-env", TARGET_ENV, "-S", "comp"]
-    key = content_key(source, " ".join(flags), str(optimize), *sorted(versions().values()))
+    key = content_key(source, " ".join(GLSLANG_FLAGS), str(optimize), *sorted(versions().values()))
     path = cache_dir("spirv") / f"{key}.spirv"     # SPIR-V and its digest (a cache entry, not a bare .spv)
     cached = read_entry(path, spirv_problem)
     if cached is not None:
@@ -128,7 +128,7 @@ def glslang(source: str, name: str = "kernel", *, in_process: bool | None = None
         with tempfile.TemporaryDirectory(prefix="zdsl-") as tmp:
             src, spv = Path(tmp, f"{name}.comp"), Path(tmp, f"{name}.spv")
             src.write_text(source)
-            res = tool("glslangValidator").run("--target-env", TARGET_ENV, "-S", "comp", "-o", str(spv), str(src))
+            res = tool("glslangValidator").run(*GLSLANG_FLAGS, "-o", str(spv), str(src))
             ok = res.returncode == 0 and spv.exists()
             out = spv.read_bytes() if ok else b""
             log = (res.stdout + res.stderr).decode(errors="replace")
