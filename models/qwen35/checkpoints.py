@@ -46,6 +46,11 @@ class Snapshot:
         self.save.run(wait=False)
         self.position, self.words = position, words.copy()
 
+    def restore(self, g) -> None:
+        """Put graph `g`'s state back as it was taken, at its position and step values."""
+        self.load.run()
+        g.rewind(self.position, self.words)
+
     def free(self) -> None:
         self.save.free()
         self.load.free()
@@ -95,10 +100,8 @@ class Checkpoints:
         if not p:
             g.reset()
             return 0
-        snap = self._by_position[p]
         self._by_position.move_to_end(p)
-        snap.load.run()
-        g.rewind(p, snap.words)
+        self._by_position[p].restore(g)
         return p
 
     def keep_upto(self, position: int) -> None:

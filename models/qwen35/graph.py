@@ -548,8 +548,7 @@ class DecodeGraph:
         """Back to the last checkpoint: position, step values (the sampler's counter too) and state."""
         if not self._taken:
             raise ZdslError("restore() without a checkpoint()")
-        self._snapshot.load.run()
-        self.rewind(self._snapshot.position, self._snapshot.words)
+        self._snapshot.restore(self)
 
     def rewind(self, position: int, words: np.ndarray) -> None:
         """Continue at `position` with the step values `words` (the sampler's counter too), once
