@@ -143,11 +143,14 @@ class DecodeGraph:
 
     def _borrowed(self, spec) -> bool:
         """Whether a graph with `weights_of` uses that graph's buffer for `spec`: the weights, and
-        scratch that no step leaves for the next (its sequence's step values, sampled tokens and
-        penalty window, and their saved twins, are its own)."""
+        scratch that no step leaves for the next where that graph's is large enough (a longer
+        context or chunk needs more); its sequence's step values, sampled tokens and penalty
+        window, and their saved twins, are its own."""
         own = {"step", "tokens_out"} | checkpointed(self.hp)
+        lent = self.weights_of.by_name.get(spec.name)
         return spec.kind == "weights" or (spec.kind == "scratch" and spec.name not in own
-                                          and not spec.name.startswith(SAVED))
+                                          and not spec.name.startswith(SAVED)
+                                          and lent is not None and lent.nbytes >= spec.nbytes)
 
     def _prepare_kernels(self, progress: bool) -> float:
         """Record the step (building the kernels not built before) and run it once, and a short
