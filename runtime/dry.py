@@ -8,6 +8,8 @@ way, for any model on any machine, compile-only targets included.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 
 
@@ -39,8 +41,12 @@ class DrySequence:
     def __init__(self, device):
         self.device, self.launches = device, []
 
-    def copy(self, src, dst, nbytes=None) -> None:
+    def copy(self, src, dst, nbytes=None, dst_offset=0) -> None:
         pass
+
+    @contextmanager
+    def together(self):
+        yield
 
     def fill(self, dst, value: int = 0) -> None:
         pass

@@ -10,6 +10,8 @@ command of a stage the last barrier did not cover gets one of its own.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 
 from zdsl.errors import MissingFeatureError, ZdslError
@@ -51,6 +53,11 @@ class Hazards:
         self.reads.clear()
         self.writes.clear()
 
+    def ranges(self) -> tuple[list, list]:
+        """(reads, writes) as add() takes them."""
+        return tuple([(b, lo, hi) for b, spans in table.items() for lo, hi in spans]
+                     for table in (self.reads, self.writes))
+
 
 def fold(grid: tuple[int, int, int], limit: tuple[int, int, int]) -> tuple[int, int, int]:
     """A physical grid of at least as many workgroups as `grid` (and fewer than one row more)
@@ -87,6 +94,7 @@ class Sequence:
         self._labels: list[str] = []
         self.launches: list = []  # what KernelDef.launch recorded here (the tuner reads a step's)
         self._hazards = Hazards()
+        self._together: Hazards | None = None  # what the commands of a together() block touch
         self._since = 0     # stages of the commands since the last barrier
         self._seen = 0      # stages of every command recorded
         self._covered = DEPENDENCY.dst  # stages the last barrier ordered after everything before it
@@ -154,14 +162,17 @@ class Sequence:
         lib.vkCmdDispatchIndirect(self.cb, block.buffer, lo)
         self._done(label or pipe.name)
 
-    def copy(self, src, dst, nbytes: int | None = None) -> None:
+    def copy(self, src, dst, nbytes: int | None = None, dst_offset: int = 0) -> None:
+        """nbytes (all of src by default) from the start of src to dst_offset bytes into dst (a
+        copy, unlike a binding, may start anywhere)."""
         n = src.nbytes if nbytes is None else nbytes
-        if n > src.nbytes or n > dst.nbytes:
+        if n > src.nbytes or dst_offset + n > dst.nbytes:
             raise ZdslError(f"copy of {n} bytes from {src.name or 'a buffer'} ({src.nbytes} bytes) to "
-                            f"{dst.name or 'a buffer'} ({dst.nbytes} bytes) does not fit")
+                            f"{dst.name or 'a buffer'} ({dst.nbytes} bytes) at {dst_offset} does not fit")
         s, d = _range(src), _range(dst)
-        self._order(((s[0], s[1], s[1] + n),), ((d[0], d[1], d[1] + n),), TRANSFER)
-        self._region.srcOffset, self._region.dstOffset, self._region.size = s[1], d[1], n
+        at = d[1] + dst_offset
+        self._order(((s[0], s[1], s[1] + n),), ((d[0], at, at + n),), TRANSFER)
+        self._region.srcOffset, self._region.dstOffset, self._region.size = s[1], at, n
         lib.vkCmdCopyBuffer(self.cb, s[0].buffer, d[0].buffer, 1, self._region)
         self._done(f"copy {src.name} -> {dst.name}")
 
@@ -172,6 +183,21 @@ class Sequence:
         self._order((), (d,), TRANSFER)
         lib.vkCmdFillBuffer(self.cb, d[0].buffer, d[1], dst.nbytes, value & 0xFFFFFFFF)
         self._done(f"fill {dst.name}")
+
+    @contextmanager
+    def together(self):
+        """Commands recorded inside get no barrier between them, only the one before them that
+        what came earlier calls for: the caller knows they touch disjoint memory (one launch per
+        sequence of a batch, each on its own row of a buffer they all bind, batch.py), which the
+        byte ranges of their bindings cannot show."""
+        if self._together is not None:
+            raise ZdslError("together() blocks do not nest")
+        self._together = Hazards()
+        try:
+            yield
+        finally:
+            block, self._together = self._together, None
+            self._hazards.add(*block.ranges())
 
     def _check_recording(self) -> None:
         if not self._recording or self.cb is None:
@@ -191,7 +217,7 @@ class Sequence:
             self.barriers += 1
             self._hazards.clear()
             self._since, self._covered = 0, dst
-        self._hazards.add(reads, writes)
+        (self._hazards if self._together is None else self._together).add(reads, writes)
         self._since |= stage
         self._seen |= stage
 

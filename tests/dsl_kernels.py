@@ -143,3 +143,16 @@ def dot_i8(a: Buffer[u32], b: Buffer[u32], y: Buffer[i32], k4: u32, SCALE: Spec[
 @dot_i8.reference
 def dot_i8_ref(a_i8, b_i8, SCALE=1):
     return (a_i8.astype(np.int32) @ b_i8.astype(np.int32)) * SCALE
+
+
+# ---- one row of a batch: a buffer seen from an offset, a scalar with a default -------------------
+
+@zdsl.kernel(workgroup=64)
+def scale_row(x: Buffer[f32], out: Buffer[f32], n4: u32, a: f32, row: u32 = 0):
+    """out's row `row` (n4 vec4 values a row) = a · x's row `row`; the other rows untouched."""
+    xs, outs = x.at(row * n4 * 4), out.at(row * n4 * 4)
+    i = zdsl.global_id()
+    with zdsl.if_(i < n4):
+        outs.vec4[i] = xs.vec4[i] * a
+        with zdsl.if_(i == 0):
+            outs[0] = xs.view(u32)[0].to(f32)  # a scalar view from the offset too: the bits as a number

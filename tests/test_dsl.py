@@ -288,3 +288,20 @@ def test_buffers_and_scalars_a_variant_never_touches_may_be_left_out(backend, re
         run(scaled, backend, request, 2, x=x, y=np.zeros(100, np.float32), n=100, s=1.5)
     with pytest.raises(zdsl.ZdslError, match="missing scalar argument.*s"):
         run(scaled, backend, request, 2, x=x, scale_buf=np.float32([2.0]), y=np.zeros(100, np.float32), n=100)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(rows=st.integers(1, 5), n4=st.integers(1, 200), pick=st.integers(0, 4), seed=st.integers(0, 99))
+def test_a_buffer_from_an_offset_reads_and_writes_one_row(backend, request, rows, n4, pick, seed):
+    """x.at(n) moves every index of x by n elements, through wider and narrower views too; a
+    scalar with a default in the signature may be left out of the launch."""
+    rng = np.random.default_rng(seed)
+    row = pick % rows
+    x = rng.standard_normal((rows, 4 * n4), dtype=np.float32)
+    given_row = dict(row=row) if row else {}  # row 0: the default
+    out = run(k.scale_row.specialize(), backend, request, -(-n4 // 64), x=x.reshape(-1),
+              out=np.full(rows * 4 * n4, np.nan, np.float32), n4=n4, a=2.0, **given_row)["out"].reshape(rows, -1)
+    want = 2 * x[row]
+    want[0] = np.float32(x[row, :1].view(np.uint32)[0])
+    np.testing.assert_array_equal(out[row], want)
+    assert np.isnan(np.delete(out, row, axis=0)).all()

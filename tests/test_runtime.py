@@ -359,6 +359,31 @@ def test_replay_has_n_times_the_effect(device, add, times):
     x.free()
 
 
+def test_together_leaves_out_the_barriers_between_its_commands(device, double):
+    """Commands in a together() block (the caller knows they touch disjoint memory: rows of one
+    buffer) get no barrier between them, only the one that what came before calls for; what they
+    touch counts for the commands after."""
+    n = 256
+    x0 = np.arange(2 * n, dtype=np.float32)
+    x, y = device.upload(x0, "x"), device.alloc(8 * n, "y")
+    push = struct.pack("<I", n)
+    seq = device.sequence()
+    seq.dispatch(double, groups(n), [x, y], push)  # writes y
+    with seq.together():
+        seq.dispatch(double, groups(n), [y, x], push)   # reads y: the one barrier
+        seq.dispatch(double, groups(n), [y, x], push)   # writes x again, but together: none
+    assert seq.barriers == 1
+    seq.dispatch(double, groups(n), [x, y], push)  # reads what the block wrote
+    assert seq.barriers == 2
+    with pytest.raises(ZdslError, match="do not nest"), seq.together(), seq.together():
+        pass
+    seq.run()
+    np.testing.assert_array_equal(y.read(np.float32, (n,)), 8 * x0[:n])
+    seq.free()
+    x.free()
+    y.free()
+
+
 def test_barriers_only_between_dependent_commands(device, double, monkeypatch):
     """Barriers go only where a command depends on an earlier one, and name only the stages
     involved; a stage the last barrier left out gets its own."""

@@ -90,7 +90,7 @@ class KernelDef:
             elif isinstance(ann, SpecAnnotation):
                 params.append(Param(p.name, "spec", ann.dtype, default))
             elif isinstance(ann, DType):
-                params.append(Param(p.name, "scalar", ann, None))
+                params.append(Param(p.name, "scalar", ann, default))
             elif ann is Const:
                 params.append(Param(p.name, "const", None, default))
             else:
@@ -399,8 +399,9 @@ class Variant:
 
     def _with_unread(self, values: dict) -> dict:
         """Every scalar's value; one this variant never reads (a Const turned its use off) may be
-        left out: 0."""
-        values = {**{s.name: 0 for s in self.ir.scalars if s.name not in self._scalars_read}, **values}
+        left out: 0; one with a default in the kernel's signature: that."""
+        defaults = {p.name: p.default for p in self.kernel.params if p.kind == "scalar" and p.default is not None}
+        values = {**{s.name: 0 for s in self.ir.scalars if s.name not in self._scalars_read}, **defaults, **values}
         missing = [s.name for s in self.ir.scalars if s.name not in values]
         if missing:
             raise ZdslError(f"{self.label}: missing scalar argument(s) {', '.join(missing)}")

@@ -433,13 +433,14 @@ def subgroup_shuffle_xor(x, mask: int) -> Value:
 def _atomic(op: str, buf: BufferParam, index, value) -> Value:
     if buf.dtype.name not in ("u32", "i32"):
         raise fail(f"atomics need a u32 or i32 buffer, not {buf.dtype!r}")
-    return tracer().let(op, (_atomic_view(buf), operand(index, u32), operand(value, buf.dtype)), buf.dtype)
+    at = index if buf.base is None else buf.base + index
+    return tracer().let(op, (_atomic_view(buf), operand(at, u32), operand(value, buf.dtype)), buf.dtype)
 
 
 def _atomic_view(buf: BufferParam):
     """The IR view of a buffer that atomics read and write."""
-    buf.reads = buf.writes = True
-    return buf.view(buf.dtype)._ir()
+    buf.root.reads = buf.root.writes = True
+    return buf.root.view(buf.dtype)._ir()
 
 
 def atomic_add(buf: BufferParam, index, value) -> Value:

@@ -81,6 +81,8 @@ def _memory(src, what: str):
     if isinstance(src, SharedArray):
         return src.decl, src.dtype.scalar
     if isinstance(src, BufferParam):
+        if src.base is not None:
+            raise fail(f"{what} is a whole buffer, not one seen from an offset (at()): add it to the tile's offset")
         view = src.view(src.dtype)._ir()
         return view, src.dtype
     raise fail(f"{what} is a zdsl.shared array or a Buffer parameter, not {type(src).__name__}")

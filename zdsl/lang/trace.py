@@ -285,12 +285,25 @@ class Var(Value):
 
 class BufferParam:
     """A storage-buffer parameter. `x[i]` loads, `x[i] = v` stores; `x.view(u32)` and `x.vec4`
-    see the same memory as other element types (for packed quantized blocks, wide loads)."""
+    see the same memory as other element types (for packed quantized blocks, wide loads);
+    `x.at(n)` sees it from element n on."""
+
+    base = None  # elements of dtype before what index 0 reads (at())
 
     def __init__(self, name: str, binding: int, dtype: DType):
         self.name, self.binding, self.dtype = name, binding, dtype
         self.reads = self.writes = False
         self.views: dict[DType, ir.View] = {}
+
+    @property
+    def root(self) -> BufferParam:
+        return self
+
+    def at(self, offset) -> BufferParam:
+        """The buffer from element `offset` on: x.at(n)[i] is x[n + i]. One sequence's row of a
+        batch, read by a kernel written for one row; through a wider view (vec4, view(u32))
+        `offset` must be a whole number of its elements."""
+        return _Shifted(self, offset)
 
     def view(self, dtype: DType) -> BufferView:
         return BufferView(self, dtype)
@@ -316,6 +329,20 @@ class BufferParam:
         return f"<buffer {self.name}: {self.dtype!r}>"
 
 
+class _Shifted(BufferParam):
+    """A buffer parameter seen from an offset (BufferParam.at): the parameter's binding, flags and
+    views, indices moved by `base` elements."""
+
+    def __init__(self, buf: BufferParam, offset):
+        self._root = buf.root
+        self.name, self.binding, self.dtype = buf.name, buf.binding, buf.dtype
+        self.base = offset if buf.base is None else buf.base + offset
+
+    @property
+    def root(self) -> BufferParam:
+        return self._root
+
+
 def _index(index) -> ir.Operand:
     ref = operand(index, u32)
     if not ref.dtype.is_int or ref.dtype.lanes != 1:
@@ -332,7 +359,14 @@ def _storage_feature(t: Tracer, dtype: DType) -> None:
 
 class BufferView:
     def __init__(self, buf: BufferParam, dtype: DType):
-        self.buf, self.dtype = buf, dtype
+        self.buf, self.dtype = buf.root, dtype
+        self.base = None
+        if buf.base is not None:  # the offset in this view's elements
+            ratio = buf.dtype.bits * buf.dtype.lanes, dtype.bits * dtype.lanes
+            self.base = buf.base * (ratio[0] // ratio[1]) if ratio[0] >= ratio[1] else buf.base // (ratio[1] // ratio[0])
+
+    def _index(self, index) -> ir.Operand:
+        return _index(index if self.base is None else self.base + index)
 
     def _ir(self) -> ir.View:
         t = tracer()
@@ -347,8 +381,8 @@ class BufferView:
         view = self._ir()
         out = self.dtype.compute
         if mask is None:
-            return tracer().let("load", (view, _index(index)), out)
-        return tracer().let("load", (view, _index(index), operand(mask, boolean), operand(other, out)), out)
+            return tracer().let("load", (view, self._index(index)), out)
+        return tracer().let("load", (view, self._index(index), operand(mask, boolean), operand(other, out)), out)
 
     __getitem__ = load
 
@@ -361,7 +395,7 @@ class BufferView:
         if v.dtype.scalar != self.dtype.compute.scalar and self.dtype.name == "f16":
             tracer().features.add("f16")
         tracer().check_visible(v)
-        tracer().emit(ir.Store(view, _index(index), v, user_loc()))
+        tracer().emit(ir.Store(view, self._index(index), v, user_loc()))
 
 
 class ArrayRef:
