@@ -58,14 +58,15 @@ def _prep_traffic(v, s, t: int = 1) -> int:
              key=("d",), grid=lambda v, s: s.n_head + s.n_kv, traffic=_prep_traffic)
 def attn_prep(qg: Buffer[f32], k: Buffer[f32], v: Buffer[f32], q_norm: Buffer[f32], k_norm: Buffer[f32],
               step: Buffer[u32], q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16],
-              n_head: u32, n_kv: u32, d: u32, rope_dims: u32, rope_base: f32, eps: f32,
+              n_head: u32, n_kv: u32, d: u32, rope_dims: u32, rope_base: f32, eps: f32, row: u32 = 0,
               WG: Const = 256, KT: Const = "f16", VT: Const = "f16", SG: Const = 32):
     """Workgroup h < n_head: q[h] = rope(rmsnorm(qg[h, :d]) · q_norm) (qg holds [query d | gate d]
     per head). Workgroup n_head + g: k_cache[pos, g] = rope(rmsnorm(k[g]) · k_norm) and
     v_cache[pos, g] = v[g], in the KV formats KT and VT (kvcache.py), pos = step[0]; d is a
     multiple of 4 (of 32 for a quantized format). RoPE pairs dim i with i + rope_dims/2, θ_i = pos · rope_base^(−2i/rope_dims);
-    rope_dims is even and ≤ d."""
-    _prep_head(qg, k, v, q_norm, k_norm, q, k_cache, v_cache, zdsl.workgroup_id(), None, step[0],
+    rope_dims is even and ≤ d. qg, k, v and q are read and written at row `row` (one sequence of
+    a batch, batch.py)."""
+    _prep_head(qg, k, v, q_norm, k_norm, q, k_cache, v_cache, zdsl.workgroup_id(), row, step[0],
                n_head, n_kv, d, rope_dims, rope_base, eps, WG, SG, KT, VT)
 
 
@@ -297,7 +298,7 @@ def _decode_traffic(v, s) -> int:
              variants={"D": [128, 256], "G": [2, 4, 8], "NW": [1, 4], "U": [2, 4], "SG": SUBGROUPS}, where=_decode_fits,
              sizes=("nsplit", "ctx"), grid=lambda v, s: (s.nsplit, s.n_kv), traffic=_decode_traffic)
 def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step: Buffer[u32], part: Buffer[f32],
-                n_kv: u32, min_chunk: u32, G: Const = 8, D: Const = 256, NW: Const = 4, U: Const = 2,
+                n_kv: u32, min_chunk: u32, row: u32 = 0, G: Const = 8, D: Const = 256, NW: Const = 4, U: Const = 2,
                 KT: Const = "f16", VT: Const = "f16", SG: Const = 32):
     """Partial attention of the G query heads of KV head g = workgroup_id(1) (query heads
     g·G .. g·G + G − 1) over split s = workgroup_id(0) of the cache rows 0 .. step[1] − 1, cut by
@@ -309,8 +310,9 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
     all G heads. A subgroup takes U rows per cluster of lanes per round (their loads in flight
     together, issued a round ahead); the NW subgroups of the workgroup take alternate rounds,
     and their running softmaxes are merged through shared memory at the end. K and V are read in
-    their formats KT and VT (kvcache.py), four values at a time, dequantized in registers. The launch names nsplit
-    (the grid's x) and ctx (the rows the cache holds)."""
+    their formats KT and VT (kvcache.py), four values at a time, dequantized in registers. q is
+    read at row `row` (one sequence of a batch, batch.py). The launch names nsplit (the grid's x)
+    and ctx (the rows the cache holds)."""
     if not _decode_fits(SimpleNamespace(D=D, SG=SG)):
         raise zdsl.ZdslError(f"attn_decode needs D / 4 a power of two or a multiple of 4·SG, not D={D}, SG={SG}")
     for kv_type in (KT, VT):
@@ -318,6 +320,7 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
     C = row_lanes(D, SG)
     P, NC = D // (4 * C), SG // C  # float4 pieces per lane, row clusters per subgroup
     rows_per_round = U * NC
+    q = q.at(row * (n_kv * G * D))
     s, g = zdsl.workgroup_id(0), zdsl.workgroup_id(1)
     nsplit, length = zdsl.num_workgroups(0), step[1]
     chunk, used = split_rows(length, nsplit, min_chunk)
@@ -438,7 +441,7 @@ def _combine_lanes(D: int) -> int:
              sizes=("n_head", "ctx"), grid=lambda v, s: (s.n_head, v.D // (4 * _combine_lanes(v.D))),
              traffic=_combine_traffic)
 def attn_combine(part: Buffer[f32], qg: Buffer[f32], step: Buffer[u32], o: Buffer[f32], oq: Buffer[u32],
-                 od: Buffer[f32], nsplit: u32, min_chunk: u32, D: Const = 256, WG: Const = 256, R: Const = 4,
+                 od: Buffer[f32], nsplit: u32, min_chunk: u32, row: u32 = 0, D: Const = 256, WG: Const = 256, R: Const = 4,
                  Q8: Const = False, SG: Const = 32):
     """o[h] = (Σ_s e^(m_s − M) acc_s) / (Σ_s e^(m_s − M) l_s) · sigmoid(gate_h) over the splits
     attn_decode used (same nsplit, min_chunk), M = max_s m_s; gate_h = qg[h, D:2D].
@@ -451,7 +454,8 @@ def attn_combine(part: Buffer[f32], qg: Buffer[f32], step: Buffer[u32], o: Buffe
     at depth 32,768 (256 splits) a group takes 2 rounds of loads, where one workgroup a head with
     four groups took 16 (26 µs a layer on the H100, 2026-11-27). With Q8, o also goes out as Q8_1
     (oq, od: the output projection's int8 input; q8_1.py; D a multiple of 32). The launch names
-    n_head and ctx (the rows the cache holds)."""
+    n_head and ctx (the rows the cache holds). qg, o, oq and od are at row `row` (one sequence of
+    a batch, batch.py)."""
     L = _combine_lanes(D)
     NG = WG // L  # groups
     if D % 4 or WG % L:
@@ -459,6 +463,10 @@ def attn_combine(part: Buffer[f32], qg: Buffer[f32], step: Buffer[u32], o: Buffe
     if Q8 and D % 32:
         raise zdsl.ZdslError(f"attn_combine writes Q8_1 blocks of 32 dims: D = {D} is not a multiple of 32")
     h, t = zdsl.workgroup_id(0), zdsl.local_index()
+    n = zdsl.num_workgroups(0) * D  # a row's values: n_head · D
+    qg, o = qg.at(row * 2 * n), o.at(row * n)
+    if Q8:
+        oq, od = oq.at(row * (n // 4)), od.at(row * (n // 16))
     lane, group = t % L, t // L
     quad = zdsl.workgroup_id(1) * L + lane  # this invocation's four dims of the head, over 4
     _, used = split_rows(step[1], nsplit, min_chunk)

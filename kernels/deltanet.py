@@ -174,7 +174,7 @@ def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32]
                   w_ba: Buffer[u8], x: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], ssm_a: Buffer[f32],
                   dt_bias: Buffer[f32], norm_w: Buffer[f32],
                   state: Buffer[f32], out: Buffer[f32], oq: Buffer[u32], od: Buffer[f32], n_k_heads: u32, k: u32,
-                  eps: f32, D: Const = 128, KC: Const = 4, WG: Const = 256, Q8: Const = False, QTYPE: Const = "q8_0",
+                  eps: f32, row: u32 = 0, D: Const = 128, KC: Const = 4, WG: Const = 256, Q8: Const = False, QTYPE: Const = "q8_0",
                   SG: Const = 32):
     """Value head h = workgroup_id, key head kh = h % n_k_heads, position p = step[0]; mix = the
     raw [q (n_k_heads × D) | k (n_k_heads × D) | v (heads × D)] projection, C channels. The
@@ -190,13 +190,19 @@ def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32]
     out_h = rmsnorm(o) · norm_w · silu(z_h); with Q8 also as Q8_1 (oq, od: the output
     projection's int8 input; q8_1.py; D a multiple of 32). Invocation (row part p, column quad c) keeps rows
     p, p + RP, … of columns 4c..4c+3 in registers (RP = 4·WG / D row parts), so each row of S
-    is one contiguous read and write per D/4 invocations. The launch names v_heads (the grid)."""
+    is one contiguous read and write per D/4 invocations. mix, z, x, xq, xd, out, oq and od are
+    at row `row` (one sequence of a batch, batch.py). The launch names v_heads (the grid)."""
     if not _step_fits(SimpleNamespace(D=D, WG=WG, SG=SG, QTYPE=QTYPE)):
         raise zdsl.ZdslError(f"deltanet_step needs 4 | D, D/4 | WG, WG / (D/4) | D and whole {QTYPE} blocks per "
                              f"workgroup, not D={D}, WG={WG}")
     h = zdsl.workgroup_id()
     kh = h % n_k_heads
     C = (2 * n_k_heads + zdsl.num_workgroups()) * D
+    n = zdsl.num_workgroups() * D  # a row of z and out
+    mix, z, out, x = mix.at(row * C), z.at(row * n), out.at(row * n), x.at(row * k)
+    xq, xd = xq.at(row * (k // 4)), xd.at(row * (k // 16))  # Q8_1: a word per 4 values, (d, d·Σq) per 32
+    if Q8:
+        oq, od = oq.at(row * (n // 4)), od.at(row * (n // 16))
     lay = _Layout(D, WG)
     # every load first: the state's are in flight while the conv runs and q and k are normalised
     S = [state.vec4[(h * D + i) * lay.quads + lay.c] for i in lay.rows]

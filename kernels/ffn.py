@@ -54,7 +54,8 @@ def gate_up_dots(decoders: list, wg, wu, expert, x, xq, xd, bases, k, m, group: 
              key=("k", "m", "slots"), sizes=("slots",), grid=lambda v, s: (row_groups(v, s.m), s.slots),
              traffic=_gate_up_traffic)
 def ffn_gate_up(wg: Buffer[u8], wu: Buffer[u8], ids: Buffer[u32], x: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32],
-                act: Buffer[f32], k: u32, m: u32, EXPERTS: Spec[boolean] = True, QTYPE: Const = "q4_k",
+                act: Buffer[f32], k: u32, m: u32, row: u32 = 0, ids_stride: u32 = 0, act_stride: u32 = 0,
+                EXPERTS: Spec[boolean] = True, QTYPE: Const = "q4_k",
                 QTYPE_UP: Const = "", Q8: Const = False, ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32,
                 WG: Const = 0):
     """act[s·m + r] = silu(Wg[r]·x) · (Wu[r]·x) for slot s = workgroup_id(1), with the pair of
@@ -62,7 +63,10 @@ def ffn_gate_up(wg: Buffer[u8], wu: Buffer[u8], ids: Buffer[u32], x: Buffer[f32]
     or with Q8 as Q8_1 (xq, xd). A MoE layer's shared expert is one more expert of the stacks
     (the graph appends it; the router names it in ids[K]), so routed and shared experts are one
     dispatch with one code path. Gate and up rows are read in one pass over x; Wu's type is
-    QTYPE_UP where it differs from Wg's ("" where not)."""
+    QTYPE_UP where it differs from Wg's ("" where not). For row `row` of a batch (batch.py): x,
+    xq and xd at that row, ids and act that many of their strides in."""
+    x, xq, xd = x.at(row * k), xq.at(row * (k // 4)), xd.at(row * (k // 16))
+    ids, act = ids.at(row * ids_stride), act.at(row * act_stride)
     group = Rows(ROWS, NSUB, SG)
     slot = zdsl.workgroup_id(1)
     expert = ids.load(slot, mask=EXPERTS, other=0)
@@ -147,11 +151,15 @@ def ffn_gate_up_example(use, rng, check):
              tune={"NSUB": NSUBS}, key=("k", "m"), grid=lambda v, s: row_groups(v, s.m),
              traffic=lambda v, s: s.slots * (s.m * inputs.row_bytes(v.QTYPE, s.k) + 4 * s.k) + 8 * s.m)
 def moe_down(w: Buffer[u8], ids: Buffer[u32], weights: Buffer[f32], act: Buffer[f32], y: Buffer[f32],
-             k: u32, m: u32, slots: u32, ADD: Spec[boolean] = True, QTYPE: Const = "q4_k", ROWS: Const = 1,
+             k: u32, m: u32, slots: u32, row: u32 = 0, ids_stride: u32 = 0, act_stride: u32 = 0,
+             ADD: Spec[boolean] = True, QTYPE: Const = "q4_k", ROWS: Const = 1,
              NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
     """y[r] (+)= Σ_s weights[s] · (W_{ids[s]}[r] · act[s·k : s·k + k]) — the routed experts' down
     projection and their weighted sum in one dispatch (also the shared expert, with one slot
-    whose weight is its sigmoid gate)."""
+    whose weight is its sigmoid gate). For row `row` of a batch (batch.py): y at that row, ids and
+    weights that many ids_strides in, act that many act_strides."""
+    ids, weights = ids.at(row * ids_stride), weights.at(row * ids_stride)
+    act, y = act.at(row * act_stride), y.at(row * m)
     f = fmt(QTYPE)
     ctx = f.setup()
     nblocks = k // f.block
@@ -209,13 +217,15 @@ def _down_all_traffic(v, s) -> int:
              where=lambda v: v.QTYPE_SH == "" or (FORMATS[v.QTYPE].block, FORMATS[v.QTYPE].parts) == (256, FORMATS["q6_k"].parts),
              key=("k", "m"), grid=lambda v, s: row_groups(v, s.m), traffic=_down_all_traffic)
 def moe_down_all(w: Buffer[u8], w_sh: Buffer[u8], ids: Buffer[u32], weights: Buffer[f32], act: Buffer[f32],
-                 y: Buffer[f32], k: u32, m: u32, QTYPE: Const = "q4_k", QTYPE_SH: Const = "", K: Const = 8,
-                 ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
+                 y: Buffer[f32], k: u32, m: u32, row: u32 = 0, QTYPE: Const = "q4_k", QTYPE_SH: Const = "",
+                 K: Const = 8, ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
     """y[r] += Σ_{s≤K} weights[s] · (W_s[r] · act[s·k:]): the K routed experts and the shared
     expert (slot K) in one pass, added to the residual. W_s is expert ids[s] of w, the shared
     expert too when it has the experts' type (the graph appends it to their stack); files that
-    keep it at more bits give it as w_sh, of type QTYPE_SH, which costs a second code path.
-   """
+    keep it at more bits give it as w_sh, of type QTYPE_SH, which costs a second code path. ids,
+    weights, act and y are at row `row` of a batch's (batch.py: K + 1 slots a row)."""
+    ids, weights = ids.at(row * (K + 1)), weights.at(row * (K + 1))
+    act, y = act.at(row * ((K + 1) * k)), y.at(row * m)
     f = fmt(QTYPE)
     f_sh = fmt(QTYPE_SH or QTYPE)
     if (f_sh.block, f_sh.parts) != (f.block, f.parts):

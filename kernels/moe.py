@@ -45,7 +45,7 @@ class NormedInput:
                                    + 8 * (s.n_expert + 1) + 8 * (v.K + 1) + 4))
 def moe_router(w: Buffer[u8], x: Buffer[f32], norm_w: Buffer[f32], hn: Buffer[f32], xq: Buffer[u32],
                xd: Buffer[f32], logits: Coherent[f32], arrivals: Buffer[u32], ids: Buffer[u32], weights: Buffer[f32],
-               k: u32, n_expert: u32, eps: f32, QTYPE: Const = "f32", K: Const = 8, ROWS: Const = 1,
+               k: u32, n_expert: u32, eps: f32, row: u32 = 0, QTYPE: Const = "f32", K: Const = 8, ROWS: Const = 1,
                NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
     """The experts of one token, from the residual stream x, in one dispatch. Each workgroup
     computes its rows of the router logits[e] = W[e] · hn, hn = rmsnorm(x) · norm_w, as
@@ -58,7 +58,11 @@ def moe_router(w: Buffer[u8], x: Buffer[f32], norm_w: Buffer[f32], hn: Buffer[f3
     weights[j] = its softmax probability renormalised over the K picked. The full softmax
     denominator cancels in that renormalisation, so only the picked logits are exponentiated.
     Slot K is the shared expert: ids[K] = n_expert (its place in the stacks) and weights[K] =
-    sigmoid(logits[n_expert]). Needs n_expert ≥ K and k a multiple of 32."""
+    sigmoid(logits[n_expert]). Needs n_expert ≥ K and k a multiple of 32. Every buffer but w is
+    read and written at row `row` (one sequence of a batch, batch.py; arrivals: its word)."""
+    x, hn, xq, xd = x.at(row * k), hn.at(row * k), xq.at(row * (k // 4)), xd.at(row * (k // 16))
+    logits, arrivals = logits.at(row * (n_expert + 1)), arrivals.at(row)
+    ids, weights = ids.at(row * (K + 1)), weights.at(row * (K + 1))
     f = fmt(QTYPE)
     ctx = f.setup()
     nblocks = k // f.block

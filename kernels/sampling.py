@@ -259,12 +259,14 @@ def penalty_window_ref(context, window: int, n_vocab: int):
              grid=lambda v, s: candidate_groups(v, s.n_vocab),
              traffic=lambda v, s: 8 * s.n_vocab + 8 * v.CAP * candidate_groups(v, s.n_vocab))
 def sample_candidates(logits: Buffer[f32], counts: Buffer[u32], cand: Buffer[u32], n_vocab: u32,
-                      repeat_penalty: f32, presence_penalty: f32, frequency_penalty: f32,
+                      repeat_penalty: f32, presence_penalty: f32, frequency_penalty: f32, row: u32 = 0,
                       CAP: Const = 64, WG: Const = 256, R: Const = 16, SG: Const = 32):
     """Workgroup g keeps the CAP first penalised (logit, id) pairs of tokens [g·WG·R, (g+1)·WG·R)
     as cand[2(g·CAP + j)] = the logit's f32 bits, cand[2(g·CAP + j) + 1] = the id, j = 0..CAP-1 in
     order. A token in the window (c = counts[id] > 0) has its logit divided by repeat_penalty when
-    positive, multiplied by it otherwise, then lowered by presence_penalty + c·frequency_penalty."""
+    positive, multiplied by it otherwise, then lowered by presence_penalty + c·frequency_penalty.
+    The logits are row `row` of a batch's (batch.py)."""
+    logits = logits.at(row * n_vocab)
     base = zdsl.workgroup_id() * (WG * R)
 
     def load(index, valid):

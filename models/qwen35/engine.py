@@ -4,17 +4,18 @@ streamed out with stop strings applied, and the counters /metrics shows.
 A slot is a Generator that keeps its context and checkpoints (generate.py), so a request whose
 prompt starts with what the slot last held (a conversation sent again with one more message)
 feeds only what is new; a request takes the free slot that holds the longest start of its
-prompt. The slots read one copy of the weights. All GPU work runs on one thread, one call at a
-time (a prompt, or a burst of decode steps): the event loop stays free to answer other requests,
-the calls of one request run in the order they were made, and the requests of several slots
-take turns burst by burst, so their streams advance together (one sequence a step: the
-aggregate speed is one sequence's). A request that goes away (a client that disconnects) stops
-its generation at the next token and frees its slot.
+prompt. The slots read one copy of the weights. Each slot's GPU work runs on a thread of its
+own, one call at a time under one lock for all (a prompt, or a burst of decode steps): the event
+loop stays free to answer other requests, and the calls of one request run in the order they
+were made. The slots that are decoding meet for each burst (Together): one batched step for all
+of them (batch.py), so the aggregate speed grows with the streams. A request that goes away (a
+client that disconnects) stops its generation at the next token and frees its slot.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -24,17 +25,79 @@ from typing import AsyncIterator
 from zdsl.models.qwen35.api import Job
 from zdsl.models.qwen35.generate import Generator
 
+GATHER_S = 0.005  # how long a burst waits for the other decoding slots' before it runs without them
+
 
 class Slot:
-    """One sequence: a Generator, and the thread the GPU work of every slot runs on."""
+    """One sequence: a Generator, the thread its GPU work runs on, and the lock all slots' take."""
 
-    def __init__(self, load, thread: ThreadPoolExecutor):
-        """`load()` makes the Generator (on that thread, as all its GPU work)."""
-        self.thread = thread
-        self.gen: Generator = self.thread.submit(load).result()
+    def __init__(self, load, gpu: threading.RLock):
+        """`load()` makes the Generator (on the slot's thread, as all its GPU work)."""
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="zdsl-slot")
+        self.gpu = gpu
+        self.gen: Generator = self.submit(load).result()
+
+    def submit(self, fn, *args):
+        """fn(*args) on the slot's thread, holding the GPU lock (a future)."""
+        def locked():
+            with self.gpu:
+                return fn(*args)
+        return self.thread.submit(locked)
 
     def close(self) -> None:
-        self.thread.submit(self.gen.close).result()
+        self.submit(self.gen.close).result()
+        self.thread.shutdown()
+
+
+class Together:
+    """The decode bursts of several slots' generations, run as one batched burst (batch.py): a
+    slot's burst waits until every slot that is decoding asks for one too, or GATHER_S has
+    passed, and whichever comes last runs them all, the shortest asked for. Waiting releases the
+    GPU lock, so a slot may feed a prompt meanwhile. Slots beyond the batch's (it holds 8) run
+    their bursts alone."""
+
+    def __init__(self, batch, gpu: threading.RLock):
+        self.batch = batch
+        self.members = {id(g) for g in batch.graphs}
+        self.turn = threading.Condition(gpu)
+        self.decoding: set = set()  # graphs between their first burst and their generation's end
+        self.asked: dict = {}       # graph → steps asked for, not run yet
+        self.served: dict = {}      # graph → its tokens, or the error its burst raised
+
+    def run(self, graph, n: int) -> list[int]:
+        if id(graph) not in self.members:
+            return graph.decode_burst(n)
+        with self.turn:
+            self.decoding.add(graph)
+            self.asked[graph] = n
+            deadline = time.monotonic() + GATHER_S
+            while graph not in self.served:
+                left = deadline - time.monotonic()
+                if graph in self.asked and (self.asked.keys() >= self.decoding or left <= 0):
+                    self._lead()
+                else:
+                    self.turn.wait(max(left, 0.0005))
+            got = self.served.pop(graph)
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    def _lead(self) -> None:
+        """Run the bursts asked for (as many as a step holds), the shortest of them long."""
+        graphs = list(self.asked)
+        n = min(self.asked.pop(g) for g in graphs)
+        try:
+            tokens = [graphs[0].decode_burst(n)] if len(graphs) == 1 else self.batch.decode(graphs, n)
+        except BaseException as e:
+            tokens = [e] * len(graphs)
+        self.served.update(zip(graphs, tokens))
+        self.turn.notify_all()
+
+    def done(self, graph) -> None:
+        with self.turn:
+            self.decoding.discard(graph)
+            self.asked.pop(graph, None)
+            self.turn.notify_all()  # the others may all be waiting now
 
 
 @dataclass
@@ -104,8 +167,8 @@ class StopText:
 class Engine:
     """Slots and the queue of requests waiting for one."""
 
-    def __init__(self, slots: list[Slot]):
-        self.slots = slots
+    def __init__(self, slots: list[Slot], together: Together | None = None):
+        self.slots, self.together = slots, together
         self.idle = list(slots)
         self.waiters: deque[asyncio.Future] = deque()  # requests waiting for a slot, oldest first
         self.waiting = 0
@@ -165,7 +228,7 @@ class Engine:
                 return
 
     async def _generate(self, slot: Slot, job: Job) -> AsyncIterator[Piece]:
-        loop, gen = asyncio.get_running_loop(), slot.gen
+        gen = slot.gen
         tok = gen.tokenizer
 
         def start():
@@ -173,7 +236,7 @@ class Engine:
             tokens = gen.generate(job.prompt_ids, job.max_tokens)
             return tokens, next(tokens)   # the prompt's ingest and the first token
 
-        tokens, token = await loop.run_in_executor(slot.thread, start)
+        tokens, token = await asyncio.wrap_future(slot.submit(start))
         text, produced, finish = StopText(job.stop), 0, "length"
         try:
             while token is not None:
@@ -188,9 +251,9 @@ class Engine:
                     break
                 if piece:
                     yield Piece(piece)
-                token = await loop.run_in_executor(slot.thread, next, tokens, None)
+                token = await asyncio.wrap_future(slot.submit(next, tokens, None))
         finally:
-            slot.thread.submit(tokens.close)  # ends the generation where it is (no await: it may be cancelled)
+            slot.submit(tokens.close)  # ends the generation where it is (no await: it may be cancelled)
             self.metrics.add(gen.timings)
         t = gen.timings
         yield Piece("" if text.stopped else text.flush(), finish, len(job.prompt_ids), produced, t.reused_tokens)
@@ -214,6 +277,8 @@ class Engine:
                        for name, kind, what, value in rows)
 
     def close(self) -> None:
+        if self.together is not None:
+            with self.together.turn:
+                self.together.batch.close()
         for slot in reversed(self.slots):  # the first holds the weights the others read
             slot.close()
-        self.slots[0].thread.shutdown()

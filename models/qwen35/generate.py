@@ -94,6 +94,7 @@ class Generator:
         model on this device whose weights this one reads (another sequence, e.g. a server slot)."""
         self.model, self.device = model, device
         self.burst = burst  # decode steps per submission: the host waits once per burst
+        self.bursts = Alone()  # what runs them: this graph alone, or with others (engine.Together)
         self.tokenizer = Tokenizer.from_model(model)
         hp = model.hparams
         if n_ctx > hp.context_length and say:
@@ -189,6 +190,16 @@ class Generator:
         self.context = list(prompt_ids)
         t.prompt_tokens, t.reused_tokens, t.prompt_s = len(prompt_ids) - reused, reused, time.perf_counter() - start
         start = time.perf_counter()
+        try:
+            yield from self._decode(token, n, stop, t, start)
+        finally:
+            self.bursts.done(g)
+        if "timestamps" in self.device.info.features and g.position < self.n_ctx and not self.keep:
+            t.gpu_ms.append(sum(ms for _, ms in g.profile()))  # one more timed step; generation is over
+
+    def _decode(self, token: int, n: int, stop: bool, t: Timings, start: float) -> Iterator[int]:
+        """The generation's tokens from the first (`token`, the prompt's last step's) on, in bursts."""
+        g = self.graph
         produced, last = 0, None
         while produced < n:
             # the first token comes from the last prompt step; the rest in bursts that run on the
@@ -198,7 +209,7 @@ class Generator:
             else:
                 if self.keep:
                     g.checkpoint()
-                burst = g.decode_burst(min(self.burst, n - produced))
+                burst = self.bursts.run(g, min(self.burst, n - produced))
             end = next((i + 1 for i, tok in enumerate(burst) if stop and tok in self.stop_ids), len(burst))
             if last is not None:
                 fed = [last] + burst[:-1]  # what the burst's steps fed
@@ -216,13 +227,21 @@ class Generator:
             last = burst[-1]
             if stop and last in self.stop_ids:
                 break
-        if "timestamps" in self.device.info.features and g.position < self.n_ctx and not self.keep:
-            t.gpu_ms.append(sum(ms for _, ms in g.profile()))  # one more timed step; generation is over
 
     def close(self) -> None:
         if self.checkpoints is not None:
             self.checkpoints.close()
         self.graph.close()
+
+
+class Alone:
+    """A generation's bursts run on its own graph (DecodeGraph.decode_burst)."""
+
+    def run(self, graph, n: int) -> list[int]:
+        return graph.decode_burst(n)
+
+    def done(self, graph) -> None:
+        pass
 
 
 def load(path: str | None, device_selector: str | None, *, n_ctx: int, sampler: SamplerConfig,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -130,6 +131,7 @@ class DecodeGraph:
         if weights_of is None:
             self._upload_weights(progress, say)
         self.seq = self.seq_next = self._timed = None
+        self.recorded = 0  # times the step was recorded
         seconds = self._prepare_kernels(progress)
         if say and seconds >= 1:
             say(f"kernels ready in {seconds:.1f} s (compiled on this first run, then cached)")
@@ -174,6 +176,7 @@ class DecodeGraph:
         return time.perf_counter() - start
 
     def _record_steps(self) -> None:
+        self.recorded += 1  # a batch that holds this graph records again too
         self.seq = self._record(from_host=True)   # a step that starts from values the host wrote
         self.seq_next = self._record(from_host=False)  # a step that continues on the GPU
 
@@ -257,12 +260,8 @@ class DecodeGraph:
         self.conv_state = {i: b[f"conv_state.{i}"] for i in hp.deltanet_layers}
         self.ssm_state = {i: b[f"ssm_state.{i}"] for i in hp.deltanet_layers}
         if hp.moe:
-            K, F = hp.n_experts_used, hp.expert_ffn
             self.router, self.route_ids, self.route_w = b["router_logits"], b["route_ids"], b["route_weights"]
-            self.act = b["expert_act"]
-            self.act_shared = self.act.slice(4 * K * F, 4 * hp.shared_ffn)  # slot K where the stacks hold it
-            self.route_w_shared = self.route_w.slice(4 * K, 4)
-            self.zero_id = b["zero_id"]
+            self.act, self.zero_id = b["expert_act"], b["zero_id"]
         else:
             self.act = b["ffn_act"]
         # the penalties' window: how often each token occurs in it, and its tokens by position
@@ -321,186 +320,238 @@ class DecodeGraph:
     def _int8(self, tensor: str) -> bool:
         return self._qname(tensor) in INT8_FORMATS
 
-    def _project(self, seq, tensor: str, y, x: Vector | None = None, add: bool = False) -> None:
-        """y (+)= W · x, x the normed input by default: int8 products where the weight type has
-        an int8 decoder and x comes in Q8_1, else f32."""
-        x = x or self.normed
+    def _project(self, seq, tensor: str, y, x: Vector, t: int = 1, add: bool = False) -> None:
+        """y rows (+)= W · x rows for t rows (one weight read for all: dmmv's COLS): int8 products
+        where the weight type has an int8 decoder and x comes in Q8_1, else f32."""
         m, k = self.tensors.shape(tensor)[-2:]
         q8 = self._int8(tensor) and x.q is not None
         dmmv.dmmv.launch(seq, self._pick, label=tensor.removesuffix(".weight"), QTYPE=self._qname(tensor), Q8=q8,
-                         COLS=1, ADD=add, w=self.weights[tensor], y=y, k=k, m=m,
+                         COLS=t, ADD=add, w=self.weights[tensor], y=y, k=k, m=m,
                          **(dict(xq=x.q, xd=x.d) if q8 else dict(x=x.f32)))
 
-    def _project_two(self, seq, tensor: str, y, tensor2: str, y2) -> None:
-        """y = W · normed and y2 = W2 · normed: one dispatch where both types have int8 decoders
-        (dmmv_q8_pair), else one each."""
-        if not (self._int8(tensor) and self._int8(tensor2)):
-            self._project(seq, tensor, y)
-            self._project(seq, tensor2, y2)
+    def _project_two(self, seq, tensor: str, y, tensor2: str, y2, a, t: int) -> None:
+        """y = W · normed and y2 = W2 · normed: one dispatch for one row where both types have
+        int8 decoders (dmmv_q8_pair), else one each."""
+        if t > 1 or not (self._int8(tensor) and self._int8(tensor2)):
+            self._project(seq, tensor, y, a.normed, t)
+            self._project(seq, tensor2, y2, a.normed, t)
             return
         (m, k), (m2, _) = self.tensors.shape(tensor)[-2:], self.tensors.shape(tensor2)[-2:]
         label = tensor.removesuffix(".weight") + "+" + tensor2.split(".")[-2]
         dmmv.dmmv_q8_pair.launch(seq, self._pick, label=label, QTYPE=self._qname(tensor), QTYPE2=self._qname(tensor2),
-                                 w=self.weights[tensor], w2=self.weights[tensor2], xq=self.normed.q, xd=self.normed.d,
+                                 w=self.weights[tensor], w2=self.weights[tensor2], xq=a.normed.q, xd=a.normed.d,
                                  y=y, y2=y2, k=k, m=m, m2=m2)
 
-    def _residual(self, seq, tensor: str, x: Vector, next_norm: str | None) -> None:
+    def _residual(self, seq, tensor: str, x: Vector, next_norm: str | None, a, t: int) -> None:
         """x += W · input, then the next projections' normed input from x (rmsnorm(x) · next_norm),
         unless the next consumer norms x itself (None: the MoE router)."""
-        self._project(seq, tensor, self.x, x, add=True)
+        self._project(seq, tensor, a.x, x, t, add=True)
         if next_norm is not None:
-            self._norm(seq, next_norm)
+            self._norm(seq, next_norm, a, t)
 
     def _post_attention_norm(self, i: int) -> str | None:
         """The norm after layer i's mixer, where it needs a dispatch of its own (the MoE router
         norms its input itself)."""
         return None if self.hp.moe else f"blk.{i}.post_attention_norm.weight"
 
-    def _norm(self, seq, norm: str) -> None:
-        """normed = rmsnorm(x) · norm, in f32 and Q8_1: one dispatch of one workgroup."""
-        n = self.normed
-        q8_1.norm_q8_1.launch(seq, self._pick, label=norm.removesuffix(".weight"), x=self.x, norm_w=self.weights[norm],
-                              hn=n.f32, xq=n.q, xd=n.d, n=self.hp.hidden, eps=self.hp.eps, rows=1)
+    def _norm(self, seq, norm: str, a, t: int) -> None:
+        """normed = rmsnorm(x) · norm, in f32 and Q8_1, for t rows: a workgroup a row."""
+        n = a.normed
+        q8_1.norm_q8_1.launch(seq, self._pick, label=norm.removesuffix(".weight"), x=a.x, norm_w=self.weights[norm],
+                              hn=n.f32, xq=n.q, xd=n.d, n=self.hp.hidden, eps=self.hp.eps, rows=t)
 
     def _next_norm(self, i: int) -> str:
         """The norm that the layer after layer i starts with (the output norm after the last)."""
         return f"blk.{i + 1}.attn_norm.weight" if i + 1 < self.hp.n_layers else "output_norm.weight"
 
+    @property
+    def own_rows(self) -> SimpleNamespace:
+        """The activations of this graph's own step: one row of each (batch.py has rows of many)."""
+        ns = SimpleNamespace(x=self.x, normed=self.normed, qg=self.qg, q=self.q, k=self.k, v=self.v,
+                             attn_o=self.attn_o, mix=self.mix, z=self.z, dn_out=self.dn_out, logits=self.logits_out,
+                             parts=[self.attn_part], cands=[self.cand], act=self.act)
+        if self.hp.moe:
+            ns.__dict__.update(router=self.router, arrivals=self.router_arrivals, route_ids=self.route_ids,
+                               route_w=self.route_w, zero_id=self.zero_id)
+        return ns
+
     def _record(self, from_host: bool, timestamps: bool = False):
-        hp = self.hp
         seq = self.device.sequence(timestamps=timestamps)
         if from_host:
             seq.copy(self.step_host, self.step)
-        if self.sampler.penalties:
-            sampling.penalty_window.launch(seq, self._pick, step=self.step, ring=self.penalty_ring, counts=self.counts,
-                                           window=self.sampler.window(self.n_ctx), n_vocab=self.hp.vocab, t=1)
+        self.window(seq)
         emb = "token_embd.weight"
         embedding.embed.launch(seq, self._pick, QTYPE=self._qname(emb), table=self.weights[emb], ids=self.step,
-                               out=self.x, k=hp.hidden, index=2, rows=1)
-        self._norm(seq, "blk.0.attn_norm.weight")
-        for i in range(hp.n_layers):
-            if hp.attention[i]:
-                self._attention(seq, i)
-            else:
-                self._deltanet(seq, i)
-            if hp.moe:
-                self._moe(seq, i)
-            else:
-                self._ffn(seq, i)
-        self._project(seq, self.tensors.output_name, self.logits_out)
-        self._sample(seq)
-        steps.advance.launch(seq, self._pick, step=self.step)
-        seq.copy(self.step, self.step_host)
+                               out=self.x, k=self.hp.hidden, index=2, rows=1)
+        self.record_layers(seq, [self], self.own_rows)
+        self.finish_step(seq)
         return seq
 
-    def _attention(self, seq, i: int) -> None:
+    def record_layers(self, seq, graphs: list, a, row_seq=None) -> None:
+        """The step after the embedding, for the sequences of `graphs` (this graph's weights; row r
+        of a's activations is graphs[r]'s token; x holds the embeddings): every projection once
+        for all rows, each sequence's attention, delta-net step, experts and sampling on its row,
+        a stage's launches of all sequences with no barrier between them. `row_seq(r)`, where
+        given, is what row r's launches record into (batch.py: indirect dispatches)."""
+        hp, t = self.hp, len(graphs)
+        each = functools.partial(_each, row_seq=row_seq or (lambda r: seq))
+        self._norm(seq, "blk.0.attn_norm.weight", a, t)
+        for i in range(hp.n_layers):
+            p = f"blk.{i}."
+            if hp.attention[i]:
+                for name, out in (("attn_q", a.qg), ("attn_k", a.k), ("attn_v", a.v)):
+                    self._project(seq, p + name + ".weight", out, a.normed, t)
+                each(seq, [g.attend(i, a, r) for r, g in enumerate(graphs)])
+                self._residual(seq, p + "attn_output.weight", a.attn_o, self._post_attention_norm(i), a, t)
+            else:
+                self._project_two(seq, p + "attn_qkv.weight", a.mix, p + "attn_gate.weight", a.z, a, t)
+                each(seq, [[g.delta_step(i, a, r)] for r, g in enumerate(graphs)])
+                self._residual(seq, p + "ssm_out.weight", a.dn_out, self._post_attention_norm(i), a, t)
+            if hp.moe:
+                each(seq, [self.experts(i, a, r) for r in range(t)])
+                self._norm(seq, self._next_norm(i), a, t)
+            else:
+                each(seq, [[self._gate_up(p + "ffn_gate.weight", p + "ffn_up.weight", 1, False, a, r, hp.ffn)]
+                           for r in range(t)])
+                self._residual(seq, p + "ffn_down.weight", Vector(a.act, None, None), self._next_norm(i), a, t)
+        self._project(seq, self.tensors.output_name, a.logits, a.normed, t)
+        each(seq, [g.sample(a.logits, r, a.cands[r]) for r, g in enumerate(graphs)])
+
+    def attend(self, i: int, a, row: int) -> list:
+        """Layer i's attention for this graph's sequence, as three launches to record in order
+        (each a function of the sequence): q, k and v normed and rotated, k and v into the cache;
+        the splits of the cache; their merge, gated, into o. They read q·gate, k and v at row
+        `row` of a's qg, k and v and write that row of a's q and attn_o (a Vector), with a's
+        parts[row] for the splits: the graph's own rows, or a batch's (record_layers)."""
         hp, p = self.hp, f"blk.{i}."
         nh, nkv, d = hp.n_heads, hp.n_kv_heads, hp.head_dim
-        for name, out in (("attn_q", self.qg), ("attn_k", self.k), ("attn_v", self.v)):
-            self._project(seq, p + name + ".weight", out)
         k_cache, v_cache = self.kv[i]
         kt, vt = self.kv_types
-        attention.attn_prep.launch(
-            seq, self._pick, label=p + "attn_prep", KT=kt, VT=vt, qg=self.qg, k=self.k, v=self.v, q_norm=self.weights[p + "attn_q_norm.weight"],
-            k_norm=self.weights[p + "attn_k_norm.weight"], step=self.step, q=self.q, k_cache=k_cache, v_cache=v_cache,
-            n_head=nh, n_kv=nkv, d=d, rope_dims=hp.rope_dims, rope_base=hp.rope_base, eps=hp.eps)
-        attention.attn_decode.launch(seq, self._pick, label=p + "attn_decode", D=d, G=nh // nkv, KT=kt, VT=vt, q=self.q,
-                                     k_cache=k_cache, v_cache=v_cache, step=self.step, part=self.attn_part, n_kv=nkv,
-                                     min_chunk=ATTN_MIN_CHUNK, nsplit=self.attn_splits, ctx=self.n_ctx)
-        o = self.attn_o
-        attention.attn_combine.launch(seq, self._pick, label=p + "attn_combine", D=d,
-                                      Q8=self._int8(p + "attn_output.weight"), part=self.attn_part, qg=self.qg,
-                                      step=self.step, o=o.f32, oq=o.q, od=o.d, nsplit=self.attn_splits,
-                                      min_chunk=ATTN_MIN_CHUNK, n_head=nh, ctx=self.n_ctx)
-        self._residual(seq, p + "attn_output.weight", o, self._post_attention_norm(i))
+        o, part = a.attn_o, a.parts[row]
+        return [
+            lambda seq: attention.attn_prep.launch(
+                seq, self._pick, label=p + "attn_prep", KT=kt, VT=vt, qg=a.qg, k=a.k, v=a.v,
+                q_norm=self.weights[p + "attn_q_norm.weight"], k_norm=self.weights[p + "attn_k_norm.weight"],
+                step=self.step, q=a.q, k_cache=k_cache, v_cache=v_cache, n_head=nh, n_kv=nkv, d=d,
+                rope_dims=hp.rope_dims, rope_base=hp.rope_base, eps=hp.eps, row=row),
+            lambda seq: attention.attn_decode.launch(
+                seq, self._pick, label=p + "attn_decode", D=d, G=nh // nkv, KT=kt, VT=vt, q=a.q, k_cache=k_cache,
+                v_cache=v_cache, step=self.step, part=part, n_kv=nkv, min_chunk=ATTN_MIN_CHUNK,
+                nsplit=self.attn_splits, ctx=self.n_ctx, row=row),
+            lambda seq: attention.attn_combine.launch(
+                seq, self._pick, label=p + "attn_combine", D=d, Q8=self._int8(p + "attn_output.weight"),
+                part=part, qg=a.qg, step=self.step, o=o.f32, oq=o.q, od=o.d, nsplit=self.attn_splits,
+                min_chunk=ATTN_MIN_CHUNK, n_head=nh, ctx=self.n_ctx, row=row)]
 
-    def _deltanet(self, seq, i: int) -> None:
+    def delta_step(self, i: int, a, row: int):
+        """Layer i's delta-net step for this graph's sequence, as a launch to record (a function of
+        the sequence): each head's gates β and α, the conv of the channels it reads and the delta
+        rule, in one dispatch, reading row `row` of a's mix, z and normed (a Vector) and writing
+        that row of a's dn_out (attend() says why a)."""
         hp, p = self.hp, f"blk.{i}."
-        self._project_two(seq, p + "attn_qkv.weight", self.mix, p + "attn_gate.weight", self.z)
-        # one dispatch: each head's gates β and α, the conv of the channels it reads, the delta rule
         gates = p + "ssm_beta_alpha.weight"
-        o = self.dn_out
-        deltanet.deltanet_step.launch(
+        x, o = a.normed, a.dn_out
+        return lambda seq: deltanet.deltanet_step.launch(
             seq, self._pick, label=p + "ssm_conv+step", D=hp.ssm_head_dim, KC=hp.conv_kernel,
-            Q8=self._int8(p + "ssm_out.weight"), QTYPE=self._qname(gates), v_heads=hp.ssm_v_heads, mix=self.mix,
-            conv_w=self.weights[p + "ssm_conv1d.weight"], conv_state=self.conv_state[i], step=self.step, z=self.z,
-            w_ba=self.weights[gates], x=self.normed.f32, xq=self.normed.q, xd=self.normed.d,
-            ssm_a=self.weights[p + "ssm_a"], dt_bias=self.weights[p + "ssm_dt.bias"],
-            norm_w=self.weights[p + "ssm_norm.weight"], state=self.ssm_state[i], out=o.f32, oq=o.q, od=o.d,
-            n_k_heads=hp.ssm_k_heads, k=hp.hidden, eps=hp.eps)
-        self._residual(seq, p + "ssm_out.weight", o, self._post_attention_norm(i))
+            Q8=self._int8(p + "ssm_out.weight"), QTYPE=self._qname(gates), v_heads=hp.ssm_v_heads, mix=a.mix,
+            conv_w=self.weights[p + "ssm_conv1d.weight"], conv_state=self.conv_state[i], step=self.step, z=a.z,
+            w_ba=self.weights[gates], x=x.f32, xq=x.q, xd=x.d, ssm_a=self.weights[p + "ssm_a"],
+            dt_bias=self.weights[p + "ssm_dt.bias"], norm_w=self.weights[p + "ssm_norm.weight"],
+            state=self.ssm_state[i], out=o.f32, oq=o.q, od=o.d, n_k_heads=hp.ssm_k_heads, k=hp.hidden, eps=hp.eps,
+            row=row)
 
-    def _gate_up(self, seq, gate: str, up: str, slots: int, experts: bool, act=None) -> None:
-        """act = silu(gate · normed) · (up · normed) per slot: the experts in route_ids (MoE; the
-        shared expert is the stacks' last, slot K, unless it has a type of its own) or the one
-        pair (a dense FFN, a shared expert of its own type); `act` the graph's act by default."""
+    def _gate_up(self, gate: str, up: str, slots: int, experts: bool, a, row: int, act_stride: int, act=None,
+                 label: str | None = None):
+        """A launch (a function of the sequence): act = silu(gate · normed) · (up · normed) per slot
+        for row `row` of a: the experts in a.route_ids (MoE; the shared expert is the stacks'
+        last, slot K, unless it has a type of its own) or the one pair (a dense FFN, a shared
+        expert of its own type); into `act` (a's act by default), act_stride values a row."""
         m, k = self.tensors.shape(gate)[-2:]
         q, q_up = self._qname(gate), self._qname(up)
         if self.tensors.shape(up)[-2:] != (m, k):
             raise ZdslError(f"{up} {list(reversed(self.tensors.shape(up)[-2:]))} differs in shape from {gate} "
                             f"{[k, m]}; a SwiGLU's gate and up have one shape")
         q8 = self._int8(gate) and self._int8(up)
-        label = gate.removesuffix(".weight") + "+up" + ("+shexp" if experts and slots > self.hp.n_experts_used else "")
         two = dict(QTYPE_UP=q_up) if q_up != q else {}  # named only where it differs: one type keeps its tuning key
-        ffn.ffn_gate_up.launch(seq, self._pick, label=label, QTYPE=q, Q8=q8, EXPERTS=experts, **two,
-                               wg=self.weights[gate],
-                               wu=self.weights[up], ids=self.route_ids if experts else self.step,
-                               act=self.act if act is None else act, k=k, m=m,
-                               slots=slots, **(dict(xq=self.normed.q, xd=self.normed.d) if q8 else dict(x=self.normed.f32)))
+        x = a.normed
+        return lambda seq: ffn.ffn_gate_up.launch(
+            seq, self._pick, label=label or gate.removesuffix(".weight") + "+up", QTYPE=q, Q8=q8, EXPERTS=experts,
+            **two, wg=self.weights[gate], wu=self.weights[up], ids=a.route_ids if experts else self.step,
+            act=a.act if act is None else act, k=k, m=m, slots=slots, row=row,
+            ids_stride=self.hp.n_experts_used + 1 if experts else 0, act_stride=act_stride,
+            **(dict(xq=x.q, xd=x.d) if q8 else dict(x=x.f32)))
 
-    def _moe(self, seq, i: int) -> None:
-        """The router (x normed, its logits, then the experts picked by the workgroup that
-        finishes last), one dispatch for every expert's gate·up (the shared expert as one more
-        slot: the stacks' last expert, weights.py), one for every down projection added to x,
-        then x normed for the next layer. A shared expert of another type or width than the
-        experts' takes a dispatch of its own for its gate·up, and its down one where it has
-        another width or block layout."""
+    def experts(self, i: int, a, row: int) -> list:
+        """Layer i's MoE block for row `row` of a, as launches to record in order: the router (x
+        normed, its logits, then the experts picked by the workgroup that finishes last), one
+        dispatch for every expert's gate·up (the shared expert as one more slot: the stacks' last
+        expert, weights.py), one for every down projection added to x. A shared expert of another
+        type or width than the experts' takes a dispatch of its own for its gate·up, and its down
+        one where it has another width or block layout. Rows of a hold K + 1 routes and K·F + S
+        activations."""
         hp, p = self.hp, f"blk.{i}."
-        K, E = hp.n_experts_used, hp.n_experts
+        K, E, F, S = hp.n_experts_used, hp.n_experts, hp.expert_ffn, hp.shared_ffn
+        stride = K * F + S
+        act_shared = a.act.slice(4 * K * F, a.act.nbytes - 4 * K * F)  # slot K, where the stacks hold it
         router = p + "ffn_gate_inp.weight"
-        moe.moe_router.launch(
+        launches = [lambda seq: moe.moe_router.launch(
             seq, self._pick, label=p + "ffn_gate_inp+moe_route", QTYPE=self._qname(router), K=K,
-            w=self.weights[router], x=self.x, norm_w=self.weights[p + "post_attention_norm.weight"], hn=self.normed.f32,
-            xq=self.normed.q, xd=self.normed.d, logits=self.router, arrivals=self.router_arrivals, ids=self.route_ids,
-            weights=self.route_w, k=self.tensors.shape(router)[-1], n_expert=E, eps=self.hp.eps)
+            w=self.weights[router], x=a.x, norm_w=self.weights[p + "post_attention_norm.weight"], hn=a.normed.f32,
+            xq=a.normed.q, xd=a.normed.d, logits=a.router, arrivals=a.arrivals, ids=a.route_ids, weights=a.route_w,
+            k=self.tensors.shape(router)[-1], n_expert=E, eps=hp.eps, row=row)]
         apart = p + "ffn_gate_shexp.weight" in self.tensors  # a type of its own (weights.py): one more dispatch
-        self._gate_up(seq, p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight", K if apart else K + 1, experts=True)
+        gate, up = p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"
+        launches.append(self._gate_up(gate, up, K if apart else K + 1, True, a, row, stride,
+                                      label=p + "ffn_gate_exps+up" + ("" if apart else "+shexp")))
         if apart:
-            self._gate_up(seq, p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight", 1, experts=False,
-                          act=self.act_shared)
+            launches.append(self._gate_up(p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight", 1, False, a, row,
+                                          stride, act=act_shared))
         down, down_sh = p + "ffn_down_exps.weight", p + "ffn_down_shexp.weight"
         md, kd = self.tensors.shape(down)[-2:]
         qd = self._qname(down)
         qs = self._qname(down_sh) if down_sh in self.tensors else ""  # "": the stack's last expert
         fd, fs = FORMATS[qd], FORMATS[qs or qd]
         if (fd.block, fd.parts) != (fs.block, fs.parts) or (qs and self.tensors.shape(down_sh)[-1] != kd):
-            self._down(seq, down, self.route_ids, self.route_w, self.act, K)
-            self._down(seq, down_sh, self.zero_id, self.route_w_shared, self.act_shared, 1)
+            weights_shared = a.route_w.slice(4 * K, a.route_w.nbytes - 4 * K)
+            launches += [lambda seq: self._down(seq, down, a.route_ids, a.route_w, a.act, K, a, row),
+                         lambda seq: self._down(seq, down_sh, a.zero_id, weights_shared, act_shared, 1, a, row)]
         else:
-            ffn.moe_down_all.launch(seq, self._pick, label=p + "ffn_down_exps+shexp", QTYPE=qd, QTYPE_SH=qs, K=K,
-                                    w=self.weights[down], w_sh=self.weights[down_sh] if qs else self.device.placeholder,
-                                    ids=self.route_ids, weights=self.route_w, act=self.act, y=self.x, k=kd, m=md)
-        self._norm(seq, self._next_norm(i))
+            launches.append(lambda seq: ffn.moe_down_all.launch(
+                seq, self._pick, label=p + "ffn_down_exps+shexp", QTYPE=qd, QTYPE_SH=qs, K=K, w=self.weights[down],
+                w_sh=self.weights[down_sh] if qs else self.device.placeholder, ids=a.route_ids, weights=a.route_w,
+                act=a.act, y=a.x, k=kd, m=md, row=row))
+        return launches
 
-    def _down(self, seq, tensor: str, ids, weights, act, slots: int) -> None:
+    def _down(self, seq, tensor: str, ids, weights, act, slots: int, a, row: int) -> None:
+        hp = self.hp
         m, k = self.tensors.shape(tensor)[-2:]
-        q = self._qname(tensor)
-        ffn.moe_down.launch(seq, self._pick, label=tensor.removesuffix(".weight"), QTYPE=q, ADD=True,
-                            w=self.weights[tensor], ids=ids, weights=weights, act=act, y=self.x, k=k, m=m, slots=slots)
+        ffn.moe_down.launch(seq, self._pick, label=tensor.removesuffix(".weight"), QTYPE=self._qname(tensor), ADD=True,
+                            w=self.weights[tensor], ids=ids, weights=weights, act=act, y=a.x, k=k, m=m, slots=slots,
+                            row=row, ids_stride=hp.n_experts_used + 1,
+                            act_stride=hp.n_experts_used * hp.expert_ffn + hp.shared_ffn)
 
-    def _ffn(self, seq, i: int) -> None:
-        p = f"blk.{i}."
-        self._gate_up(seq, p + "ffn_gate.weight", p + "ffn_up.weight", 1, experts=False)
-        self._residual(seq, p + "ffn_down.weight", Vector(self.act, None, None), self._next_norm(i))
+    def window(self, seq) -> None:
+        """The step's input token into the penalties' window (where the sampler has penalties)."""
+        if self.sampler.penalties:
+            sampling.penalty_window.launch(seq, self._pick, step=self.step, ring=self.penalty_ring, counts=self.counts,
+                                           window=self.sampler.window(self.n_ctx), n_vocab=self.hp.vocab, t=1)
 
-    def _sample(self, seq) -> None:
+    def finish_step(self, seq) -> None:
+        """Position and length on to the next token, and the step values back to the host."""
+        steps.advance.launch(seq, self._pick, step=self.step)
+        seq.copy(self.step, self.step_host)
+
+    def sample(self, logits, row: int, cand) -> list:
+        """The next token of this graph's sequence from row `row` of `logits`, with this graph's
+        sampler, as two launches to record in order: the candidates into `cand`, then the draw
+        into the step values and tokens_out."""
         first, draw = self.sampler.push_constants(self.hp.vocab, self.n_ctx)
         cap = self.sampler.kernel_cap
-        sampling.sample_candidates.launch(seq, self._pick, CAP=cap, logits=self.logits_out, counts=self.counts,
-                                          cand=self.cand, **first)
-        sampling.sample_draw.launch(seq, self._pick, CAP=cap, WG=self.sample_pass.params["WG"],
-                                    R=self.sample_pass.params["R"], cand=self.cand, step=self.step,
-                                    tokens=self.tokens_out, **draw)
+        return [lambda seq: sampling.sample_candidates.launch(seq, self._pick, CAP=cap, logits=logits, counts=self.counts,
+                                                              cand=cand, row=row, **first),
+                lambda seq: sampling.sample_draw.launch(seq, self._pick, CAP=cap, WG=self.sample_pass.params["WG"],
+                                                        R=self.sample_pass.params["R"], cand=cand, step=self.step,
+                                                        tokens=self.tokens_out, **draw)]
 
     # -- running ----------------------------------------------------------------------------
     def decode(self, token: int | None = None) -> int:
@@ -616,3 +667,13 @@ class DecodeGraph:
             buf.free()
         self._owned.clear()
         self.step_host.free()
+
+
+def _each(seq, launches: list[list], row_seq) -> None:
+    """The rows' launches (a list per row, in its order), stage by stage: a stage's launches of
+    all rows with no barrier between them (they touch disjoint rows and their own caches and
+    states: Sequence.together); row r's recorded into row_seq(r)."""
+    for stage in zip(*launches):
+        with seq.together():
+            for r, launch in enumerate(stage):
+                launch(row_seq(r))

@@ -159,26 +159,31 @@ def loopback(host: str) -> bool:
 def open_engine(model, device, *, n_ctx: int, kv, checkpoint_mib: int, parallel: int = 1,
                 say=None) -> tuple[Engine, str]:
     """`parallel` slots on `model` (a path, or None: the synthetic default), reading one copy of
-    its weights, and its model id."""
-    from concurrent.futures import ThreadPoolExecutor
+    its weights and decoding together, and its model id."""
+    import threading
 
-    from zdsl.models.qwen35.engine import Slot
+    from zdsl.models.qwen35.batch import MOST, Batch
+    from zdsl.models.qwen35.engine import Slot, Together
     from zdsl.models.qwen35.generate import Generator, load
     from zdsl.models.qwen35.sampler import SamplerConfig
 
-    thread = ThreadPoolExecutor(1, thread_name_prefix="zdsl-gpu")
+    gpu = threading.RLock()
     options = dict(n_ctx=n_ctx, sampler=SamplerConfig(), progress=say is not None, say=say, keep=True, kv=kv,
                    checkpoints=checkpoint_mib << 20)
-    first = Slot(lambda: load(model, device, **options), thread)
-    slots = [first]
+    first = Slot(lambda: load(model, device, **options), gpu)
+    slots, together = [first], None
     try:
         for _ in range(parallel - 1):
             slots.append(Slot(lambda: Generator(first.gen.model, first.gen.device, weights_of=first.gen, **options),
-                              thread))
+                              gpu))
+        if parallel > 1:
+            together = Together(first.submit(Batch, [s.gen.graph for s in slots[:MOST]]).result(), gpu)
+            for slot in slots:
+                slot.gen.bursts = together
     except BaseException:
-        Engine(slots).close()
+        Engine(slots, together).close()
         raise
-    return Engine(slots), first.gen.model.path.name
+    return Engine(slots, together), first.gen.model.path.name
 
 
 def _say(msg: str) -> None:
@@ -192,8 +197,8 @@ def _say(msg: str) -> None:
 @click.option("--port", type=int, default=8080, show_default=True)
 @click.option("--ctx", "n_ctx", type=int, default=4096, show_default=True, help="Context length of a slot.")
 @click.option("--parallel", type=click.IntRange(1, 64), default=1, show_default=True,
-              help="Slots: sequences kept at once, each with its caches and checkpoints, taking turns on the GPU "
-                   "(more requests queue for one).")
+              help="Slots: sequences kept at once, each with its caches and checkpoints; those decoding step "
+                   "together, up to 8 in one batched step (more requests queue for a slot).")
 @click.option("--checkpoint-mib", type=click.IntRange(0), default=1024, show_default=True,
               help="Device memory for snapshots of the delta-net state at prompt chunk boundaries, from which a "
                    "prompt that shares only part of the last one resumes (0: only prompts that extend it).")

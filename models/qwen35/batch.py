@@ -1,0 +1,232 @@
+"""Batched decode: one step for several sequences at once, each in a row of the step's activations.
+
+A decode step of one sequence reads every weight for one token and is bound by latency, not by
+bandwidth (a quarter of the copy roofline on the H100). Sequences that share weights (DecodeGraphs
+made with `weights_of`, a server's slots) can step together: their tokens are the rows of one
+step's activations, so each dense projection reads its weight once for all of them (dmmv with a
+column a sequence), and what belongs to one sequence runs on its row: attention over its KV cache,
+its delta-net state, its experts, its sampler (DecodeGraph.record_layers). Those launches of the
+sequences touch disjoint rows and their own caches, so they carry no barrier between them.
+
+A step of all the batch's sequences is recorded once and runs any subset of them: each
+sequence's launches are dispatched indirect, their workgroup counts in a buffer the host writes
+before each run, 0 for a sequence that sits the step out. So sequences that start and stop
+decoding at any time (a server's requests) cost no new recording (a few hundred ms of host time
+for the 35B-A3B, more than a burst). The empty launches are not free (on the H100 two of eight
+sequences step at 310 tok/s this way, at 547 in a step of their own), so a set of sequences
+that keeps stepping together gets a step of its own, with direct dispatches, from its
+OWN_AFTER-th burst on (the last KEPT of them are kept).
+
+A step leaves each sequence as its own decode step would (up to the order of a few sums), and
+its sampled token in its step values and tokens_out, so each graph decodes on alone
+afterwards, or in another batch.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from types import SimpleNamespace
+
+import numpy as np
+
+from zdsl.errors import ZdslError
+from zdsl.kernels import embedding
+from zdsl.kernels.dmmv import dmmv
+from zdsl.models.qwen35.buffers import STEP_WORDS
+
+MOST = max(dmmv.variant_space["COLS"])  # sequences a batch holds: dmmv's columns
+OWN_AFTER, KEPT = 3, 8  # bursts before a set of sequences gets a step of its own; those kept
+
+
+class Batch:
+    """Decode steps for any subset of `graphs` (at most MOST): DecodeGraphs of one model on one
+    device, the first holding the weights and prompt rows the others use (DecodeGraph weights_of).
+    Row r of the step's activations (and of `logits`) is graphs[r]'s."""
+
+    def __init__(self, graphs: list):
+        lender = graphs[0]
+        if any(g.weights_of is not lender for g in graphs[1:]):
+            raise ZdslError("a batch's graphs read the first one's weights: make them with weights_of=graphs[0]")
+        n = len(graphs)
+        if n > min(MOST, lender.chunk):
+            raise ZdslError(f"a batch holds at most {min(MOST, lender.chunk)} sequences, not {n}")
+        self.graphs, self.lender = list(graphs), lender
+        hp, dev = lender.hp, lender.device
+        chunk = lender.prompt  # its rows of the residual stream, norms, projections' outputs
+        K, F, S = hp.n_experts_used, hp.expert_ffn, hp.shared_ffn
+        # what the prompt's rows lack, and what one sequence's launches write that no other may
+        sizes = [("logits", 4 * n * hp.vocab)]
+        parts, self.cand_bytes = max(g.attn_part.nbytes for g in graphs), max(g.cand.nbytes for g in graphs)
+        sizes += [(f"attn_partials.{r}", parts) for r in range(n)]
+        sizes += [(f"candidates.{r}", self.cand_bytes) for r in range(n)]
+        if hp.moe:
+            sizes += [("router_logits", 4 * n * (hp.n_experts + 1)), ("router_arrivals", 4 * n),
+                      ("route_ids", 4 * n * (K + 1)), ("route_weights", 4 * n * (K + 1)),
+                      ("expert_act", 4 * n * (K * F + S)), ("zero_id", 4 * n * (K + 1))]
+        else:
+            sizes.append(("ffn_act", 4 * n * hp.ffn))
+        self._owned = dev.alloc_many([("batch." + name, nbytes) for name, nbytes in sizes])
+        b = dict(zip((name for name, _ in sizes), self._owned))
+        self.logits = b["logits"]
+        self.rows = SimpleNamespace(x=chunk.x, normed=chunk.normed, qg=chunk.qg, q=chunk.q, k=chunk.k, v=chunk.v,
+                                    attn_o=chunk.attn_o, mix=chunk.mix, z=chunk.z, dn_out=chunk.dn_out,
+                                    logits=self.logits, parts=[b[f"attn_partials.{r}"] for r in range(n)],
+                                    cands=[b[f"candidates.{r}"] for r in range(n)],
+                                    act=b["expert_act" if hp.moe else "ffn_act"])
+        if hp.moe:
+            self.rows.__dict__.update(router=b["router_logits"], arrivals=b["router_arrivals"],
+                                      route_ids=b["route_ids"], route_w=b["route_weights"], zero_id=b["zero_id"])
+            seq = dev.sequence()  # the router's counters start at 0 (and every step leaves them there)
+            seq.fill(b["router_arrivals"]), seq.fill(b["zero_id"])
+            seq.run()
+            seq.free()
+        self.steps = chunk.steps
+        # the workgroup counts of each sequence's launches, one slot of `stride` bytes a launch
+        self.stride = max(16, dev._phys.min_storage_offset_alignment) if not getattr(dev, "dry", False) else 16
+        nbytes = self.stride * n * (8 * hp.n_layers + 16)
+        self.counts = dev.host_buffer(nbytes, name="batch.counts")  # written by the host, copied to the GPU's
+        self.counts_gpu = dev.alloc(nbytes, name="batch.counts_gpu")  # the GPU reads its own memory faster
+        self.launches: list[tuple[int, int, tuple]] = []  # (row, byte offset, workgroups) of each
+        self.seq, self._recorded = None, None  # the step of all rows, and the graphs' recordings it saw
+        self._own: OrderedDict[tuple, object] = OrderedDict()  # a set's step of its own, by key()
+        self._bursts: dict[tuple, int] = {}  # bursts each set has run
+
+    def decode(self, graphs: list, n: int = 1, tokens: list[int] | None = None) -> list[list[int]]:
+        """Run n steps of each of `graphs` (distinct graphs of the batch, in any order) together,
+        each step feeding a sequence its own sampled token, the first its token in `tokens` where
+        given (as DecodeGraph.decode(token)) or the one it sampled last; returns each one's n
+        sampled tokens."""
+        rows = self._rows_of(graphs)
+        if any(g.cand.nbytes > self.cand_bytes for g in graphs):
+            raise ZdslError("a graph's sampler was retuned to more candidates than its batch holds: make the batch again")
+        for g in graphs:
+            if g.position + n > g.n_ctx:
+                raise ZdslError(f"the context of {g.n_ctx} tokens is full; start again with a larger --ctx")
+        for r, g in enumerate(graphs):
+            if tokens is not None:
+                if not 0 <= tokens[r] < g.hp.vocab:
+                    raise ZdslError(f"token id {tokens[r]} is outside the vocabulary [0, {g.hp.vocab})")
+                g.step_words[2] = tokens[r]
+                g._synced = False
+            if not g._synced:  # as DecodeGraph.decode: the host's step values start the step
+                g.step_words[0], g.step_words[1] = g.position, g.position + 1
+        if self._recorded != [g.recorded for g in self.graphs]:  # a graph recorded again: its sampler changed
+            self._forget()
+            self.seq = self._record(self.graphs, indirect=True)
+            self._recorded = [g.recorded for g in self.graphs]
+        first = [g.position for g in graphs]
+        self._step(sorted(rows)).run(times=n)
+        for g in graphs:
+            g.position += n
+            g._synced = True
+        return [g.tokens_out.read(np.uint32, (n,), offset=4 * p).tolist() for g, p in zip(graphs, first)]
+
+    def _rows_of(self, graphs: list) -> set[int]:
+        index = {id(g): i for i, g in enumerate(self.graphs)}
+        rows = {index.get(id(g)) for g in graphs}
+        if not graphs or None in rows or len(rows) < len(graphs):
+            raise ZdslError("a batched step runs distinct graphs of its batch")
+        return rows
+
+    def _step(self, rows: list[int]):
+        """The step that runs the sequences of `rows`: their own, or all rows' with the others idle."""
+        key = tuple(rows)
+        own = self._own.pop(key, None)
+        self._bursts[key] = self._bursts.get(key, 0) + 1
+        if own is None and self._bursts[key] >= OWN_AFTER:
+            own = self._record([self.graphs[r] for r in rows], indirect=False)
+        if own is None:
+            self._take_part(set(rows))
+            return self.seq
+        self._own[key] = own
+        while len(self._own) > KEPT:
+            self._own.popitem(last=False)[1].free()
+        return own
+
+    def _forget(self) -> None:
+        for seq in [self.seq, *self._own.values()]:
+            if seq is not None:
+                seq.free()
+        self.seq = None
+        self._own.clear()
+        self._bursts.clear()
+
+    def _take_part(self, rows: set[int]) -> None:
+        """The workgroup counts of the launches of the sequences in `rows`; 0 for the others'."""
+        words = self.counts.view(np.uint32)
+        for row, at, groups in self.launches:
+            words[at // 4:at // 4 + 3] = groups if row in rows else (0, 0, 0)
+
+    def _record(self, graphs: list, indirect: bool, timestamps: bool = False):
+        """One step of `graphs`, row r being graphs[r]'s token, from the step values in their host
+        buffers: what the host wrote, or what the last step left (each step copies its values
+        back), so one recording serves a first step and the ones after. `indirect`: each
+        sequence's launches dispatched indirect (the step of all rows)."""
+        lender, hp, t = self.lender, self.lender.hp, len(graphs)
+        seq = lender.device.sequence(timestamps=timestamps)
+        if indirect:
+            self.launches = []
+            row_seq = lambda r: _Row(self, seq, r)  # noqa: E731
+            seq.copy(self.counts, self.counts_gpu)
+        else:
+            row_seq = lambda r: seq  # noqa: E731
+        for r, g in enumerate(graphs):
+            seq.copy(g.step_host, g.step)
+            seq.copy(g.step, self.steps, 4 * STEP_WORDS, dst_offset=4 * STEP_WORDS * r)
+        for r, g in enumerate(graphs):
+            g.window(row_seq(r))
+        emb = "token_embd.weight"
+        embedding.embed.launch(seq, lender._pick, QTYPE=lender._qname(emb), table=lender.weights[emb], ids=self.steps,
+                               out=self.rows.x, k=hp.hidden, index=2, stride=STEP_WORDS, rows=t)
+        lender.record_layers(seq, graphs, self.rows, row_seq)
+        for r, g in enumerate(graphs):
+            g.finish_step(row_seq(r))  # its copy of the step values back runs for every row: as they were, if idle
+        return seq
+
+    def _slot(self, row: int, groups: tuple) -> int:
+        at = self.stride * len(self.launches)
+        if at + 12 > self.counts.nbytes:
+            raise ZdslError("a batched step has more launches than its counts buffer holds")  # a bug, not input
+        self.launches.append((row, at, groups))
+        return at
+
+    def profile(self, graphs: list) -> list[tuple[str, float]]:
+        """Run one step of `graphs` recorded with a GPU timestamp after every command; returns
+        (label, GPU ms) of each. The step advances the sequences as decode() does."""
+        for g in graphs:
+            if not g._synced:
+                g.step_words[0], g.step_words[1] = g.position, g.position + 1
+        rows = sorted(self._rows_of(graphs))
+        seq = self._record([self.graphs[r] for r in rows], indirect=False, timestamps=True)
+        try:
+            seq.run()
+            for g in graphs:
+                g.position += 1
+                g._synced = True
+            return seq.timings()
+        finally:
+            seq.free()
+
+    def close(self) -> None:
+        self._forget()
+        for buf in self._owned:
+            buf.free()
+        self._owned = []
+        self.counts.free()
+        self.counts_gpu.free()
+
+
+class _Row:
+    """One sequence's view of the step being recorded: its dispatches go out indirect, their
+    workgroup counts in the batch's counts buffer (0 while it sits a step out); everything
+    else is the sequence's."""
+
+    def __init__(self, batch: Batch, seq, row: int):
+        self._batch, self._seq, self._row = batch, seq, row
+
+    def __getattr__(self, name):
+        return getattr(self._seq, name)
+
+    def dispatch(self, pipe, groups, buffers, push: bytes = b"", label: str = "") -> None:
+        at = self._batch._slot(self._row, tuple(groups))
+        self._seq.dispatch_indirect(pipe, self._batch.counts_gpu.slice(at, 12), buffers, push, label)

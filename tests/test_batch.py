@@ -1,0 +1,129 @@
+"""Batched decode (models/qwen35/batch.py) against each sequence's own decode step, on lavapipe:
+three sequences at different positions (prompts of 5, 12 and 31 tokens) step together, for the
+MoE and the dense tiny models and weight types on the int8 and the f32 paths; the logits of each
+row, its KV cache rows and delta-net state, and its sampled tokens against those of the same
+sequence stepped alone (the path tests/test_decode.py holds to the numpy reference), and the
+first step's logits against the reference too (test_prefill.py's bound: 8% of their spread).
+Bursts of steps fed on the GPU give what steps fed from the host give.
+
+A batch runs the single step's kernels, a column or a row per sequence, so its results are the
+single step's up to the order of a few sums: logits within 10⁻³ of their spread (seen: equal),
+states within 10⁻³ of their norm, greedy tokens equal where the lead is clearer than that.
+"""
+
+import numpy as np
+import pytest
+
+from zdsl.errors import ZdslError
+from zdsl.models.qwen35 import synth
+from zdsl.models.qwen35.batch import Batch
+from zdsl.models.qwen35.gguf_file import open_model
+from zdsl.models.qwen35.graph import DecodeGraph
+from zdsl.models.qwen35.reference import ReferenceModel
+from zdsl.models.qwen35.sampler import SamplerConfig
+
+from graph_testing import state_of
+
+PROMPTS = (5, 12, 31)
+SAME = 1e-3
+REFERENCE = 0.08
+
+
+@pytest.fixture(scope="module", params=[("tiny", "q4_k_m"), ("tiny-dense", "q4_k_m"), ("tiny", "f16")],
+                ids=["moe-q4_k_m", "dense-q4_k_m", "moe-f16"])
+def model(request, tmp_path_factory):
+    preset, quant = request.param
+    path = tmp_path_factory.mktemp("models") / "model.gguf"
+    synth.write(path, preset, quant=quant, seed=7)
+    return open_model(path)
+
+
+@pytest.fixture
+def graphs(model, device):
+    """Three sequences on one copy of the weights, each fed its own prompt."""
+    rng = np.random.default_rng(3)
+    first = DecodeGraph(model, device, 64, SamplerConfig(temperature=0), progress=False, chunk=16, checkpoint=True)
+    gs = [first] + [DecodeGraph(model, device, 64, SamplerConfig(temperature=0), progress=False, chunk=16,
+                                checkpoint=True, weights_of=first) for _ in PROMPTS[1:]]
+    prompts = [rng.integers(0, model.hparams.vocab, n).tolist() for n in PROMPTS]
+    for g, prompt in zip(gs, prompts):
+        g.reset()
+        g.prefill(prompt)
+    yield gs, prompts
+    for g in reversed(gs):
+        g.close()
+
+
+def near(got, want, spread, what, bound=SAME):
+    assert np.abs(got - want).max() <= bound * spread, f"{what}: {np.abs(got - want).max() / spread:.3g} of the spread"
+
+
+def test_a_batched_step_leaves_each_sequence_as_its_own_step(model, graphs):
+    gs, prompts = graphs
+    batch = Batch(gs)
+    ref = ReferenceModel(model, int8_activations=True)
+    rng = np.random.default_rng(4)
+    try:
+        for step in range(3):  # positions move on: the second and third steps read what the first wrote
+            fed = rng.integers(0, model.hparams.vocab, len(gs)).tolist()
+            for g in gs:
+                g.checkpoint()
+            got = batch.decode(gs, 1, tokens=fed)
+            rows = batch.logits.read(np.float32, (len(gs), model.hparams.vocab))
+            states = [state_of(g) for g in gs]
+            for r, (g, token) in enumerate(zip(gs, fed)):
+                g.restore()
+                alone = g.decode(token)
+                want, spread = g.logits(), g.logits().std()
+                near(rows[r], want, spread, f"step {step}, sequence {r}")
+                for name, value in state_of(g).items():
+                    err = np.linalg.norm(states[r][name] - value) / max(np.linalg.norm(value), 1e-30)
+                    assert err <= SAME, f"step {step}, sequence {r}: {name} differs by {err:.3g} of its norm"
+                top2 = np.sort(want)[-2:]
+                if top2[1] - top2[0] > 2 * SAME * spread:
+                    assert got[r] == [alone], f"step {step}, sequence {r}: greedy token"
+                if step == 0 and not g.prefill_units:  # a prompt on matrix units rounds otherwise (test_prefill.py)
+                    expected = ref.forward(prompts[r] + [token])[-1]
+                    near(rows[r], expected, expected.std(), f"sequence {r} against the reference", REFERENCE)
+    finally:
+        batch.close()
+
+
+def test_a_burst_on_the_gpu_is_steps_fed_from_the_host(graphs):
+    gs, _ = graphs
+    batch = Batch(gs)
+    try:
+        for g in gs:
+            g.checkpoint()
+        burst = batch.decode(gs[::-1], 4)[::-1]  # rows in another order than the batch's
+        assert all(g.position == n + 4 for g, n in zip(gs, PROMPTS))
+        for g in gs:
+            g.restore()
+        last = [None] * len(gs)
+        for i in range(4):
+            one = batch.decode(gs, 1, tokens=None if i == 0 else last)
+            last = [toks[0] for toks in one]
+            assert last == [b[i] for b in burst], f"step {i}"
+        # two of the three on: the third sits the steps out, untouched, and steps on alone from there
+        position, kept, words = gs[1].position, state_of(gs[1]), gs[1].step.read(np.uint32, (8,))
+        batch.decode([gs[2], gs[0]], 2)
+        assert gs[1].position == position and gs[0].position == gs[2].position - PROMPTS[2] + PROMPTS[0]
+        assert all(np.array_equal(value, kept[name]) for name, value in state_of(gs[1]).items())
+        assert np.array_equal(gs[1].step.read(np.uint32, (8,)), words)
+        gs[1].decode()
+    finally:
+        batch.close()
+
+
+def test_a_batch_refuses_graphs_that_do_not_share_weights(model, device, graphs):
+    gs, _ = graphs
+    other = DecodeGraph(model, device, 32, SamplerConfig(temperature=0), progress=False, chunk=16)
+    try:
+        with pytest.raises(ZdslError, match="weights_of"):
+            Batch([gs[0], other])
+        batch = Batch(gs)
+        with pytest.raises(ZdslError, match="distinct graphs"):
+            batch.decode([gs[0], gs[0]])
+        batch.close()
+    finally:
+        other.close()
