@@ -8,15 +8,32 @@ from zdsl.build import add_target_statistics, build, spill_summary, variants_for
 from zdsl.cli import main
 
 
+def counts(out: str) -> tuple[int, int, int]:
+    """(variants, from cache, failed) of a build's last line."""
+    return tuple(map(int, re.search(r"(\d+) variants, (\d+) from cache, (\d+) failed", out).groups()))
+
+
 @pytest.mark.early
-def test_every_registered_variant_builds_then_comes_from_cache(capsys):
-    assert main(["build", "--no-progress", "-j", "2"]) == 0
-    first = capsys.readouterr().out
-    n, failed = map(int, re.search(r"(\d+) variants, \d+ from cache, (\d+) failed", first).groups())
+def test_every_registered_variant_compiles_to_valid_spirv(capsys):
+    """All of them traced, compiled and validated (--check: not optimized, which is half of a
+    build's time; the variants the other tests run are optimized, and the next test's are)."""
+    assert main(["build", "--check", "--no-progress", "-j", "2"]) == 0
+    n, _, failed = counts(capsys.readouterr().out)
     assert n > 500 and failed == 0
-    assert main(["build", "--no-progress"]) == 0
-    again = capsys.readouterr().out
-    assert f"{n} variants, {n} from cache, 0 failed" in again
+
+
+def test_a_build_comes_from_cache_the_second_time(capsys):
+    kernels = ["--kernels", "attn_combine,embed,quantize_q8_1"]
+    assert main(["build", "--no-progress", "-j", "2", *kernels]) == 0
+    n, _, failed = counts(capsys.readouterr().out)
+    assert n > 50 and failed == 0
+    assert main(["build", "--no-progress", *kernels]) == 0
+    assert counts(capsys.readouterr().out) == (n, n, 0)
+
+
+def test_check_refuses_what_it_does_not_build(capsys):
+    assert main(["build", "--check", "--emit", "glsl"]) == 2
+    assert "--check builds nothing to emit" in capsys.readouterr().err
 
 
 def test_emit_writes_one_artifact_per_variant(tmp_path):

@@ -93,11 +93,19 @@ def variants_for(names: list[str] | None, subgroup_sizes: tuple[int, ...] | None
     return [k.specialize(**params) for k in kernels.values() for params in k.space(subgroup_sizes)]
 
 
-def compile_variant(v: Variant, full: bool = False) -> BuildResult:
+def compile_variant(v: Variant, full: bool = False, check: bool = False) -> BuildResult:
     """Build one variant, served without tracing when this variant of these sources was built
-    before (unless `full` asks for its GLSL and interface, which need the trace)."""
+    before (unless `full` asks for its GLSL and interface, which need the trace). `check`: only
+    trace, compile and validate it, not optimize it (what runs needs is optimized: a quick check
+    that every variant builds, cached apart)."""
     from zdsl.toolchain import spirv_problem, versions
     t0 = time.perf_counter()
+    if check:
+        try:
+            compiled = v.compile(optimize=False)
+        except ZdslError as e:
+            return BuildResult(v, error=str(e))
+        return BuildResult(v, compiled.spirv, (time.perf_counter() - t0) * 1e3, compiled.cached)
     key = content_key(source_digest(v.kernel.fn.__module__), v.kernel.name, repr(sorted(v.consts.items())),
                       *sorted(versions().values()))
     path = cache_dir("variants") / f"{key}.spirv"
@@ -118,13 +126,15 @@ def compile_variant(v: Variant, full: bool = False) -> BuildResult:
     return result
 
 
-def _compile_in_worker(name: str, params: dict, full: bool) -> tuple:
-    r = compile_variant(all_kernels()[name].specialize(**params), full)
+def _compile_in_worker(name: str, params: dict, full: bool, check: bool) -> tuple:
+    r = compile_variant(all_kernels()[name].specialize(**params), full, check)
     return r.spirv, r.ms, r.cached, r.error, r.glsl, r.interface
 
 
-def build(variants: list[Variant], jobs: int | None = None, progress: bool = True, full: bool = False) -> list[BuildResult]:
-    """Build the variants on `jobs` worker processes (default: every core); one job builds here."""
+def build(variants: list[Variant], jobs: int | None = None, progress: bool = True, full: bool = False,
+          check: bool = False) -> list[BuildResult]:
+    """Build the variants on `jobs` worker processes (default: every core); one job builds here.
+    `check`: compiled and validated, not optimized (compile_variant)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     jobs = jobs or os.cpu_count() or 1
@@ -134,14 +144,14 @@ def build(variants: list[Variant], jobs: int | None = None, progress: bool = Tru
         task = bar.add_task("build", total=len(variants))
         if jobs == 1:
             for v in variants:
-                results.append(compile_variant(v, full))
+                results.append(compile_variant(v, full, check))
                 bar.advance(task)
             return results
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(["zdsl.build", "zdsl.kernels"])
         with ProcessPoolExecutor(jobs, mp_context=context) as pool:
             done = pool.map(_compile_in_worker, [v.kernel.name for v in variants], [v.params for v in variants],
-                            [full] * len(variants), chunksize=max(1, min(8, len(variants) // (4 * jobs))))
+                            [full] * len(variants), [check] * len(variants), chunksize=max(1, min(8, len(variants) // (4 * jobs))))
             for v, fields in zip(variants, done):
                 results.append(BuildResult(v, *fields))
                 bar.advance(task)
@@ -229,11 +239,15 @@ def spill_summary(results: list[BuildResult], target: str) -> str:
                                              "and report machine-code statistics.")
 @click.option("--isa", is_flag=True, help="With --target: write the RDNA disassembly of each variant.")
 @click.option("-j", "--jobs", type=click.IntRange(1), default=None, help="Worker processes (default: one per core).")
+@click.option("--check", is_flag=True, help="Only check that each variant compiles to valid SPIR-V: no optimizing "
+                                            "(about half the time), nothing for runs to use.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def build_command(names, emit_kind, out_dir, target, isa, jobs, no_progress):
+def build_command(names, emit_kind, out_dir, target, isa, jobs, check, no_progress):
     """Build every registered kernel variant (SPIR-V cached by content)."""
+    if check and (target or emit_kind):
+        raise ZdslError("--check builds nothing to emit or compile for a target; leave out --emit and --target")
     variants = variants_for(names.split(",") if names else None)
-    results = build(variants, jobs, progress=not no_progress, full=bool(target or emit_kind))
+    results = build(variants, jobs, progress=not no_progress, full=bool(target or emit_kind), check=check)
     if target:
         add_target_statistics(results, target, out_dir / "isa" if isa else None)
     if emit_kind:

@@ -358,10 +358,16 @@ class Variant:
 
     @lazy
     def compiled(self):
+        return self.compile()
+
+    def compile(self, optimize: bool = True):
+        """The variant's GLSL → validated SPIR-V (optimized, as runs use it, unless not
+        `optimize`: a quicker check that it compiles), a compile error pointing at the kernel's
+        source line where the GLSL's line came from one."""
         from zdsl.toolchain import compile_cached
         text, line_locs = self._glsl
         try:
-            return compile_cached(text, name=self.kernel.name)
+            return compile_cached(text, name=self.kernel.name, optimize=optimize)
         except CompileError as e:
             line = getattr(e, "glsl_line", None)
             loc = max((l for l in line_locs if l[0] <= line), default=None) if line else None
