@@ -51,7 +51,8 @@ def gate_up_dots(decoders: list, wg, wu, expert, x, xq, xd, bases, k, m, group: 
 @zdsl.kernel(workgroup=workgroup, subgroup="SG",
              variants={"QTYPE": GATE_UP_QTYPES, "Q8": [False, True], "ROWS": [1, 2, 4], "SG": SUBGROUPS},
              tune={"NSUB": NSUBS}, where=_gate_up_fits,
-             key=("k", "m", "slots"), sizes=("slots",), grid=lambda v, s: (row_groups(v, s.m), s.slots),
+             key=("k", "m", "slots"), sizes=("slots", "rows"),
+             grid=lambda v, s: (row_groups(v, s.m), s.slots, getattr(s, "rows", 1)),
              traffic=_gate_up_traffic)
 def ffn_gate_up(wg: Buffer[u8], wu: Buffer[u8], ids: Buffer[u32], x: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32],
                 act: Buffer[f32], k: u32, m: u32, row: u32 = 0, ids_stride: u32 = 0, act_stride: u32 = 0,
@@ -64,7 +65,9 @@ def ffn_gate_up(wg: Buffer[u8], wu: Buffer[u8], ids: Buffer[u32], x: Buffer[f32]
     (the graph appends it; the router names it in ids[K]), so routed and shared experts are one
     dispatch with one code path. Gate and up rows are read in one pass over x; Wu's type is
     QTYPE_UP where it differs from Wg's ("" where not). For row `row` of a batch (batch.py): x,
-    xq and xd at that row, ids and act that many of their strides in."""
+    xq and xd at that row, ids and act that many of their strides in; plus the grid's z (a
+    launch may name `rows`)."""
+    row = row + zdsl.workgroup_id(2)
     x, xq, xd = x.at(row * k), xq.at(row * (k // 4)), xd.at(row * (k // 16))
     ids, act = ids.at(row * ids_stride), act.at(row * act_stride)
     group = Rows(ROWS, NSUB, SG)
@@ -148,7 +151,8 @@ def ffn_gate_up_example(use, rng, check):
 
 
 @zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": QTYPES, "ROWS": [1, 2, 4], "SG": SUBGROUPS},
-             tune={"NSUB": NSUBS}, key=("k", "m"), grid=lambda v, s: row_groups(v, s.m),
+             tune={"NSUB": NSUBS}, key=("k", "m"), sizes=("rows",),
+             grid=lambda v, s: (row_groups(v, s.m), 1, getattr(s, "rows", 1)),
              traffic=lambda v, s: s.slots * (s.m * inputs.row_bytes(v.QTYPE, s.k) + 4 * s.k) + 8 * s.m)
 def moe_down(w: Buffer[u8], ids: Buffer[u32], weights: Buffer[f32], act: Buffer[f32], y: Buffer[f32],
              k: u32, m: u32, slots: u32, row: u32 = 0, ids_stride: u32 = 0, act_stride: u32 = 0,
@@ -157,7 +161,9 @@ def moe_down(w: Buffer[u8], ids: Buffer[u32], weights: Buffer[f32], act: Buffer[
     """y[r] (+)= Σ_s weights[s] · (W_{ids[s]}[r] · act[s·k : s·k + k]) — the routed experts' down
     projection and their weighted sum in one dispatch (also the shared expert, with one slot
     whose weight is its sigmoid gate). For row `row` of a batch (batch.py): y at that row, ids and
-    weights that many ids_strides in, act that many act_strides."""
+    weights that many ids_strides in, act that many act_strides; plus the grid's z (a launch may
+    name `rows`)."""
+    row = row + zdsl.workgroup_id(2)
     ids, weights = ids.at(row * ids_stride), weights.at(row * ids_stride)
     act, y = act.at(row * act_stride), y.at(row * m)
     f = fmt(QTYPE)
@@ -215,7 +221,8 @@ def _down_all_traffic(v, s) -> int:
                                                            "ROWS": [1, 2], "K": [8], "SG": SUBGROUPS},
              tune={"NSUB": NSUBS, "WG": [0, 128, 160, 256]},
              where=lambda v: v.QTYPE_SH == "" or (FORMATS[v.QTYPE].block, FORMATS[v.QTYPE].parts) == (256, FORMATS["q6_k"].parts),
-             key=("k", "m"), grid=lambda v, s: row_groups(v, s.m), traffic=_down_all_traffic)
+             key=("k", "m"), sizes=("rows",), grid=lambda v, s: (row_groups(v, s.m), 1, getattr(s, "rows", 1)),
+             traffic=_down_all_traffic)
 def moe_down_all(w: Buffer[u8], w_sh: Buffer[u8], ids: Buffer[u32], weights: Buffer[f32], act: Buffer[f32],
                  y: Buffer[f32], k: u32, m: u32, row: u32 = 0, QTYPE: Const = "q4_k", QTYPE_SH: Const = "",
                  K: Const = 8, ROWS: Const = 1, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
@@ -223,7 +230,9 @@ def moe_down_all(w: Buffer[u8], w_sh: Buffer[u8], ids: Buffer[u32], weights: Buf
     expert (slot K) in one pass, added to the residual. W_s is expert ids[s] of w, the shared
     expert too when it has the experts' type (the graph appends it to their stack); files that
     keep it at more bits give it as w_sh, of type QTYPE_SH, which costs a second code path. ids,
-    weights, act and y are at row `row` of a batch's (batch.py: K + 1 slots a row)."""
+    weights, act and y are at row `row` of a batch's (batch.py: K + 1 slots a row), plus the
+    grid's z (a launch may name `rows`)."""
+    row = row + zdsl.workgroup_id(2)
     ids, weights = ids.at(row * (K + 1)), weights.at(row * (K + 1))
     act, y = act.at(row * ((K + 1) * k)), y.at(row * m)
     f = fmt(QTYPE)

@@ -40,7 +40,7 @@ class NormedInput:
 @zdsl.kernel(workgroup=dmmv.workgroup, subgroup="SG", variants={"QTYPE": ["f32"], "K": [8], "ROWS": [1, 2, 4],
                                                                "SG": SUBGROUPS},
              tune={"NSUB": dmmv.NSUBS, "WG": [0, 128, 256]}, key=("k", "n_expert"),
-             grid=lambda v, s: dmmv.row_groups(v, s.n_expert + 1),
+             sizes=("rows",), grid=lambda v, s: (dmmv.row_groups(v, s.n_expert + 1), 1, getattr(s, "rows", 1)),
              traffic=lambda v, s: ((s.n_expert + 1) * inputs.row_bytes(v.QTYPE, s.k) + 13 * s.k + s.k // 4
                                    + 8 * (s.n_expert + 1) + 8 * (v.K + 1) + 4))
 def moe_router(w: Buffer[u8], x: Buffer[f32], norm_w: Buffer[f32], hn: Buffer[f32], xq: Buffer[u32],
@@ -59,7 +59,9 @@ def moe_router(w: Buffer[u8], x: Buffer[f32], norm_w: Buffer[f32], hn: Buffer[f3
     denominator cancels in that renormalisation, so only the picked logits are exponentiated.
     Slot K is the shared expert: ids[K] = n_expert (its place in the stacks) and weights[K] =
     sigmoid(logits[n_expert]). Needs n_expert ≥ K and k a multiple of 32. Every buffer but w is
-    read and written at row `row` (one sequence of a batch, batch.py; arrivals: its word)."""
+    read and written at row `row` (one sequence of a batch, batch.py; arrivals: its word), plus
+    the grid's z: a launch may name `rows`, one layer of the grid each."""
+    row = row + zdsl.workgroup_id(2)
     x, hn, xq, xd = x.at(row * k), hn.at(row * k), xq.at(row * (k // 4)), xd.at(row * (k // 16))
     logits, arrivals = logits.at(row * (n_expert + 1)), arrivals.at(row)
     ids, weights = ids.at(row * (K + 1)), weights.at(row * (K + 1))
@@ -84,7 +86,7 @@ def moe_router(w: Buffer[u8], x: Buffer[f32], norm_w: Buffer[f32], hn: Buffer[f3
         with zdsl.if_(block < blocks):
             hn.vec4[i] = value
         store_q8_1(value, i, block < blocks, xq, xd)
-    with zdsl.if_(zdsl.last_workgroup(arrivals)):
+    with zdsl.if_(zdsl.last_workgroup(arrivals, per_z=True)):
         def load(index, valid):
             return logits.load(index, mask=valid, other=0.0), index
 

@@ -164,23 +164,22 @@ class Batch:
         sequence's launches dispatched indirect (the step of all rows)."""
         lender, hp, t = self.lender, self.lender.hp, len(graphs)
         seq = lender.device.sequence(timestamps=timestamps)
+        row_seq = None
         if indirect:
             self.launches = []
             row_seq = lambda r: _Row(self, seq, r)  # noqa: E731
             seq.copy(self.counts, self.counts_gpu)
-        else:
-            row_seq = lambda r: seq  # noqa: E731
         for r, g in enumerate(graphs):
             seq.copy(g.step_host, g.step)
             seq.copy(g.step, self.steps, 4 * STEP_WORDS, dst_offset=4 * STEP_WORDS * r)
         for r, g in enumerate(graphs):
-            g.window(row_seq(r))
+            g.window(row_seq(r) if row_seq else seq)
         emb = "token_embd.weight"
         embedding.embed.launch(seq, lender._pick, QTYPE=lender._qname(emb), table=lender.weights[emb], ids=self.steps,
                                out=self.rows.x, k=hp.hidden, index=2, stride=STEP_WORDS, rows=t)
         lender.record_layers(seq, graphs, self.rows, row_seq)
         for r, g in enumerate(graphs):
-            g.finish_step(row_seq(r))  # its copy of the step values back runs for every row: as they were, if idle
+            g.finish_step(row_seq(r) if row_seq else seq)  # its copy of the step values back runs for every row: as they were, if idle
         return seq
 
     def _slot(self, row: int, groups: tuple) -> int:

@@ -25,7 +25,7 @@ from typing import AsyncIterator
 from zdsl.models.qwen35.api import Job
 from zdsl.models.qwen35.generate import Generator
 
-GATHER_S = 0.005  # how long a burst waits for the other decoding slots' before it runs without them
+GATHER_S = 0.02  # how long a burst waits for the other decoding slots' before it runs without them
 
 
 class Slot:

@@ -121,6 +121,7 @@ class DecodeGraph:
         self.sampler = sampler or SamplerConfig(temperature=0)
         self.tuning = tuning  # None: the shipped and the user's tuning databases
         self.chosen: dict[tuple[str, str], object] = {}  # (kernel, key) → the variant the step runs
+        self._picked: dict[tuple, object] = {}  # the same, by the launch's key and fixed values
         self.cand = None
         self._pick_sampler()
         if not getattr(device, "dry", False):
@@ -190,14 +191,19 @@ class DecodeGraph:
         if sampler is not None:
             self.sampler = sampler
         self.chosen.clear()
+        self._picked.clear()
         self._pick_sampler()
         self._record_steps()
         self._synced = False
 
     def _pick(self, kernel, key: dict, fixed: dict):
-        """The variant a launch runs: the tuning database's choice for its key (KernelDef.launch)."""
-        v = choose(kernel, self.info, key, db=self.tuning, **fixed)
-        self.chosen[(kernel.name, shape_key(key))] = v
+        """The variant a launch runs: the tuning database's choice for its key (KernelDef.launch),
+        looked up once a key (a batched step records ~1,700 launches of a few dozen keys)."""
+        memo = (kernel.name, tuple(sorted(key.items())), tuple(sorted(fixed.items())))
+        v = self._picked.get(memo)
+        if v is None:
+            v = self._picked[memo] = choose(kernel, self.info, key, db=self.tuning, **fixed)
+            self.chosen[(kernel.name, shape_key(key))] = v
         return v
 
     # -- set-up ----------------------------------------------------------------------------
@@ -395,6 +401,9 @@ class DecodeGraph:
         given, is what row r's launches record into (batch.py: indirect dispatches)."""
         hp, t = self.hp, len(graphs)
         each = functools.partial(_each, row_seq=row_seq or (lambda r: seq))
+        # the experts of every row in one launch each (the grid's z), where each row's need not be its own
+        by_row = (lambda launches_of: each(seq, [launches_of(r, 1) for r in range(t)])) if row_seq else \
+            (lambda launches_of: [launch(seq) for launch in launches_of(0, t)])
         self._norm(seq, "blk.0.attn_norm.weight", a, t)
         for i in range(hp.n_layers):
             p = f"blk.{i}."
@@ -408,11 +417,11 @@ class DecodeGraph:
                 each(seq, [[g.delta_step(i, a, r)] for r, g in enumerate(graphs)])
                 self._residual(seq, p + "ssm_out.weight", a.dn_out, self._post_attention_norm(i), a, t)
             if hp.moe:
-                each(seq, [self.experts(i, a, r) for r in range(t)])
+                by_row(lambda r, rows: self.experts(i, a, r, rows))
                 self._norm(seq, self._next_norm(i), a, t)
             else:
-                each(seq, [[self._gate_up(p + "ffn_gate.weight", p + "ffn_up.weight", 1, False, a, r, hp.ffn)]
-                           for r in range(t)])
+                by_row(lambda r, rows: [self._gate_up(p + "ffn_gate.weight", p + "ffn_up.weight", 1, False, a, r,
+                                                      hp.ffn, rows=rows)])
                 self._residual(seq, p + "ffn_down.weight", Vector(a.act, None, None), self._next_norm(i), a, t)
         self._project(seq, self.tensors.output_name, a.logits, a.normed, t)
         each(seq, [g.sample(a.logits, r, a.cands[r]) for r, g in enumerate(graphs)])
@@ -461,11 +470,12 @@ class DecodeGraph:
             row=row)
 
     def _gate_up(self, gate: str, up: str, slots: int, experts: bool, a, row: int, act_stride: int, act=None,
-                 label: str | None = None):
+                 label: str | None = None, rows: int = 1):
         """A launch (a function of the sequence): act = silu(gate · normed) · (up · normed) per slot
         for row `row` of a: the experts in a.route_ids (MoE; the shared expert is the stacks'
         last, slot K, unless it has a type of its own) or the one pair (a dense FFN, a shared
-        expert of its own type); into `act` (a's act by default), act_stride values a row."""
+        expert of its own type); into `act` (a's act by default), act_stride values a row; `rows`
+        rows from `row` on."""
         m, k = self.tensors.shape(gate)[-2:]
         q, q_up = self._qname(gate), self._qname(up)
         if self.tensors.shape(up)[-2:] != (m, k):
@@ -478,17 +488,17 @@ class DecodeGraph:
             seq, self._pick, label=label or gate.removesuffix(".weight") + "+up", QTYPE=q, Q8=q8, EXPERTS=experts,
             **two, wg=self.weights[gate], wu=self.weights[up], ids=a.route_ids if experts else self.step,
             act=a.act if act is None else act, k=k, m=m, slots=slots, row=row,
-            ids_stride=self.hp.n_experts_used + 1 if experts else 0, act_stride=act_stride,
+            ids_stride=self.hp.n_experts_used + 1 if experts else 0, act_stride=act_stride, rows=rows,
             **(dict(xq=x.q, xd=x.d) if q8 else dict(x=x.f32)))
 
-    def experts(self, i: int, a, row: int) -> list:
+    def experts(self, i: int, a, row: int, rows: int = 1) -> list:
         """Layer i's MoE block for row `row` of a, as launches to record in order: the router (x
         normed, its logits, then the experts picked by the workgroup that finishes last), one
         dispatch for every expert's gate·up (the shared expert as one more slot: the stacks' last
         expert, weights.py), one for every down projection added to x. A shared expert of another
         type or width than the experts' takes a dispatch of its own for its gate·up, and its down
         one where it has another width or block layout. Rows of a hold K + 1 routes and K·F + S
-        activations."""
+        activations; `rows` rows from `row` on, a layer of each launch's grid each."""
         hp, p = self.hp, f"blk.{i}."
         K, E, F, S = hp.n_experts_used, hp.n_experts, hp.expert_ffn, hp.shared_ffn
         stride = K * F + S
@@ -498,14 +508,14 @@ class DecodeGraph:
             seq, self._pick, label=p + "ffn_gate_inp+moe_route", QTYPE=self._qname(router), K=K,
             w=self.weights[router], x=a.x, norm_w=self.weights[p + "post_attention_norm.weight"], hn=a.normed.f32,
             xq=a.normed.q, xd=a.normed.d, logits=a.router, arrivals=a.arrivals, ids=a.route_ids, weights=a.route_w,
-            k=self.tensors.shape(router)[-1], n_expert=E, eps=hp.eps, row=row)]
+            k=self.tensors.shape(router)[-1], n_expert=E, eps=hp.eps, row=row, rows=rows)]
         apart = p + "ffn_gate_shexp.weight" in self.tensors  # a type of its own (weights.py): one more dispatch
         gate, up = p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"
         launches.append(self._gate_up(gate, up, K if apart else K + 1, True, a, row, stride,
-                                      label=p + "ffn_gate_exps+up" + ("" if apart else "+shexp")))
+                                      label=p + "ffn_gate_exps+up" + ("" if apart else "+shexp"), rows=rows))
         if apart:
             launches.append(self._gate_up(p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight", 1, False, a, row,
-                                          stride, act=act_shared))
+                                          stride, act=act_shared, rows=rows))
         down, down_sh = p + "ffn_down_exps.weight", p + "ffn_down_shexp.weight"
         md, kd = self.tensors.shape(down)[-2:]
         qd = self._qname(down)
@@ -513,21 +523,21 @@ class DecodeGraph:
         fd, fs = FORMATS[qd], FORMATS[qs or qd]
         if (fd.block, fd.parts) != (fs.block, fs.parts) or (qs and self.tensors.shape(down_sh)[-1] != kd):
             weights_shared = a.route_w.slice(4 * K, a.route_w.nbytes - 4 * K)
-            launches += [lambda seq: self._down(seq, down, a.route_ids, a.route_w, a.act, K, a, row),
-                         lambda seq: self._down(seq, down_sh, a.zero_id, weights_shared, act_shared, 1, a, row)]
+            launches += [lambda seq: self._down(seq, down, a.route_ids, a.route_w, a.act, K, a, row, rows),
+                         lambda seq: self._down(seq, down_sh, a.zero_id, weights_shared, act_shared, 1, a, row, rows)]
         else:
             launches.append(lambda seq: ffn.moe_down_all.launch(
                 seq, self._pick, label=p + "ffn_down_exps+shexp", QTYPE=qd, QTYPE_SH=qs, K=K, w=self.weights[down],
                 w_sh=self.weights[down_sh] if qs else self.device.placeholder, ids=a.route_ids, weights=a.route_w,
-                act=a.act, y=a.x, k=kd, m=md, row=row))
+                act=a.act, y=a.x, k=kd, m=md, row=row, rows=rows))
         return launches
 
-    def _down(self, seq, tensor: str, ids, weights, act, slots: int, a, row: int) -> None:
+    def _down(self, seq, tensor: str, ids, weights, act, slots: int, a, row: int, rows: int = 1) -> None:
         hp = self.hp
         m, k = self.tensors.shape(tensor)[-2:]
         ffn.moe_down.launch(seq, self._pick, label=tensor.removesuffix(".weight"), QTYPE=self._qname(tensor), ADD=True,
                             w=self.weights[tensor], ids=ids, weights=weights, act=act, y=a.x, k=k, m=m, slots=slots,
-                            row=row, ids_stride=hp.n_experts_used + 1,
+                            row=row, rows=rows, ids_stride=hp.n_experts_used + 1,
                             act_stride=hp.n_experts_used * hp.expert_ffn + hp.shared_ffn)
 
     def window(self, seq) -> None:

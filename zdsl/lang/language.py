@@ -235,8 +235,9 @@ def memory_barrier() -> None:
     tracer().emit(ir.MemoryBarrier(user_loc()))
 
 
-def last_workgroup(counter: BufferParam, index=0) -> Value:
-    """True, in all its invocations, in the one workgroup of the dispatch that gets here last;
+def last_workgroup(counter: BufferParam, index=0, per_z: bool = False) -> Value:
+    """True, in all its invocations, in the one workgroup of the dispatch that gets here last
+    (with per_z, of its layer of the grid's z: one row of a batch, counted in its own counter);
     its reads of `Coherent` buffers see every buffer write the others made before getting here.
     counter[index] (u32) counts the arrivals: it must be 0 when the dispatch starts, and the
     last workgroup puts it back to 0 for the next one. Call it in uniform control flow. The
@@ -245,7 +246,7 @@ def last_workgroup(counter: BufferParam, index=0) -> Value:
     workgroups (the MoE router); with thousands, a second dispatch is cheaper (docs/PERF.md)."""
     if not isinstance(counter, BufferParam) or counter.dtype.name != "u32":
         raise fail("zdsl.last_workgroup counts arrivals in a Buffer[u32]")
-    groups = num_workgroups(0) * num_workgroups(1) * num_workgroups(2)
+    groups = num_workgroups(0) * num_workgroups(1) * (1 if per_z else num_workgroups(2))
     memory_barrier()  # release: this invocation's writes before the arrival that announces them
     barrier()         # ... and those of every invocation of the workgroup
     flag = shared(u32, 1)
