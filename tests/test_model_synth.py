@@ -83,7 +83,7 @@ def test_tiny_presets_write_fast_load_and_are_lively(tmp_path, name, quant):
     path = tmp_path / "m.gguf"
     t0 = time.process_time()  # CPU time: other jobs on a shared machine do not count
     hp = synth.write(path, name, quant=quant)
-    assert time.process_time() - t0 < 2.0                 # measured 0.1-0.7 s
+    assert time.process_time() - t0 < 5.0  # measured 0.1-0.7 s; 2.04 s once, the first in a worker under load
     m = open_model(path)
     assert m.hparams == hp
     expected = {n: q for n, _, q in synth.plan(hp, quant)}

@@ -98,22 +98,17 @@ def compile_variant(v: Variant, full: bool = False, check: bool = False) -> Buil
     before (unless `full` asks for its GLSL and interface, which need the trace). `check`: only
     trace, compile and validate it, not optimize it (what runs needs is optimized: a quick check
     that every variant builds, cached apart)."""
-    from zdsl.toolchain import spirv_problem, versions
+    from zdsl.toolchain import optimizing, spirv_problem, versions
     t0 = time.perf_counter()
-    if check:
-        try:
-            compiled = v.compile(optimize=False)
-        except ZdslError as e:
-            return BuildResult(v, error=str(e))
-        return BuildResult(v, compiled.spirv, (time.perf_counter() - t0) * 1e3, compiled.cached)
+    optimize = optimizing() and not check
     key = content_key(source_digest(v.kernel.fn.__module__), v.kernel.name, repr(sorted(v.consts.items())),
-                      *sorted(versions().values()))
+                      f"optimize={optimize}", *sorted(versions().values()))
     path = cache_dir("variants") / f"{key}.spirv"
     cached = read_entry(path, spirv_problem)
     try:
         if cached is not None and not full:
             return BuildResult(v, cached, (time.perf_counter() - t0) * 1e3, True)
-        spirv = v.spirv if cached is None else cached
+        spirv = v.compile(optimize).spirv if cached is None else cached
         if cached is None:
             write_entry(path, spirv)
         result = BuildResult(v, spirv, (time.perf_counter() - t0) * 1e3, cached is not None)
