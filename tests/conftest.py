@@ -10,11 +10,6 @@ from hypothesis import HealthCheck, settings
 # file in the xdist controller too, and the workers inherit its environment, so they share it
 # (entries are written atomically; a SPIR-V module compiled by one worker is read by the other).
 os.environ.setdefault("ZDSL_CACHE_DIR", tempfile.mkdtemp(prefix="zdsl-test-cache-"))
-# On lavapipe (whose driver optimizes the code it gets anyway) kernels run as glslang emits them:
-# spirv-opt is half of a kernel's build, and the suite builds all 4,000 variants; the optimizer
-# has tests of its own (test_build.py). On a GPU (ZDSL_TEST_DEVICE) the tests run what users run.
-if "ZDSL_TEST_DEVICE" not in os.environ:
-    os.environ.setdefault("ZDSL_SPIRV_OPT", "0")
 
 settings.register_profile("zdsl", deadline=None, max_examples=25, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

@@ -93,22 +93,46 @@ def variants_for(names: list[str] | None, subgroup_sizes: tuple[int, ...] | None
     return [k.specialize(**params) for k in kernels.values() for params in k.space(subgroup_sizes)]
 
 
+def pairwise(variants: list[Variant]) -> list[Variant]:
+    """Variants that together take every pair of values of two parameters of each kernel that
+    some registered variant takes (combinatorial testing: a fault that needs two parameters'
+    values shows in one of them): greedily, the variant that takes the most pairs not taken yet."""
+    def pairs(v):
+        items = sorted((k, repr(x)) for k, x in v.params.items())
+        return frozenset((a, b) for i, a in enumerate(items) for b in items[i + 1:]) or frozenset({()})
+
+    chosen = []
+    for name in dict.fromkeys(v.kernel.name for v in variants):
+        left = {v: pairs(v) for v in variants if v.kernel.name == name}
+        todo = set().union(*left.values())
+        while todo:
+            best = max(left, key=lambda v: len(left[v] & todo))
+            chosen.append(best)
+            todo -= left.pop(best)
+    return chosen
+
+
 def compile_variant(v: Variant, full: bool = False, check: bool = False) -> BuildResult:
     """Build one variant, served without tracing when this variant of these sources was built
     before (unless `full` asks for its GLSL and interface, which need the trace). `check`: only
     trace, compile and validate it, not optimize it (what runs needs is optimized: a quick check
     that every variant builds, cached apart)."""
-    from zdsl.toolchain import optimizing, spirv_problem, versions
+    from zdsl.toolchain import spirv_problem, versions
     t0 = time.perf_counter()
-    optimize = optimizing() and not check
+    if check:
+        try:
+            compiled = v.compile(optimize=False)
+        except ZdslError as e:
+            return BuildResult(v, error=str(e))
+        return BuildResult(v, compiled.spirv, (time.perf_counter() - t0) * 1e3, compiled.cached)
     key = content_key(source_digest(v.kernel.fn.__module__), v.kernel.name, repr(sorted(v.consts.items())),
-                      f"optimize={optimize}", *sorted(versions().values()))
+                      *sorted(versions().values()))
     path = cache_dir("variants") / f"{key}.spirv"
     cached = read_entry(path, spirv_problem)
     try:
         if cached is not None and not full:
             return BuildResult(v, cached, (time.perf_counter() - t0) * 1e3, True)
-        spirv = v.compile(optimize).spirv if cached is None else cached
+        spirv = v.spirv if cached is None else cached
         if cached is None:
             write_entry(path, spirv)
         result = BuildResult(v, spirv, (time.perf_counter() - t0) * 1e3, cached is not None)
@@ -234,14 +258,18 @@ def spill_summary(results: list[BuildResult], target: str) -> str:
                                              "and report machine-code statistics.")
 @click.option("--isa", is_flag=True, help="With --target: write the RDNA disassembly of each variant.")
 @click.option("-j", "--jobs", type=click.IntRange(1), default=None, help="Worker processes (default: one per core).")
+@click.option("--pairwise", "pairwise_only", is_flag=True, help="Only variants that together take every pair of two parameters' "
+                                               "values of each kernel (a fifth of them: build.pairwise).")
 @click.option("--check", is_flag=True, help="Only check that each variant compiles to valid SPIR-V: no optimizing "
                                             "(about half the time), nothing for runs to use.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def build_command(names, emit_kind, out_dir, target, isa, jobs, check, no_progress):
+def build_command(names, emit_kind, out_dir, target, isa, jobs, pairwise_only, check, no_progress):
     """Build every registered kernel variant (SPIR-V cached by content)."""
     if check and (target or emit_kind):
         raise ZdslError("--check builds nothing to emit or compile for a target; leave out --emit and --target")
     variants = variants_for(names.split(",") if names else None)
+    if pairwise_only:
+        variants = pairwise(variants)
     results = build(variants, jobs, progress=not no_progress, full=bool(target or emit_kind), check=check)
     if target:
         add_target_statistics(results, target, out_dir / "isa" if isa else None)

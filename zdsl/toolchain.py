@@ -8,10 +8,6 @@ typical kernel's compile, while a process that keeps the library loaded builds t
 SPIR-V is the validator's, byte for byte (a test holds the two together). Compiled SPIR-V is
 cached on disk under a key of the GLSL text, the flags and the tool versions, so a hit can never
 be stale.
-
-ZDSL_SPIRV_OPT=0 leaves spirv-opt out by default (half of a typical kernel's build): the test
-suite on lavapipe, whose driver optimizes the code anyway, tests the DSL's semantics with it, and
-the optimizer on builds of its own (tests/test_build.py).
 """
 
 from __future__ import annotations
@@ -91,18 +87,12 @@ class Compiled:
     ms: float
 
 
-def optimizing() -> bool:
-    """Whether a compile that does not say runs spirv-opt (module doc: ZDSL_SPIRV_OPT)."""
-    return os.environ.get("ZDSL_SPIRV_OPT", "1") != "0"
-
-
-def compile_glsl(source: str, *, name: str = "kernel", optimize: bool | None = None) -> bytes:
+def compile_glsl(source: str, *, name: str = "kernel", optimize: bool = True) -> bytes:
     """GLSL compute shader → validated (and optimized) SPIR-V bytes."""
     return compile_cached(source, name=name, optimize=optimize).spirv
 
 
-def compile_cached(source: str, *, name: str = "kernel", optimize: bool | None = None) -> Compiled:
-    optimize = optimizing() if optimize is None else optimize
+def compile_cached(source: str, *, name: str = "kernel", optimize: bool = True) -> Compiled:
     key = content_key(source, " ".join(GLSLANG_FLAGS), str(optimize), *sorted(versions().values()))
     path = cache_dir("spirv") / f"{key}.spirv"     # SPIR-V and its digest (a cache entry, not a bare .spv)
     cached = read_entry(path, spirv_problem)

@@ -360,10 +360,10 @@ class Variant:
     def compiled(self):
         return self.compile()
 
-    def compile(self, optimize: bool | None = None):
+    def compile(self, optimize: bool = True):
         """The variant's GLSL → validated SPIR-V (optimized, as runs use it, unless not
-        `optimize`: a quicker check that it compiles; None: toolchain.optimizing()), a compile
-        error pointing at the kernel's source line where the GLSL's line came from one."""
+        `optimize`: a quicker check that it compiles), a compile error pointing at the kernel's
+        source line where the GLSL's line came from one."""
         from zdsl.toolchain import compile_cached
         text, line_locs = self._glsl
         try:
