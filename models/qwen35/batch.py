@@ -82,7 +82,7 @@ class Batch:
             seq.free()
         self.steps = chunk.steps
         # the workgroup counts of each sequence's launches, one slot of `stride` bytes a launch
-        self.stride = max(16, dev._phys.min_storage_offset_alignment) if not getattr(dev, "dry", False) else 16
+        self.stride = max(16, dev._phys.min_storage_offset_alignment)
         nbytes = self.stride * n * (8 * hp.n_layers + 16)
         self.counts = dev.host_buffer(nbytes, name="batch.counts")  # written by the host, copied to the GPU's
         self.counts_gpu = dev.alloc(nbytes, name="batch.counts_gpu")  # the GPU reads its own memory faster
@@ -99,17 +99,8 @@ class Batch:
         rows = self._rows_of(graphs)
         if any(g.cand.nbytes > self.cand_bytes for g in graphs):
             raise ZdslError("a graph's sampler was retuned to more candidates than its batch holds: make the batch again")
-        for g in graphs:
-            if g.position + n > g.n_ctx:
-                raise ZdslError(f"the context of {g.n_ctx} tokens is full; start again with a larger --ctx")
-        for r, g in enumerate(graphs):
-            if tokens is not None:
-                if not 0 <= tokens[r] < g.hp.vocab:
-                    raise ZdslError(f"token id {tokens[r]} is outside the vocabulary [0, {g.hp.vocab})")
-                g.step_words[2] = tokens[r]
-                g._synced = False
-            if not g._synced:  # as DecodeGraph.decode: the host's step values start the step
-                g.step_words[0], g.step_words[1] = g.position, g.position + 1
+        for r, g in enumerate(graphs):  # every step copies the host's step values in (_record)
+            g.from_host(None if tokens is None else tokens[r], n)
         if self._recorded != [g.recorded for g in self.graphs]:  # a graph recorded again: its sampler changed
             self._forget()
             self.seq = self._record(self.graphs, indirect=True)
@@ -164,22 +155,21 @@ class Batch:
         sequence's launches dispatched indirect (the step of all rows)."""
         lender, hp, t = self.lender, self.lender.hp, len(graphs)
         seq = lender.device.sequence(timestamps=timestamps)
-        row_seq = None
+        at_row = (lambda r: _Row(self, seq, r)) if indirect else (lambda r: seq)  # where row r's launches go
         if indirect:
             self.launches = []
-            row_seq = lambda r: _Row(self, seq, r)  # noqa: E731
             seq.copy(self.counts, self.counts_gpu)
         for r, g in enumerate(graphs):
             seq.copy(g.step_host, g.step)
             seq.copy(g.step, self.steps, 4 * STEP_WORDS, dst_offset=4 * STEP_WORDS * r)
         for r, g in enumerate(graphs):
-            g.window(row_seq(r) if row_seq else seq)
+            g.window(at_row(r))
         emb = "token_embd.weight"
         embedding.embed.launch(seq, lender._pick, QTYPE=lender._qname(emb), table=lender.weights[emb], ids=self.steps,
                                out=self.rows.x, k=hp.hidden, index=2, stride=STEP_WORDS, rows=t)
-        lender.record_layers(seq, graphs, self.rows, row_seq)
+        lender.record_layers(seq, graphs, self.rows, at_row if indirect else None)
         for r, g in enumerate(graphs):
-            g.finish_step(row_seq(r) if row_seq else seq)  # its copy of the step values back runs for every row: as they were, if idle
+            g.finish_step(at_row(r))  # its copy of the step values back runs for every row: as they were, if idle
         return seq
 
     def _slot(self, row: int, groups: tuple) -> int:
@@ -193,8 +183,7 @@ class Batch:
         """Run one step of `graphs` recorded with a GPU timestamp after every command; returns
         (label, GPU ms) of each. The step advances the sequences as decode() does."""
         for g in graphs:
-            if not g._synced:
-                g.step_words[0], g.step_words[1] = g.position, g.position + 1
+            g.from_host()
         rows = sorted(self._rows_of(graphs))
         seq = self._record([self.graphs[r] for r in rows], indirect=False, timestamps=True)
         try:

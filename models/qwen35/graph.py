@@ -522,9 +522,16 @@ class DecodeGraph:
         qs = self._qname(down_sh) if down_sh in self.tensors else ""  # "": the stack's last expert
         fd, fs = FORMATS[qd], FORMATS[qs or qd]
         if (fd.block, fd.parts) != (fs.block, fs.parts) or (qs and self.tensors.shape(down_sh)[-1] != kd):
+            def down_of(tensor, ids, weights, act, slots):
+                m, k = self.tensors.shape(tensor)[-2:]
+                return lambda seq: ffn.moe_down.launch(
+                    seq, self._pick, label=tensor.removesuffix(".weight"), QTYPE=self._qname(tensor), ADD=True,
+                    w=self.weights[tensor], ids=ids, weights=weights, act=act, y=a.x, k=k, m=m, slots=slots, row=row,
+                    rows=rows, ids_stride=K + 1, act_stride=stride)
+
             weights_shared = a.route_w.slice(4 * K, a.route_w.nbytes - 4 * K)
-            launches += [lambda seq: self._down(seq, down, a.route_ids, a.route_w, a.act, K, a, row, rows),
-                         lambda seq: self._down(seq, down_sh, a.zero_id, weights_shared, act_shared, 1, a, row, rows)]
+            launches += [down_of(down, a.route_ids, a.route_w, a.act, K),
+                         down_of(down_sh, a.zero_id, weights_shared, act_shared, 1)]
         else:
             launches.append(lambda seq: ffn.moe_down_all.launch(
                 seq, self._pick, label=p + "ffn_down_exps+shexp", QTYPE=qd, QTYPE_SH=qs, K=K, w=self.weights[down],
@@ -532,13 +539,6 @@ class DecodeGraph:
                 act=a.act, y=a.x, k=kd, m=md, row=row, rows=rows))
         return launches
 
-    def _down(self, seq, tensor: str, ids, weights, act, slots: int, a, row: int, rows: int = 1) -> None:
-        hp = self.hp
-        m, k = self.tensors.shape(tensor)[-2:]
-        ffn.moe_down.launch(seq, self._pick, label=tensor.removesuffix(".weight"), QTYPE=self._qname(tensor), ADD=True,
-                            w=self.weights[tensor], ids=ids, weights=weights, act=act, y=a.x, k=k, m=m, slots=slots,
-                            row=row, rows=rows, ids_stride=hp.n_experts_used + 1,
-                            act_stride=hp.n_experts_used * hp.expert_ffn + hp.shared_ffn)
 
     def window(self, seq) -> None:
         """The step's input token into the penalties' window (where the sampler has penalties)."""
@@ -567,21 +567,26 @@ class DecodeGraph:
     def decode(self, token: int | None = None) -> int:
         """Run one step at the current position. `token` is the input (a prompt token); None
         feeds the token the GPU sampled last step. Returns the sampled next token id."""
-        if self.position >= self.n_ctx:
-            raise ZdslError(f"the context of {self.n_ctx} tokens is full; start again with a larger --ctx")
-        if token is not None or not self._synced:
-            w = self.step_words
-            w[0], w[1] = self.position, self.position + 1
-            if token is not None:
-                if not 0 <= token < self.hp.vocab:
-                    raise ZdslError(f"token id {token} is outside the vocabulary [0, {self.hp.vocab})")
-                w[2] = token
-            self.seq.run()
-        else:
-            self.seq_next.run()
+        (self.seq if self.from_host(token) else self.seq_next).run()
         self._synced = True
         self.position += 1
         return int(self.step_words[2])
+
+    def from_host(self, token: int | None = None, n: int = 1) -> bool:
+        """Before n steps: refuse them if they overrun the context; where the first must start
+        from the host's step values (an input `token` given, or the GPU's values no longer the
+        sequence's), write its position, length and token there. Returns whether it did."""
+        if self.position + n > self.n_ctx:
+            raise ZdslError(f"the context of {self.n_ctx} tokens is full; start again with a larger --ctx")
+        if token is None and self._synced:
+            return False
+        w = self.step_words
+        w[0], w[1] = self.position, self.position + 1
+        if token is not None:
+            if not 0 <= token < self.hp.vocab:
+                raise ZdslError(f"token id {token} is outside the vocabulary [0, {self.hp.vocab})")
+            w[2] = token
+        return True
 
     def prefill(self, tokens: list[int]) -> None:
         """Feed prompt tokens at the current position a chunk at a time (prefill.py), leaving the
@@ -624,12 +629,13 @@ class DecodeGraph:
     def decode_burst(self, n: int) -> list[int]:
         """Run n steps back to back on the GPU, each feeding its sampled token to the next (one
         submission, one wait), and return the n sampled tokens."""
-        if self.position + n > self.n_ctx:
-            raise ZdslError(f"the context of {self.n_ctx} tokens is full; start again with a larger --ctx")
-        if not self._synced:
-            return [self.decode()] + (self.decode_burst(n - 1) if n > 1 else [])
-        first = self.position
-        self.seq_next.run(times=n)
+        first, rest = self.position, n
+        if self.from_host(n=n):
+            self.seq.run()
+            rest -= 1
+        if rest:
+            self.seq_next.run(times=rest)
+        self._synced = True
         self.position += n
         return self.tokens_out.read(np.uint32, (n,), offset=4 * first).tolist()
 

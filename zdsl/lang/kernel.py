@@ -64,6 +64,7 @@ class KernelDef:
         self.constraint = where
         self.source = (inspect.getsourcefile(fn), fn.__code__.co_firstlineno)
         self.params = self._parse_params(fn)
+        self.scalar_defaults = {p.name: p.default for p in self.params if p.kind == "scalar" and p.default is not None}
         self._variants: dict[tuple, Variant] = {}
         self._traces: dict[tuple, ir.Kernel] = {}
         known = {p.name for p in self.params if p.kind in ("const", "spec")}
@@ -406,8 +407,8 @@ class Variant:
     def _with_unread(self, values: dict) -> dict:
         """Every scalar's value; one this variant never reads (a Const turned its use off) may be
         left out: 0; one with a default in the kernel's signature: that."""
-        defaults = {p.name: p.default for p in self.kernel.params if p.kind == "scalar" and p.default is not None}
-        values = {**{s.name: 0 for s in self.ir.scalars if s.name not in self._scalars_read}, **defaults, **values}
+        values = {**{s.name: 0 for s in self.ir.scalars if s.name not in self._scalars_read},
+                  **self.kernel.scalar_defaults, **values}
         missing = [s.name for s in self.ir.scalars if s.name not in values]
         if missing:
             raise ZdslError(f"{self.label}: missing scalar argument(s) {', '.join(missing)}")
