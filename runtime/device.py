@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import os
 import re
+import threading
 
 import numpy as np
 
@@ -103,7 +104,8 @@ def _pick_type(phys: Physical, want: int, rank) -> int:
 class Device:
     """An open Vulkan device: allocate buffers, build pipelines, record sequences.
 
-    Use it from one thread. A recorded Sequence refers to its Buffers and Pipelines by handle:
+    Use it from one thread, apart from a Recorder's (recorder.py), which records sequences on
+    its own with a command pool of its own. A recorded Sequence refers to its Buffers and Pipelines by handle:
     keep them (do not free them) while the Sequence can still run.
     """
 
@@ -123,6 +125,9 @@ class Device:
         self._cache_path = cache_dir("pipelines") / f"{content_key(self.info.identity)}.vkcache"
         self._cache_dirty = False
         self._push_descriptors = "push_descriptors" in self.info.features
+        self._command_pools: list = []  # a Recorder's each (Vulkan wants one a recording thread)
+        # Pipelines and layouts are made under it: a Recorder's thread records (and makes them) too.
+        self.lock = threading.RLock()
         atexit.register(self.close)
         try:
             self._create()
@@ -150,13 +155,17 @@ class Device:
         queue = keep.new("VkQueue *")
         lib.vkGetDeviceQueue(self._dev, phys.queue_family, 0, queue)
         self._queue = queue[0]
-        pool_info = keep.struct("VkCommandPoolCreateInfo", sType=vk.VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO,
-                                flags=vk.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT,
-                                queueFamilyIndex=phys.queue_family)
-        pool = keep.new("VkCommandPool *")
-        vk.check(lib.vkCreateCommandPool(self._dev, pool_info, ffi.NULL, pool), "vkCreateCommandPool")
-        self._pool = pool[0]
+        self._pool = self._new_command_pool()
         self._pipeline_cache = self._open_pipeline_cache()
+
+    def _new_command_pool(self):
+        keep = Keep()
+        info = keep.struct("VkCommandPoolCreateInfo", sType=vk.VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO,
+                           flags=vk.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT,
+                           queueFamilyIndex=self._phys.queue_family)
+        pool = keep.new("VkCommandPool *")
+        vk.check(lib.vkCreateCommandPool(self._dev, info, ffi.NULL, pool), "vkCreateCommandPool")
+        return pool[0]
 
     def _open_pipeline_cache(self):
         """The pipeline cache, filled from disk when the saved data is whole and this device's;
@@ -331,11 +340,12 @@ class Device:
                  name: str = "kernel", statistics: bool = False, isa: bool = False,
                  grid_ids: tuple[int, int, int] | None = None) -> Pipeline:
         self._check_open()
-        pipe = pipeline.create(self, spirv, bindings=bindings, push_size=push_size, spec=spec,
-                               subgroup_size=subgroup_size, name=name, statistics=statistics, isa=isa,
-                               grid_ids=grid_ids)
-        self._pipelines[pipe] = None
-        self._cache_dirty = True
+        with self.lock:
+            pipe = pipeline.create(self, spirv, bindings=bindings, push_size=push_size, spec=spec,
+                                   subgroup_size=subgroup_size, name=name, statistics=statistics, isa=isa,
+                                   grid_ids=grid_ids)
+            self._pipelines[pipe] = None
+            self._cache_dirty = True
         return pipe
 
     def _set_layout(self, n: int):
@@ -380,16 +390,26 @@ class Device:
 
     # -- command sequences ----------------------------------------------------------------
 
-    def sequence(self, timestamps: bool = False) -> Sequence:
+    def sequence(self, timestamps: bool = False, pool=None) -> Sequence:
+        """A new Sequence; `pool`: a Recorder's command pool (runtime/recorder.py), not the device's."""
         self._check_runnable()
-        seq = Sequence(self, timestamps)
+        seq = Sequence(self, timestamps, pool or self._pool)
         self._sequences[seq] = None
         return seq
 
-    def _command_buffer(self):
+    def recorder(self):
+        """A Recorder: sequences recorded on a thread of its own while this thread runs others."""
+        from zdsl.runtime.recorder import Recorder
+
+        self._check_runnable()
+        pool = self._new_command_pool()
+        self._command_pools.append(pool)
+        return Recorder(self, pool)
+
+    def _command_buffer(self, pool):
         keep = Keep()
         info = keep.struct("VkCommandBufferAllocateInfo", sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO,
-                           commandPool=self._pool, level=vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY, commandBufferCount=1)
+                           commandPool=pool, level=vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY, commandBufferCount=1)
         out = keep.new("VkCommandBuffer *")
         vk.check(lib.vkAllocateCommandBuffers(self._dev, info, out), "vkAllocateCommandBuffers")
         return out[0]
@@ -442,8 +462,9 @@ class Device:
                 self._staging.free()
             for arena in self._arenas.values():
                 arena.destroy()
-            if self._pool is not None:
-                lib.vkDestroyCommandPool(dev, self._pool, ffi.NULL)
+            for pool in [self._pool, *self._command_pools]:
+                if pool is not None:
+                    lib.vkDestroyCommandPool(dev, pool, ffi.NULL)
             lib.vkDestroyDevice(dev, ffi.NULL)
         lib.vkDestroyInstance(self._instance, ffi.NULL)
 

@@ -308,7 +308,7 @@ class Staging:
     def __init__(self, device, arena: Arena, slots: int = 2, slot_size: int = STAGING_SIZE):
         self.device, self.arena, self.size = device, arena, slot_size
         self.block, self.offset, self._nbytes = arena.alloc(slots * slot_size, "staging")
-        self._cbs = [device._command_buffer() for _ in range(slots)]
+        self._cbs = [device._command_buffer(device._pool) for _ in range(slots)]
         self._fences = [device._fence() for _ in range(slots)]
         self._pending = [False] * slots
         self._next = 0

@@ -102,9 +102,10 @@ class Pipeline:
         `grid_ids`; zdsl's GLSL backend declares them). Made once per grid."""
         if self.grid_ids is None:
             raise ZdslError(f"pipeline {self.name} cannot run a folded grid (its shader does not declare one)")
-        twin = self._folded.get(grid)
-        if twin is None:
-            twin = self._folded[grid] = self._make(dict(zip(self.grid_ids, grid)))
+        with self.device.lock:
+            twin = self._folded.get(grid)
+            if twin is None:
+                twin = self._folded[grid] = self._make(dict(zip(self.grid_ids, grid)))
         return twin
 
     def free(self) -> None:

@@ -84,7 +84,7 @@ def _range(buf) -> tuple:
 class Sequence:
     """Record with dispatch/copy/fill; `run()` ends recording and submits."""
 
-    def __init__(self, device, timestamps: bool = False):
+    def __init__(self, device, timestamps: bool = False, pool=None):
         if timestamps and "timestamps" not in device.info.features:
             raise MissingFeatureError(f"{device.info.name} has no timestamp queries on its compute queue")
         self.device = device
@@ -111,7 +111,8 @@ class Sequence:
         self._fence = self._keep.new("VkFence[1]")
         self._query_pool = None
         self._push_set = device._ext("vkCmdPushDescriptorSetKHR") if device._push_descriptors else None
-        self.cb = device._command_buffer()
+        self._pool = pool or device._pool  # the command pool its buffer comes from
+        self.cb = device._command_buffer(self._pool)
         keep = Keep()
         fence_info = keep.struct("VkFenceCreateInfo", sType=vk.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO)
         vk.check(lib.vkCreateFence(self._dev, fence_info, ffi.NULL, self._fence), "vkCreateFence")
@@ -296,11 +297,7 @@ class Sequence:
         """Submit the recorded commands `times` times in order (one vkQueueSubmit)."""
         if self.cb is None:
             raise ZdslError("this sequence was freed (or its device closed)")
-        if self._recording:
-            self.device._check_runnable()
-            TO_HOST.record(self.cb)
-            vk.check(lib.vkEndCommandBuffer(self.cb), "vkEndCommandBuffer")
-            self._recording = False
+        self.end()
         if not isinstance(times, int) or times < 1:
             raise ZdslError(f"run(times={times!r}): times must be a positive integer")
         self.wait()
@@ -314,6 +311,15 @@ class Sequence:
         self._runs += 1
         if wait:
             self.wait()
+
+    def end(self) -> None:
+        """End the recording (run() does it first if not done): on the thread that recorded, when
+        that is a Recorder's, since ending touches the command pool as recording does."""
+        if self._recording:
+            self.device._check_runnable()
+            TO_HOST.record(self.cb)
+            vk.check(lib.vkEndCommandBuffer(self.cb), "vkEndCommandBuffer")
+            self._recording = False
 
     def wait(self) -> None:
         if not self._pending:
@@ -354,7 +360,7 @@ class Sequence:
         if self._pending:       # no error raised here: this also runs while closing a lost device
             lib.vkWaitForFences(dev, 1, self._fence, 1, 10_000_000_000)
             self._pending = False
-        lib.vkFreeCommandBuffers(dev, self.device._pool, 1, self._keep.new("VkCommandBuffer[1]", [self.cb]))
+        lib.vkFreeCommandBuffers(dev, self._pool, 1, self._keep.new("VkCommandBuffer[1]", [self.cb]))
         lib.vkDestroyFence(dev, self._fence[0], ffi.NULL)
         if self._query_pool is not None:
             lib.vkDestroyQueryPool(dev, self._query_pool, ffi.NULL)

@@ -471,6 +471,45 @@ def test_indirect_dispatch(device, add):
     args.free()
 
 
+def test_a_recorder_records_on_its_thread_while_this_one_runs(device, add):
+    import threading
+
+    n = 3000
+    xs = [device.upload(np.zeros(n, np.float32), f"x{i}") for i in range(2)]
+    recorder = device.recorder()
+    threads = []
+
+    def record(sequence, x, times):
+        threads.append(threading.get_ident())
+        seq = sequence()
+        for _ in range(times):
+            seq.dispatch(add, groups(n), [x], push_add(n, 1.0))
+        return seq
+
+    try:
+        pending = recorder.record(record, xs[1], 200)
+        for _ in range(20):  # meanwhile this thread records and runs sequences from the device's pool
+            seq = device.sequence()
+            seq.dispatch(add, groups(n), [xs[0]], push_add(n, 1.0))
+            seq.run()
+            seq.free()
+        seq = pending.result()
+        seq.run(times=2)
+        assert len(threads) == 1 and threads[0] != threading.get_ident()
+        np.testing.assert_array_equal(xs[0].read(np.float32), np.full(n, 20, np.float32))
+        np.testing.assert_array_equal(xs[1].read(np.float32), np.full(n, 400, np.float32))
+        recorder.free(pending)
+        recorder.wait()
+        assert seq.cb is None
+        failed = recorder.record(lambda sequence: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            failed.result()
+    finally:
+        recorder.close()
+        for x in xs:
+            x.free()
+
+
 def test_timestamps(device, add, double):
     n = 4096
     x, y = device.upload(np.ones(n, np.float32), "x"), device.alloc(4 * n, "y")

@@ -11,11 +11,12 @@ sequences touch disjoint rows and their own caches, so they carry no barrier bet
 A step of all the batch's sequences is recorded once and runs any subset of them: each
 sequence's launches are dispatched indirect, their workgroup counts in a buffer the host writes
 before each run, 0 for a sequence that sits the step out. So sequences that start and stop
-decoding at any time (a server's requests) cost no new recording (a few hundred ms of host time
+decoding at any time (a server's requests) wait for no recording (a few hundred ms of host time
 for the 35B-A3B, more than a burst). The empty launches are not free (on the H100 two of eight
 sequences step at 310 tok/s this way, at 547 in a step of their own), so a set of sequences
-that keeps stepping together gets a step of its own, with direct dispatches, from its
-OWN_AFTER-th burst on (the last KEPT of them are kept).
+that steps together a second time gets a step of its own, with direct dispatches, recorded on
+another thread (runtime/recorder.py) while the set runs in the step of all rows; the set runs
+its own from the first burst after it is ready (the last KEPT of them are kept).
 
 A step leaves each sequence as its own decode step would (up to the order of a few sums), and
 its sampled token in its step values and tokens_out, so each graph decodes on alone
@@ -25,6 +26,7 @@ afterwards, or in another batch.
 from __future__ import annotations
 
 from collections import OrderedDict
+from concurrent.futures import Future
 from types import SimpleNamespace
 
 import numpy as np
@@ -35,7 +37,7 @@ from zdsl.kernels.dmmv import dmmv
 from zdsl.models.qwen35.buffers import STEP_WORDS
 
 MOST = max(dmmv.variant_space["COLS"])  # sequences a batch holds: dmmv's columns
-OWN_AFTER, KEPT = 3, 8  # bursts before a set of sequences gets a step of its own; those kept
+OWN_AFTER, KEPT = 2, 8  # the burst of a set of sequences that records its own step; steps kept
 
 
 class Batch:
@@ -88,7 +90,8 @@ class Batch:
         self.counts_gpu = dev.alloc(nbytes, name="batch.counts_gpu")  # the GPU reads its own memory faster
         self.launches: list[tuple[int, int, tuple]] = []  # (row, byte offset, workgroups) of each
         self.seq, self._recorded = None, None  # the step of all rows, and the graphs' recordings it saw
-        self._own: OrderedDict[tuple, object] = OrderedDict()  # a set's step of its own, by key()
+        self._recorder = dev.recorder()
+        self._own: OrderedDict[tuple, Future] = OrderedDict()  # a set's step of its own (being recorded)
         self._bursts: dict[tuple, int] = {}  # bursts each set has run
 
     def decode(self, graphs: list, n: int = 1, tokens: list[int] | None = None) -> list[list[int]]:
@@ -103,7 +106,7 @@ class Batch:
             g.from_host(None if tokens is None else tokens[r], n)
         if self._recorded != [g.recorded for g in self.graphs]:  # a graph recorded again: its sampler changed
             self._forget()
-            self.seq = self._record(self.graphs, indirect=True)
+            self.seq = self._record(self.lender.device.sequence, self.graphs, indirect=True)
             self._recorded = [g.recorded for g in self.graphs]
         first = [g.position for g in graphs]
         self._step(sorted(rows)).run(times=n)
@@ -120,25 +123,31 @@ class Batch:
         return rows
 
     def _step(self, rows: list[int]):
-        """The step that runs the sequences of `rows`: their own, or all rows' with the others idle."""
+        """The step that runs the sequences of `rows`: their own once recorded, else all rows'
+        with the others idle."""
         key = tuple(rows)
-        own = self._own.pop(key, None)
         self._bursts[key] = self._bursts.get(key, 0) + 1
+        own = self._own.get(key)
         if own is None and self._bursts[key] >= OWN_AFTER:
-            own = self._record([self.graphs[r] for r in rows], indirect=False)
-        if own is None:
-            self._take_part(set(rows))
-            return self.seq
-        self._own[key] = own
-        while len(self._own) > KEPT:
-            self._own.popitem(last=False)[1].free()
-        return own
+            own = self._own[key] = self._recorder.record(self._record, [self.graphs[r] for r in rows], indirect=False)
+            while len(self._own) > KEPT:
+                self._recorder.free(self._own.popitem(last=False)[1])
+        if own is not None and own.done():
+            self._own.move_to_end(key)
+            return own.result()
+        self._take_part(set(rows))
+        return self.seq
+
+    def settle(self) -> None:
+        """Until the steps being recorded are ready (what a step runs then no longer depends on timing)."""
+        self._recorder.wait()
 
     def _forget(self) -> None:
-        for seq in [self.seq, *self._own.values()]:
-            if seq is not None:
-                seq.free()
+        if self.seq is not None:
+            self.seq.free()
         self.seq = None
+        for own in self._own.values():  # some may be recording still, from what the graphs were
+            self._recorder.free(own)
         self._own.clear()
         self._bursts.clear()
 
@@ -148,13 +157,15 @@ class Batch:
         for row, at, groups in self.launches:
             words[at // 4:at // 4 + 3] = groups if row in rows else (0, 0, 0)
 
-    def _record(self, graphs: list, indirect: bool, timestamps: bool = False):
+    def _record(self, sequence, graphs: list, indirect: bool, timestamps: bool = False):
         """One step of `graphs`, row r being graphs[r]'s token, from the step values in their host
         buffers: what the host wrote, or what the last step left (each step copies its values
         back), so one recording serves a first step and the ones after. `indirect`: each
-        sequence's launches dispatched indirect (the step of all rows)."""
+        sequence's launches dispatched indirect (the step of all rows; on this thread: it
+        rewrites `launches`). `sequence(timestamps=)` makes the Sequence: the device's, or a
+        Recorder's on its thread."""
         lender, hp, t = self.lender, self.lender.hp, len(graphs)
-        seq = lender.device.sequence(timestamps=timestamps)
+        seq = sequence(timestamps=timestamps)
         at_row = (lambda r: _Row(self, seq, r)) if indirect else (lambda r: seq)  # where row r's launches go
         if indirect:
             self.launches = []
@@ -185,7 +196,7 @@ class Batch:
         for g in graphs:
             g.from_host()
         rows = sorted(self._rows_of(graphs))
-        seq = self._record([self.graphs[r] for r in rows], indirect=False, timestamps=True)
+        seq = self._record(self.lender.device.sequence, [self.graphs[r] for r in rows], indirect=False, timestamps=True)
         try:
             seq.run()
             for g in graphs:
@@ -197,6 +208,7 @@ class Batch:
 
     def close(self) -> None:
         self._forget()
+        self._recorder.close()
         for buf in self._owned:
             buf.free()
         self._owned = []

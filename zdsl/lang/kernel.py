@@ -422,10 +422,14 @@ class Variant:
     def pipeline(self, device, *, statistics: bool = False):
         pipe = self._pipelines.get(device)
         if pipe is None or (statistics and pipe.statistics is None):
-            pipe = device.pipeline(self.spirv, bindings=self.bindings, push_size=self.push_size,
-                                   spec=self.spec_constants(), subgroup_size=self.ir.subgroup_size,
-                                   name=self.label, statistics=statistics, grid_ids=GRID_SPEC_IDS)
-            self._pipelines[device] = pipe
+            spirv = self.spirv  # compiled outside the lock: another thread may make its pipelines meanwhile
+            with device.lock:  # made once, also when a Recorder's thread asks at the same time
+                pipe = self._pipelines.get(device)
+                if pipe is None or (statistics and pipe.statistics is None):
+                    pipe = device.pipeline(spirv, bindings=self.bindings, push_size=self.push_size,
+                                           spec=self.spec_constants(), subgroup_size=self.ir.subgroup_size,
+                                           name=self.label, statistics=statistics, grid_ids=GRID_SPEC_IDS)
+                    self._pipelines[device] = pipe
         return pipe
 
     def _check_arrays(self, arrays) -> None:
