@@ -19,7 +19,7 @@ from zdsl.models.qwen35.sampler import SamplerConfig
 SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
             "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
             "repeat_penalty": "repeat_penalty", "repeat_last_n": "last_n"}
-COMMON = {"model", "stream", "stream_options", "max_tokens", "stop", "n", "user", *SAMPLING}
+COMMON = {"model", "stream", "stream_options", "max_tokens", "stop", "n", "user", "ignore_eos", *SAMPLING}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs"}
 COMPLETION_FIELDS = COMMON | {"prompt"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -47,6 +47,7 @@ class Job:
     stop: list[str]
     stream: bool
     include_usage: bool
+    ignore_eos: bool = False  # llama-server's extension: generate past stop tokens (benchmarks)
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -158,8 +159,11 @@ def _max_tokens(body: dict, name: str, prompt: int, n_ctx: int) -> int:
 
 
 def _job(body: dict, prompt_ids: list[int], limit: str, n_ctx: int) -> Job:
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise bad("ignore_eos must be true or false", "ignore_eos")
     return Job(prompt_ids, _max_tokens(body, limit, len(prompt_ids), n_ctx), sampler_of(body), _stop(body),
-               body.get("stream", False), _include_usage(body))
+               body.get("stream", False), _include_usage(body), ignore_eos)
 
 
 def chat_job(body, tokenizer, n_ctx: int) -> Job:

@@ -4,10 +4,11 @@ streamed out with stop strings applied, and the counters /metrics shows.
 A slot is a Generator that keeps its context and checkpoints (generate.py), so a request whose
 prompt starts with what the slot last held (a conversation sent again with one more message)
 feeds only what is new; a request takes the free slot that holds the longest start of its
-prompt. The slots read one copy of the weights. Each slot's GPU work runs on a thread of its
-own, one call at a time under one lock for all (a prompt, or a burst of decode steps): the event
-loop stays free to answer other requests, and the calls of one request run in the order they
-were made. The slots that are decoding meet for each burst (Together): one batched step for all
+prompt. The slots read one copy of the weights. Each slot's generation runs on a thread of its
+own, its GPU work one call at a time under one lock for all (a prompt, or a burst of decode
+steps), handing each token to the event loop as it comes: the event loop stays free to answer
+other requests, and a slot is back for its next burst as soon as its last one is done, not when
+the event loop has asked for each of that burst's tokens. The slots that are decoding meet for each burst (Together): one batched step for all
 of them (batch.py), so the aggregate speed grows with the streams. A request that goes away (a
 client that disconnects) stops its generation at the next token and frees its slot.
 """
@@ -43,6 +44,39 @@ class Slot:
             with self.gpu:
                 return fn(*args)
         return self.thread.submit(locked)
+
+    def stream(self, job: Job, stop: threading.Event) -> asyncio.Queue:
+        """The job's generation on the slot's thread: a queue that gets each token id as it comes,
+        then None at the end (or the exception that ended it). It ends early once `stop` is set."""
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue = asyncio.Queue()
+
+        def put(item) -> None:
+            try:
+                loop.call_soon_threadsafe(out.put_nowait, item)
+            except RuntimeError:  # the event loop is closed: nobody is listening
+                pass
+
+        def generate() -> None:
+            gen, tokens = self.gen, None
+            try:
+                with self.gpu:
+                    gen.use(job.sampler)
+                    tokens = gen.generate(job.prompt_ids, job.max_tokens, stop=not job.ignore_eos)
+                while not stop.is_set():
+                    with self.gpu:  # a burst's tokens after the first come from the host: no wait
+                        token = next(tokens, None)
+                    put(token)
+                    if token is None:
+                        return
+            except BaseException as e:
+                put(e)
+            finally:
+                if tokens is not None:
+                    with self.gpu:
+                        tokens.close()  # ends the generation where it is
+        self.thread.submit(generate)
+        return out
 
     def close(self) -> None:
         self.submit(self.gen.close).result()
@@ -230,18 +264,25 @@ class Engine:
     async def _generate(self, slot: Slot, job: Job) -> AsyncIterator[Piece]:
         gen = slot.gen
         tok = gen.tokenizer
+        stop = threading.Event()
+        tokens = slot.stream(job, stop)
 
-        def start():
-            gen.use(job.sampler)
-            tokens = gen.generate(job.prompt_ids, job.max_tokens)
-            return tokens, next(tokens)   # the prompt's ingest and the first token
+        async def take():
+            item = await tokens.get()
+            if isinstance(item, BaseException):
+                raise item
+            return item
 
-        tokens, token = await asyncio.wrap_future(slot.submit(start))
+        try:
+            token = await take()  # after the prompt's ingest
+        except BaseException:  # a refused prompt, or a client gone meanwhile
+            stop.set()
+            raise
         text, produced, finish = StopText(job.stop), 0, "length"
         try:
             while token is not None:
                 produced += 1
-                if token in gen.stop_ids:
+                if token in gen.stop_ids and not job.ignore_eos:
                     finish = "stop"
                     break
                 piece = text.add(b"" if token in tok.special_ids else tok.piece(token))
@@ -251,9 +292,9 @@ class Engine:
                     break
                 if piece:
                     yield Piece(piece)
-                token = await asyncio.wrap_future(slot.submit(next, tokens, None))
+                token = await take()
         finally:
-            slot.submit(tokens.close)  # ends the generation where it is (no await: it may be cancelled)
+            stop.set()  # no await: this may be a cancellation
             self.metrics.add(gen.timings)
         t = gen.timings
         yield Piece("" if text.stopped else text.flush(), finish, len(job.prompt_ids), produced, t.reused_tokens)

@@ -2,8 +2,10 @@
 
 Cold: a prompt of --prompt random token ids into an empty slot. Cached: the same prompt's first
 --shared tokens, then new ones: the slot resumes from its last checkpoint at or before --shared.
-Streams: k greedy jobs of --tokens each submitted at once to --parallel slots; aggregate tok/s =
-the tokens of all / wall time, with each stream's time to its first token. Prints one JSON line per measurement. Run on the GPU machine (see docs/PERF.md).
+Streams: k jobs of --tokens each (past stop tokens, as llama-server's ignore_eos) submitted at
+once to --parallel slots, greedy or (--temperature) sampled with a seed of their own each, as API
+requests without one; aggregate tok/s = the tokens of all / wall time, with each stream's time to
+its first token. Prints one JSON line per measurement. Run on the GPU machine (see docs/PERF.md).
 """
 
 from __future__ import annotations
@@ -21,8 +23,14 @@ from zdsl.models.qwen35.sampler import SamplerConfig
 from zdsl.models.qwen35.serve import open_engine
 
 
+TEMPERATURE = 0.0  # --temperature
+
+
 def job(ids: list[int], tokens: int) -> Job:
-    return Job(ids, tokens, SamplerConfig(temperature=0), [], True, True)
+    """Greedy, or sampled with a seed of its own as an API request without one (sampler_of)."""
+    sampler = SamplerConfig(temperature=0) if not TEMPERATURE else SamplerConfig(
+        temperature=TEMPERATURE, seed=int(np.random.default_rng().integers(2 ** 32)))
+    return Job(ids, tokens, sampler, [], True, True, ignore_eos=True)  # each stream its --tokens
 
 
 async def first_token(engine, ids: list[int], tokens: int) -> tuple[float, float, int]:
@@ -59,7 +67,10 @@ async def streams(engine, k: int, length: int, tokens: int, rng) -> tuple[float,
 @click.option("--streams", "stream_counts", default="1,2,4,8")
 @click.option("--kv-type", "kv", default="f16")
 @click.option("--parallel", type=int, default=1, help="Slots (zdsl serve --parallel).")
-def main(model, device, n_ctx, prompt_len, shared, tokens, stream_counts, kv, parallel):
+@click.option("--temperature", type=float, default=0.0, help="Sample, each request with a seed of its own.")
+def main(model, device, n_ctx, prompt_len, shared, tokens, stream_counts, kv, parallel, temperature):
+    global TEMPERATURE
+    TEMPERATURE = temperature
     engine, _ = open_engine(model, device, n_ctx=n_ctx, kv=kv_types(kv), checkpoint_mib=1024, parallel=parallel)
     rng = np.random.default_rng(0)
     vocab = engine.tokenizer.vocab_size
