@@ -8,7 +8,10 @@ in the window and keeps each workgroup's CAP best (logit, id) pairs; `sample_dra
 workgroup) merges them into the CAP best of the whole vocabulary and applies, in this order:
 top-k, min-p (relative to the most likely token, before temperature), temperature, top-p, then a
 draw with a counter-based random number. It writes the token where the next decode step reads it
-(`step[2]`), so a recorded command buffer can replay the whole decode loop.
+(`step[2]`), so a recorded command buffer can replay the whole decode loop. The settings
+(penalties, top-k, min-p, temperature, top-p, seed) come from a small buffer, `SETTINGS` words,
+not from the recording: a request with its own seed or temperature writes 32 bytes instead of
+recording a step again.
 
 Order of candidates everywhere: larger logit first, equal logits by lower token id; NaN logits
 count as -inf. A free slot holds the sentinel (-inf, 0xFFFFFFFF). `block_topk` selects for the
@@ -28,6 +31,27 @@ from zdsl.kernels.reduce import SUBGROUPS
 CAPS = [1, 64, 256]  # candidates kept; 1 is the greedy variant
 SENTINEL = 0xFFFFFFFF  # id of an empty candidate slot
 NEG_INF_BITS = 0xFF800000
+# The settings buffer: a u32 word each, floats as their bits.
+SETTINGS = ("repeat_penalty", "presence_penalty", "frequency_penalty", "top_k", "min_p", "inv_temp", "top_p", "seed")
+_WHOLE = {"top_k", "seed"}
+
+
+def settings_words(**values) -> np.ndarray:
+    """The settings buffer holding `values` (one for each name in SETTINGS)."""
+    return np.array([np.uint32(values[n]) if n in _WHOLE else np.float32(values[n]).view(np.uint32)
+                     for n in SETTINGS], np.uint32)
+
+
+def settings_of(words) -> dict:
+    """The values a settings buffer holds (settings_words undone)."""
+    words = np.asarray(words, np.uint32)
+    return {n: int(w) if n in _WHOLE else float(w.view(np.float32)) for n, w in zip(SETTINGS, words)}
+
+
+def setting(settings, name: str):
+    """In a kernel: the value of setting `name` from the settings buffer."""
+    word = settings[SETTINGS.index(name)]
+    return word if name in _WHOLE else zdsl.bitcast(word, f32)
 SHARED_LIMIT = 32768  # bytes of workgroup memory a variant may use (lavapipe's limit)
 
 # ---- one-workgroup top-C selection ---------------------------------------------------------------
@@ -258,14 +282,15 @@ def penalty_window_ref(context, window: int, n_vocab: int):
 @zdsl.kernel(workgroup="WG", subgroup="SG", variants=VARIANTS, where=_fits, key=("n_vocab",),
              grid=lambda v, s: candidate_groups(v, s.n_vocab),
              traffic=lambda v, s: 8 * s.n_vocab + 8 * v.CAP * candidate_groups(v, s.n_vocab))
-def sample_candidates(logits: Buffer[f32], counts: Buffer[u32], cand: Buffer[u32], n_vocab: u32,
-                      repeat_penalty: f32, presence_penalty: f32, frequency_penalty: f32, row: u32 = 0,
-                      CAP: Const = 64, WG: Const = 256, R: Const = 16, SG: Const = 32):
+def sample_candidates(logits: Buffer[f32], counts: Buffer[u32], cand: Buffer[u32], settings: Buffer[u32],
+                      n_vocab: u32, row: u32 = 0, CAP: Const = 64, WG: Const = 256, R: Const = 16, SG: Const = 32):
     """Workgroup g keeps the CAP first penalised (logit, id) pairs of tokens [g·WG·R, (g+1)·WG·R)
     as cand[2(g·CAP + j)] = the logit's f32 bits, cand[2(g·CAP + j) + 1] = the id, j = 0..CAP-1 in
     order. A token in the window (c = counts[id] > 0) has its logit divided by repeat_penalty when
-    positive, multiplied by it otherwise, then lowered by presence_penalty + c·frequency_penalty.
-    The logits are row `row` of a batch's (batch.py)."""
+    positive, multiplied by it otherwise, then lowered by presence_penalty + c·frequency_penalty
+    (the settings buffer's). The logits are row `row` of a batch's (batch.py)."""
+    repeat_penalty, presence_penalty, frequency_penalty = (
+        setting(settings, n) for n in ("repeat_penalty", "presence_penalty", "frequency_penalty"))
     logits = logits.at(row * n_vocab)
     base = zdsl.workgroup_id() * (WG * R)
 
@@ -309,15 +334,16 @@ def penalise_ref(logits, counts, repeat_penalty, presence_penalty, frequency_pen
 
 @zdsl.kernel(workgroup="WG", subgroup="SG", variants=VARIANTS, where=lambda v: _fits(v, 4 * v.CAP), key=("n_vocab",),
              traffic=lambda v, s: 8 * v.CAP * candidate_groups(v, s.n_vocab))
-def sample_draw(cand: Buffer[u32], step: Buffer[u32], tokens: Buffer[u32], n_vocab: u32,
-                top_k: u32, min_p: f32, inv_temp: f32, top_p: f32, seed: u32, max_tokens: u32,
-                CAP: Const = 64, WG: Const = 256, R: Const = 16, SG: Const = 32):
+def sample_draw(cand: Buffer[u32], step: Buffer[u32], tokens: Buffer[u32], settings: Buffer[u32], n_vocab: u32,
+                max_tokens: u32, CAP: Const = 64, WG: Const = 256, R: Const = 16, SG: Const = 32):
     """Draw one token from the candidates of sample_candidates (same CAP, WG, R). Over the CAP first
     candidates z_0 ≥ z_1 ≥ …: keep the top_k first (0: all CAP); keep those with
     exp(z_j − z_0) ≥ min_p; weigh them q_j = exp((z_j − z_0)·inv_temp); keep the shortest prefix
     whose weight reaches top_p of the total; pick the first j whose running sum exceeds u times the
     kept total, u = uniform_bits(seed, step[3])·2⁻²⁴ (sums run in order, j = 0 when none does).
-    Writes step[2] = token, tokens[step[0]] = token when step[0] < max_tokens, step[3] += 1."""
+    Writes step[2] = token, tokens[step[0]] = token when step[0] < max_tokens, step[3] += 1.
+    top_k … seed: the settings buffer's."""
+    top_k, min_p, inv_temp, top_p, seed = (setting(settings, n) for n in ("top_k", "min_p", "inv_temp", "top_p", "seed"))
     groups = (n_vocab + (WG * R - 1)) // (WG * R)
 
     def load(index, valid):
@@ -401,12 +427,14 @@ def sampling_example(use, rng, check):
     groups = -(-V // (min(values["WG"]) * min(values["R"])))  # the most candidate groups any variant writes
     args = dict(logits=inputs.normal(rng, V, 3.0), counts=(rng.random(V) < 0.1).astype(np.uint32),
                 cand=np.zeros(2 * cap * groups, np.uint32), step=inputs.step_words(3, 4, counter=5),
-                tokens=np.zeros(1, np.uint32), n_vocab=V, repeat_penalty=1.1, presence_penalty=0.1,
-                frequency_penalty=0.05, top_k=min(40, cap), min_p=0.05, inv_temp=1.25, top_p=0.95, seed=7, max_tokens=0)
+                tokens=np.zeros(1, np.uint32), n_vocab=V, max_tokens=0)
+    s = dict(repeat_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.05, top_k=min(40, cap), min_p=0.05,
+             inv_temp=1.25, top_p=0.95, seed=7)
+    args["settings"] = settings_words(**s)
     counts0 = args["counts"].copy()
 
     def expect(p):
-        a = args
+        a = {**args, **s}
         cand = sample_candidates_ref(a["logits"], counts0, a["repeat_penalty"], a["presence_penalty"],
                                      a["frequency_penalty"], CAP=cap, WG=p["WG"], R=p["R"])
         cand_buf = np.full(a["cand"].size, np.nan)

@@ -21,6 +21,9 @@ class DryBuffer:
     def __init__(self, name: str, nbytes: int):
         self.name, self.nbytes, self._host = name, int(nbytes), None
 
+    def write(self, array, offset: int = 0) -> None:
+        pass  # holds nothing: a dry graph runs nothing
+
     def slice(self, offset: int, nbytes: int) -> "DryBuffer":
         return DryBuffer(f"{self.name}[{offset}:+{nbytes}]", nbytes)
 

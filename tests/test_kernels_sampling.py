@@ -12,7 +12,7 @@ import zdsl
 from zdsl import Buffer, Const, f32, u32
 from zdsl.errors import ZdslError
 from zdsl.kernels import sampling as k
-from zdsl.models.qwen35.sampler import SamplerConfig, sample_reference
+from zdsl.models.qwen35.sampler import SamplerConfig, check_vocab, sample_reference
 from kernel_testing import BACKENDS, run, subgroup
 
 SHAPES = [(64, 4), (256, 4), (64, 16), (256, 16)]  # (WG, R)
@@ -39,7 +39,7 @@ class Sampler:
         self.counts = np.zeros(n_vocab, np.uint32)
         self.ring = np.full(max(n_ctx, 1), 99999, np.uint32)
         self.tokens = np.full(max_tokens, 7777, np.uint32)
-        self.push = config.push_constants(n_vocab, max_tokens)
+        self.settings, self.max_tokens = config.settings(), max_tokens
 
     def _run(self, variant, groups, **args):
         if self.backend == "interp":
@@ -55,8 +55,9 @@ class Sampler:
                             window=self.window, n_vocab=self.n_vocab, t=1)
             self.ring, self.counts = out["ring"], out["counts"]
         self.cand = self._run(self.candidates, self.groups, logits=logits, counts=self.counts, cand=self.cand,
-                              **self.push[0])["cand"]
-        out = self._run(self.draw, 1, cand=self.cand, step=self.step, tokens=self.tokens, **self.push[1])
+                              settings=self.settings, n_vocab=self.n_vocab)["cand"]
+        out = self._run(self.draw, 1, cand=self.cand, step=self.step, tokens=self.tokens, settings=self.settings,
+                        n_vocab=self.n_vocab, max_tokens=self.max_tokens)
         self.step, self.tokens = out["step"], out["tokens"]
         token = int(self.step[2])
         self.step[0] += 1
@@ -85,7 +86,7 @@ def test_candidates(backend, request, n, ties, cap, shape, sg_pick, rp, pp, fp, 
     counts = rng.integers(0, 3, n).astype(np.uint32)
     groups = -(-n // (wg * r))
     args = dict(logits=logits, counts=counts, cand=np.zeros(2 * groups * cap, np.uint32), n_vocab=n,
-                repeat_penalty=rp, presence_penalty=pp, frequency_penalty=fp)
+                settings=SamplerConfig(repeat_penalty=rp, presence_penalty=pp, frequency_penalty=fp).settings())
     v = k.sample_candidates.specialize(CAP=cap, WG=wg, R=r, SG=sg)
     cand = (v.interpret(groups, **args) if backend == "interp" else v.run(request.getfixturevalue("device"), groups, **args))
     np.testing.assert_array_equal(cand["cand"], k.sample_candidates_ref(logits, counts, rp, pp, fp, CAP=cap, WG=wg,
@@ -99,7 +100,7 @@ def test_penalties_as_defined():
     counts = np.array([1, 3, 0, 0, 1], np.uint32)
     cand = k.sample_candidates.specialize(CAP=64, WG=64, R=4, SG=8).interpret(
         1, logits=logits, counts=counts, cand=np.zeros(128, np.uint32), n_vocab=5,
-        repeat_penalty=2.0, presence_penalty=0.25, frequency_penalty=0.5)["cand"].reshape(-1, 2)[:5]
+        settings=SamplerConfig(repeat_penalty=2.0, presence_penalty=0.25, frequency_penalty=0.5).settings())["cand"].reshape(-1, 2)[:5]
     got = dict(zip(cand[:, 1], cand[:, 0].view(np.float32)))
     assert got == {0: 0.25, 1: -5.75, 2: 2.0, 3: -2.0, 4: -0.75}
 
@@ -333,11 +334,16 @@ def test_config_errors(field, value, words):
     assert words in str(err.value) and "\n" not in str(err.value)
 
 
-def test_config_push_constants():
-    cand, draw = SamplerConfig(temperature=0.5, top_k=0, seed=9).push_constants(1000, 64)
-    assert cand == dict(n_vocab=1000, repeat_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
-    assert draw == dict(n_vocab=1000, top_k=0, min_p=0.05, inv_temp=2.0, top_p=0.95, seed=9, max_tokens=64)
+def test_config_settings():
+    got = k.settings_of(SamplerConfig(temperature=0.5, top_k=0, seed=9).settings())
+    assert got == dict(repeat_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, top_k=0,
+                       min_p=pytest.approx(0.05), inv_temp=2.0, top_p=pytest.approx(0.95), seed=9)
     greedy = SamplerConfig(temperature=0)
-    assert greedy.greedy and greedy.kernel_cap == 1 and greedy.push_constants(10)[1]["top_k"] == 1
+    assert greedy.greedy and greedy.kernel_cap == 1 and k.settings_of(greedy.settings())["top_k"] == 1
     with pytest.raises(ZdslError, match="vocabulary size"):
-        greedy.push_constants(0)
+        check_vocab(0)
+    # a step recorded for one sampler serves another of the same kernels and penalties' window
+    assert SamplerConfig(temperature=0.5, seed=1).recorded_alike(SamplerConfig(temperature=1.2, top_p=0.5, seed=2), 64)
+    assert not SamplerConfig(temperature=0.5).recorded_alike(greedy, 64)
+    assert not SamplerConfig(repeat_penalty=1.2).recorded_alike(SamplerConfig(), 64)
+    assert not SamplerConfig(repeat_penalty=1.2, last_n=8).recorded_alike(SamplerConfig(repeat_penalty=1.3), 64)

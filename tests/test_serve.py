@@ -160,6 +160,20 @@ def test_text_completion_is_the_generate_path(client, cold):
     assert [m.id for m in client.models.list().data] == ["tiny.gguf"]
 
 
+def test_ignore_eos_generates_past_stop_tokens(client, cold):
+    """llama-server's ignore_eos: max_tokens tokens whatever they are (the streams of a benchmark).
+    The prompt is one whose greedy continuation stops early where one is found among a few."""
+    cold.use(SamplerConfig(temperature=0))
+    prompts = [f"Once upon a time {i}" for i in range(12)]
+    ids = {p: cold.tokenizer.encode(p, parse_special=True) for p in prompts}
+    prompt = next((p for p in prompts if len(list(cold.generate(ids[p], 24))) < 24), prompts[0])
+    want = list(cold.generate(ids[prompt], 24, stop=False))
+    r = client.completions.create(model="tiny.gguf", prompt=prompt, max_tokens=24, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 24 and r.choices[0].finish_reason == "length"
+    assert r.choices[0].text == cold.tokenizer.decode([t for t in want if t not in cold.stop_ids], skip_special=True)
+
+
 def metric(url: str, name: str) -> float:
     text = httpx.get(url + "/metrics").text
     return float(next(line.split()[1] for line in text.splitlines() if line.startswith(f"zdsl_{name} ")))
@@ -175,6 +189,7 @@ BAD = [("{not json", 400, None), ('[1, 2]', 400, None),
        ('{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 1}}', 400, "logit_bias"),
        ('{"messages": [{"role": "wizard", "content": "hi"}]}', 400, "messages[0]"),
        ('{"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}', 400, "stream"),
+       ('{"messages": [{"role": "user", "content": "hi"}], "ignore_eos": 1}', 400, "ignore_eos"),
        ('{"messages": [{"role": "user", "content": "' + "word " * 400 + '"}]}', 400, "messages")]
 
 

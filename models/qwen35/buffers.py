@@ -17,6 +17,7 @@ from zdsl.errors import OutOfMemoryError, ZdslError
 from zdsl.kernels.attention import cache_rows, split_count
 from zdsl.kernels.formats import row_bytes
 from zdsl.kernels.kvcache import DEFAULT as KV_DEFAULT, FORMATS as KV_FORMATS
+from zdsl.kernels.sampling import SETTINGS
 from zdsl.runtime.memory import fmt_bytes
 
 KINDS = ("weights", "KV cache", "recurrent state", "scratch")
@@ -98,7 +99,7 @@ def decode_buffers(hp, tensors, n_ctx: int, candidates: int, checkpoint: bool = 
         specs.append(f32("ffn_act", hp.ffn))
     specs += [Spec("token_counts", 4 * hp.vocab, "scratch"), Spec("penalty_ring", 4 * n_ctx, "scratch"),
               Spec("tokens_out", 4 * n_ctx, "scratch"),
-              Spec("candidates", candidates, "scratch")]
+              Spec("candidates", candidates, "scratch"), Spec("sampler_settings", 4 * len(SETTINGS), "scratch")]
     if checkpoint:
         specs += [Spec(SAVED + s.name, s.nbytes, s.kind) for s in specs if s.name in checkpointed(hp)]
     if chunk:

@@ -144,14 +144,15 @@ class Generator:
             self.checkpoints.keep_upto(0)
 
     def use(self, sampler: SamplerConfig) -> None:
-        """Sample with `sampler` from the next generate() on (the step is recorded again). A
+        """Sample with `sampler` from the next generate() on (its settings written, or the step
+        recorded again where its kernels differ: DecodeGraph.use_sampler). A
         context fed under another penalty window is forgotten: the window is sequence state."""
         g = self.graph
         if sampler == g.sampler:
             return
         if sampler.kept_window(self.n_ctx) != g.sampler.kept_window(self.n_ctx):
             self.forget()
-        g.retune(g.tuning, sampler)
+        g.use_sampler(sampler)
 
     def _prefill(self, tokens: list[int]) -> None:
         """Feed prompt tokens; with checkpoints, in pieces that end at multiples of the prompt

@@ -35,7 +35,7 @@ from zdsl.models.qwen35.buffers import (ATTN_MAX_SPLITS, ATTN_MIN_CHUNK, CHUNK, 
 from zdsl.models.qwen35.checkpoints import Snapshot
 from zdsl.models.qwen35.gguf_file import ModelFile
 from zdsl.models.qwen35.prefill import Prefill
-from zdsl.models.qwen35.sampler import SamplerConfig
+from zdsl.models.qwen35.sampler import SamplerConfig, check_vocab
 from zdsl.models.qwen35.weights import file_ranges, graph_weights
 
 
@@ -53,6 +53,7 @@ class Vector:
 def sampler_kernels(pick, vocab: int, sampler: SamplerConfig):
     """(first pass, draw, first-pass workgroups) of the sampler; `pick(kernel, key, fixed)`
     chooses a variant (autotune.database.choose for a device)."""
+    check_vocab(vocab)
     cap, sizes = sampler.kernel_cap, {"n_vocab": vocab}
     first = pick(sampling.sample_candidates, {**sizes, "CAP": cap}, {"CAP": cap})
     fixed = {"CAP": cap, "WG": first.params["WG"], "R": first.params["R"]}
@@ -181,6 +182,15 @@ class DecodeGraph:
         self.seq = self._record(from_host=True)   # a step that starts from values the host wrote
         self.seq_next = self._record(from_host=False)  # a step that continues on the GPU
 
+    def use_sampler(self, sampler: SamplerConfig) -> None:
+        """Sample with `sampler` from the next step on: its settings written where the recorded
+        kernels read them, or the step recorded again where its kernels or penalties' window differ."""
+        if sampler.recorded_alike(self.sampler, self.n_ctx):
+            self.sampler = sampler
+            self.sampler_settings.write(sampler.settings())
+        else:
+            self.retune(self.tuning, sampler)
+
     def retune(self, tuning: Database | None, sampler: SamplerConfig | None = None) -> None:
         """Record the step again with the variants `tuning` picks (and another sampler, if given);
         weights, caches and states stay. The tuner times candidates in place this way. Prompt
@@ -193,6 +203,7 @@ class DecodeGraph:
         self.chosen.clear()
         self._picked.clear()
         self._pick_sampler()
+        self.sampler_settings.write(self.sampler.settings())
         self._record_steps()
         self._synced = False
 
@@ -273,6 +284,8 @@ class DecodeGraph:
         # the penalties' window: how often each token occurs in it, and its tokens by position
         self.counts, self.penalty_ring = b["token_counts"], b["penalty_ring"]
         self.tokens_out, self.cand = b["tokens_out"], b["candidates"]
+        self.sampler_settings = b["sampler_settings"]
+        self.sampler_settings.write(self.sampler.settings())
         self.prompt = Prefill(self, b)
         # what a step overwrites that the sequence needs to be undone or resumed (buffers.checkpointed)
         self.sequence_state = {name: b[name] for name in sorted(checkpointed(hp))}
@@ -555,13 +568,13 @@ class DecodeGraph:
         """The next token of this graph's sequence from row `row` of `logits`, with this graph's
         sampler, as two launches to record in order: the candidates into `cand`, then the draw
         into the step values and tokens_out."""
-        first, draw = self.sampler.push_constants(self.hp.vocab, self.n_ctx)
-        cap = self.sampler.kernel_cap
+        cap, vocab, settings = self.sampler.kernel_cap, self.hp.vocab, self.sampler_settings
         return [lambda seq: sampling.sample_candidates.launch(seq, self._pick, CAP=cap, logits=logits, counts=self.counts,
-                                                              cand=cand, row=row, **first),
+                                                              cand=cand, settings=settings, n_vocab=vocab, row=row),
                 lambda seq: sampling.sample_draw.launch(seq, self._pick, CAP=cap, WG=self.sample_pass.params["WG"],
                                                         R=self.sample_pass.params["R"], cand=cand, step=self.step,
-                                                        tokens=self.tokens_out, **draw)]
+                                                        tokens=self.tokens_out, settings=settings, n_vocab=vocab,
+                                                        max_tokens=self.n_ctx)]
 
     # -- running ----------------------------------------------------------------------------
     def decode(self, token: int | None = None) -> int:

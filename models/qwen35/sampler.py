@@ -1,5 +1,7 @@
 """Sampling settings for decode: checked on the host, applied on the GPU by the kernels of
-`zdsl.kernels.sampling` through push constants, so changing them needs no recompile.
+`zdsl.kernels.sampling`, which read them from a small buffer: changing them (a request's seed or
+temperature) needs neither a recompile nor a new recording, unless the candidates kept
+(`kernel_cap`) or the penalties' window change.
 
 Per token the decode graph records `penalty_window` (when a penalty is on), `sample_candidates`
 and `sample_draw` (see that module for the buffers); the penalties apply, as llama.cpp's do, over
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from zdsl.errors import ZdslError
-from zdsl.kernels.sampling import CAPS, SENTINEL, sample_ref
+from zdsl.kernels.sampling import CAPS, SENTINEL, sample_ref, settings_of, settings_words
 
 
 @dataclass(frozen=True)
@@ -86,25 +88,26 @@ class SamplerConfig:
         """The CAP variant of the sampling kernels to record: greedy needs one candidate."""
         return 1 if self.greedy else self.cap
 
-    def push_constants(self, n_vocab: int, max_tokens: int = 0) -> tuple[dict, dict]:
-        """(sample_candidates, sample_draw) push-constant values. Greedy runs as top_k = 1.
-        max_tokens is the length of the output token list (0: no list)."""
-        if not 1 <= n_vocab < SENTINEL:
-            raise ZdslError(f"vocabulary size must be in [1, {SENTINEL}), got {n_vocab}")
-        candidates = dict(n_vocab=n_vocab, repeat_penalty=float(self.repeat_penalty),
-                          presence_penalty=float(self.presence_penalty), frequency_penalty=float(self.frequency_penalty))
-        draw = dict(n_vocab=n_vocab, top_k=1 if self.greedy else int(self.top_k), min_p=float(self.min_p),
-                    inv_temp=1.0 if self.greedy else float(np.float32(1 / self.temperature)),
-                    top_p=float(self.top_p), seed=int(self.seed), max_tokens=max_tokens)
-        return candidates, draw
+    def settings(self) -> np.ndarray:
+        """The kernels' settings buffer (kernels/sampling.py). Greedy runs as top_k = 1."""
+        return settings_words(repeat_penalty=self.repeat_penalty, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, top_k=1 if self.greedy else self.top_k,
+                              min_p=self.min_p, inv_temp=1.0 if self.greedy else np.float32(1 / self.temperature),
+                              top_p=self.top_p, seed=self.seed)
+
+    def recorded_alike(self, other: "SamplerConfig", n_ctx: int) -> bool:
+        """Whether a step recorded for `other` samples for this one once given its settings: the
+        same kernels (candidates kept) and the same penalties' window."""
+        return self.kernel_cap == other.kernel_cap and self.kept_window(n_ctx) == other.kept_window(n_ctx)
+
+
+def check_vocab(n_vocab: int) -> None:
+    if not 1 <= n_vocab < SENTINEL:
+        raise ZdslError(f"vocabulary size must be in [1, {SENTINEL}), got {n_vocab}")
 
 
 def sample_reference(logits, counts, config: SamplerConfig, step: int) -> int:
     """numpy: the token the GPU sampler picks from `logits` given per-token `counts` of the tokens
     in the penalties' window, at random-number counter `step` (the value of step[3])."""
     logits = np.asarray(logits, np.float32)
-    candidates, draw = config.push_constants(len(logits))
-    return sample_ref(logits, counts, cap=config.kernel_cap, top_k=draw["top_k"], min_p=draw["min_p"],
-                      inv_temp=draw["inv_temp"], top_p=draw["top_p"], seed=draw["seed"], counter=step,
-                      repeat_penalty=candidates["repeat_penalty"], presence_penalty=candidates["presence_penalty"],
-                      frequency_penalty=candidates["frequency_penalty"])
+    return sample_ref(logits, counts, cap=config.kernel_cap, counter=step, **settings_of(config.settings()))
