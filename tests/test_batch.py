@@ -18,7 +18,7 @@ import pytest
 from zdsl.errors import ZdslError
 from zdsl.models.qwen35 import synth
 from zdsl.models.qwen35.batch import Batch
-from zdsl.models.qwen35.gguf_file import open_model
+from zdsl.models.qwen35.gguf_file import QuantType, open_model
 from zdsl.models.qwen35.graph import DecodeGraph
 from zdsl.models.qwen35.reference import ReferenceModel
 from zdsl.models.qwen35.sampler import SamplerConfig
@@ -30,12 +30,20 @@ SAME = 1e-3
 REFERENCE = 0.08
 
 
-@pytest.fixture(scope="module", params=[("tiny", "q4_k_m"), ("tiny-dense", "q4_k_m"), ("tiny", "f16")],
-                ids=["moe-q4_k_m", "dense-q4_k_m", "moe-f16"])
+MIXED = {"ffn_up_exps": "q5_k", "ffn_up_shexp": "q8_0", "ffn_down_shexp": "q8_0", r"blk\.1\.ffn_gate_exps": "q6_k"}
+
+
+@pytest.fixture(scope="module", params=[("tiny", "q4_k_m"), ("tiny-dense", "q4_k_m"), ("tiny", "f16"),
+                                        ("tiny", "q4_k_m", "qwen35", MIXED)],
+                ids=["moe-q4_k_m", "dense-q4_k_m", "moe-f16", "moe-248k-vocab-mixed"])
 def model(request, tmp_path_factory):
-    preset, quant = request.param
+    """The last: Qwen3.5's 248,320-row output head (more workgroups than lavapipe launches along
+    an axis, a batch's logits rows that far apart) and per-tensor types that split the experts'
+    gate and up, and the shared expert off the experts' stack (its own down product)."""
+    preset, quant, vocab, types = (*request.param, None, None)[:4]
     path = tmp_path_factory.mktemp("models") / "model.gguf"
-    synth.write(path, preset, quant=quant, seed=7)
+    synth.write(path, preset, quant=quant, seed=7, vocab=synth.REAL_VOCABS[vocab] if vocab else None,
+                tensor_types={p: QuantType[t.upper()] for p, t in (types or {}).items()})
     return open_model(path)
 
 
