@@ -22,6 +22,7 @@ class Recorder:
     def __init__(self, device, pool):
         self.device, self._pool = device, pool
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="zdsl-record")
+        self._recordings: list[Future] = []
 
     def record(self, fn, *args, **kwargs) -> Future:
         """fn(sequence, *args, **kwargs) on the Recorder's thread, `sequence` a function making a
@@ -31,7 +32,9 @@ class Recorder:
             seq = fn(self._sequence, *args, **kwargs)
             seq.end()
             return seq
-        return self._thread.submit(job)
+        self._recordings = [f for f in self._recordings if not f.done()]
+        self._recordings.append(self._thread.submit(job))
+        return self._recordings[-1]
 
     def _sequence(self, timestamps: bool = False):
         return self.device.sequence(timestamps, pool=self._pool)
@@ -39,7 +42,7 @@ class Recorder:
     def free(self, recorded: Future) -> None:
         """Free what `recorded` (a future of record()) made, once it is done; it must not run again."""
         def job():
-            if recorded.exception() is None:
+            if not recorded.cancelled() and recorded.exception() is None:
                 recorded.result().free()
         self._thread.submit(job)
 
@@ -48,5 +51,8 @@ class Recorder:
         self._thread.submit(lambda: None).result()
 
     def close(self) -> None:
-        """Finish what was asked, then stop the thread (the device destroys the pool at close)."""
+        """Drop the recordings not started, finish the one under way and the frees asked for,
+        then stop the thread (the device destroys the pool at close)."""
+        for recording in self._recordings:
+            recording.cancel()
         self._thread.shutdown(wait=True)

@@ -473,6 +473,7 @@ def test_indirect_dispatch(device, add):
 
 def test_a_recorder_records_on_its_thread_while_this_one_runs(device, add):
     import threading
+    import time
 
     n = 3000
     xs = [device.upload(np.zeros(n, np.float32), f"x{i}") for i in range(2)]
@@ -504,6 +505,17 @@ def test_a_recorder_records_on_its_thread_while_this_one_runs(device, add):
         failed = recorder.record(lambda sequence: 1 / 0)
         with pytest.raises(ZeroDivisionError):
             failed.result()
+        started = threading.Event()
+
+        def slow(sequence):
+            started.set()
+            time.sleep(0.2)
+            return record(sequence, xs[1], 1)
+        under_way, waiting = recorder.record(slow), recorder.record(record, xs[1], 1)
+        started.wait()
+        recorder.close()  # finishes the recording under way, drops the one waiting
+        assert under_way.result().commands == 1 and waiting.cancelled()
+        under_way.result().free()  # its thread has stopped: the pool is this thread's now
     finally:
         recorder.close()
         for x in xs:

@@ -16,7 +16,9 @@ for the 35B-A3B, more than a burst). The empty launches are not free (on the H10
 sequences step at 310 tok/s this way, at 547 in a step of their own), so a set of sequences
 that steps together a second time gets a step of its own, with direct dispatches, recorded on
 another thread (runtime/recorder.py) while the set runs in the step of all rows; the set runs
-its own from the first burst after it is ready (the last KEPT of them are kept).
+its own from the first burst after it is ready (the last KEPT of them are kept). From the start,
+that thread records the step of all rows, then steps of their own for the first 2, 3, … rows
+(the sets a server's slots fill in order), so a server's first requests find them.
 
 A step leaves each sequence as its own decode step would (up to the order of a few sums), and
 its sampled token in its step values and tokens_out, so each graph decodes on alone
@@ -89,10 +91,19 @@ class Batch:
         self.counts = dev.host_buffer(nbytes, name="batch.counts")  # written by the host, copied to the GPU's
         self.counts_gpu = dev.alloc(nbytes, name="batch.counts_gpu")  # the GPU reads its own memory faster
         self.launches: list[tuple[int, int, tuple]] = []  # (row, byte offset, workgroups) of each
-        self.seq, self._recorded = None, None  # the step of all rows, and the graphs' recordings it saw
         self._recorder = dev.recorder()
+        self._all_rows: Future | None = None  # the step of all rows (being recorded)
         self._own: OrderedDict[tuple, Future] = OrderedDict()  # a set's step of its own (being recorded)
         self._bursts: dict[tuple, int] = {}  # bursts each set has run
+        self._record_ahead()
+
+    def _record_ahead(self) -> None:
+        """Ask the recorder for the step of all rows, then for steps of their own of the first
+        2, 3, … rows; remember which recordings of the graphs they follow."""
+        self._recorded = [g.recorded for g in self.graphs]
+        self._all_rows = self._recorder.record(self._record, self.graphs, indirect=True)
+        for t in range(2, len(self.graphs) + 1):
+            self._own[tuple(range(t))] = self._recorder.record(self._record, self.graphs[:t], indirect=False)
 
     def decode(self, graphs: list, n: int = 1, tokens: list[int] | None = None) -> list[list[int]]:
         """Run n steps of each of `graphs` (distinct graphs of the batch, in any order) together,
@@ -106,8 +117,7 @@ class Batch:
             g.from_host(None if tokens is None else tokens[r], n)
         if self._recorded != [g.recorded for g in self.graphs]:  # a graph recorded again: its sampler changed
             self._forget()
-            self.seq = self._record(self.lender.device.sequence, self.graphs, indirect=True)
-            self._recorded = [g.recorded for g in self.graphs]
+            self._record_ahead()
         first = [g.position for g in graphs]
         self._step(sorted(rows)).run(times=n)
         for g in graphs:
@@ -135,19 +145,19 @@ class Batch:
         if own is not None and own.done():
             self._own.move_to_end(key)
             return own.result()
+        all_rows = self._all_rows.result()  # its launches (self.launches) are known once it is recorded
         self._take_part(set(rows))
-        return self.seq
+        return all_rows
 
     def settle(self) -> None:
         """Until the steps being recorded are ready (what a step runs then no longer depends on timing)."""
         self._recorder.wait()
 
     def _forget(self) -> None:
-        if self.seq is not None:
-            self.seq.free()
-        self.seq = None
-        for own in self._own.values():  # some may be recording still, from what the graphs were
-            self._recorder.free(own)
+        for recorded in [self._all_rows, *self._own.values()]:  # some may be recording still
+            if recorded is not None:
+                self._recorder.free(recorded)
+        self._all_rows = None
         self._own.clear()
         self._bursts.clear()
 
@@ -161,9 +171,8 @@ class Batch:
         """One step of `graphs`, row r being graphs[r]'s token, from the step values in their host
         buffers: what the host wrote, or what the last step left (each step copies its values
         back), so one recording serves a first step and the ones after. `indirect`: each
-        sequence's launches dispatched indirect (the step of all rows; on this thread: it
-        rewrites `launches`). `sequence(timestamps=)` makes the Sequence: the device's, or a
-        Recorder's on its thread."""
+        sequence's launches dispatched indirect (the step of all rows; it rewrites `launches`).
+        `sequence(timestamps=)` makes the Sequence: the device's, or a Recorder's on its thread."""
         lender, hp, t = self.lender, self.lender.hp, len(graphs)
         seq = sequence(timestamps=timestamps)
         at_row = (lambda r: _Row(self, seq, r)) if indirect else (lambda r: seq)  # where row r's launches go
