@@ -132,7 +132,8 @@ def test_a_prompt_that_leaves_the_context_resumes_from_a_checkpoint(model, devic
 def test_another_sampler_of_the_same_kernels_is_written_not_recorded(model, device):
     """A request's own seed, temperature or top-p (a server's every request) changes the settings
     the recorded kernels read: the step is not recorded again, and the tokens are those of a
-    generator made with that sampler. Other kernels (greedy) or another penalty window record."""
+    generator made with that sampler; greedy decoding too, on those kernels (top_k = 1). Another
+    penalties' window records."""
     first = SamplerConfig(temperature=0.8, top_k=0, seed=1)
     others = [SamplerConfig(temperature=1.3, top_p=0.7, min_p=0.0, seed=5),
               SamplerConfig(temperature=0.6, top_k=5, repeat_penalty=1.0, presence_penalty=0.0, seed=9)]
@@ -147,8 +148,13 @@ def test_another_sampler_of_the_same_kernels_is_written_not_recorded(model, devi
         alone = Generator(model, device, n_ctx=96, sampler=other, progress=False)
         assert got == list(alone.generate(ids, 20, stop=False))
         alone.close()
-    gen.use(SamplerConfig(temperature=0))
+    greedy = SamplerConfig(temperature=0)  # on the sampling kernels as top_k = 1: the same tokens
+    gen.use(greedy)
+    assert gen.graph.recorded == recorded
+    alone = Generator(model, device, n_ctx=96, sampler=greedy, progress=False)
+    assert alone.graph.sampler.kernel_cap == 1
+    assert list(gen.generate(ids, 20, stop=False)) == list(alone.generate(ids, 20, stop=False))
+    alone.close()
+    gen.use(SamplerConfig(temperature=0.8, repeat_penalty=1.2, last_n=8))  # another penalties' window
     assert gen.graph.recorded == recorded + 1
-    gen.use(SamplerConfig(temperature=0.8, repeat_penalty=1.2, last_n=8))
-    assert gen.graph.recorded == recorded + 2
     gen.close()

@@ -184,7 +184,10 @@ class DecodeGraph:
 
     def use_sampler(self, sampler: SamplerConfig) -> None:
         """Sample with `sampler` from the next step on: its settings written where the recorded
-        kernels read them, or the step recorded again where its kernels or penalties' window differ."""
+        kernels read them, or the step recorded again where its kernels or penalties' window differ.
+        Greedy decoding runs on sampling kernels already recorded (a server's requests mix both)."""
+        if self.sampler.kernel_cap > 1:
+            sampler = sampler.as_sampling(self.sampler.kernel_cap)
         if sampler.recorded_alike(self.sampler, self.n_ctx):
             self.sampler = sampler
             self.sampler_settings.write(sampler.settings())

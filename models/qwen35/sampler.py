@@ -12,7 +12,7 @@ min-p, temperature, top-p, then the draw.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -94,6 +94,11 @@ class SamplerConfig:
                               frequency_penalty=self.frequency_penalty, top_k=1 if self.greedy else self.top_k,
                               min_p=self.min_p, inv_temp=1.0 if self.greedy else np.float32(1 / self.temperature),
                               top_p=self.top_p, seed=self.seed)
+
+    def as_sampling(self, cap: int) -> "SamplerConfig":
+        """This greedy sampler as the sampling kernels of `cap` candidates run it: the best
+        candidate alone (top_k = 1), the argmax the one-candidate kernels give, ties included."""
+        return replace(self, temperature=1.0, top_k=1, cap=cap) if self.greedy else self
 
     def recorded_alike(self, other: "SamplerConfig", n_ctx: int) -> bool:
         """Whether a step recorded for `other` samples for this one once given its settings: the
