@@ -301,14 +301,16 @@ def test_a_client_gone_before_a_plain_reply_frees_the_slot(server, client):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_finishes_the_stream_under_way_then_exits(model_path, sig):
-    """`zdsl serve` as a process: a signal while a reply streams lets it finish, then the server
-    exits 0 with one line saying why, and no traceback."""
+    """`zdsl serve` as a process (two slots: their batch's steps are recorded on a thread of its
+    own meanwhile): a signal while a reply streams lets it finish, then the server exits 0 with one
+    line saying why, and no traceback. Its start says the batch's memory too."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "zdsl.cli", "serve", str(model_path), "--port", str(port),
-                             "--ctx", str(CTX), "--device", os.environ.get("ZDSL_TEST_DEVICE", "lavapipe")],
+                             "--ctx", str(CTX), "--parallel", "2",
+                             "--device", os.environ.get("ZDSL_TEST_DEVICE", "lavapipe")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
@@ -330,6 +332,7 @@ def test_a_signal_finishes_the_stream_under_way_then_exits(model_path, sig):
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err
         assert f"stopped by {sig.name} after 1 request" in err and "Traceback" not in err
+        assert "memory: batched steps of 2 slots" in err
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -90,6 +90,7 @@ class Batch:
         nbytes = self.stride * n * (8 * hp.n_layers + 16)
         self.counts = dev.host_buffer(nbytes, name="batch.counts")  # written by the host, copied to the GPU's
         self.counts_gpu = dev.alloc(nbytes, name="batch.counts_gpu")  # the GPU reads its own memory faster
+        self.nbytes = sum(b.nbytes for b in self._owned) + self.counts_gpu.nbytes  # device memory of its own
         self.launches: list[tuple[int, int, tuple]] = []  # (row, byte offset, workgroups) of each
         self._recorder = dev.recorder()
         self._all_rows: Future | None = None  # the step of all rows (being recorded)

@@ -166,6 +166,7 @@ def open_engine(model, device, *, n_ctx: int, kv, checkpoint_mib: int, parallel:
     from zdsl.models.qwen35.engine import Slot, Together
     from zdsl.models.qwen35.generate import Generator, load
     from zdsl.models.qwen35.sampler import SamplerConfig
+    from zdsl.runtime.memory import fmt_bytes
 
     gpu = threading.RLock()
     options = dict(n_ctx=n_ctx, sampler=SamplerConfig(), progress=say is not None, say=say, keep=True, kv=kv,
@@ -178,6 +179,8 @@ def open_engine(model, device, *, n_ctx: int, kv, checkpoint_mib: int, parallel:
                               gpu))
         if parallel > 1:
             together = Together(first.submit(Batch, [s.gen.graph for s in slots[:MOST]]).result(), gpu)
+            if say:
+                say(f"memory: batched steps of {len(together.batch.graphs)} slots {fmt_bytes(together.batch.nbytes)}")
             for slot in slots:
                 slot.gen.bursts = together
     except BaseException:
