@@ -305,3 +305,41 @@ def test_a_buffer_from_an_offset_reads_and_writes_one_row(backend, request, rows
     want[0] = np.float32(x[row, :1].view(np.uint32)[0])
     np.testing.assert_array_equal(out[row], want)
     assert np.isnan(np.delete(out, row, axis=0)).all()
+
+
+def test_kernels_trace_on_two_threads_at_once():
+    """Each thread traces into its own trace (a Recorder's thread makes variants while another
+    thread makes others): traces made side by side, the threads switching every few
+    microseconds, give the GLSL that each gives alone."""
+    import sys
+    import threading
+
+    from zdsl.kernels.dmmv import dmmv
+    from zdsl.kernels.sampling import sample_draw
+    from zdsl.lang import glsl
+
+    jobs = [(dmmv, dmmv.specialize(QTYPE="q4_k", Q8=True, COLS=3).consts),
+            (sample_draw, sample_draw.specialize(CAP=64).consts)]
+    alone = [glsl.emit(kernel._trace(consts)) for kernel, consts in jobs]
+    got, errors = [[] for _ in jobs], []
+
+    def trace(i):
+        try:
+            kernel, consts = jobs[i]
+            for _ in range(4):
+                got[i].append(glsl.emit(kernel._trace(consts)))
+        except Exception as e:  # noqa: BLE001 (reported below, on the test's thread)
+            errors.append(e)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=trace, args=(i,)) for i in range(len(jobs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    assert all(out == [want] * 4 for out, want in zip(got, alone))

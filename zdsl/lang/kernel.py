@@ -31,7 +31,7 @@ from zdsl.errors import CompileError, KernelError, ZdslError
 from zdsl.lang import ir
 from zdsl.lang.glsl import GRID_SPEC_IDS
 from zdsl.lang.language import BufferAnnotation, Const, Derived, SpecAnnotation
-from zdsl.lang.trace import BufferParam, Tracer, Value, fail
+from zdsl.lang.trace import BufferParam, Tracer, Value, fail, tracing
 from zdsl.lang.types import DType
 
 UNUSED = "-"  # the access of a buffer parameter a variant never touches: bound, never read or written
@@ -235,17 +235,15 @@ class KernelDef:
                 args[p.name] = Value(specs[-1])
             else:
                 args[p.name] = consts[p.name]
-        Tracer.current = tracer
         try:
-            self.fn(**args)
+            with tracing(tracer):
+                self.fn(**args)
         except KernelError:
             raise
         except ZdslError:
             raise
         except Exception as e:  # a plain Python error in the kernel body: point at its line
             raise self._locate(e) from e
-        finally:
-            Tracer.current = None
         access = [(b.name, b.dtype, "rw" if b.reads and b.writes else "w" if b.writes else "r" if b.reads else UNUSED)
                   for b in buffers]
         views = [v for b in buffers for v in b.views.values()]

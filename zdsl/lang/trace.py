@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 from contextlib import contextmanager
 
 import numpy as np
@@ -38,10 +39,11 @@ def fail(message: str, loc: ir.Loc | None = None) -> KernelError:
     return KernelError(f"{file}:{line}: {message}")
 
 
+_ACTIVE = threading.local()  # the trace under way on each thread: a Recorder's thread traces kernels too
+
+
 class Tracer:
     """The state of one trace: the stack of open blocks and the kernel's declarations."""
-
-    current: Tracer | None = None
 
     def __init__(self, subgroup_size: int | None, workgroup: tuple[int, int, int]):
         self.blocks: list[list] = [[]]
@@ -97,9 +99,20 @@ class Tracer:
 
 
 def tracer() -> Tracer:
-    if Tracer.current is None:
+    current = getattr(_ACTIVE, "tracer", None)
+    if current is None:
         raise fail("zdsl language functions can only be called inside a @zdsl.kernel body")
-    return Tracer.current
+    return current
+
+
+@contextmanager
+def tracing(t: Tracer):
+    """The language functions called inside (on this thread) record into trace t."""
+    _ACTIVE.tracer = t
+    try:
+        yield t
+    finally:
+        _ACTIVE.tracer = None
 
 
 # ---- values -------------------------------------------------------------------------------------
