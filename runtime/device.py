@@ -349,33 +349,36 @@ class Device:
         return pipe
 
     def _set_layout(self, n: int):
-        layout = self._set_layouts.get(n)
-        if layout is None:
-            keep = Keep()
-            info = keep.struct(
-                "VkDescriptorSetLayoutCreateInfo", sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO,
-                flags=vk.VK_DESCRIPTOR_SET_LAYOUT_CREATE_PUSH_DESCRIPTOR_BIT_KHR if self._push_descriptors else 0,
-                bindingCount=n,
-                pBindings=[{"binding": i, "descriptorType": vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
-                            "descriptorCount": 1, "stageFlags": vk.VK_SHADER_STAGE_COMPUTE_BIT} for i in range(n)])
-            out = keep.new("VkDescriptorSetLayout *")
-            vk.check(lib.vkCreateDescriptorSetLayout(self._dev, info, ffi.NULL, out), "vkCreateDescriptorSetLayout")
-            layout = self._set_layouts[n] = out[0]
-        return layout
+        with self.lock:  # a Recorder's thread asks too
+            layout = self._set_layouts.get(n)
+            if layout is None:
+                keep = Keep()
+                info = keep.struct(
+                    "VkDescriptorSetLayoutCreateInfo", sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO,
+                    flags=vk.VK_DESCRIPTOR_SET_LAYOUT_CREATE_PUSH_DESCRIPTOR_BIT_KHR if self._push_descriptors else 0,
+                    bindingCount=n,
+                    pBindings=[{"binding": i, "descriptorType": vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
+                                "descriptorCount": 1, "stageFlags": vk.VK_SHADER_STAGE_COMPUTE_BIT} for i in range(n)])
+                out = keep.new("VkDescriptorSetLayout *")
+                vk.check(lib.vkCreateDescriptorSetLayout(self._dev, info, ffi.NULL, out), "vkCreateDescriptorSetLayout")
+                layout = self._set_layouts[n] = out[0]
+            return layout
 
     def _pipeline_layout(self, n: int, push_size: int):
-        layout = self._layouts.get((n, push_size))
-        if layout is None:
-            keep = Keep()
-            ranges = ([{"stageFlags": vk.VK_SHADER_STAGE_COMPUTE_BIT, "offset": 0, "size": push_size}]
-                      if push_size else [])
-            info = keep.struct("VkPipelineLayoutCreateInfo", sType=vk.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO,
-                               setLayoutCount=1, pSetLayouts=[self._set_layout(n)],
-                               pushConstantRangeCount=len(ranges), pPushConstantRanges=ranges or None)
-            out = keep.new("VkPipelineLayout *")
-            vk.check(lib.vkCreatePipelineLayout(self._dev, info, ffi.NULL, out), "vkCreatePipelineLayout")
-            layout = self._layouts[(n, push_size)] = out[0]
-        return layout
+        with self.lock:
+            layout = self._layouts.get((n, push_size))
+            if layout is None:
+                keep = Keep()
+                ranges = ([{"stageFlags": vk.VK_SHADER_STAGE_COMPUTE_BIT, "offset": 0, "size": push_size}]
+                          if push_size else [])
+                info = keep.struct("VkPipelineLayoutCreateInfo",
+                                   sType=vk.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO,
+                                   setLayoutCount=1, pSetLayouts=[self._set_layout(n)],
+                                   pushConstantRangeCount=len(ranges), pPushConstantRanges=ranges or None)
+                out = keep.new("VkPipelineLayout *")
+                vk.check(lib.vkCreatePipelineLayout(self._dev, info, ffi.NULL, out), "vkCreatePipelineLayout")
+                layout = self._layouts[(n, push_size)] = out[0]
+            return layout
 
     def _ext(self, name: str):
         fn = self._procs.get(name)
