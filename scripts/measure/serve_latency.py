@@ -23,33 +23,30 @@ from zdsl.models.qwen35.sampler import SamplerConfig
 from zdsl.models.qwen35.serve import open_engine
 
 
-TEMPERATURE = 0.0  # --temperature
-
-
-def job(ids: list[int], tokens: int) -> Job:
+def job(ids: list[int], tokens: int, temperature: float) -> Job:
     """Greedy, or sampled with a seed of its own as an API request without one (sampler_of)."""
-    sampler = SamplerConfig(temperature=0) if not TEMPERATURE else SamplerConfig(
-        temperature=TEMPERATURE, seed=int(np.random.default_rng().integers(2 ** 32)))
+    sampler = SamplerConfig(temperature=0) if not temperature else SamplerConfig(
+        temperature=temperature, seed=int(np.random.default_rng().integers(2 ** 32)))
     return Job(ids, tokens, sampler, [], True, True, ignore_eos=True)  # each stream its --tokens
 
 
-async def first_token(engine, ids: list[int], tokens: int) -> tuple[float, float, int]:
+async def first_token(engine, ids: list[int], tokens: int, temperature: float) -> tuple[float, float, int]:
     """(seconds to the first piece, seconds to the last, the last piece: its usage counts)."""
     start = time.perf_counter()
     first = None
-    async for p in engine.run(job(ids, tokens)):
+    async for p in engine.run(job(ids, tokens, temperature)):
         first = first or time.perf_counter() - start
     return first, time.perf_counter() - start, p
 
 
-async def streams(engine, k: int, length: int, tokens: int, rng) -> tuple[float, list[float]]:
+async def streams(engine, k: int, length: int, tokens: int, rng, temperature: float) -> tuple[float, list[float]]:
     """(aggregate tok/s, each stream's seconds to its first piece)."""
     start = time.perf_counter()
     prompts = [rng.integers(0, engine.tokenizer.vocab_size, length).tolist() for _ in range(k)]
 
     async def one(ids) -> tuple[int, float]:
         first = None
-        async for p in engine.run(job(ids, tokens)):
+        async for p in engine.run(job(ids, tokens, temperature)):
             first = first or time.perf_counter() - start
         return p.completion_tokens, first
 
@@ -69,8 +66,6 @@ async def streams(engine, k: int, length: int, tokens: int, rng) -> tuple[float,
 @click.option("--parallel", type=int, default=1, help="Slots (zdsl serve --parallel).")
 @click.option("--temperature", type=float, default=0.0, help="Sample, each request with a seed of its own.")
 def main(model, device, n_ctx, prompt_len, shared, tokens, stream_counts, kv, parallel, temperature):
-    global TEMPERATURE
-    TEMPERATURE = temperature
     engine, _ = open_engine(model, device, n_ctx=n_ctx, kv=kv_types(kv), checkpoint_mib=1024, parallel=parallel)
     rng = np.random.default_rng(0)
     vocab = engine.tokenizer.vocab_size
@@ -80,13 +75,13 @@ def main(model, device, n_ctx, prompt_len, shared, tokens, stream_counts, kv, pa
     async def measure():
         for name, ids in (("warm-up", rng.integers(0, vocab, min(600, n_ctx // 2)).tolist()), ("cold", base),
                           ("cached", other)):
-            ttft, total, last = await first_token(engine, ids, tokens)
+            ttft, total, last = await first_token(engine, ids, tokens, temperature)
             print(json.dumps({"what": name, "prompt": len(ids), "cached": last.reused_tokens, "kv": kv,
                               "ttft_s": round(ttft, 4), "tokens": last.completion_tokens,
                               "decode_tok_s": round((last.completion_tokens - 1) / (total - ttft), 1)}), flush=True)
-        await streams(engine, parallel, 32, 8, rng)  # every slot once: its first prompt records its steps
+        await streams(engine, parallel, 32, 8, rng, temperature)  # every slot once: its first prompt records its steps
         for k in [int(s) for s in stream_counts.split(",") if s]:
-            tps, firsts = await streams(engine, k, 32, tokens, rng)
+            tps, firsts = await streams(engine, k, 32, tokens, rng, temperature)
             print(json.dumps({"what": "streams", "k": k, "slots": parallel, "tokens": tokens,
                               "aggregate_tok_s": round(tps, 1), "ttft_mean_s": round(sum(firsts) / k, 3),
                               "ttft_max_s": round(max(firsts), 3)}), flush=True)
