@@ -343,7 +343,8 @@ def sample_draw(cand: Buffer[u32], step: Buffer[u32], tokens: Buffer[u32], setti
     kept total, u = uniform_bits(seed, step[3])·2⁻²⁴ (sums run in order, j = 0 when none does).
     Writes step[2] = token, tokens[step[0]] = token when step[0] < max_tokens, step[3] += 1.
     top_k … seed: the settings buffer's."""
-    top_k, min_p, inv_temp, top_p, seed = (setting(settings, n) for n in ("top_k", "min_p", "inv_temp", "top_p", "seed"))
+    top_k, min_p, inv_temp, top_p, seed = (setting(settings, n)
+                                           for n in ("top_k", "min_p", "inv_temp", "top_p", "seed"))
     groups = (n_vocab + (WG * R - 1)) // (WG * R)
 
     def load(index, valid):

@@ -104,9 +104,9 @@ def _pick_type(phys: Physical, want: int, rank) -> int:
 class Device:
     """An open Vulkan device: allocate buffers, build pipelines, record sequences.
 
-    Use it from one thread, apart from a Recorder's (recorder.py), which records sequences on
-    its own with a command pool of its own. A recorded Sequence refers to its Buffers and Pipelines by handle:
-    keep them (do not free them) while the Sequence can still run.
+    Use it from one thread, apart from a Recorder's (recorder.py), which records sequences on its
+    own with a command pool of its own. A recorded Sequence refers to its Buffers and Pipelines
+    by handle: keep them (do not free them) while the Sequence can still run.
     """
 
     def __init__(self, instance, phys: Physical):

@@ -74,7 +74,8 @@ def test_a_batched_step_leaves_each_sequence_as_its_own_step(model, graphs):
     ref = ReferenceModel(model, int8_activations=True)
     rng = np.random.default_rng(4)
     try:
-        for step, some in enumerate([(0, 2), (0, 1, 2), (0, 1, 2)]):  # positions move on: steps read what earlier ones wrote
+        # positions move on: each step reads what earlier ones wrote
+        for step, some in enumerate([(0, 2), (0, 1, 2), (0, 1, 2)]):
             fed = rng.integers(0, model.hparams.vocab, len(gs)).tolist()
             for g in gs:
                 g.checkpoint()

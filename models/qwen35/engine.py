@@ -8,9 +8,10 @@ prompt. The slots read one copy of the weights. Each slot's generation runs on a
 own, its GPU work one call at a time under one lock for all (a prompt, or a burst of decode
 steps), handing each token to the event loop as it comes: the event loop stays free to answer
 other requests, and a slot is back for its next burst as soon as its last one is done, not when
-the event loop has asked for each of that burst's tokens. The slots that are decoding meet for each burst (Together): one batched step for all
-of them (batch.py), so the aggregate speed grows with the streams. A request that goes away (a
-client that disconnects) stops its generation at the next token and frees its slot.
+the event loop has asked for each of that burst's tokens. The slots that are decoding meet for
+each burst (Together): one batched step for all of them (batch.py), so the aggregate speed
+grows with the streams. A request that goes away (a client that disconnects) stops its
+generation at the next token and frees its slot.
 """
 
 from __future__ import annotations
