@@ -310,9 +310,16 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
     all G heads. A subgroup takes U rows per cluster of lanes per round (their loads in flight
     together, issued a round ahead); the NW subgroups of the workgroup take alternate rounds,
     and their running softmaxes are merged through shared memory at the end. K and V are read in
-    their formats KT and VT (kvcache.py), four values at a time, dequantized in registers. q is
-    read at row `row` (one sequence of a batch, batch.py). The launch names nsplit (the grid's x)
-    and ctx (the rows the cache holds)."""
+    their formats KT and VT (kvcache.py), four values at a time, and wait for their round as read
+    (`fetch`: half the registers of their values), dequantized only when used. q is read at row
+    `row` (one sequence of a batch, batch.py). The launch names nsplit (the grid's x) and ctx
+    (the rows the cache holds).
+
+    H100, 35B-A3B (D 256, G 8, 2 KV heads), 32,768 rows in 128 splits, µs alone (2026-11-27):
+    q8_0 43.6 (held as values: 45.5), f16 40.0; U 4 reads faster (40.4, 36.6) but its 39 KB of
+    machine code against 28 cost the decode step at 512 more (348 against 356 tok/s): between
+    dispatches of a step the weights evict the code from L2. The driver gives every variant all
+    255 registers a lane."""
     if not _decode_fits(SimpleNamespace(D=D, SG=SG)):
         raise zdsl.ZdslError(f"attn_decode needs D / 4 a power of two or a multiple of 4·SG, not D={D}, SG={SG}")
     for kv_type in (KT, VT):
@@ -335,16 +342,23 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
         m = [zdsl.var(LOWEST) for _ in range(G)]
         l = [zdsl.var(0.0) for _ in range(G)]
         acc = [[zdsl.var(zdsl.vec(0.0, 0.0, 0.0, 0.0)) for _ in range(P)] for _ in range(G)]
-        def load(first):
-            """This lane's pieces of the round at `first`: its cluster's rows (past the end, the last)."""
+        kf, vf = KV_FORMATS[KT], KV_FORMATS[VT]
+
+        def fetch(first):
+            """This lane's pieces of the round at `first` as read: its cluster's rows (past the end,
+            the last), K's then V's, [row][piece] of tuples of words."""
             rows = [zdsl.min(first + c + NC * u, end - 1) * n_kv + g for u in range(U)]
-            return _load_rows(k_cache, v_cache, rows, quads, D, KT, VT)
+            return [[[f.fetch(cache, x, quad, D) for quad in quads] for x in rows]
+                    for f, cache in ((kf, k_cache), (vf, v_cache))]
 
         begin, stride = start + sub * rows_per_round, NW * rows_per_round
-        kv, vv = [[[zdsl.var(x) for x in row] for row in rows] for rows in load(begin)]
+        held = [[[[zdsl.var(w) for w in piece] for piece in row] for row in rows] for rows in fetch(begin)]
         for first in zdsl.range(begin, end, stride):
-            # the next round's loads go out before this round's arithmetic, which hides their latency
-            ahead = load(first + stride)
+            # the next round's loads go out before this round's arithmetic, which hides their latency;
+            # they wait as read (an f16 row or q8_0 codes take half the registers of their values)
+            ahead = fetch(first + stride)
+            kv = [[kf.unpack(piece) for piece in row] for row in held[0]]
+            vv = [[vf.unpack(piece) for piece in row] for row in held[1]]
             valid = [first + c + NC * u < end for u in range(U)] if rows_per_round > 1 else None  # the last may run out
             row_scores = []  # [row][head]
             for u in range(U):
@@ -357,9 +371,10 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
                 scores = head_scores(dots, C, SG, lane)
                 row_scores.append([zdsl.where(valid[u], x, LOWEST) for x in scores] if valid else scores)
             online_softmax(m, l, acc, row_scores, vv, (lambda u, h: valid[u]) if valid else None)
-            for now, nxt in zip(kv + vv, ahead[0] + ahead[1]):
-                for x, y in zip(now, nxt):
-                    x.set(y)
+            for now, nxt in zip(held[0] + held[1], ahead[0] + ahead[1]):
+                for piece, words in zip(now, nxt):
+                    for x, y in zip(piece, words):
+                        x.set(y)
         merge_clusters(m, l, acc, C, SG)
         record = [((g * G + h) * nsplit + s) * (D + 2) for h in range(G)]
         if NW == 1:

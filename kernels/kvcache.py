@@ -27,13 +27,15 @@ from zdsl import f16, f32, u16, u32
 from zdsl.errors import ZdslError
 from zdsl.kernels.formats import QuantType, dequantize, quantize
 from zdsl.kernels.q8_1 import quantize_8bit
-from zdsl.kernels.quant import f16_at, words_at
+from zdsl.kernels.quant import words_at
 
 BLOCK = 32  # values per block of the quantized formats
 
 
 class KVFormat:
-    """A format: its name, GGUF type and block (values, bytes); the subclasses read and write it."""
+    """A format: its name, GGUF type and block (values, bytes); the subclasses read and write it:
+    `fetch` loads what four values take, `unpack` makes the values of it (a reader that keeps
+    loads in flight holds them as fetched, in fewer registers), `load` does both."""
 
     def __init__(self, name: str, qtype: QuantType, block: int, nbytes: int):
         self.name, self.qtype, self.block, self.nbytes = name, qtype, block, nbytes
@@ -46,6 +48,10 @@ class KVFormat:
         if d % self.block:
             raise ZdslError(f"a {self.name} KV cache stores heads in blocks of {self.block} values, but this "
                             f"model's heads have {d}: use --kv-type f16")
+
+    def load(self, cache, row, quad, d: int):
+        """Values 4·quad .. 4·quad + 3 of row `row` (traced) as an f32 vec4."""
+        return self.unpack(self.fetch(cache, row, quad, d))
 
     # -- numpy
     def encode(self, x) -> np.ndarray:
@@ -69,9 +75,13 @@ class KVFormat:
 
 
 class F16(KVFormat):
-    def load(self, cache, row, quad, d: int):
-        """Values 4·quad .. 4·quad + 3 of row `row` (traced) as an f32 vec4."""
-        return cache.vec4[row * (d // 4) + quad].to(f32)
+    def fetch(self, cache, row, quad, d: int) -> tuple:
+        """What `load` reads, as read (a reader keeps loads in flight in fewer registers)."""
+        return (cache.vec4[row * (d // 4) + quad],)
+
+    def unpack(self, raw: tuple):
+        """`fetch`'s words as the f32 vec4 of the values."""
+        return raw[0].to(f32)
 
     def store(self, cache, row, quad, v, ok, d) -> None:
         """This invocation's values v (vec4) as values 4·quad .. of row `row`, where `ok`;
@@ -82,11 +92,14 @@ class F16(KVFormat):
 
 
 class Q8_0(KVFormat):
-    def load(self, cache, row, quad, d: int):
+    def fetch(self, cache, row, quad, d: int) -> tuple:
         base = row * self.row_bytes(d)
         (word,) = words_at(cache, base + 4 * quad, 1, _align(self.row_bytes(d)))
-        scale = f16_at(cache, base + d + 2 * (quad // 8))
-        return (zdsl.unpack_bytes(word ^ 0x80808080) - 128.0) * scale  # the int8 codes, exactly
+        return word, cache.view(u16)[(base + d + 2 * (quad // 8)) >> 1]  # the scale's bits
+
+    def unpack(self, raw: tuple):
+        word, scale = raw
+        return (zdsl.unpack_bytes(word ^ 0x80808080) - 128.0) * zdsl.f16_bits(scale)  # the int8 codes, exactly
 
     def store(self, cache, row, quad, v, ok, d) -> None:
         scale, _, word = quantize_8bit(v)
@@ -98,11 +111,15 @@ class Q8_0(KVFormat):
 
 
 class Q4_0(KVFormat):
-    def load(self, cache, row, quad, d: int):
+    def fetch(self, cache, row, quad, d: int) -> tuple:
         base, i = row * self.row_bytes(d), quad % 8
         (word,) = words_at(cache, base + 16 * (quad // 8) + 4 * (i % 4), 1, _align(self.row_bytes(d)))
         codes = (word >> (4 * (i // 4))) & 0x0F0F0F0F  # values 0–15 of a block low, 16–31 high
-        return (zdsl.unpack_bytes(codes) - 8.0) * f16_at(cache, base + d // 2 + 2 * (quad // 8))
+        return codes, cache.view(u16)[(base + d // 2 + 2 * (quad // 8)) >> 1]
+
+    def unpack(self, raw: tuple):
+        codes, scale = raw
+        return (zdsl.unpack_bytes(codes) - 8.0) * zdsl.f16_bits(scale)
 
     def store(self, cache, row, quad, v, ok, d) -> None:
         hi = zdsl.subgroup_max(zdsl.max(zdsl.max(v.x, v.y), zdsl.max(v.z, v.w)), cluster=8)

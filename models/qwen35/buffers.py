@@ -21,12 +21,15 @@ from zdsl.kernels.sampling import SETTINGS
 from zdsl.runtime.memory import fmt_bytes
 
 KINDS = ("weights", "KV cache", "recurrent state", "scratch")
-# Attention over the KV cache is cut into at most ATTN_MAX_SPLITS chunks (attention.split_rows:
-# up to 32 chunks of at least 16 rows at short contexts, then chunks of ATTN_MIN_CHUNK rows);
-# the chunk length is computed on the GPU from the current length, so one recorded step serves
-# every length.
+# Attention over the KV cache is cut into chunks (attention.split_rows: up to 32 chunks of at
+# least 16 rows at short contexts, then chunks of ATTN_MIN_CHUNK rows) up to ATTN_WORKGROUPS
+# over the KV heads, attn_decode's grid being chunks × KV heads; the chunk length is computed on
+# the GPU from the current length, so one recorded step serves every length. 256 workgroups are
+# one wave of attn_decode on the H100 (132 SMs, two of its workgroups each at 255 registers a
+# lane): over 32,768 rows of the 35B-A3B's 2 KV heads, 128 chunks took 40 µs, 144 or 160 (a
+# second wave begun) 52–64, 256 (two waves) 45, 64 (half the SMs) 46–52 (q8_0 and f16, 2026-11-27).
 ATTN_MIN_CHUNK = 64
-ATTN_MAX_SPLITS = 256
+ATTN_WORKGROUPS = 256
 STEP_WORDS = 8  # step[0] position, [1] length, [2] token id, [3] sampler counter
 CHUNK = 512  # prompt tokens a prefill chunk holds at most (prefill.py)
 
@@ -60,6 +63,11 @@ def vector(name: str, n: int, halves: bool = False) -> list[Spec]:
 SAVED = "saved."  # the prefix of the checkpoint twins of a sequence's state
 
 
+def attn_splits(n_ctx: int, n_kv: int) -> int:
+    """The chunks attn_decode's grid cuts a context of n_ctx rows into (its x; KV heads its y)."""
+    return split_count(n_ctx, ATTN_MIN_CHUNK, max(1, ATTN_WORKGROUPS // n_kv))
+
+
 def decode_buffers(hp, tensors, n_ctx: int, candidates: int, checkpoint: bool = False, chunk: int = 0,
                    halves: bool = False, kv: tuple[str, str] = KV_DEFAULT) -> list[Spec]:
     """The decode graph's buffers for hyperparameters `hp`, the graph's weights `tensors`
@@ -70,7 +78,7 @@ def decode_buffers(hp, tensors, n_ctx: int, candidates: int, checkpoint: bool = 
     (kernels/kvcache.py)."""
     H, C, vd = hp.hidden, hp.conv_channels, hp.ssm_value_dim
     qd, kvd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
-    splits = split_count(n_ctx, ATTN_MIN_CHUNK, ATTN_MAX_SPLITS)
+    splits = attn_splits(n_ctx, hp.n_kv_heads)
 
     specs = [Spec(name, tensor_bytes(t), "weights") for name, t in tensors.tensors.items()]
     specs += [Spec("step", 4 * STEP_WORDS, "scratch"), f32("x", H), f32("logits", hp.vocab), *vector("normed", H),

@@ -30,7 +30,7 @@ from zdsl.kernels import attention, deltanet, dmmv, embedding, ffn, moe, q8_1, s
 from zdsl.kernels.kvcache import DEFAULT as KV_DEFAULT
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS
 from zdsl.runtime.memory import fmt_bytes
-from zdsl.models.qwen35.buffers import (ATTN_MAX_SPLITS, ATTN_MIN_CHUNK, CHUNK, SAVED, STEP_WORDS, check_fits,
+from zdsl.models.qwen35.buffers import (ATTN_MIN_CHUNK, CHUNK, SAVED, STEP_WORDS, attn_splits, check_fits,
                                         checkpointed, decode_buffers)
 from zdsl.models.qwen35.checkpoints import Snapshot
 from zdsl.models.qwen35.gguf_file import ModelFile
@@ -273,7 +273,7 @@ class DecodeGraph:
         self.router_arrivals = b["router_arrivals"]
         self.qg, self.q, self.k, self.v = b["qg"], b["q"], b["k"], b["v"]
         self.attn_o = vector("attn_o")
-        self.attn_splits = attention.split_count(self.n_ctx, ATTN_MIN_CHUNK, ATTN_MAX_SPLITS)
+        self.attn_splits = attn_splits(self.n_ctx, hp.n_kv_heads)
         self.attn_part = b["attn_partials"]
         self.mix, self.z, self.dn_out = b["mix"], b["z"], vector("deltanet_out")
         self.kv = {i: (b[f"k_cache.{i}"], b[f"v_cache.{i}"]) for i in hp.attention_layers}
