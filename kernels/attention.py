@@ -38,7 +38,7 @@ import numpy as np
 import zdsl
 from zdsl import Buffer, Const, f16, f32, u32
 from zdsl.kernels import inputs, mma
-from zdsl.kernels.kvcache import FORMATS as KV_FORMATS
+from zdsl.kernels.kvcache import FORMATS as KV_FORMATS, hadamard, hadamard32
 from zdsl.kernels.norm import rms_scale
 from zdsl.kernels.q8_1 import store_q8_1
 from zdsl.kernels.reduce import SUBGROUPS
@@ -65,7 +65,7 @@ def attn_prep(qg: Buffer[f32], k: Buffer[f32], v: Buffer[f32], q_norm: Buffer[f3
     v_cache[pos, g] = v[g], in the KV formats KT and VT (kvcache.py), pos = step[0]; d is a
     multiple of 4 (of 32 for a quantized format). RoPE pairs dim i with i + rope_dims/2, θ_i = pos · rope_base^(−2i/rope_dims);
     rope_dims is even and ≤ d. qg, k, v and q are read and written at row `row` (one sequence of
-    a batch, batch.py)."""
+    a batch, batch.py). Where K's format rotates (q3_rot), q is rotated as k is."""
     _prep_head(qg, k, v, q_norm, k_norm, q, k_cache, v_cache, zdsl.workgroup_id(), row, step[0],
                n_head, n_kv, d, rope_dims, rope_base, eps, WG, SG, KT, VT)
 
@@ -112,8 +112,10 @@ def _prep_head(qg, k, v, q_norm, k_norm, q, k_cache, v_cache, head, token, pos, 
         at = zdsl.min(quad, quads - 1)
         values = zdsl.vec(*[rotated(4 * at + e) for e in range(4)])
         with zdsl.if_(is_q):
+            # q turned as the cache's k are, where K's format rotates: the same scores
+            q_values = hadamard32(values, quad % 8) if KV_FORMATS[KT].rotated else values
             with zdsl.if_(ok):
-                q.vec4[(q_out >> 2) + at] = values
+                q.vec4[(q_out >> 2) + at] = q_values
         with zdsl.else_():
             KV_FORMATS[KT].store(k_cache, row, at, values, ok, d)
             KV_FORMATS[VT].store(v_cache, row, at, v.vec4[(k_base >> 2) + at], ok, d)
@@ -162,10 +164,13 @@ def attn_prep_rows_ref(qg, k, v, q_norm, k_norm, k_cache, v_cache, p0, rope_dims
                        vt="f16"):
     """qg: (T, n_head, 2d); k, v: (T, n_kv, d); caches (n_ctx, n_kv, …) holding rows in formats
     kt, vt (kvcache.py; of any dtype, as bytes). Returns (q (T, n_head, d), k_cache, v_cache) with
-    rows p0 .. p0 + T − 1 written, token i rotated at position p0 + i, the caches as given."""
+    rows p0 .. p0 + T − 1 written, token i rotated at position p0 + i, the caches as given; q
+    turned by the Hadamard blocks where kt's rows are."""
     T, d = k.shape[0], k.shape[-1]
     pos = (p0 + np.arange(T))[:, None, None]
     q = rope_ref(rmsnorm_ref(qg[..., :d], q_norm, eps), pos, rope_dims, rope_base)
+    if KV_FORMATS[kt].rotated:
+        q = hadamard(q)
     kc, vc = k_cache.view(np.uint8).copy(), v_cache.view(np.uint8).copy()
     kc[p0:p0 + T] = KV_FORMATS[kt].encode(rope_ref(rmsnorm_ref(k, k_norm, eps), pos, rope_dims, rope_base))
     vc[p0:p0 + T] = KV_FORMATS[vt].encode(v)
@@ -457,7 +462,7 @@ def _combine_lanes(D: int) -> int:
              traffic=_combine_traffic)
 def attn_combine(part: Buffer[f32], qg: Buffer[f32], step: Buffer[u32], o: Buffer[f32], oq: Buffer[u32],
                  od: Buffer[f32], nsplit: u32, min_chunk: u32, row: u32 = 0, D: Const = 256, WG: Const = 256, R: Const = 4,
-                 Q8: Const = False, SG: Const = 32):
+                 Q8: Const = False, VT: Const = "f16", SG: Const = 32):
     """o[h] = (Σ_s e^(m_s − M) acc_s) / (Σ_s e^(m_s − M) l_s) · sigmoid(gate_h) over the splits
     attn_decode used (same nsplit, min_chunk), M = max_s m_s; gate_h = qg[h, D:2D].
 
@@ -470,7 +475,7 @@ def attn_combine(part: Buffer[f32], qg: Buffer[f32], step: Buffer[u32], o: Buffe
     four groups took 16 (26 µs a layer on the H100, 2026-11-27). With Q8, o also goes out as Q8_1
     (oq, od: the output projection's int8 input; q8_1.py; D a multiple of 32). The launch names
     n_head and ctx (the rows the cache holds). qg, o, oq and od are at row `row` (one sequence of
-    a batch, batch.py)."""
+    a batch, batch.py). Where V's format VT rotates (q3_rot), the merged sums are turned back."""
     L = _combine_lanes(D)
     NG = WG // L  # groups
     if D % 4 or WG % L:
@@ -523,7 +528,10 @@ def attn_combine(part: Buffer[f32], qg: Buffer[f32], step: Buffer[u32], o: Buffe
         denom.set(denom + l_sh[n] * w)
         num.set(num + acc_sh[n * L + lane] * w)
     gate = qg.vec4[h * (D // 2) + D // 4 + quad]
-    value = num * (1.0 / denom) * zdsl.vec(*[zdsl.sigmoid(gate[e]) for e in range(4)])
+    merged = num * (1.0 / denom)
+    if KV_FORMATS[VT].rotated:
+        merged = hadamard32(merged, lane)
+    value = merged * zdsl.vec(*[zdsl.sigmoid(gate[e]) for e in range(4)])
     at = h * (D // 4) + quad
     with zdsl.if_(group == 0):
         o.vec4[at] = value
@@ -532,13 +540,16 @@ def attn_combine(part: Buffer[f32], qg: Buffer[f32], step: Buffer[u32], o: Buffe
 
 
 @attn_combine.reference
-def attn_combine_ref(part, qg, length, nsplit, min_chunk=1):
-    """part: (n_head, nsplit, d + 2) from attn_decode; qg: (n_head, 2d). Returns o: (n_head, d)."""
+def attn_combine_ref(part, qg, length, nsplit, min_chunk=1, vt="f16"):
+    """part: (n_head, nsplit, d + 2) from attn_decode; qg: (n_head, 2d); vt: V's format (whose
+    rotation the merge undoes). Returns o: (n_head, d)."""
     d = part.shape[-1] - 2
     used = len(split_bounds(length, nsplit, min_chunk))
     p = np.asarray(part[:, :used], np.float64)
     w = np.exp(p[:, :, 0] - p[:, :, 0].max(axis=1, keepdims=True))
     o = (w[:, :, None] * p[:, :, 2:]).sum(axis=1) / (w * p[:, :, 1]).sum(axis=1, keepdims=True)
+    if KV_FORMATS[vt].rotated:
+        o = hadamard(o).astype(np.float64)
     return (o / (1 + np.exp(-qg[:, d:]))).astype(np.float32)
 
 
@@ -637,7 +648,10 @@ def attn_prefill(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_cache:
         for p in range(P):
             quad = quads[p]
             gate = qg.vec4[heads[qi] * (D // 2) + D // 4 + quad]
-            value = acc[qi][p] * inv * zdsl.vec(*[zdsl.sigmoid(gate[e]) for e in range(4)])
+            merged = acc[qi][p] * inv
+            if KV_FORMATS[VT].rotated:  # V rotated: o turned back (lanes 8k … 8k + 7 hold a block)
+                merged = hadamard32(merged, lane % 8)
+            value = merged * zdsl.vec(*[zdsl.sigmoid(gate[e]) for e in range(4)])
             with zdsl.if_(mine):
                 o.vec4[heads[qi] * (D // 4) + quad] = value
             if Q8:
@@ -914,6 +928,8 @@ def attn_prefill_coop(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_c
                     value = value + zdsl.vec(*[ss[(n * 16 + r) * SS + 4 * quad + e] for e in range(4)]) * w[n]
                 at_o = qo_row(row0 + r) * (D // 4) + 8 * pair + quad
                 gate = qg.vec4[qo_row(row0 + r) * (D // 2) + D // 4 + 8 * pair + quad]
+                if KV_FORMATS[VT].rotated:  # V rotated: o turned back (a row's block in eight neighbours)
+                    value = hadamard32(value, quad)
                 value = value * zdsl.vec(*[zdsl.sigmoid(gate[e]) for e in range(4)])
                 ok = (j < 128) & (row0 + r < t * G)
                 with zdsl.if_(ok):
@@ -952,9 +968,11 @@ def _bytes(cache, rows: int, n_kv: int) -> np.ndarray:
     return cache.view(np.uint8).reshape(rows, n_kv, -1)
 
 
-def _values(cache, kv_type: str, rows: int, n_kv: int, d: int) -> np.ndarray:
-    """A cache's values (rows, n_kv, d), decoded."""
-    return KV_FORMATS[kv_type].decode(cache, d).reshape(rows, n_kv, d)
+def _values(cache, kv_type: str, rows: int, n_kv: int, d: int, turned_back: bool = False) -> np.ndarray:
+    """A cache's values (rows, n_kv, d), decoded: as the kernels read them, or `turned_back`
+    where the format rotates them (the V that o is made of)."""
+    f = KV_FORMATS[kv_type]
+    return (f.values if turned_back else f.decode)(cache, d).reshape(rows, n_kv, d)
 
 
 @attn_prep.example
@@ -1015,7 +1033,7 @@ def attn_combine_example(use, rng, check):
         args.update(oq=np.zeros(nh * D // 4, np.uint32), od=np.zeros(nh * D // 16, np.float32))
 
     def expect(p):
-        o = attn_combine_ref(part, args["qg"].reshape(nh, 2 * D), ctx, nsplit, min_chunk)
+        o = attn_combine_ref(part, args["qg"].reshape(nh, 2 * D), ctx, nsplit, min_chunk, use.variant.params["VT"])
         return {"o": (o, 1e-4), **({"od": (inputs.q8_1_scales(o), 1e-4)} if q8 else {})}
     return zdsl.Example(args, expect)
 
@@ -1060,7 +1078,8 @@ def _prefill_example(use, rng, check, tol, kt="f16", vt="f16"):
 
     def expect(p):
         o = attn_prefill_ref(args["q"].reshape(T, nh, D), args["qg"].reshape(T, nh, 2 * D),
-                             _values(args["k_cache"], kt, rows, nkv, D), _values(args["v_cache"], vt, rows, nkv, D), p0)
+                             _values(args["k_cache"], kt, rows, nkv, D),
+                             _values(args["v_cache"], vt, rows, nkv, D, turned_back=True), p0)
         return {"o": (o, tol), **({"od": (inputs.q8_1_scales(o), tol)} if q8 else {})}
     return zdsl.Example(args, expect, lambda n: {"k_cache": inputs.copies(args["k_cache"], n),
                                                  "v_cache": inputs.copies(args["v_cache"], n)})

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from zdsl.kernels import attention as att
 from zdsl.errors import ZdslError
-from zdsl.kernels.kvcache import FORMATS as KV_FORMATS, KV_TYPES, kv_format
+from zdsl.kernels.kvcache import FORMATS as KV_FORMATS, KV_TYPES, hadamard, kv_format
 from zdsl.models.qwen35 import reference as model
 from kernel_testing import BACKENDS, assert_example_holds, assert_q8_1_of, run, subgroup
 
@@ -60,7 +60,7 @@ def decode(backend, request, q, k_cache, v_cache, qg, length, nsplit, sg, *, min
     q8 = d % 32 == 0  # o also as Q8_1 where it is whole blocks
     q8_out = dict(oq=np.zeros(n_head * d // 4, np.uint32), od=np.full(n_head * d // 16, np.nan, np.float32)) if q8 else {}
     blocks = d // (4 * att._combine_lanes(d))  # a workgroup per head and block of 32 dims
-    out = run(att.attn_combine.specialize(D=d, WG=wg, R=r, Q8=q8, SG=sg), backend, request, (n_head, blocks),
+    out = run(att.attn_combine.specialize(D=d, WG=wg, R=r, Q8=q8, VT=vt, SG=sg), backend, request, (n_head, blocks),
               part=part, qg=qg, step=step, o=np.full((n_head, d), np.nan, np.float32), nsplit=nsplit,
               min_chunk=min_chunk, **q8_out)
     if q8:
@@ -313,7 +313,8 @@ def test_prefill(backend, request, T, p0, n_kv, extra, scale, bt, nw, u, q8, sg_
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("d,group,p0,T,q8,kt,vt", [(128, 2, 0, 7, True, "f16", "f16"), (256, 2, 13, 5, False, "f16", "f16"),
                                                     (128, 4, 6, 9, True, "f16", "f16"), (128, 8, 21, 4, False, "f16", "f16"),
-                                                    (64, 3, 40, 6, True, "q4_0", "q8_0")])
+                                                    (64, 3, 40, 6, True, "q4_0", "q8_0"),
+                                                    (128, 2, 9, 5, True, "q3_rot", "q3_rot")])
 def test_prefill_matches_decode(backend, request, d, group, p0, T, q8, kt, vt):
     """attn_prep_rows + attn_prefill over a chunk equal T decode steps (attn_prep, attn_decode,
     attn_combine per token) on the same cache, whose rows 0 .. p0 − 1 earlier chunks filled: the
@@ -360,7 +361,7 @@ def coop_bound(q, k_cache, v_cache, p0):
        group=st.sampled_from([1, 2, 3, 4, 8]), d=st.sampled_from([32, 64]), nw=st.sampled_from([4, 8]),
        bkv=st.sampled_from([16, 32, 64]), ahead=st.sampled_from([4, 8, 16]), scale=st.sampled_from([0.3, 3.0]),
        rising=st.booleans(), q8=st.booleans(), sg_pick=st.integers(0, 2), seed=st.integers(0, 99),
-       kv=st.sampled_from([("f16", "f16"), ("q8_0", "q8_0"), ("q4_0", "q8_0"), ("f16", "q4_0")]))
+       kv=st.sampled_from([("f16", "f16"), ("q8_0", "q8_0"), ("q4_0", "q8_0"), ("f16", "q4_0"), ("q3_rot", "q3_rot")]))
 def test_prefill_coop(backend, request, T, p0, n_kv, group, d, nw, bkv, ahead, scale, rising, q8, sg_pick, seed, kv):
     """attn_prefill_coop against plain masked softmax within coop_bound, over query blocks cut
     short, odd groups (a token's heads across two workgroups), the cache split between 4 or 8
@@ -379,9 +380,10 @@ def test_prefill_coop(backend, request, T, p0, n_kv, group, d, nw, bkv, ahead, s
     grow = (1 + np.arange(rows) / 8)[:, None, None] if rising else 1.0
     k_cache = (rng.standard_normal((rows, n_kv, d)) * scale * grow).astype(np.float16)
     v_cache = random_cache(rng, rows, n_kv, d)
+    huge = 60000 / np.sqrt(32) if kv[0] == "q3_rot" else 60000  # turned, a block's values add up to √32 times
     for cache in (k_cache, v_cache):
-        cache[p0 + T:] = np.float16(60000) * np.sign(rng.standard_normal(cache[p0 + T:].shape))
-    (k_cache, k_values), (v_cache, v_values) = (in_format(c, t, d) for c, t in ((k_cache, kv[0]), (v_cache, kv[1])))
+        cache[p0 + T:] = np.float16(huge) * np.sign(rng.standard_normal(cache[p0 + T:].shape))
+    (k_cache, k_values), (v_cache, v_values) = in_format(k_cache, kv[0], d), in_format(v_cache, kv[1], d, True)
     sg = [16, 32, 64][sg_pick] if backend == "interp" else request.getfixturevalue("device").info.subgroup_size
     assume(att._coop_fits(SimpleNamespace(D=d, SG=sg, BKV=bkv, NW=nw)))  # 8 subgroups of 64-row blocks: too big
     v = att.attn_prefill_coop.specialize(D=d, G=group, NW=nw, BKV=bkv, AHEAD=ahead, Q8=q8, KT=kv[0], VT=kv[1], SG=sg)
@@ -397,11 +399,13 @@ def test_prefill_coop(backend, request, T, p0, n_kv, group, d, nw, bkv, ahead, s
         assert_q8_1_of(out["oq"], out["od"], out["o"])
 
 
-def in_format(values, kv_type: str, d: int):
-    """(the cache in `kv_type`, as the f16 units the kernels declare; its values decoded, in f16)."""
+def in_format(values, kv_type: str, d: int, turned_back: bool = False):
+    """(the cache in `kv_type`, as the f16 units the kernels declare; its values decoded in f16,
+    as the units take them, and `turned_back` where the format rotates them: the V o is made of)."""
     fmt = KV_FORMATS[kv_type]
     cache = fmt.encode(values.astype(np.float32)).view(np.float16)
-    return cache, fmt.decode(cache, d).reshape(values.shape).astype(np.float16)
+    read = fmt.decode(cache, d).reshape(values.shape).astype(np.float16)
+    return cache, hadamard(read) if turned_back and fmt.rotated else read
 
 
 @pytest.mark.parametrize("backend", ["interp", "device"])
@@ -467,12 +471,13 @@ def test_examples(kernel, args):
 # ---- quantized KV caches ---------------------------------------------------------------------------
 
 def block_steps(values, kv_type):
-    """Each value's quantization step in its format: its block's scale |d| (f16 for f16 values)."""
+    """Each value's quantization step in its format: its block's scale |d| (f16 for f16 values;
+    the values as the format stores them, rotated for q3_rot)."""
     fmt = KV_FORMATS[kv_type]
     if fmt.block == 1:
         return np.abs(values) * 2.0 ** -10
     blocks = np.abs(values).reshape(*values.shape[:-1], -1, fmt.block).max(axis=-1, keepdims=True)
-    step = blocks / (127 if kv_type == "q8_0" else 8)
+    step = blocks / {"q8_0": 127, "q4_0": 8, "q3_rot": 7}[kv_type]
     return np.broadcast_to(step, (*step.shape[:-2], step.shape[-2], fmt.block)).reshape(values.shape)
 
 
@@ -480,13 +485,17 @@ def assert_rows_written(got, want_values, kv_type, d, atol):
     """Rows as a kernel wrote them, decoded, equal numpy's rows of the same values (gguf's
     rounding) to within one step (the kernel's f32 values and numpy's float64 ones may sit on
     either side of a rounding boundary), and the values to within half a step (a whole one for
-    q4_0, whose codes reach 7 steps on the side opposite the block's largest |x|, 8 on its own)."""
+    q4_0, whose codes reach 7 steps on the side opposite the block's largest |x|, 8 on its own;
+    q3_rot's levels are two steps apart). A rotating format's rows are compared as stored."""
     fmt = KV_FORMATS[kv_type]
     got_values = fmt.decode(got, d).reshape(want_values.shape)
     ours = fmt.decode(fmt.encode(want_values), d).reshape(want_values.shape)
+    if fmt.rotated:
+        want_values = hadamard(want_values)
     step = block_steps(want_values, kv_type)
-    assert np.all(np.abs(got_values - ours) <= step * 1.01 + atol)
-    error = step * (1.01 if kv_type == "q4_0" else 0.51) + atol + 2.0 ** -11 * np.abs(want_values)
+    wide = 2.02 if kv_type == "q3_rot" else 1.01  # codes a rounding boundary apart
+    assert np.all(np.abs(got_values - ours) <= step * wide + atol)
+    error = step * (1.01 if kv_type in ("q4_0", "q3_rot") else 0.51) + atol + 2.0 ** -11 * np.abs(want_values)
     assert np.all(np.abs(got_values - want_values) <= error)
 
 
@@ -504,6 +513,39 @@ def test_kv_formats_are_gguf_blocks():
         np.testing.assert_array_equal(rows[:, :3 * (nbytes - 2)], blocks[:, :, 2:].reshape(5, -1))
         np.testing.assert_array_equal(rows[:, 3 * (nbytes - 2):], blocks[:, :, :2].reshape(5, -1))
         np.testing.assert_array_equal(fmt.decode(rows, 96), quants.dequantize(blocks.reshape(5, -1), qtype))
+
+
+def test_q3_rot_rows():
+    """q3_rot against its definition, computed here another way: each block of 32 turned by
+    H[i, j] = (−1)^popcount(i & j) / √32 (which undoes itself), rounded to the nearest of the
+    levels (2c − 7) · max / 7 under an f16 scale; the codes' low pairs a byte per four values,
+    their high bits a nibble per four, the scales last. Heavy-tailed values lose less to it
+    than to the same rounding unturned (what the rotation is for)."""
+    rng = np.random.default_rng(4)
+    x = (rng.standard_t(2, (64, 96)) * rng.uniform(0.01, 30, (64, 1))).astype(np.float32)
+    h = np.array([[(-1) ** bin(i & j).count("1") for j in range(32)] for i in range(32)]) / np.sqrt(32)
+    y = (x.reshape(64, 3, 32).astype(np.float64) @ h).reshape(64, 96)
+    np.testing.assert_allclose(hadamard(x), y, rtol=1e-5, atol=1e-5 * np.abs(x).max())
+    np.testing.assert_allclose(hadamard(hadamard(x)), x, rtol=1e-5, atol=1e-5 * np.abs(x).max())
+    fmt = KV_FORMATS["q3_rot"]
+    rows = fmt.encode(x)
+    assert rows.shape == (64, 42) and fmt.row_bytes(96) == 42
+    blocks = y.reshape(64, 3, 32)
+    top = np.abs(blocks).max(axis=-1, keepdims=True)
+    levels = (2 * np.arange(8) - 7) * top[..., None] / 7  # (64, 3, 1, 8)
+    codes = np.abs(blocks[..., None] - levels).argmin(axis=-1).reshape(64, 96)
+    j = np.arange(96)
+    low = (rows[:, j // 4] >> (2 * (j % 4))) & 3
+    high = (rows[:, 24 + j // 8] >> (4 * (j // 4 % 2) + j % 4)) & 1
+    np.testing.assert_array_equal(low | (high << 2), codes)
+    scales = rows[:, 36:].copy().view(np.float16)
+    np.testing.assert_array_equal(scales, (top[..., 0] / 7).astype(np.float16))
+    want = (2 * codes - 7) * np.repeat(scales.astype(np.float32), 32, axis=1)
+    np.testing.assert_array_equal(fmt.decode(rows, 96), want)
+    np.testing.assert_allclose(fmt.values(rows, 96), hadamard(want), rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    unturned = np.abs(x.reshape(64, 3, 32)).max(axis=-1, keepdims=True) / 7
+    plain = np.clip(np.floor(x.reshape(64, 3, 32) / (2 * unturned) + 4), 0, 7) * 2 - 7
+    assert np.mean((fmt.values(rows, 96) - x) ** 2) < 0.5 * np.mean(((plain * unturned).reshape(64, 96) - x) ** 2)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -551,8 +593,8 @@ def test_decode_quantized(backend, request, n_kv, group, length, kt, vt, nsplit,
     v_cache = quantized_cache(rng, length + 1, n_kv, d, vt)
     _, o = decode(backend, request, q, k_cache, v_cache, qg, length, nsplit, subgroup(backend, request, sg_pick),
                   min_chunk=4, nw=nw, u=u, kt=kt, vt=vt)
-    K = KV_FORMATS[kt].decode(k_cache, d).reshape(length + 1, n_kv, d)
-    V = KV_FORMATS[vt].decode(v_cache, d).reshape(length + 1, n_kv, d)
+    K = KV_FORMATS[kt].decode(k_cache, d).reshape(length + 1, n_kv, d)  # as read: q is taken as given
+    V = KV_FORMATS[vt].values(v_cache, d).reshape(length + 1, n_kv, d)  # o turned back where V is rotated
     np.testing.assert_allclose(o, att.attention_ref(q, K, V, qg, length), rtol=2e-5, atol=2e-6)
 
 
@@ -572,7 +614,7 @@ def test_prefill_quantized(backend, request, T, p0, n_kv, group, kt, vt, nw, u, 
     out = prefill(backend, request, q, qg, k_cache, v_cache, p0, subgroup(backend, request, sg_pick), nw=nw, u=u,
                   q8=q8, kt=kt, vt=vt)
     K = KV_FORMATS[kt].decode(k_cache, d).reshape(p0 + T + 1, n_kv, d)
-    V = KV_FORMATS[vt].decode(v_cache, d).reshape(p0 + T + 1, n_kv, d)
+    V = KV_FORMATS[vt].values(v_cache, d).reshape(p0 + T + 1, n_kv, d)
     np.testing.assert_allclose(out["o"], att.attn_prefill_ref(q, qg, K, V, p0), rtol=2e-5, atol=2e-6)
 
 

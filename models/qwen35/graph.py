@@ -464,7 +464,7 @@ class DecodeGraph:
                 v_cache=v_cache, step=self.step, part=part, n_kv=nkv, min_chunk=ATTN_MIN_CHUNK,
                 nsplit=self.attn_splits, ctx=self.n_ctx, row=row),
             lambda seq: attention.attn_combine.launch(
-                seq, self._pick, label=p + "attn_combine", D=d, Q8=self._int8(p + "attn_output.weight"),
+                seq, self._pick, label=p + "attn_combine", D=d, Q8=self._int8(p + "attn_output.weight"), VT=vt,
                 part=part, qg=a.qg, step=self.step, o=o.f32, oq=o.q, od=o.d, nsplit=self.attn_splits,
                 min_chunk=ATTN_MIN_CHUNK, n_head=nh, ctx=self.n_ctx, row=row)]
 

@@ -18,7 +18,7 @@ import numpy as np
 from zdsl.errors import ZdslError
 from zdsl.kernels.kvcache import DEFAULT as KV_DEFAULT, kv_types
 
-DEFAULT_TYPES = "q8_0;q4_0,q8_0;q4_0"  # the formats compared with f16 unless --kv-types names others
+DEFAULT_TYPES = "q8_0;q4_0,q8_0;q4_0;q3_rot"  # the formats compared with f16 unless --kv-types names others
 
 
 @dataclass

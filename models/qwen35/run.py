@@ -16,7 +16,7 @@ def kv_type_option(f):
 
     return click.option("--kv-type", "kv", default="f16", show_default=True, callback=lambda ctx, param, v: kv_types(v),
                         help=f"KV cache format for K and V ({', '.join(FORMATS)}), or K,V: e.g. q8_0 (both) or "
-                             "q4_0,q8_0.")(f)
+                             "q4_0,q8_0; q3_rot (3 bits after a Hadamard rotation) is experimental.")(f)
 
 
 def sampler_options(f):
