@@ -220,6 +220,33 @@ def test_work_counts_the_loop_trips_of_each_invocation(wg):
     assert w.repeats > 1 and w.static >= 3
 
 
+@zdsl.kernel(workgroup=32, name="ragged_sum_test", register=False, grid=lambda v, s: s.groups,
+             traffic=lambda v, s: 4 * s.n)
+def ragged_sum(x: Buffer[f32], out: Buffer[f32], n: u32):
+    """Workgroup g sums g elements: the first workgroup's work stands for no other's."""
+    acc = zdsl.var(0.0)
+    for i in zdsl.range(0, zdsl.workgroup_id(0), 1):
+        acc += x[i]
+    out[zdsl.global_id()] = acc
+
+
+def test_work_averages_a_sample_of_workgroups():
+    """Workgroups whose loops the data (here their id) decides: the counts are the sampled
+    workgroups' mean, and the sample spreads over the grid without falling in step with an axis
+    (a SPLIT of two along y: both halves sampled)."""
+    from zdsl.autotune.work import SAMPLE, sample, work
+
+    groups = 64
+    ids = sample(groups)
+    assert len(set(ids)) == SAMPLE and all(0 <= i < groups for i in ids)
+    w = work(ragged_sum.specialize(), {"x": np.ones(groups, np.float32), "out": np.zeros(32 * groups, np.float32),
+                                       "n": groups}, (groups,))
+    assert w.loads == pytest.approx(np.mean(ids)) and w.rounds == pytest.approx(np.mean(ids))
+    assert sample(3) == [0, 1, 2]
+    split = sample(16 * 512)  # x: 16 row tiles, y: 256 experts × SPLIT = 2
+    assert {(i // 16) % 2 for i in split} == {0, 1}
+
+
 def _nvidia(regs, shared, workgroup):
     return cost_model.Dispatch({"Register Count": regs, "Shared Memory Size": shared}, 1, workgroup, 32, 0.0, None)
 
