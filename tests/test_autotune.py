@@ -6,6 +6,7 @@ its reference, and modelled ranking on the gfx1201 null device (wave32 and wave6
 ranked from their statistics)."""
 
 import json
+import math
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -315,6 +316,27 @@ def test_cost_model_terms():
         cost_model.card("gfx9")
     with pytest.raises(ZdslError, match="no cost-model figures for llvmpipe"):
         cost_model.card_of("llvmpipe (LLVM 15.0.6, 256 bits)")
+
+
+def test_overlap_combines_chain_and_issue():
+    """The chain and issue limits combine by a p-norm: their sum at p = 1, their max at p = ∞,
+    in between otherwise. Where the issue binds, the max ignores how long each lane waits: a
+    variant whose lanes wait twice the rounds ties with the other. Any finite p counts the
+    lanes' waits the other lanes' issue did not fill."""
+    from zdsl.autotune.work import Work
+
+    assert cost_model.combined(3.0, 4.0, 1.0) == pytest.approx(7.0)
+    assert cost_model.combined(3.0, 4.0, 2.0) == pytest.approx(5.0)
+    assert cost_model.combined(3.0, 4.0, math.inf) == 4.0 and cost_model.combined(0.0, 0.0, 2.0) == 0.0
+    stats = {"Register Count": 32, "Binary Size": 16 * 1000}
+    short = cost_model.Dispatch(stats, 100000, 256, 32, 0.0, Work(8, 100, 9900, 1000))
+    long = cost_model.Dispatch(stats, 100000, 256, 32, 0.0, Work(16, 100, 9900, 1000))
+    for p in (math.inf, 2.0, 1.0):
+        c = cost_model.with_fit(cost_model.card("h100"), 200, 4, 0.125, p)
+        a, b = cost_model.estimate(c, short), cost_model.estimate(c, long)
+        assert a["bound"] == b["bound"] == "issue" and a["issue_us"] == b["issue_us"] and a["chain_us"] < b["chain_us"]
+        assert a["us"] == pytest.approx(cost_model.combined(a["chain_us"], a["issue_us"], p) + cost_model.LAUNCH_US)
+        assert (a["us"] == b["us"]) if math.isinf(p) else (a["us"] < b["us"])
 
 
 @given(st.lists(st.tuples(st.integers(0, 6), st.floats(0, 1)), min_size=3, max_size=12, unique_by=lambda t: t[1]))
