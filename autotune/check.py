@@ -31,6 +31,7 @@ GRID = {  # the free parameters' values the fit tries
     "latency_ns": (50, 100, 200, 300, 400, 600, 800, 1200, 1600),
     "cpi": (0, 2, 4, 8, 12, 16, 24, 32, 48, 64),
     "issue_efficiency": (0.125, 0.25, 0.5, 1.0),
+    "overlap": (1.0, 1.5, 2.0, 3.0, math.inf),
 }
 
 

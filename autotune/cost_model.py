@@ -6,7 +6,7 @@ it, so its time is modelled; on a device that runs code `zdsl tune --check-model
 model beside the measurement. Decode kernels move their bytes once, and most of them are too
 short to reach the card's bandwidth, so the model asks which of three limits binds:
 
-    t = max(t_memory, t_chain, t_issue) + LAUNCH_US
+    t = max(t_memory, (t_chain^p + t_issue^p)^(1/p)) + LAUNCH_US
 
 - **Memory.** The bytes the launch moves at the card's bandwidth.
 - **Chain (Little's law).** A lane issues a round of loads, waits one memory latency for them,
@@ -21,13 +21,25 @@ short to reach the card's bandwidth, so the model asks which of three limits bin
 - **Issue.** Every wave's executed instructions through the units' issue slots (wave64 on a
   SIMD32 takes more than one pass), at `issue_efficiency` of the nominal rate.
 
+Chain and issue are not separate resources: a lane's path is its stalls and its own issue, and
+the other lanes' issue fills its stalls only in part (lanes stall together at a barrier, and a
+lane that has work ready waits behind the others'). So they combine by a p-norm, from their sum
+(p = 1: no overlap) towards their max (p → ∞: each hides the other wholly). Under the max the
+smaller limit counts for nothing: the H100's prompt products on matrix units take ~3× the time
+their instructions need at the full issue rate (fitted efficiency 0.125 to 0.25), so the issue
+binds, and a variant whose lanes wait longer (fewer lanes, more steps) tied with one whose lanes
+do not; with the p-norm both
+count, and mul_mm_coop's two token tiles a subgroup (fewer instructions issued, a longer path
+per lane) rank ahead of one, as measured (issue 30). p is fitted with the other free parameters
+(1.5 to 2 on the H100's records); 2 where nothing was measured.
+
 Occupancy follows each vendor's rules: NVIDIA's from the driver's register count (allocated per
 warp in units of 256) and shared memory (plus 1 KiB the driver reserves per block), under 64
 warps and 32 blocks per SM; RDNA's from the compiler's waves per SIMD (its VGPR budget) and LDS
 per workgroup, under the workgroups a CU holds. Card figures are public specifications;
-`latency_ns`, `cpi` and `issue_efficiency` are the free parameters, fitted on measurement where
-a card of that kind ran (`check.py`), nominal guesses elsewhere. Its microseconds are for ranking
-the variants of one kernel at one shape, not predictions of a run.
+`latency_ns`, `cpi`, `issue_efficiency` and `overlap` (p) are the free parameters, fitted on
+measurement where a card of that kind ran (`check.py`), nominal guesses elsewhere. Its
+microseconds are for ranking the variants of one kernel at one shape, not predictions of a run.
 """
 
 from __future__ import annotations
@@ -54,6 +66,7 @@ class Card:
     latency_ns: float       # free: a round of loads' latency as a lane sees it
     cpi: float = 16.0       # free: cycles per dependent instruction on a lane's path
     issue_efficiency: float = 0.5  # free: share of the nominal issue rate reached
+    overlap: float = 2.0    # free: p of the p-norm that combines the chain and issue limits (inf: their max)
     issue: int = 4          # wave instructions issued per clock per unit (SM schedulers, CU SIMDs)
     wave: int = 32          # the native wave (NVIDIA warp, RDNA SIMD32)
     max_waves: int = 64     # resident waves per unit (NVIDIA)
@@ -109,8 +122,17 @@ def card_of(device_name: str) -> Card:
     return found[0]
 
 
-def with_fit(c: Card, latency_ns: float, cpi: float, issue_efficiency: float) -> Card:
-    return replace(c, latency_ns=latency_ns, cpi=cpi, issue_efficiency=issue_efficiency)
+def with_fit(c: Card, latency_ns: float, cpi: float, issue_efficiency: float, overlap: float | None = None) -> Card:
+    return replace(c, latency_ns=latency_ns, cpi=cpi, issue_efficiency=issue_efficiency,
+                   overlap=c.overlap if overlap is None else overlap)
+
+
+def combined(chain: float, issue: float, p: float) -> float:
+    """The p-norm of the chain and issue limits: their sum at p = 1, their max as p → ∞."""
+    if math.isinf(p):
+        return max(chain, issue)
+    top = max(chain, issue)
+    return top * ((chain / top) ** p + (issue / top) ** p) ** (1 / p) if top > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -168,8 +190,9 @@ def estimate(c: Card, d: Dispatch) -> dict:
         "chain_us": max(1.0, d.groups / resident) * (rounds * c.latency_ns * 1e-3 + executed * c.cpi / clock),
         "issue_us": d.groups * waves_per_group * executed / (c.units * c.issue * c.issue_efficiency * clock),
     }
-    bound = max(terms, key=terms.get)
-    return {"us": terms[bound] + LAUNCH_US, **terms, "bound": bound.removesuffix("_us"),
+    lanes = combined(terms["chain_us"], terms["issue_us"], c.overlap)
+    bound = "memory_us" if terms["memory_us"] >= lanes else max(("chain_us", "issue_us"), key=terms.get)
+    return {"us": max(terms["memory_us"], lanes) + LAUNCH_US, **terms, "bound": bound.removesuffix("_us"),
             "groups_per_unit": resident // c.units, "rounds": rounds}
 
 

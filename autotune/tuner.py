@@ -18,7 +18,7 @@ follows the CPU's making of the use's inputs, and on the H100 it read up to 4× 
 neighbour, attention's 1,788 against 951 timed alone), which favoured every other candidate.
 Modelled: each candidate is compiled for the target by RADV's null device and ranked by
 `cost_model` from its machine-code statistics, the bytes its launch moves and the work the
-interpreter counts for one invocation of its first workgroup (`work.py`).
+interpreter counts for one invocation of a sample of its workgroups (`work.py`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""What one invocation of a dispatch does at run time: its kernel's first workgroup run in the
-interpreter, counting the statements it executes.
+"""What one invocation of a dispatch does at run time: a sample of its kernel's workgroups run in
+the interpreter, counting the statements they execute.
 
 Machine-code statistics are static: a loop's body counts once however often it runs, so the
 variants of a kernel that split the same loop over more invocations (a bigger workgroup, rows
@@ -24,7 +24,7 @@ from zdsl.lang.interp import Run
 
 @dataclass(frozen=True)
 class Work:
-    """Per invocation of the first workgroup, averaged over its invocations."""
+    """Per invocation, averaged over the invocations of the sampled workgroups (`sample`)."""
     rounds: float   # executions of statement lists that load (see the module's docstring)
     loads: float    # buffer loads executed
     ops: float      # other operations executed
@@ -73,34 +73,73 @@ def _static(body) -> int:
 
 
 class _Counting(Run):
-    def __init__(self, *args):
-        super().__init__(*args)
+    """The interpreter counting rounds, loads and operations per invocation. A round counts for
+    an invocation where one of the list's loads ran for it: a branch not taken (the `if` of a
+    specialization constant that is false, such as mul_mm_coop's ADD) waits for nothing."""
+
+    def __init__(self, k, groups, buffers, scalars, specs, ids):
+        super().__init__(k, groups, buffers, scalars, specs, 0, len(ids))
+        # the chunk's workgroups are the sampled ones, not the first len(ids)
+        gl = np.asarray(ids, np.int64)[np.arange(self.n) // self.wg]
+        g, wgs, u = groups, k.workgroup, np.uint32
+        gid = [gl % g[0], (gl // g[0]) % g[1], gl // (g[0] * g[1])]
+        self.builtins["workgroup_id"] = [a.astype(u) for a in gid]
+        self.builtins["global_id"] = [(a * w + l).astype(u) for a, w, l in zip(gid, wgs, self.builtins["local_id"])]
         self.rounds = self.loads = self.ops = 0
         self.round_lists = {id(b) for b in _lists(self.k.body) if _loads_directly(b)}
+        self.waiting: list[np.ndarray] = []  # per open round list: the invocations whose load ran
 
     def block(self, stmts, mask) -> None:
-        if id(stmts) in self.round_lists:
-            self.rounds += int(mask.sum())
-        super().block(stmts, mask)
+        if id(stmts) not in self.round_lists:
+            return super().block(stmts, mask)
+        self.waiting.append(np.zeros(self.n, dtype=bool))
+        try:
+            super().block(stmts, mask)
+        finally:
+            self.rounds += int(self.waiting.pop().sum())
 
     def stmt(self, s, mask) -> None:
         if isinstance(s, ir.Let):
             if s.op == "load":
                 self.loads += int(mask.sum())
+                if self.waiting:
+                    self.waiting[-1] |= mask
             else:
                 self.ops += int(mask.sum())
         super().stmt(s, mask)
 
 
+SAMPLE = 8  # workgroups the interpreter runs, spread over the grid
+
+
+def sample(total: int, n: int = SAMPLE) -> list[int]:
+    """n workgroups spread over the grid's linear ids, all of them where there are no more:
+    workgroups differ where the data decides their loops (a routed expert's pairs, a token tile
+    past the last token, a causal block's keys). The golden ratio's multiples spread them without
+    falling into step with the grid's axes (evenly spaced ids would all take the first of SPLIT
+    workgroups of an expert)."""
+    if total <= n:
+        return list(range(total))
+    ids = []
+    for i in range(4 * n):
+        g = int(total * ((0.5 + i * 0.6180339887498949) % 1.0))
+        if g not in ids:
+            ids.append(g)
+        if len(ids) == n:
+            break
+    return sorted(ids)
+
+
 def work(variant, args: dict, groups) -> Work | None:
     """The work of one invocation of `variant` dispatched over `groups` on the example `args`
-    (arrays and scalars by name), or None where the interpreter cannot run its first workgroup."""
+    (arrays and scalars by name), averaged over a sample of its workgroups, or None where the
+    interpreter cannot run them."""
     k = variant.ir
     buffers = {n: np.asarray(args[n]) if n in args else np.zeros(4, np.uint8) for n, _, _ in k.buffers}
     scalars = {s.name: args.get(s.name, 0) for s in k.scalars}
     g = tuple(int(x) for x in groups) + (1,) * (3 - len(tuple(groups)))
     try:
-        run = _Counting(k, g, buffers, scalars, variant.spec_values, 0, 1)
+        run = _Counting(k, g, buffers, scalars, variant.spec_values, sample(g[0] * g[1] * g[2]))
         run.block(k.body, np.ones(run.n, dtype=bool))
     except (ZdslError, IndexError, ValueError):
         return None

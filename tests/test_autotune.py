@@ -6,6 +6,7 @@ its reference, and modelled ranking on the gfx1201 null device (wave32 and wave6
 ranked from their statistics)."""
 
 import json
+import math
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -220,6 +221,33 @@ def test_work_counts_the_loop_trips_of_each_invocation(wg):
     assert w.repeats > 1 and w.static >= 3
 
 
+@zdsl.kernel(workgroup=32, name="ragged_sum_test", register=False, grid=lambda v, s: s.groups,
+             traffic=lambda v, s: 4 * s.n)
+def ragged_sum(x: Buffer[f32], out: Buffer[f32], n: u32):
+    """Workgroup g sums g elements: the first workgroup's work stands for no other's."""
+    acc = zdsl.var(0.0)
+    for i in zdsl.range(0, zdsl.workgroup_id(0), 1):
+        acc += x[i]
+    out[zdsl.global_id()] = acc
+
+
+def test_work_averages_a_sample_of_workgroups():
+    """Workgroups whose loops the data (here their id) decides: the counts are the sampled
+    workgroups' mean, and the sample spreads over the grid without falling in step with an axis
+    (a SPLIT of two along y: both halves sampled)."""
+    from zdsl.autotune.work import SAMPLE, sample, work
+
+    groups = 64
+    ids = sample(groups)
+    assert len(set(ids)) == SAMPLE and all(0 <= i < groups for i in ids)
+    w = work(ragged_sum.specialize(), {"x": np.ones(groups, np.float32), "out": np.zeros(32 * groups, np.float32),
+                                       "n": groups}, (groups,))
+    assert w.loads == pytest.approx(np.mean(ids)) and w.rounds == pytest.approx(np.mean(ids))
+    assert sample(3) == [0, 1, 2]
+    split = sample(16 * 512)  # x: 16 row tiles, y: 256 experts × SPLIT = 2
+    assert {(i // 16) % 2 for i in split} == {0, 1}
+
+
 def _nvidia(regs, shared, workgroup):
     return cost_model.Dispatch({"Register Count": regs, "Shared Memory Size": shared}, 1, workgroup, 32, 0.0, None)
 
@@ -288,6 +316,27 @@ def test_cost_model_terms():
         cost_model.card("gfx9")
     with pytest.raises(ZdslError, match="no cost-model figures for llvmpipe"):
         cost_model.card_of("llvmpipe (LLVM 15.0.6, 256 bits)")
+
+
+def test_overlap_combines_chain_and_issue():
+    """The chain and issue limits combine by a p-norm: their sum at p = 1, their max at p = ∞,
+    in between otherwise. Where the issue binds, the max ignores how long each lane waits: a
+    variant whose lanes wait twice the rounds ties with the other. Any finite p counts the
+    lanes' waits the other lanes' issue did not fill."""
+    from zdsl.autotune.work import Work
+
+    assert cost_model.combined(3.0, 4.0, 1.0) == pytest.approx(7.0)
+    assert cost_model.combined(3.0, 4.0, 2.0) == pytest.approx(5.0)
+    assert cost_model.combined(3.0, 4.0, math.inf) == 4.0 and cost_model.combined(0.0, 0.0, 2.0) == 0.0
+    stats = {"Register Count": 32, "Binary Size": 16 * 1000}
+    short = cost_model.Dispatch(stats, 100000, 256, 32, 0.0, Work(8, 100, 9900, 1000))
+    long = cost_model.Dispatch(stats, 100000, 256, 32, 0.0, Work(16, 100, 9900, 1000))
+    for p in (math.inf, 2.0, 1.0):
+        c = cost_model.with_fit(cost_model.card("h100"), 200, 4, 0.125, p)
+        a, b = cost_model.estimate(c, short), cost_model.estimate(c, long)
+        assert a["bound"] == b["bound"] == "issue" and a["issue_us"] == b["issue_us"] and a["chain_us"] < b["chain_us"]
+        assert a["us"] == pytest.approx(cost_model.combined(a["chain_us"], a["issue_us"], p) + cost_model.LAUNCH_US)
+        assert (a["us"] == b["us"]) if math.isinf(p) else (a["us"] < b["us"])
 
 
 @given(st.lists(st.tuples(st.integers(0, 6), st.floats(0, 1)), min_size=3, max_size=12, unique_by=lambda t: t[1]))
