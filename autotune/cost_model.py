@@ -28,9 +28,8 @@ lane that has work ready waits behind the others'). So they combine by a p-norm,
 smaller limit counts for nothing: the H100's prompt products on matrix units take ~3× the time
 their instructions need at the full issue rate (fitted efficiency 0.125 to 0.25), so the issue
 binds, and a variant whose lanes wait longer (fewer lanes, more steps) tied with one whose lanes
-do not; with the p-norm both
-count, and mul_mm_coop's two token tiles a subgroup (fewer instructions issued, a longer path
-per lane) rank ahead of one, as measured (issue 30). p is fitted with the other free parameters
+do not; with the p-norm both count, and mul_mm_coop's two token tiles a subgroup (fewer
+instructions issued, a longer path per lane) rank ahead of one, as measured (issue 30). p is fitted with the other free parameters
 (1.5 to 2 on the H100's records); 2 where nothing was measured.
 
 Occupancy follows each vendor's rules: NVIDIA's from the driver's register count (allocated per
