@@ -144,3 +144,37 @@ def test_a_batch_refuses_graphs_that_do_not_share_weights(model, device, graphs)
         batch.close()
     finally:
         other.close()
+
+
+def test_the_memory_plan_holds_every_slot_and_the_batch(model, device, monkeypatch):
+    """A graph made for three sequences (a server's --parallel 3) plans, before it allocates
+    anything, what the two that will read its weights and the batched step of all three take:
+    the device memory they hold once made is what it planned (up to Vulkan's largest offset
+    alignment, which the plan takes for the batch's workgroup counts); a
+    device with less free than that refuses the first graph in one line that names a context
+    that fits, where one sequence alone would have been let in."""
+    from zdsl.errors import OutOfMemoryError
+    from zdsl.runtime.device import Device
+
+    sampler = SamplerConfig(temperature=0)
+    make = lambda **kw: DecodeGraph(model, device, 64, sampler, progress=False, chunk=16, checkpoint=True, **kw)
+    held = lambda: device.memory_report().get("device", {"used": 0})["used"]
+    before = held()
+    first = make(slots=3)
+    gs = [first] + [make(weights_of=first) for _ in range(2)]
+    batch = Batch(gs)
+    try:
+        planned = sum(s.nbytes for s in first.plan(64, 3))
+        alone = sum(s.nbytes for s in first.plan(64))
+        used = held() - before
+        assert alone < used <= planned <= used + (64 << 10)  # over by the workgroup counts' alignment at most
+    finally:
+        batch.close()
+        for g in reversed(gs):
+            g.close()
+    monkeypatch.setattr(Device, "memory_available", lambda self: (alone + planned) // 2)
+    with pytest.raises(OutOfMemoryError, match=r"^this model with 3 sequences at --ctx 64 needs .* free; "
+                                               r"(--ctx \d+ would fit .*; or )?--parallel [12] would fit$") as e:
+        make(slots=3)
+    assert "\n" not in str(e.value)
+    make().close()

@@ -98,20 +98,20 @@ def test_a_model_that_does_not_fit_is_refused_naming_a_context_that_does():
 
 def test_the_caches_take_their_formats_bytes_and_the_longest_context_follows():
     """The 35B-A3B's KV caches: 2 KV heads of 256 in 10 layers are 20 KiB a token at f16, 10.6
-    KiB at q8_0, 8.1 KiB at q4_0 K with q8_0 V; the caches hold whole blocks of 64 positions and
+    KiB at q8_0, 8.1 KiB at q4_0 K with q8_0 V, 4.4 KiB at q3_rot; the caches hold whole blocks of 64 positions and
     nothing else grows with the format. Beside the weights and every other buffer, the full
     262,144-token context fits a 32 GiB card in any format, a 23 GiB one only quantized (f16:
-    160,896 tokens), and at 22 GiB q4_0,q8_0 still holds it where q8_0 does not."""
+    160,960 tokens), and at 22 GiB q4_0,q8_0 still holds it where q8_0 does not."""
     hp, tensors, _ = _35b_buffers(4096)
     plans = {kv: decode_buffers(hp, tensors, 1000, 0, kv=kv) for kv in (("f16", "f16"), ("q8_0", "q8_0"),
-                                                                        ("q4_0", "q8_0"))}
+                                                                        ("q4_0", "q8_0"), ("q3_rot", "q3_rot"))}
     kv_bytes = {kv: Footprint(specs).by_kind["KV cache"] for kv, specs in plans.items()}
     assert kv_bytes == {("f16", "f16"): 1024 * 20 * 1024, ("q8_0", "q8_0"): 1024 * 10 * 2 * 2 * 272,
-                        ("q4_0", "q8_0"): 1024 * 10 * 2 * (144 + 272)}
+                        ("q4_0", "q8_0"): 1024 * 10 * 2 * (144 + 272), ("q3_rot", "q3_rot"): 1024 * 10 * 2 * 2 * 112}
     others = {kv: Footprint(specs).total - kv_bytes[kv] for kv, specs in plans.items()}
     assert len(set(others.values())) == 1
     contexts = {gib: [largest_context(hp, tensors, gib * GIB, kv) for kv in plans] for gib in (22, 23, 32)}
-    assert contexts == {22: [108_480, 204_160, 262_144], 23: [160_896, 262_144, 262_144], 32: [262_144] * 3}
+    assert contexts == {22: [108_608, 204_352, 262_144, 262_144], 23: [160_960] + [262_144] * 3, 32: [262_144] * 4}
     n = contexts[23][0]  # the largest: one more block of 64 positions does not fit
     fits = [Footprint(decode_buffers(hp, tensors, c, 0, chunk=512, halves=True)).total <= 23 * GIB for c in (n, n + 64)]
     assert fits == [True, False]

@@ -36,7 +36,7 @@ import numpy as np
 from zdsl.errors import ZdslError
 from zdsl.kernels import embedding
 from zdsl.kernels.dmmv import dmmv
-from zdsl.models.qwen35.buffers import STEP_WORDS
+from zdsl.models.qwen35.buffers import STEP_WORDS, batch_buffers
 
 MOST = max(dmmv.variant_space["COLS"])  # sequences a batch holds: dmmv's columns
 OWN_AFTER, KEPT = 2, 8  # the burst of a set of sequences that records its own step; steps kept
@@ -57,20 +57,12 @@ class Batch:
         self.graphs, self.lender = list(graphs), lender
         hp, dev = lender.hp, lender.device
         chunk = lender.prompt  # its rows of the residual stream, norms, projections' outputs
-        K, F, S = hp.n_experts_used, hp.expert_ffn, hp.shared_ffn
-        # what the prompt's rows lack, and what one sequence's launches write that no other may
-        sizes = [("logits", 4 * n * hp.vocab)]
         parts, self.cand_bytes = max(g.attn_part.nbytes for g in graphs), max(g.cand.nbytes for g in graphs)
-        sizes += [(f"attn_partials.{r}", parts) for r in range(n)]
-        sizes += [(f"candidates.{r}", self.cand_bytes) for r in range(n)]
-        if hp.moe:
-            sizes += [("router_logits", 4 * n * (hp.n_experts + 1)), ("router_arrivals", 4 * n),
-                      ("route_ids", 4 * n * (K + 1)), ("route_weights", 4 * n * (K + 1)),
-                      ("expert_act", 4 * n * (K * F + S)), ("zero_id", 4 * n * (K + 1))]
-        else:
-            sizes.append(("ffn_act", 4 * n * hp.ffn))
-        self._owned = dev.alloc_many([("batch." + name, nbytes) for name, nbytes in sizes])
-        b = dict(zip((name for name, _ in sizes), self._owned))
+        # the workgroup counts of each sequence's launches, one slot of `stride` bytes a launch
+        self.stride = max(16, dev._phys.min_storage_offset_alignment)
+        specs = batch_buffers(hp, n, parts, self.cand_bytes, self.stride)
+        self._owned = dev.alloc_many([("batch." + s.name, s.nbytes) for s in specs])
+        b = dict(zip((s.name for s in specs), self._owned))
         self.logits = b["logits"]
         self.rows = SimpleNamespace(x=chunk.x, normed=chunk.normed, qg=chunk.qg, q=chunk.q, k=chunk.k, v=chunk.v,
                                     attn_o=chunk.attn_o, mix=chunk.mix, z=chunk.z, dn_out=chunk.dn_out,
@@ -85,12 +77,9 @@ class Batch:
             seq.run()
             seq.free()
         self.steps = chunk.steps
-        # the workgroup counts of each sequence's launches, one slot of `stride` bytes a launch
-        self.stride = max(16, dev._phys.min_storage_offset_alignment)
-        nbytes = self.stride * n * (8 * hp.n_layers + 16)
-        self.counts = dev.host_buffer(nbytes, name="batch.counts")  # written by the host, copied to the GPU's
-        self.counts_gpu = dev.alloc(nbytes, name="batch.counts_gpu")  # the GPU reads its own memory faster
-        self.nbytes = sum(b.nbytes for b in self._owned) + self.counts_gpu.nbytes  # device memory of its own
+        self.counts_gpu = b["counts_gpu"]  # the GPU reads its own memory faster
+        self.counts = dev.host_buffer(self.counts_gpu.nbytes, name="batch.counts")  # written by the host, copied there
+        self.nbytes = sum(b.nbytes for b in self._owned)  # device memory of its own
         self.launches: list[tuple[int, int, tuple]] = []  # (row, byte offset, workgroups) of each
         self._recorder = dev.recorder()
         self._all_rows: Future | None = None  # the step of all rows (being recorded)
@@ -223,7 +212,6 @@ class Batch:
             buf.free()
         self._owned = []
         self.counts.free()
-        self.counts_gpu.free()
 
 
 class _Row:

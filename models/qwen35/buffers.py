@@ -63,6 +63,23 @@ def vector(name: str, n: int, halves: bool = False) -> list[Spec]:
 SAVED = "saved."  # the prefix of the checkpoint twins of a sequence's state
 
 
+def batch_buffers(hp, n: int, parts: int, candidates: int, stride: int) -> list[Spec]:
+    """The buffers of a batched step of n sequences (batch.py) that the prompt's rows lack, and
+    those one sequence's launches write that no other may: `parts` and `candidates` bytes of
+    attention partials and sampler room a sequence, `stride` bytes a launch's workgroup counts."""
+    K, F, S = hp.n_experts_used, hp.expert_ffn, hp.shared_ffn
+    specs = [Spec("logits", 4 * n * hp.vocab, "scratch")]
+    specs += [Spec(f"attn_partials.{r}", parts, "scratch") for r in range(n)]
+    specs += [Spec(f"candidates.{r}", candidates, "scratch") for r in range(n)]
+    if hp.moe:
+        specs += [Spec(name, nbytes, "scratch") for name, nbytes in (
+            ("router_logits", 4 * n * (hp.n_experts + 1)), ("router_arrivals", 4 * n), ("route_ids", 4 * n * (K + 1)),
+            ("route_weights", 4 * n * (K + 1)), ("expert_act", 4 * n * (K * F + S)), ("zero_id", 4 * n * (K + 1)))]
+    else:
+        specs.append(Spec("ffn_act", 4 * n * hp.ffn, "scratch"))
+    return specs + [Spec("counts_gpu", stride * n * (8 * hp.n_layers + 16), "scratch")]
+
+
 def attn_splits(n_ctx: int, n_kv: int) -> int:
     """The chunks attn_decode's grid cuts a context of n_ctx rows into (its x; KV heads its y)."""
     return split_count(n_ctx, ATTN_MIN_CHUNK, max(1, ATTN_WORKGROUPS // n_kv))
@@ -160,9 +177,10 @@ class Footprint:
         return " + ".join(f"{kind} {fmt_bytes(n)}" for kind, n in self.by_kind.items()) + f" = {fmt_bytes(self.total)}"
 
 
-def check_fits(specs_at, n_ctx: int, available: int, info) -> Footprint:
+def check_fits(specs_at, n_ctx: int, available: int, info, what: str = "this model", fewer=None) -> Footprint:
     """The footprint of `specs_at(n_ctx)` (the buffers for a context length), or one line saying
-    why device `info`, with `available` bytes free, cannot hold it, and which context it can."""
+    why device `info`, with `available` bytes free, cannot hold `what`, and which context it can;
+    `fewer()`: another way that fits, or None (e.g. fewer sequences)."""
 
     def problem(n: int) -> str | None:
         specs = specs_at(n)
@@ -172,15 +190,15 @@ def check_fits(specs_at, n_ctx: int, available: int, info) -> Footprint:
                     f"{fmt_bytes(info.max_storage_buffer_range)} {info.name} binds in one buffer")
         need = Footprint(specs)
         if need.total > available:
-            return f"this model at --ctx {n} needs {need.line()} but {info.name} has {fmt_bytes(available)} free"
+            return f"{what} at --ctx {n} needs {need.line()} but {info.name} has {fmt_bytes(available)} free"
         return None
 
     why = problem(n_ctx)
     if why is None:
         return Footprint(specs_at(n_ctx))
     lo = largest(lambda n: problem(n) is None, n_ctx - 1)
-    fix = (f"--ctx {lo} would fit (a quantized --kv-type holds more)" if lo
-           else "this model cannot run on it (a smaller model or quantization could)")
+    fixes = [f"--ctx {lo} would fit (a quantized --kv-type holds more)" if lo else None, fewer() if fewer else None]
+    fix = "; or ".join(f for f in fixes if f) or "this model cannot run on it (a smaller model or quantization could)"
     raise OutOfMemoryError(f"{why}; {fix}")
 
 

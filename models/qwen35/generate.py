@@ -84,14 +84,15 @@ class Generator:
     def __init__(self, model: ModelFile, device, *, n_ctx: int, sampler: SamplerConfig, progress: bool = True,
                  burst: int = 8, say: Callable[[str], None] | None = None, keep: bool = False,
                  kv: tuple[str, str] = KV_DEFAULT, checkpoints: int = 0, chunk: int = CHUNK,
-                 weights_of: Generator | None = None):
+                 weights_of: Generator | None = None, slots: int = 1):
         """`keep`: prompts that extend the context continue it (a chat); bursts that run past an
         end-of-turn token are then undone from a checkpoint of the sequence state; `kv`: the
         KV caches' formats (kernels/kvcache.py); `checkpoints` (with keep): bytes of device memory
         for snapshots of the sequence state at each prompt chunk's boundary and at the prompt's
         end (checkpoints.py), from which a prompt that leaves the context part-way resumes;
         `chunk`: the most prompt tokens fed at once (prefill.py); `weights_of`: a Generator of this
-        model on this device whose weights this one reads (another sequence, e.g. a server slot)."""
+        model on this device whose weights this one reads (another sequence, e.g. a server slot);
+        `slots`: the sequences that will read this one's weights, itself included (DecodeGraph)."""
         self.model, self.device = model, device
         self.burst = burst  # decode steps per submission: the host waits once per burst
         self.bursts = Alone()  # what runs them: this graph alone, or with others (engine.Together)
@@ -102,7 +103,7 @@ class Generator:
         self.n_ctx = min(n_ctx, hp.context_length)
         self.keep = keep
         self.graph = DecodeGraph(model, device, self.n_ctx, sampler, progress=progress, say=say, checkpoint=keep, kv=kv,
-                                 chunk=chunk, weights_of=weights_of.graph if weights_of else None)
+                                 chunk=chunk, weights_of=weights_of.graph if weights_of else None, slots=slots)
         self.context: list[int] = []
         self.checkpoints = Checkpoints(self.graph, checkpoints) if keep and checkpoints else None
         tok = self.tokenizer
@@ -247,7 +248,7 @@ class Alone:
 
 def load(path: str | None, device_selector: str | None, *, n_ctx: int, sampler: SamplerConfig,
          progress: bool = True, say: Callable[[str], None] | None = None, keep: bool = False,
-         kv: tuple[str, str] = KV_DEFAULT, checkpoints: int = 0) -> Generator:
+         kv: tuple[str, str] = KV_DEFAULT, checkpoints: int = 0, slots: int = 1) -> Generator:
     from zdsl.runtime import open_device
 
     model = open_model(path) if path is not None else default_model(say)
@@ -256,7 +257,7 @@ def load(path: str | None, device_selector: str | None, *, n_ctx: int, sampler: 
         raise ZdslError(f"{device.info.name} is a compile-only target; pick a device that runs code (zdsl devices)")
     try:
         return Generator(model, device, n_ctx=n_ctx, sampler=sampler, progress=progress, say=say, keep=keep, kv=kv,
-                         checkpoints=checkpoints)
+                         checkpoints=checkpoints, slots=slots)
     except BaseException:
         device.close()
         raise

@@ -30,8 +30,9 @@ from zdsl.kernels import attention, deltanet, dmmv, embedding, ffn, moe, q8_1, s
 from zdsl.kernels.kvcache import DEFAULT as KV_DEFAULT
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS
 from zdsl.runtime.memory import fmt_bytes
-from zdsl.models.qwen35.buffers import (ATTN_MIN_CHUNK, CHUNK, SAVED, STEP_WORDS, attn_splits, check_fits,
-                                        checkpointed, decode_buffers)
+from zdsl.models.qwen35.batch import MOST as BATCH_MOST
+from zdsl.models.qwen35.buffers import (ATTN_MIN_CHUNK, CHUNK, SAVED, STEP_WORDS, Footprint, Spec, attn_splits,
+                                        batch_buffers, check_fits, checkpointed, decode_buffers, largest)
 from zdsl.models.qwen35.checkpoints import Snapshot
 from zdsl.models.qwen35.gguf_file import ModelFile
 from zdsl.models.qwen35.prefill import Prefill
@@ -101,14 +102,17 @@ def record_chunk_launches(model, info, n_ctx: int, t: int, tuning: Database | No
 class DecodeGraph:
     def __init__(self, model: ModelFile, device, n_ctx: int, sampler: SamplerConfig | None = None,
                  progress: bool = True, tuning: Database | None = None, say=None, checkpoint: bool = False,
-                 chunk: int = CHUNK, kv: tuple[str, str] = KV_DEFAULT, weights_of: DecodeGraph | None = None):
+                 chunk: int = CHUNK, kv: tuple[str, str] = KV_DEFAULT, weights_of: DecodeGraph | None = None,
+                 slots: int = 1):
         """`say(line)` hears the memory plan before anything is allocated; `progress` shows the
         weights' upload; `checkpoint` keeps room to save the sequence state (`checkpoint()`);
         `chunk`: the most prompt tokens `prefill` runs at once (prefill.py); `kv`: the formats of
         the K and V caches (kernels/kvcache.py); `weights_of`: a graph of this model on this device
         whose weights and activations this one uses (one more sequence, run only while that graph
         runs nothing: only what the sequence keeps is allocated; that graph must stay open while
-        this one is)."""
+        this one is); `slots`: the sequences that will use this graph's weights, this one
+        included, whose buffers and batched step (batch.py) the memory plan holds before anything
+        is allocated (a server's --parallel)."""
         self.weights_of = weights_of
         self.can_checkpoint = checkpoint
         self.kv_types = tuple(kv)
@@ -126,9 +130,14 @@ class DecodeGraph:
         self.cand = None
         self._pick_sampler()
         if not getattr(device, "dry", False):
-            need = check_fits(self.buffers, n_ctx, device.memory_available(), self.info)
+            available = device.memory_available()
+            fewer = lambda: (f"--parallel {k} would fit" if (k := largest(
+                lambda s: Footprint(self.plan(n_ctx, s)).total <= available, slots - 1)) else None)
+            need = check_fits(lambda n: self.plan(n, slots), n_ctx, available, self.info,
+                              f"this model with {slots} sequences" if slots > 1 else "this model",
+                              fewer if slots > 1 else None)
         if say:
-            say(f"memory: {need.line()} on {self.info.name}")
+            say(f"memory: {need.line()} on {self.info.name}" + (f" for {slots} sequences" if slots > 1 else ""))
         self._allocate()
         if weights_of is None:
             self._upload_weights(progress, say)
@@ -145,16 +154,21 @@ class DecodeGraph:
                                "coopmat" in self.device.info.features, self.kv_types)
         return specs if self.weights_of is None else [s for s in specs if not self._borrowed(s)]
 
+    def plan(self, n_ctx: int, slots: int = 1) -> list:
+        """The buffers at a context of n_ctx tokens of this graph and of slots − 1 more sequences
+        that use its weights (weights_of), with the batched step of all of them."""
+        mine = self.buffers(n_ctx)
+        if slots == 1:
+            return mine
+        by_name = {s.name: s for s in mine}
+        theirs = [s for s in mine if not borrows(s, self.hp, by_name.get(s.name))]
+        more = [Spec(f"{s.name}.{i}", s.nbytes, s.kind) for i in range(1, slots) for s in theirs]
+        return mine + more + batch_buffers(self.hp, min(slots, BATCH_MOST), by_name["attn_partials"].nbytes,
+                                           by_name["candidates"].nbytes, 256)  # Vulkan's largest offset alignment
+
     def _borrowed(self, spec) -> bool:
-        """Whether a graph with `weights_of` uses that graph's buffer for `spec`: the weights, and
-        scratch that no step leaves for the next where that graph's is large enough (a longer
-        context or chunk needs more); its sequence's step values, sampled tokens and penalty
-        window, and their saved twins, are its own."""
-        own = {"step", "tokens_out"} | checkpointed(self.hp)
-        lent = self.weights_of.by_name.get(spec.name)
-        return spec.kind == "weights" or (spec.kind == "scratch" and spec.name not in own
-                                          and not spec.name.startswith(SAVED)
-                                          and lent is not None and lent.nbytes >= spec.nbytes)
+        """Whether this graph uses its weights_of graph's buffer for `spec` (borrows)."""
+        return borrows(spec, self.hp, self.weights_of.by_name.get(spec.name))
 
     def _prepare_kernels(self, progress: bool) -> float:
         """Record the step (building the kernels not built before) and run it once, and a short
@@ -699,6 +713,17 @@ class DecodeGraph:
             buf.free()
         self._owned.clear()
         self.step_host.free()
+
+
+def borrows(spec, hp, lent) -> bool:
+    """Whether a sequence that uses another graph's weights (DecodeGraph weights_of) uses that
+    graph's buffer `lent` (of spec's name; None: it has none) for `spec`: the weights, and scratch
+    that no step leaves for the next where that graph's is large enough (a longer context or chunk
+    needs more); its sequence's step values, sampled tokens and penalty window, and their saved
+    twins, are its own."""
+    own = {"step", "tokens_out"} | checkpointed(hp)
+    return spec.kind == "weights" or (spec.kind == "scratch" and spec.name not in own and not spec.name.startswith(SAVED)
+                                      and lent is not None and lent.nbytes >= spec.nbytes)
 
 
 def _each(seq, launches: list[list], row_seq) -> None:

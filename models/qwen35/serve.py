@@ -171,7 +171,7 @@ def open_engine(model, device, *, n_ctx: int, kv, checkpoint_mib: int, parallel:
     gpu = threading.RLock()
     options = dict(n_ctx=n_ctx, sampler=SamplerConfig(), progress=say is not None, say=say, keep=True, kv=kv,
                    checkpoints=checkpoint_mib << 20)
-    first = Slot(lambda: load(model, device, **options), gpu)
+    first = Slot(lambda: load(model, device, slots=parallel, **options), gpu)  # the plan holds every slot
     slots, together = [first], None
     try:
         for _ in range(parallel - 1):
