@@ -36,7 +36,7 @@ from zdsl.errors import ZdslError
 from zdsl.lang.kernel import Example, Launch, Variant
 
 from . import cost_model
-from .database import Entry, device_key, family, shape_key
+from .database import Entry, _accepted, device_key, family, shape_key
 from .work import work
 
 SUBGROUP_SIZES = (8, 16, 32, 64, 128)
@@ -181,10 +181,11 @@ def subgroup_sizes(info) -> tuple[int, ...]:
 
 
 def default_params(use: Use, info) -> dict:
-    """What `choose()` runs for this use without an entry."""
+    """What `choose()` runs for this use without an entry (where the kernel refuses its defaults at
+    the device's subgroup size, the first declared choice it accepts, as `choose()` takes)."""
     k = use.kernel
     given = {k.subgroup: info.subgroup_size} if k.subgroup else {}
-    return k.complete({**given, **use.fixed})
+    return k.complete(_accepted(k, {**given, **use.fixed}))
 
 
 def candidates(use: Use, info) -> list[Candidate]:
