@@ -36,7 +36,7 @@ from zdsl.errors import ZdslError
 from zdsl.lang.kernel import Example, Launch, Variant
 
 from . import cost_model
-from .database import Entry, device_key, family, shape_key
+from .database import Entry, _accepted, device_key, family, shape_key
 from .work import work
 
 SUBGROUP_SIZES = (8, 16, 32, 64, 128)
@@ -129,6 +129,51 @@ class Result:
         return self.default.us / self.best.us
 
 
+TERMS = ("memory_us", "chain_us", "issue_us")
+
+
+def decided_by(card: cost_model.Card, r: Result) -> tuple[str, float, float] | None:
+    """Of a modelled result: the term whose change from the default to the chosen variant, alone,
+    recovers the most of the modelled gain, with its default and chosen µs (of the costliest
+    dispatch); None when the default stays or nothing was modelled."""
+    best, default = r.best, r.default
+    if best is None or best is default or r.method != "modelled" or not default.figures:
+        return None
+    d, b = default.figures, best.figures
+    if any(t not in d or t not in b for t in TERMS):
+        return None
+
+    def t(m, c, i):
+        return max(m, cost_model.combined(c, i, card.overlap))
+    base = t(*(d[k] for k in TERMS))
+    gains = {k: base - t(*(b[j] if j == k else d[j] for j in TERMS)) for k in TERMS}
+    term = max(TERMS, key=gains.get) if max(gains.values()) > 0 else d.get("bound", "chain") + "_us"
+    return term.removesuffix("_us"), d[term], b[term]
+
+
+def ties(r: Result) -> list[tuple[str, list[Candidate]]]:
+    """The modelled candidates that tie (the same µs), each group with why the model cannot tell
+    them apart: the memory term binds them all (they move the same bytes; the lanes' limits lie
+    under it), or their statistics, rounds and terms are the same (their code differs in
+    constants only, such as the rows a workgroup's NSUB subgroups start at: the same
+    instructions, waves and occupancy); anything else is an unexplained tie."""
+    groups: dict[float, list[Candidate]] = {}
+    for c in r.ranked:
+        groups.setdefault(round(c.us, 6), []).append(c)
+    out = []
+    for cs in groups.values():
+        if len(cs) < 2:
+            continue
+        if all(c.figures.get("bound") == "memory" for c in cs):
+            why = "memory"
+        elif len({tuple(c.figures.get(k) for k in (*STAT_FIGURES, *TERMS, "rounds")) for c in cs}) == 1:
+            why = "same code figures"
+        else:
+            why = "unexplained"
+        out.append((why, cs))
+    return out
+
+
 def subgroup_sizes(info) -> tuple[int, ...]:
     if "subgroup_size_control" in info.features:
         return tuple(s for s in SUBGROUP_SIZES if info.min_subgroup_size <= s <= info.max_subgroup_size)
@@ -136,10 +181,11 @@ def subgroup_sizes(info) -> tuple[int, ...]:
 
 
 def default_params(use: Use, info) -> dict:
-    """What `choose()` runs for this use without an entry."""
+    """What `choose()` runs for this use without an entry (where the kernel refuses its defaults at
+    the device's subgroup size, the first declared choice it accepts, as `choose()` takes)."""
     k = use.kernel
     given = {k.subgroup: info.subgroup_size} if k.subgroup else {}
-    return k.complete({**given, **use.fixed})
+    return k.complete(_accepted(k, {**given, **use.fixed}))
 
 
 def candidates(use: Use, info) -> list[Candidate]:
@@ -202,8 +248,10 @@ def launch_of(v: Variant, example: Example) -> tuple[tuple, int]:
 
 def _finish(use: Use, method: str, default_ident: dict, accepted: list[Candidate], rejected: list[Candidate],
             skipped: str | None = None, then=()) -> Result:
-    # modelled ties (candidates that one term decides alike) rank by the lane's path, then issue
-    accepted.sort(key=lambda c: (c.us, c.figures.get("chain_us", 0.0), c.figures.get("issue_us", 0.0)))
+    # modelled ties (candidates that one term decides alike) rank by the lane's path, then issue,
+    # then the smaller workgroup (equal in all the model counts: the finer grain to schedule)
+    accepted.sort(key=lambda c: (c.us, c.figures.get("chain_us", 0.0), c.figures.get("issue_us", 0.0),
+                                 math.prod(c.variants[0].ir.workgroup) if c.variants else 0))
     default = next((c for c in accepted + rejected if c.params == default_ident), None)
     if default is None:
         default = Candidate(default_ident, {}, error="not built on this device")

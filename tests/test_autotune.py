@@ -339,6 +339,30 @@ def test_overlap_combines_chain_and_issue():
         assert (a["us"] == b["us"]) if math.isinf(p) else (a["us"] < b["us"])
 
 
+def test_modelled_ties_and_the_deciding_term():
+    """zdsl tune says why tied candidates tie (the memory term binds them, or their statistics and
+    terms are the same) and which term decided a choice: the one whose change alone from the
+    default's value to the chosen's recovers the most of the gain."""
+    card = cost_model.card("gfx1201")
+
+    def cand(us, bound, memory, chain, issue, **params):
+        figures = {"VGPRs": 48, "VALU": 100, "rounds": 2.0, "bound": bound, "memory_us": memory, "chain_us": chain,
+                   "issue_us": issue}
+        return tuner.Candidate(params, params, us=us, figures=figures)
+
+    default = cand(10.0, "chain", 5.0, 7.9, 2.0, WG=256)
+    best = cand(7.0, "memory", 5.0, 4.0, 2.2, WG=512)
+    a, b = cand(7.0, "memory", 5.0, 4.5, 2.0, WG=64), cand(8.0, "chain", 1.0, 5.9, 1.0, NSUB=2)
+    c, odd = cand(8.0, "chain", 1.0, 5.9, 1.0, NSUB=4), cand(9.0, "chain", 1.0, 6.9, 1.0, ROWS=2)
+    odder = cand(9.0, "issue", 1.0, 1.0, 6.9, ROWS=4)
+    r = tuner.Result(None, "modelled", default, [best, a, b, c, odd, odder, default], [])
+    assert [(why, [x.tuned for x in cs]) for why, cs in tuner.ties(r)] == [
+        ("memory", [{"WG": 512}, {"WG": 64}]), ("same code figures", [{"NSUB": 2}, {"NSUB": 4}]),
+        ("unexplained", [{"ROWS": 2}, {"ROWS": 4}])]
+    assert tuner.decided_by(card, r) == ("chain", 7.9, 4.0)
+    assert tuner.decided_by(card, tuner.Result(None, "modelled", default, [default, best], [])) is None
+
+
 @given(st.lists(st.tuples(st.integers(0, 6), st.floats(0, 1)), min_size=3, max_size=12, unique_by=lambda t: t[1]))
 def test_spearman_is_pearson_of_mean_ranks(pairs):
     """Against ranks computed another way (ties: the mean of the first and last sorted position)."""
@@ -650,16 +674,18 @@ def test_every_shipped_entry_keys_a_use_of_the_35b_step(shipped, device):
     when a kernel's parameters change under it. (sample_draw is keyed on the choice of its
     sampler pass, which the step makes, not on a use of its own.) Entries may come from any of
     the synthetic mixes' decode steps or 512-token prompt chunks (on matrix units, as the H100
-    runs them)."""
+    runs them, or without, as gfx1201's null device offers none)."""
     from dataclasses import replace
     from pathlib import Path
 
     import zdsl.autotune
 
     units = replace(device.info, features=frozenset(device.info.features) | {"coopmat"})
+    plain = replace(device.info, features=frozenset(device.info.features) - {"coopmat"})
     keys = {(u.kernel.name, db.shape_key(u.key)) for quant in synth.QUANTS[:4]
             for u in step_uses(PresetModel("35b-a3b", quant), device.info, 4096, (1, 64))
-            + chunk_uses(PresetModel("35b-a3b", quant), units, 4096, 512)}
+            + chunk_uses(PresetModel("35b-a3b", quant), units, 4096, 512)
+            + chunk_uses(PresetModel("35b-a3b", quant), plain, 4096, 512)}
     entries = json.loads((Path(zdsl.autotune.__file__).parent / shipped).read_text())["entries"]
     dead = [(e["kernel"], e["shape"]) for e in entries
             if e["kernel"] != "sample_draw" and (e["kernel"], db.shape_key(e["shape"])) not in keys]

@@ -116,6 +116,10 @@ def select(uses, names: str | None, what: str = "decode step"):
               help="Database file to add the choices to (default: the user's file for this device, which run, bench "
                    "and profile read; they do not read a file given here until it is merged into that one or the "
                    "shipped one).")
+@click.option("--min-gain", default=1.0, show_default=True,
+              help="Write an entry only where the chosen variant beats the default by this factor (kernels alone; "
+                   "the shipped modelled files take 1.05); ignored with a model file on a device that runs code, "
+                   "where the decode step decides.")
 @click.option("--warmup", default=5, show_default=True, help="Untimed dispatches before the timed ones.")
 @click.option("--repeats", default=20, show_default=True, help="Timed dispatches per candidate (the median counts).")
 @click.option("--warm-ms", default=200, show_default=True, help="Replay each candidate this long before timing it.")
@@ -134,8 +138,8 @@ def select(uses, names: str | None, what: str = "decode step"):
               help="With --check-model on a device: save the measurements to this file, for --measured.")
 @click.option("--folds", default=4, show_default=True, help="With --check-model: fold f holds out uses f, f + folds, ...")
 @kv_type_option
-def tune(device_name, model_path, preset, quant, names, budget, n_ctx, caps, prompt, out_path, warmup, repeats, warm_ms,
-         cache_mb, as_json, check_model, measured_paths, record_path, folds, kv):
+def tune(device_name, model_path, preset, quant, names, budget, n_ctx, caps, prompt, out_path, min_gain, warmup, repeats,
+         warm_ms, cache_mb, as_json, check_model, measured_paths, record_path, folds, kv):
     """Pick the fastest kernel variants for a device (measured, or modelled for compile-only targets)."""
     if check_model:
         _check_model(device_name, model_path, preset, quant, names, budget, n_ctx, caps, prompt, kv, warmup, repeats,
@@ -177,7 +181,8 @@ def tune(device_name, model_path, preset, quant, names, budget, n_ctx, caps, pro
     user = user_path(info)
     path = out_path or user
     db = Database([path])
-    added = report.entries if report is not None else [e for r in results for e in tuner.entries(r, info)]
+    kept = [r for r in results if min_gain <= 1.0 or (r.speedup or 0.0) >= min_gain]
+    added = report.entries if report is not None else [e for r in kept for e in tuner.entries(r, info)]
     for e in added:
         db.add(e)
     if added:
@@ -185,16 +190,18 @@ def tune(device_name, model_path, preset, quant, names, budget, n_ctx, caps, pro
         db.save(path)
         database.cache_clear()
     if as_json:
-        out = _as_json(info, source, results, modelled, path, len(added))
+        out = _as_json(info, source, results, modelled, path, len(added), method.card if modelled else None)
         if report is not None:
             out["in_place"] = _in_place_json(report)
         click.echo(json.dumps(out, indent=1))
         return
     for r in results:
         _use_table(console, r, per)
-    _summary(console, results, modelled, alone=in_place, per=per)
+    _summary(console, results, modelled, alone=in_place, per=per, card=method.card if modelled else None)
     if report is not None:
         _in_place_table(console, report)
+    if report is None and len(kept) < len(results):
+        console.print(f"{len(results) - len(kept)} uses gain less than {min_gain:g}× (--min-gain): no entry for them")
     if not added:
         console.print("nothing tuned, nothing written")
     elif path == user:
@@ -373,33 +380,63 @@ def _use_table(console, r: tuner.Result, per: str = "token") -> None:
                 row += [f"{100 * c.spread:.0f}%", f"{f.get('gbps', 0):,.1f}"]
             table.add_row(*row)
         console.print(table)
-        tied = [c for c in r.ranked if c.us == r.ranked[0].us]
-        if modelled and len(tied) > 1:
-            console.print(f"  {len(tied)} candidates tie: the {r.ranked[0].figures.get('bound')} term decides them alike "
-                          "(ranked by their lanes' paths, then issue; the default stays first among them)")
+        if modelled:
+            _ties(console, r)
         if r.skipped:
             console.print(f"  [yellow]{r.skipped}[/yellow]")
     for c in r.rejected:
         console.print(f"  [red]rejected[/red] {c.label}: {c.error}", highlight=False)
 
 
-def _summary(console, results, modelled: bool, alone: bool = False, per: str = "token") -> None:
+def _ties(console, r: tuner.Result) -> None:
+    """A line for each kind of tie among a modelled use's candidates, with why the model cannot
+    tell them apart (`tuner.ties`) and how they are ordered."""
+    groups = tuner.ties(r)
+    memory = [cs for why, cs in groups if why == "memory"]
+    same = [cs for why, cs in groups if why == "same code figures"]
+    for cs in memory:
+        console.print(f"  {len(cs)} candidates tie at the memory term (each moves the same bytes, their lanes' limits "
+                      "lie under it): ranked by their lanes' paths, then issue"
+                      + ("; the default first among them" if any(c is r.default for c in cs) else ""))
+    if same:
+        eg = " = ".join(c.label for c in same[0])
+        console.print(f"  {len(same)} groups tie with the same statistics, rounds and terms (e.g. {eg}): their code "
+                      "differs in constants only (which rows or columns a workgroup's invocations take), with the same "
+                      "waves and occupancy; the smaller workgroup ranks first")
+    for why, cs in groups:
+        if why == "unexplained":
+            console.print(f"  [red]unexplained tie[/red] at {cs[0].us:,.2f} µs: {', '.join(c.label for c in cs)}")
+
+
+def _decided(card, r: tuner.Result) -> str:
+    """The summary's "decided by": the term whose change gained most, default → chosen µs."""
+    d = tuner.decided_by(card, r) if card is not None else None
+    if d is None:
+        return "default kept" if r.best is r.default else "-"
+    term, before, after = d
+    return f"{term} {before:,.2f} → {after:,.2f}"
+
+
+def _summary(console, results, modelled: bool, alone: bool = False, per: str = "token", card=None) -> None:
     unit = "modelled µs" if modelled else "µs"
     title = "chosen vs default" + (" (MODELLED, not measured)" if modelled else "") + \
         (", each timed alone (nominees for the decode step)" if alone else "")
     table = Table(title=title, title_justify="left")
-    for c in ("kernel", "shape", f"×/{per}", "default", "chosen", f"default {unit}", f"chosen {unit}", "speed-up"):
-        table.add_column(c, justify="left" if c in ("kernel", "shape", "default", "chosen") else "right")
+    cols = ["kernel", "shape", f"×/{per}", "default", "chosen", f"default {unit}", f"chosen {unit}", "speed-up"]
+    cols += ["decided by (µs)"] if modelled else []
+    for c in cols:
+        table.add_column(c, justify="left" if c in ("kernel", "shape", "default", "chosen", "decided by (µs)") else "right")
     before = after = 0.0
     for r in results:
         best = r.best
         if best is None:
-            table.add_row(r.use.kernel.name, r.use.label, str(r.use.count), "", "not tuned", "", "", "")
+            table.add_row(r.use.kernel.name, r.use.label, str(r.use.count), "", "not tuned", "", "", "",
+                          *([""] if modelled else []))
             continue
         default_us = r.default.us
         table.add_row(r.use.kernel.name, r.use.label, str(r.use.count), r.default.label, best.label,
                       f"{default_us:,.2f}" if default_us else "-", f"{best.us:,.2f}",
-                      f"{r.speedup:.2f}×" if r.speedup else "-")
+                      f"{r.speedup:.2f}×" if r.speedup else "-", *([_decided(card, r)] if modelled else []))
         if default_us:
             before += r.use.count * default_us
             after += r.use.count * best.us
@@ -412,13 +449,21 @@ def _candidate(c: tuner.Candidate) -> dict:
     return {"params": c.tuned, "us": c.us, "spread": c.spread, "figures": c.figures, "error": c.error}
 
 
-def _as_json(info, source: str, results, modelled: bool, path: Path, written: int) -> dict:
+def _decided_json(card, r: tuner.Result) -> dict | None:
+    d = tuner.decided_by(card, r) if card is not None else None
+    return None if d is None else {"term": d[0], "default_us": d[1], "chosen_us": d[2]}
+
+
+def _as_json(info, source: str, results, modelled: bool, path: Path, written: int, card=None) -> dict:
     return {
         "device": info.name, "method": "modelled" if modelled else "measured", "model": source,
         "database": str(path), "entries_written": written,
         "uses": [{"kernel": r.use.kernel.name, "key": r.use.key, "count": r.use.count, "role": r.use.role,
                   "default": _candidate(r.default), "best": _candidate(r.best) if r.best else None,
-                  "speedup": r.speedup, "candidates": [_candidate(c) for c in r.ranked],
+                  "speedup": r.speedup, "decided_by": _decided_json(card, r),
+                  "ties": [{"why": why, "params": [c.tuned for c in cs]} for why, cs in tuner.ties(r)]
+                  if modelled else [],
+                  "candidates": [_candidate(c) for c in r.ranked],
                   "rejected": [_candidate(c) for c in r.rejected], "skipped": r.skipped} for r in results],
     }
 
