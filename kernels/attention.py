@@ -304,7 +304,8 @@ def _decode_traffic(v, s) -> int:
              sizes=("nsplit", "ctx"), grid=lambda v, s: (s.nsplit, s.n_kv), traffic=_decode_traffic)
 def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step: Buffer[u32], part: Buffer[f32],
                 n_kv: u32, min_chunk: u32, row: u32 = 0, G: Const = 8, D: Const = 256, NW: Const = 4, U: Const = 2,
-                KT: Const = "f16", VT: Const = "f16", SG: Const = 32):
+                KT: Const = "f16", VT: Const = "f16",
+                DEPTH: Const = zdsl.Derived(lambda v: 1 if v.KT == v.VT == "f16" else 2), SG: Const = 32):
     """Partial attention of the G query heads of KV head g = workgroup_id(1) (query heads
     g·G .. g·G + G − 1) over split s = workgroup_id(0) of the cache rows 0 .. step[1] − 1, cut by
     `split_rows` with nsplit = the grid's x size; splits past the last in use exit at once and
@@ -313,7 +314,7 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
     `row_lanes` lanes share a cache row: each reads D / lanes of its dims as float4 and keeps
     those dims of the G queries and G accumulators in registers, so K and V are read once for
     all G heads. A subgroup takes U rows per cluster of lanes per round (their loads in flight
-    together, issued a round ahead); the NW subgroups of the workgroup take alternate rounds,
+    together, issued DEPTH rounds ahead); the NW subgroups of the workgroup take alternate rounds,
     and their running softmaxes are merged through shared memory at the end. K and V are read in
     their formats KT and VT (kvcache.py), four values at a time, and wait for their round as read
     (`fetch`: half the registers of their values), dequantized only when used. q is read at row
@@ -324,7 +325,10 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
     q8_0 43.6 (held as values: 45.5), f16 40.0; U 4 reads faster (40.4, 36.6) but its 39 KB of
     machine code against 28 cost the decode step at 512 more (348 against 356 tok/s): between
     dispatches of a step the weights evict the code from L2. The driver gives every variant all
-    255 registers a lane."""
+    255 registers a lane. Two rounds in flight (DEPTH 2, the default for quantized caches, whose
+    rows wait in few registers): q8_0 41.3 µs, and the step at 32,768 322.5 / 321.8 tok/s against
+    319.7 / 319.6, at 512 unchanged (358.7 / 357.7 against 360.4 / 356.5); f16 40.6 (slower), and
+    its step at 512 0.8% slower: f16 keeps one."""
     if not _decode_fits(SimpleNamespace(D=D, SG=SG)):
         raise zdsl.ZdslError(f"attn_decode needs D / 4 a power of two or a multiple of 4·SG, not D={D}, SG={SG}")
     for kv_type in (KT, VT):
@@ -357,11 +361,14 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
                     for f, cache in ((kf, k_cache), (vf, v_cache))]
 
         begin, stride = start + sub * rows_per_round, NW * rows_per_round
-        held = [[[[zdsl.var(w) for w in piece] for piece in row] for row in rows] for rows in fetch(begin)]
+        # DEPTH rounds in flight: this one's and the next DEPTH − 1, as read (an f16 row or q8_0
+        # codes take half the registers of their values)
+        rounds = [[[[[zdsl.var(w) for w in piece] for piece in row] for row in rows]
+                   for rows in fetch(begin + d * stride)] for d in range(DEPTH)]
+        held = rounds[0]
         for first in zdsl.range(begin, end, stride):
-            # the next round's loads go out before this round's arithmetic, which hides their latency;
-            # they wait as read (an f16 row or q8_0 codes take half the registers of their values)
-            ahead = fetch(first + stride)
+            # the loads DEPTH rounds ahead go out before this round's arithmetic, which hides their latency
+            ahead = fetch(first + DEPTH * stride)
             kv = [[kf.unpack(piece) for piece in row] for row in held[0]]
             vv = [[vf.unpack(piece) for piece in row] for row in held[1]]
             valid = [first + c + NC * u < end for u in range(U)] if rows_per_round > 1 else None  # the last may run out
@@ -376,10 +383,12 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
                 scores = head_scores(dots, C, SG, lane)
                 row_scores.append([zdsl.where(valid[u], x, LOWEST) for x in scores] if valid else scores)
             online_softmax(m, l, acc, row_scores, vv, (lambda u, h: valid[u]) if valid else None)
-            for now, nxt in zip(held[0] + held[1], ahead[0] + ahead[1]):
-                for piece, words in zip(now, nxt):
-                    for x, y in zip(piece, words):
-                        x.set(y)
+            for d in range(DEPTH):  # each round moves up one; the new loads go last
+                nxt = ahead if d == DEPTH - 1 else rounds[d + 1]
+                for now, later in zip(rounds[d][0] + rounds[d][1], nxt[0] + nxt[1]):
+                    for piece, words in zip(now, later):
+                        for x, y in zip(piece, words):
+                            x.set(y)
         merge_clusters(m, l, acc, C, SG)
         record = [((g * G + h) * nsplit + s) * (D + 2) for h in range(G)]
         if NW == 1:
