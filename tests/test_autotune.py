@@ -402,12 +402,15 @@ def _synthetic_uses(card, seed: int, n: int):
     return uses
 
 
-def test_fit_recovers_the_parameters_that_made_the_timings():
+def test_fit_recovers_the_parameters_that_made_the_timings(monkeypatch):
     """Timings the model made with known free parameters: the fit finds them up to the one scale
     the ranks cannot see (latency and cpi halved with the issue efficiency doubled halve the
     chain and issue terms alike: here it picks half of each), ranks every use as they do, on
-    uses it was not fitted on too, and the nominal figures it started from do not."""
+    uses it was not fitted on too, and the nominal figures it started from do not. The p-norm's
+    p is held at the truth's (its own fit is tested apart), which makes the search 5× shorter."""
     from zdsl.autotune import check
+
+    monkeypatch.setitem(check.GRID, "overlap", (cost_model.card("h100").overlap,))
 
     h100 = cost_model.card("h100")
     truth = cost_model.with_fit(h100, 800, 4, 0.25)
