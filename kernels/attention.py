@@ -38,7 +38,7 @@ import numpy as np
 import zdsl
 from zdsl import Buffer, Const, f16, f32, u32
 from zdsl.kernels import inputs, mma
-from zdsl.kernels.kvcache import FORMATS as KV_FORMATS, hadamard, hadamard32
+from zdsl.kernels.kvcache import FORMATS as KV_FORMATS
 from zdsl.kernels.norm import rms_scale
 from zdsl.kernels.q8_1 import store_q8_1
 from zdsl.kernels.reduce import SUBGROUPS
@@ -113,7 +113,7 @@ def _prep_head(qg, k, v, q_norm, k_norm, q, k_cache, v_cache, head, token, pos, 
         values = zdsl.vec(*[rotated(4 * at + e) for e in range(4)])
         with zdsl.if_(is_q):
             # q turned as the cache's k are, where K's format rotates: the same scores
-            q_values = hadamard32(values, quad % 8) if KV_FORMATS[KT].rotated else values
+            q_values = KV_FORMATS[KT].turn(values, quad % 8)
             with zdsl.if_(ok):
                 q.vec4[(q_out >> 2) + at] = q_values
         with zdsl.else_():
@@ -169,8 +169,7 @@ def attn_prep_rows_ref(qg, k, v, q_norm, k_norm, k_cache, v_cache, p0, rope_dims
     T, d = k.shape[0], k.shape[-1]
     pos = (p0 + np.arange(T))[:, None, None]
     q = rope_ref(rmsnorm_ref(qg[..., :d], q_norm, eps), pos, rope_dims, rope_base)
-    if KV_FORMATS[kt].rotated:
-        q = hadamard(q)
+    q = KV_FORMATS[kt].turned(q)
     kc, vc = k_cache.view(np.uint8).copy(), v_cache.view(np.uint8).copy()
     kc[p0:p0 + T] = KV_FORMATS[kt].encode(rope_ref(rmsnorm_ref(k, k_norm, eps), pos, rope_dims, rope_base))
     vc[p0:p0 + T] = KV_FORMATS[vt].encode(v)
@@ -537,9 +536,7 @@ def attn_combine(part: Buffer[f32], qg: Buffer[f32], step: Buffer[u32], o: Buffe
         denom.set(denom + l_sh[n] * w)
         num.set(num + acc_sh[n * L + lane] * w)
     gate = qg.vec4[h * (D // 2) + D // 4 + quad]
-    merged = num * (1.0 / denom)
-    if KV_FORMATS[VT].rotated:
-        merged = hadamard32(merged, lane)
+    merged = KV_FORMATS[VT].turn(num * (1.0 / denom), lane)  # back, where V's rows are turned
     value = merged * zdsl.vec(*[zdsl.sigmoid(gate[e]) for e in range(4)])
     at = h * (D // 4) + quad
     with zdsl.if_(group == 0):
@@ -557,8 +554,7 @@ def attn_combine_ref(part, qg, length, nsplit, min_chunk=1, vt="f16"):
     p = np.asarray(part[:, :used], np.float64)
     w = np.exp(p[:, :, 0] - p[:, :, 0].max(axis=1, keepdims=True))
     o = (w[:, :, None] * p[:, :, 2:]).sum(axis=1) / (w * p[:, :, 1]).sum(axis=1, keepdims=True)
-    if KV_FORMATS[vt].rotated:
-        o = hadamard(o).astype(np.float64)
+    o = KV_FORMATS[vt].turned(o).astype(np.float64)
     return (o / (1 + np.exp(-qg[:, d:]))).astype(np.float32)
 
 
@@ -657,9 +653,7 @@ def attn_prefill(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_cache:
         for p in range(P):
             quad = quads[p]
             gate = qg.vec4[heads[qi] * (D // 2) + D // 4 + quad]
-            merged = acc[qi][p] * inv
-            if KV_FORMATS[VT].rotated:  # V rotated: o turned back (lanes 8k … 8k + 7 hold a block)
-                merged = hadamard32(merged, lane % 8)
+            merged = KV_FORMATS[VT].turn(acc[qi][p] * inv, lane % 8)  # lanes 8k … 8k + 7 hold a block
             value = merged * zdsl.vec(*[zdsl.sigmoid(gate[e]) for e in range(4)])
             with zdsl.if_(mine):
                 o.vec4[heads[qi] * (D // 4) + quad] = value
@@ -937,8 +931,7 @@ def attn_prefill_coop(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_c
                     value = value + zdsl.vec(*[ss[(n * 16 + r) * SS + 4 * quad + e] for e in range(4)]) * w[n]
                 at_o = qo_row(row0 + r) * (D // 4) + 8 * pair + quad
                 gate = qg.vec4[qo_row(row0 + r) * (D // 2) + D // 4 + 8 * pair + quad]
-                if KV_FORMATS[VT].rotated:  # V rotated: o turned back (a row's block in eight neighbours)
-                    value = hadamard32(value, quad)
+                value = KV_FORMATS[VT].turn(value, quad)  # a row's block in eight neighbours
                 value = value * zdsl.vec(*[zdsl.sigmoid(gate[e]) for e in range(4)])
                 ok = (j < 128) & (row0 + r < t * G)
                 with zdsl.if_(ok):

@@ -82,8 +82,17 @@ class KVFormat:
     def values(self, data, d: int) -> np.ndarray:
         """The values the rows stand for: `decode`'s (what `load` reads), turned back where the
         format rotates them."""
-        x = self.decode(data, d)
+        return self.turned(self.decode(data, d))
+
+    def turned(self, x) -> np.ndarray:
+        """numpy's `turn`: x (..., d) turned block by block where the format rotates, else x."""
         return hadamard(x) if self.rotated else x
+
+    def turn(self, v, i):
+        """A block of values held by eight neighbouring invocations (v, this one's four; i its
+        place among them) turned as this format turns its rows, which turns them back too (H is
+        its own inverse), or v where it does not rotate: q for K's format, o for V's."""
+        return hadamard32(v, i) if self.rotated else v
 
 
 class F16(KVFormat):

@@ -405,7 +405,7 @@ def in_format(values, kv_type: str, d: int, turned_back: bool = False):
     fmt = KV_FORMATS[kv_type]
     cache = fmt.encode(values.astype(np.float32)).view(np.float16)
     read = fmt.decode(cache, d).reshape(values.shape).astype(np.float16)
-    return cache, hadamard(read) if turned_back and fmt.rotated else read
+    return cache, fmt.turned(read) if turned_back else read
 
 
 @pytest.mark.parametrize("backend", ["interp", "device"])
@@ -490,8 +490,7 @@ def assert_rows_written(got, want_values, kv_type, d, atol):
     fmt = KV_FORMATS[kv_type]
     got_values = fmt.decode(got, d).reshape(want_values.shape)
     ours = fmt.decode(fmt.encode(want_values), d).reshape(want_values.shape)
-    if fmt.rotated:
-        want_values = hadamard(want_values)
+    want_values = fmt.turned(want_values)
     step = block_steps(want_values, kv_type)
     wide = 2.02 if kv_type == "q3_rot" else 1.01  # codes a rounding boundary apart
     assert np.all(np.abs(got_values - ours) <= step * wide + atol)

@@ -131,11 +131,9 @@ class DecodeGraph:
         self._pick_sampler()
         if not getattr(device, "dry", False):
             available = device.memory_available()
-            fewer = lambda: (f"--parallel {k} would fit" if (k := largest(
-                lambda s: Footprint(self.plan(n_ctx, s)).total <= available, slots - 1)) else None)
             need = check_fits(lambda n: self.plan(n, slots), n_ctx, available, self.info,
                               f"this model with {slots} sequences" if slots > 1 else "this model",
-                              fewer if slots > 1 else None)
+                              lambda: self._fewer(n_ctx, slots, available))
         if say:
             say(f"memory: {need.line()} on {self.info.name}" + (f" for {slots} sequences" if slots > 1 else ""))
         self._allocate()
@@ -161,10 +159,15 @@ class DecodeGraph:
         if slots == 1:
             return mine
         by_name = {s.name: s for s in mine}
-        theirs = [s for s in mine if not borrows(s, self.hp, by_name.get(s.name))]
+        theirs = [s for s in mine if not borrows(s, self.hp, s)]  # what each sequence holds of its own
         more = [Spec(f"{s.name}.{i}", s.nbytes, s.kind) for i in range(1, slots) for s in theirs]
         return mine + more + batch_buffers(self.hp, min(slots, BATCH_MOST), by_name["attn_partials"].nbytes,
                                            by_name["candidates"].nbytes, 256)  # Vulkan's largest offset alignment
+
+    def _fewer(self, n_ctx: int, slots: int, available: int) -> str | None:
+        """The --parallel below `slots` whose plan at n_ctx fits `available` bytes, said, or None."""
+        k = largest(lambda s: Footprint(self.plan(n_ctx, s)).total <= available, slots - 1) if slots > 1 else 0
+        return f"--parallel {k} would fit" if k else None
 
     def _borrowed(self, spec) -> bool:
         """Whether this graph uses its weights_of graph's buffer for `spec` (borrows)."""
