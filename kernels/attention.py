@@ -716,195 +716,6 @@ def _coop_fits(v) -> bool:
             and _coop_shared_bytes(v) <= mma.SHARED_BYTES)
 
 
-class _Flash:
-    """Flash attention of 16 query rows on matrix units, for the kernels below: one workgroup of
-    NW subgroups, q staged in shared memory as f16, and the cache cut into blocks of BKV rows
-    that the subgroups take in turn (subgroup s: blocks s, s + NW, …). Per block:
-        S = Q · Kᵀ                     tiles: q from shared memory, K straight from the cache
-        m' = max(m, rowmax S) where it passes m by more than TAU, else m
-        P = exp(S − m') where the row may see the cache row, else 0; l = l · e^(m − m') + Σ P
-        O = O · e^(m − m') + P · V     V straight from the cache
-    The accumulators stay in the matrix units' registers: a row's scale reaches them only through
-    shared memory, so the max moves in steps of TAU (a block rarely passes it once the first
-    blocks are in), and a block where some row's does takes O through shared memory to scale it.
-    Each cache tile is loaded AHEAD products before it is multiplied (V's first ones while the
-    softmax runs). A quantized cache (KT or VT, kvcache.py) is read in registers as the other
-    attention kernels read it, a tile's rows AHEAD products early; just before its product the
-    subgroup writes the tile's values, rounded to f16, into one of its two tiles of shared
-    memory, and the units load it from there (no f16 copy of the cache anywhere)."""
-
-    def __init__(self, D, BKV, NW, AHEAD, KT, VT, SG):
-        self.D, self.BKV, self.NW, self.AHEAD, self.SG = D, BKV, NW, AHEAD, SG
-        self.SQ, self.SS, self.SP = _coop_layout(SimpleNamespace(D=D, BKV=BKV))
-        self.LR, self.WG = SG // 16, NW * SG  # the lanes sharing a row's softmax; the workgroup
-        self.decoded = {"k": KV_FORMATS[KT] if KT != "f16" else None, "v": KV_FORMATS[VT] if VT != "f16" else None}
-        quantized = any(self.decoded.values())
-        self.staged = zdsl.shared(f16.vec(4), NW * 2 * 64) if quantized else None  # two tiles a subgroup
-        self.qs = zdsl.shared(f16.vec(4), 16 * self.SQ // 4)
-        self.ss = zdsl.shared(f32, NW * 16 * self.SS)  # per subgroup: S, or two of its O tiles
-        self.ps = zdsl.shared(f16, NW * 16 * self.SP)
-        self.rs = zdsl.shared(f32, NW * 16)  # per subgroup and row: the block's e^(m − m')
-        self.ms, self.ls = zdsl.shared(f32, NW * 16), zdsl.shared(f32, NW * 16)  # and at the end m and l
-        self.late = zdsl.shared(u32, NW)  # per subgroup: rows whose max moved with O already begun
-        self.sub, self.lane, self.tid = zdsl.subgroup_id(), zdsl.lane_id(), zdsl.local_index()
-        self.row = self.lane // self.LR  # this lane's softmax row, its place in the subgroup's arrays, its columns
-        self.mine = self.sub * 16 + self.row
-        self.cols = [self.lane % self.LR + self.LR * c for c in range(BKV // self.LR)]
-
-    def stage_q(self, q, q_row):
-        """q rows q_row(r), r = 0 … 15 (vec4 indices of their first dims), times 1/√D, into shared memory."""
-        D, SQ = self.D, self.SQ
-        sm = 1.0 / math.sqrt(D)
-        for u in zdsl.range(self.tid, 4 * D, self.WG):
-            r, quad = u // (D // 4), u % (D // 4)
-            self.qs[r * (SQ // 4) + quad] = (q.vec4[q_row(r) + quad] * sm).to(f16.vec(4))
-        zdsl.barrier()
-
-    def tiles_through_shared(self, O, pair, body):
-        """O's tiles 2·pair and 2·pair + 1 side by side in the subgroup's rows of ss, then body()."""
-        for n in range(2):
-            zdsl.mat_store(O[2 * pair + n], self.ss, self.sub * 16 * self.SS + 16 * n, self.SS)
-        zdsl.barrier()
-        body()
-        zdsl.barrier()
-
-    def blocks(self, k_cache, v_cache, g, n_kv, begin, end, seen):
-        """(m, l, O) of this lane's row (O its subgroup's tiles) over the blocks of cache rows from
-        `begin` (a block's first row) to `end` − 1, weighing cache row x for query row r where
-        seen(r, x); KV head g of caches of n_kv heads. Blocks past the last read the last (weighed 0)."""
-        D, BKV, NW, AHEAD, SS, SP, LR = self.D, self.BKV, self.NW, self.AHEAD, self.SS, self.SP, self.LR
-        sub, lane, mine, cols = self.sub, self.lane, self.mine, self.cols
-        ss, ps, rs, late, staged, decoded = self.ss, self.ps, self.rs, self.late, self.staged, self.decoded
-        stride = n_kv * D
-        last = (end - 1) // BKV * BKV  # the last block's first row
-        QP = 64 // self.SG  # a staged tile's quads (four values) per lane
-        m, l = zdsl.var(LOWEST), zdsl.var(0.0)
-        O = [zdsl.var(zdsl.mat_fill(0.0)) for _ in range(D // 16)]
-        jobs = [("k", dk, n) for dk in range(D // 16) for n in range(BKV // 16)]  # S's products, then O's
-        jobs += [("v", n, dt) for n in range(BKV // 16) for dt in range(D // 16)]
-        NK = D // 16 * (BKV // 16)
-        for first in zdsl.range(begin, end, NW * BKV):
-            kb = first + sub * BKV  # this subgroup's block; past the last: read the last, weighed 0
-            at_kb = zdsl.min(kb, last)
-            tiles = []
-
-            def issue(upto):
-                """Cache tiles in flight up to job `upto` (AHEAD beyond the one multiplying), V's first
-                ones through the softmax: K[kb + 16 j …][16 i …] as a d × row tile, V[kb + 16 i …][16 j …];
-                a quantized cache's as this lane's values of the tile (its quads, row by row)."""
-                for which, i, j in jobs[len(tiles):min(upto, len(jobs))]:
-                    cache = k_cache if which == "k" else v_cache
-                    row, dim = (at_kb + 16 * j, 16 * i) if which == "k" else (at_kb + 16 * i, 16 * j)
-                    if decoded[which] is None:
-                        tiles.append(zdsl.mat_load(cache, row * stride + g * D + dim, stride, use="b",
-                                                   column_major=which == "k"))
-                    else:
-                        quads = [lane * QP + e for e in range(QP)]
-                        tiles.append([decoded[which].load(cache, (row + u // 4) * n_kv + g, dim // 4 + u % 4, D)
-                                      for u in quads])
-
-            def operand(at):
-                """Job `at`'s cache tile for the units: a quantized one through this subgroup's tile
-                (at % 2) of shared memory, which the job two before has done reading (a barrier since)."""
-                tile = tiles[at]
-                if not isinstance(tile, list):
-                    return tile
-                base = (sub * 2 + at % 2) * 64
-                for e, value in enumerate(tile):
-                    staged[base + lane * QP + e] = value.to(f16.vec(4))
-                zdsl.barrier()
-                return zdsl.mat_load(staged, base, 4, use="b", column_major=jobs[at][0] == "k")
-
-            S = [zdsl.mat_fill(0.0) for _ in range(BKV // 16)]
-            for at, (_, dk, n) in enumerate(jobs[:NK]):
-                issue(at + AHEAD + 1)
-                if n == 0:
-                    a = zdsl.mat_load(self.qs, 4 * dk, self.SQ // 4, use="a")
-                S[n] = zdsl.mat_mul_add(a, operand(at), S[n])
-            for n in range(BKV // 16):
-                zdsl.mat_store(S[n], ss, sub * 16 * SS + 16 * n, SS)
-            zdsl.barrier()
-            ok = [seen(self.row, kb + c) for c in cols]
-            s = [zdsl.where(w, ss[mine * SS + c], LOWEST) for w, c in zip(ok, cols)]
-            top = s[0]
-            for x in s[1:]:
-                top = zdsl.max(top, x)
-            if LR > 1:
-                top = zdsl.subgroup_max(top, cluster=LR)
-            moved = top > m + TAU
-            m_new = zdsl.where(moved, top, m)
-            alpha = zdsl.exp(m - m_new)
-            p = [zdsl.where(w, zdsl.exp(x - m_new), 0.0) for w, x in zip(ok, s)]
-            total = p[0]
-            for x in p[1:]:
-                total = total + x
-            if LR > 1:
-                total = zdsl.subgroup_sum(total, cluster=LR)
-            for c, x in zip(cols, p):
-                ps[mine * SP + c] = x.to(f16)
-            with zdsl.if_(lane % LR == 0):
-                rs[mine] = alpha
-            begun = zdsl.subgroup_ballot_count(moved & (m > LOWEST))
-            with zdsl.if_(lane == 0):
-                late[sub] = begun
-            l.set(l * alpha + total)
-            m.set(m_new)
-            zdsl.barrier()
-            count = late[0]
-            for n in range(1, NW):
-                count = count + late[n]
-            with zdsl.if_(count > 0):  # uniform: every subgroup reads the same counts
-                for pair in range(D // 32):
-                    def scale():
-                        for k in range(128 // self.SG):  # the subgroup's 16 rows × 8 quads
-                            r, quad = k * (self.SG // 8) + lane // 8, lane % 8
-                            at, a = (sub * 16 + r) * SS + 4 * quad, rs[sub * 16 + r]
-                            for e in range(4):
-                                ss[at + e] = ss[at + e] * a
-                    self.tiles_through_shared(O, pair, scale)
-                    for n in range(2):
-                        O[2 * pair + n].set(zdsl.mat_load(ss, sub * 16 * SS + 16 * n, SS, use="acc"))
-            p_tiles = [zdsl.mat_load(ps, sub * 16 * SP + 16 * n, SP, use="a") for n in range(BKV // 16)]
-            for at, (_, n, dt) in enumerate(jobs[NK:], NK):
-                issue(at + AHEAD + 1)
-                O[dt].set(zdsl.mat_mul_add(p_tiles[n], operand(at), O[dt]))
-        return m, l, O
-
-    def merged(self, m, l, O, emit):
-        """The subgroups' (m, l, O) merged: M = max_s m_s, L = Σ_s l_s · e^(m_s − M) and the row's
-        Σ_s O_s · e^(m_s − M), a quad (four dims) at a time. The weights are computed once per row
-        for each of this invocation's jobs (16 rows × 8 quads over the workgroup); then, per pair
-        of O's tiles, emit(pair, job, quad of the merged O), job = (j, r, quad, M, L) (j ≥ 128:
-        no job, its outputs not to be written)."""
-        NW, SS, ss = self.NW, self.SS, self.ss
-        ms, ls = self.ms, self.ls
-        with zdsl.if_(self.lane % self.LR == 0):
-            ms[self.mine] = m
-            ls[self.mine] = l
-        zdsl.barrier()
-        jobs = []
-        for k in range(-(-128 // self.WG)):
-            j = k * self.WG + self.tid
-            r, quad = j // 8 % 16, j % 8
-            top = ms[r]
-            for n in range(1, NW):
-                top = zdsl.max(top, ms[n * 16 + r])
-            w = [zdsl.var(zdsl.exp(ms[n * 16 + r] - top)) for n in range(NW)]
-            total = ls[r] * w[0]
-            for n in range(1, NW):
-                total = total + ls[n * 16 + r] * w[n]
-            jobs.append(((j, r, quad, zdsl.var(top), zdsl.var(total)), w))
-        for pair in range(self.D // 32):
-            def body():
-                for job, w in jobs:
-                    r, quad = job[1], job[2]
-                    value = zdsl.vec(*[ss[r * SS + 4 * quad + e] for e in range(4)]) * w[0]
-                    for n in range(1, NW):
-                        value = value + zdsl.vec(*[ss[(n * 16 + r) * SS + 4 * quad + e] for e in range(4)]) * w[n]
-                    emit(pair, job, value)
-            self.tiles_through_shared(O, pair, body)
-
-
 def _coop_traffic(v, s) -> int:
     """The cache rows once per workgroup (from L2 after the first), q, the gates and o."""
     rows = s.t * s.n_kv * v.G
@@ -921,17 +732,30 @@ def attn_prefill_coop(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_c
                       step: Buffer[u32], o: Buffer[f32], oq: Buffer[u32], od: Buffer[f32], n_kv: u32, t: u32,
                       G: Const = 8, D: Const = 256, NW: Const = 4, BKV: Const = 32, AHEAD: Const = 8,
                       Q8: Const = False, KT: Const = "f16", VT: Const = "f16", SG: Const = 32):
-    """attn_prefill on matrix units (flash attention, `_Flash`): the same outputs, with q, p and
-    the cache rows as f16 operands and every sum in f32.
+    """attn_prefill on matrix units (flash attention): the same outputs, with q, p and the cache
+    rows as f16 operands and every sum in f32.
 
     The query rows of KV head g are the chunk's (token, head) pairs, token-major (row = token · G
-    + head); workgroup (b, g) takes 16 of them, and its NW subgroups split the cache rows 0 … the
-    last one's position between them, each row weighed for the queries at or past it. At the end
-    the subgroups' (m, l, O) merge through shared memory, and O / l times sigmoid(gate) goes out
-    two tiles (a Q8_1 block) at a time.
+    + head); workgroup (b, g) takes 16 of them, and its NW subgroups split the cache between them,
+    block by block (subgroup s: blocks s, s + NW, …). Per block of BKV cache rows:
+        S = Q · Kᵀ                     tiles: q from shared memory, K straight from the cache
+        m' = max(m, rowmax S) where it passes m by more than TAU, else m
+        P = exp(S − m') masked by position, l = l · e^(m − m') + Σ P
+        O = O · e^(m − m') + P · V     V straight from the cache
+    The accumulators stay in the matrix units' registers: a row's scale reaches them only through
+    shared memory, so the max moves in steps of TAU (a block rarely passes it once the first
+    blocks are in), and a block where some row's does takes O through shared memory to scale it.
+    Each cache tile is loaded AHEAD products before it is multiplied (V's first ones while the
+    softmax runs). At the end the subgroups' (m, l, O) merge through shared memory, and
+    O / l times sigmoid(gate) goes out two tiles (a Q8_1 block) at a time.
 
     Cache rows past the chunk's last position are read (whole blocks) and weighed 0: they must
     hold finite values (the graph zeroes its caches, and the KV buffers hold whole blocks).
+
+    A quantized cache (KT or VT, kvcache.py) is read in registers as the other attention kernels
+    read it, a tile's rows AHEAD products early; just before its product the subgroup writes the
+    tile's values, rounded to f16, into one of its two tiles of shared memory, and the units load
+    it from there (no f16 copy of the cache anywhere).
 
     H100, a 512-token chunk of the 35B-A3B (16 heads of 256, 2 KV heads), µs a layer at depth
     4,096 / 32,768 (2026-11-26): attn_prefill 2,537 / 18,194; this kernel 1,080 / 7,750 (NW 4,
@@ -949,100 +773,178 @@ def attn_prefill_coop(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_c
                              f"NW={NW}")
     for kv_type in (KT, VT):
         KV_FORMATS[kv_type].check(D)
-    flash = _Flash(D, BKV, NW, AHEAD, KT, VT, SG)
-    g, row0, p0 = zdsl.workgroup_id(1), zdsl.workgroup_id(0) * 16, step[0]
+    SQ, SS, SP = _coop_layout(SimpleNamespace(D=D, BKV=BKV))
+    LR, WG = SG // 16, NW * SG  # the lanes sharing a row's softmax; the workgroup
+    decoded = {"k": KV_FORMATS[KT] if KT != "f16" else None, "v": KV_FORMATS[VT] if VT != "f16" else None}
+    staged = zdsl.shared(f16.vec(4), NW * 2 * 64) if any(decoded.values()) else None  # two tiles a subgroup
+    QP = 64 // SG  # a staged tile's quads (four values) per lane
+    qs = zdsl.shared(f16.vec(4), 16 * SQ // 4)
+    ss = zdsl.shared(f32, NW * 16 * SS)  # per subgroup: S, or two of its O tiles
+    ps = zdsl.shared(f16, NW * 16 * SP)
+    rs = zdsl.shared(f32, NW * 16)  # per subgroup and row: the block's e^(m − m')
+    ms, ls = zdsl.shared(f32, NW * 16), zdsl.shared(f32, NW * 16)  # and at the end m and l
+    late = zdsl.shared(u32, NW)  # per subgroup: rows whose max moved with O already begun
+    g, sub, lane, tid = zdsl.workgroup_id(1), zdsl.subgroup_id(), zdsl.lane_id(), zdsl.local_index()
+    row0 = zdsl.workgroup_id(0) * 16
+    p0, stride = step[0], n_kv * D
 
     def qo_row(r):
         """The q / o row of query row r (past the chunk: its last, computed and not written)."""
         r = zdsl.min(r, t * G - 1)
         return (r // G) * (n_kv * G) + g * G + r % G
 
-    flash.stage_q(q, lambda r: qo_row(row0 + r) * (D // 4))
+    sm = 1.0 / math.sqrt(D)
+    for u in zdsl.range(tid, 4 * D, WG):
+        r, quad = u // (D // 4), u % (D // 4)
+        qs[r * (SQ // 4) + quad] = (q.vec4[qo_row(row0 + r) * (D // 4) + quad] * sm).to(f16.vec(4))
     end = p0 + (zdsl.min(row0 + 16, t * G) - 1) // G + 1  # cache rows 0 .. end − 1 serve a query here
-    m, l, O = flash.blocks(k_cache, v_cache, g, n_kv, 0, end,
-                           lambda r, x: x <= p0 + zdsl.min(row0 + r, t * G - 1) // G)  # the last its token sees
+    last = (end - 1) // BKV * BKV  # the last block's first row
+    row = lane // LR  # this lane's softmax row, its place in the subgroup's arrays, and its columns
+    mine = sub * 16 + row
+    cols = [lane % LR + LR * c for c in range(BKV // LR)]
+    limit = p0 + zdsl.min(row0 + row, t * G - 1) // G  # the last cache row its token sees
+    m, l = zdsl.var(LOWEST), zdsl.var(0.0)
+    O = [zdsl.var(zdsl.mat_fill(0.0)) for _ in range(D // 16)]
 
-    def emit(pair, job, value):
-        """A job's quad of O / L, gated, to o (and Q8_1)."""
-        j, r, quad, _, total = job
-        at_o = qo_row(row0 + r) * (D // 4) + 8 * pair + quad
-        gate = qg.vec4[qo_row(row0 + r) * (D // 2) + D // 4 + 8 * pair + quad]
-        value = KV_FORMATS[VT].turn(value * (1.0 / total), quad)  # a row's block in eight neighbours
-        value = value * zdsl.vec(*[zdsl.sigmoid(gate[e]) for e in range(4)])
-        ok = (j < 128) & (row0 + r < t * G)
-        with zdsl.if_(ok):
-            o.vec4[at_o] = value
-        if Q8:
-            store_q8_1(value, at_o, ok, oq, od)
-    flash.merged(m, l, O, emit)
+    def tiles_through_shared(pair, body):
+        """O's tiles 2·pair and 2·pair + 1 side by side in the subgroup's rows of ss, then body()."""
+        for n in range(2):
+            zdsl.mat_store(O[2 * pair + n], ss, sub * 16 * SS + 16 * n, SS)
+        zdsl.barrier()
+        body()
+        zdsl.barrier()
+
+    jobs = [("k", dk, n) for dk in range(D // 16) for n in range(BKV // 16)]  # S's products, then O's
+    jobs += [("v", n, dt) for n in range(BKV // 16) for dt in range(D // 16)]
+    NK = D // 16 * (BKV // 16)
+    zdsl.barrier()
+    for first in zdsl.range(0, end, NW * BKV):
+        kb = first + sub * BKV  # this subgroup's block; past the last: read the last, weighed 0
+        at_kb = zdsl.min(kb, last)
+        tiles = []
+
+        def issue(upto):
+            """Cache tiles in flight up to job `upto` (AHEAD beyond the one multiplying), V's first
+            ones through the softmax: K[kb + 16 j …][16 i …] as a d × row tile, V[kb + 16 i …][16 j …];
+            a quantized cache's as this lane's values of the tile (its quads, row by row)."""
+            for which, i, j in jobs[len(tiles):min(upto, len(jobs))]:
+                cache = k_cache if which == "k" else v_cache
+                row, dim = (at_kb + 16 * j, 16 * i) if which == "k" else (at_kb + 16 * i, 16 * j)
+                if decoded[which] is None:
+                    tiles.append(zdsl.mat_load(cache, row * stride + g * D + dim, stride, use="b",
+                                               column_major=which == "k"))
+                else:
+                    quads = [lane * QP + e for e in range(QP)]
+                    tiles.append([decoded[which].load(cache, (row + u // 4) * n_kv + g, dim // 4 + u % 4, D)
+                                  for u in quads])
+
+        def operand(at):
+            """Job `at`'s cache tile for the units: a quantized one through this subgroup's tile
+            (at % 2) of shared memory, which the job two before has done reading (a barrier since)."""
+            tile = tiles[at]
+            if not isinstance(tile, list):
+                return tile
+            base = (sub * 2 + at % 2) * 64
+            for e, value in enumerate(tile):
+                staged[base + lane * QP + e] = value.to(f16.vec(4))
+            zdsl.barrier()
+            return zdsl.mat_load(staged, base, 4, use="b", column_major=jobs[at][0] == "k")
+
+        S = [zdsl.mat_fill(0.0) for _ in range(BKV // 16)]
+        for at, (_, dk, n) in enumerate(jobs[:NK]):
+            issue(at + AHEAD + 1)
+            if n == 0:
+                a = zdsl.mat_load(qs, 4 * dk, SQ // 4, use="a")
+            S[n] = zdsl.mat_mul_add(a, operand(at), S[n])
+        for n in range(BKV // 16):
+            zdsl.mat_store(S[n], ss, sub * 16 * SS + 16 * n, SS)
+        zdsl.barrier()
+        seen = [kb + c <= limit for c in cols]
+        s = [zdsl.where(ok, ss[mine * SS + c], LOWEST) for ok, c in zip(seen, cols)]
+        top = s[0]
+        for x in s[1:]:
+            top = zdsl.max(top, x)
+        if LR > 1:
+            top = zdsl.subgroup_max(top, cluster=LR)
+        moved = top > m + TAU
+        m_new = zdsl.where(moved, top, m)
+        alpha = zdsl.exp(m - m_new)
+        p = [zdsl.where(ok, zdsl.exp(x - m_new), 0.0) for ok, x in zip(seen, s)]
+        total = p[0]
+        for x in p[1:]:
+            total = total + x
+        if LR > 1:
+            total = zdsl.subgroup_sum(total, cluster=LR)
+        for c, x in zip(cols, p):
+            ps[mine * SP + c] = x.to(f16)
+        with zdsl.if_(lane % LR == 0):
+            rs[mine] = alpha
+        begun = zdsl.subgroup_ballot_count(moved & (m > LOWEST))
+        with zdsl.if_(lane == 0):
+            late[sub] = begun
+        l.set(l * alpha + total)
+        m.set(m_new)
+        zdsl.barrier()
+        count = late[0]
+        for n in range(1, NW):
+            count = count + late[n]
+        with zdsl.if_(count > 0):  # uniform: every subgroup reads the same counts
+            for pair in range(D // 32):
+                def scale():
+                    for k in range(128 // SG):  # the subgroup's 16 rows × 8 quads
+                        r, quad = k * (SG // 8) + lane // 8, lane % 8
+                        at, a = (sub * 16 + r) * SS + 4 * quad, rs[sub * 16 + r]
+                        for e in range(4):
+                            ss[at + e] = ss[at + e] * a
+                tiles_through_shared(pair, scale)
+                for n in range(2):
+                    O[2 * pair + n].set(zdsl.mat_load(ss, sub * 16 * SS + 16 * n, SS, use="acc"))
+        p_tiles = [zdsl.mat_load(ps, sub * 16 * SP + 16 * n, SP, use="a") for n in range(BKV // 16)]
+        for at, (_, n, dt) in enumerate(jobs[NK:], NK):
+            issue(at + AHEAD + 1)
+            O[dt].set(zdsl.mat_mul_add(p_tiles[n], operand(at), O[dt]))
+    with zdsl.if_(lane % LR == 0):
+        ms[mine] = m
+        ls[mine] = l
+    zdsl.barrier()
+    # O_r = Σ_s O_s · e^(m_s − M) / Σ_s l_s · e^(m_s − M), M = max_s m_s over the subgroups s: the
+    # weights once per row for each of this invocation's jobs (16 rows × 8 quads over the workgroup)
+    outs = []
+    for k in range(-(-128 // WG)):
+        j = k * WG + tid
+        r, quad = j // 8 % 16, j % 8
+        top = ms[r]
+        for n in range(1, NW):
+            top = zdsl.max(top, ms[n * 16 + r])
+        w = [zdsl.var(zdsl.exp(ms[n * 16 + r] - top)) for n in range(NW)]
+        total = ls[r] * w[0]
+        for n in range(1, NW):
+            total = total + ls[n * 16 + r] * w[n]
+        inv = zdsl.var(1.0 / total)
+        outs.append((j, r, quad, [zdsl.var(x * inv) for x in w]))
+    for pair in range(D // 32):
+        def emit():
+            """Each job's quad of O, merged over the subgroups and gated, to o (and Q8_1)."""
+            for j, r, quad, w in outs:
+                value = zdsl.vec(*[ss[r * SS + 4 * quad + e] for e in range(4)]) * w[0]
+                for n in range(1, NW):
+                    value = value + zdsl.vec(*[ss[(n * 16 + r) * SS + 4 * quad + e] for e in range(4)]) * w[n]
+                at_o = qo_row(row0 + r) * (D // 4) + 8 * pair + quad
+                gate = qg.vec4[qo_row(row0 + r) * (D // 2) + D // 4 + 8 * pair + quad]
+                value = KV_FORMATS[VT].turn(value, quad)  # a row's block in eight neighbours
+                value = value * zdsl.vec(*[zdsl.sigmoid(gate[e]) for e in range(4)])
+                ok = (j < 128) & (row0 + r < t * G)
+                with zdsl.if_(ok):
+                    o.vec4[at_o] = value
+                if Q8:
+                    store_q8_1(value, at_o, ok, oq, od)
+        tiles_through_shared(pair, emit)
 
 
 @attn_prefill_coop.reference
 def attn_prefill_coop_ref(q, qg, k_cache, v_cache, p0):
     """attn_prefill_ref: the same attention (the units' f16 roundings are within the tests' bounds)."""
     return attn_prefill_ref(q, qg, k_cache, v_cache, p0)
-
-
-def _decode_coop_fits(v) -> bool:
-    return v.G <= 16 and _coop_fits(v)
-
-
-def _decode_coop_traffic(v, s) -> int:
-    """As attn_decode's: the whole cache as allocated, q and the partials."""
-    return _decode_traffic(v, s)
-
-
-@zdsl.kernel(workgroup=lambda v: v.NW * v.SG, subgroup="SG",
-             variants={"D": [128, 256], "G": [2, 4, 8], "NW": [4, 8], "BKV": [16, 32, 64], "AHEAD": [4, 8, 16],
-                       "SG": [32]},
-             where=_decode_coop_fits, sizes=("nsplit", "ctx"), grid=lambda v, s: (s.nsplit, s.n_kv),
-             traffic=_decode_coop_traffic)
-def attn_decode_coop(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step: Buffer[u32],
-                     part: Buffer[f32], n_kv: u32, min_chunk: u32, row: u32 = 0, G: Const = 8, D: Const = 256,
-                     NW: Const = 4, BKV: Const = 32, AHEAD: Const = 8, KT: Const = "f16", VT: Const = "f16",
-                     SG: Const = 32):
-    """attn_decode on matrix units (`_Flash`): the same partials, with q, p and the cache rows as
-    f16 operands and every sum in f32. Workgroup (s, g) takes the G query heads of KV head g as
-    16 query rows (rows G … 15 repeat them, computed and not written) over split s's cache rows,
-    in blocks of BKV rows aligned to BKV (a split's first and last blocks may overlap its
-    neighbours', their rows weighed 0 here), so every block read lies within the cache's whole
-    blocks. The matrix units take every head's scores and sums at once, where attn_decode
-    reduces each across lanes; and a subgroup's rows are 16 × BKV tiles in flight."""
-    if not _decode_coop_fits(SimpleNamespace(D=D, SG=SG, BKV=BKV, NW=NW, G=G)):
-        raise zdsl.ZdslError(f"attn_decode_coop needs G ≤ 16, D a multiple of 32, SG of 16, 32 or 64, BKV a multiple "
-                             f"of 16, NW ≥ 4 and {mma.SHARED_BYTES:,} bytes of shared memory, not G={G}, D={D}, "
-                             f"SG={SG}, BKV={BKV}, NW={NW}")
-    for kv_type in (KT, VT):
-        KV_FORMATS[kv_type].check(D)
-    s, g = zdsl.workgroup_id(0), zdsl.workgroup_id(1)
-    nsplit, length = zdsl.num_workgroups(0), step[1]
-    chunk, used = split_rows(length, nsplit, min_chunk)
-    start = s * chunk
-    end = zdsl.min(start + chunk, length)
-    with zdsl.if_(s < used):
-        flash = _Flash(D, BKV, NW, AHEAD, KT, VT, SG)
-        flash.stage_q(q, lambda r: (row * n_kv * G + g * G + r % G) * (D // 4))
-        m, l, O = flash.blocks(k_cache, v_cache, g, n_kv, start // BKV * BKV, end,
-                               lambda r, x: (x >= start) & (x < end))
-
-        def emit(pair, job, value):
-            """A job's quad of the merged O, and its row's M and L, to the head's record."""
-            j, r, quad, top, total = job
-            record = ((g * G + r) * nsplit + s) * (D + 2)
-            with zdsl.if_((j < 128) & (r < G)):
-                if pair == 0:
-                    with zdsl.if_(quad == 0):
-                        part[record] = top
-                        part[record + 1] = total
-                for e in range(4):
-                    part[record + 2 + 32 * pair + 4 * quad + e] = value[e]
-        flash.merged(m, l, O, emit)
-
-
-@attn_decode_coop.reference
-def attn_decode_coop_ref(q, k_cache, v_cache, length, nsplit, min_chunk=1):
-    """attn_decode_ref: the same partials (the units' f16 roundings are within the tests' bounds)."""
-    return attn_decode_ref(q, k_cache, v_cache, length, nsplit, min_chunk)
 
 
 # ---- examples ------------------------------------------------------------------------------------

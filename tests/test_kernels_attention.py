@@ -399,51 +399,6 @@ def test_prefill_coop(backend, request, T, p0, n_kv, group, d, nw, bkv, ahead, s
         assert_q8_1_of(out["oq"], out["od"], out["o"])
 
 
-@pytest.mark.parametrize("backend", ["interp", "device"])
-@given(length=st.integers(1, 300), nsplit=st.integers(1, 9), min_chunk=st.sampled_from([1, 16, 64]),
-       n_kv=st.integers(1, 2), group=st.sampled_from([1, 3, 8, 16]), d=st.sampled_from([32, 64]),
-       nw=st.sampled_from([4, 8]), bkv=st.sampled_from([16, 32, 64]), ahead=st.sampled_from([4, 16]),
-       scale=st.sampled_from([0.3, 3.0]), rising=st.booleans(), seed=st.integers(0, 99),
-       kv=st.sampled_from([("f16", "f16"), ("q8_0", "q8_0"), ("q4_0", "q8_0"), ("q3_rot", "q3_rot")]))
-def test_decode_coop(backend, request, length, nsplit, min_chunk, n_kv, group, d, nw, bkv, ahead, scale, rising, seed,
-                     kv):
-    """attn_decode_coop's partials against attn_decode's reference within coop_bound (each split's
-    O / l: its max moves in steps of TAU, so m and l alone differ by a shared factor), and merged
-    by attn_combine's reference against whole attention: over lengths that end mid-block, splits
-    that start mid-block (their neighbours' rows read and weighed 0), splits not in use (nothing
-    written), groups of 1 to 16 heads, and the cache's whole blocks past the length huge."""
-    if backend == "device" and "coopmat" not in request.getfixturevalue("device").info.features:
-        pytest.skip("the device has no cooperative matrices")
-    assume(att._coop_fits(SimpleNamespace(D=d, SG=32, BKV=bkv, NW=nw)))
-    rng = np.random.default_rng(seed)
-    n_head, rows = n_kv * group, att.cache_rows(length)
-    q = (rng.standard_normal((n_head, d)) * scale).astype(np.float32)
-    qg = rng.standard_normal((n_head, 2 * d), dtype=np.float32)
-    grow = (1 + np.arange(rows) / 8)[:, None, None] if rising else 1.0
-    k_cache = (rng.standard_normal((rows, n_kv, d)) * scale * grow).astype(np.float16)
-    v_cache = random_cache(rng, rows, n_kv, d)
-    huge = 60000 / np.sqrt(32) if kv[0] == "q3_rot" else 60000
-    for cache in (k_cache, v_cache):
-        cache[length:] = np.float16(huge) * np.sign(rng.standard_normal(cache[length:].shape))
-    (k_cache, k_values), (v_cache, v_values) = in_format(k_cache, kv[0], d), in_format(v_cache, kv[1], d)
-    sg = 32 if backend == "interp" else request.getfixturevalue("device").info.subgroup_size
-    v = att.attn_decode_coop.specialize(D=d, G=group, NW=nw, BKV=bkv, AHEAD=ahead, KT=kv[0], VT=kv[1], SG=sg)
-    part = run(v, "interp" if backend == "interp" else "lavapipe", request, (nsplit, n_kv), q=q, k_cache=k_cache,
-               v_cache=v_cache, step=np.array([length - 1, length, 0, 0], np.uint32),
-               part=np.full(n_head * nsplit * (d + 2), np.nan, np.float32), n_kv=n_kv,
-               min_chunk=min_chunk)["part"].reshape(n_head, nsplit, d + 2)
-    used = len(att.split_bounds(length, nsplit, min_chunk))
-    assert np.isnan(part[:, used:]).all()  # splits not in use write nothing
-    want = att.attn_decode_ref(q, k_values, v_values, length, nsplit, min_chunk)[:, :used]
-    bound = coop_bound(q[None], k_values, v_values, length - 1)[0]  # (n_head, 1)
-    got = part[:, :used]
-    assert np.all(np.abs(got[..., 2:] / got[..., 1:2] - want[..., 2:] / want[..., 1:2]) <= bound[:, None]), "O / l"
-    v_turned = KV_FORMATS[kv[1]].turned(v_values.astype(np.float32))
-    o = att.attn_combine_ref(part, qg, length, nsplit, min_chunk, kv[1])
-    whole = att.attention_ref(q, k_values, v_turned, qg, length)
-    assert np.all(np.abs(o - whole) <= coop_bound(q[None], k_values, v_turned, length - 1)[0]), "merged"
-
-
 def in_format(values, kv_type: str, d: int, turned_back: bool = False):
     """(the cache in `kv_type`, as the f16 units the kernels declare; its values decoded in f16,
     as the units take them, and `turned_back` where the format rotates them: the V o is made of)."""

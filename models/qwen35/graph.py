@@ -476,7 +476,7 @@ class DecodeGraph:
                 q_norm=self.weights[p + "attn_q_norm.weight"], k_norm=self.weights[p + "attn_k_norm.weight"],
                 step=self.step, q=a.q, k_cache=k_cache, v_cache=v_cache, n_head=nh, n_kv=nkv, d=d,
                 rope_dims=hp.rope_dims, rope_base=hp.rope_base, eps=hp.eps, row=row),
-            lambda seq: self._attn_decode(d, nh // nkv).launch(
+            lambda seq: attention.attn_decode.launch(
                 seq, self._pick, label=p + "attn_decode", D=d, G=nh // nkv, KT=kt, VT=vt, q=a.q, k_cache=k_cache,
                 v_cache=v_cache, step=self.step, part=part, n_kv=nkv, min_chunk=ATTN_MIN_CHUNK,
                 nsplit=self.attn_splits, ctx=self.n_ctx, row=row),
@@ -484,12 +484,6 @@ class DecodeGraph:
                 seq, self._pick, label=p + "attn_combine", D=d, Q8=self._int8(p + "attn_output.weight"), VT=vt,
                 part=part, qg=a.qg, step=self.step, o=o.f32, oq=o.q, od=o.d, nsplit=self.attn_splits,
                 min_chunk=ATTN_MIN_CHUNK, n_head=nh, ctx=self.n_ctx, row=row)]
-
-    def _attn_decode(self, d: int, group: int):
-        """The split pass of decode attention: on matrix units where the device has them and the
-        heads fit its tiles (attn_decode_coop), else attn_decode; both write the same partials."""
-        coop = "coopmat" in self.device.info.features and attention.attn_decode_coop.allows(D=d, G=group)
-        return attention.attn_decode_coop if coop else attention.attn_decode
 
     def delta_step(self, i: int, a, row: int):
         """Layer i's delta-net step for this graph's sequence, as a launch to record (a function of
