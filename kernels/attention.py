@@ -327,7 +327,10 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
     255 registers a lane. Two rounds in flight (DEPTH 2, the default for quantized caches, whose
     rows wait in few registers): q8_0 41.3 µs, and the step at 32,768 322.5 / 321.8 tok/s against
     319.7 / 319.6, at 512 unchanged (358.7 / 357.7 against 360.4 / 356.5); f16 40.6 (slower), and
-    its step at 512 0.8% slower: f16 keeps one."""
+    its step at 512 0.8% slower: f16 keeps one. Tried and slower at 32,768 (H200, 2026-11-27):
+    the group's heads sliced over two or four workgroups (128 or 64 registers, the rows read
+    twice or four times: q8_0 50.1 and 69.8 µs against 41.5), and the split pass on matrix units
+    (74482d2)."""
     if not _decode_fits(SimpleNamespace(D=D, SG=SG)):
         raise zdsl.ZdslError(f"attn_decode needs D / 4 a power of two or a multiple of 4·SG, not D={D}, SG={SG}")
     for kv_type in (KT, VT):
