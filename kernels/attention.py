@@ -694,118 +694,115 @@ def cache_rows(n_ctx: int) -> int:
 
 
 def _coop_layout(v):
-    """Row strides of the shared arrays: q in f16 (+8: rows 16 bytes apart from bank to bank), a
-    subgroup's block of scores or two O tiles in f32, p in f16."""
-    return v.D + 8, max(v.BKV, 32) + 4, v.BKV + 8
-
-
-STAGED_TILE = 16 * 16 * 2  # bytes of an f16 tile decoded from a quantized cache; two a subgroup
+    """Row strides: of the shared K and V block (f16 × 4 vectors: D values and two of padding, so
+    that rows start 16 bytes apart from bank to bank), of a subgroup's S or two O tiles (f32),
+    of its P (f16)."""
+    return v.D // 4 + 2, max(v.BKV, 32) + 4, v.BKV + 8
 
 
 def _coop_shared_bytes(v) -> int:
-    """q, and per subgroup its scores, p, its softmax's statistics and the two tiles a quantized
-    cache's rows are decoded into (counted for every variant: the formats are fixed per launch)."""
-    SQ, SS, SP = _coop_layout(v)
-    return 32 * SQ + 16 * v.NW * (4 * SS + 2 * SP + 12) + 4 * v.NW + 2 * STAGED_TILE * v.NW
+    """The K and V block (before the loop: one subgroup's q), and per subgroup its scores, p and
+    its softmax's statistics."""
+    SK, SS, SP = _coop_layout(v)
+    return 8 * SK * max(2 * v.BKV, 16) + 16 * v.NW * (4 * SS + 2 * SP + 8) + 4 * v.NW
 
 
 def _coop_fits(v) -> bool:
     """Heads of whole pairs of tiles (the epilogue writes 32 dims, a Q8_1 block, at a time), SG /
     16 lanes a row, the arrays in shared memory, and at least four subgroups: on the H100 (driver
-    580) workgroups of one or two give wrong outputs (by ~1 with zeroed cache rows past the
-    chunk, ~10⁴ with huge ones), four and eight right, over D 32 and 256, BKV 16, 32 and 64,
-    groups 1 and 8 (2026-11-26); the interpreter is right for all. Not understood, so not offered."""
+    580) workgroups of one or two gave wrong outputs in 4a230de's layout (by ~1 with zeroed cache
+    rows past the chunk, ~10⁴ with huge ones), four and eight right (2026-11-26); the interpreter
+    is right for all. Not understood, so not offered."""
     return (v.D % 32 == 0 and v.SG in (16, 32, 64) and v.BKV % 16 == 0 and v.NW >= 4
             and _coop_shared_bytes(v) <= mma.SHARED_BYTES)
 
 
 def _coop_traffic(v, s) -> int:
-    """The cache rows once per workgroup (from L2 after the first), q, the gates and o."""
+    """The cache rows once per workgroup (from L2 after the first; half of them on average, the
+    rows past a chunk's queries unread), q, the gates and o."""
     rows = s.t * s.n_kv * v.G
-    groups = -(-s.t * v.G // 16)
+    groups = -(-s.t * v.G // (16 * v.NW))
     return _cache_bytes(v, s) * groups // 2 + 12 * rows * v.D + (rows * (v.D + v.D // 4) if v.Q8 else 0)
 
 
 @zdsl.kernel(workgroup=lambda v: v.NW * v.SG, subgroup="SG",
-             variants={"D": [128, 256], "G": [2, 4, 8], "NW": [4, 8], "BKV": [16, 32, 64], "AHEAD": [4, 8, 16],
-                       "Q8": [False, True], "SG": [32]},
+             variants={"D": [128, 256], "G": [2, 4, 8], "NW": [4, 8], "BKV": [16, 32], "Q8": [False, True],
+                       "SG": [32]},
              where=_coop_fits, key=("t",), sizes=("ctx",),
-             grid=lambda v, s: (-(-s.t * v.G // 16), s.n_kv), traffic=_coop_traffic)
+             grid=lambda v, s: (-(-s.t * v.G // (16 * v.NW)), s.n_kv), traffic=_coop_traffic)
 def attn_prefill_coop(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16],
                       step: Buffer[u32], o: Buffer[f32], oq: Buffer[u32], od: Buffer[f32], n_kv: u32, t: u32,
-                      G: Const = 8, D: Const = 256, NW: Const = 4, BKV: Const = 32, AHEAD: Const = 8,
-                      Q8: Const = False, KT: Const = "f16", VT: Const = "f16", SG: Const = 32):
+                      G: Const = 8, D: Const = 256, NW: Const = 4, BKV: Const = 32, Q8: Const = False,
+                      KT: Const = "f16", VT: Const = "f16", SG: Const = 32):
     """attn_prefill on matrix units (flash attention): the same outputs, with q, p and the cache
     rows as f16 operands and every sum in f32.
 
     The query rows of KV head g are the chunk's (token, head) pairs, token-major (row = token · G
-    + head); workgroup (b, g) takes 16 of them, and its NW subgroups split the cache between them,
-    block by block (subgroup s: blocks s, s + NW, …). Per block of BKV cache rows:
-        S = Q · Kᵀ                     tiles: q from shared memory, K straight from the cache
+    + head); workgroup (b, g) takes 16 · NW of them, 16 a subgroup, whose q it holds as A tiles
+    in registers. The workgroup walks the cache rows its queries see in blocks of BKV: the
+    block's K and V go into shared memory once (in f16: a quantized cache is decoded on the way,
+    kernels/kvcache.py), and every subgroup multiplies its rows by them. Per block:
+        S = Q · Kᵀ
         m' = max(m, rowmax S) where it passes m by more than TAU, else m
         P = exp(S − m') masked by position, l = l · e^(m − m') + Σ P
-        O = O · e^(m − m') + P · V     V straight from the cache
+        O = O · e^(m − m') + P · V
     The accumulators stay in the matrix units' registers: a row's scale reaches them only through
     shared memory, so the max moves in steps of TAU (a block rarely passes it once the first
     blocks are in), and a block where some row's does takes O through shared memory to scale it.
-    Each cache tile is loaded AHEAD products before it is multiplied (V's first ones while the
-    softmax runs). At the end the subgroups' (m, l, O) merge through shared memory, and
-    O / l times sigmoid(gate) goes out two tiles (a Q8_1 block) at a time.
+    At the end each subgroup's O / l times sigmoid(gate) goes out two tiles (a Q8_1 block) at a
+    time.
 
     Cache rows past the chunk's last position are read (whole blocks) and weighed 0: they must
     hold finite values (the graph zeroes its caches, and the KV buffers hold whole blocks).
 
-    A quantized cache (KT or VT, kvcache.py) is read in registers as the other attention kernels
-    read it, a tile's rows AHEAD products early; just before its product the subgroup writes the
-    tile's values, rounded to f16, into one of its two tiles of shared memory, and the units load
-    it from there (no f16 copy of the cache anywhere).
-
-    H100, a 512-token chunk of the 35B-A3B (16 heads of 256, 2 KV heads), µs a layer at depth
-    4,096 / 32,768 (2026-11-26): attn_prefill 2,537 / 18,194; this kernel 1,080 / 7,750 (NW 4,
-    BKV 32, AHEAD 8; BKV 16: 1,075 / 7,752; BKV 64: 1,254 / 10,033; NW 8: 1,161 / 8,063); a
-    workgroup of 64 rows taking the cache whole per subgroup (4a230de's layout, NW 4): 1,372 /
-    9,515. The epilogue's weights computed once per row, not per pair of tiles (2026-11-27):
-    960 / 7,618. Tried and slower (2026-11-27): workgroups of 32 or 64 rows whose subgroups
-    share each block (1,086–1,290 / 8,809–10,161); a pair of subgroups splitting each block's
-    dims, for half of O in registers a subgroup (1,002 / 8,015: the driver still gives the
-    kernel all 255 registers a lane, now without spilling). About 36 TFLOP/s at depth, far below
-    the units' peak."""
+    A 512-token chunk of the 35B-A3B (16 heads of 256, 2 KV heads), µs a layer alone at depth
+    4,096 / 32,768. On the H100 (2026-11-26/27) in 4e88538's layout (16 query rows a workgroup,
+    its four subgroups splitting the cache, every K and V tile read by the units straight from
+    the cache, so from L2 once per 16 query rows): 960 / 7,618, about 36 TFLOP/s. On the H200
+    (2026-11-27): that layout 1,123 / 8,044 (q8_0 6,106 / 12,531: a tile decoded through shared
+    memory cost a barrier each); this one, blocks of 32, 397 / 2,947 (q8_0 453 / 4,073), about
+    93 TFLOP/s; blocks of 16: 426 / 3,322; eight subgroups (blocks of 16): 552 / 4,016."""
     if not _coop_fits(SimpleNamespace(D=D, SG=SG, BKV=BKV, NW=NW)):
         raise zdsl.ZdslError(f"attn_prefill_coop needs D a multiple of 32, SG of 16, 32 or 64, BKV a multiple of 16, "
                              f"NW ≥ 4 and {mma.SHARED_BYTES:,} bytes of shared memory, not D={D}, SG={SG}, BKV={BKV}, "
                              f"NW={NW}")
-    for kv_type in (KT, VT):
-        KV_FORMATS[kv_type].check(D)
-    SQ, SS, SP = _coop_layout(SimpleNamespace(D=D, BKV=BKV))
+    kf, vf = KV_FORMATS[KT], KV_FORMATS[VT]
+    for f in (kf, vf):
+        f.check(D)
+    SK, SS, SP = _coop_layout(SimpleNamespace(D=D, BKV=BKV))
     LR, WG = SG // 16, NW * SG  # the lanes sharing a row's softmax; the workgroup
-    decoded = {"k": KV_FORMATS[KT] if KT != "f16" else None, "v": KV_FORMATS[VT] if VT != "f16" else None}
-    staged = zdsl.shared(f16.vec(4), NW * 2 * 64) if any(decoded.values()) else None  # two tiles a subgroup
-    QP = 64 // SG  # a staged tile's quads (four values) per lane
-    qs = zdsl.shared(f16.vec(4), 16 * SQ // 4)
+    kvs = zdsl.shared(f16.vec(4), max(2 * BKV, 16) * SK)  # the block's K rows, then its V rows
     ss = zdsl.shared(f32, NW * 16 * SS)  # per subgroup: S, or two of its O tiles
     ps = zdsl.shared(f16, NW * 16 * SP)
-    rs = zdsl.shared(f32, NW * 16)  # per subgroup and row: the block's e^(m − m')
-    ms, ls = zdsl.shared(f32, NW * 16), zdsl.shared(f32, NW * 16)  # and at the end m and l
+    rs = zdsl.shared(f32, NW * 16)  # per subgroup and row: the block's e^(m − m'), at the end 1 / l
     late = zdsl.shared(u32, NW)  # per subgroup: rows whose max moved with O already begun
     g, sub, lane, tid = zdsl.workgroup_id(1), zdsl.subgroup_id(), zdsl.lane_id(), zdsl.local_index()
-    row0 = zdsl.workgroup_id(0) * 16
-    p0, stride = step[0], n_kv * D
+    row0, rows = zdsl.workgroup_id(0) * (16 * NW), t * G
+    p0 = step[0]
 
     def qo_row(r):
         """The q / o row of query row r (past the chunk: its last, computed and not written)."""
-        r = zdsl.min(r, t * G - 1)
+        r = zdsl.min(r, rows - 1)
         return (r // G) * (n_kv * G) + g * G + r % G
 
+    # q · 1/√D as this subgroup's A tiles, staged through the block's space one subgroup at a time
     sm = 1.0 / math.sqrt(D)
-    for u in zdsl.range(tid, 4 * D, WG):
-        r, quad = u // (D // 4), u % (D // 4)
-        qs[r * (SQ // 4) + quad] = (q.vec4[qo_row(row0 + r) * (D // 4) + quad] * sm).to(f16.vec(4))
-    end = p0 + (zdsl.min(row0 + 16, t * G) - 1) // G + 1  # cache rows 0 .. end − 1 serve a query here
-    last = (end - 1) // BKV * BKV  # the last block's first row
+    Q = [zdsl.var(zdsl.mat_load(kvs, 4 * dk, SK, use="a")) for dk in range(D // 16)]  # (whatever is there)
+    for w in range(NW):
+        zdsl.barrier()  # the last loads are done
+        for u in zdsl.range(tid, 4 * D, WG):
+            r, quad = u // (D // 4), u % (D // 4)
+            kvs[r * SK + quad] = (q.vec4[qo_row(row0 + 16 * w + r) * (D // 4) + quad] * sm).to(f16.vec(4))
+        zdsl.barrier()
+        with zdsl.if_(sub == w):
+            for dk in range(D // 16):
+                Q[dk].set(zdsl.mat_load(kvs, 4 * dk, SK, use="a"))
+    zdsl.barrier()
+    end = p0 + (zdsl.min(row0 + 16 * NW, rows) - 1) // G + 1  # cache rows 0 .. end − 1 serve a query here
     row = lane // LR  # this lane's softmax row, its place in the subgroup's arrays, and its columns
     mine = sub * 16 + row
     cols = [lane % LR + LR * c for c in range(BKV // LR)]
-    limit = p0 + zdsl.min(row0 + row, t * G - 1) // G  # the last cache row its token sees
+    limit = p0 + zdsl.min(row0 + 16 * sub + row, rows - 1) // G  # the last cache row its token sees
     m, l = zdsl.var(LOWEST), zdsl.var(0.0)
     O = [zdsl.var(zdsl.mat_fill(0.0)) for _ in range(D // 16)]
 
@@ -817,49 +814,25 @@ def attn_prefill_coop(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_c
         body()
         zdsl.barrier()
 
-    jobs = [("k", dk, n) for dk in range(D // 16) for n in range(BKV // 16)]  # S's products, then O's
-    jobs += [("v", n, dt) for n in range(BKV // 16) for dt in range(D // 16)]
-    NK = D // 16 * (BKV // 16)
-    zdsl.barrier()
-    for first in zdsl.range(0, end, NW * BKV):
-        kb = first + sub * BKV  # this subgroup's block; past the last: read the last, weighed 0
-        at_kb = zdsl.min(kb, last)
-        tiles = []
-
-        def issue(upto):
-            """Cache tiles in flight up to job `upto` (AHEAD beyond the one multiplying), V's first
-            ones through the softmax: K[kb + 16 j …][16 i …] as a d × row tile, V[kb + 16 i …][16 j …];
-            a quantized cache's as this lane's values of the tile (its quads, row by row)."""
-            for which, i, j in jobs[len(tiles):min(upto, len(jobs))]:
-                cache = k_cache if which == "k" else v_cache
-                row, dim = (at_kb + 16 * j, 16 * i) if which == "k" else (at_kb + 16 * i, 16 * j)
-                if decoded[which] is None:
-                    tiles.append(zdsl.mat_load(cache, row * stride + g * D + dim, stride, use="b",
-                                               column_major=which == "k"))
-                else:
-                    quads = [lane * QP + e for e in range(QP)]
-                    tiles.append([decoded[which].load(cache, (row + u // 4) * n_kv + g, dim // 4 + u % 4, D)
-                                  for u in quads])
-
-        def operand(at):
-            """Job `at`'s cache tile for the units: a quantized one through this subgroup's tile
-            (at % 2) of shared memory, which the job two before has done reading (a barrier since)."""
-            tile = tiles[at]
-            if not isinstance(tile, list):
-                return tile
-            base = (sub * 2 + at % 2) * 64
-            for e, value in enumerate(tile):
-                staged[base + lane * QP + e] = value.to(f16.vec(4))
-            zdsl.barrier()
-            return zdsl.mat_load(staged, base, 4, use="b", column_major=jobs[at][0] == "k")
-
+    quads = BKV * (D // 4)  # of K (and of V) in a block
+    for kb in zdsl.range(0, end, BKV):
+        # the block into shared memory, all loads issued before the first store
+        staged = []
+        for i in range(-(-quads // WG)):
+            u = tid + i * WG
+            r, quad = u // (D // 4), u % (D // 4)
+            x = (kb + zdsl.min(r, BKV - 1)) * n_kv + g
+            staged.append((u, r, quad, kf.load(k_cache, x, quad, D), vf.load(v_cache, x, quad, D)))
+        for u, r, quad, kv_k, kv_v in staged:
+            with zdsl.if_(u < quads):
+                kvs[r * SK + quad] = kv_k.to(f16.vec(4))
+                kvs[(BKV + r) * SK + quad] = kv_v.to(f16.vec(4))
+        zdsl.barrier()
         S = [zdsl.mat_fill(0.0) for _ in range(BKV // 16)]
-        for at, (_, dk, n) in enumerate(jobs[:NK]):
-            issue(at + AHEAD + 1)
-            if n == 0:
-                a = zdsl.mat_load(qs, 4 * dk, SQ // 4, use="a")
-            S[n] = zdsl.mat_mul_add(a, operand(at), S[n])
         for n in range(BKV // 16):
+            for dk in range(D // 16):
+                k_tile = zdsl.mat_load(kvs, 16 * n * SK + 4 * dk, SK, use="b", column_major=True)
+                S[n] = zdsl.mat_mul_add(Q[dk], k_tile, S[n])
             zdsl.mat_store(S[n], ss, sub * 16 * SS + 16 * n, SS)
         zdsl.barrier()
         seen = [kb + c <= limit for c in cols]
@@ -902,45 +875,31 @@ def attn_prefill_coop(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_c
                 tiles_through_shared(pair, scale)
                 for n in range(2):
                     O[2 * pair + n].set(zdsl.mat_load(ss, sub * 16 * SS + 16 * n, SS, use="acc"))
-        p_tiles = [zdsl.mat_load(ps, sub * 16 * SP + 16 * n, SP, use="a") for n in range(BKV // 16)]
-        for at, (_, n, dt) in enumerate(jobs[NK:], NK):
-            issue(at + AHEAD + 1)
-            O[dt].set(zdsl.mat_mul_add(p_tiles[n], operand(at), O[dt]))
+        for n in range(BKV // 16):
+            p_tile = zdsl.mat_load(ps, sub * 16 * SP + 16 * n, SP, use="a")
+            for dt in range(D // 16):
+                v_tile = zdsl.mat_load(kvs, (BKV + 16 * n) * SK + 4 * dt, SK, use="b")
+                O[dt].set(zdsl.mat_mul_add(p_tile, v_tile, O[dt]))
+        zdsl.barrier()  # every subgroup is done with the block before the next one overwrites it
     with zdsl.if_(lane % LR == 0):
-        ms[mine] = m
-        ls[mine] = l
-    zdsl.barrier()
-    # O_r = Σ_s O_s · e^(m_s − M) / Σ_s l_s · e^(m_s − M), M = max_s m_s over the subgroups s: the
-    # weights once per row for each of this invocation's jobs (16 rows × 8 quads over the workgroup)
-    outs = []
-    for k in range(-(-128 // WG)):
-        j = k * WG + tid
-        r, quad = j // 8 % 16, j % 8
-        top = ms[r]
-        for n in range(1, NW):
-            top = zdsl.max(top, ms[n * 16 + r])
-        w = [zdsl.var(zdsl.exp(ms[n * 16 + r] - top)) for n in range(NW)]
-        total = ls[r] * w[0]
-        for n in range(1, NW):
-            total = total + ls[n * 16 + r] * w[n]
-        inv = zdsl.var(1.0 / total)
-        outs.append((j, r, quad, [zdsl.var(x * inv) for x in w]))
+        rs[mine] = 1.0 / l
     for pair in range(D // 32):
         def emit():
-            """Each job's quad of O, merged over the subgroups and gated, to o (and Q8_1)."""
-            for j, r, quad, w in outs:
-                value = zdsl.vec(*[ss[r * SS + 4 * quad + e] for e in range(4)]) * w[0]
-                for n in range(1, NW):
-                    value = value + zdsl.vec(*[ss[(n * 16 + r) * SS + 4 * quad + e] for e in range(4)]) * w[n]
-                at_o = qo_row(row0 + r) * (D // 4) + 8 * pair + quad
-                gate = qg.vec4[qo_row(row0 + r) * (D // 2) + D // 4 + 8 * pair + quad]
-                value = KV_FORMATS[VT].turn(value, quad)  # a row's block in eight neighbours
+            """The subgroup's quads of O / l, gated, to o (and Q8_1): 16 rows × 8 quads, a row's
+            block of 32 in eight neighbouring lanes."""
+            for k in range(128 // SG):
+                r, quad = k * (SG // 8) + lane // 8, lane % 8
+                at = (sub * 16 + r) * SS + 4 * quad
+                value = zdsl.vec(*[ss[at + e] for e in range(4)]) * rs[sub * 16 + r]
+                R = row0 + 16 * sub + r
+                at_o = qo_row(R) * (D // 4) + 8 * pair + quad
+                gate = qg.vec4[qo_row(R) * (D // 2) + D // 4 + 8 * pair + quad]
+                value = vf.turn(value, quad)
                 value = value * zdsl.vec(*[zdsl.sigmoid(gate[e]) for e in range(4)])
-                ok = (j < 128) & (row0 + r < t * G)
-                with zdsl.if_(ok):
+                with zdsl.if_(R < rows):
                     o.vec4[at_o] = value
                 if Q8:
-                    store_q8_1(value, at_o, ok, oq, od)
+                    store_q8_1(value, at_o, R < rows, oq, od)
         tiles_through_shared(pair, emit)
 
 
