@@ -210,15 +210,17 @@ def row_lanes(D: int, SG: int) -> int:
     return min(SG, D // 4)
 
 
-def head_scores(partials, C: int, SG: int, lane):
-    """Every head's score from each lane's partial dot products (one per head), summed over the
-    C lanes of each row cluster, in every lane. For G = len(partials) a power of two ≤ C, a
-    transposed reduction: each halving exchange sends half the remaining values, so lane r ends
-    with the total of head r // (C / G) after G − 1 + log2(C / G) shuffles, and G more shuffles
-    hand every total to every lane (2G − 1 + log2(C / G) instead of G · log2(C))."""
-    G = len(partials)
-    if G == 1 or G & (G - 1) or G > C:
-        return [zdsl.subgroup_sum(x, cluster=C if C < SG else None) for x in partials]
+def owns(G: int, C: int) -> bool:
+    """Whether each of G heads can keep its softmax statistics in its own C / G lanes of a row
+    cluster of C (head_totals): G a power of two ≤ C."""
+    return not G & (G - 1) and G <= C
+
+
+def head_totals(partials, C: int, lane):
+    """Each lane's partial dot products (one per head, G = len(partials), owns(G, C)) summed over
+    the C lanes of its row cluster by a transposed reduction: each halving exchange sends half
+    the remaining values, so lane r ends with the total of its head r // (C / G) after G − 1 +
+    log2(C / G) shuffles (instead of G · log2(C))."""
     vals, mask = list(partials), C // 2
     while mask:
         if len(vals) > 1:
@@ -230,8 +232,51 @@ def head_scores(partials, C: int, SG: int, lane):
         else:
             vals = [vals[0] + zdsl.subgroup_shuffle_xor(vals[0], mask)]
         mask //= 2
-    first = lane - lane % C
-    return [zdsl.subgroup_shuffle(vals[0], first + h * (C // G)) for h in range(G)]
+    return vals[0]
+
+
+def from_owner(x, h: int, G: int, C: int, lane):
+    """Head h's value of x, which its own lanes hold (head_totals), in every lane of the cluster."""
+    return zdsl.subgroup_shuffle(x, lane - lane % C + h * (C // G))
+
+
+def head_scores(partials, C: int, SG: int, lane):
+    """Every head's score from each lane's partial dot products (one per head), summed over the
+    C lanes of each row cluster, in every lane: head_totals, then G shuffles hand every total
+    to every lane (2G − 1 + log2(C / G) shuffles), or a sum per head where not owns(G, C)."""
+    G = len(partials)
+    if not owns(G, C):
+        return [zdsl.subgroup_sum(x, cluster=C if C < SG else None) for x in partials]
+    total = head_totals(partials, C, lane)
+    return [from_owner(total, h, G, C, lane) for h in range(G)]
+
+
+def owned_softmax(m, l, acc, own, vv, C: int, lane, ok=None):
+    """online_softmax where each lane keeps only its own head's running max m and sum l (vars;
+    own[u]: its head's score for row u, from head_totals): the exponentials are taken in each
+    head's lanes, not for every head in every lane, and the head's rescale and weights reach the
+    accumulators acc[h][p] of every lane by shuffles. ok(u): whether row u counts."""
+    G = len(acc)
+    m_new = m
+    for score in own:
+        m_new = zdsl.max(m_new, score)
+    rescale = zdsl.exp(m - m_new)
+    weights = [zdsl.exp(score - m_new) for score in own]
+    if ok is not None:
+        weights = [zdsl.where(ok(u), w, 0.0) for u, w in enumerate(weights)]
+    total = l * rescale
+    for w in weights:
+        total = total + w
+    l.set(total)
+    m.set(m_new)
+    for h in range(G):
+        a_h = from_owner(rescale, h, G, C, lane)
+        w_h = [from_owner(w, h, G, C, lane) for w in weights]
+        for p in range(len(acc[h])):
+            a = acc[h][p] * a_h
+            for u, w in enumerate(w_h):
+                a = a + vv[u][p] * w
+            acc[h][p].set(a)
 
 
 def online_softmax(m, l, acc, row_scores, vv, ok=None):
@@ -303,8 +348,7 @@ def _decode_traffic(v, s) -> int:
              sizes=("nsplit", "ctx"), grid=lambda v, s: (s.nsplit, s.n_kv), traffic=_decode_traffic)
 def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step: Buffer[u32], part: Buffer[f32],
                 n_kv: u32, min_chunk: u32, row: u32 = 0, G: Const = 8, D: Const = 256, NW: Const = 4, U: Const = 2,
-                KT: Const = "f16", VT: Const = "f16",
-                DEPTH: Const = zdsl.Derived(lambda v: 1 if v.KT == v.VT == "f16" else 2), SG: Const = 32):
+                KT: Const = "f16", VT: Const = "f16", DEPTH: Const = 2, SG: Const = 32):
     """Partial attention of the G query heads of KV head g = workgroup_id(1) (query heads
     g·G .. g·G + G − 1) over split s = workgroup_id(0) of the cache rows 0 .. step[1] − 1, cut by
     `split_rows` with nsplit = the grid's x size; splits past the last in use exit at once and
@@ -320,17 +364,19 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
     `row` (one sequence of a batch, batch.py). The launch names nsplit (the grid's x) and ctx
     (the rows the cache holds).
 
+    Where G is a power of two ≤ the lanes of a row (`owns`), each head's running max and sum live
+    in its own lanes: the exponentials are taken there, once per head, and shuffled to the
+    accumulators (`owned_softmax`), where every lane took every head's before.
+
     H100, 35B-A3B (D 256, G 8, 2 KV heads), 32,768 rows in 128 splits, µs alone (2026-11-27):
-    q8_0 43.6 (held as values: 45.5), f16 40.0; U 4 reads faster (40.4, 36.6) but its 39 KB of
-    machine code against 28 cost the decode step at 512 more (348 against 356 tok/s): between
-    dispatches of a step the weights evict the code from L2. The driver gives every variant all
-    255 registers a lane. Two rounds in flight (DEPTH 2, the default for quantized caches, whose
-    rows wait in few registers): q8_0 41.3 µs, and the step at 32,768 322.5 / 321.8 tok/s against
-    319.7 / 319.6, at 512 unchanged (358.7 / 357.7 against 360.4 / 356.5); f16 40.6 (slower), and
-    its step at 512 0.8% slower: f16 keeps one. Tried and slower at 32,768 (H200, 2026-11-27):
-    the group's heads sliced over two or four workgroups (128 or 64 registers, the rows read
-    twice or four times: q8_0 50.1 and 69.8 µs against 41.5), and the split pass on matrix units
-    (74482d2)."""
+    every head's softmax in every lane, q8_0 43.6 (DEPTH 1) and 41.6 (DEPTH 2), f16 40.0 and
+    40.7; each head's in its lanes, q8_0 54.6 and 35.9, f16 48.6 and 36.5 (at 512 rows 9.1
+    both, as before): DEPTH 2 for every format. U 4 reads about as fast (35.6, 35.1) in 35 KB of
+    machine code against 27: between dispatches of a step the weights evict the code from L2,
+    which cost U 4 2% of the step at 512 before. The driver gives every variant all 255
+    registers a lane. Tried and slower at 32,768 (H200, 2026-11-27): the group's heads sliced
+    over two or four workgroups (128 or 64 registers, the rows read twice or four times: q8_0
+    50.1 and 69.8 µs against 41.5), and the split pass on matrix units (74482d2)."""
     if not _decode_fits(SimpleNamespace(D=D, SG=SG)):
         raise zdsl.ZdslError(f"attn_decode needs D / 4 a power of two or a multiple of 4·SG, not D={D}, SG={SG}")
     for kv_type in (KT, VT):
@@ -350,8 +396,9 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
         sm = 1.0 / math.sqrt(D)
         quads = [P * r + p for p in range(P)]  # a lane's pieces side by side: one run of the row
         qv = [[q.vec4[(g * G + h) * (D // 4) + quad] * sm for quad in quads] for h in range(G)]
-        m = [zdsl.var(LOWEST) for _ in range(G)]
-        l = [zdsl.var(0.0) for _ in range(G)]
+        owned = owns(G, C)  # each head's max and sum in its own lanes, else every head's in every lane
+        m = zdsl.var(LOWEST) if owned else [zdsl.var(LOWEST) for _ in range(G)]
+        l = zdsl.var(0.0) if owned else [zdsl.var(0.0) for _ in range(G)]
         acc = [[zdsl.var(zdsl.vec(0.0, 0.0, 0.0, 0.0)) for _ in range(P)] for _ in range(G)]
         kf, vf = KV_FORMATS[KT], KV_FORMATS[VT]
 
@@ -374,7 +421,7 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
             kv = [[kf.unpack(piece) for piece in row] for row in held[0]]
             vv = [[vf.unpack(piece) for piece in row] for row in held[1]]
             valid = [first + c + NC * u < end for u in range(U)] if rows_per_round > 1 else None  # the last may run out
-            row_scores = []  # [row][head]
+            row_scores = []  # [row][head], or [row] of this lane's head where owned
             for u in range(U):
                 dots = []
                 for h in range(G):
@@ -382,15 +429,25 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
                     for p in range(1, P):
                         x = x + zdsl.dot(qv[h][p], kv[u][p])
                     dots.append(x)
-                scores = head_scores(dots, C, SG, lane)
-                row_scores.append([zdsl.where(valid[u], x, LOWEST) for x in scores] if valid else scores)
-            online_softmax(m, l, acc, row_scores, vv, (lambda u, h: valid[u]) if valid else None)
+                if owned:
+                    score = head_totals(dots, C, lane)
+                    row_scores.append(zdsl.where(valid[u], score, LOWEST) if valid else score)
+                else:
+                    scores = head_scores(dots, C, SG, lane)
+                    row_scores.append([zdsl.where(valid[u], x, LOWEST) for x in scores] if valid else scores)
+            if owned:
+                owned_softmax(m, l, acc, row_scores, vv, C, lane, (lambda u: valid[u]) if valid else None)
+            else:
+                online_softmax(m, l, acc, row_scores, vv, (lambda u, h: valid[u]) if valid else None)
             for d in range(DEPTH):  # each round moves up one; the new loads go last
                 nxt = ahead if d == DEPTH - 1 else rounds[d + 1]
                 for now, later in zip(rounds[d][0] + rounds[d][1], nxt[0] + nxt[1]):
                     for piece, words in zip(now, later):
                         for x, y in zip(piece, words):
                             x.set(y)
+        if owned:  # every head's max and sum in every lane, as the merges below take them
+            m = [zdsl.var(from_owner(m, h, G, C, lane)) for h in range(G)]
+            l = [zdsl.var(from_owner(l, h, G, C, lane)) for h in range(G)]
         merge_clusters(m, l, acc, C, SG)
         record = [((g * G + h) * nsplit + s) * (D + 2) for h in range(G)]
         if NW == 1:
@@ -711,8 +768,10 @@ def _coop_fits(v) -> bool:
     """Heads of whole pairs of tiles (the epilogue writes 32 dims, a Q8_1 block, at a time), SG /
     16 lanes a row, the arrays in shared memory, and at least four subgroups: on the H100 (driver
     580) workgroups of one or two gave wrong outputs in 4a230de's layout (by ~1 with zeroed cache
-    rows past the chunk, ~10⁴ with huge ones), four and eight right (2026-11-26); the interpreter
-    is right for all. Not understood, so not offered."""
+    rows past the chunk, ~10⁴ with huge ones), four and eight right (2026-11-26), and in this
+    layout too (2026-11-27, test_prefill_coop drawing one or two); the interpreter is right for
+    all. Not understood, so not offered (they were slower as well: 6,555–19,230 µs a layer at
+    32,768 against 2,861)."""
     return (v.D % 32 == 0 and v.SG in (16, 32, 64) and v.BKV % 16 == 0 and v.NW >= 4
             and _coop_shared_bytes(v) <= mma.SHARED_BYTES)
 
