@@ -15,13 +15,11 @@ short to reach the card's bandwidth, so the model asks which of three limits bin
   (`Work.rounds`: the loop trips at the use's sizes), executed instructions are the machine
   code's static count × how often the average operation runs (`Work.repeats`). The groups the
   card holds at once (occupancy: registers, shared memory, its caps on waves and workgroups)
-  run their paths together; more groups come in waves of that many, and the last wave takes a
-  whole path however few groups it has (its tail). This is Little's law:
+  run their paths together; more groups come in waves of that many. This is Little's law:
   the bytes in flight are the resident lanes' rounds, so a variant with few lanes or many
   rounds cannot keep enough bytes in flight to reach the bandwidth.
-- **Issue.** The executed instructions of the busiest unit's groups (ceil(groups / units) of
-  them: where there are fewer groups than units, the idle units issue nothing) through its issue
-  slots (wave64 on a SIMD32 takes more than one pass), at `issue_efficiency` of the nominal rate.
+- **Issue.** Every wave's executed instructions through the units' issue slots (wave64 on a
+  SIMD32 takes more than one pass), at `issue_efficiency` of the nominal rate.
 
 Chain and issue are not separate resources: a lane's path is its stalls and its own issue, and
 the other lanes' issue fills its stalls only in part (lanes stall together at a barrier, and a
@@ -188,8 +186,8 @@ def estimate(c: Card, d: Dispatch) -> dict:
     clock = c.clock_ghz * 1e3  # cycles per µs
     terms = {
         "memory_us": (d.nbytes + spill) / c.bytes_per_us,
-        "chain_us": math.ceil(d.groups / resident) * (rounds * c.latency_ns * 1e-3 + executed * c.cpi / clock),
-        "issue_us": math.ceil(d.groups / c.units) * waves_per_group * executed / (c.issue * c.issue_efficiency * clock),
+        "chain_us": max(1.0, d.groups / resident) * (rounds * c.latency_ns * 1e-3 + executed * c.cpi / clock),
+        "issue_us": d.groups * waves_per_group * executed / (c.units * c.issue * c.issue_efficiency * clock),
     }
     lanes = combined(terms["chain_us"], terms["issue_us"], c.overlap)
     bound = "memory_us" if terms["memory_us"] >= lanes else max(("chain_us", "issue_us"), key=terms.get)
