@@ -14,10 +14,13 @@ quantized forward and not merely something near the f32 one: its distance to
 the int8 reference stays under 0.6 of the int8 reference's own distance to the f32 forward
 (seen: 0.16–0.32; F16 weights, which nothing quantizes: 1e-4 against the one reference).
 Greedy tokens are identical wherever the reference's lead exceeds twice the 95th-percentile
-bound, and at 90% of positions or more in all; the GPU's sampled token is always the argmax of
-its own logits.
+bound, unless a near tie of the router at that position, taken the other way, gives the GPU's
+token (on the H100, moe-iq2_xxs_dynamic at position 29: layer 3's 8th and 9th experts 2.1·10⁻³
+of the row's largest logit apart; swapped, the reference's token is the GPU's 646), and at 90%
+of positions or more in all; the GPU's sampled token is always the argmax of its own logits.
 """
 
+import copy
 import re
 
 import numpy as np
@@ -32,6 +35,7 @@ from zdsl.models.qwen35.sampler import SamplerConfig
 
 POSITIONS = 64
 MEDIAN, P95, WORST = 0.04, 0.08, 0.5  # of the logits' standard deviation
+TIE = 2 ** -8  # router logits this close (relative to the row's largest) may swap between summation orders
 
 
 @pytest.fixture(scope="module", params=[("tiny", "q4_k_m"), ("tiny-dense", "q4_k_m"), ("tiny", "q8_0"), ("tiny", "f16"),
@@ -97,22 +101,80 @@ def decodes_like_the_reference(model, device):
         # prompt tokens for the first half, then the model's own greedy tokens (fed back on the GPU)
         feed = int(rng.integers(model.hparams.vocab)) if pos < POSITIONS // 2 else None
         t = [token if feed is None else feed]
+        before = copy.deepcopy(state)
         expected, f32 = ref.forward(t, state)[0], exact.forward(t, exact_state)[0]
         sampled = graph.decode(feed)
         got = graph.logits()
+        assert sampled == int(np.argmax(got)), f"position {pos}"
+        first, second = np.sort(expected)[::-1][:2]
+        if first - second > 2 * P95 * expected.std() and sampled != int(np.argmax(expected)):
+            flipped = routed_the_other_way(ref, t, before, sampled)
+            assert flipped is not None, f"position {pos}: not the reference's token, nor a near tie's"
+            expected, state = flipped
         errors.append(np.abs(got - expected).max() / expected.std())
         gpu_gap += np.linalg.norm(got - expected)
         int8_gap += np.linalg.norm(f32 - expected)
-        assert sampled == int(np.argmax(got)), f"position {pos}"
-        first, second = np.sort(expected)[::-1][:2]
-        if first - second > 2 * P95 * expected.std():
-            assert sampled == int(np.argmax(expected)), f"position {pos}"
         agree += sampled == int(np.argmax(expected))
         token = sampled
     assert np.median(errors) <= MEDIAN and np.percentile(errors, 95) <= P95 and max(errors) <= WORST
     assert gpu_gap <= 0.6 * int8_gap or int8_gap == 0  # (no int8 weights: the two references agree)
     assert agree >= 0.9 * POSITIONS  # near-ties aside, the same tokens
     graph.close()
+
+
+def routed_the_other_way(ref, tokens, state, want: int):
+    """(logits, state after) of the reference's step on `tokens` from `state` with one near tie
+    of the router (a layer whose K-th and (K+1)-th expert logits lie within TIE of the row's
+    largest) swapped, the first whose greedy token is `want`; None where none is."""
+    K, plain = ref.hp.n_experts_used, ref.proj
+
+    def router(flip=None, ties=None):
+        def proj(x, name):
+            out = plain(x, name)
+            if name.endswith("ffn_gate_inp.weight"):
+                layer, order = int(name.split(".")[1]), np.argsort(out[0])
+                a, b = order[-K], order[-K - 1]
+                if ties is not None and out[0, a] - out[0, b] < TIE * np.abs(out[0]).max():
+                    ties.append(layer)
+                if layer == flip:
+                    out = out.copy()
+                    out[0, a], out[0, b] = out[0, b], out[0, a]
+            return out
+        return proj
+
+    ties = []
+    try:
+        ref.proj = router(ties=ties)
+        ref.forward(tokens, copy.deepcopy(state))
+        for layer in ties:
+            after = copy.deepcopy(state)
+            ref.proj = router(flip=layer)
+            logits = ref.forward(tokens, after)[0]
+            if int(np.argmax(logits)) == want:
+                return logits, after
+    finally:
+        ref.proj = plain
+    return None
+
+
+def test_a_near_tie_of_the_router_explains_the_h100s_token(tmp_path):
+    """The case routed_the_other_way was written for: on moe-iq2_xxs_dynamic's prompt the
+    reference's token at position 29 is 1009 with a clear lead, the H100's was 646, and layer 3's
+    router has a near tie there; swapped, the reference gives 646. A token no tie gives is none."""
+    path = tmp_path / "tiny-iq2_xxs_dynamic.gguf"
+    synth.write(path, "tiny", quant="iq2_xxs_dynamic", seed=3)
+    model = open_model(path)
+    ref = ReferenceModel(model, int8_activations=True)
+    state, rng = ref.new_state(), np.random.default_rng(0)
+    for _ in range(29):
+        ref.forward([int(rng.integers(model.hparams.vocab))], state)
+    token = [int(rng.integers(model.hparams.vocab))]
+    logits = ref.forward(token, copy.deepcopy(state))[0]
+    lead = np.diff(np.sort(logits)[-2:])[0]
+    assert int(np.argmax(logits)) == 1009 and lead > 2 * P95 * logits.std()
+    flipped = routed_the_other_way(ref, token, state, 646)
+    assert flipped is not None and int(np.argmax(flipped[0])) == 646
+    assert routed_the_other_way(ref, token, state, 1234) is None
 
 
 @pytest.fixture(scope="module")
