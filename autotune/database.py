@@ -158,10 +158,10 @@ def choose(kernel, info, shape: dict, db: Database | None = None, **fixed):
         known = {p.name for p in kernel.params if p.kind in ("const", "spec")}
         # a parameter the kernel no longer has (an entry older than the kernel) is ignored
         params.update({k: v for k, v in entry.params.items() if k not in fixed and k in known})
-    return kernel.specialize(**_accepted(kernel, params))
+    return kernel.specialize(**accepted_params(kernel, params))
 
 
-def _accepted(kernel, params: dict) -> dict:
+def accepted_params(kernel, params: dict) -> dict:
     """params, or where the kernel's constraint refuses its defaults under them, the first of its
     declared choices for the other parameters that it accepts (IQ1's 4 KiB grid leaves no room
     for the matrix-unit kernels' default 64-row tiles)."""

@@ -36,7 +36,7 @@ from zdsl.errors import ZdslError
 from zdsl.lang.kernel import Example, Launch, Variant
 
 from . import cost_model
-from .database import Entry, _accepted, device_key, family, shape_key
+from .database import Entry, accepted_params, device_key, family, shape_key
 from .work import work
 
 SUBGROUP_SIZES = (8, 16, 32, 64, 128)
@@ -185,7 +185,7 @@ def default_params(use: Use, info) -> dict:
     the device's subgroup size, the first declared choice it accepts, as `choose()` takes)."""
     k = use.kernel
     given = {k.subgroup: info.subgroup_size} if k.subgroup else {}
-    return k.complete(_accepted(k, {**given, **use.fixed}))
+    return k.complete(accepted_params(k, {**given, **use.fixed}))
 
 
 def candidates(use: Use, info) -> list[Candidate]:
