@@ -1,4 +1,5 @@
-"""What the model-graph tests share: the sequence state a decode graph holds, as arrays."""
+"""What the model-graph tests share: the sequence state a decode graph holds, as arrays, and the
+near ties of the MoE router that a reference may take the other way."""
 
 import numpy as np
 
@@ -22,4 +23,22 @@ def sampler_state_of(g):
     if g.sampler.penalties:
         out["counts"] = g.counts.read(np.uint32, (g.counts.nbytes // 4,))
         out["window"] = g.penalty_ring.read(np.uint32, (min(g.position, g.sampler.window(g.n_ctx)),))
+    return out
+
+
+def router_ties(out, name: str, K: int, tie: float, pos0: int, ties: list, flip=None):
+    """`out`, the reference's product by weight `name` for positions pos0, pos0 + 1, … (a row
+    each); where it is a router's logits: each row whose K-th and (K+1)-th logits lie within `tie`
+    of its largest |logit| adds (layer, position) to `ties`, and the row of `flip` = (layer,
+    position), if here, has those two swapped (the other expert routed)."""
+    if not name.endswith("ffn_gate_inp.weight"):
+        return out
+    layer, order = int(name.split(".")[1]), np.argsort(out, axis=-1)
+    rows = np.arange(len(out))
+    gap = (out[rows, order[:, -K]] - out[rows, order[:, -K - 1]]) / np.abs(out).max(axis=-1)
+    ties.extend((layer, pos0 + r) for r in np.nonzero(gap < tie)[0])
+    if flip is not None and flip[0] == layer and 0 <= flip[1] - pos0 < len(out):
+        r = flip[1] - pos0
+        out = out.copy()
+        out[r, order[r, -K]], out[r, order[r, -K - 1]] = out[r, order[r, -K - 1]], out[r, order[r, -K]]
     return out

@@ -32,6 +32,8 @@ from zdsl.models.qwen35.graph import DecodeGraph
 from zdsl.models.qwen35.reference import ReferenceModel
 from zdsl.models.qwen35.sampler import SamplerConfig
 
+from graph_testing import router_ties
+
 
 POSITIONS = 64
 MEDIAN, P95, WORST = 0.04, 0.08, 0.5  # of the logits' standard deviation
@@ -126,29 +128,13 @@ def routed_the_other_way(ref, tokens, state, want: int):
     """(logits, state after) of the reference's step on `tokens` from `state` with one near tie
     of the router (a layer whose K-th and (K+1)-th expert logits lie within TIE of the row's
     largest) swapped, the first whose greedy token is `want`; None where none is."""
-    K, plain = ref.hp.n_experts_used, ref.proj
-
-    def router(flip=None, ties=None):
-        def proj(x, name):
-            out = plain(x, name)
-            if name.endswith("ffn_gate_inp.weight"):
-                layer, order = int(name.split(".")[1]), np.argsort(out[0])
-                a, b = order[-K], order[-K - 1]
-                if ties is not None and out[0, a] - out[0, b] < TIE * np.abs(out[0]).max():
-                    ties.append(layer)
-                if layer == flip:
-                    out = out.copy()
-                    out[0, a], out[0, b] = out[0, b], out[0, a]
-            return out
-        return proj
-
-    ties = []
+    K, plain, pos, ties = ref.hp.n_experts_used, ref.proj, state.pos, []
     try:
-        ref.proj = router(ties=ties)
+        ref.proj = lambda x, name: router_ties(plain(x, name), name, K, TIE, pos, ties)
         ref.forward(tokens, copy.deepcopy(state))
-        for layer in ties:
+        for tie in ties:
             after = copy.deepcopy(state)
-            ref.proj = router(flip=layer)
+            ref.proj = lambda x, name: router_ties(plain(x, name), name, K, TIE, pos, [], flip=tie)
             logits = ref.forward(tokens, after)[0]
             if int(np.argmax(logits)) == want:
                 return logits, after

@@ -38,7 +38,7 @@ from zdsl.models.qwen35.graph import DecodeGraph
 from zdsl.models.qwen35.reference import ReferenceModel
 from zdsl.models.qwen35.sampler import SamplerConfig
 
-from graph_testing import state_of
+from graph_testing import router_ties, state_of
 
 PROMPTS = (1, 7, 64, 300)
 CHUNK = 64
@@ -92,17 +92,7 @@ def reference_with_ties(model, prompt, flip=None, units=True):
         return np.asarray(x, np.float32).astype(np.float16).astype(np.float32) if on_units(name) else q8(name, x)
 
     def proj(x, name):
-        out = plain_proj(x, name)
-        if name.endswith("ffn_gate_inp.weight"):
-            layer, order = int(name.split(".")[1]), np.argsort(out, axis=-1)
-            rows = np.arange(len(out))
-            gap = (out[rows, order[:, -K]] - out[rows, order[:, -K - 1]]) / np.abs(out).max(axis=-1)
-            ties.extend((layer, state.pos + r) for r in np.nonzero(gap < TIE)[0])
-            if flip is not None and flip[0] == layer and 0 <= flip[1] - state.pos < len(out):
-                r = flip[1] - state.pos
-                out = out.copy()
-                out[r, order[r, -K]], out[r, order[r, -K - 1]] = out[r, order[r, -K - 1]], out[r, order[r, -K]]
-        return out
+        return router_ties(plain_proj(x, name), name, K, TIE, state.pos, ties, flip)
 
     ref.proj = proj
     ref.w, ref.expert, ref.input_of = w16, (lambda name, e: w16(name)[e]), prompt_input
