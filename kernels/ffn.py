@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 
 import zdsl
-from zdsl import Buffer, Const, Spec, boolean, f16, f32, u8, u32
+from zdsl import Buffer, Const, Spec, boolean, f32, u8, u32
 from zdsl.kernels import inputs, mma
 from zdsl.kernels.dmmv import (EXPERT_QTYPES, GATE_UP_QTYPES, NSUBS, QTYPES, Rows, as_read, block_step, decoder,
                                dequant_rows, input_bytes, old_rows, row_dots, row_groups, store_rows, workgroup)
@@ -335,13 +335,11 @@ def _experts_used(s) -> int:
     return min(s.n_expert, s.t * s.topk)
 
 
-def _gate_up_grouped_traffic(v, s, value_bytes: int = 4) -> int:
-    """value_bytes: of x and act, 2 for the matrix units' kernel (f16, no Q8)."""
-    q8 = getattr(v, "Q8", False)
+def _gate_up_grouped_traffic(v, s) -> int:
+    q8 = getattr(v, "Q8", False)  # the matrix-unit kernel reads x in f32 and has no Q8
     up = getattr(v, "QTYPE_UP", "") or v.QTYPE
-    x = s.t * (input_bytes(s.k, q8) if value_bytes == 4 else value_bytes * s.k)
     return (_experts_used(s) * s.m * (inputs.row_bytes(v.QTYPE, s.k) + inputs.row_bytes(up, s.k))
-            + x + s.t * s.topk * (value_bytes * s.m + 8) + 4 * s.n_expert)
+            + s.t * input_bytes(s.k, q8) + 4 * s.t * s.topk * (s.m + 2) + 4 * s.n_expert)
 
 
 # Defaults ROWS = 2, COLS = 4: on the H100 a 256-token chunk of the 35B-A3B spends 72.5 ms in the
@@ -405,30 +403,25 @@ def _grouped_case(use, rng, check):
     return SimpleNamespace(q=use.fixed["QTYPE"], k=k, m=m, n_exp=n_exp, t=t, K=K, ids=ids, routing=routing)
 
 
-def _gate_up_example(use, rng, check, q8: bool, half: bool, tol: float):
-    """With half, x and act in f16 (the matrix units' kernel)."""
+def _gate_up_example(use, rng, check, q8: bool, f16: bool, tol: float):
     c = _grouped_case(use, rng, check)
     xs = [inputs.activations(rng, c.k, q8) for _ in range(c.t)]
     acts = {name: np.concatenate([a[name] for a in xs]) for name in xs[0]}
-    if half:
-        acts["x"] = acts["x"].astype(np.float16)
     qu = use.fixed.get("QTYPE_UP") or c.q
     args = dict(wg=inputs.rows(rng, c.q, c.n_exp * c.m, c.k), wu=inputs.rows(rng, qu, c.n_exp * c.m, c.k), **acts,
-                act=np.zeros(c.t * c.K * c.m, np.float16 if half else np.float32), k=c.k, m=c.m, **c.routing)
+                act=np.zeros(c.t * c.K * c.m, np.float32), k=c.k, m=c.m, **c.routing)
 
     def expect(p):
         x = q8_1_values(args["xq"], args["xd"]) if q8 else args["x"]
-        return {"act": (moe_gate_up_grouped_ref(args["wg"], args["wu"], c.ids, x, c.q, c.m, c.k, half, qu), tol)}
+        return {"act": (moe_gate_up_grouped_ref(args["wg"], args["wu"], c.ids, x, c.q, c.m, c.k, f16, qu), tol)}
     return zdsl.Example(args, expect)
 
 
-def _down_example(use, rng, check, half: bool, tol: float):
-    """With half, act in f16 (the matrix units' kernel)."""
+def _down_example(use, rng, check, f16: bool, tol: float):
     c = _grouped_case(use, rng, check)
-    act = inputs.normal(rng, c.t * c.K * c.k)
-    args = dict(w=inputs.rows(rng, c.q, c.n_exp * c.m, c.k), act=act.astype(np.float16) if half else act,
+    args = dict(w=inputs.rows(rng, c.q, c.n_exp * c.m, c.k), act=inputs.normal(rng, c.t * c.K * c.k),
                 y=np.zeros(c.t * c.K * c.m, np.float32), k=c.k, m=c.m, **c.routing)
-    return zdsl.Example(args, lambda p: {"y": (moe_down_grouped_ref(args["w"], c.ids, args["act"], c.q, c.m, c.k, half),
+    return zdsl.Example(args, lambda p: {"y": (moe_down_grouped_ref(args["w"], c.ids, args["act"], c.q, c.m, c.k, f16),
                                                tol)})
 
 
@@ -437,10 +430,8 @@ def moe_gate_up_grouped_example(use, rng, check):
     return _gate_up_example(use, rng, check, use.fixed.get("Q8", False), False, 2e-4)
 
 
-def _down_grouped_traffic(v, s, act_bytes: int = 4) -> int:
-    """act_bytes: 2 for the matrix units' kernel (act in f16)."""
-    return (_experts_used(s) * s.m * inputs.row_bytes(v.QTYPE, s.k) + s.t * s.topk * (act_bytes * s.k + 4 * s.m + 4)
-            + 4 * s.n_expert)
+def _down_grouped_traffic(v, s) -> int:
+    return _experts_used(s) * s.m * inputs.row_bytes(v.QTYPE, s.k) + 4 * s.t * s.topk * (s.k + s.m + 1) + 4 * s.n_expert
 
 
 @zdsl.kernel(variants={"QTYPE": EXPERT_QTYPES, "ROWS": [1, 2], "COLS": [4, 8], "SG": SUBGROUPS},
@@ -516,14 +507,13 @@ _COOP_TILES = {"BM": [32, 64], "BN": [16, 32], "SG": [32]}
 # and the 128 invocations decode one int8 part each (timed alone, 2026-11-26, H100: 554 µs against
 # 572 with eight subgroups; four row tiles a subgroup: 840).
 @zdsl.kernel(variants={"QTYPE": EXPERT_QTYPES, **_COOP_TILES, "BM": [32, 64, 128]}, sizes=("t", "n_expert"),
-             grid=_coop_grid(2), traffic=lambda v, s: _gate_up_grouped_traffic(v, s, 2), **_COOP)
-def moe_gate_up_coop(wg: Buffer[u8], wu: Buffer[u8], offsets: Buffer[u32], pairs: Buffer[u32], x: Buffer[f16],
-                     act: Buffer[f16], k: u32, m: u32, topk: u32, QTYPE: Const = "q4_k",
+             grid=_coop_grid(2), traffic=_gate_up_grouped_traffic, **_COOP)
+def moe_gate_up_coop(wg: Buffer[u8], wu: Buffer[u8], offsets: Buffer[u32], pairs: Buffer[u32], x: Buffer[f32],
+                     act: Buffer[f32], k: u32, m: u32, topk: u32, QTYPE: Const = "q4_k",
                      BM: Const = mma.by_steps(128, 64), BN: Const = 16, BK: Const = mma.by_steps(128, 0),
                      TM: Const = mma.by_steps(2, 1), TN: Const = 1, SPLIT: Const = 1, SG: Const = 32):
-    """moe_gate_up_grouped on matrix units, k a multiple of BK: workgroup (g, e) makes rows
-    g·BM/2 … of expert e's gate and up products for its pairs, then their SwiGLU. x and act in
-    f16, as the units read them (moe_down_coop reads act)."""
+    """moe_gate_up_grouped on matrix units, x in f32 and k a multiple of BK: workgroup (g, e)
+    makes rows g·BM/2 … of expert e's gate and up products for its pairs, then their SwiGLU."""
     half = BM // 2
     tiles = mma.Tiles(BM, BN, BK, TM, TN, SG, QTYPE)
     f, ctx, r0, rows = mma.weight_rows(QTYPE, k, m, half)
@@ -534,7 +524,7 @@ def moe_gate_up_coop(wg: Buffer[u8], wu: Buffer[u8], offsets: Buffer[u32], pairs
         def store(u):
             n, i = u // half, u % half
             with zdsl.if_((first + n < end) & (r0 + i < m)):
-                act[js[n] * m + r0 + i] = (zdsl.silu(tiles.c[n * BM + i]) * tiles.c[n * BM + half + i]).to(f16)
+                act[js[n] * m + r0 + i] = zdsl.silu(tiles.c[n * BM + i]) * tiles.c[n * BM + half + i]
         tiles.spread(BN * half, store)
     _coop_tiles(offsets, pairs, BN, SPLIT, tiles, tile)
 
@@ -555,13 +545,13 @@ def moe_gate_up_coop_example(use, rng, check):
 # decode them again from its 17th pair on (2026-11-26, H100, zdsl profile --prompt 511 of the
 # 35B-A3B: 20.6 ms against 23.7).
 @zdsl.kernel(variants={"QTYPE": EXPERT_QTYPES, **_COOP_TILES}, sizes=("t", "n_expert", "topk"),
-             grid=_coop_grid(1), traffic=lambda v, s: _down_grouped_traffic(v, s, 2), **_COOP)
-def moe_down_coop(w: Buffer[u8], offsets: Buffer[u32], pairs: Buffer[u32], act: Buffer[f16], y: Buffer[f32],
+             grid=_coop_grid(1), traffic=_down_grouped_traffic, **_COOP)
+def moe_down_coop(w: Buffer[u8], offsets: Buffer[u32], pairs: Buffer[u32], act: Buffer[f32], y: Buffer[f32],
                   k: u32, m: u32, QTYPE: Const = "q4_k", BM: Const = 64, BN: Const = mma.by_steps(32, 16),
                   BK: Const = mma.by_steps(128, 0), TM: Const = 1, TN: Const = 1, SPLIT: Const = 1,
                   SG: Const = 32):
-    """moe_down_grouped on matrix units, k a multiple of BK, act in f16: workgroup (g, e) makes
-    rows g·BM … of y for expert e's pairs."""
+    """moe_down_grouped on matrix units, k a multiple of BK: workgroup (g, e) makes rows g·BM …
+    of y for expert e's pairs."""
     tiles = mma.Tiles(BM, BN, BK, TM, TN, SG, QTYPE)
     f, ctx, r0, rows = mma.weight_rows(QTYPE, k, m, BM)
 

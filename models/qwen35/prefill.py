@@ -177,42 +177,35 @@ class Prefill:
     def _coop(self, k: int) -> bool:
         return self.coop and k % mma.BK == 0
 
-    def _on_units(self, names: tuple[str, str], k: int, f: int) -> bool:
-        """Whether an FFN of input width k and width f (gate and up tensors `names`) runs its
-        gate·up and down on matrix units, act passed between them in f16: both widths whole
-        steps, gate and up of one type (two types take the grouped kernel, a decoder each)."""
-        g = self.g
-        return self._coop(k) and self._coop(f) and g._qname(names[0]) == g._qname(names[1])
-
     def _gate_up(self, seq, label: str, names: tuple[str, str], wg, wu, offsets, pairs, act, topk: int, t: int,
-                 n_expert: int, units: bool) -> None:
+                 n_expert: int) -> None:
         """act = silu(Wg·x) · (Wu·x) for each pair (offsets, pairs: grouped by expert) of the
         normed rows x; `names` are the gate and up tensors whose types and shape the weights
-        have. With units (_on_units), on matrix units with x and act in f16, even for routed
-        experts' few tokens each (16 on average in a 512-token chunk of the 35B-A3B): with staged
-        loads (mma.Staged) the chunk is 2% faster than on the int8 kernel (pp512 4,909 against
-        4,813 tok/s on the H100); else act in f32."""
+        have. On matrix units where the device has them, even for routed experts' few tokens each
+        (16 on average in a 512-token chunk of the 35B-A3B): with staged loads (mma.Staged) the
+        chunk is 2% faster than on the int8 kernel (pp512 4,909 against 4,813 tok/s on the H100).
+        Gate and up of two types take the grouped kernel, a decoder each."""
         g, n = self.g, self.normed
         gate, up = names
         m, k = g.tensors.shape(gate)[-2:]
         q, q_up = g._qname(gate), g._qname(up)
         sizes = dict(label=label, QTYPE=q, wg=wg, wu=wu, offsets=offsets, pairs=pairs, act=act, k=k, m=m, topk=topk,
                      t=t, n_expert=n_expert)
-        if q_up != q:
+        if q_up != q:  # gate and up of two types: the grouped kernel, a decoder each
             sizes["QTYPE_UP"] = q_up
-        if units:
-            ffn.moe_gate_up_coop.launch(seq, g._pick, x=n.h, **self._spread(n_expert), **sizes)
+        if self._coop(k) and q_up == q:
+            ffn.moe_gate_up_coop.launch(seq, g._pick, x=n.f32, **self._spread(n_expert), **sizes)
         elif g._int8(gate) and g._int8(up):
             ffn.moe_gate_up_grouped.launch(seq, g._pick, Q8=True, xq=n.q, xd=n.d, **sizes)
         else:
             ffn.moe_gate_up_grouped.launch(seq, g._pick, Q8=False, x=n.f32, **sizes)
 
     def _down(self, seq, label: str, qtype: str, w, offsets, pairs, act, y, k: int, m: int, topk: int, t: int,
-              n_expert: int, units: bool) -> None:
-        """y = W_e · act for each pair of expert e (grouped as for _gate_up; act as it wrote it)."""
+              n_expert: int) -> None:
+        """y = W_e · act for each pair of expert e (grouped as for _gate_up)."""
         sizes = dict(label=label, QTYPE=qtype, w=w, offsets=offsets, pairs=pairs, act=act, y=y, k=k, m=m, t=t,
                      n_expert=n_expert, topk=topk)
-        if units:
+        if self._coop(k):
             ffn.moe_down_coop.launch(seq, self.g._pick, **self._spread(n_expert), **sizes)
         else:
             ffn.moe_down_grouped.launch(seq, self.g._pick, **sizes)
@@ -297,21 +290,19 @@ class Prefill:
                                   weights=self.route_w, counts=self.counts, n_expert=E, stride=E + 1, t=t)
         moe.moe_group.launch(seq, g._pick, label=p + "moe_group", K=K, ids=self.route_ids, counts=self.counts,
                              offsets=self.offsets, pairs=self.pairs, t=t, n_expert=E)
-        units = self._on_units((gate, up), H, F)
         self._gate_up(seq, p + "ffn_gate_up_exps", (gate, up), g.weights[gate], g.weights[up], self.offsets,
-                      self.pairs, self.act, K, t, E, units)
+                      self.pairs, self.act, K, t, E)
         self._down(seq, p + "ffn_down_exps", qd, g.weights[down], self.offsets, self.pairs, self.act, self.y, F, H,
-                   K, t, E, units)
+                   K, t, E)
         # the shared expert: the stacks' last expert (or tensors of its own type), every token routed to it once
         one = (self.one_offsets, self.one_pairs)
         gate_sh, up_sh = p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"
         named, wg, wu = (((gate_sh, up_sh), g.weights[gate_sh], g.weights[up_sh]) if gate_sh in g.tensors
                          else ((gate, up), _expert(g, gate, E), _expert(g, up, E)))
-        units = self._on_units(named, H, hp.shared_ffn)
-        self._gate_up(seq, p + "ffn_gate_up_shexp", named, wg, wu, *one, self.act_shared, 1, t, 1, units)
+        self._gate_up(seq, p + "ffn_gate_up_shexp", named, wg, wu, *one, self.act_shared, 1, t, 1)
         w_sh, q_sh = (g.weights[down_sh], g._qname(down_sh)) if down_sh in g.tensors else (_expert(g, down, E), qd)
         self._down(seq, p + "ffn_down_shexp", q_sh, w_sh, *one, self.act_shared, self.y_shared, hp.shared_ffn, H, 1,
-                   t, 1, units)
+                   t, 1)
         moe.moe_combine_rows.launch(seq, g._pick, label=p + "moe_combine", SHARED=True, x=self.x, weights=self.route_w,
                                     y=self.y, shared=self.y_shared, logits=self.logits, k=H, topk=K, n_expert=E,
                                     stride=E + 1, t=t)
@@ -322,13 +313,10 @@ class Prefill:
         routed to the one pair of matrices, then the down projection."""
         g, p = self.g, f"blk.{i}."
         gate, up = p + "ffn_gate.weight", p + "ffn_up.weight"
-        f = g.tensors.shape(gate)[-2]
-        units = self._on_units((gate, up), self.hp.hidden, f)
-        act = SimpleNamespace(f32=self.act, q=None, h=self.act_h)
         self._gate_up(seq, p + "ffn_gate_up", (gate, up), g.weights[gate], g.weights[up], self.one_offsets,
-                      self.one_pairs, act.h if units else act.f32, 1, t, 1, units)
-        if not units:
-            self._halves(seq, act, t * f)
+                      self.one_pairs, self.act, 1, t, 1)
+        act = SimpleNamespace(f32=self.act, q=None, h=self.act_h)
+        self._halves(seq, act, t * g.tensors.shape(gate)[-2])
         self._project(seq, p + "ffn_down.weight", self.x, t, act, add=True)
         self._next_norm(seq, i, t)
 
