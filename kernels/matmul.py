@@ -100,7 +100,7 @@ def _coop_traffic(v, s) -> int:
 # shared memory by two subgroups instead of four (timed alone, 2026-11-26, H100: Q5_K 8192 rows
 # 239 µs against 256, Q4_K 4096 rows 124.5 against 133).
 @zdsl.kernel(workgroup=mma.workgroup, subgroup="SG", variants={"QTYPE": QTYPES, "BN": [64, 48, 32], "SG": [32]},
-             tune={"TN": [1, 2], "BK": mma.STEPS}, where=mma.fits, key=("k", "m"),
+             tune={"TN": [1, 2], "BK": mma.STEPS, "BM": [32, 48, 64]}, where=mma.fits, key=("k", "m"),
              grid=lambda v, s: (-(-s.m // v.BM), -(-s.t // v.BN)), traffic=_coop_traffic)
 def mul_mm_coop(w: Buffer[u8], x: Buffer[f16], y: Buffer[f32], k: u32, m: u32, t: u32, ADD: Spec[boolean] = False,
                 QTYPE: Const = "q4_k", BM: Const = mma.by_steps(48, 32), BN: Const = mma.by_steps(64, 48),

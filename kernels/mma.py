@@ -40,7 +40,7 @@ PAD = 8    # f16 elements after each shared row: rows start 16 bytes apart from 
 SHARED_BYTES = 48 * 1024  # the shared memory a workgroup may have on the H100 (and most Vulkan devices)
 
 
-STEPS = [0, 128]  # the K steps the tuner may try (0: BK, whole blocks)
+STEPS = [0, 128, 64]  # the K steps the tuner may try (0: BK, whole blocks; 64 where a type's int8 parts allow)
 
 
 def step_k(bk: int) -> int:
@@ -49,7 +49,10 @@ def step_k(bk: int) -> int:
     which leaves shared memory for larger tiles (by_steps). In the same tiles it is slower on
     the H100 (2026-11-26, pp512 of the 35B-A3B: 4,190 tok/s in steps of 128, 4,827–4,867 with
     Q4_K in steps of 64, 4,886–4,910 in steps of 256): more steps, each a chain of loads,
-    decode, barrier and products."""
+    decode, barrier and products. With the tiles tuned for them, steps of 64 win most of the
+    H100's Q4_K uses (2026-11-27, `zdsl tune --device 0 --prompt 512`: the experts' down 348 →
+    260 µs, a 4,096-row projection 123 → 110; pp512 6,411 → 6,829): half the registers stage a
+    step, and more workgroups share an SM."""
     return bk or BK
 
 

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zdsl.kernels import dmmv, ffn, inputs, matmul, mma
@@ -37,7 +37,7 @@ def runner(backend, request):
 
 
 E = 2.0 ** -10
-STEPS = mma.STEPS  # K per step: whole blocks, and 128 (part of a block for the K-quants and IQ3_XXS)
+STEPS = mma.STEPS  # K per step: whole blocks, and 128 or 64 (part of a block for the K-quants and IQ3_XXS)
 
 
 def check(y, ref16, ref, scale):
@@ -86,17 +86,16 @@ def products(stack, ids, x, k):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("qtype", list(FORMATS))  # those built ahead (dmmv.QTYPES) and those made on demand
 @settings(max_examples=3, deadline=None)
-@given(m=st.integers(1, 70), t=st.integers(1, 70), steps=st.integers(1, 2),
-       tiles=st.sampled_from([(32, 48, 1), (48, 64, 1), (48, 32, 1), (48, 32, 2), (32, 32, 2), (16, 64, 2)]), add=st.booleans(),
-       bk=st.sampled_from(STEPS), seed=st.integers(0, 99))
-def test_mul_mm_coop(backend, request, qtype, m, t, steps, tiles, add, bk, seed):
+@given(m=st.integers(1, 70), t=st.integers(1, 70), steps=st.integers(1, 2), add=st.booleans(), seed=st.integers(0, 99),
+       data=st.data())
+def test_mul_mm_coop(backend, request, qtype, m, t, steps, add, seed, data):
     go = runner(backend, request)
     rng = np.random.default_rng(seed)
     k = 256 * steps
     w, x = inputs.rows(rng, qtype, m, k), inputs.normal(rng, t * k)
     y0 = inputs.normal(rng, t * m) if add else np.zeros(t * m, np.float32)
-    bm, bn, tn = tiles
-    assume(mma.fits(SimpleNamespace(BM=bm, BN=bn, BK=bk, TM=1, TN=tn, QTYPE=qtype)))  # IQ grids, steps
+    (bm, bn, tn), bk = data.draw(st.sampled_from(fitting(qtype, [(32, 48, 1), (48, 64, 1), (48, 32, 1), (48, 32, 2),
+                                                                  (32, 32, 2), (16, 64, 2), (64, 32, 2)])))
     v = matmul.mul_mm_coop.specialize(QTYPE=qtype, BM=bm, BN=bn, TN=tn, ADD=add, BK=bk)
     y = go(v, v.groups(m=m, t=t), w=w, x=x.astype(np.float16), y=y0.copy(), k=k, m=m, t=t)["y"]
     wf = dmmv.dequant_rows(w, qtype, m, k).astype(np.float64)
@@ -186,11 +185,18 @@ def routing(rng, t, K, n_exp):
 @pytest.mark.parametrize("qtype", EXPERT_QTYPES)
 @settings(max_examples=3, deadline=None)
 @given(m=st.integers(1, 40), t=st.integers(1, 40), K=st.integers(1, 4), n_exp=st.integers(4, 9),
-       tiles=st.sampled_from([(32, 16), (32, 32), (64, 16), (64, 32), (128, 16)]), split=st.sampled_from([1, 2]), bk=st.sampled_from(STEPS),
-       seed=st.integers(0, 99))
-def test_grouped_coop(backend, request, qtype, m, t, K, n_exp, tiles, split, bk, seed):
-    assume(mma.fits(SimpleNamespace(BM=tiles[0], BN=tiles[1], BK=bk, TM=1, TN=1, QTYPE=qtype)))  # IQ1's grid
-    grouped_case(runner(backend, request), qtype, m, t, K, n_exp, *tiles, split, seed, 256, bk)
+       split=st.sampled_from([1, 2]), seed=st.integers(0, 99), data=st.data())
+def test_grouped_coop(backend, request, qtype, m, t, K, n_exp, split, seed, data):
+    (bm, bn, _), bk = data.draw(st.sampled_from(fitting(qtype, [(32, 16, 1), (32, 32, 1), (64, 16, 1), (64, 32, 1),
+                                                                 (128, 16, 1)])))
+    grouped_case(runner(backend, request), qtype, m, t, K, n_exp, bm, bn, split, seed, 256, bk)
+
+
+def fitting(qtype: str, tiles: list) -> list:
+    """The (BM, BN, TN) tiles and K steps of STEPS that fit the type (IQ grids take shared memory; a
+    step within a block needs the type's int8 parts to run in it)."""
+    return [(tile, bk) for tile in tiles for bk in STEPS
+            if mma.fits(SimpleNamespace(BM=tile[0], BN=tile[1], BK=bk, TM=1, TN=tile[2], QTYPE=qtype))]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
