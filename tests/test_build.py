@@ -1,8 +1,10 @@
 """`zdsl build` over the registry, its cache, its artifacts, and RDNA statistics.
 
-The suite builds the variants that take every pair of two parameters' values of each kernel
-(`--pairwise`: 851 of 4,068), not all of them: a whole build took 1,186 of the suite's 1,677 s on
-a 2-core machine, and CI's 20 minutes ran out. `zdsl build` builds them all.
+The suite compiles the variants that take every pair of two parameters' values of each kernel
+(`--pairwise`: 849 of 3,930) to valid SPIR-V without optimizing them (`--check`), not all of
+them optimized: a whole build took 1,186 of the suite's 1,677 s on a 2-core machine, and CI's 20
+minutes ran out; the pairs optimized took 190–236 s of 1,133, with --check ~80. The tests that
+run kernels build theirs optimized. `zdsl build` builds them all.
 """
 
 import re
@@ -19,11 +21,18 @@ def counts(out: str) -> tuple[int, int, int]:
 
 
 @pytest.mark.early
-def test_every_pair_of_parameter_values_builds_then_comes_from_cache(capsys):
-    assert main(["build", "--pairwise", "--no-progress", "-j", "2"]) == 0
+def test_every_pair_of_parameter_values_compiles(capsys):
+    assert main(["build", "--pairwise", "--check", "--no-progress", "-j", "2"]) == 0
     n, _, failed = counts(capsys.readouterr().out)
     assert n > 500 and failed == 0
-    assert main(["build", "--pairwise", "--no-progress"]) == 0
+
+
+def test_a_build_then_comes_from_cache(capsys):
+    kernels = "quantize_q8_1,moe_down_coop"
+    assert main(["build", "--no-progress", "-j", "2", "--kernels", kernels]) == 0
+    n, _, failed = counts(capsys.readouterr().out)
+    assert n > 4 and failed == 0
+    assert main(["build", "--no-progress", "--kernels", kernels]) == 0
     assert counts(capsys.readouterr().out) == (n, n, 0)
 
 
