@@ -494,7 +494,9 @@ _COOP = dict(workgroup=mma.workgroup, subgroup="SG", where=mma.fits, tune={"SPLI
 # 512-token chunk's pairs, and 64 rows are the most the 48 KiB of shared memory hold beside them
 # (each row tile reads its pairs' rows again). H200, 511-token chunk of the 35B-A3B, against 32 ×
 # 32: routed down 58.8 → 44.4 ms, shared gate·up 11.3 → 8.0 (a workgroup per 16 tokens:
-# prefill.py's SPLIT). Types that step by 128 have room for larger tiles (below).
+# prefill.py's SPLIT). Types that step by 128 have room for larger tiles (below). These are the
+# defaults; the H100's tuned entries take steps of 64 for Q4_K (a7df6d7: gate·up 64 × 32, 566 →
+# 528 µs; down 64 × 16, 348 → 260), where the driver gives a lane far fewer registers.
 _COOP_TILES = {"BM": [32, 64], "BN": [16, 32], "SG": [32]}
 
 
