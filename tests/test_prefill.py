@@ -116,7 +116,7 @@ def assert_states_near(got, state, what: str) -> None:
 
 
 def test_prefill_leaves_what_decode_steps_leave(model, device):
-    prompts = PROMPTS if model.hparams.vocab < 100_000 else REAL_VOCAB_PROMPTS
+    prompts = REAL_VOCAB_PROMPTS if model.hparams.vocab in synth.REAL_VOCABS.values() else PROMPTS
     g = DecodeGraph(model, device, max(prompts) + 8, SamplerConfig(temperature=0), progress=False, chunk=CHUNK)
     ref = ReferenceModel(model, int8_activations=True)
     rng = np.random.default_rng(1)
