@@ -6,8 +6,9 @@ per value head, its two gate projections (β and α: one row each of the normed 
 be worth a dispatch of their own), the causal depthwise conv (+ silu) of the q, k and v channels it
 reads, L2-normalised q and k, the gated delta rule on the f32 state, the read-out o and the gated
 RMSNorm of o, fused: the state (64 KiB per head at d = 128) is read once and written once, and
-neither the conv output nor o leaves the workgroup. A prompt's chunk runs only the recurrence token
-after token (`deltanet_prefill`, by state columns), between conv rows and gated norm rows.
+neither the conv output nor o leaves the workgroup. A prompt's chunk runs the conv rows, then the
+delta rule in blocks of BLOCK tokens (the WY form: `deltanet_chunk_wy` for every block at once,
+`deltanet_chunk_scan` carrying the state over them), then the gated norm rows.
 
 Layouts (all f32):
 
@@ -36,7 +37,7 @@ from zdsl.kernels import dmmv, inputs
 from zdsl.kernels.dmmv import q8_step
 from zdsl.kernels.q8_1 import q8_1_buffers, q8_1_values, store_q8_1, write_normed
 from zdsl.kernels.quant import FORMATS, fmt
-from zdsl.kernels.reduce import SUBGROUPS, workgroup_sums
+from zdsl.kernels.reduce import SHARED_LIMIT, SUBGROUPS, workgroup_sums
 
 # the gate weights' types built ahead (others specialize on demand)
 GATE_QTYPES = ["q8_0", "q4_k", "q5_k", "q6_k", "f16", "f32"]
@@ -311,7 +312,7 @@ def chunk_taps(mix, conv_state, first, i, ch, C, KC: int):
     return taps + [mix[i * C + ch]]
 
 
-# ---- a prompt's chunk: conv rows, the delta rule by columns, the gated norm rows ----------------
+# ---- a prompt's chunk: conv rows, the delta rule in blocks, the gated norm rows -----------------
 
 @zdsl.kernel(workgroup="D", subgroup="SG", variants={"D": [128], "SG": SUBGROUPS}, where=lambda v: v.D % v.SG == 0,
              key=("channels",), sizes=("t",), grid=lambda v, s: (s.channels // v.D, s.t),
@@ -323,7 +324,7 @@ def deltanet_conv_rows(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer
     p0 = step[0] (C = channels; the same sums, in the same order, as deltanet_step's), with each
     head of q and k (the first 2·n_k_heads heads of D channels) L2-normalised (eps): the delta
     rule's inputs, none of it a recurrence, for every token at once. Workgroup (head, token) does
-    one head of D channels. Reads the ring, writes nothing of it (deltanet_prefill does)."""
+    one head of D channels. Reads the ring, writes nothing of it (deltanet_chunk_scan does)."""
     head, i = zdsl.workgroup_id(0), zdsl.workgroup_id(1)
     ch = head * D + zdsl.local_index()
     x = zdsl.var(conv_silu(conv_w, ch, chunk_taps(mix, conv_state, step[0] % KC, i, ch, channels, KC), KC))
@@ -360,101 +361,320 @@ def deltanet_conv_rows_example(use, rng, check):
     return zdsl.Example(args, lambda p: {"conv": (want.reshape(-1), 1e-5)})
 
 
-def _columns_fit(v) -> bool:
-    """R rows per lane (whole 16-byte loads), P = D / R lanes per column (a power of two within a
-    subgroup), whole columns per workgroup; U tokens' inputs twice over in registers beside the
-    state (U · R ≤ 32: about the registers of R = 32 one token at a time)."""
-    P = v.D // v.R
-    return (v.R % 4 == 0 and v.D % v.R == 0 and P & (P - 1) == 0 and v.SG % P == 0 and v.WG % v.SG == 0
-            and v.D % (v.WG // P) == 0 and v.U * v.R <= 32)
+def _quads(buf, at, n: int) -> list:
+    """buf[at … at + n − 1] (at and n multiples of 4) in 16-byte loads, as n values."""
+    return [part for m in range(n // 4) for part in _parts(buf.vec4[at // 4 + m])]
 
 
-def _prefill_traffic(v, s) -> int:
-    """Every buffer once: t rows of conv, gate logits and o, the state read and written, the
-    chunk's last min(t, KC) mix rows into the ring."""
-    Hv, D, T = s.v_heads, v.D, s.t
+def _parts(v) -> tuple:
+    return v.x, v.y, v.z, v.w
+
+
+def _dot(vectors, scalars):
+    """Σ vectors[f] · scalars[f]."""
+    acc = vectors[0] * scalars[0]
+    for v, x in zip(vectors[1:], scalars[1:]):
+        acc = acc + v * x
+    return acc
+
+
+def _unroll(n: int, most: int) -> int:
+    """The largest divisor of n that is at most `most`."""
+    return max(u for u in range(1, most + 1) if n % u == 0)
+
+
+BLOCK = 64  # tokens of a block of the WY form: the graph's L (its wy buffer is sized for it)
+
+
+def wy_floats(L: int) -> int:
+    """Floats of one block's entry in the wy buffer: T' and P (L × L each, row-major), then G (L)."""
+    return (2 * L + 1) * L
+
+
+def wy_size(t: int, v_heads: int, L: int) -> int:
+    """Floats of the wy buffer for a chunk of up to t tokens: an entry per block and value head."""
+    return zdsl.cdiv(t, L) * v_heads * wy_floats(L)
+
+
+def _wy_threads(v) -> int:
+    """A column of β V (D) or of the identity (L) each, in whole subgroups."""
+    return zdsl.cdiv(v.D + v.L, v.SG) * v.SG
+
+
+def _wy_traffic(v, s) -> int:
+    """Every block's q, k and v rows and gate logits read, its U rows and wy entry written."""
+    Hv, D, T, L = s.v_heads, v.D, s.t, v.L
+    return 4 * T * Hv * (3 * D + 2 + D) + 4 * zdsl.cdiv(T, L) * Hv * wy_floats(L)
+
+
+@zdsl.kernel(workgroup=_wy_threads, subgroup="SG", variants={"D": [128], "L": [BLOCK], "SG": SUBGROUPS},
+             where=lambda v: v.D % 4 == 0 and v.L % 4 == 0, sizes=("v_heads",),
+             grid=lambda v, s: (s.v_heads, zdsl.cdiv(s.t, v.L)), traffic=_wy_traffic)
+def deltanet_chunk_wy(conv: Buffer[f32], ba: Buffer[f32], ssm_a: Buffer[f32], dt_bias: Buffer[f32], wy: Buffer[f32],
+                      u: Buffer[f32], t: u32, n_k_heads: u32, D: Const = 128, L: Const = 64, SG: Const = 32):
+    """The delta rule of a chunk's tokens in blocks of L, in the WY form (the block's tokens at
+    once, not one after another): what each block of value head h needs besides the state it
+    starts from, all of it independent of that state, so every block of every head at once
+    (workgroup (h, block)). With G_r the running sum of the log decays g = ssm_a_h ·
+    softplus(a + dt_bias_h) over the block's tokens up to r, γ_r = e^G_r and β = sigmoid(b):
+
+        A[r, s] = β_r e^(G_r − G_s) k_r·k_s   (s < r)      T = (I + A)⁻¹
+        T' = T diag(β γ)    P[r, s] = e^(G_r − G_s) q_r·k_s / √D   (s ≤ r)    U = T diag(β) V
+
+    into the block's wy entry (T', P, G) and U into u's rows ([token][head][D], as raw o, which
+    deltanet_chunk_scan then overwrites). The scan carries the state S over the blocks:
+    Δ = U − T' K S, O = diag(γ) Q S / √D + P Δ, S ← γ_last S + Kᵀ diag(e^(G_last − G)) Δ.
+    T comes from forward substitution, one column per invocation (L rows unrolled in registers,
+    A in shared memory): invocation j < D solves the column j of β V (U), D + s the column s of
+    the identity (T). Past the chunk's t tokens β = g = 0: such a token changes nothing, and its
+    rows and columns of T', P and U are 0 (U's are not written)."""
+    h, c, Hv = zdsl.workgroup_id(0), zdsl.workgroup_id(1), zdsl.num_workgroups(0)
+    kh, C, tid, WG = h % n_k_heads, (2 * n_k_heads + Hv) * D, zdsl.local_index(), _wy_threads(
+        SimpleNamespace(D=D, L=L, SG=SG))
+    first = c * L
+    n = zdsl.min(t - first, L)  # the block's tokens
+    entry = (c * Hv + h) * wy_floats(L)
+    Tw, Pw, Gw = entry, entry + L * L, entry + 2 * L * L
+
+    def row(r):
+        """Token r of the block, the last one for r past it (rows past t are not read)."""
+        return (first + zdsl.min(r, n - 1)) * C
+
+    beta, g, G = zdsl.shared(f32, L), zdsl.shared(f32, L), zdsl.shared(f32, L)
+    with zdsl.if_(tid < L):
+        i = first + zdsl.min(tid, n - 1)
+        live = tid < n
+        beta[tid] = zdsl.where(live, zdsl.sigmoid(ba[i * 2 * Hv + h]), 0.0)
+        g[tid] = zdsl.where(live, ssm_a[h] * zdsl.softplus(ba[i * 2 * Hv + Hv + h] + dt_bias[h]), 0.0)
+    zdsl.barrier()
+    with zdsl.if_(tid < L):
+        run = zdsl.var(0.0)
+        for s in zdsl.range(0, tid + 1):
+            run += g[s]
+        G[tid] = run
+        wy[Gw + tid] = run
+    zdsl.barrier()
+
+    # the Gram matrices of the block, 4 × 4 tiles of (r, s); tiles above the diagonal are zeros
+    A = zdsl.shared(f32.vec(4), L * L // 4)  # A[r][s..s+3] at (r·L + s) / 4
+    quarter = L // 4
+    for tile in zdsl.range(tid, quarter * quarter, WG):
+        rr, ss = tile // quarter, tile % quarter
+        kk = [[zdsl.var(0.0) for _ in range(4)] for _ in range(4)]
+        qk = [[zdsl.var(0.0) for _ in range(4)] for _ in range(4)]
+        with zdsl.if_(ss <= rr):
+            rows = [row(4 * rr + e) for e in range(4)]
+            cols = [row(4 * ss + e) for e in range(4)]
+            UG = _unroll(D // 4, 2)
+            for d0 in zdsl.range(0, D // 4, UG):  # UG steps of four: their loads first
+                kr = [[conv.vec4[(x + (n_k_heads + kh) * D) // 4 + d0 + m] for x in rows] for m in range(UG)]
+                qr = [[conv.vec4[(x + kh * D) // 4 + d0 + m] for x in rows] for m in range(UG)]
+                kc = [[conv.vec4[(x + (n_k_heads + kh) * D) // 4 + d0 + m] for x in cols] for m in range(UG)]
+                for m in range(UG):
+                    for e in range(4):
+                        for f in range(4):
+                            kk[e][f] += zdsl.dot(kr[m][e], kc[m][f])
+                            qk[e][f] += zdsl.dot(qr[m][e], kc[m][f])
+        for e in range(4):
+            r = 4 * rr + e
+            a, p = [], []
+            for f in range(4):
+                s = 4 * ss + f
+                decay = zdsl.exp(zdsl.min(G[r] - G[s], 0.0))  # ≤ 1 where it is used (s ≤ r)
+                a.append(zdsl.where((s < r) & (r < n), beta[r] * decay * kk[e][f], 0.0))
+                p.append(zdsl.where((s <= r) & (r < n), decay * qk[e][f] * (1.0 / math.sqrt(D)), 0.0))
+            A[(r * L) // 4 + ss] = zdsl.vec(*a)
+            for f in range(4):
+                wy[Pw + r * L + 4 * ss + f] = p[f]
+    zdsl.barrier()
+
+    # forward substitution, rows unrolled: x_r −= Σ_{s<r} A[r, s] x_s
+    j = tid
+    x = []
+    for r in range(L):
+        v = conv.load(row(r) + (2 * n_k_heads + h) * D + j, mask=j < D, other=0.0)
+        x.append(zdsl.where(j < D, beta[r] * v, zdsl.where(j == D + r, 1.0, 0.0)))
+    for r in range(1, L):
+        acc = x[r]
+        for s4 in range(0, r, 4):
+            a = A[(r * L + s4) // 4]
+            for f, part in enumerate((a.x, a.y, a.z, a.w)[:min(4, r - s4)]):
+                acc = acc - part * x[s4 + f]
+        x[r] = acc
+    with zdsl.if_(j < D):
+        for r in range(L):
+            with zdsl.if_(r < n):
+                u[((first + r) * Hv + h) * D + j] = x[r]
+    with zdsl.else_():
+        with zdsl.if_(j < D + L):
+            col = j - D
+            scale = beta[col] * zdsl.exp(G[col])
+            for r in range(L):
+                wy[Tw + r * L + col] = x[r] * scale
+
+
+@deltanet_chunk_wy.reference
+def deltanet_chunk_wy_ref(conv, ba, ssm_a, dt_bias, n_k_heads, D, L):
+    """float64 (wy entries (blocks, Hv, wy_floats(L)), U (T, Hv, D)) from conv rows (T, C) and
+    gate logits (T, 2·Hv), straight from the definitions (T by a linear solve)."""
+    f = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    conv, ba = f(conv), f(ba)
+    T, Hv = ba.shape[0], ba.shape[1] // 2
+    heads = np.arange(Hv) % n_k_heads
+    q = conv[:, :n_k_heads * D].reshape(T, n_k_heads, D)[:, heads]
+    k = conv[:, n_k_heads * D:2 * n_k_heads * D].reshape(T, n_k_heads, D)[:, heads]
+    v = conv[:, 2 * n_k_heads * D:].reshape(T, Hv, D)
+    beta = 1 / (1 + np.exp(-ba[:, :Hv]))
+    g = f(ssm_a) * np.logaddexp(0.0, ba[:, Hv:] + f(dt_bias))
+    blocks = -(-T // L)
+    wy, U = np.zeros((blocks, Hv, wy_floats(L))), np.zeros((T, Hv, D))
+    for c in range(blocks):
+        at = slice(c * L, min(T, c * L + L))
+        m = at.stop - at.start
+        for h in range(Hv):
+            G = np.cumsum(g[at, h])
+            decay = np.tril(np.exp(G[:, None] - G[None, :]))
+            A = np.tril(beta[at, h][:, None] * decay * (k[at, h] @ k[at, h].T), -1)
+            Tm = np.linalg.inv(np.eye(m) + A)
+            Tp, P = np.zeros((L, L)), np.zeros((L, L))
+            Tp[:m, :m] = Tm * (beta[at, h] * np.exp(G))[None, :]
+            P[:m, :m] = decay * (q[at, h] @ k[at, h].T) / np.sqrt(D)
+            wy[c, h] = np.concatenate([Tp.reshape(-1), P.reshape(-1), np.pad(G, (0, L - m), mode="edge")])
+            U[at, h] = Tm @ (beta[at, h][:, None] * v[at, h])
+    return wy, U
+
+
+def chunk_inputs(rng, Hk, Hv, D, T):
+    """Random conv rows as deltanet_conv_rows leaves them (q and k normalised) and gate logits."""
+    C = (2 * Hk + Hv) * D
+    conv = inputs.normal(rng, T * C).reshape(T, C)
+    qk = conv[:, :2 * Hk * D].reshape(T, 2 * Hk, D)
+    conv[:, :2 * Hk * D] = (qk / np.linalg.norm(qk, axis=-1, keepdims=True)).reshape(T, -1)
+    return dict(conv=conv, ba=inputs.normal(rng, T * 2 * Hv).reshape(T, 2 * Hv),
+                ssm_a=-np.exp(rng.standard_normal(Hv)).astype(np.float32), dt_bias=inputs.normal(rng, Hv))
+
+
+@deltanet_chunk_wy.example
+def deltanet_chunk_wy_example(use, rng, check):
+    D, L = use.fixed["D"], use.fixed["L"]
+    Hk, Hv, T = use.sizes["n_k_heads"], use.sizes["v_heads"], use.sizes["t"]
+    x = chunk_inputs(rng, Hk, Hv, D, T)
+    args = dict(conv=x["conv"].reshape(-1), ba=x["ba"].reshape(-1), ssm_a=x["ssm_a"], dt_bias=x["dt_bias"],
+                wy=np.zeros(wy_size(T, Hv, L), np.float32), u=np.zeros(T * Hv * D, np.float32), t=T, n_k_heads=Hk,
+                v_heads=Hv)
+    wy, U = deltanet_chunk_wy_ref(x["conv"], x["ba"], x["ssm_a"], x["dt_bias"], Hk, D, L)
+    return zdsl.Example(args, lambda p: {"wy": (wy.reshape(-1), 1e-4), "u": (U.reshape(-1), 1e-4)})
+
+
+def _scan_fits(v) -> bool:
+    """Column quads of NC / 4 invocations, WG / quads rows of invocations dividing the block's L
+    tokens and the state's D rows, the state and a block's Δ in shared memory."""
+    quads = v.NC // 4
+    rows = v.WG // quads if quads else 0
+    return (v.NC % 4 == 0 and v.D % v.NC == 0 and v.WG % quads == 0 and v.L % rows == 0 and v.D % rows == 0
+            and v.WG % v.SG == 0 and 4 * (v.D + v.L) * v.NC + 8 * v.L <= SHARED_LIMIT)
+
+
+def _scan_traffic(v, s) -> int:
+    """Each workgroup: every block's q and k rows, wy entry, U and o rows of its columns; the
+    state read and written; the chunk's last min(t, KC) mix rows into the ring."""
+    Hv, D, T, L = s.v_heads, v.D, s.t, v.L
     C = (2 * s.n_k_heads + Hv) * D
-    return 4 * C * (T + 2 * min(T, v.KC)) + 32 + 8 * T * Hv + 8 * Hv + 8 * Hv * D * D + 4 * T * Hv * D
+    per_wg = 4 * T * 2 * D + 4 * zdsl.cdiv(T, L) * wy_floats(L)
+    return (Hv * (D // v.NC)) * per_wg + 4 * T * Hv * D * 2 + 8 * Hv * D * D + 8 * C * min(T, v.KC)
 
 
 @zdsl.kernel(workgroup="WG", subgroup="SG",
-             variants={"D": [128], "R": [8, 16, 32], "WG": [64, 128], "U": [1, 2, 4], "SG": SUBGROUPS}, where=_columns_fit,
-             sizes=("v_heads",), grid=lambda v, s: s.v_heads * v.D * (v.D // v.R) // v.WG, traffic=_prefill_traffic)
-def deltanet_prefill(conv: Buffer[f32], ba: Buffer[f32], ssm_a: Buffer[f32], dt_bias: Buffer[f32], state: Buffer[f32],
-                     o: Buffer[f32], mix: Buffer[f32], conv_state: Buffer[f32], step: Buffer[u32], t: u32,
-                     n_k_heads: u32, D: Const = 128, R: Const = 8, KC: Const = 4, WG: Const = 64, U: Const = 4,
-                     SG: Const = 32):
-    """The gated delta rule for a chunk of t tokens at positions p0 = step[0] … p0 + t − 1, from
-    deltanet_conv_rows' rows (q and k normalised) and the gate logits ba the graph projected for
-    the chunk ([b_0 … b_{heads−1}, a_0 … a_{heads−1}] per token), into t rows of raw o ([token]
-    [head][D], for deltanet_gated_norm). Each value column j of head h's state is a recurrence of
-    its own, with β = sigmoid(b_h), e^g = e^(ssm_a_h · softplus(a_h + dt_bias_h)):
-        S[:, j] ← e^g S[:, j];  u_j = kᵀS[:, j];  S[:, j] += k β (v_j − u_j);  o_j = qᵀS[:, j] / √D
-    (one pass: o_j = (e^g qᵀS_old + (q·k) δ_j) / √D, δ_j = β (v_j − e^g kᵀS_old)). So the token
-    loop is short and the grid wide: P = D / R adjacent lanes hold a column, R rows each in
-    registers, and combine their sums by shuffles; no barrier, no shared memory, and the next
-    token's inputs are loaded while this one's sums run (the loop is bound by its chain of dependent
-    operations, and by each copy of a prefetched input waiting on its load). U tokens a trip, the
-    next U tokens' inputs loaded at its top, so a trip's copies wait on loads that U steps have
-    covered: R = 8, U = 4 by default, 96 VGPRs on gfx1201. On the H100, a 512-token chunk of the
-    35B-A3B's heads (µs a layer, 2026-11-26): R 16 U 1 355, R 16 U 2 359, R 8 U 2 307, R 8 U 4
-    276 (WG 128: 278). Value head h reads key head h % n_k_heads; the launch names v_heads.
-    Nothing here reads the ring, so every workgroup takes a share of storing the chunk's last
-    min(t, KC) mix rows in their slots (p % KC), leaving the ring as t deltanet_step dispatches
-    would, and the state too up to rounding (the sums run in another order)."""
-    if not _columns_fit(SimpleNamespace(D=D, R=R, WG=WG, SG=SG, U=U)):
-        raise zdsl.ZdslError(f"deltanet_prefill needs 4 | R, R | D, a power of two D/R dividing SG, SG | WG, "
-                             f"WG·R/D | D and U·R ≤ 32, not D={D}, R={R}, WG={WG}, SG={SG}, U={U}")
-    P = D // R
-    cols = WG // P  # columns per workgroup
-    blocks = D // cols  # workgroups per head
+             variants={"D": [128], "L": [BLOCK], "NC": [8, 16, 32], "WG": [64, 128, 256], "SG": SUBGROUPS},
+             tune={"WG": [512], "US": [16]}, where=_scan_fits, sizes=("v_heads",), grid=lambda v, s: s.v_heads * (v.D // v.NC), traffic=_scan_traffic)
+def deltanet_chunk_scan(conv: Buffer[f32], wy: Buffer[f32], o: Buffer[f32], state: Buffer[f32], mix: Buffer[f32],
+                        conv_state: Buffer[f32], step: Buffer[u32], t: u32, n_k_heads: u32, D: Const = 128,
+                        L: Const = 64, NC: Const = 16, KC: Const = 4, WG: Const = 128, US: Const = 8,
+                        SG: Const = 32):
+    """The state carried over a chunk's blocks of L tokens (deltanet_chunk_wy's docstring has the
+    algebra), NC of value head h's state columns a workgroup: per block, K S and Q S for its
+    tokens, Δ = U − T' K S, then o's rows O = γ Q S / √D + P Δ over the U rows in o and the state
+    S ← γ_last S + Kᵀ diag(e^(G_last − G)) Δ, products of whole blocks instead of a chain token
+    after token. The state's columns are independent, so workgroups split them; S (D × NC) and Δ
+    (L × NC) sit in shared memory, an invocation computes four columns of L / (WG / quads) token
+    rows and D / (WG / quads) state rows. Every workgroup takes a share of storing the chunk's
+    last min(t, KC) mix rows in the conv ring's slots (p % KC), as t deltanet_step dispatches
+    would leave it."""
+    if not _scan_fits(SimpleNamespace(D=D, L=L, NC=NC, WG=WG, SG=SG)):
+        raise zdsl.ZdslError(f"deltanet_chunk_scan needs 4 | NC, NC | D, WG / (NC / 4) dividing L and D and "
+                             f"{SHARED_LIMIT:,} bytes of shared memory at most, not D={D}, L={L}, NC={NC}, WG={WG}")
+    blocks, quads = D // NC, NC // 4
     h, Hv = zdsl.workgroup_id() // blocks, zdsl.num_workgroups() // blocks
-    kh = h % n_k_heads
-    lane = zdsl.local_index()
-    j = (zdsl.workgroup_id() % blocks) * cols + lane // P
-    top = (lane % P) * R  # this lane's rows: top … top + R − 1
-    C = (2 * n_k_heads + Hv) * D
-    S = [zdsl.var(zdsl.vec(*[state[(h * D + top + r + e) * D + j] for e in range(4)])) for r in range(0, R, 4)]
-    a_h, dt_h = ssm_a[h], dt_bias[h]
-
-    def inputs_of(i):
-        """Token i's q and k (this lane's rows, as quads), v_j and the gate logits b and a."""
-        q, k = ((i * C + head * D + top) // 4 for head in (kh, n_k_heads + kh))
-        return ([conv.vec4[q + r] for r in range(R // 4)] + [conv.vec4[k + r] for r in range(R // 4)]
-                + [conv[i * C + (2 * n_k_heads + h) * D + j], ba[i * 2 * Hv + h], ba[i * 2 * Hv + Hv + h]])
-
-    def advance(now, i):
-        """Token i: the state's update and o's row, from its inputs `now`."""
-        q, k, (v, b, a) = now[:R // 4], now[R // 4:R // 2], now[R // 2:]
-        u, y, qk = S[0] * k[0], S[0] * q[0], q[0] * k[0]
-        for s, k_r, q_r in zip(S[1:], k[1:], q[1:]):
-            u, y, qk = zdsl.fma(s, k_r, u), zdsl.fma(s, q_r, y), zdsl.fma(q_r, k_r, qk)
-        u, y, qk = (x.x + x.y + x.z + x.w for x in (u, y, qk))
-        for m in (P >> n for n in range(1, P.bit_length())):  # the column's P lanes, butterfly
-            u, y, qk = u + zdsl.subgroup_shuffle_xor(u, m), y + zdsl.subgroup_shuffle_xor(y, m), \
-                qk + zdsl.subgroup_shuffle_xor(qk, m)
-        decay = zdsl.exp(a_h * zdsl.softplus(a + dt_h))
-        delta = zdsl.sigmoid(b) * (v - decay * u)
-        for s, k_r in zip(S, k):
-            s.set(zdsl.fma(k_r, zdsl.vec(delta, delta, delta, delta), s * decay))
-        with zdsl.if_(top == 0):
-            o[(i * Hv + h) * D + j] = (decay * y + qk * delta) * (1.0 / math.sqrt(D))
-
-    now = [[zdsl.var(x) for x in inputs_of(zdsl.min(t - 1, n) if n else 0)] for n in range(U)]
-    for i in zdsl.range(0, t, U):
-        ahead = [inputs_of(zdsl.min(i + U + n, t - 1)) for n in range(U)]
-        for n in range(U):
-            if U == 1:
-                advance(now[n], i)
-            else:
-                with zdsl.if_(i + n < t):  # the last trip's tokens past t leave the state alone
-                    advance(now[n], i + n)
-        for regs, nxt in zip(now, ahead):
-            for x, value in zip(regs, nxt):
-                x.set(value)
-    for s, r in zip(S, range(0, R, 4)):
+    kh, C, tid = h % n_k_heads, (2 * n_k_heads + Hv) * D, zdsl.local_index()
+    cq, rg, rows = tid % quads, tid // quads, WG // quads
+    # loop steps unrolled, their loads issued first: 4 of the D / 4 in K S, up to US tokens (whole quads)
+    UD, US = _unroll(D // 4, 4), 4 * _unroll(L // 4, US // 4)
+    j = (zdsl.workgroup_id() % blocks) * NC + 4 * cq  # this invocation's columns j … j + 3
+    mine = [rg * (L // rows) + n for n in range(L // rows)]  # its token rows of a block
+    its_d = [rg * (D // rows) + n for n in range(D // rows)]  # its state rows
+    S_sh, Z = zdsl.shared(f32.vec(4), D * quads), zdsl.shared(f32.vec(4), L * quads)
+    G, E = zdsl.shared(f32, L), zdsl.shared(f32, L)
+    S = [zdsl.var(zdsl.vec(*[state[(h * D + d) * D + j + e] for e in range(4)])) for d in its_d]
+    for d, s in zip(its_d, S):
+        S_sh[d * quads + cq] = s
+    k_at, q_at = (n_k_heads + kh) * D, kh * D
+    for c in zdsl.range(0, (t + L - 1) // L):
+        first = c * L
+        n = zdsl.min(t - first, L)
+        Tw = (c * Hv + h) * wy_floats(L)
+        Pw, Gw = Tw + L * L, Tw + 2 * L * L
+        zdsl.barrier()  # S_sh written; nobody reads the last block's Z, G, E any more
+        ks = [zdsl.var(zdsl.vec(0.0, 0.0, 0.0, 0.0)) for _ in mine]
+        qs = [zdsl.var(zdsl.vec(0.0, 0.0, 0.0, 0.0)) for _ in mine]
+        at = [(first + zdsl.min(r, n - 1)) * C for r in mine]
+        for d0 in zdsl.range(0, D // 4, UD):  # UD steps of four rows of S: their loads first
+            s4 = [[S_sh[(4 * (d0 + m) + e) * quads + cq] for e in range(4)] for m in range(UD)]
+            kq = [[(conv.vec4[(x + k_at) // 4 + d0 + m], conv.vec4[(x + q_at) // 4 + d0 + m]) for m in range(UD)]
+                  for x in at]
+            for rows_kq, k_acc, q_acc in zip(kq, ks, qs):
+                for s_m, (kv, qv) in zip(s4, rows_kq):
+                    k_acc.set(k_acc + s_m[0] * kv.x + s_m[1] * kv.y + s_m[2] * kv.z + s_m[3] * kv.w)
+                    q_acc.set(q_acc + s_m[0] * qv.x + s_m[1] * qv.y + s_m[2] * qv.z + s_m[3] * qv.w)
+        for r, k_acc in zip(mine, ks):
+            Z[r * quads + cq] = k_acc
+        for s in zdsl.range(tid, L, WG):
+            G[s] = wy[Gw + s]
+            E[s] = zdsl.exp(wy[Gw + L - 1] - wy[Gw + s])
+        zdsl.barrier()
+        delta = [zdsl.var(o.vec4.load((((first + r) * Hv + h) * D + j) // 4, mask=r < n,
+                                      other=zdsl.vec(0.0, 0.0, 0.0, 0.0))) for r in mine]
+        for s0 in zdsl.range(0, L, US):  # US tokens: their loads first
+            z = [Z[(s0 + f) * quads + cq] for f in range(US)]
+            rows_t = [_quads(wy, Tw + r * L + s0, US) for r in mine]
+            for t_r, dl in zip(rows_t, delta):
+                dl.set(dl - _dot(z, t_r))
+        zdsl.barrier()
+        for r, dl in zip(mine, delta):
+            Z[r * quads + cq] = dl  # Δ: 0 past t (U masked, T' rows 0)
+        zdsl.barrier()
+        out = [zdsl.var(q_acc * (zdsl.exp(G[r]) * (1.0 / math.sqrt(D)))) for r, q_acc in zip(mine, qs)]
+        last = zdsl.exp(G[L - 1])
+        for s in S:
+            s.set(s * last)
+        for s0 in zdsl.range(0, L, US):
+            z = [Z[(s0 + f) * quads + cq] for f in range(US)]
+            rows_p = [_quads(wy, Pw + r * L + s0, US) for r in mine]
+            k_rows = [(first + zdsl.min(s0 + f, n - 1)) * C + k_at + its_d[0] for f in range(US)]
+            k = [_quads(conv, x, len(its_d)) if len(its_d) % 4 == 0 else [conv[x + m] for m in range(len(its_d))]
+                 for x in k_rows]
+            for p_r, acc in zip(rows_p, out):
+                acc.set(acc + _dot(z, p_r))
+            ze = [z_f * E[s0 + f] for f, z_f in enumerate(z)]
+            for m, acc in enumerate(S):
+                acc.set(acc + _dot(ze, [k_f[m] for k_f in k]))
+        for r, acc in zip(mine, out):
+            with zdsl.if_(r < n):
+                o.vec4[(((first + r) * Hv + h) * D + j) // 4] = acc
+        for d, s in zip(its_d, S):
+            S_sh[d * quads + cq] = s
+    for d, s in zip(its_d, S):
         for e, value in enumerate((s.x, s.y, s.z, s.w)):
-            state[(h * D + top + r + e) * D + j] = value
+            state[(h * D + d) * D + j + e] = value
     # slot (first + t + n) % KC takes position p0 + t − KC + n, the mix row t − KC + n, if in the chunk
     first = step[0] % KC
     for n in zdsl.range(zdsl.global_id(), KC * C, zdsl.num_workgroups() * WG):
@@ -463,8 +683,8 @@ def deltanet_prefill(conv: Buffer[f32], ba: Buffer[f32], ssm_a: Buffer[f32], dt_
             conv_state[((first + t + row) % KC) * C + ch] = mix[(t + row - KC) * C + ch]
 
 
-@deltanet_prefill.reference
-def deltanet_prefill_ref(conv, mix, conv_state, pos, ba, ssm_a, dt_bias, state, n_k_heads):
+@deltanet_chunk_scan.reference
+def deltanet_chunk_scan_ref(conv, mix, conv_state, pos, ba, ssm_a, dt_bias, state, n_k_heads):
     """Straight from the model doc, in float64, token after token, for positions pos … pos + T − 1.
     conv: (T, C) deltanet_conv_rows' rows (q and k normalised); mix: (T, C); conv_state: (KC, C),
     the ring (slot s: the input of the last position ≡ s mod KC before pos); ba: (T, 2·Hv) the β
@@ -493,28 +713,26 @@ def deltanet_prefill_ref(conv, mix, conv_state, pos, ba, ssm_a, dt_bias, state, 
     return o, S, ring
 
 
-@deltanet_prefill.example
-def deltanet_prefill_example(use, rng, check):
-    D, KC = use.fixed["D"], use.fixed["KC"]
+@deltanet_chunk_scan.example
+def deltanet_chunk_scan_example(use, rng, check):
+    D, KC, L = use.fixed["D"], use.fixed["KC"], use.fixed["L"]
     Hk, Hv, T = use.sizes["n_k_heads"], use.sizes["v_heads"], use.sizes["t"]
     C = (2 * Hk + Hv) * D
     pos = 1001  # a wrapped ring
-    conv = inputs.normal(rng, T * C).reshape(T, C)
-    qk = conv[:, :2 * Hk * D].reshape(T, 2 * Hk, D)
-    conv[:, :2 * Hk * D] = (qk / np.linalg.norm(qk, axis=-1, keepdims=True)).reshape(T, -1)  # as conv_rows leaves them
-    args = dict(conv=conv.reshape(-1), ba=inputs.normal(rng, T * 2 * Hv),
-                ssm_a=-np.exp(rng.standard_normal(Hv)).astype(np.float32), dt_bias=inputs.normal(rng, Hv),
-                state=inputs.normal(rng, Hv * D * D, 0.5), o=np.zeros(T * Hv * D, np.float32),
+    x = chunk_inputs(rng, Hk, Hv, D, T)
+    wy, U = deltanet_chunk_wy_ref(x["conv"], x["ba"], x["ssm_a"], x["dt_bias"], Hk, D, L)
+    args = dict(conv=x["conv"].reshape(-1), wy=wy.astype(np.float32).reshape(-1),
+                o=U.astype(np.float32).reshape(-1), state=inputs.normal(rng, Hv * D * D, 0.5),
                 mix=inputs.normal(rng, T * C), conv_state=inputs.normal(rng, KC * C),
                 step=inputs.step_words(pos, pos + T), t=T, n_k_heads=Hk, v_heads=Hv)
     s0, ring0 = args["state"].copy(), args["conv_state"].copy()
 
     def expect(p):
-        o, state, ring = deltanet_prefill_ref(conv, args["mix"].reshape(T, C), ring0.reshape(KC, C), pos,
-                                              args["ba"].reshape(T, -1), args["ssm_a"], args["dt_bias"],
-                                              s0.reshape(Hv, D, D), Hk)
-        return {"o": (o.reshape(-1), 1e-4), "state": (state.reshape(-1), 1e-5), "conv_state": (ring.reshape(-1), 0)}
-    return zdsl.Example(args, expect, lambda n: {"state": inputs.copies(args["state"], n)})
+        o, state, ring = deltanet_chunk_scan_ref(x["conv"], args["mix"].reshape(T, C), ring0.reshape(KC, C), pos,
+                                                 x["ba"], x["ssm_a"], x["dt_bias"], s0.reshape(Hv, D, D), Hk)
+        return {"o": (o.reshape(-1), 1e-4), "state": (state.reshape(-1), 1e-4), "conv_state": (ring.reshape(-1), 0)}
+    return zdsl.Example(args, expect, lambda n: {"state": inputs.copies(args["state"], n),
+                                                 "o": inputs.copies(args["o"], n)})
 
 
 @zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [32, 64], "Q8": [False, True], "SG": SUBGROUPS},
@@ -523,9 +741,9 @@ def deltanet_prefill_example(use, rng, check):
 def deltanet_gated_norm(o: Buffer[f32], z: Buffer[f32], norm_w: Buffer[f32], out: Buffer[f32], oq: Buffer[u32],
                         od: Buffer[f32], d: u32, eps: f32, Q8: Const = False, WG: Const = 32, SG: Const = 32):
     """out = rmsnorm(o) · norm_w · silu(z) per row of d values (a token's value head; norm_w is
-    the heads' one vector), with Q8 also as Q8_1 (oq, od; d a multiple of 32): deltanet_prefill's
+    the heads' one vector), with Q8 also as Q8_1 (oq, od; d a multiple of 32): deltanet_chunk_scan's
     read-out made what the output projection reads, for every row of the chunk at once (the
-    launch's `rows`, one workgroup each), out of the token loop."""
+    launch's `rows`, one workgroup each)."""
     write_normed(o, norm_w, out, oq if Q8 else None, od if Q8 else None, d, eps, WG, SG, row=zdsl.workgroup_id(),
                  gate=z)
 

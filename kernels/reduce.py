@@ -1,4 +1,4 @@
-"""Reductions over a workgroup, and the subgroup sizes kernels are built for."""
+"""Reductions over a workgroup, and the subgroup sizes and shared memory kernels are built for."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import zdsl
 from zdsl import f32
 
 SUBGROUPS = [8, 16, 32, 64]  # lavapipe runs 8, NVIDIA 32, RDNA 32 or 64
+SHARED_LIMIT = 32768  # bytes of workgroup memory a variant may use everywhere (lavapipe's limit)
 
 
 def workgroup_sums(values, WG: int, SG: int):

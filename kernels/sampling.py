@@ -26,7 +26,7 @@ import numpy as np
 import zdsl
 from zdsl import Buffer, Const, f32, u32
 from zdsl.kernels.inputs import STEP_WORDS
-from zdsl.kernels.reduce import SUBGROUPS
+from zdsl.kernels.reduce import SHARED_LIMIT, SUBGROUPS
 
 CAPS = [1, 64, 256]  # candidates kept; 1 is the greedy variant
 SENTINEL = 0xFFFFFFFF  # id of an empty candidate slot
@@ -52,7 +52,6 @@ def setting(settings, name: str):
     """In a kernel: the value of setting `name` from the settings buffer."""
     word = settings[SETTINGS.index(name)]
     return word if name in _WHOLE else zdsl.bitcast(word, f32)
-SHARED_LIMIT = 32768  # bytes of workgroup memory a variant may use (lavapipe's limit)
 
 # ---- one-workgroup top-C selection ---------------------------------------------------------------
 

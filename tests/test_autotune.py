@@ -528,7 +528,9 @@ def test_prompt_chunk_uses_are_the_prefill_launches(device):
     count = {}
     for u in uses:
         count[u.kernel.name] = count.get(u.kernel.name, 0) + u.count
-    assert count["deltanet_prefill"] == len(hp.deltanet_layers) and count["attn_prefill"] == len(hp.attention_layers)
+    n_dn = len(hp.deltanet_layers)
+    assert count["deltanet_chunk_wy"] == count["deltanet_chunk_scan"] == n_dn
+    assert count["attn_prefill"] == len(hp.attention_layers)
     assert count["moe_route_rows"] == hp.n_layers and count["norm_q8_1"] == 2 * hp.n_layers
     assert not {"deltanet_step", "attn_decode", "dmmv", "sample_candidates"} & set(count)
     grouped = [u for u in uses if u.kernel.name in ("moe_gate_up_grouped", "moe_down_grouped")]

@@ -181,8 +181,8 @@ def test_several_tokens(backend, request):
         np.testing.assert_allclose(s["out"].reshape(Hv, D), expect, rtol=1e-4, atol=1e-5)
 
 
-# ---- a prompt's chunk: deltanet_conv_rows, deltanet_prefill (the delta rule by columns), -------
-# ---- deltanet_gated_norm -------------------------------------------------------------------
+# ---- a prompt's chunk: deltanet_conv_rows, the delta rule in blocks (deltanet_chunk_wy, --------
+# ---- deltanet_chunk_scan), deltanet_gated_norm ---------------------------------------------
 
 def prefill_inputs(rng, Hk, Hv, D, T, KC=4, extra=0):
     """Random chunk inputs; `extra` rows past the chunk are NaN (the kernels must not read them)."""
@@ -226,25 +226,30 @@ def gated_norm(backend, request, o, z, norm_w, sg, q8):
 
 
 def prefill(backend, request, x, state, pos, Hk, layout, sg, q8, t=None):
-    """The chunk as the graph runs it (x: prefill_inputs; layout: deltanet_prefill's (R, WG, U)):
-    deltanet_conv_rows, deltanet_prefill, then deltanet_gated_norm of the first t rows (all by
-    default). Returns the conv rows, raw o, out (and oq, od with q8), the state and the ring."""
+    """The chunk as the graph runs it (x: prefill_inputs; layout: the delta rule's (L, NC, WG)):
+    deltanet_conv_rows, deltanet_chunk_wy, deltanet_chunk_scan, then deltanet_gated_norm of the
+    first t rows (all by default). Returns the conv rows, the wy entries, raw o, out (and oq, od
+    with q8), the state and the ring."""
     Hv, D = state.shape[:2]
     rows, C = x["mix"].shape
     t = rows if t is None else t
-    R, wg, U = layout
-    if backend != "interp" and not dn._columns_fit(SimpleNamespace(D=D, R=R, WG=wg, SG=sg, U=U)):
-        pytest.skip(f"deltanet_prefill's layout R={R}, WG={wg}, U={U} does not fit the device's subgroup of {sg}")
+    L, nc, wg = layout
+    if backend != "interp" and not dn._scan_fits(SimpleNamespace(D=D, L=L, NC=nc, WG=wg, SG=sg)):
+        pytest.skip(f"deltanet_chunk_scan's layout L={L}, NC={nc}, WG={wg} does not fit the device's subgroup of {sg}")
     conv = conv_rows(backend, request, x, pos, Hk, D, sg, t)
-    v = dn.deltanet_prefill.specialize(D=D, R=R, KC=x["conv_state"].shape[0], WG=wg, U=U, SG=sg)
-    got = run(v, backend, request, v.groups(v_heads=Hv), conv=conv, ba=x["ba"].reshape(-1), ssm_a=x["ssm_a"],
-              dt_bias=x["dt_bias"], state=state.reshape(-1), o=np.full(rows * Hv * D, np.nan, np.float32),
+    w = dn.deltanet_chunk_wy.specialize(D=D, L=L, SG=sg)
+    u = np.full(rows * Hv * D, np.nan, np.float32)
+    wy = run(w, backend, request, w.groups(v_heads=Hv, t=t), conv=conv, ba=x["ba"].reshape(-1), ssm_a=x["ssm_a"],
+             dt_bias=x["dt_bias"], wy=np.full(dn.wy_size(t, Hv, L), np.nan, np.float32), u=u, t=t, n_k_heads=Hk)
+    v = dn.deltanet_chunk_scan.specialize(D=D, L=L, NC=nc, KC=x["conv_state"].shape[0], WG=wg, SG=sg)
+    got = run(v, backend, request, v.groups(v_heads=Hv), conv=conv, wy=wy["wy"], o=wy["u"], state=state.reshape(-1),
               mix=x["mix"].reshape(-1), conv_state=x["conv_state"].reshape(-1), step=inputs.step_words(pos, pos + t),
               t=t, n_k_heads=Hk)
     o = got["o"].reshape(rows, Hv, D)
     assert np.isnan(o[t:]).all()  # rows past t untouched
     normed = gated_norm(backend, request, o[:t].reshape(-1, D), x["z"][:t], x["norm_w"], sg, q8)
-    return dict(got, conv=conv.reshape(rows, C), o=o[:t], **{n: normed[n] for n in ("out", "oq", "od") if n in normed})
+    return dict(got, conv=conv.reshape(rows, C), wy=wy["wy"], u=wy["u"].reshape(rows, Hv, D), o=o[:t], L=L,
+                **{n: normed[n] for n in ("out", "oq", "od") if n in normed})
 
 
 def check_prefill(got, x, state, pos, Hk, T):
@@ -254,11 +259,15 @@ def check_prefill(got, x, state, pos, Hk, T):
     conv = dn.deltanet_conv_rows_ref(x["mix"][:T], x["conv_w"], x["conv_state"], pos, Hk, D, EPS)
     np.testing.assert_allclose(got["conv"][:T], conv, rtol=1e-5, atol=1e-6)
     assert np.isnan(got["conv"][T:]).all()
-    o, want_state, want_ring = dn.deltanet_prefill_ref(got["conv"][:T], x["mix"][:T], x["conv_state"], pos, x["ba"][:T],
-                                                       x["ssm_a"], x["dt_bias"], state, Hk)
+    wy, U = dn.deltanet_chunk_wy_ref(got["conv"][:T], x["ba"][:T], x["ssm_a"], x["dt_bias"], Hk, D, got["L"])
+    np.testing.assert_allclose(got["wy"], wy.reshape(-1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got["u"][:T], U, rtol=1e-5, atol=1e-5)
+    assert np.isnan(got["u"][T:]).all()
+    o, want_state, want_ring = dn.deltanet_chunk_scan_ref(got["conv"][:T], x["mix"][:T], x["conv_state"], pos,
+                                                          x["ba"][:T], x["ssm_a"], x["dt_bias"], state, Hk)
     np.testing.assert_array_equal(got["conv_state"].reshape(KC, -1), want_ring)
     np.testing.assert_allclose(got["state"].reshape(Hv, D, D), want_state, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(got["o"], o, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["o"], o, rtol=1e-5, atol=1e-5)
     out = dn.deltanet_gated_norm_ref(got["o"], x["z"][:T].reshape(T, Hv, D), x["norm_w"], EPS)
     np.testing.assert_allclose(got["out"].reshape(out.shape), out, rtol=2e-5, atol=2e-5)
 
@@ -281,38 +290,43 @@ def steps(backend, request, x, state, pos, Hk, wg, sg, T):
     return np.stack(outs), state, ring
 
 
-def column_layout(backend, request, d, r_log, wg_log, u, sg_pick, layout):
-    """(D, (R, WG, U), SG) for deltanet_prefill: any that fits in the interpreter, else a listed one."""
+def block_layout(backend, request, d, L, nc_log, wg_log, sg_pick, pick):
+    """(D, (L, NC, WG), SG) for the delta rule's kernels: any that fits in the interpreter, else
+    one of BLOCK_LAYOUTS that fits the device's subgroup."""
     sg = subgroup(backend, request, sg_pick)
     if backend == "interp":
-        r = d >> r_log
+        nc = 4 << nc_log
         wg = sg << wg_log
     else:
-        d, r, wg, u = layout
-    assume(r > 0 and dn._columns_fit(SimpleNamespace(D=d, R=r, WG=wg, SG=sg, U=u)))
-    return d, (r, wg, u), sg
+        fitting = [x for x in BLOCK_LAYOUTS if dn._scan_fits(SimpleNamespace(D=x[0], L=x[1], NC=x[2], WG=x[3], SG=sg))]
+        d, L, nc, wg = fitting[pick % len(fitting)]
+    assume(dn._scan_fits(SimpleNamespace(D=d, L=L, NC=nc, WG=wg, SG=sg)))
+    return d, (L, nc, wg), sg
 
 
-PREFILL_POSITIONS = [0, 1, 3, 5, 1001, 2**32 - 16]  # an empty ring, one filling, wrapped, far out, near the u32 end
-# (D, R, WG, U) on lavapipe (subgroups of 8): 2, 4 and 1 lanes per column; 2 to 6 workgroups per
-# head; a head dim that is no power of two; 1, 2 and 4 tokens a trip
-LAVAPIPE_COLUMNS = [(16, 8, 16, 4), (32, 8, 32, 2), (32, 32, 8, 1), (24, 12, 8, 2)]
+PREFILL_POSITIONS = [0, 1, 3, 5, 1001, 2**32 - 32]  # an empty ring, one filling, wrapped, far out, near the u32 end
+# (D, L, NC, WG) on a device: blocks of 4 to 32 tokens; 1 to 4 workgroups a head; a head dim that
+# is no power of two; 1, 2 or 4 token rows an invocation; the first four for subgroups of 8 (lavapipe),
+# the last three for 32 and 64
+BLOCK_LAYOUTS = [(16, 8, 4, 8), (32, 16, 8, 16), (24, 8, 12, 24), (16, 4, 16, 16),
+                 (16, 8, 16, 32), (32, 16, 32, 64), (64, 32, 64, 128)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@given(hk=st.integers(1, 2), ratio=st.integers(1, 3), T=st.integers(1, 11), d=st.sampled_from([8, 16, 24, 32]),
-       r_log=st.integers(0, 3), wg_log=st.integers(0, 2), u=st.sampled_from([1, 2, 4]), sg_pick=st.integers(0, 3),
-       layout=st.sampled_from(LAVAPIPE_COLUMNS), kc=st.integers(1, 5), pos=st.sampled_from(PREFILL_POSITIONS),
-       q8=st.booleans(), extra=st.integers(0, 2), state_scale=st.sampled_from([0.0, 0.5]), seed=st.integers(0, 99))
-def test_prefill(backend, request, hk, ratio, T, d, r_log, wg_log, u, sg_pick, layout, kc, pos, q8, extra,
+@given(hk=st.integers(1, 2), ratio=st.integers(1, 3), T=st.integers(1, 19), d=st.sampled_from([8, 16, 24, 32]),
+       L=st.sampled_from([4, 8, 12, 16]), nc_log=st.integers(0, 3), wg_log=st.integers(0, 2),
+       sg_pick=st.integers(0, 3), pick=st.integers(0, 99), kc=st.integers(1, 5),
+       pos=st.sampled_from(PREFILL_POSITIONS), q8=st.booleans(), extra=st.integers(0, 2),
+       state_scale=st.sampled_from([0.0, 0.5]), seed=st.integers(0, 99))
+def test_prefill(backend, request, hk, ratio, T, d, L, nc_log, wg_log, sg_pick, pick, kc, pos, q8, extra,
                  state_scale, seed):
-    """A chunk of T tokens (1, odd, more than the conv's taps) through the three kernels, each
+    """A chunk of T tokens (1, odd, more than the conv's taps) through the four kernels, each
     against its float64 reference, and the whole against T deltanet_step dispatches (out rows,
     state, ring): n_k_heads · ratio value heads, so up to three value heads read each key head's
-    q and k; any split of a column over lanes and of a head over workgroups; 1, 2 or 4 tokens a
-    trip (T not a multiple of it: the last trip's extra tokens leave the state alone); rows past t
-    (NaN) neither read nor written."""
-    d, layout, sg = column_layout(backend, request, d, r_log, wg_log, u, sg_pick, layout)
+    q and k; blocks of 4 to 16 tokens, so up to five of them and a last one part full (its tokens
+    past t change nothing); any split of a head's columns over workgroups and of a block's rows
+    over invocations; rows past t (NaN) neither read nor written."""
+    d, layout, sg = block_layout(backend, request, d, L, nc_log, wg_log, sg_pick, pick)
     if backend == "lavapipe":
         kc = 4
     q8 = q8 and d % 32 == 0
@@ -330,14 +344,14 @@ def test_prefill(backend, request, hk, ratio, T, d, r_log, wg_log, u, sg_pick, l
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_long_chunk(backend, request):
-    """301 tokens (the ring written by the grid's later invocations too) with 3 key heads and 6
-    value heads, from a far position, against the float64 references."""
+    """301 tokens (19 blocks of 16, the ring written by the grid's later invocations too) with 3
+    key heads and 6 value heads, from a far position, against the float64 references."""
     rng = np.random.default_rng(3)
     hk, hv, d, T = 3, 6, 16, 301
     sg = subgroup(backend, request, 0)
     x = prefill_inputs(rng, hk, hv, d, T, extra=1)
     state = (rng.standard_normal((hv, d, d)) * 0.5).astype(np.float32)
-    got = prefill(backend, request, x, state, 70_001, hk, (8, 16, 4), sg, False, T)
+    got = prefill(backend, request, x, state, 70_001, hk, (16, 8, 16), sg, False, T)
     check_prefill(got, x, state, 70_001, hk, T)
 
 
@@ -356,7 +370,7 @@ def test_prefill_chunks_then_decode(backend, request):
     outs, pos = [], 0
     for T in (1, 5, 2):
         chunk = dict(x, mix=x["mix"][pos:pos + T], z=x["z"][pos:pos + T], ba=x["ba"][pos:pos + T], conv_state=ring)
-        got = prefill(backend, request, chunk, state, pos, Hk, (8, sg, 2), sg, True)
+        got = prefill(backend, request, chunk, state, pos, Hk, (4, 32, 32), sg, True)
         ring, state = got["conv_state"].reshape(KC, C), got["state"].reshape(Hv, D, D)
         outs.append(got["out"].reshape(T, -1))
         pos += T
@@ -398,8 +412,11 @@ def test_gated_norm(backend, request, rows, d, q8, sg_pick, scale, seed):
 @pytest.mark.parametrize("kernel,args", [
     (dn.deltanet_conv_rows, dict(mix=3 * 1024, conv_w=1024 * 4, conv_state=4 * 1024, step=8, conv=3 * 1024,
                                  channels=1024, n_k_heads=2, eps=EPS, t=3, D=128, KC=4)),
-    (dn.deltanet_prefill, dict(conv=3 * 1024, ba=3 * 8, ssm_a=4, dt_bias=4, state=4 * 128 * 128, o=3 * 4 * 128,
-                               mix=3 * 1024, conv_state=4 * 1024, step=8, t=3, n_k_heads=2, v_heads=4, D=128, KC=4, SG=16)),
+    (dn.deltanet_chunk_wy, dict(conv=70 * 1024, ba=70 * 8, ssm_a=4, dt_bias=4, wy=dn.wy_size(70, 4, 64),
+                                u=70 * 4 * 128, t=70, n_k_heads=2, v_heads=4, D=128, L=64, SG=16)),
+    (dn.deltanet_chunk_scan, dict(conv=70 * 1024, wy=dn.wy_size(70, 4, 64), o=70 * 4 * 128, state=4 * 128 * 128,
+                                  mix=70 * 1024, conv_state=4 * 1024, step=8, t=70, n_k_heads=2, v_heads=4, D=128,
+                                  L=64, KC=4, SG=16)),
     (dn.deltanet_gated_norm, dict(o=3 * 512, z=3 * 512, norm_w=128, out=3 * 512, oq=3 * 128, od=3 * 32, d=128,
                                   eps=EPS, rows=12, Q8=True))])
 def test_examples(kernel, args):

@@ -28,7 +28,7 @@ from zdsl.models.qwen35.run import kv_type_option
 
 DEFAULT_CONTEXTS = "0,4096,16384,32768"  # llama-bench reports pp512 and tg128 at depth 0
 PROMPT_NOTE = ("prompt = batched prefill in chunks of up to 512 tokens (each expert's weights read once per chunk, "
-               "only the delta rule token after token), its last token through the decode step")
+               "the delta rule in blocks of 64 tokens), its last token through the decode step")
 
 
 def parse_contexts(text: str) -> list[int]:

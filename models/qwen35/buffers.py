@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from zdsl.errors import OutOfMemoryError, ZdslError
+from zdsl.kernels import deltanet
 from zdsl.kernels.attention import cache_rows, split_count
 from zdsl.kernels.formats import row_bytes
 from zdsl.kernels.kvcache import DEFAULT as KV_DEFAULT, FORMATS as KV_FORMATS
@@ -145,6 +146,7 @@ def chunk_buffers(hp, chunk: int, halves: bool = False) -> list[Spec]:
              *vector("chunk.attn_o", chunk * qd, halves), f32("chunk.mix", chunk * C), f32("chunk.conv", chunk * C),
              f32("chunk.z", chunk * vd), f32("chunk.ba", 2 * chunk * hp.ssm_v_heads),
              *vector("chunk.deltanet_out", chunk * vd, halves),
+             f32("chunk.deltanet_wy", deltanet.wy_size(chunk, hp.ssm_v_heads, deltanet.BLOCK)),
              Spec("chunk.one_offsets", 8, "scratch"), Spec("chunk.one_pairs", 4 * chunk, "scratch")]
     if hp.moe:
         E, K, F, S = hp.n_experts, hp.n_experts_used, hp.expert_ffn, hp.shared_ffn

@@ -4,8 +4,8 @@ A chunk of t tokens at positions p0 … p0 + t − 1 is one recorded sequence (o
 kept for reuse) over the decode graph's weights, caches and states: the embedding rows, each
 layer's norms and projections for all t rows at once (`matmul.mul_mm`: a weight block loaded once
 serves a tile of tokens; `mul_mm_coop` and the `_coop` expert products on matrix units), the
-delta-net's conv and gated norm for all t rows and its delta rule token after token with the
-state's columns spread over the GPU (`deltanet.deltanet_prefill`), the MoE block with each picked
+delta-net's conv and gated norm for all t rows and its delta rule in blocks of 64 tokens (the WY
+form: `deltanet.deltanet_chunk_wy`, `deltanet_chunk_scan`), the MoE block with each picked
 expert's weights read once for all the tokens routed to it (moe_route_rows, moe_group, the grouped
 products, moe_combine_rows; a dense FFN is the grouped gate·up with every token routed to its one
 pair of matrices), and causal attention of the chunk's queries over the cache (attn_prep_rows,
@@ -54,6 +54,7 @@ class Prefill:
         self.mix, self.conv, self.z, self.ba = b["chunk.mix"], b["chunk.conv"], b["chunk.z"], b["chunk.ba"]
         self.dn_out = g.vector_of(b, "chunk.deltanet_out")
         self.dn_raw = self.qg  # the delta rule's raw o: attention's rows are free in a delta-net layer
+        self.wy = b["chunk.deltanet_wy"]
         self.act = b["chunk.act"]
         self.act_h = b.get("chunk.act_f16")  # the dense FFN's act in f16 (matrix units)
         # every token of the chunk routed once to one expert: the shared expert's grouping, and
@@ -248,8 +249,9 @@ class Prefill:
 
     def _deltanet(self, seq, i: int, t: int) -> None:
         """The projections for the chunk; the conv with q and k normalised (deltanet_conv_rows),
-        the delta rule's token loop by state columns into raw o (deltanet_prefill), then o's
-        gated norm (deltanet_gated_norm): only the recurrence runs token after token."""
+        the delta rule in blocks of tokens (deltanet_chunk_wy for every block at once, then
+        deltanet_chunk_scan carrying the state over them) into raw o, then o's gated norm
+        (deltanet_gated_norm)."""
         g, hp, p = self.g, self.hp, f"blk.{i}."
         self._project(seq, p + "attn_qkv.weight", self.mix, t)
         self._project(seq, p + "attn_gate.weight", self.z, t)
@@ -259,10 +261,14 @@ class Prefill:
                                            conv_w=g.weights[p + "ssm_conv1d.weight"], conv_state=g.conv_state[i],
                                            step=self.steps, conv=self.conv, channels=hp.conv_channels,
                                            n_k_heads=hp.ssm_k_heads, eps=hp.eps, t=t)
-        deltanet.deltanet_prefill.launch(seq, g._pick, label=p + "ssm_chunk", D=D, KC=hp.conv_kernel, conv=self.conv,
-                                         ba=self.ba, ssm_a=g.weights[p + "ssm_a"], dt_bias=g.weights[p + "ssm_dt.bias"],
-                                         state=g.ssm_state[i], o=self.dn_raw, mix=self.mix, conv_state=g.conv_state[i],
-                                         step=self.steps, t=t, n_k_heads=hp.ssm_k_heads, v_heads=hp.ssm_v_heads)
+        weights = dict(ssm_a=g.weights[p + "ssm_a"], dt_bias=g.weights[p + "ssm_dt.bias"])
+        deltanet.deltanet_chunk_wy.launch(seq, g._pick, label=p + "ssm_wy", D=D, L=deltanet.BLOCK, conv=self.conv,
+                                          ba=self.ba, **weights, wy=self.wy, u=self.dn_raw, t=t,
+                                          n_k_heads=hp.ssm_k_heads, v_heads=hp.ssm_v_heads)
+        deltanet.deltanet_chunk_scan.launch(seq, g._pick, label=p + "ssm_chunk", D=D, L=deltanet.BLOCK,
+                                            KC=hp.conv_kernel, conv=self.conv, wy=self.wy, o=self.dn_raw,
+                                            state=g.ssm_state[i], mix=self.mix, conv_state=g.conv_state[i],
+                                            step=self.steps, t=t, n_k_heads=hp.ssm_k_heads, v_heads=hp.ssm_v_heads)
         o = self.dn_out
         deltanet.deltanet_gated_norm.launch(seq, g._pick, label=p + "ssm_norm", Q8=g._int8(p + "ssm_out.weight"),
                                             o=self.dn_raw, z=self.z, norm_w=g.weights[p + "ssm_norm.weight"],
