@@ -136,17 +136,18 @@ def decode_buffers(hp, tensors, n_ctx: int, candidates: int, checkpoint: bool = 
 def chunk_buffers(hp, chunk: int, halves: bool = False) -> list[Spec]:
     """The prompt path's buffers (prefill.py): rows of every activation for chunks of up to
     `chunk` tokens, their steps and tokens, the MoE's routing and grouping. chunk.qg (attention's
-    q and gate rows) also holds the delta-net's raw o: a layer is one or the other. With halves,
+    q and gate rows) also holds the delta-net's raw o, and chunk.q (attention's roped q) the delta
+    rule's WY terms: a layer is one or the other. With halves,
     the rows that products on matrix units read also in f16 (the dense FFN's act included)."""
     H, C, vd = hp.hidden, hp.conv_channels, hp.ssm_value_dim
     qd, kvd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
     specs = [Spec("chunk.tokens", 4 * chunk, "scratch"), Spec("chunk.steps", 4 * STEP_WORDS * chunk, "scratch"),
              f32("chunk.x", chunk * H), *vector("chunk.normed", chunk * H, halves), f32("chunk.qg", chunk * max(2 * qd, vd)),
-             f32("chunk.q", chunk * qd), f32("chunk.k", chunk * kvd), f32("chunk.v", chunk * kvd),
+             f32("chunk.q", max(chunk * qd, deltanet.wy_size(chunk, hp.ssm_v_heads, deltanet.BLOCK))),
+             f32("chunk.k", chunk * kvd), f32("chunk.v", chunk * kvd),
              *vector("chunk.attn_o", chunk * qd, halves), f32("chunk.mix", chunk * C), f32("chunk.conv", chunk * C),
              f32("chunk.z", chunk * vd), f32("chunk.ba", 2 * chunk * hp.ssm_v_heads),
              *vector("chunk.deltanet_out", chunk * vd, halves),
-             f32("chunk.deltanet_wy", deltanet.wy_size(chunk, hp.ssm_v_heads, deltanet.BLOCK)),
              Spec("chunk.one_offsets", 8, "scratch"), Spec("chunk.one_pairs", 4 * chunk, "scratch")]
     if hp.moe:
         E, K, F, S = hp.n_experts, hp.n_experts_used, hp.expert_ffn, hp.shared_ffn

@@ -54,7 +54,7 @@ class Prefill:
         self.mix, self.conv, self.z, self.ba = b["chunk.mix"], b["chunk.conv"], b["chunk.z"], b["chunk.ba"]
         self.dn_out = g.vector_of(b, "chunk.deltanet_out")
         self.dn_raw = self.qg  # the delta rule's raw o: attention's rows are free in a delta-net layer
-        self.wy = b["chunk.deltanet_wy"]
+        self.wy = self.q  # the delta rule's WY terms: attention's roped q rows are free too
         self.act = b["chunk.act"]
         self.act_h = b.get("chunk.act_f16")  # the dense FFN's act in f16 (matrix units)
         # every token of the chunk routed once to one expert: the shared expert's grouping, and
