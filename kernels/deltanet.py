@@ -498,7 +498,7 @@ def deltanet_chunk_wy(conv: Buffer[f32], ba: Buffer[f32], ssm_a: Buffer[f32], dt
         acc = x[r]
         for s4 in range(0, r, 4):
             a = A[(r * L + s4) // 4]
-            for f, part in enumerate((a.x, a.y, a.z, a.w)[:min(4, r - s4)]):
+            for f, part in enumerate(_parts(a)[:min(4, r - s4)]):
                 acc = acc - part * x[s4 + f]
         x[r] = acc
     with zdsl.if_(j < D):
@@ -513,10 +513,9 @@ def deltanet_chunk_wy(conv: Buffer[f32], ba: Buffer[f32], ssm_a: Buffer[f32], dt
                 wy[Tw + r * L + col] = x[r] * scale
 
 
-@deltanet_chunk_wy.reference
-def deltanet_chunk_wy_ref(conv, ba, ssm_a, dt_bias, n_k_heads, D, L):
-    """float64 (wy entries (blocks, Hv, wy_floats(L)), U (T, Hv, D)) from conv rows (T, C) and
-    gate logits (T, 2·Hv), straight from the definitions (T by a linear solve)."""
+def _rule_inputs(conv, ba, ssm_a, dt_bias, n_k_heads, D):
+    """float64 q, k, v (T, Hv, D; value head h reads key head h % n_k_heads), β and the log decay
+    g (T, Hv) of a chunk from its conv rows (T, C) and gate logits (T, 2·Hv)."""
     f = lambda x: np.asarray(x, np.float64)  # noqa: E731
     conv, ba = f(conv), f(ba)
     T, Hv = ba.shape[0], ba.shape[1] // 2
@@ -524,8 +523,15 @@ def deltanet_chunk_wy_ref(conv, ba, ssm_a, dt_bias, n_k_heads, D, L):
     q = conv[:, :n_k_heads * D].reshape(T, n_k_heads, D)[:, heads]
     k = conv[:, n_k_heads * D:2 * n_k_heads * D].reshape(T, n_k_heads, D)[:, heads]
     v = conv[:, 2 * n_k_heads * D:].reshape(T, Hv, D)
-    beta = 1 / (1 + np.exp(-ba[:, :Hv]))
-    g = f(ssm_a) * np.logaddexp(0.0, ba[:, Hv:] + f(dt_bias))
+    return q, k, v, 1 / (1 + np.exp(-ba[:, :Hv])), f(ssm_a) * np.logaddexp(0.0, ba[:, Hv:] + f(dt_bias))
+
+
+@deltanet_chunk_wy.reference
+def deltanet_chunk_wy_ref(conv, ba, ssm_a, dt_bias, n_k_heads, D, L):
+    """float64 (wy entries (blocks, Hv, wy_floats(L)), U (T, Hv, D)) from conv rows (T, C) and
+    gate logits (T, 2·Hv), straight from the definitions (T by a linear solve)."""
+    q, k, v, beta, g = _rule_inputs(conv, ba, ssm_a, dt_bias, n_k_heads, D)
+    T, Hv = beta.shape
     blocks = -(-T // L)
     wy, U = np.zeros((blocks, Hv, wy_floats(L))), np.zeros((T, Hv, D))
     for c in range(blocks):
@@ -614,7 +620,7 @@ def deltanet_chunk_scan(conv: Buffer[f32], wy: Buffer[f32], o: Buffer[f32], stat
     its_d = [rg * (D // rows) + n for n in range(D // rows)]  # its state rows
     S_sh, Z = zdsl.shared(f32.vec(4), D * quads), zdsl.shared(f32.vec(4), L * quads)
     G, E = zdsl.shared(f32, L), zdsl.shared(f32, L)
-    S = [zdsl.var(zdsl.vec(*[state[(h * D + d) * D + j + e] for e in range(4)])) for d in its_d]
+    S = [zdsl.var(state.vec4[((h * D + d) * D + j) // 4]) for d in its_d]
     for d, s in zip(its_d, S):
         S_sh[d * quads + cq] = s
     k_at, q_at = (n_k_heads + kh) * D, kh * D
@@ -633,8 +639,8 @@ def deltanet_chunk_scan(conv: Buffer[f32], wy: Buffer[f32], o: Buffer[f32], stat
                   for x in at]
             for rows_kq, k_acc, q_acc in zip(kq, ks, qs):
                 for s_m, (kv, qv) in zip(s4, rows_kq):
-                    k_acc.set(k_acc + s_m[0] * kv.x + s_m[1] * kv.y + s_m[2] * kv.z + s_m[3] * kv.w)
-                    q_acc.set(q_acc + s_m[0] * qv.x + s_m[1] * qv.y + s_m[2] * qv.z + s_m[3] * qv.w)
+                    k_acc.set(k_acc + _dot(s_m, _parts(kv)))
+                    q_acc.set(q_acc + _dot(s_m, _parts(qv)))
         for r, k_acc in zip(mine, ks):
             Z[r * quads + cq] = k_acc
         for s in zdsl.range(tid, L, WG):
@@ -673,8 +679,7 @@ def deltanet_chunk_scan(conv: Buffer[f32], wy: Buffer[f32], o: Buffer[f32], stat
         for d, s in zip(its_d, S):
             S_sh[d * quads + cq] = s
     for d, s in zip(its_d, S):
-        for e, value in enumerate((s.x, s.y, s.z, s.w)):
-            state[(h * D + d) * D + j + e] = value
+        state.vec4[((h * D + d) * D + j) // 4] = s
     # slot (first + t + n) % KC takes position p0 + t − KC + n, the mix row t − KC + n, if in the chunk
     first = step[0] % KC
     for n in zdsl.range(zdsl.global_id(), KC * C, zdsl.num_workgroups() * WG):
@@ -690,20 +695,14 @@ def deltanet_chunk_scan_ref(conv, mix, conv_state, pos, ba, ssm_a, dt_bias, stat
     the ring (slot s: the input of the last position ≡ s mod KC before pos); ba: (T, 2·Hv) the β
     logits then the α inputs; ssm_a, dt_bias: (Hv,); state: (Hv, D, D). Returns (raw o (T, Hv, D),
     new delta state, new conv ring)."""
-    f = lambda x: np.asarray(x, np.float64)  # noqa: E731
     Hv, D = state.shape[0], state.shape[1]
-    T, KC, Hk = mix.shape[0], conv_state.shape[0], n_k_heads
+    T, KC = mix.shape[0], conv_state.shape[0]
     ring = np.array(conv_state, np.float32, copy=True)
     for p in range(max(pos, pos + T - KC), pos + T):
         ring[p % KC] = mix[p - pos]
-    heads = np.arange(Hv) % Hk  # value head h reads key head h % n_k_heads
-    conv = f(conv)
-    q = conv[:, :Hk * D].reshape(T, Hk, D)[:, heads]
-    k = conv[:, Hk * D:2 * Hk * D].reshape(T, Hk, D)[:, heads]
-    v = conv[:, 2 * Hk * D:].reshape(T, Hv, D)
-    beta = 1 / (1 + np.exp(-f(ba)[:, :Hv]))
-    decay = np.exp(f(ssm_a) * np.logaddexp(0.0, f(ba)[:, Hv:] + f(dt_bias)))
-    S = f(state).copy()
+    q, k, v, beta, g = _rule_inputs(conv, ba, ssm_a, dt_bias, n_k_heads, D)
+    decay = np.exp(g)
+    S = np.asarray(state, np.float64).copy()
     o = np.empty((T, Hv, D))
     for i in range(T):
         S *= decay[i][:, None, None]

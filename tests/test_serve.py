@@ -166,8 +166,8 @@ def test_ignore_eos_generates_past_stop_tokens(client, cold):
     cold.use(SamplerConfig(temperature=0))
     prompts = [f"Once upon a time {i}" for i in range(12)]
     ids = {p: cold.tokenizer.encode(p, parse_special=True) for p in prompts}
-    prompt = next((p for p in prompts if len(list(cold.generate(ids[p], 24))) < 24), prompts[0])
-    stopped = len(list(cold.generate(ids[prompt], 24)))
+    stops = ((len(list(cold.generate(ids[p], 24))), p) for p in prompts)
+    stopped, prompt = next(((n, p) for n, p in stops if n < 24), (24, prompts[0]))
     want = list(cold.generate(ids[prompt], 24, stop=False))
     r = client.completions.create(model="tiny.gguf", prompt=prompt, max_tokens=24, temperature=0,
                                   extra_body={"ignore_eos": True})

@@ -261,9 +261,9 @@ class Prefill:
                                            conv_w=g.weights[p + "ssm_conv1d.weight"], conv_state=g.conv_state[i],
                                            step=self.steps, conv=self.conv, channels=hp.conv_channels,
                                            n_k_heads=hp.ssm_k_heads, eps=hp.eps, t=t)
-        weights = dict(ssm_a=g.weights[p + "ssm_a"], dt_bias=g.weights[p + "ssm_dt.bias"])
         deltanet.deltanet_chunk_wy.launch(seq, g._pick, label=p + "ssm_wy", D=D, L=deltanet.BLOCK, conv=self.conv,
-                                          ba=self.ba, **weights, wy=self.wy, u=self.dn_raw, t=t,
+                                          ba=self.ba, ssm_a=g.weights[p + "ssm_a"],
+                                          dt_bias=g.weights[p + "ssm_dt.bias"], wy=self.wy, u=self.dn_raw, t=t,
                                           n_k_heads=hp.ssm_k_heads, v_heads=hp.ssm_v_heads)
         deltanet.deltanet_chunk_scan.launch(seq, g._pick, label=p + "ssm_chunk", D=D, L=deltanet.BLOCK,
                                             KC=hp.conv_kernel, conv=self.conv, wy=self.wy, o=self.dn_raw,
