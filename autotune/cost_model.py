@@ -72,7 +72,7 @@ class Card:
     max_groups: int = 32    # resident workgroups per unit
     registers: int = 65536  # 32-bit registers per unit (NVIDIA)
     register_granule: int = 256  # registers a warp's allocation is rounded up to (NVIDIA)
-    shared: int = 233472    # shared memory (LDS) bytes per unit for workgroups
+    shared: int = 233472    # shared memory (LDS) bytes per unit for workgroups (the driver's carveout)
     shared_reserve: int = 1024   # bytes the driver keeps per resident workgroup (NVIDIA)
     wave64_passes: float = 1.5   # SIMD32 passes per wave64 vector instruction (RDNA; 2 without dual issue)
 
@@ -91,7 +91,12 @@ def _rdna(name, cus, bandwidth, clock, latency=600.0, **more) -> Card:
 # Families by RADV's names (RADV_FORCE_FAMILY) and NVIDIA cards by a word of their device name.
 # RDNA latency, cpi and efficiency are not measured: they stay at the nominal guesses.
 CARDS = {
-    "h100": Card("NVIDIA H100 SXM (Hopper)", "nvidia", 132, 3350, 1.98, 200.0),
+    # Hopper's SM has 228 KiB for shared memory, but NVIDIA's Vulkan driver gives workgroups 100
+    # KiB of it: 2026-11-27, the 35B-A3B's experts' gate·up (102 registers: 4 workgroups an SM by
+    # registers) with its shared array grown from 22,144 to 24,192 bytes took 24.0 → 24.1 ms a
+    # 511-token chunk, to 26,240 (4 × 27,264 > 102,400: 3 an SM) 37.7 ms; its down (6 → 5 → 4
+    # an SM by 100 KiB) 16.3 → 18.0 → 23.8.
+    "h100": Card("NVIDIA H100 SXM (Hopper)", "nvidia", 132, 3350, 1.98, 200.0, shared=102400),
     "gfx1201": _rdna("Radeon AI PRO R9700 / RX 9070 XT (RDNA4)", 64, 640, 2.9),
     "gfx1200": _rdna("Radeon RX 9060 XT (RDNA4)", 32, 320, 3.1),
     "gfx1151": _rdna("Radeon 8060S, Strix Halo (RDNA3.5)", 40, 256, 2.9, 800.0),
