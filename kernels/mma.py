@@ -81,10 +81,11 @@ def fits(v) -> bool:
 
 
 def shared_bytes(v) -> int:
-    """A and B in f16 with their padding, C in f32, the grouped kernels' list of BN pairs, the
-    weight type's table."""
+    """A and B in f16 with their padding, C in f32 (in A and B's storage where it fits there),
+    the grouped kernels' list of BN pairs, the weight type's table."""
     bk = step_k(v.BK)
-    return 2 * (v.BM + v.BN) * (bk + PAD) + 4 * v.BM * v.BN + 4 * v.BN + fmt(v.QTYPE).table_bytes()
+    ab, c = 2 * (v.BM + v.BN) * (bk + PAD), 4 * v.BM * v.BN
+    return (ab if c <= ab else ab + c) + 4 * v.BN + fmt(v.QTYPE).table_bytes()
 
 
 def workgroup(v) -> int:
@@ -111,7 +112,10 @@ class Tiles:
         # f16 × 4 elements: decoded values and activations go in 8-byte stores (offsets count fours)
         self.a = zdsl.shared(f16.vec(4), BM * self.SA // 4)
         self.b = zdsl.shared(f16.vec(4), BN * self.SA // 4)
-        self.c = zdsl.shared(f32, BM * BN)  # C[m][n] at c[n·BM + m]
+        # C[m][n] at c[n·BM + m], in A and B's storage where it fits there (past the K loop they
+        # are dead): the shared memory a workgroup needs sets how many share an SM (NVIDIA's
+        # driver gives them 100 KiB of an H100's)
+        self.c = zdsl.shared(f32, BM * BN, over=(self.a, self.b) if BM * BN <= (BM + BN) * self.SA // 2 else ())
         self.tid = zdsl.local_index()
         across = BM // (TILE * TM)  # subgroups along M
         sub = zdsl.subgroup_id()
@@ -279,6 +283,7 @@ def product(t: Tiles, f, ctx, stacks, x, token_base, k):
             for i in range(TM):
                 for j in range(TN):
                     acc[i][j].set(zdsl.mat_mul_add(a[i], b[j], acc[i][j]))
+    zdsl.barrier()  # every subgroup's last products have read A and B, whose storage C may take
     for i in range(TM):
         for j in range(TN):
             zdsl.mat_store(acc[i][j], t.c, (t.col0 + TILE * j) * BM + t.row0 + TILE * i, BM, column_major=True)

@@ -62,13 +62,18 @@ _FEATURE_STRUCTS = (
     ("VkPhysicalDevicePipelineExecutablePropertiesFeaturesKHR",
      vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PIPELINE_EXECUTABLE_PROPERTIES_FEATURES_KHR,
      "VK_KHR_pipeline_executable_properties", ("pipelineExecutableInfo",)),
+    ("VkPhysicalDeviceWorkgroupMemoryExplicitLayoutFeaturesKHR",
+     vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_WORKGROUP_MEMORY_EXPLICIT_LAYOUT_FEATURES_KHR,
+     "VK_KHR_workgroup_memory_explicit_layout",
+     ("workgroupMemoryExplicitLayout", "workgroupMemoryExplicitLayout16BitAccess")),
     (None, vk.STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_BFLOAT16_FEATURES_KHR, "VK_KHR_shader_bfloat16",
      ("shaderBFloat16Type", "shaderBFloat16DotProduct", "shaderBFloat16CooperativeMatrix")),
 )
 _CORE_FEATURES = ("shaderInt16", "shaderInt64")
 # Extensions enabled when present (the rest zdsl uses is core in Vulkan 1.3).
 EXTENSIONS = ("VK_KHR_push_descriptor", "VK_KHR_pipeline_executable_properties",
-              "VK_KHR_cooperative_matrix", "VK_KHR_shader_bfloat16", "VK_EXT_memory_budget")
+              "VK_KHR_cooperative_matrix", "VK_KHR_shader_bfloat16", "VK_EXT_memory_budget",
+              "VK_KHR_workgroup_memory_explicit_layout")
 
 
 @dataclass
@@ -191,7 +196,10 @@ def probe(handle, index: int) -> Physical:
         "int8_storage": supported["shaderInt8"] and supported["storageBuffer8BitAccess"],
         "int16": supported["shaderInt16"],
         "int64": supported["shaderInt64"],
-        "coopmat": supported["cooperativeMatrix"],
+        # matrix units as the products use them: their result tile takes the storage of their
+        # operand tiles (zdsl.shared's `over`), so shared memory blocks come with them
+        "coopmat": supported["cooperativeMatrix"] and supported["workgroupMemoryExplicitLayout"]
+        and supported["workgroupMemoryExplicitLayout16BitAccess"],
         "subgroup_size_control": bool(sizes_controlled),
         "pipeline_stats": supported["pipelineExecutableInfo"],
         "push_descriptors": "VK_KHR_push_descriptor" in extensions,

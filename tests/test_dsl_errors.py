@@ -122,3 +122,58 @@ def test_last_workgroup_needs_a_u32_counter():
         with zdsl.if_(zdsl.last_workgroup(x)):  # MARK
             x[0] = 1.0
     expect_error_at(bad, "# MARK", "counts arrivals in a Buffer\\[u32\\]")
+
+
+def test_shared_over_takes_only_the_first_arrays_and_no_more_than_their_storage():
+    @zdsl.kernel(register=False)
+    def late(x: Buffer[f32], n: u32):
+        a = zdsl.shared(f32, 64)
+        b = zdsl.shared(f32, 64)
+        c = zdsl.shared(f32, 64, over=(b,))  # MARK
+        c[0] = a[0]
+    expect_error_at(late, "# MARK", "takes the first arrays declared")
+
+    @zdsl.kernel(register=False)
+    def large(x: Buffer[f32], n: u32):
+        a = zdsl.shared(f32, 64)
+        c = zdsl.shared(f32, 65, over=(a,))  # MARK
+        c[0] = a[0]
+    expect_error_at(large, "# MARK", "larger than the arrays")
+
+
+def test_shared_over_shares_storage_in_the_shader_and_not_in_the_interpreter():
+    """A result array in its operands' storage, each used only between barriers: the interpreter
+    gives the same answer as without `over`, and the shader declares shared memory blocks (all of
+    them starting at one address) that glslang and spirv-val accept."""
+    from zdsl import toolchain
+
+    def body(x, over):
+        t = zdsl.local_index()
+        a = zdsl.shared(f32, 64)
+        b = zdsl.shared(f32, 64)
+        c = zdsl.shared(f32, 128, over=(a, b) if over else ())
+        a[t] = x[t]
+        b[t] = x[t + 64]
+        zdsl.barrier()
+        s = a[63 - t] + b[t]
+        zdsl.barrier()
+        c[t], c[t + 64] = s, 2.0 * s
+        zdsl.barrier()
+        x[t + 128] = c[(t * 7) % 128]
+
+    @zdsl.kernel(workgroup=64, register=False)
+    def apart(x: Buffer[f32]):
+        body(x, False)
+
+    @zdsl.kernel(workgroup=64, register=False)
+    def aliased(x: Buffer[f32]):
+        body(x, True)
+
+    x = np.random.default_rng(0).normal(size=192).astype(np.float32)
+    want = apart.specialize().interpret(1, x=x.copy())["x"]
+    assert np.array_equal(aliased.specialize().interpret(1, x=x.copy())["x"], want)
+    v = aliased.specialize()
+    assert "shared_alias" in v.ir.features and "shared_alias" not in apart.specialize().ir.features
+    blocks = [line for line in v.glsl.splitlines() if line.startswith("shared ")]
+    assert blocks == ["shared ZdslShared { float sh0[64]; float sh1[64]; };", "shared ZdslShared2 { float sh2[128]; };"]
+    toolchain.validate(toolchain.compile_glsl(v.glsl, name="aliased"), name="aliased")

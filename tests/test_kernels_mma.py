@@ -46,24 +46,24 @@ def check(y, ref16, ref, scale):
 
 
 def test_a_weight_types_table_counts_against_shared_memory():
-    """32 × 48 tiles in K steps of 256 fit the H100's 48 KiB beside Q4_K's decoder, not beside
+    """48 × 128 tiles in K steps of 128 fit the H100's 48 KiB beside Q4_K's decoder, not beside
     IQ3_XXS's 1 KiB grid (the driver fails the pipeline), so no such variant is registered (in
-    steps of 128 they fit); where a type's table leaves no room for the default tiles (IQ2_XS's
-    1 KiB, IQ1's 4 KiB), a launch takes the first declared tiles that fit."""
+    steps of 64 they fit); the default tiles fit beside every type's table (IQ2_XS's 1 KiB, IQ1's
+    4 KiB), C taking A and B's storage."""
     from zdsl.autotune.database import choose
 
-    tiles = dict(BM=32, BN=48, BK=256, TM=1, TN=1)
+    tiles = dict(BM=48, BN=128, BK=128, TM=1, TN=1)
     assert mma.fits(SimpleNamespace(QTYPE="q4_k", **tiles)) and not mma.fits(SimpleNamespace(QTYPE="iq3_xxs", **tiles))
-    assert mma.fits(SimpleNamespace(QTYPE="iq3_xxs", **{**tiles, "BK": 128}))
+    assert mma.fits(SimpleNamespace(QTYPE="iq3_xxs", **{**tiles, "BK": 64}))
     info = SimpleNamespace(subgroup_size=32)
-    for qtype, bm in (("q4_k", 64), ("iq1_m", 32)):
+    for qtype, bm in (("q4_k", 64), ("iq1_m", 64)):
         v = choose(ffn.moe_down_coop, info, {}, db=EmptyDatabase(), QTYPE=qtype)
         assert v.params["BM"] == bm and mma.fits(SimpleNamespace(**v.params))
     # projections and the experts' products: larger tiles in steps of 128 where the type steps so,
     # whole blocks and the tiles that fit beside them otherwise
     for kernel, qtype, tiles in ((matmul.mul_mm_coop, "q4_k", (48, 64, 128)), (matmul.mul_mm_coop, "iq3_xxs", (48, 64, 128)),
-                                 (matmul.mul_mm_coop, "iq4_xs", (32, 48, 0)), (matmul.mul_mm_coop, "iq2_xs", (32, 32, 0)),
-                                 (matmul.mul_mm_coop, "iq1_s", (32, 32, 0)), (ffn.moe_down_coop, "q6_k", (64, 32, 128)),
+                                 (matmul.mul_mm_coop, "iq4_xs", (32, 48, 0)), (matmul.mul_mm_coop, "iq2_xs", (32, 48, 0)),
+                                 (matmul.mul_mm_coop, "iq1_s", (32, 48, 0)), (ffn.moe_down_coop, "q6_k", (64, 32, 128)),
                                  (ffn.moe_down_coop, "mxfp4", (64, 32, 128)), (ffn.moe_down_coop, "iq4_xs", (64, 16, 0)),
                                  (ffn.moe_gate_up_coop, "q4_k", (128, 16, 128)), (ffn.moe_gate_up_coop, "iq4_xs", (64, 16, 0))):
         v = choose(kernel, info, {}, db=EmptyDatabase(), QTYPE=qtype)
@@ -240,7 +240,7 @@ def test_tiles_beyond_shared_memory_are_refused():
     time with one line (a device asked for more can lose itself), not at pipeline creation."""
     from zdsl import ZdslError
 
-    with pytest.raises(ZdslError, match=r"64 × 32 × 256 of q4_k need 59,008 bytes of shared memory"):
+    with pytest.raises(ZdslError, match=r"64 × 32 × 256 of q4_k need 50,816 bytes of shared memory"):
         matmul.mul_mm_coop.specialize(QTYPE="q4_k", BM=64, TM=2, BN=32, TN=1, BK=256).ir
     assert matmul.mul_mm_coop.specialize(QTYPE="q4_k").ir is not None
 

@@ -292,6 +292,8 @@ class Emitter:
                 out.append(f"#extension GL_KHR_shader_subgroup_{ext} : require")
         if "int8_dot" in k.features:
             out.append("#extension GL_EXT_spirv_intrinsics : require")
+        if "shared_alias" in k.features:
+            out.append("#extension GL_EXT_shared_memory_block : require")
         if "coopmat" in k.features:
             out.append("#extension GL_KHR_cooperative_matrix : require")
             out.append("#extension GL_KHR_memory_scope_semantics : require")
@@ -322,14 +324,28 @@ class Emitter:
                 vn = view_name(v, self.declared)
                 out.append(f"layout(set = 0, binding = {binding}, std430) {restrict}{qual}buffer B_{vn} "
                            f"{{ {v.dtype.glsl} {vn}[]; }};")
-        for s in k.shared:
-            size = s.size if isinstance(s.size, int) else self.op(s.size)
-            out.append(f"shared {s.dtype.compute.glsl} sh{s.id}[{size}];")
+        out += self.shared_arrays()
         for t in k.tables:
             values = ", ".join(literal(v, t.dtype) for v in t.values)
             out.append(f"const {t.dtype.glsl} tb{t.id}[{len(t.values)}] = {t.dtype.glsl}[{len(t.values)}]({values});")
         if "int8_dot" in k.features:
             out.append(DOT4_DECL)
+        return out
+
+    def shared_arrays(self) -> list[str]:
+        """The shared arrays' declarations. Where one takes others' storage (zdsl.shared's
+        `over`), every array is a member of a shared block, and such blocks all start at the same
+        address (GL_EXT_shared_memory_block): the others in one block, the arrays taken first,
+        and each taker in a block of its own."""
+        def decl(s):
+            size = s.size if isinstance(s.size, int) else self.op(s.size)
+            return f"{s.dtype.compute.glsl} sh{s.id}[{size}];"
+        shared = self.k.shared
+        if not any(s.over for s in shared):
+            return [f"shared {decl(s)}" for s in shared]
+        rest = [s for s in shared if not s.over]
+        out = ["shared ZdslShared { " + " ".join(decl(s) for s in rest) + " };"]
+        out += [f"shared ZdslShared{s.id} {{ {decl(s)} }};" for s in shared if s.over]
         return out
 
     def emit(self) -> tuple[str, list]:

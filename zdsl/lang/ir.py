@@ -89,6 +89,7 @@ class Shared:
     id: int
     dtype: DType
     size: Operand | int
+    over: tuple[int, ...] = ()  # the arrays whose storage it takes (zdsl.shared's `over`)
 
 
 @dataclass(frozen=True)

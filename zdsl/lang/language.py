@@ -188,13 +188,28 @@ def where(cond, a, b, dtype: DType | None = None) -> Value:
 
 # ---- shared memory, synchronization ------------------------------------------------------------
 
-def shared(dtype: DType, size) -> SharedArray:
-    """A workgroup-shared array; `size` is an int or a compile-time expression of Spec params."""
+def shared(dtype: DType, size, over=()) -> SharedArray:
+    """A workgroup-shared array; `size` is an int or a compile-time expression of Spec params.
+
+    `over`: arrays declared before, first of all, that this one takes the storage of. Use it
+    only while they are dead, a barrier on each side (a product's result tile over its operand
+    tiles, once the K loop is done): the workgroup then needs only the larger of the two, and
+    more workgroups fit a unit's shared memory. Needs the device's shared memory blocks
+    (VK_KHR_workgroup_memory_explicit_layout: the "shared_alias" feature); the interpreter keeps
+    the arrays apart, which changes nothing in a program that respects the barriers."""
     t = tracer()
     size_ref = size if isinstance(size, int) else operand(size)
     if not isinstance(size_ref, (int, ir.Const, ir.Spec, ir.ConstExpr)):
         raise fail("a shared array's size must be known at pipeline creation (ints, Const and Spec params)")
-    decl = ir.Shared(len(t.shared), dtype, size_ref)
+    ids = tuple(a.decl.id for a in over)
+    if over:
+        sizes = [size] + [a.decl.size for a in over]
+        if not all(isinstance(n, int) for n in sizes) or any(i != n for n, i in enumerate(ids)):
+            raise fail("zdsl.shared's `over` takes the first arrays declared, of sizes known in Python (ints)")
+        if size * dtype.nbytes > sum(a.decl.size * a.decl.dtype.nbytes for a in over):
+            raise fail("zdsl.shared's `over`: the array is larger than the arrays whose storage it takes")
+        t.features.add("shared_alias")
+    decl = ir.Shared(len(t.shared), dtype, size_ref, ids)
     t.shared.append(decl)
     return SharedArray(decl)
 
