@@ -163,8 +163,8 @@ def choose(kernel, info, shape: dict, db: Database | None = None, **fixed):
 
 def accepted_params(kernel, params: dict) -> dict:
     """params, or where the kernel's constraint refuses its defaults under them, the first of its
-    declared choices for the other parameters that it accepts (IQ1's 4 KiB grid leaves no room
-    for the matrix-unit kernels' default 64-row tiles)."""
+    declared choices for the other parameters that it accepts (deltanet_gated_norm's default
+    32-invocation workgroup on a device of 64-wide subgroups)."""
     accepts = kernel.constraint or (lambda v: True)
     if accepts(SimpleNamespace(**kernel.complete(params))):
         return params

@@ -80,12 +80,22 @@ def fits(v) -> bool:
             and shared_bytes(v) <= SHARED_BYTES)
 
 
+def operand_bytes(BM: int, BN: int, bk: int) -> int:
+    """A and B in f16 with their padding."""
+    return 2 * (BM + BN) * (bk + PAD)
+
+
+def c_in_operands(BM: int, BN: int, bk: int) -> bool:
+    """Whether C (f32) fits in A and B's storage, which it takes once the K loop is done."""
+    return 4 * BM * BN <= operand_bytes(BM, BN, bk)
+
+
 def shared_bytes(v) -> int:
-    """A and B in f16 with their padding, C in f32 (in A and B's storage where it fits there),
-    the grouped kernels' list of BN pairs, the weight type's table."""
+    """A and B, C unless it takes their storage, the grouped kernels' list of BN pairs, the
+    weight type's table."""
     bk = step_k(v.BK)
-    ab, c = 2 * (v.BM + v.BN) * (bk + PAD), 4 * v.BM * v.BN
-    return (ab if c <= ab else ab + c) + 4 * v.BN + fmt(v.QTYPE).table_bytes()
+    c = 0 if c_in_operands(v.BM, v.BN, bk) else 4 * v.BM * v.BN
+    return operand_bytes(v.BM, v.BN, bk) + c + 4 * v.BN + fmt(v.QTYPE).table_bytes()
 
 
 def workgroup(v) -> int:
@@ -115,7 +125,7 @@ class Tiles:
         # C[m][n] at c[n·BM + m], in A and B's storage where it fits there (past the K loop they
         # are dead): the shared memory a workgroup needs sets how many share an SM (NVIDIA's
         # driver gives them 100 KiB of an H100's)
-        self.c = zdsl.shared(f32, BM * BN, over=(self.a, self.b) if BM * BN <= (BM + BN) * self.SA // 2 else ())
+        self.c = zdsl.shared(f32, BM * BN, over=(self.a, self.b) if c_in_operands(BM, BN, BK) else ())
         self.tid = zdsl.local_index()
         across = BM // (TILE * TM)  # subgroups along M
         sub = zdsl.subgroup_id()

@@ -145,6 +145,16 @@ def test_database_entries_change_choose_with_fallbacks(tmp_path, monkeypatch):
     assert json.loads(path.read_text())["entries"][0]["kernel"] == "scale_rows_test"
 
 
+def test_choose_takes_the_first_declared_choice_the_constraint_accepts_where_it_refuses_the_defaults():
+    """deltanet_gated_norm's default workgroup of 32 is no whole number of 64-wide subgroups: on
+    such a device choose() (and the tuner's default) takes the first declared WG that is."""
+    from zdsl.kernels.deltanet import deltanet_gated_norm
+
+    params = db.choose(deltanet_gated_norm, fake_info(subgroup=64), {"d": 128}, db=db.Database([])).params
+    assert params["SG"] == 64 and params["WG"] == 64
+    assert db.choose(deltanet_gated_norm, fake_info(subgroup=32), {"d": 128}, db=db.Database([])).params["WG"] == 32
+
+
 def test_recorded_launches_are_what_the_real_graph_launches(device, tmp_path):
     """A step recorded on a DryDevice (no memory, nothing runs) lists the launches a graph on
     lavapipe records: the same kernels, keys, sizes, grids and variants, in the same order."""

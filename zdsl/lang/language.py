@@ -194,9 +194,10 @@ def shared(dtype: DType, size, over=()) -> SharedArray:
     `over`: arrays declared before, first of all, that this one takes the storage of. Use it
     only while they are dead, a barrier on each side (a product's result tile over its operand
     tiles, once the K loop is done): the workgroup then needs only the larger of the two, and
-    more workgroups fit a unit's shared memory. Needs the device's shared memory blocks
-    (VK_KHR_workgroup_memory_explicit_layout: the "shared_alias" feature); the interpreter keeps
-    the arrays apart, which changes nothing in a program that respects the barriers."""
+    more workgroups fit a unit's shared memory. The kernel then needs shared memory blocks
+    (VK_KHR_workgroup_memory_explicit_layout; its IR lists "shared_alias" among its features); the
+    interpreter keeps the arrays apart, which changes nothing in a program that respects the
+    barriers."""
     t = tracer()
     size_ref = size if isinstance(size, int) else operand(size)
     if not isinstance(size_ref, (int, ir.Const, ir.Spec, ir.ConstExpr)):
