@@ -32,7 +32,7 @@ from types import SimpleNamespace
 import numpy as np
 
 import zdsl
-from zdsl import Buffer, Const, f32, u8, u32
+from zdsl import Buffer, Const, f16, f32, u8, u32
 from zdsl.kernels import dmmv, inputs
 from zdsl.kernels.dmmv import q8_step
 from zdsl.kernels.q8_1 import q8_1_buffers, q8_1_values, store_q8_1, write_normed
@@ -734,17 +734,21 @@ def deltanet_chunk_scan_example(use, rng, check):
                                                  "o": inputs.copies(args["o"], n)})
 
 
-@zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [32, 64], "Q8": [False, True], "SG": SUBGROUPS},
+@zdsl.kernel(workgroup="WG", subgroup="SG",
+             variants={"WG": [32, 64], "Q8": [False, True], "HALVES": [False, True], "SG": SUBGROUPS},
              where=lambda v: v.WG % v.SG == 0, key=("d",), sizes=("rows",), grid=lambda v, s: s.rows,
-             traffic=lambda v, s: s.rows * (12 * s.d + (s.d + s.d // 4 if v.Q8 else 0)) + 4 * s.d)
+             traffic=lambda v, s: s.rows * (12 * s.d + (s.d + s.d // 4 if v.Q8 else 0) + (2 * s.d if v.HALVES else 0))
+             + 4 * s.d)
 def deltanet_gated_norm(o: Buffer[f32], z: Buffer[f32], norm_w: Buffer[f32], out: Buffer[f32], oq: Buffer[u32],
-                        od: Buffer[f32], d: u32, eps: f32, Q8: Const = False, WG: Const = 32, SG: Const = 32):
+                        od: Buffer[f32], h: Buffer[f16], d: u32, eps: f32, Q8: Const = False, HALVES: Const = False,
+                        WG: Const = 32, SG: Const = 32):
     """out = rmsnorm(o) · norm_w · silu(z) per row of d values (a token's value head; norm_w is
-    the heads' one vector), with Q8 also as Q8_1 (oq, od; d a multiple of 32): deltanet_chunk_scan's
-    read-out made what the output projection reads, for every row of the chunk at once (the
-    launch's `rows`, one workgroup each)."""
+    the heads' one vector), with Q8 also as Q8_1 (oq, od; d a multiple of 32), with HALVES also in
+    f16 (h, for an output projection on matrix units): deltanet_chunk_scan's read-out made what
+    the output projection reads, for every row of the chunk at once (the launch's `rows`, one
+    workgroup each)."""
     write_normed(o, norm_w, out, oq if Q8 else None, od if Q8 else None, d, eps, WG, SG, row=zdsl.workgroup_id(),
-                 gate=z)
+                 gate=z, h=h if HALVES else None)
 
 
 @deltanet_gated_norm.reference
@@ -761,6 +765,9 @@ def deltanet_gated_norm_example(use, rng, check):
                 out=np.zeros(rows * d, np.float32), d=d, eps=eps, rows=rows)
     if use.fixed["Q8"]:
         args.update(oq=np.zeros(rows * d // 4, np.uint32), od=np.zeros(rows * d // 16, np.float32))
+    if use.fixed.get("HALVES", False):
+        args.update(h=np.zeros(rows * d, np.float16))
     want = deltanet_gated_norm_ref(args["o"].reshape(rows, d), args["z"].reshape(rows, d), args["norm_w"], eps)
     q8_out = {"od": (inputs.q8_1_scales(want), 1e-4)} if use.fixed["Q8"] else {}
-    return zdsl.Example(args, lambda p: {"out": (want.reshape(-1), 1e-4), **q8_out})
+    h_out = {"h": (want.reshape(-1).astype(np.float16), 1e-3)} if "h" in args else {}
+    return zdsl.Example(args, lambda p: {"out": (want.reshape(-1), 1e-4), **q8_out, **h_out})

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 import zdsl
-from zdsl import Buffer, Const, f32, i32, u32
+from zdsl import Buffer, Const, f16, f32, i32, u32
 from zdsl.kernels.formats import q8_1_quantize
 from zdsl.kernels.norm import rms_norm_ref
 from zdsl.kernels.reduce import SUBGROUPS, workgroup_sums
@@ -65,10 +65,11 @@ def round_away(v):
     return zdsl.where(v < 0.0, -r, r)
 
 
-def write_normed(x, norm_w, hn, xq, xd, n, eps, WG: int, SG: int, row=0, gate=None):
+def write_normed(x, norm_w, hn, xq, xd, n, eps, WG: int, SG: int, row=0, gate=None, h=None):
     """hn = rmsnorm(x) · norm_w (· silu(gate), a buffer laid out as x, where given) for row `row`
     of n values, in f32 and, unless xq is None, as Q8_1 (xq, xd; rows back to back; n a multiple
-    of 32), by one workgroup of WG invocations. Two passes over x (Σx²,
+    of 32), and in f16 where h is given (what products on matrix units read), by one workgroup
+    of WG invocations. Two passes over x (Σx²,
     then the outputs) in 16-byte loads; invocation t takes quads t, t + WG, …, so eight
     neighbours hold a block. The loops are GPU loops, not unrolled: in the decode step this
     kernel's code comes from memory every time (the weights streaming through L2 evict it), and
@@ -91,6 +92,8 @@ def write_normed(x, norm_w, hn, xq, xd, n, eps, WG: int, SG: int, row=0, gate=No
             v = v * zdsl.silu(gate.vec4[first + at])
         with zdsl.if_(ok):
             hn.vec4[first + i] = v
+            if h is not None:
+                h.vec4[first + i] = v.to(f16.vec(4))
         if xq is not None:
             store_q8_1(v, first + i, ok, xq, xd)
 
@@ -111,14 +114,20 @@ def quantize_q8_1_ref(x):
     return q8_1_quantize(np.asarray(x, np.float32).reshape(-1, 32))
 
 
-@zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [64, 256, 512], "SG": SUBGROUPS}, key=("n",),
-             sizes=("rows",), grid=lambda v, s: s.rows, traffic=lambda v, s: s.rows * (17 * s.n + s.n // 4))
-def norm_q8_1(x: Buffer[f32], norm_w: Buffer[f32], hn: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], n: u32,
-              eps: f32, WG: Const = 512, SG: Const = 32):
-    """hn = rmsnorm(x) · norm_w per row of n values, in f32 and as Q8_1 (n a multiple of 32): what
-    the next projections read. One workgroup per row (a residual stream is a few thousand
-    values): the launch's `rows`, one at decode, a chunk's tokens at prefill."""
-    write_normed(x, norm_w, hn, xq, xd, n, eps, WG, SG, row=zdsl.workgroup_id())
+def _norm_traffic(v, s) -> int:
+    return s.rows * (13 * s.n + s.n // 4 + (2 * s.n if v.HALVES else 0))
+
+
+@zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [64, 256, 512], "HALVES": [False, True], "SG": SUBGROUPS},
+             key=("n",), sizes=("rows",), grid=lambda v, s: s.rows, traffic=_norm_traffic)
+def norm_q8_1(x: Buffer[f32], norm_w: Buffer[f32], hn: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], h: Buffer[f16],
+              n: u32, eps: f32, HALVES: Const = False, WG: Const = 512, SG: Const = 32):
+    """hn = rmsnorm(x) · norm_w per row of n values, in f32 and as Q8_1 (n a multiple of 32), with
+    HALVES also in f16 (h): what the next projections read, on the int8 path or on matrix units
+    (the f16 rows made here rather than by a dispatch of their own). One workgroup per row (a
+    residual stream is a few thousand values): the launch's `rows`, one at decode, a chunk's
+    tokens at prefill."""
+    write_normed(x, norm_w, hn, xq, xd, n, eps, WG, SG, row=zdsl.workgroup_id(), h=h if HALVES else None)
 
 
 @norm_q8_1.reference
@@ -162,7 +171,11 @@ def norm_q8_1_example(use, rng, check):
                 hn=np.zeros(rows * n, np.float32), xq=np.zeros(rows * n // 4, np.uint32),
                 xd=np.zeros(rows * n // 16, np.float32), n=n, eps=eps, rows=rows)
 
-    def expect(p):  # hn to rounding, and its Q8_1 scales
+    if use.fixed.get("HALVES", False):
+        args.update(h=np.zeros(rows * n, np.float16))
+
+    def expect(p):  # hn to rounding, its Q8_1 scales, its f16 rows
         hn = np.concatenate([norm_q8_1_ref(x, args["norm_w"], eps)[0] for x in args["x"].reshape(rows, n)])
-        return {"hn": (hn, 1e-4), "xd": (inputs.q8_1_scales(hn), 1e-4)}
+        halves = {"h": (hn.astype(np.float16), 1e-3)} if "h" in args else {}
+        return {"hn": (hn, 1e-4), "xd": (inputs.q8_1_scales(hn), 1e-4), **halves}
     return zdsl.Example(args, expect)

@@ -81,8 +81,10 @@ class IntGroup:
 
 def words_at(w, addr, n: int, align: int) -> list:
     """n little-endian u32 from byte address `addr`, which is `align`-aligned (a power of two):
-    16- or 8-byte vector loads where alignment allows, u16 pairs where it is only 2, bytes where
-    it is 1 (blocks of an odd size: MXFP4's 17)."""
+    16- or 8-byte vector loads where alignment allows, u32 loads around them where it is only 2
+    (halves_at), bytes where it is 1 (blocks of an odd size: MXFP4's 17)."""
+    if align == 2 and n > 1:
+        return halves_at(w, addr, n)
     out = []
     while len(out) < n:
         left = n - len(out)
@@ -102,6 +104,19 @@ def words_at(w, addr, n: int, align: int) -> list:
             b = w.view(u8)
             out.append(b[at] | (b[at + 1] << 8) | (b[at + 2] << 16) | (b[at + 3] << 24))
     return out
+
+
+def halves_at(w, addr, n: int) -> list:
+    """n u32 from a 2-aligned byte address, as n aligned u32 loads and one u16 rather than 2n u16
+    loads (where a warp's lanes read different rows, each load is up to 32 cache sectors to look
+    up): word i is the high half of aligned word i and the low half of word i + 1 where addr is
+    not 4-aligned, else aligned word i itself. The last half loaded is the last two bytes wanted
+    (the low half of word n, or unused), so nothing past them is read: a buffer may end there."""
+    shift = (addr & 2) * 8  # 0 or 16
+    first = addr >> 2
+    aligned = [w.view(u32)[first + i] for i in range(n)] + [w.view(u16)[(addr + 4 * n - 2) >> 1]]
+    # (b << 16) << (16 − shift): b's low half on top, or 0 where shift is 0 (no shift by 32)
+    return [(aligned[i] >> shift) | ((aligned[i + 1] << 16) << (16 - shift)) for i in range(n)]
 
 
 def f16_at(w, byte_addr):

@@ -447,7 +447,7 @@ def test_cli_measured_json(tmp_path, capsys):
     assert report["method"] == "measured" and report["entries_written"] == 1
     (use,) = report["uses"]
     # before each layer's two halves, and before the head
-    assert use["kernel"] == "norm_q8_1" and use["key"] == {"n": 256} and use["count"] == 9
+    assert use["kernel"] == "norm_q8_1" and use["key"] == {"HALVES": False, "n": 256} and use["count"] == 9
     assert use["best"]["us"] > 0 and not use["rejected"]
     (entry,) = json.loads(out.read_text())["entries"]
     assert entry["kernel"] == "norm_q8_1" and entry["method"] == "measured" and entry["params"] == use["best"]["params"]

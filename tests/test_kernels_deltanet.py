@@ -214,15 +214,19 @@ def conv_rows(backend, request, x, pos, Hk, D, sg, t):
                n_k_heads=Hk, eps=EPS)["conv"]
 
 
-def gated_norm(backend, request, o, z, norm_w, sg, q8):
-    """deltanet_gated_norm of the rows of o (rows, d), their Q8_1 form checked where q8."""
+def gated_norm(backend, request, o, z, norm_w, sg, q8, halves=False):
+    """deltanet_gated_norm of the rows of o (rows, d), their Q8_1 form checked where q8, their f16
+    rows (exactly the f32 ones rounded) where halves."""
     rows, d = o.shape
     q8_out = dict(oq=np.zeros(rows * d // 4, np.uint32), od=np.full(rows * d // 16, np.nan, np.float32)) if q8 else {}
-    v = dn.deltanet_gated_norm.specialize(Q8=q8, WG=max(32, sg), SG=sg)
+    h_out = dict(h=np.full(rows * d, np.nan, np.float16)) if halves else {}
+    v = dn.deltanet_gated_norm.specialize(Q8=q8, HALVES=halves, WG=max(32, sg), SG=sg)
     got = run(v, backend, request, rows, o=o.reshape(-1), z=z.reshape(-1), norm_w=norm_w,
-              out=np.full(rows * d, np.nan, np.float32), d=d, eps=EPS, **q8_out)
+              out=np.full(rows * d, np.nan, np.float32), d=d, eps=EPS, **q8_out, **h_out)
     if q8:
         assert_q8_1_of(got["oq"], got["od"], got["out"])
+    if halves:
+        np.testing.assert_array_equal(got["h"], got["out"].astype(np.float16))
     return got
 
 
@@ -395,16 +399,16 @@ def test_prefill_chunks_then_decode(backend, request):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@given(rows=st.integers(1, 9), d=st.sampled_from([4, 8, 24, 32, 128]), q8=st.booleans(), sg_pick=st.integers(0, 3),
-       scale=st.sampled_from([0.0, 1e-3, 1.0]), seed=st.integers(0, 99))
-def test_gated_norm(backend, request, rows, d, q8, sg_pick, scale, seed):
+@given(rows=st.integers(1, 9), d=st.sampled_from([4, 8, 24, 32, 128]), q8=st.booleans(), halves=st.booleans(),
+       sg_pick=st.integers(0, 3), scale=st.sampled_from([0.0, 1e-3, 1.0]), seed=st.integers(0, 99))
+def test_gated_norm(backend, request, rows, d, q8, halves, sg_pick, scale, seed):
     """Rows of any multiple of 4 values (of 32 with Q8_1), fewer or more than the workgroup's
-    invocations hold; o = 0 gives 0 (eps)."""
+    invocations hold, with or without their f16 copy; o = 0 gives 0 (eps)."""
     q8 = q8 and d % 32 == 0
     rng = np.random.default_rng(seed)
     o = (rng.standard_normal((rows, d)) * scale).astype(np.float32)
     z, norm_w = (rng.standard_normal((rows, d)) * 2).astype(np.float32), rng.standard_normal(d, dtype=np.float32)
-    got = gated_norm(backend, request, o, z, norm_w, subgroup(backend, request, sg_pick), q8)
+    got = gated_norm(backend, request, o, z, norm_w, subgroup(backend, request, sg_pick), q8, halves)
     np.testing.assert_allclose(got["out"].reshape(rows, d), dn.deltanet_gated_norm_ref(o, z, norm_w, EPS),
                                rtol=2e-5, atol=2e-5)
 

@@ -27,6 +27,10 @@ from zdsl.kernels.kvcache import DEFAULT as KV_DEFAULT
 from zdsl.models.qwen35.run import kv_type_option
 
 DEFAULT_CONTEXTS = "0,4096,16384,32768"  # llama-bench reports pp512 and tg128 at depth 0
+# Untimed prompts at each depth for at least this long: an idle GPU's clocks rise over the first
+# fraction of a second of load, and one warm-up prompt left the first timed ones up to 2x slow
+# (2026-11-28, H100: pp512 samples 3,801 7,616 8,024 8,123 8,119 tok/s)
+WARM_S = 1.0
 PROMPT_NOTE = ("prompt = batched prefill in chunks of up to 512 tokens (each expert's weights read once per chunk, "
                "the delta rule in blocks of 64 tokens), its last token through the decode step")
 
@@ -137,16 +141,20 @@ def git_commit() -> str | None:
 
 def measure(gen, plan, depths: list[int], tokens: int, prompt_len: int, repeats: int, copy_gbps: float,
             say) -> list[dict]:
-    """One row per depth: prompt and decode tok/s (after one untimed pass of each: the prompt's
-    chunk sequences are recorded on first use), the bytes a decoded token moves there, the
-    ceiling they imply and the share of it reached."""
+    """One row per depth: prompt and decode tok/s (after untimed passes of each: the prompt's
+    chunk sequences are recorded on first use, and the clocks rise: WARM_S), the bytes a decoded
+    token moves there, the ceiling they imply and the share of it reached."""
     g = gen.graph
     ids = np.random.default_rng(0).integers(0, g.hp.vocab, prompt_len).tolist()
     rows = []
     for depth in depths:
         say(f"depth {depth:,}: warm-up, then {repeats} × ({prompt_len} prompt + {tokens} decode tokens)")
         time_decode(g, depth, tokens, gen.burst)
-        time_prompt(g, depth, ids)
+        end = time.perf_counter() + WARM_S
+        while True:
+            time_prompt(g, depth, ids)
+            if time.perf_counter() >= end:
+                break
         prompt = [time_prompt(g, depth, ids) for _ in range(repeats)]
         decode = summary([time_decode(g, depth, tokens, gen.burst) for _ in range(repeats)])
         b = bytes_per_token(plan, depth, tokens, g.kv_types)
@@ -320,7 +328,7 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
             "settings": {"contexts": depths, "tokens": tokens, "prompt": prompt_len, "repeats": repeats,
                          "kv_type": ",".join(kv),
                          "burst": gen.burst, "copy_bytes": 2 * (copy_mb << 20),
-                         "warmup": f"{tokens} decode tokens per depth"},
+                         "warmup": f"{tokens} decode tokens and {WARM_S:g} s of prompts per depth"},
             "copy_gbps": copy_gbps,
             "dispatches_per_token": gen.graph.dispatches,
             "memory_plan": rows,

@@ -397,7 +397,7 @@ class DecodeGraph:
         """normed = rmsnorm(x) · norm, in f32 and Q8_1, for t rows: a workgroup a row."""
         n = a.normed
         q8_1.norm_q8_1.launch(seq, self._pick, label=norm.removesuffix(".weight"), x=a.x, norm_w=self.weights[norm],
-                              hn=n.f32, xq=n.q, xd=n.d, n=self.hp.hidden, eps=self.hp.eps, rows=t)
+                              hn=n.f32, xq=n.q, xd=n.d, HALVES=False, n=self.hp.hidden, eps=self.hp.eps, rows=t)
 
     def _next_norm(self, i: int) -> str:
         """The norm that the layer after layer i starts with (the output norm after the last)."""

@@ -149,9 +149,13 @@ class Prefill:
     def _norm(self, seq, norm: str, t: int) -> None:
         n = self.normed
         q8_1.norm_q8_1.launch(seq, self.g._pick, label="chunk." + norm.removesuffix(".weight"), x=self.x,
-                              norm_w=self.g.weights[norm], hn=n.f32, xq=n.q, xd=n.d, n=self.hp.hidden, eps=self.hp.eps,
-                              rows=t)
-        self._halves(seq, n, t * self.hp.hidden)
+                              norm_w=self.g.weights[norm], hn=n.f32, xq=n.q, xd=n.d, **self._halved(n),
+                              n=self.hp.hidden, eps=self.hp.eps, rows=t)
+
+    @staticmethod
+    def _halved(v) -> dict:
+        """A norm's arguments that make v's f16 rows too, where products on matrix units read them."""
+        return dict(HALVES=True, h=v.h) if v.h is not None else dict(HALVES=False)
 
     def _halves(self, seq, v, n: int) -> None:
         """v's f16 rows from its f32 ones, where products on matrix units read them (n values)."""
@@ -272,8 +276,8 @@ class Prefill:
         o = self.dn_out
         deltanet.deltanet_gated_norm.launch(seq, g._pick, label=p + "ssm_norm", Q8=g._int8(p + "ssm_out.weight"),
                                             o=self.dn_raw, z=self.z, norm_w=g.weights[p + "ssm_norm.weight"],
-                                            out=o.f32, oq=o.q, od=o.d, d=D, eps=hp.eps, rows=t * hp.ssm_v_heads)
-        self._halves(seq, o, t * hp.ssm_value_dim)
+                                            out=o.f32, oq=o.q, od=o.d, **self._halved(o), d=D, eps=hp.eps,
+                                            rows=t * hp.ssm_v_heads)
         self._project(seq, p + "ssm_out.weight", self.x, t, o, add=True)
         self._after_mixer(seq, i, t)
 
@@ -290,25 +294,28 @@ class Prefill:
         down, down_sh = p + "ffn_down_exps.weight", p + "ffn_down_shexp.weight"
         F, _ = g.tensors.shape(gate)[-2:]
         qd = g._qname(down)
+        # the shared expert: the stacks' last expert (or tensors of its own type), every token routed to it
+        # once. Its gate·up is recorded beside the router and its down beside the experts' gate·up (no
+        # barrier between: neither reads what the other writes), so these small dispatches fill SMs the
+        # others leave idle (2026-11-28, H100: pp512 +0.5%)
+        one = (self.one_offsets, self.one_pairs)
+        gate_sh, up_sh = p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"
+        named, wg, wu = (((gate_sh, up_sh), g.weights[gate_sh], g.weights[up_sh]) if gate_sh in g.tensors
+                         else ((gate, up), _expert(g, gate, E), _expert(g, up, E)))
+        w_sh, q_sh = (g.weights[down_sh], g._qname(down_sh)) if down_sh in g.tensors else (_expert(g, down, E), qd)
         self._norm(seq, p + "post_attention_norm.weight", t)
         self._project(seq, router, self.logits, t, exact=True)
+        self._gate_up(seq, p + "ffn_gate_up_shexp", named, wg, wu, *one, self.act_shared, 1, t, 1)
         moe.moe_route_rows.launch(seq, g._pick, label=p + "moe_route_rows", K=K, logits=self.logits, ids=self.route_ids,
                                   weights=self.route_w, counts=self.counts, n_expert=E, stride=E + 1, t=t)
         moe.moe_group.launch(seq, g._pick, label=p + "moe_group", K=K, ids=self.route_ids, counts=self.counts,
                              offsets=self.offsets, pairs=self.pairs, t=t, n_expert=E)
         self._gate_up(seq, p + "ffn_gate_up_exps", (gate, up), g.weights[gate], g.weights[up], self.offsets,
                       self.pairs, self.act, K, t, E)
-        self._down(seq, p + "ffn_down_exps", qd, g.weights[down], self.offsets, self.pairs, self.act, self.y, F, H,
-                   K, t, E)
-        # the shared expert: the stacks' last expert (or tensors of its own type), every token routed to it once
-        one = (self.one_offsets, self.one_pairs)
-        gate_sh, up_sh = p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"
-        named, wg, wu = (((gate_sh, up_sh), g.weights[gate_sh], g.weights[up_sh]) if gate_sh in g.tensors
-                         else ((gate, up), _expert(g, gate, E), _expert(g, up, E)))
-        self._gate_up(seq, p + "ffn_gate_up_shexp", named, wg, wu, *one, self.act_shared, 1, t, 1)
-        w_sh, q_sh = (g.weights[down_sh], g._qname(down_sh)) if down_sh in g.tensors else (_expert(g, down, E), qd)
         self._down(seq, p + "ffn_down_shexp", q_sh, w_sh, *one, self.act_shared, self.y_shared, hp.shared_ffn, H, 1,
                    t, 1)
+        self._down(seq, p + "ffn_down_exps", qd, g.weights[down], self.offsets, self.pairs, self.act, self.y, F, H,
+                   K, t, E)
         moe.moe_combine_rows.launch(seq, g._pick, label=p + "moe_combine", SHARED=True, x=self.x, weights=self.route_w,
                                     y=self.y, shared=self.y_shared, logits=self.logits, k=H, topk=K, n_expert=E,
                                     stride=E + 1, t=t)
