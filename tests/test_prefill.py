@@ -207,9 +207,39 @@ def test_recorded_chunks_stay_few(model, device):
         for n in range(1, 8):
             g.reset()
             g.prefill(prompt[:n])
-        assert 8 in g.prompt._seqs and len(g.prompt._seqs) <= 1 + KEPT_LENGTHS and 3 not in g.prompt._seqs
+        assert (8, False) in g.prompt._seqs and len(g.prompt._seqs) <= 1 + KEPT_LENGTHS
+        assert (3, False) not in g.prompt._seqs
         g.reset()
         g.prefill(prompt[:-1])
         assert g.decode(prompt[-1]) == first and np.array_equal(g.logits(), logits)
+    finally:
+        g.close()
+
+
+def test_prefill_samples_as_the_last_tokens_decode_step_would(model, device):
+    """prefill(sample=True) draws the first new token in the last chunk (of 8 and 4 here), from
+    the last token's logits, which it leaves as a decode step does: the step values and position
+    those of decode(prompt[-1]) after prefill(prompt[:-1]), the greedy token their argmax, and
+    decoding goes on from there. Where both paths read Q8_1 (lavapipe), the logits are those of
+    that decode step within the bounds of the module's tests, and so is the token where its lead
+    is clear; on matrix units the chunk's products round otherwise (f16: the module docstring)."""
+    g = DecodeGraph(model, device, 64, SamplerConfig(temperature=0), progress=False, chunk=8)
+    try:
+        prompt = np.random.default_rng(4).integers(0, model.hparams.vocab, 12).tolist()
+        g.reset()
+        g.prefill(prompt[:-1])
+        first, logits, words = g.decode(prompt[-1]), g.logits(), g.step_words.copy()
+        g.reset()
+        token = g.prefill(prompt, sample=True)
+        got = g.logits()
+        assert g.position == 12 and np.array_equal(g.step_words[[0, 1, 3]], words[[0, 1, 3]])
+        assert token == g.step_words[2] == int(np.argmax(got))
+        if not g.prefill_units:
+            spread = float(np.std(logits))
+            assert np.abs(got - logits).max() <= LOGITS * spread
+            top2 = np.sort(logits)[-2:]
+            if top2[1] - top2[0] > 2 * LOGITS * spread:
+                assert token == first
+        assert g.decode() == int(np.argmax(g.logits())) and g.position == 13
     finally:
         g.close()

@@ -32,7 +32,8 @@ DEFAULT_CONTEXTS = "0,4096,16384,32768"  # llama-bench reports pp512 and tg128 a
 # (2026-11-28, H100: pp512 samples 3,801 7,616 8,024 8,123 8,119 tok/s)
 WARM_S = 1.0
 PROMPT_NOTE = ("prompt = batched prefill in chunks of up to 512 tokens (each expert's weights read once per chunk, "
-               "the delta rule in blocks of 64 tokens), its last token through the decode step")
+               "the delta rule in blocks of 64 tokens), the first new token drawn in the last chunk from its last "
+               "token's logits")
 
 
 def parse_contexts(text: str) -> list[int]:
@@ -100,8 +101,7 @@ def time_prompt(graph, depth: int, ids: list[int]) -> float:
     """tok/s of feeding `ids` at `depth` the way `zdsl run` feeds a prompt."""
     graph.seek(depth)
     start = time.perf_counter()
-    graph.prefill(ids[:-1])
-    graph.decode(ids[-1])
+    graph.prefill(ids, sample=True)
     return len(ids) / (time.perf_counter() - start)
 
 

@@ -155,19 +155,23 @@ class Generator:
             self.forget()
         g.use_sampler(sampler)
 
-    def _prefill(self, tokens: list[int]) -> None:
-        """Feed prompt tokens; with checkpoints, in pieces that end at multiples of the prompt
-        chunk (where a prompt fed whole is cut too), each followed by a snapshot."""
+    def _prefill(self, tokens: list[int]) -> int:
+        """Feed the prompt's new tokens and return the first generated one: drawn in the last
+        chunk from the last token's logits (DecodeGraph.prefill's `sample`). With checkpoints,
+        the tokens but the last in pieces that end at multiples of the prompt chunk (where a
+        prompt fed whole is cut too), each followed by a snapshot (of the sampler's counter
+        before the prompt's draw, as a later prompt that shares them expects), then the last
+        token's decode step."""
         g = self.graph
         if self.checkpoints is None:
-            g.prefill(tokens)
-            return
-        at = 0
-        while at < len(tokens):
-            n = min(len(tokens) - at, g.chunk - g.position % g.chunk)
+            return g.prefill(tokens, sample=True)
+        at, last = 0, len(tokens) - 1
+        while at < last:
+            n = min(last - at, g.chunk - g.position % g.chunk)
             g.prefill(tokens[at:at + n])
             self.checkpoints.save()
             at += n
+        return g.decode(tokens[-1])
 
     def generate(self, prompt_ids: list[int], n: int, *, stop: bool = True) -> Iterator[int]:
         """Yield up to n generated token ids after `prompt_ids`, ending after a stop token when
@@ -184,8 +188,7 @@ class Generator:
         reused = self.resume(prompt_ids)
         new = prompt_ids[reused:]
         try:
-            self._prefill(new[:-1])  # in chunks; the last token's step samples the first new one
-            token = g.decode(new[-1])
+            token = self._prefill(new)  # in chunks, the last of which samples the first new token
         except BaseException:
             self.forget()  # fed part-way: what the caches hold is known no more
             raise

@@ -584,6 +584,19 @@ class DecodeGraph:
         steps.advance.launch(seq, self._pick, step=self.step)
         seq.copy(self.step, self.step_host)
 
+    def sample_row(self, seq, x) -> None:
+        """The end of a step for a residual row made elsewhere (x: a prompt chunk's last row,
+        prefill.py): the output norm, the head, the draw into the step values (which the
+        sequence copied from the host), those on to the next token and back to the host."""
+        a = self.own_rows
+        q8_1.norm_q8_1.launch(seq, self._pick, label="output_norm", x=x, norm_w=self.weights["output_norm.weight"],
+                              hn=a.normed.f32, xq=a.normed.q, xd=a.normed.d, HALVES=False, n=self.hp.hidden,
+                              eps=self.hp.eps, rows=1)
+        self._project(seq, self.tensors.output_name, a.logits, a.normed)
+        for launch in self.sample(a.logits, 0, a.cands[0]):
+            launch(seq)
+        self.finish_step(seq)
+
     def sample(self, logits, row: int, cand) -> list:
         """The next token of this graph's sequence from row `row` of `logits`, with this graph's
         sampler, as two launches to record in order: the candidates into `cand`, then the draw
@@ -621,17 +634,22 @@ class DecodeGraph:
             w[2] = token
         return True
 
-    def prefill(self, tokens: list[int]) -> None:
+    def prefill(self, tokens: list[int], sample: bool = False) -> int | None:
         """Feed prompt tokens at the current position a chunk at a time (prefill.py), leaving the
         caches and states as decode steps of each would, up to rounding (other kernels sum in
-        other orders); nothing is sampled."""
+        other orders); nothing is sampled, unless `sample`: then the last chunk makes the last
+        token's logits and draws from them the token that decode(tokens[-1]) after prefill(
+        tokens[:-1]) would return (returned), as one submission."""
         if self.position + len(tokens) > self.n_ctx:
             raise ZdslError(f"the context of {self.n_ctx} tokens is full; start again with a larger --ctx")
         bad = next((t for t in tokens if not 0 <= t < self.hp.vocab), None)
         if bad is not None:
             raise ZdslError(f"token id {bad} is outside the vocabulary [0, {self.hp.vocab})")
-        self.prompt.run(tokens)
-        self.step_words[3] += len(tokens)  # the sampler's counter: each position one draw, as if stepped
+        if sample and not tokens:
+            raise ZdslError("a prompt to sample after holds at least one token")
+        # the sampler's counter: each position one draw, as if stepped (the GPU counts a sampled one's)
+        self.step_words[3] += len(tokens) - (1 if sample else 0)
+        return self.prompt.run(tokens, sample)
 
     @property
     def prefill_units(self) -> bool:

@@ -67,21 +67,29 @@ class Prefill:
             self.y, self.act_shared, self.y_shared = b["chunk.pair_out"], b["chunk.act_shared"], b["chunk.shared_out"]
         # products on matrix units where the device has them (mma.py); K steps of whole blocks
         self.coop = "coopmat" in g.device.info.features
-        self._seqs: OrderedDict[int, object] = OrderedDict()  # by chunk length, most recently run last
+        # by (chunk length, whether it samples), most recently run last
+        self._seqs: OrderedDict[tuple[int, bool], object] = OrderedDict()
 
     # -- running ----------------------------------------------------------------------------
-    def run(self, tokens: list[int]) -> None:
-        """Feed `tokens` at the graph's position, chunk by chunk. A chunk length's recording is
-        kept for the next prompt that ends on it; the full chunk's and the last few others', not
-        one per length ever seen (a chat or a server sees hundreds)."""
+    def run(self, tokens: list[int], sample: bool = False) -> int | None:
+        """Feed `tokens` at the graph's position, chunk by chunk; with `sample`, the last chunk
+        also makes the last token's logits and draws the next token from them, as a decode step
+        of that token would, and returns it (DecodeGraph.sample_row): a prompt then costs no
+        decode step of its own, whose weights alone take about as long to read as 20 prompt
+        tokens take (the 35B-A3B on the H100: 2.8 ms). A chunk length's recording is kept for
+        the next prompt that ends on it; the full chunk's and the last few others', not one per
+        length ever seen (a chat or a server sees hundreds)."""
+        token = None
         for at in range(0, len(tokens), self.chunk):
             part = tokens[at:at + self.chunk]
-            seq = self._seqs.pop(len(part), None)
-            self._seqs[len(part)] = seq = seq if seq is not None else self.record(len(part))
-            self._run(seq, part)
-            partial = [t for t in self._seqs if t != self.chunk]
-            for t in partial[:max(0, len(partial) - KEPT_LENGTHS)]:
-                self._seqs.pop(t).free()
+            key = (len(part), sample and at + self.chunk >= len(tokens))
+            seq = self._seqs.pop(key, None)
+            self._seqs[key] = seq = seq if seq is not None else self.record(*key)
+            token = self._run(seq, part, key[1])
+            partial = [k for k in self._seqs if k[0] != self.chunk]
+            for k in partial[:max(0, len(partial) - KEPT_LENGTHS)]:
+                self._seqs.pop(k).free()
+        return token
 
     def profile(self, tokens: list[int]) -> list[tuple[str, float]]:
         """Run one chunk of `tokens` recorded with a GPU timestamp after every command; returns
@@ -95,7 +103,7 @@ class Prefill:
         finally:
             seq.free()
 
-    def _run(self, seq, part: list[int]) -> None:
+    def _run(self, seq, part: list[int], sample: bool = False) -> int | None:
         g, t, p0 = self.g, len(part), self.g.position
         words = self.host_words
         words[self.tokens_at // 4:self.tokens_at // 4 + t] = part
@@ -105,9 +113,13 @@ class Prefill:
         steps[:t, 0] = np.arange(p0, p0 + t)
         steps[:t, 1] = steps[:t, 0] + 1
         steps[:t, 2] = part
+        if sample:  # the step values of the last token's draw, as decode(part[-1]) writes them
+            w = g.step_words
+            w[0], w[1], w[2] = p0 + t - 1, p0 + t, part[-1]
         seq.run()
         g.position += t
-        g._synced = False
+        g._synced = sample  # after a draw, as after a decode step, the GPU holds the sequence's step values
+        return int(g.step_words[2]) if sample else None
 
     def clear(self, seq) -> None:
         """Record the zeroing of the counters the chunk's kernels expect at 0 (and leave at 0)."""
@@ -125,11 +137,14 @@ class Prefill:
         self.host.free()
 
     # -- recording --------------------------------------------------------------------------
-    def record(self, t: int, timestamps: bool = False):
+    def record(self, t: int, sample: bool = False, timestamps: bool = False):
         """The sequence of one chunk of t tokens, recorded and not run (on a DryDevice: the
-        launches `zdsl tune --prompt` tunes)."""
+        launches `zdsl tune --prompt` tunes); with `sample`, the draw from the last token's logits
+        after it (run)."""
         g, hp = self.g, self.hp
         seq = g.device.sequence(timestamps=timestamps)
+        if sample:
+            seq.copy(g.step_host, g.step)
         seq.copy(self.host.slice(0, 4 * STEP_WORDS * self.chunk), self.steps, 4 * STEP_WORDS * t)
         seq.copy(self.host.slice(self.tokens_at, 4 * self.chunk), self.tokens, 4 * t)
         seq.copy(self.host.slice(self.one_at, ROW_ALIGN), self.one_offsets, 8)
@@ -144,6 +159,8 @@ class Prefill:
         for i in range(hp.n_layers):
             (self._attention if hp.attention[i] else self._deltanet)(seq, i, t)
             (self._moe if hp.moe else self._ffn)(seq, i, t)
+        if sample:
+            g.sample_row(seq, self.x.slice(4 * hp.hidden * (t - 1), 4 * hp.hidden))
         return seq
 
     def _norm(self, seq, norm: str, t: int) -> None:
