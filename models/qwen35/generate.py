@@ -1,8 +1,8 @@
 """Text generation on the GPU decode graph: prompt in, tokens streamed out, honest timings.
 
-The prompt goes in by chunks (prefill.py) and its last token through the decode step, which
-samples the first new token; each sampled token is fed back on the GPU, in bursts of steps, and
-the host reads only the ids to stream text.
+The prompt goes in by chunks (prefill.py), the last of which samples the first new token from
+its last token's logits; each sampled token is fed back on the GPU, in bursts of steps, and the
+host reads only the ids to stream text.
 """
 
 from __future__ import annotations
