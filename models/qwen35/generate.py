@@ -159,9 +159,10 @@ class Generator:
         """Feed the prompt's new tokens and return the first generated one: drawn in the last
         chunk from the last token's logits (DecodeGraph.prefill's `sample`). With checkpoints,
         the tokens but the last in pieces that end at multiples of the prompt chunk (where a
-        prompt fed whole is cut too), each followed by a snapshot (of the sampler's counter
-        before the prompt's draw, as a later prompt that shares them expects), then the last
-        token's decode step."""
+        prompt fed whole is cut too), each followed by a snapshot, then the last token's decode
+        step: a prompt resumes at most one token short of its end (its last token's logits are
+        wanted), so the snapshot one short lets the same prompt again (a retry) feed one token,
+        where one at its end would leave it a chunk to feed."""
         g = self.graph
         if self.checkpoints is None:
             return g.prefill(tokens, sample=True)
