@@ -393,10 +393,12 @@ class DecodeGraph:
         norms its input itself)."""
         return None if self.hp.moe else f"blk.{i}.post_attention_norm.weight"
 
-    def _norm(self, seq, norm: str, a, t: int) -> None:
-        """normed = rmsnorm(x) · norm, in f32 and Q8_1, for t rows: a workgroup a row."""
+    def _norm(self, seq, norm: str, a, t: int, x=None) -> None:
+        """normed = rmsnorm(x) · norm, in f32 and Q8_1, for t rows: a workgroup a row (x: a.x
+        unless given)."""
         n = a.normed
-        q8_1.norm_q8_1.launch(seq, self._pick, label=norm.removesuffix(".weight"), x=a.x, norm_w=self.weights[norm],
+        q8_1.norm_q8_1.launch(seq, self._pick, label=norm.removesuffix(".weight"), x=a.x if x is None else x,
+                              norm_w=self.weights[norm],
                               hn=n.f32, xq=n.q, xd=n.d, HALVES=False, n=self.hp.hidden, eps=self.hp.eps, rows=t)
 
     def _next_norm(self, i: int) -> str:
@@ -589,9 +591,7 @@ class DecodeGraph:
         prefill.py): the output norm, the head, the draw into the step values (which the
         sequence copied from the host), those on to the next token and back to the host."""
         a = self.own_rows
-        q8_1.norm_q8_1.launch(seq, self._pick, label="output_norm", x=x, norm_w=self.weights["output_norm.weight"],
-                              hn=a.normed.f32, xq=a.normed.q, xd=a.normed.d, HALVES=False, n=self.hp.hidden,
-                              eps=self.hp.eps, rows=1)
+        self._norm(seq, "output_norm.weight", a, 1, x=x)
         self._project(seq, self.tensors.output_name, a.logits, a.normed)
         for launch in self.sample(a.logits, 0, a.cands[0]):
             launch(seq)
