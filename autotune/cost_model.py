@@ -4,33 +4,32 @@ and the work the interpreter counts for one invocation (`work.Work`).
 A compile-only target (RADV's null device) compiles each candidate to real code but cannot run
 it, so its time is modelled; on a device that runs code `zdsl tune --check-model` puts the same
 model beside the measurement. Decode kernels move their bytes once, and most of them are too
-short to reach the card's bandwidth, so the model asks which of three limits binds:
+short to reach the card's bandwidth, so the model asks whether the bytes or the lanes' path
+bind. A lane's path is rounds (`Work.rounds`: the loop trips at the use's sizes, each a batch
+of loads and the work on them); a round waits its loads' latency, then works:
 
-    t = max(t_memory, (t_chain^p + t_issue^p)^(1/p)) + LAUNCH_US
+    t = max(t_memory, (1 − a) · (t_latency + t_work) + a · max(t_latency, t_work)) + LAUNCH_US
+    t_work = (t_chain^p + t_issue^p)^(1/p)
 
 - **Memory.** The bytes the launch moves at the card's bandwidth.
-- **Chain (Little's law).** A lane issues a round of loads, waits one memory latency for them,
-  then runs the instructions that use them, one after another: its path is rounds × latency +
-  executed instructions × cycles per dependent instruction. Rounds come from the interpreter
-  (`Work.rounds`: the loop trips at the use's sizes), executed instructions are the machine
-  code's static count × how often the average operation runs (`Work.repeats`). The groups the
-  card holds at once (occupancy: registers, shared memory, its caps on waves and workgroups)
-  run their paths together; more groups come in waves of that many. This is Little's law:
-  the bytes in flight are the resident lanes' rounds, so a variant with few lanes or many
-  rounds cannot keep enough bytes in flight to reach the bandwidth.
-- **Issue.** Every wave's executed instructions through the units' issue slots (wave64 on a
-  SIMD32 takes more than one pass), at `issue_efficiency` of the nominal rate.
+- **Latency (Little's law).** rounds × the memory latency a lane sees. The groups a unit holds
+  at once run their paths together and more come in waves of that many, so a variant with few
+  lanes or many rounds keeps too few bytes in flight to reach the bandwidth. A round whose
+  loads were issued a round ahead (a, `Work.ahead`: mma.Staged's registers, attention's next
+  block of the cache) waits only for what its work does not cover.
+- **Chain.** The instructions on the busiest lane's path, one after another, at `cpi` cycles
+  each: the machine code's static count × how often its operations run on the invocation that
+  does the most (`Work.path_repeats`; its workgroup waits for it at every barrier).
+- **Issue.** The busiest unit's waves' instructions (all its resident groups', or the few a
+  small grid gives it) through its issue slots (wave64 on a SIMD32 takes more than one pass) at
+  `issue_efficiency` of the nominal rate, and their shared-memory traffic through the unit's
+  bandwidth for it (`Work.shared`: a matrix-unit product's tiles).
 
 Chain and issue are not separate resources: a lane's path is its stalls and its own issue, and
 the other lanes' issue fills its stalls only in part (lanes stall together at a barrier, and a
 lane that has work ready waits behind the others'). So they combine by a p-norm, from their sum
-(p = 1: no overlap) towards their max (p → ∞: each hides the other wholly). Under the max the
-smaller limit counts for nothing: the H100's prompt products on matrix units take ~3× the time
-their instructions need at the full issue rate (fitted efficiency 0.125 to 0.25), so the issue
-binds, and a variant whose lanes wait longer (fewer lanes, more steps) tied with one whose lanes
-do not; with the p-norm both count, and mul_mm_coop's two token tiles a subgroup (fewer
-instructions issued, a longer path per lane) rank ahead of one, as measured (issue 30). p is fitted with the other free parameters
-(1.5 to 2 on the H100's records); 2 where nothing was measured.
+(p = 1: no overlap) towards their max (p → ∞: each hides the other wholly); p is fitted with the
+other free parameters, 2 where nothing was measured. What the model misses is in docs/PERF.md.
 
 Occupancy follows each vendor's rules: NVIDIA's from the driver's register count (allocated per
 warp in units of 256) and shared memory (the share the driver gives workgroups, 100 KiB of an
@@ -76,6 +75,7 @@ class Card:
     shared: int = 233472    # shared memory (LDS) bytes per unit for workgroups (the driver's carveout)
     shared_reserve: int = 1024   # bytes the driver keeps per resident workgroup (NVIDIA)
     wave64_passes: float = 1.5   # SIMD32 passes per wave64 vector instruction (RDNA; 2 without dual issue)
+    shared_bandwidth: int = 128  # shared memory (LDS) bytes per clock per unit
 
     @property
     def bytes_per_us(self) -> float:
@@ -184,21 +184,42 @@ def static_instructions(c: Card, d: Dispatch) -> float:
 
 def estimate(c: Card, d: Dispatch) -> dict:
     """Modelled µs of one dispatch, with the terms it came from and the one that decided it."""
-    rounds = d.work.rounds if d.work else 1.0
-    executed = static_instructions(c, d) * (d.work.repeats if d.work else 1.0)
+    w = d.work
+    rounds = max(1.0, w.rounds) if w else 1.0
+    ahead = min(w.ahead, rounds) / rounds if w else 0.0
+    executed = static_instructions(c, d) * (w.repeats if w else 1.0)
+    longest = static_instructions(c, d) * (w.path_repeats if w else 1.0)
     waves_per_group = math.ceil(d.workgroup / d.wave)
-    resident = c.units * groups_per_unit(c, d)
+    # the busiest unit's workgroups at once: as many as it holds, fewer where the grid is small
+    busiest = min(groups_per_unit(c, d), math.ceil(d.groups / c.units))
+    waves = max(1.0, d.groups / (c.units * busiest))
     spill = 8.0 * d.stats.get("Spilled VGPRs", 0) * rounds * d.groups * d.workgroup
     clock = c.clock_ghz * 1e3  # cycles per µs
+    shared = busiest * d.workgroup * (w.shared if w else 0.0) / c.shared_bandwidth  # cycles of the unit's
     terms = {
         "memory_us": (d.nbytes + spill) / c.bytes_per_us,
-        "chain_us": max(1.0, d.groups / resident) * (rounds * c.latency_ns * 1e-3 + executed * c.cpi / clock),
-        "issue_us": d.groups * waves_per_group * executed / (c.units * c.issue * c.issue_efficiency * clock),
+        "latency_us": waves * rounds * c.latency_ns * 1e-3,
+        "chain_us": waves * longest * c.cpi / clock,
+        "issue_us": waves * (busiest * waves_per_group * executed / (c.issue * c.issue_efficiency) + shared) / clock,
     }
-    lanes = combined(terms["chain_us"], terms["issue_us"], c.overlap)
-    bound = "memory_us" if terms["memory_us"] >= lanes else max(("chain_us", "issue_us"), key=terms.get)
-    return {"us": max(terms["memory_us"], lanes) + LAUNCH_US, **terms, "bound": bound.removesuffix("_us"),
-            "groups_per_unit": resident // c.units, "rounds": rounds}
+    lanes = {k: terms[k] for k in ("latency_us", "chain_us", "issue_us")}
+    bound = "memory_us" if terms["memory_us"] >= path(c, terms, ahead) else max(lanes, key=lanes.get)
+    return {"us": total(c, terms, ahead), **terms, "ahead": ahead, "bound": bound.removesuffix("_us"),
+            "groups_per_unit": busiest, "rounds": rounds}
+
+
+def path(c: Card, terms: dict, ahead: float) -> float:
+    """The lanes' path: a round's work is its chain and issue limits by the p-norm; a round waits
+    its latency before that work, or, where its loads were issued a round ahead (`ahead` of the
+    rounds), the longer of the two."""
+    work = combined(terms["chain_us"], terms["issue_us"], c.overlap)
+    wait = terms["latency_us"]
+    return (1 - ahead) * (wait + work) + ahead * max(wait, work)
+
+
+def total(c: Card, terms: dict, ahead: float) -> float:
+    """µs from the terms: the memory term or the lanes' path, whichever is longer, and the launch."""
+    return max(terms["memory_us"], path(c, terms, ahead)) + LAUNCH_US
 
 
 def estimate_run(c: Card, parts: list[Dispatch]) -> dict:

@@ -129,7 +129,7 @@ class Result:
         return self.default.us / self.best.us
 
 
-TERMS = ("memory_us", "chain_us", "issue_us")
+TERMS = ("memory_us", "latency_us", "chain_us", "issue_us")
 
 
 def decided_by(card: cost_model.Card, r: Result) -> tuple[str, float, float] | None:
@@ -143,10 +143,10 @@ def decided_by(card: cost_model.Card, r: Result) -> tuple[str, float, float] | N
     if any(t not in d or t not in b for t in TERMS):
         return None
 
-    def t(m, c, i):
-        return max(m, cost_model.combined(c, i, card.overlap))
-    base = t(*(d[k] for k in TERMS))
-    gains = {k: base - t(*(b[j] if j == k else d[j] for j in TERMS)) for k in TERMS}
+    def t(terms):
+        return cost_model.total(card, terms, d.get("ahead", 0.0))
+    base = t(d)
+    gains = {k: base - t({j: b[j] if j == k else d[j] for j in TERMS}) for k in TERMS}
     term = max(TERMS, key=gains.get) if max(gains.values()) > 0 else d.get("bound", "chain") + "_us"
     return term.removesuffix("_us"), d[term], b[term]
 

@@ -7,8 +7,11 @@ shared by subgroups) look alike to them. The interpreter knows the trip counts a
 sizes. Each execution of a statement list that loads from a buffer directly (the kernel's top
 level, a loop's body; the branches of an `if` belong to the list they sit in) is one *round*:
 a lane issues the round's loads, then waits for them before the arithmetic that uses them, so
-rounds are the memory latencies on a lane's path. Loops whose bounds come from the buffers
-(positions, routed experts) run as the example's data makes them.
+rounds are the memory latencies on a lane's path, except where a loop's body issues the next
+round's loads into variables (`_ahead`). Loops whose bounds come from the buffers (positions,
+routed experts) run as the example's data makes them. Besides the mean invocation's counts, the
+interpreter counts the busiest invocation of each workgroup (its barriers wait for it) and the
+bytes each invocation moves through shared memory.
 """
 
 from __future__ import annotations
@@ -31,6 +34,16 @@ class Work:
     static: int     # operations in the code (each counted once): ops + loads over this is how
                     # often the average operation runs, the factor that turns static
                     # machine-code counts into executed ones
+    ahead: float = 0.0   # of the rounds, those whose loads were issued a round ahead (`_ahead`)
+    shared: float = 0.0  # bytes read from and written to shared memory
+    longest: float = 0.0  # loads and operations of a workgroup's busiest invocation, which the
+                          # others wait for at its barriers (where the work is uneven: a decode
+                          # split over some of the invocations)
+
+    @property
+    def path_repeats(self) -> float:
+        """repeats along the busiest invocation's path."""
+        return max(self.longest, self.loads + self.ops) / max(1, self.static)
 
     @property
     def repeats(self) -> float:
@@ -60,6 +73,75 @@ def _lists(body):
                         yield inner
 
 
+def _operands(s):
+    """The operands a statement reads (not the lists nested in it)."""
+    if isinstance(s, ir.If):
+        return (s.cond,)
+    if isinstance(s, ir.For):
+        return (s.start, s.stop, s.step)
+    if isinstance(s, ir.Let):
+        return s.args
+    if isinstance(s, ir.Assign):
+        return (s.value,)
+    if isinstance(s, ir.DeclareVar):
+        return (s.init,)
+    if isinstance(s, ir.Store):
+        return (s.index, s.value)
+    if isinstance(s, ir.MatrixStore):
+        return (s.matrix, s.offset, s.stride)
+    return ()
+
+
+def _reads(x, tainted) -> bool:
+    """Whether an operand (or a tuple of them) reads a tainted temporary or variable."""
+    if isinstance(x, (ir.Temp, ir.VarRef)):
+        return ("t" if isinstance(x, ir.Temp) else "v", x.id) in tainted
+    if isinstance(x, (tuple, list)):
+        return any(_reads(y, tainted) for y in x)
+    return False
+
+
+def _ahead(body) -> bool:
+    """Whether a loop body's loads are issued a round ahead: each loaded value goes as it is into
+    a variable (mma.Staged's registers, attention's next round of the cache) that the body does
+    not read after setting it, and into nothing else but dead arithmetic (mma.Staged's fetch runs
+    the decode's code for its loads only). The next round reads them, so a round's latency hides
+    behind the arithmetic of the one before. Arithmetic on a load that reaches a variable (an
+    accumulation), a store, a branch or a loop bound waits for it."""
+    tainted, loads, loaded = set(), False, set()
+
+    def walk(stmts, direct: bool) -> bool:
+        nonlocal loads
+        for s in stmts:
+            hit = _reads(_operands(s), tainted)
+            if isinstance(s, ir.Let):
+                if s.op == "load" and direct:  # a nested loop's loads are rounds of their own
+                    loads = True
+                    tainted.add(("t", s.temp.id))
+                    loaded.add(s.temp.id)
+                elif hit:
+                    if s.op.startswith("atomic_"):
+                        return False
+                    tainted.add(("t", s.temp.id))
+            elif isinstance(s, (ir.Assign, ir.DeclareVar)):
+                value = s.value if isinstance(s, ir.Assign) else s.init
+                if hit and not (isinstance(value, ir.Temp) and value.id in loaded):
+                    return False  # arithmetic on the load (an accumulation) waits for it
+                if hit:
+                    tainted.add(("v", s.var.id))
+                elif ("v", s.var.id) in tainted:
+                    tainted.discard(("v", s.var.id))
+            elif hit:
+                return False  # a store, a branch or a loop bound waits for the load
+            if isinstance(s, ir.If) and not (walk(s.then, direct) and walk(s.orelse, direct)):
+                return False
+            if isinstance(s, ir.For) and not walk(s.body, False):
+                return False
+        return True
+
+    return walk(body, True) and loads
+
+
 def _static(body) -> int:
     n = 0
     for s in body:
@@ -85,9 +167,12 @@ class _Counting(Run):
         gid = [gl % g[0], (gl // g[0]) % g[1], gl // (g[0] * g[1])]
         self.builtins["workgroup_id"] = [a.astype(u) for a in gid]
         self.builtins["global_id"] = [(a * w + l).astype(u) for a, w, l in zip(gid, wgs, self.builtins["local_id"])]
-        self.rounds = self.loads = self.ops = 0
-        self.round_lists = {id(b) for b in _lists(self.k.body) if _loads_directly(b)}
+        self.rounds = self.loads = self.ops = self.ahead = self.shared_bytes = 0
+        lists = [b for b in _lists(self.k.body) if _loads_directly(b)]
+        self.round_lists = {id(b) for b in lists}
+        self.ahead_lists = {id(b) for b in lists if b is not self.k.body and _ahead(b)}
         self.waiting: list[np.ndarray] = []  # per open round list: the invocations whose load ran
+        self.each = np.zeros(self.n, np.int64)  # loads and operations per invocation
 
     def block(self, stmts, mask) -> None:
         if id(stmts) not in self.round_lists:
@@ -96,17 +181,34 @@ class _Counting(Run):
         try:
             super().block(stmts, mask)
         finally:
-            self.rounds += int(self.waiting.pop().sum())
+            n = int(self.waiting.pop().sum())
+            self.rounds += n
+            if id(stmts) in self.ahead_lists:
+                self.ahead += n
 
     def stmt(self, s, mask) -> None:
         if isinstance(s, ir.Let):
+            self.each += mask
             if s.op == "load":
                 self.loads += int(mask.sum())
                 if self.waiting:
                     self.waiting[-1] |= mask
             else:
                 self.ops += int(mask.sum())
+                if s.op == "shared_load":
+                    self.shared_bytes += int(mask.sum()) * s.temp.dtype.nbytes
+                elif s.op == "mat_load" and isinstance(s.args[0], ir.Shared):
+                    self.shared_bytes += int(mask.sum()) * _tile_bytes(s.temp.dtype) / self.sg
+        elif isinstance(s, ir.Store) and isinstance(s.view, ir.Shared):
+            self.shared_bytes += int(mask.sum()) * s.view.dtype.nbytes
+        elif isinstance(s, ir.MatrixStore) and isinstance(s.array, ir.Shared):
+            self.shared_bytes += int(mask.sum()) * _tile_bytes(s.matrix.dtype) / self.sg
         super().stmt(s, mask)
+
+
+def _tile_bytes(m) -> int:
+    """A cooperative matrix's bytes (the whole subgroup's)."""
+    return m.rows * m.cols * m.element.nbytes
 
 
 SAMPLE = 8  # workgroups the interpreter runs, spread over the grid
@@ -143,4 +245,5 @@ def work(variant, args: dict, groups) -> Work | None:
         run.block(k.body, np.ones(run.n, dtype=bool))
     except (ZdslError, IndexError, ValueError):
         return None
-    return Work(run.rounds / run.n, run.loads / run.n, run.ops / run.n, _static(k.body))
+    return Work(run.rounds / run.n, run.loads / run.n, run.ops / run.n, _static(k.body), run.ahead / run.n,
+                run.shared_bytes / run.n, float(run.each.reshape(-1, run.wg).max(axis=1).mean()))
