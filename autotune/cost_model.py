@@ -187,8 +187,9 @@ def estimate(c: Card, d: Dispatch) -> dict:
     w = d.work
     rounds = max(1.0, w.rounds) if w else 1.0
     ahead = min(w.ahead, rounds) / rounds if w else 0.0
-    executed = static_instructions(c, d) * (w.repeats if w else 1.0)
-    longest = static_instructions(c, d) * (w.path_repeats if w else 1.0)
+    static = static_instructions(c, d)
+    executed = static * (w.repeats if w else 1.0)
+    longest = static * (w.path_repeats if w else 1.0)
     waves_per_group = math.ceil(d.workgroup / d.wave)
     # the busiest unit's workgroups at once: as many as it holds, fewer where the grid is small
     busiest = min(groups_per_unit(c, d), math.ceil(d.groups / c.units))

@@ -108,15 +108,13 @@ def _ahead(body) -> bool:
     the decode's code for its loads only). The next round reads them, so a round's latency hides
     behind the arithmetic of the one before. Arithmetic on a load that reaches a variable (an
     accumulation), a store, a branch or a loop bound waits for it."""
-    tainted, loads, loaded = set(), False, set()
+    tainted, loaded = set(), set()
 
     def walk(stmts, direct: bool) -> bool:
-        nonlocal loads
         for s in stmts:
             hit = _reads(_operands(s), tainted)
             if isinstance(s, ir.Let):
                 if s.op == "load" and direct:  # a nested loop's loads are rounds of their own
-                    loads = True
                     tainted.add(("t", s.temp.id))
                     loaded.add(s.temp.id)
                 elif hit:
@@ -139,7 +137,7 @@ def _ahead(body) -> bool:
                 return False
         return True
 
-    return walk(body, True) and loads
+    return walk(body, True) and bool(loaded)
 
 
 def _static(body) -> int:
