@@ -32,6 +32,7 @@ GRID = {  # the free parameters' values the fit tries
     "cpi": (0, 2, 4, 8, 12, 16, 24, 32, 48, 64),
     "issue_efficiency": (0.125, 0.25, 0.5, 1.0),
     "overlap": (1.0, 1.5, 2.0, 3.0, math.inf),
+    "shared_efficiency": (0.5, 1.0),
 }
 
 

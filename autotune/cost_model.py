@@ -19,11 +19,14 @@ of loads and the work on them); a round waits its loads' latency, then works:
   block of the cache) waits only for what its work does not cover.
 - **Chain.** The instructions on the busiest lane's path, one after another, at `cpi` cycles
   each: the machine code's static count × how often its operations run on the invocation that
-  does the most (`Work.path_repeats`; its workgroup waits for it at every barrier).
+  does the most (`Work.path_repeats`; its workgroup waits for it at every barrier). Then the
+  unit's shared-memory traffic (`Work.shared`: a matrix-unit product's tiles, of all the groups
+  it holds) at `shared_efficiency` of its bandwidth: a round's tiles are written, then read
+  after a barrier, so every lane's path waits for the whole unit's traffic, and the lane's own
+  instructions wait on the shared loads they use.
 - **Issue.** The busiest unit's waves' instructions (all its resident groups', or the few a
   small grid gives it) through its issue slots (wave64 on a SIMD32 takes more than one pass) at
-  `issue_efficiency` of the nominal rate, and their shared-memory traffic through the unit's
-  bandwidth for it (`Work.shared`: a matrix-unit product's tiles).
+  `issue_efficiency` of the nominal rate.
 
 Chain and issue are not separate resources: a lane's path is its stalls and its own issue, and
 the other lanes' issue fills its stalls only in part (lanes stall together at a barrier, and a
@@ -36,7 +39,7 @@ warp in units of 256) and shared memory (the share the driver gives workgroups, 
 H100's 228, plus 1 KiB it reserves per block), under 64 warps and 32 blocks per SM; RDNA's from
 the compiler's waves per SIMD (its VGPR budget) and LDS per workgroup, under the workgroups a CU
 holds. Card figures are public specifications;
-`latency_ns`, `cpi`, `issue_efficiency` and `overlap` (p) are the free parameters, fitted on
+`latency_ns`, `cpi`, `issue_efficiency`, `overlap` (p) and `shared_efficiency` are the free parameters, fitted on
 measurement where a card of that kind ran (`check.py`), nominal guesses elsewhere. Its
 microseconds are for ranking the variants of one kernel at one shape, not predictions of a run.
 """
@@ -76,6 +79,8 @@ class Card:
     shared_reserve: int = 1024   # bytes the driver keeps per resident workgroup (NVIDIA)
     wave64_passes: float = 1.5   # SIMD32 passes per wave64 vector instruction (RDNA; 2 without dual issue)
     shared_bandwidth: int = 128  # shared memory (LDS) bytes per clock per unit
+    shared_efficiency: float = 0.5  # free: share of that bandwidth a round's tiles get (bank
+                                    # conflicts, the matrix loads' layout); 0.5 on the H100
 
     @property
     def bytes_per_us(self) -> float:
@@ -127,9 +132,11 @@ def card_of(device_name: str) -> Card:
     return found[0]
 
 
-def with_fit(c: Card, latency_ns: float, cpi: float, issue_efficiency: float, overlap: float | None = None) -> Card:
+def with_fit(c: Card, latency_ns: float, cpi: float, issue_efficiency: float, overlap: float | None = None,
+             shared_efficiency: float | None = None) -> Card:
     return replace(c, latency_ns=latency_ns, cpi=cpi, issue_efficiency=issue_efficiency,
-                   overlap=c.overlap if overlap is None else overlap)
+                   overlap=c.overlap if overlap is None else overlap,
+                   shared_efficiency=c.shared_efficiency if shared_efficiency is None else shared_efficiency)
 
 
 def combined(chain: float, issue: float, p: float) -> float:
@@ -196,12 +203,13 @@ def estimate(c: Card, d: Dispatch) -> dict:
     waves = max(1.0, d.groups / (c.units * busiest))
     spill = 8.0 * d.stats.get("Spilled VGPRs", 0) * rounds * d.groups * d.workgroup
     clock = c.clock_ghz * 1e3  # cycles per µs
-    shared = busiest * d.workgroup * (w.shared if w else 0.0) / c.shared_bandwidth  # cycles of the unit's
+    # cycles of the unit's shared-memory traffic (its groups' tiles)
+    shared = busiest * d.workgroup * (w.shared if w else 0.0) / (c.shared_bandwidth * c.shared_efficiency)
     terms = {
         "memory_us": (d.nbytes + spill) / c.bytes_per_us,
         "latency_us": waves * rounds * c.latency_ns * 1e-3,
-        "chain_us": waves * longest * c.cpi / clock,
-        "issue_us": waves * (busiest * waves_per_group * executed / (c.issue * c.issue_efficiency) + shared) / clock,
+        "chain_us": waves * (longest * c.cpi + shared) / clock,
+        "issue_us": waves * busiest * waves_per_group * executed / (c.issue * c.issue_efficiency) / clock,
     }
     lanes = {k: terms[k] for k in ("latency_us", "chain_us", "issue_us")}
     bound = "memory_us" if terms["memory_us"] >= path(c, terms, ahead) else max(lanes, key=lanes.get)

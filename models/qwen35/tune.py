@@ -280,14 +280,15 @@ def _check_tables(console, device: str, card, report: check.Report) -> None:
     console.print(table)
     for f, c in enumerate(report.fold_cards):
         console.print(f"fold {f}: fitted latency {c.latency_ns:g} ns, {c.cpi:g} cycles per dependent instruction, "
-                      f"issue efficiency {c.issue_efficiency:g}, overlap p {c.overlap:g}")
+                      f"issue efficiency {c.issue_efficiency:g}, overlap p {c.overlap:g}, "
+                      f"shared-memory efficiency {c.shared_efficiency:g}")
     rho, within = report.summary(report.held_out)
     n = len(report.uses)
     console.print(f"[bold]held out[/bold]: median ρ {rho:.2f}, pick within 5% of the best in "
                   f"{round(within * n)} of {n} uses ({within:.0%})")
     rho, within = report.summary(report.nominal)
     console.print(f"the card's own figures (latency {card.latency_ns:g} ns, cpi {card.cpi:g}, efficiency "
-                  f"{card.issue_efficiency:g}, p {card.overlap:g}), no fit: median ρ {rho:.2f}, picks within 5% {within:.0%}; "
+                  f"{card.issue_efficiency:g}, p {card.overlap:g}, shared {card.shared_efficiency:g}), no fit: median ρ {rho:.2f}, picks within 5% {within:.0%}; "
                   f"the defaults alone are within 5% in {report.defaults_within():.0%}")
 
 
@@ -296,9 +297,7 @@ def _check_json(device: str, card, report: check.Report) -> dict:
     return {
         "device": device, "card": card.name, "median_rho": rho, "within_5pct": within,
         "defaults_within_5pct": report.defaults_within(),
-        "folds": [{"latency_ns": c.latency_ns, "cpi": c.cpi, "issue_efficiency": c.issue_efficiency,
-                   "overlap": c.overlap}
-                  for c in report.fold_cards],
+        "folds": [{k: getattr(c, k) for k in check.GRID} for c in report.fold_cards],
         "uses": [{"kernel": u.kernel, "shape": u.label, "fold": f, "candidates": u.labels,
                   "measured_us": u.measured.tolist(), "modelled_us": s.predicted.tolist(), "rho": s.rho,
                   "pick": u.labels[s.pick], "pick_over_best": s.ratio, "bound": s.bound}
