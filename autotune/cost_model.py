@@ -38,9 +38,9 @@ Occupancy follows each vendor's rules: NVIDIA's from the driver's register count
 warp in units of 256) and shared memory (the share the driver gives workgroups, 100 KiB of an
 H100's 228, plus 1 KiB it reserves per block), under 64 warps and 32 blocks per SM; RDNA's from
 the compiler's waves per SIMD (its VGPR budget) and LDS per workgroup, under the workgroups a CU
-holds. Card figures are public specifications;
-`latency_ns`, `cpi`, `issue_efficiency`, `overlap` (p) and `shared_efficiency` are the free parameters, fitted on
-measurement where a card of that kind ran (`check.py`), nominal guesses elsewhere. Its
+holds. Card figures are public specifications; `latency_ns`, `cpi`, `issue_efficiency`,
+`overlap` (p) and `shared_efficiency` are the free parameters, fitted on measurement where a
+card of that kind ran (`check.py`), nominal guesses elsewhere. Its
 microseconds are for ranking the variants of one kernel at one shape, not predictions of a run.
 """
 
