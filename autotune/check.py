@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +27,7 @@ from .work import work
 
 WITHIN = 1.05  # a pick counts when its measured time is within 5% of the measured best
 MIN_CANDIDATES = 3  # uses with fewer measured candidates rank nothing worth scoring
-GRID = {  # the free parameters' values the fit tries
+GRID = {  # the free parameters' values the fit tries, by their names in cost_model.Card
     "latency_ns": (50, 100, 200, 300, 400, 600, 800, 1200, 1600),
     "cpi": (0, 2, 4, 8, 12, 16, 24, 32, 48, 64),
     "issue_efficiency": (0.125, 0.25, 0.5, 1.0),
@@ -183,7 +183,7 @@ def fit(card: cost_model.Card, uses: list[Use]) -> cost_model.Card:
     """The card with the free parameters of GRID that rank `uses` best."""
     best, best_merit = card, -math.inf
     for values in itertools.product(*GRID.values()):
-        c = cost_model.with_fit(card, *values)
+        c = replace(card, **dict(zip(GRID, values)))
         m = merit([score(c, u) for u in uses])
         if m > best_merit:
             best, best_merit = c, m

@@ -132,13 +132,6 @@ def card_of(device_name: str) -> Card:
     return found[0]
 
 
-def with_fit(c: Card, latency_ns: float, cpi: float, issue_efficiency: float, overlap: float | None = None,
-             shared_efficiency: float | None = None) -> Card:
-    return replace(c, latency_ns=latency_ns, cpi=cpi, issue_efficiency=issue_efficiency,
-                   overlap=c.overlap if overlap is None else overlap,
-                   shared_efficiency=c.shared_efficiency if shared_efficiency is None else shared_efficiency)
-
-
 def combined(chain: float, issue: float, p: float) -> float:
     """The p-norm of the chain and issue limits: their sum at p = 1, their max as p → ∞."""
     if math.isinf(p):

@@ -407,7 +407,7 @@ def test_overlap_combines_chain_and_issue():
     stats = {"Register Count": 32, "Binary Size": 16 * 1000}
     short = cost_model.Dispatch(stats, 100000, 256, 32, 0.0, Work(8, 100, 9900, 1000))
     for p in (math.inf, 2.0, 1.0):
-        c = cost_model.with_fit(cost_model.card("h100"), 200, 4, 0.125, p)
+        c = replace(cost_model.card("h100"), latency_ns=200, cpi=4, issue_efficiency=0.125, overlap=p)
         a = cost_model.estimate(c, short)
         b = cost_model.estimate(replace(c, cpi=2 * c.cpi), short)
         assert a["bound"] == b["bound"] == "issue" and a["issue_us"] == b["issue_us"] and a["chain_us"] < b["chain_us"]
@@ -492,7 +492,7 @@ def test_fit_recovers_the_parameters_that_made_the_timings(monkeypatch):
     monkeypatch.setitem(check.GRID, "shared_efficiency", (cost_model.card("h100").shared_efficiency,))
 
     h100 = cost_model.card("h100")
-    truth = cost_model.with_fit(h100, 800, 4, 0.25)
+    truth = replace(h100, latency_ns=800, cpi=4, issue_efficiency=0.25)
     uses = _synthetic_uses(truth, 0, 8)
     fitted = check.fit(h100, uses)
     scale = fitted.latency_ns / 800
