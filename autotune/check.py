@@ -103,13 +103,17 @@ def use_of(rec: dict) -> Use:
 def uses_of(records: list[dict]) -> tuple[list[Use], list[str]]:
     """The model's view of the records with enough candidates to rank, and the kernels of those
     measured on parameters the kernel no longer has (a variant space changed since: the
-    measurement says nothing about today's variants)."""
-    uses, stale = [], []
+    measurement says nothing about today's variants). A use in more than one record (the type
+    mixes' decode steps share their router, attention and output head) counts once, as first
+    measured."""
+    uses, stale, seen = [], [], set()
     for r in records:
-        if len(r["cands"]) < MIN_CANDIDATES:
+        same = (r["kernel"], json.dumps(r["key"], sort_keys=True), json.dumps(r["sizes"], sort_keys=True))
+        if len(r["cands"]) < MIN_CANDIDATES or same in seen:
             continue
         try:
             uses.append(use_of(r))
+            seen.add(same)
         except ZdslError:
             stale.append(r["kernel"])
     return uses, stale
