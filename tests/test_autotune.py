@@ -781,7 +781,7 @@ def test_every_shipped_entry_keys_a_use_of_the_35b_step(shipped, device):
 
 def test_the_model_ranks_the_measured_h100_decode_candidates():
     """Issue 30's measure on the H100 records the repo keeps of the 35B-A3B's decode step, in four
-    type mixes (every candidate of every use, 2026-11-27 and 28; a use the mixes share counts
+    type mixes (every candidate of every use, 2026-11-28; a use the mixes share counts
     once): fitted on the other folds' uses, the model's ranking of each held-out use has a median
     Spearman ρ ≥ 0.7 with the measured one, and its pick is within 5% of the best in ≥ 70% of the
     uses, more than the kernels' defaults alone. The issue's bar for the picks is 80%, which the
