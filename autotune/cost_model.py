@@ -40,14 +40,14 @@ H100's 228, plus 1 KiB it reserves per block), under 64 warps and 32 blocks per 
 the compiler's waves per SIMD (its VGPR budget) and LDS per workgroup, under the workgroups a CU
 holds. Card figures are public specifications; `latency_ns`, `cpi`, `issue_efficiency`,
 `overlap` (p) and `shared_efficiency` are the free parameters, fitted on measurement where a
-card of that kind ran (`check.py`), nominal guesses elsewhere. Its
-microseconds are for ranking the variants of one kernel at one shape, not predictions of a run.
+card of that kind ran (`check.py`), nominal guesses elsewhere. Its microseconds are for ranking
+the variants of one kernel at one shape, not predictions of a run.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from zdsl.errors import ZdslError
 

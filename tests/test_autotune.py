@@ -780,12 +780,27 @@ def test_every_shipped_entry_keys_a_use_of_the_35b_step(shipped, device):
 
 
 def test_the_model_ranks_the_measured_h100_decode_candidates():
-    """Issue 30's measure on the H100 records the repo keeps of the 35B-A3B's decode step, in four
-    type mixes (every candidate of every use, 2026-11-28; a use the mixes share counts
-    once): fitted on the other folds' uses, the model's ranking of each held-out use has a median
-    Spearman ρ ≥ 0.7 with the measured one, and its pick is within 5% of the best in ≥ 70% of the
-    uses, more than the kernels' defaults alone. The issue's bar for the picks is 80%, which the
-    model does not reach (docs/PERF.md): this holds it to what it does."""
+    """Issue 30's bar on the H100 measurement the repo keeps (every candidate of the 35B-A3B decode
+    step's uses, 2026-11-28): fitted on the other folds' uses, the model's ranking of each held-out
+    use has a median Spearman ρ ≥ 0.7 with the measured one and its pick is within 5% of the best
+    in ≥ 80% of the uses; the kernels' defaults alone are within 5% in far fewer."""
+    from zdsl.autotune import check, cost_model
+
+    device, records = check.load(Path(check.__file__).parent / "measured" / "nvidia-h100-step.json")
+    uses, stale = check.uses_of([r for r in records if r["where"] == "step"])
+    assert set(stale) <= {"attn_combine"}  # redesigned after the measurement (a7f91ce)
+    assert len(uses) >= 10
+    report = check.cross_validate(cost_model.card_of(device), uses, 4)
+    rho, within = report.summary(report.held_out)
+    assert rho >= 0.7 and within >= 0.8, (rho, within)
+    assert report.defaults_within() < within
+
+
+def test_the_model_ranks_the_measured_h100_decode_candidates_of_every_mix():
+    """The same on the decode steps of all four type mixes the repo keeps H100 records of
+    (2026-11-28; a use the mixes share counts once). There the model does not reach the issue's
+    80% (docs/PERF.md: 22 of 31): this holds it to median ρ ≥ 0.7, picks within 5% in ≥ 70%, and
+    more than the kernels' defaults alone."""
     from zdsl.autotune import check, cost_model
 
     records, devices = [], set()
