@@ -3,8 +3,8 @@ times, per use: the rank correlation and whether the model's pick is within 5% o
 best, with the free parameters fitted on other uses than the ones scored (k folds).
 
 Measurements are records (JSON, `save`/`load`): per use its kernel, key and launch sizes, and
-per accepted candidate its measured µs and each dispatch's driver statistics, grid and bytes,
-so that a measurement taken once on a device can be replayed anywhere: the interpreter's work
+per accepted candidate its measured µs and each dispatch's driver statistics (on NVIDIA with
+its machine code's instructions by loop depth, which nvdisasm reads), grid and bytes, so that a measurement taken once on a device can be replayed anywhere: the interpreter's work
 counts (`work.py`) are recomputed from the kernel and the use's example.
 """
 
@@ -18,11 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
+from zdsl import toolchain
 from zdsl.errors import ZdslError
 from zdsl.kernels import all_kernels
 from zdsl.lang.kernel import Launch
 
-from . import cost_model, tuner
+from . import cost_model, machine_code, tuner
 from .work import work
 
 WITHIN = 1.05  # a pick counts when its measured time is within 5% of the measured best
@@ -46,13 +47,25 @@ def record(use: tuner.Use, where: str, result: tuner.Result, device) -> dict:
         variants = []
         for v in c.variants:
             groups, nbytes = tuner.launch_of(v, example)
-            variants.append(dict(label=v.label, stats=dict(v.pipeline(device, statistics=True).statistics or {}),
+            variants.append(dict(label=v.label, stats=statistics(v, device),
                                  groups=list(groups), nbytes=int(nbytes), workgroup=list(v.ir.workgroup),
                                  sg=v.ir.subgroup_size or device.info.subgroup_size))
         cands.append(dict(params=c.params, tuned=c.tuned, us=c.us, spread=c.spread, variants=variants))
     launch = use.launch
     return dict(where=where, kernel=use.kernel.name, key=use.key, fixed=launch.fixed, sizes=launch.sizes,
                 buffers=launch.buffers, count=use.count, default=result.default.tuned, cands=cands)
+
+
+def statistics(v, device) -> dict:
+    """The driver's statistics of v's pipeline and, where its machine code can be read (NVIDIA),
+    the code's instructions by loop depth."""
+    nvidia = device.info.vendor == "NVIDIA"
+    pipe = v.pipeline(device, statistics=True, isa=nvidia)
+    stats = dict(pipe.statistics or {})
+    if pipe.code:
+        text = toolchain.nvdisasm(pipe.code, cost_model.card_of(device.info.name).sm)
+        stats[cost_model.LOOP_DEPTHS] = machine_code.sass_loop_depths(text)
+    return stats
 
 
 def save(path: Path, device_name: str, records: list[dict]) -> None:

@@ -19,7 +19,9 @@ of loads and the work on them); a round waits its loads' latency, then works:
   block of the cache) waits only for what its work does not cover.
 - **Chain.** The instructions on the busiest lane's path, one after another, at `cpi` cycles
   each: the machine code's static count × how often its operations run on the invocation that
-  does the most (`Work.path_repeats`; its workgroup waits for it at every barrier). Then the
+  does the most (`Work.path_repeats`; its workgroup waits for it at every barrier), or, where
+  the code's instructions at each loop depth are known (`executed_instructions`), each depth's
+  count × how often a wave runs that depth. Then the
   unit's shared-memory traffic (`Work.shared`: a matrix-unit product's tiles, of all the groups
   it holds) at `shared_efficiency` of its bandwidth: a round's tiles are written, then read
   after a barrier, so every lane's path waits for the whole unit's traffic, and the lane's own
@@ -55,6 +57,7 @@ from .work import Work
 
 LAUNCH_US = 2.0  # fixed cost of a dependent dispatch
 SASS_BYTES = 16  # bytes per NVIDIA machine instruction (Volta and later)
+LOOP_DEPTHS = "Instructions by loop depth"  # a statistic read from the machine code (machine_code.py)
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,7 @@ class Card:
     shared_bandwidth: int = 128  # shared memory (LDS) bytes per clock per unit
     shared_efficiency: float = 0.5  # free: share of that bandwidth a round's tiles get (bank
                                     # conflicts, the matrix loads' layout); 0.5 on the H100
+    sm: str = ""                 # the architecture nvdisasm reads the machine code as (NVIDIA)
 
     @property
     def bytes_per_us(self) -> float:
@@ -102,7 +106,8 @@ CARDS = {
     # registers) with its shared array grown from 22,144 to 24,192 bytes took 24.0 → 24.1 ms a
     # 511-token chunk, to 26,240 (4 × 27,264 > 102,400: 3 an SM) 37.7 ms; its down (6 → 5 → 4
     # an SM by 100 KiB) 16.3 → 18.0 → 23.8.
-    "h100": Card("NVIDIA H100 SXM (Hopper)", "nvidia", 132, 3350, 1.98, 200.0, shared=102400),
+    "h100": Card("NVIDIA H100 SXM (Hopper)", "nvidia", 132, 3350, 1.98, 200.0, shared=102400, sm="SM90"),
+    "h200": Card("NVIDIA H200 SXM (Hopper)", "nvidia", 132, 4800, 1.98, 200.0, shared=102400, sm="SM90"),
     "gfx1201": _rdna("Radeon AI PRO R9700 / RX 9070 XT (RDNA4)", 64, 640, 2.9),
     "gfx1200": _rdna("Radeon RX 9060 XT (RDNA4)", 32, 320, 3.1),
     "gfx1151": _rdna("Radeon 8060S, Strix Halo (RDNA3.5)", 40, 256, 2.9, 800.0),
@@ -182,14 +187,29 @@ def static_instructions(c: Card, d: Dispatch) -> float:
                + 2 * s.get("Spilled SGPRs", 0))
 
 
+def executed_instructions(c: Card, d: Dispatch) -> tuple[float, float]:
+    """A wave's machine instructions as they run, on average and on the busiest invocation's path.
+    Where the statistics count the code's instructions at each loop depth (NVIDIA's, read from
+    the machine code), each depth's count runs as often as the interpreter ran that depth's
+    operations: the decode a bigger workgroup shares out shrinks, a matrix product each wave does
+    whole does not. Elsewhere the static count runs as often as the average operation."""
+    w = d.work
+    static = static_instructions(c, d)
+    if w is None:
+        return static, static
+    depths = d.stats.get(LOOP_DEPTHS)
+    if depths and w.loop_runs:
+        executed = sum(n * w.runs_at(depth) for depth, n in enumerate(depths))
+        return executed, executed * w.path_repeats / max(w.repeats, 1e-9)
+    return static * w.repeats, static * w.path_repeats
+
+
 def estimate(c: Card, d: Dispatch) -> dict:
     """Modelled µs of one dispatch, with the terms it came from and the one that decided it."""
     w = d.work
     rounds = max(1.0, w.rounds) if w else 1.0
     ahead = min(w.ahead, rounds) / rounds if w else 0.0
-    static = static_instructions(c, d)
-    executed = static * (w.repeats if w else 1.0)
-    longest = static * (w.path_repeats if w else 1.0)
+    executed, longest = executed_instructions(c, d)
     waves_per_group = math.ceil(d.workgroup / d.wave)
     # the busiest unit's workgroups at once: as many as it holds, fewer where the grid is small
     busiest = min(groups_per_unit(c, d), math.ceil(d.groups / c.units))

@@ -39,6 +39,10 @@ class Work:
     longest: float = 0.0  # loads and operations of a workgroup's busiest invocation, which the
                           # others wait for at its barriers (where the work is uneven: a decode
                           # split over some of the invocations)
+    loop_runs: tuple[float, ...] = ()  # per depth of the GPU's loops (`zdsl.range` not unrolled;
+                          # 0: outside them), how often a subgroup runs an operation at that depth
+                          # (it runs one where any of its invocations does), to weigh the machine
+                          # code's instructions at each loop depth (`machine_code`)
 
     @property
     def path_repeats(self) -> float:
@@ -48,6 +52,11 @@ class Work:
     @property
     def repeats(self) -> float:
         return (self.loads + self.ops) / max(1, self.static)
+
+    def runs_at(self, depth: int) -> float:
+        """How often a subgroup runs an instruction at this loop depth of the machine code: the
+        interpreter's figure at that depth, or at the deepest it has (loops the compiler added)."""
+        return self.loop_runs[min(depth, len(self.loop_runs) - 1)] if self.loop_runs else self.repeats
 
 
 def _loads_directly(body) -> bool:
@@ -141,15 +150,33 @@ def _ahead(body) -> bool:
 
 
 def _static(body) -> int:
-    n = 0
+    return sum(_static_by_depth(body))
+
+
+def _static_by_depth(body, depth: int = 0, out: list[int] | None = None) -> list[int]:
+    """Operations in the code per depth of the GPU's loops (a loop unrolled at compile time
+    adds no depth)."""
+    out = [] if out is None else out
     for s in body:
         if isinstance(s, ir.Let):
-            n += 1
+            out.extend([0] * (depth + 1 - len(out)))
+            out[depth] += 1
         elif isinstance(s, ir.If):
-            n += _static(s.then) + _static(s.orelse)
+            _static_by_depth(s.then, depth, out)
+            _static_by_depth(s.orelse, depth, out)
         elif isinstance(s, ir.For):
-            n += _static(s.body)
-    return n
+            _static_by_depth(s.body, depth + (not s.unroll), out)
+    return out
+
+
+def _loop_runs(ran: list[int], static: list[int], waves: int) -> tuple[float, ...]:
+    """Per loop depth, a subgroup's runs of each operation there; a depth that holds no operation
+    of its own (a loop around a loop) takes the depth above it."""
+    ran = ran + [0] * (len(static) - len(ran))  # depths no invocation reached
+    runs: list[float] = []
+    for depth, n in enumerate(static):
+        runs.append(ran[depth] / (waves * n) if n else runs[-1] if runs else 1.0)
+    return tuple(runs)
 
 
 class _Counting(Run):
@@ -171,6 +198,11 @@ class _Counting(Run):
         self.ahead_lists = {id(b) for b in lists if b is not self.k.body and _ahead(b)}
         self.waiting: list[np.ndarray] = []  # per open round list: the invocations whose load ran
         self.each = np.zeros(self.n, np.int64)  # loads and operations per invocation
+        self.depth, self.ran = 0, [0]  # the GPU loops around the statement; subgroup runs per depth
+        # subgroups as NVIDIA runs them where the variant leaves the size to the driver (its machine
+        # code is the one read for loop depths), a workgroup's last one partly filled
+        self.wave = self.sg or 32
+        self.waves = -(-self.wg // self.wave)
 
     def block(self, stmts, mask) -> None:
         if id(stmts) not in self.round_lists:
@@ -185,8 +217,20 @@ class _Counting(Run):
                 self.ahead += n
 
     def stmt(self, s, mask) -> None:
+        if isinstance(s, ir.For) and not s.unroll:
+            self.depth += 1
+            try:
+                return self._stmt(s, mask)
+            finally:
+                self.depth -= 1
+        self._stmt(s, mask)
+
+    def _stmt(self, s, mask) -> None:
         if isinstance(s, ir.Let):
             self.each += mask
+            if self.depth >= len(self.ran):
+                self.ran.extend([0] * (self.depth + 1 - len(self.ran)))
+            self.ran[self.depth] += self._waves_running(mask)
             if s.op == "load":
                 self.loads += int(mask.sum())
                 if self.waiting:
@@ -202,6 +246,14 @@ class _Counting(Run):
         elif isinstance(s, ir.MatrixStore) and isinstance(s.array, ir.Shared):
             self.shared_bytes += int(mask.sum()) * _tile_bytes(s.matrix.dtype) / self.sg
         super().stmt(s, mask)
+
+    def _waves_running(self, mask) -> int:
+        if self.wg % self.wave == 0:
+            return int(np.count_nonzero(mask.reshape(-1, self.wave).any(axis=1)))
+        per_group = mask.reshape(-1, self.wg)
+        padded = np.zeros((per_group.shape[0], self.waves * self.wave), bool)
+        padded[:, :self.wg] = per_group
+        return int(np.count_nonzero(padded.reshape(-1, self.waves, self.wave).any(axis=2)))
 
 
 def _tile_bytes(m) -> int:
@@ -244,4 +296,5 @@ def work(variant, args: dict, groups) -> Work | None:
     except (ZdslError, IndexError, ValueError):
         return None
     return Work(run.rounds / run.n, run.loads / run.n, run.ops / run.n, _static(k.body), run.ahead / run.n,
-                run.shared_bytes / run.n, float(run.each.reshape(-1, run.wg).max(axis=1).mean()))
+                run.shared_bytes / run.n, float(run.each.reshape(-1, run.wg).max(axis=1).mean()),
+                _loop_runs(run.ran, _static_by_depth(k.body), run.n // run.wg * run.waves))

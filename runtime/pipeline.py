@@ -1,5 +1,6 @@
 """Compute pipelines: SPIR-V + binding access + push size + specialization → VkPipeline, with the
-driver's own statistics (registers, spills, occupancy) and disassembly when it offers them.
+driver's own statistics (registers, spills, occupancy) and disassembly when it offers them, or
+(NVIDIA, which offers none) the machine code itself.
 
 Every storage buffer is one binding of set 0, in order; the access string of each binding
 ("r", "w", "rw", or "-" for one the variant never touches) is what the Sequence uses to decide
@@ -15,7 +16,7 @@ from array import array
 import numpy as np
 
 from zdsl.errors import MissingFeatureError, ZdslError
-from zdsl.runtime import vk
+from zdsl.runtime import nvidia_code, vk
 from zdsl.runtime.vk import Keep, ffi, lib
 
 ACCESS = {"r": (True, False), "w": (False, True), "rw": (True, True), "-": (False, False)}
@@ -89,7 +90,7 @@ def pack_spec(spec: dict[int, int | float | bool]) -> tuple[list[dict], bytes]:
 
 
 class Pipeline:
-    __slots__ = ("name", "bindings", "push_size", "subgroup_size", "statistics", "isa", "workgroup",
+    __slots__ = ("name", "bindings", "push_size", "subgroup_size", "statistics", "isa", "code", "workgroup",
                  "device", "handle", "layout", "access", "grid_ids", "_make", "_folded")
 
     def __repr__(self) -> str:
@@ -170,11 +171,16 @@ def create(device, spirv: bytes, *, bindings, push_size: int, spec, subgroup_siz
     create_info = keep.struct("VkComputePipelineCreateInfo", sType=vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO,
                               flags=flags, stage=stage, layout=layout, basePipelineIndex=-1)
     out = keep.new("VkPipeline *")
+    # NVIDIA's code comes only through a pipeline cache's data: one that holds this pipeline alone
+    own_cache = _own_cache(device) if capture and isa and info.vendor == "NVIDIA" else None
     try:
-        vk.check(lib.vkCreateComputePipelines(dev, device._pipeline_cache, 1, create_info, ffi.NULL, out),
-                 "vkCreateComputePipelines", f"for pipeline {name} on {info.name}")
+        vk.check(lib.vkCreateComputePipelines(dev, own_cache or device._pipeline_cache, 1, create_info, ffi.NULL,
+                                              out), "vkCreateComputePipelines", f"for pipeline {name} on {info.name}")
+        cache_data = _cache_data(device, own_cache) if own_cache else None
     finally:
         lib.vkDestroyShaderModule(dev, module[0], ffi.NULL)
+        if own_cache:
+            lib.vkDestroyPipelineCache(dev, own_cache, ffi.NULL)
 
     pipe = Pipeline()
     pipe.name, pipe.bindings, pipe.push_size, pipe.subgroup_size = name, bindings, push_size, subgroup_size
@@ -183,14 +189,30 @@ def create(device, spirv: bytes, *, bindings, push_size: int, spec, subgroup_siz
     pipe.grid_ids, pipe._folded = grid_ids, {}
     pipe._make = lambda grid: device.pipeline(spirv, bindings=bindings, push_size=push_size, spec={**spec, **grid},
                                               subgroup_size=subgroup_size, name=name)
-    pipe.statistics = pipe.isa = None
+    pipe.statistics = pipe.isa = pipe.code = None
     if capture:
         executable = _first_executable(device, out[0])
-        if executable and statistics:
+        if executable and (statistics or cache_data):
             pipe.statistics = _statistics(device, executable)
         if executable and isa:
             pipe.isa = _assembly(device, executable)
+        if cache_data and pipe.statistics and "Binary Size" in pipe.statistics:
+            pipe.code = nvidia_code.machine_code(cache_data, int(pipe.statistics["Binary Size"]))
     return pipe
+
+
+def _own_cache(device):
+    result, cache = device._new_pipeline_cache(b"")
+    vk.check(result, "vkCreatePipelineCache")
+    return cache
+
+
+def _cache_data(device, cache) -> bytes:
+    size = ffi.new("size_t *")
+    vk.check(lib.vkGetPipelineCacheData(device._dev, cache, size, ffi.NULL), "vkGetPipelineCacheData")
+    data = ffi.new("char[]", size[0])
+    vk.check(lib.vkGetPipelineCacheData(device._dev, cache, size, data), "vkGetPipelineCacheData")
+    return ffi.buffer(data, size[0])[:]
 
 
 def _first_executable(device, pipeline):

@@ -305,6 +305,151 @@ def test_work_tells_loads_issued_a_round_ahead_and_counts_shared_bytes():
     assert staged.ahead == 0 and staged.rounds == rounds and staged.shared == pytest.approx(2 * 4 * rounds)
 
 
+@zdsl.kernel(workgroup=64, name="first_wave_loop_test", register=False, grid=lambda v, s: 1,
+             traffic=lambda v, s: 4 * s.n)
+def first_wave_loop(x: Buffer[f32], out: Buffer[f32], n: u32):
+    """Only the first of the workgroup's two subgroups runs the loop."""
+    acc = zdsl.var(0.0)
+    with zdsl.if_(zdsl.local_index() < 32):
+        for i in zdsl.range(0, n, 1):
+            acc += x[i]
+    out[zdsl.local_index()] = acc
+
+
+def test_work_counts_a_subgroups_runs_at_each_loop_depth():
+    """Machine code runs per subgroup: an operation in a loop runs as often as the subgroup's
+    longest-running invocation trips it, and not at all in a subgroup none of whose invocations
+    enter it. Per loop depth, the runs are averaged over the subgroups."""
+    from zdsl.autotune.work import work
+
+    n, wg = 1000, 64
+    w = work(strided_sum.specialize(WG=wg), {"x": np.ones(n, np.float32), "out": np.zeros(wg, np.float32), "n": n},
+             (1,))
+    # lanes below n mod 64 = 40 make 16 trips, the others 15: both subgroups hold one making 16
+    assert w.loop_runs[0] == 1.0 and w.loop_runs[1] == 16.0
+    assert np.mean([len(range(i, n, wg)) for i in range(wg)]) < 16 == w.runs_at(1) == w.runs_at(3)
+    w = work(first_wave_loop.specialize(), {"x": np.ones(10, np.float32), "out": np.zeros(64, np.float32), "n": 10},
+             (1,))
+    assert w.loop_runs == (1.0, 5.0)  # 10 trips in one subgroup of two
+
+
+def _listing(tree, depth=0, at=None):
+    """nvdisasm-like lines of a tree of instructions (None) and loops (lists), each instruction
+    with its loop depth; a loop ends in a predicated branch back to its first instruction."""
+    at = at if at is not None else [0]
+    lines, depths = [], []
+    for item in tree:
+        if item is None:
+            lines.append(f"        /*{at[0]:04x}*/                   IMAD R1, R2, R3, RZ ;")
+            depths.append(depth)
+            at[0] += 16
+        else:
+            start = at[0]
+            inner, inner_depths = _listing(item, depth + 1, at)
+            lines += inner + [f"        /*{at[0]:04x}*/               @P0 BRA {hex(start)} ;"]
+            depths += inner_depths + [depth + 1]
+            at[0] += 16
+    return lines, depths
+
+
+_trees = st.recursive(st.lists(st.none(), min_size=1, max_size=4),
+                      lambda inner: st.lists(st.one_of(st.none(), inner), min_size=1, max_size=4), max_leaves=30)
+
+
+@given(tree=_trees, forward=st.integers(0, 3), padding=st.integers(0, 5))
+def test_sass_loop_depths_count_each_instruction_in_the_loops_around_it(tree, forward, padding):
+    """Backward branches are loops, forward ones (an `if`) are not; the padding after the code
+    (a branch to itself and NOPs) is not code."""
+    from zdsl.autotune.machine_code import sass_loop_depths
+
+    lines, depths = _listing(tree)
+    end = 16 * len(lines)
+    for i in [i for i, line in enumerate(lines) if "IMAD" in line][:forward]:  # some jump forward to the end
+        address = int(lines[i].split("*/")[0].split("/*")[1], 16)
+        lines[i] = f"        /*{address:04x}*/              @!P1 BRA {hex(end)} ;"
+    lines.append(f"        /*{end:04x}*/                   EXIT ;")
+    depths.append(0)
+    lines.append(f"        /*{end + 16:04x}*/                   BRA {hex(end + 16)};")
+    lines += [f"        /*{end + 32 + 16 * i:04x}*/                   NOP;" for i in range(padding)]
+    text = '\t.headerflags\t@"EF_CUDA_SM90"\n' + "\n".join(lines) + "\n"
+    assert sass_loop_depths(text) == [depths.count(d) for d in range(max(depths) + 1)]
+
+
+FIXTURE = Path(__file__).parent / "data" / "nvidia-pipeline-cache-dmmv-q8_0.bin"
+FIXTURE_LABEL = "dmmv[ADD=False,QTYPE=q8_0,Q8=True,COLS=1,ROWS=1,NSUB=1,SG=32,WG=0]"
+
+
+def test_nvidia_machine_code_comes_out_of_a_pipeline_cache():
+    """The data of an NVIDIA pipeline cache holding one pipeline (dmmv's Q8_0 variant, from the
+    H200's driver 580.159, 2026-11-28) carries exactly its Binary Size of machine code, which
+    nvdisasm reads as whole instructions ending in EXIT; the H100 record of the same variant holds
+    the loop depths read from it. Data of another layout is refused in one line."""
+    from zdsl import toolchain
+    from zdsl.autotune import check, machine_code
+    from zdsl.runtime import nvidia_code
+
+    blob = FIXTURE.read_bytes()
+    code = nvidia_code.machine_code(blob, 2176)
+    assert len(code) == 2176
+    for bad, size in ((blob[:200], 2176), (blob.replace(nvidia_code.ZSTD_MAGIC, b"zstd"), 2176), (blob, 2192)):
+        with pytest.raises(ZdslError, match="NVIDIA pipeline cache data"):
+            nvidia_code.machine_code(bad, size)
+    if toolchain._nvdisasm_path() is None:
+        pytest.skip("nvdisasm is not installed (pip install 'zdsl[nvidia]')")
+    text = toolchain.nvdisasm(code, "SM90")
+    ops = [[w for w in line.split("*/")[1].replace(";", " ").split() if not w.startswith("@")][0]
+           for line in text.splitlines() if "*/" in line]
+    assert len(ops) == 2176 // 16
+    last = len(ops) - ops[::-1].index("EXIT")
+    assert set(ops[last:]) <= {"BRA", "NOP"}
+    depths = machine_code.sass_loop_depths(text)
+    assert sum(depths) == last and len(depths) == 2 and depths[1] > 0  # dmmv: one loop over the row
+    _, records = check.load(Path(check.__file__).parent / "measured" / "nvidia-h100-step-iq3_xxs_dynamic.json")
+    held = [v["stats"] for r in records for c in r["cands"] for v in c["variants"] if v["label"] == FIXTURE_LABEL]
+    assert held and held[0]["Binary Size"] == 2176 and held[0][cost_model.LOOP_DEPTHS] == depths
+
+
+def _h100_records(pattern="nvidia-h100-*.json"):
+    from zdsl.autotune import check
+
+    return [r for path in sorted((Path(check.__file__).parent / "measured").glob(pattern))
+            for r in check.load(path)[1]]
+
+
+def test_every_h100_record_holds_its_machine_codes_loop_depths():
+    """Each measured variant's instructions by loop depth, read from its machine code, are all
+    its code but the padding after the last instruction (less than 32 instructions)."""
+    variants = [v["stats"] for r in _h100_records() for c in r["cands"] for v in c["variants"]]
+    assert len(variants) > 800
+    for s in variants:
+        depths = s[cost_model.LOOP_DEPTHS]
+        assert 0 <= s["Binary Size"] // 16 - sum(depths) < 32 and depths[0] > 0
+
+
+def test_loop_depths_find_the_experts_gate_up_the_static_count_missed():
+    """IQ2_XXS experts' gate·up on the H100: NSUB 4 shares a row's loop over four subgroups, and
+    the static count × the average operation's runs ranked it first (measured 1.36× the best);
+    each loop depth's instructions × a subgroup's runs there rank the measured best (NSUB 1)
+    first, at the parameters the fit chooses on all five records (docs/PERF.md)."""
+    from zdsl.autotune import check
+
+    records = [r for r in _h100_records("nvidia-h100-step-iq2_xxs_dynamic.json")
+               if r["kernel"] == "ffn_gate_up" and r["key"].get("EXPERTS")]
+    card = replace(cost_model.card("h100"), latency_ns=1200, cpi=4, issue_efficiency=1.0, overlap=3.0)
+    use = check.use_of(records[0])
+    static = replace(use, dispatches=[[replace(d, stats={k: v for k, v in d.stats.items() if k != cost_model.LOOP_DEPTHS})
+                                       for d in parts] for parts in use.dispatches])
+    assert check.score(card, use).within and not check.score(card, static).within
+
+
+def test_without_nvdisasm_the_error_says_what_to_install(monkeypatch):
+    from zdsl import toolchain
+
+    monkeypatch.setattr(toolchain, "_nvdisasm_path", lambda: None)
+    with pytest.raises(ZdslError, match=r"nvdisasm is not installed.*zdsl\[nvidia\]"):
+        toolchain.nvdisasm(b"\0" * 16, "SM90")
+
+
 def _nvidia(regs, shared, workgroup):
     return cost_model.Dispatch({"Register Count": regs, "Shared Memory Size": shared}, 1, workgroup, 32, 0.0, None)
 

