@@ -177,11 +177,12 @@ def groups_per_unit(c: Card, d: Dispatch) -> int:
 
 
 def static_instructions(c: Card, d: Dispatch) -> float:
-    """Machine instructions in the code, counted once, in SIMD passes: NVIDIA's from the binary's
-    size, RDNA's from the compiler's counts (wave64 vector instructions take more than one pass)."""
+    """Machine instructions in the code, counted once, in SIMD passes: NVIDIA's those its loop
+    depths count, or the binary's size, RDNA's from the compiler's counts (wave64 vector
+    instructions take more than one pass)."""
     s = d.stats
     if c.isa == "nvidia":
-        return max(1.0, s.get("Binary Size", 0) / SASS_BYTES)
+        return max(1.0, sum(s.get(LOOP_DEPTHS, ())) or s.get("Binary Size", 0) / SASS_BYTES)
     passes = c.wave64_passes if d.wave == 64 else 1.0
     return max(1.0, s.get("VALU", 0) * passes + s.get("SALU", 0) + s.get("VMEM", 0) + s.get("SMEM", 0)
                + 2 * s.get("Spilled SGPRs", 0))
@@ -189,18 +190,19 @@ def static_instructions(c: Card, d: Dispatch) -> float:
 
 def executed_instructions(c: Card, d: Dispatch) -> tuple[float, float]:
     """A wave's machine instructions as they run, on average and on the busiest invocation's path.
-    Where the statistics count the code's instructions at each loop depth (NVIDIA's, read from
-    the machine code), each depth's count runs as often as the interpreter ran that depth's
-    operations: the decode a bigger workgroup shares out shrinks, a matrix product each wave does
-    whole does not. Elsewhere the static count runs as often as the average operation."""
+    Where the statistics count the code's instructions at each loop depth (read from the machine
+    code: `machine_code`), the static count is spread over the depths as the code's instructions
+    are, and each depth's share runs as often as a subgroup ran that depth's operations in the
+    interpreter: the decode a bigger workgroup shares out shrinks, a matrix product each wave
+    does whole does not. Elsewhere the static count runs as often as the average operation."""
     w = d.work
     static = static_instructions(c, d)
     if w is None:
         return static, static
     depths = d.stats.get(LOOP_DEPTHS)
-    if depths and w.loop_runs:
-        executed = sum(n * w.runs_at(depth) for depth, n in enumerate(depths))
-        return executed, executed * w.path_repeats / max(w.repeats, 1e-9)
+    if depths and sum(depths) and w.loop_runs:
+        runs = sum(n * w.runs_at(depth) for depth, n in enumerate(depths)) / sum(depths)
+        return static * runs, static * runs * w.path_repeats / max(w.repeats, 1e-9)
     return static * w.repeats, static * w.path_repeats
 
 

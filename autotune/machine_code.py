@@ -1,4 +1,5 @@
-"""Machine code read for the cost model: how many instructions sit at each depth of loops.
+"""Machine code read for the cost model: how many instructions sit at each depth of loops, in
+NVIDIA's SASS (nvdisasm's listing) and in RDNA code (the listing of ACO, RADV's compiler).
 
 A loop in machine code is a backward branch: the instructions from its target to the branch run
 once per trip. What the compiler unrolled is already repeated in the code, so each instruction
@@ -28,3 +29,32 @@ def sass_loop_depths(text: str) -> list[int]:
     loops = [(target, address) for address, _, target in code if target is not None and target <= address]
     depths = [sum(lo <= address <= hi for lo, hi in loops) for address, _, _ in code]
     return [depths.count(d) for d in range(max(depths, default=0) + 1)]
+
+
+# ACO's listing: a block's name on a line of its own ("BB3"), its instructions indented by a tab,
+# branches naming their target block ("s_branch block:BB1"); blocks are laid out in order, each
+# loop's blocks together, so a branch back to an earlier block closes a loop
+_BLOCK = re.compile(r"^BB(\d+)$")
+_BRANCH_TO = re.compile(r"block:BB(\d+)")
+
+
+def aco_loop_depths(text: str) -> list[int]:
+    """Per loop depth (0: outside every loop), the instructions of an ACO listing."""
+    order, block, counts, loops = {}, None, {}, []
+    for line in text.splitlines():
+        m = _BLOCK.match(line.strip())
+        if m and not line.startswith("\t"):
+            block = int(m.group(1))
+            order[block] = len(order)
+            counts[block] = 0
+        elif line.startswith("\t") and block is not None:
+            counts[block] += 1
+            target = _BRANCH_TO.search(line)
+            if target and int(target.group(1)) in order and order[int(target.group(1))] <= order[block]:
+                loops.append((order[int(target.group(1))], order[block]))
+    depths: list[int] = []
+    for b, n in counts.items():
+        d = sum(lo <= order[b] <= hi for lo, hi in loops)
+        depths.extend([0] * (d + 1 - len(depths)))
+        depths[d] += n
+    return depths

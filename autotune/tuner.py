@@ -35,7 +35,7 @@ import numpy as np
 from zdsl.errors import ZdslError
 from zdsl.lang.kernel import Example, Launch, Variant
 
-from . import cost_model
+from . import cost_model, machine_code
 from .database import Entry, accepted_params, device_key, family, shape_key
 from .work import work
 
@@ -470,14 +470,25 @@ class Model:
         def specs(c):
             return [ShaderSpec(v.label, v.spirv, v.bindings, v.push_size, v.spec_constants(), v.ir.subgroup_size)
                     for v in c.variants]
+        def compiled(shaders):
+            return [_with_loop_depths(s) for s in compile_statistics(self.target, shaders, isa=True)]
         try:
-            flat = iter(compile_statistics(self.target, [s for c in cands for s in specs(c)]))
+            flat = iter(compiled([s for c in cands for s in specs(c)]))
             return [[next(flat) for _ in c.variants] for c in cands]
         except ZdslError:
             out = []
             for c in cands:
                 try:
-                    out.append(compile_statistics(self.target, specs(c)))
+                    out.append(compiled(specs(c)))
                 except ZdslError as e:
                     out.append(f"does not compile for {self.target}: {e}")
             return out
+
+
+def _with_loop_depths(stats: dict) -> dict:
+    """The driver's statistics with the code's instructions by loop depth in place of its listing."""
+    stats = dict(stats)
+    listing = stats.pop("isa", None)
+    if listing:
+        stats[cost_model.LOOP_DEPTHS] = machine_code.aco_loop_depths(listing)
+    return stats

@@ -375,6 +375,69 @@ def test_sass_loop_depths_count_each_instruction_in_the_loops_around_it(tree, fo
     assert sass_loop_depths(text) == [depths.count(d) for d in range(max(depths) + 1)]
 
 
+def _aco_listing(tree, names):
+    """ACO-like blocks of a tree of instructions (None) and loops (lists): a loop starts a block,
+    and its last block branches back to that one; block names are `names` in layout order (ACO's
+    numbers need not follow the layout). Returns the listing's lines and each instruction's depth."""
+    lines, depths, block = [], [], [0]
+
+    def open_block():
+        lines.extend([f"BB{names[block[0]]}", "/* logical preds: / linear preds: / kind: uniform, */"])
+        block[0] += 1
+        return names[block[0] - 1]
+
+    def walk(items, depth):
+        for item in items:
+            if item is None:
+                lines.append("\t v1: %3:v[1] = v_add_f32 %1:v[2], %2:v[3]")
+                depths.append(depth)
+            else:
+                header = open_block()
+                walk(item, depth + 1)
+                lines.append(f"\ts_cbranch_scc1 block:BB{header}")
+                depths.append(depth + 1)
+                open_block()
+
+    open_block()
+    walk(tree, 0)
+    open_block()
+    lines += ["\ts_endpgm"]
+    depths.append(0)
+    return lines, depths
+
+
+@given(tree=_trees, data=st.data())
+def test_aco_loop_depths_count_each_instruction_in_the_loops_around_it(tree, data):
+    """RADV's ACO listing: a branch back to an earlier block in the layout closes a loop, a branch
+    forward does not, whatever the blocks' numbers."""
+    from zdsl.autotune.machine_code import aco_loop_depths
+
+    names = data.draw(st.permutations(range(2 + 2 * str(tree).count("["))))
+    lines, depths = _aco_listing(tree, names)
+    last = [line for line in lines if line.startswith("BB")][-1]
+    at = data.draw(st.sampled_from([i for i, line in enumerate(lines) if "v_add" in line]))
+    lines[at] = f"\ts_cbranch_execz block:{last}"  # a branch forward to the last block, at that depth
+    assert aco_loop_depths("\n".join(lines)) == [depths.count(d) for d in range(max(depths) + 1)]
+
+
+@pytest.mark.nulldevice
+def test_rdna_loop_depths_are_all_the_code_radv_counts():
+    """On the null device, the instructions of ACO's listing by loop depth add up to RADV's own
+    count of the code's instructions; a matrix-vector product has its one loop over the row."""
+    from zdsl.kernels import dmmv
+    from zdsl.runtime.nulldevice import ShaderSpec, compile_statistics
+
+    _radeon()
+    variants = [dmmv.dmmv.specialize(QTYPE=q, Q8=True, COLS=1, ADD=False, ROWS=rows, NSUB=1, SG=sg)
+                for q, rows, sg in (("q4_k", 1, 32), ("q6_k", 2, 64), ("q8_0", 1, 64))]
+    specs = [ShaderSpec(v.label, v.spirv, v.bindings, v.push_size, v.spec_constants(), v.ir.subgroup_size)
+             for v in variants]
+    for stats in map(tuner._with_loop_depths, compile_statistics("gfx1201", specs, isa=True)):
+        depths = stats[cost_model.LOOP_DEPTHS]
+        assert "isa" not in stats and sum(depths) == stats["Instructions"]
+        assert len(depths) == 2 and depths[1] > 0
+
+
 FIXTURE = Path(__file__).parent / "data" / "nvidia-pipeline-cache-dmmv-q8_0.bin"
 FIXTURE_LABEL = "dmmv[ADD=False,QTYPE=q8_0,Q8=True,COLS=1,ROWS=1,NSUB=1,SG=32,WG=0]"
 
