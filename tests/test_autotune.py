@@ -472,18 +472,19 @@ def test_nvidia_machine_code_comes_out_of_a_pipeline_cache():
     assert held and held[0]["Binary Size"] == 2176 and held[0][cost_model.LOOP_DEPTHS] == depths
 
 
-def _h100_records(pattern="nvidia-h100-*.json"):
+def _nvidia_records(pattern="nvidia-*.json"):
     from zdsl.autotune import check
 
     return [r for path in sorted((Path(check.__file__).parent / "measured").glob(pattern))
             for r in check.load(path)[1]]
 
 
-def test_every_h100_record_holds_its_machine_codes_loop_depths():
-    """Each measured variant's instructions by loop depth, read from its machine code, are all
-    its code but the padding after the last instruction (less than 32 instructions)."""
-    variants = [v["stats"] for r in _h100_records() for c in r["cands"] for v in c["variants"]]
-    assert len(variants) > 800
+def test_every_nvidia_record_holds_its_machine_codes_loop_depths():
+    """Each measured variant's instructions by loop depth, read from its machine code (the H200's
+    records by `--record` itself), are all its code but the padding after the last instruction
+    (less than 32 instructions)."""
+    variants = [v["stats"] for r in _nvidia_records() for c in r["cands"] for v in c["variants"]]
+    assert len(variants) > 1300
     for s in variants:
         depths = s[cost_model.LOOP_DEPTHS]
         assert 0 <= s["Binary Size"] // 16 - sum(depths) < 32 and depths[0] > 0
@@ -496,7 +497,7 @@ def test_loop_depths_find_the_experts_gate_up_the_static_count_missed():
     first, at the parameters the fit chooses on all five records (docs/PERF.md)."""
     from zdsl.autotune import check
 
-    records = [r for r in _h100_records("nvidia-h100-step-iq2_xxs_dynamic.json")
+    records = [r for r in _nvidia_records("nvidia-h100-step-iq2_xxs_dynamic.json")
                if r["kernel"] == "ffn_gate_up" and r["key"].get("EXPERTS")]
     card = replace(cost_model.card("h100"), latency_ns=1200, cpi=4, issue_efficiency=1.0, overlap=3.0)
     use = check.use_of(records[0])
@@ -998,6 +999,21 @@ def test_the_model_ranks_the_measured_h100_decode_candidates():
     uses, stale = check.uses_of([r for r in records if r["where"] == "step"])
     assert set(stale) <= {"attn_combine"}  # redesigned after the measurement (a7f91ce)
     assert len(uses) >= 10
+    report = check.cross_validate(cost_model.card_of(device), uses, 4)
+    rho, within = report.summary(report.held_out)
+    assert rho >= 0.7 and within >= 0.8, (rho, within)
+    assert report.defaults_within() < within
+
+
+def test_the_model_ranks_the_measured_h200_decode_candidates():
+    """The same bar on a second card, the H200 (2026-11-28, recorded with the machine code's
+    loop depths by `--record` itself): held out, median ρ ≥ 0.7 and picks within 5% in ≥ 80%
+    of the Q4_K_M decode step's uses, more than the defaults alone."""
+    from zdsl.autotune import check, cost_model
+
+    device, records = check.load(Path(check.__file__).parent / "measured" / "nvidia-h200-step.json")
+    uses, stale = check.uses_of(records)
+    assert device == "NVIDIA H200" and not stale and len(uses) >= 10
     report = check.cross_validate(cost_model.card_of(device), uses, 4)
     rho, within = report.summary(report.held_out)
     assert rho >= 0.7 and within >= 0.8, (rho, within)
