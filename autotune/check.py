@@ -4,8 +4,9 @@ best, with the free parameters fitted on other uses than the ones scored (k fold
 
 Measurements are records (JSON, `save`/`load`): per use its kernel, key and launch sizes, and
 per accepted candidate its measured µs and each dispatch's driver statistics (on NVIDIA with
-its machine code's instructions by loop depth, which nvdisasm reads), grid and bytes, so that a measurement taken once on a device can be replayed anywhere: the interpreter's work
-counts (`work.py`) are recomputed from the kernel and the use's example.
+its machine code's instructions by loop depth, which nvdisasm reads), grid and bytes, so that a
+measurement taken once on a device can be replayed anywhere: the interpreter's work counts
+(`work.py`) are recomputed from the kernel and the use's example.
 """
 
 from __future__ import annotations

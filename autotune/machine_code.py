@@ -27,8 +27,18 @@ def sass_loop_depths(text: str) -> list[int]:
     while code and (code[-1][1] == "NOP" or code[-1][2] == code[-1][0]):
         code.pop()
     loops = [(target, address) for address, _, target in code if target is not None and target <= address]
-    depths = [sum(lo <= address <= hi for lo, hi in loops) for address, _, _ in code]
-    return [depths.count(d) for d in range(max(depths, default=0) + 1)]
+    return _by_depth([(address, 1) for address, _, _ in code], loops)
+
+
+def _by_depth(places: list[tuple[int, int]], loops: list[tuple[int, int]]) -> list[int]:
+    """Instructions per loop depth, from (place, instructions there) and the loops' (first,
+    last) places: an instruction's depth is the number of loops around its place."""
+    depths: list[int] = []
+    for place, n in places:
+        d = sum(lo <= place <= hi for lo, hi in loops)
+        depths.extend([0] * (d + 1 - len(depths)))
+        depths[d] += n
+    return depths or [0]
 
 
 # ACO's listing: a block's name on a line of its own ("BB3"), its instructions indented by a tab,
@@ -52,9 +62,4 @@ def aco_loop_depths(text: str) -> list[int]:
             target = _BRANCH_TO.search(line)
             if target and int(target.group(1)) in order and order[int(target.group(1))] <= order[block]:
                 loops.append((order[int(target.group(1))], order[block]))
-    depths: list[int] = []
-    for b, n in counts.items():
-        d = sum(lo <= order[b] <= hi for lo, hi in loops)
-        depths.extend([0] * (d + 1 - len(depths)))
-        depths[d] += n
-    return depths
+    return _by_depth([(order[b], n) for b, n in counts.items()], loops)

@@ -172,7 +172,6 @@ def _static_by_depth(body, depth: int = 0, out: list[int] | None = None) -> list
 def _loop_runs(ran: list[int], static: list[int], waves: int) -> tuple[float, ...]:
     """Per loop depth, a subgroup's runs of each operation there; a depth that holds no operation
     of its own (a loop around a loop) takes the depth above it."""
-    ran = ran + [0] * (len(static) - len(ran))  # depths no invocation reached
     runs: list[float] = []
     for depth, n in enumerate(static):
         runs.append(ran[depth] / (waves * n) if n else runs[-1] if runs else 1.0)
@@ -198,7 +197,9 @@ class _Counting(Run):
         self.ahead_lists = {id(b) for b in lists if b is not self.k.body and _ahead(b)}
         self.waiting: list[np.ndarray] = []  # per open round list: the invocations whose load ran
         self.each = np.zeros(self.n, np.int64)  # loads and operations per invocation
-        self.depth, self.ran = 0, [0]  # the GPU loops around the statement; subgroup runs per depth
+        self.static_by_depth = _static_by_depth(k.body)
+        self.depth = 0  # the GPU loops around the statement
+        self.ran = [0] * len(self.static_by_depth)  # subgroups' runs of operations, per depth
         # subgroups as NVIDIA runs them where the variant leaves the size to the driver (its machine
         # code is the one read for loop depths), a workgroup's last one partly filled
         self.wave = self.sg or 32
@@ -228,8 +229,6 @@ class _Counting(Run):
     def _stmt(self, s, mask) -> None:
         if isinstance(s, ir.Let):
             self.each += mask
-            if self.depth >= len(self.ran):
-                self.ran.extend([0] * (self.depth + 1 - len(self.ran)))
             self.ran[self.depth] += self._waves_running(mask)
             if s.op == "load":
                 self.loads += int(mask.sum())
@@ -297,4 +296,4 @@ def work(variant, args: dict, groups) -> Work | None:
         return None
     return Work(run.rounds / run.n, run.loads / run.n, run.ops / run.n, _static(k.body), run.ahead / run.n,
                 run.shared_bytes / run.n, float(run.each.reshape(-1, run.wg).max(axis=1).mean()),
-                _loop_runs(run.ran, _static_by_depth(k.body), run.n // run.wg * run.waves))
+                _loop_runs(run.ran, run.static_by_depth, run.n // run.wg * run.waves))

@@ -474,13 +474,20 @@ class Device:
     def _save_pipeline_cache(self) -> None:
         if not self._cache_dirty:
             return
-        size = ffi.new("size_t *")
-        if lib.vkGetPipelineCacheData(self._dev, self._pipeline_cache, size, ffi.NULL) != vk.VK_SUCCESS or not size[0]:
-            return
-        data = ffi.new("char[]", size[0])
-        if lib.vkGetPipelineCacheData(self._dev, self._pipeline_cache, size, data) == vk.VK_SUCCESS:
+        data = self._pipeline_cache_data(self._pipeline_cache)
+        if data:
             try:
-                write_entry(self._cache_path, ffi.buffer(data, size[0])[:])
+                write_entry(self._cache_path, data)
             except OSError:
                 pass    # a read-only cache folder only costs compile time next run
+
+    def _pipeline_cache_data(self, cache) -> bytes | None:
+        """A pipeline cache's data, or None where the driver gives none."""
+        size = ffi.new("size_t *")
+        if lib.vkGetPipelineCacheData(self._dev, cache, size, ffi.NULL) != vk.VK_SUCCESS or not size[0]:
+            return None
+        data = ffi.new("char[]", size[0])
+        if lib.vkGetPipelineCacheData(self._dev, cache, size, data) != vk.VK_SUCCESS:
+            return None
+        return ffi.buffer(data, size[0])[:]
 

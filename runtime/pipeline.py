@@ -176,7 +176,7 @@ def create(device, spirv: bytes, *, bindings, push_size: int, spec, subgroup_siz
     try:
         vk.check(lib.vkCreateComputePipelines(dev, own_cache or device._pipeline_cache, 1, create_info, ffi.NULL,
                                               out), "vkCreateComputePipelines", f"for pipeline {name} on {info.name}")
-        cache_data = _cache_data(device, own_cache) if own_cache else None
+        cache_data = device._pipeline_cache_data(own_cache) if own_cache else None
     finally:
         lib.vkDestroyShaderModule(dev, module[0], ffi.NULL)
         if own_cache:
@@ -205,14 +205,6 @@ def _own_cache(device):
     result, cache = device._new_pipeline_cache(b"")
     vk.check(result, "vkCreatePipelineCache")
     return cache
-
-
-def _cache_data(device, cache) -> bytes:
-    size = ffi.new("size_t *")
-    vk.check(lib.vkGetPipelineCacheData(device._dev, cache, size, ffi.NULL), "vkGetPipelineCacheData")
-    data = ffi.new("char[]", size[0])
-    vk.check(lib.vkGetPipelineCacheData(device._dev, cache, size, data), "vkGetPipelineCacheData")
-    return ffi.buffer(data, size[0])[:]
 
 
 def _first_executable(device, pipeline):
