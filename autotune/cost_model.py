@@ -8,10 +8,14 @@ short to reach the card's bandwidth, so the model asks whether the bytes or the 
 bind. A lane's path is rounds (`Work.rounds`: the loop trips at the use's sizes, each a batch
 of loads and the work on them); a round waits its loads' latency, then works:
 
-    t = max(t_memory, (1 − a) · (t_latency + t_work) + a · max(t_latency, t_work)) + LAUNCH_US
+    t = max(t_memory, t_l2, (1 − a) · (t_latency + t_work) + a · max(t_latency, t_work)) + LAUNCH_US
     t_work = (t_chain^p + t_issue^p)^(1/p)
 
 - **Memory.** The bytes the launch moves at the card's bandwidth.
+- **L2.** The bytes the workgroups pull through the L2 (`Work.sectors`: each one's distinct
+  32-byte sectors) at its bandwidth: tiles that each read the same activations again move more
+  through the L2 than from memory (on the H100 the router's f32 product at 8 rows a workgroup
+  reads 277 MB through it, at 4 rows 409 MB, and takes 34.4 µs against 42.3).
 - **Latency (Little's law).** rounds × the memory latency a lane sees. The groups a unit holds
   at once run their paths together and more come in waves of that many, so a variant with few
   lanes or many rounds keeps too few bytes in flight to reach the bandwidth. A round whose
@@ -41,9 +45,9 @@ warp in units of 256) and shared memory (the share the driver gives workgroups, 
 H100's 228, plus 1 KiB it reserves per block), under 64 warps and 32 blocks per SM; RDNA's from
 the compiler's waves per SIMD (its VGPR budget) and LDS per workgroup, under the workgroups a CU
 holds. Card figures are public specifications; `latency_ns`, `cpi`, `issue_efficiency`,
-`overlap` (p) and `shared_efficiency` are the free parameters, fitted on measurement where a
-card of that kind ran (`check.py`), nominal guesses elsewhere. Its microseconds are for ranking
-the variants of one kernel at one shape, not predictions of a run.
+`overlap` (p), `shared_efficiency` and `l2_bytes_per_clock` are the free parameters, fitted on
+measurement where a card of that kind ran (`check.py`), nominal guesses elsewhere. Its
+microseconds are for ranking the variants of one kernel at one shape, not predictions of a run.
 """
 
 from __future__ import annotations
@@ -51,9 +55,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from zdsl.errors import ZdslError
 
-from .work import Work
+from .work import SECTOR, Work
 
 LAUNCH_US = 2.0  # fixed cost of a dependent dispatch
 SASS_BYTES = 16  # bytes per NVIDIA machine instruction (Volta and later)
@@ -84,6 +90,8 @@ class Card:
     shared_bandwidth: int = 128  # shared memory (LDS) bytes per clock per unit
     shared_efficiency: float = 0.5  # free: share of that bandwidth a round's tiles get (bank
                                     # conflicts, the matrix loads' layout); 0.5 on the H100
+    l2_bytes_per_clock: float = 32.0  # free: the L2's read bytes per clock per unit (32 is a
+                                      # guess; the H100's folds fit 24-32: 6.3-8.4 TB/s)
     sm: str = ""                 # the architecture nvdisasm reads the machine code as (NVIDIA)
 
     @property
@@ -137,12 +145,15 @@ def card_of(device_name: str) -> Card:
     return found[0]
 
 
-def combined(chain: float, issue: float, p: float) -> float:
-    """The p-norm of the chain and issue limits: their sum at p = 1, their max as p → ∞."""
-    if math.isinf(p):
-        return max(chain, issue)
-    top = max(chain, issue)
-    return top * ((chain / top) ** p + (issue / top) ** p) ** (1 / p) if top > 0 else 0.0
+def combined(chain, issue, p):
+    """The p-norm of the chain and issue limits: their sum at p = 1, their max as p → ∞ (numbers
+    or arrays alike)."""
+    top = np.maximum(chain, issue)
+    scale = np.where(top > 0, top, 1.0)
+    q = np.where(np.isinf(p), 1.0, p)
+    norm = np.where(top > 0, scale * ((chain / scale) ** q + (issue / scale) ** q) ** (1 / q), 0.0)
+    out = np.where(np.isinf(p), top, norm)
+    return float(out) if np.ndim(out) == 0 else out
 
 
 @dataclass(frozen=True)
@@ -206,11 +217,12 @@ def executed_instructions(c: Card, d: Dispatch) -> tuple[float, float]:
     return static * w.repeats, static * w.path_repeats
 
 
-def estimate(c: Card, d: Dispatch) -> dict:
-    """Modelled µs of one dispatch, with the terms it came from and the one that decided it."""
+def terms(c: Card, d: Dispatch) -> dict:
+    """The terms of one dispatch (µs), the share of its rounds issued ahead, its groups a unit and
+    rounds. The card's free parameters may be arrays (a grid of them, as `check.fit` tries): the
+    terms are then arrays too."""
     w = d.work
     rounds = max(1.0, w.rounds) if w else 1.0
-    ahead = min(w.ahead, rounds) / rounds if w else 0.0
     executed, longest = executed_instructions(c, d)
     waves_per_group = math.ceil(d.workgroup / d.wave)
     # the busiest unit's workgroups at once: as many as it holds, fewer where the grid is small
@@ -220,30 +232,41 @@ def estimate(c: Card, d: Dispatch) -> dict:
     clock = c.clock_ghz * 1e3  # cycles per µs
     # cycles of the unit's shared-memory traffic (its groups' tiles)
     shared = busiest * d.workgroup * (w.shared if w else 0.0) / (c.shared_bandwidth * c.shared_efficiency)
-    terms = {
+    return {
         "memory_us": (d.nbytes + spill) / c.bytes_per_us,
+        "l2_us": d.groups * (w.sectors if w else 0.0) * SECTOR / (c.l2_bytes_per_clock * c.units * clock),
         "latency_us": waves * rounds * c.latency_ns * 1e-3,
         "chain_us": waves * (longest * c.cpi + shared) / clock,
         "issue_us": waves * busiest * waves_per_group * executed / (c.issue * c.issue_efficiency) / clock,
+        "ahead": min(w.ahead, rounds) / rounds if w else 0.0, "groups_per_unit": busiest, "rounds": rounds,
     }
-    lanes = {k: terms[k] for k in ("latency_us", "chain_us", "issue_us")}
-    bound = "memory_us" if terms["memory_us"] >= path(c, terms, ahead) else max(lanes, key=lanes.get)
-    return {"us": total(c, terms, ahead), **terms, "ahead": ahead, "bound": bound.removesuffix("_us"),
-            "groups_per_unit": busiest, "rounds": rounds}
 
 
-def path(c: Card, terms: dict, ahead: float) -> float:
+def estimate(c: Card, d: Dispatch) -> dict:
+    """Modelled µs of one dispatch, with the terms it came from and the one that decided it."""
+    t = terms(c, d)
+    lanes = {k: t[k] for k in ("latency_us", "chain_us", "issue_us")}
+    floor = max(FLOORS, key=t.get)
+    bound = floor if t[floor] >= path(c, t, t["ahead"]) else max(lanes, key=lanes.get)
+    return {"us": total(c, t, t["ahead"]), **t, "bound": bound.removesuffix("_us")}
+
+
+def path(c: Card, terms: dict, ahead: float):
     """The lanes' path: a round's work is its chain and issue limits by the p-norm; a round waits
     its latency before that work, or, where its loads were issued a round ahead (`ahead` of the
     rounds), the longer of the two."""
     work = combined(terms["chain_us"], terms["issue_us"], c.overlap)
     wait = terms["latency_us"]
-    return (1 - ahead) * (wait + work) + ahead * max(wait, work)
+    return (1 - ahead) * (wait + work) + ahead * np.maximum(wait, work)
 
 
-def total(c: Card, terms: dict, ahead: float) -> float:
-    """µs from the terms: the memory term or the lanes' path, whichever is longer, and the launch."""
-    return max(terms["memory_us"], path(c, terms, ahead)) + LAUNCH_US
+FLOORS = ("memory_us", "l2_us")  # the terms a launch's bytes set, under which no path goes
+
+
+def total(c: Card, terms: dict, ahead: float):
+    """µs from the terms: the bytes' floors or the lanes' path, whichever is longest, and the launch."""
+    out = np.maximum(np.maximum(terms["memory_us"], terms.get("l2_us", 0.0)), path(c, terms, ahead)) + LAUNCH_US
+    return float(out) if np.ndim(out) == 0 else out
 
 
 def estimate_run(c: Card, parts: list[Dispatch]) -> dict:

@@ -129,7 +129,7 @@ class Result:
         return self.default.us / self.best.us
 
 
-TERMS = ("memory_us", "latency_us", "chain_us", "issue_us")
+TERMS = ("memory_us", "l2_us", "latency_us", "chain_us", "issue_us")
 
 
 def decided_by(card: cost_model.Card, r: Result) -> tuple[str, float, float] | None:
@@ -153,8 +153,8 @@ def decided_by(card: cost_model.Card, r: Result) -> tuple[str, float, float] | N
 
 def ties(r: Result) -> list[tuple[str, list[Candidate]]]:
     """The modelled candidates that tie (the same µs), each group with why the model cannot tell
-    them apart: the memory term binds them all (they move the same bytes; the lanes' limits lie
-    under it), or their statistics, rounds and terms are the same (their code differs in
+    them apart: the memory or L2 term binds them all (they move the same bytes; the lanes' limits
+    lie under it), or their statistics, rounds and terms are the same (their code differs in
     constants only, such as the rows a workgroup's NSUB subgroups start at: the same
     instructions, waves and occupancy); anything else is an unexplained tie."""
     groups: dict[float, list[Candidate]] = {}
@@ -164,8 +164,9 @@ def ties(r: Result) -> list[tuple[str, list[Candidate]]]:
     for cs in groups.values():
         if len(cs) < 2:
             continue
-        if all(c.figures.get("bound") == "memory" for c in cs):
-            why = "memory"
+        bounds = {c.figures.get("bound") for c in cs}
+        if len(bounds) == 1 and bounds <= {"memory", "l2"}:
+            why = bounds.pop()
         elif len({tuple(c.figures.get(k) for k in (*STAT_FIGURES, *TERMS, "rounds")) for c in cs}) == 1:
             why = "same code figures"
         else:

@@ -10,8 +10,9 @@ a lane issues the round's loads, then waits for them before the arithmetic that 
 rounds are the memory latencies on a lane's path, except where a loop's body issues the next
 round's loads into variables (`_ahead`). Loops whose bounds come from the buffers (positions,
 routed experts) run as the example's data makes them. Besides the mean invocation's counts, the
-interpreter counts the busiest invocation of each workgroup (its barriers wait for it) and the
-bytes each invocation moves through shared memory.
+interpreter counts the busiest invocation of each workgroup (its barriers wait for it), the
+bytes each invocation moves through shared memory, and the distinct 32-byte sectors of the
+buffers each workgroup reads: what it pulls through the L2 (its own re-reads stay in its L1).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ class Work:
                           # 0: outside them), how often a subgroup runs an operation at that depth
                           # (it runs one where any of its invocations does), to weigh the machine
                           # code's instructions at each loop depth (`machine_code`)
+    sectors: float = 0.0  # per workgroup: the distinct 32-byte sectors of the buffers it reads
+                          # (a tile's activations that every row tile reads again come through
+                          # L2 once per workgroup)
 
     @property
     def path_repeats(self) -> float:
@@ -204,6 +208,8 @@ class _Counting(Run):
         # code is the one read for loop depths), a workgroup's last one partly filled
         self.wave = self.sg or 32
         self.waves = -(-self.wg // self.wave)
+        self.sectors: list[np.ndarray] = []  # keys of the sectors read: (workgroup, buffer, sector)
+        self.buffer_ids: dict[str, int] = {}
 
     def block(self, stmts, mask) -> None:
         if id(stmts) not in self.round_lists:
@@ -234,6 +240,7 @@ class _Counting(Run):
                 self.loads += int(mask.sum())
                 if self.waiting:
                     self.waiting[-1] |= mask
+                self._read_sectors(s, mask)
             else:
                 self.ops += int(mask.sum())
                 if s.op == "shared_load":
@@ -245,6 +252,25 @@ class _Counting(Run):
         elif isinstance(s, ir.MatrixStore) and isinstance(s.array, ir.Shared):
             self.shared_bytes += int(mask.sum()) * _tile_bytes(s.matrix.dtype) / self.sg
         super().stmt(s, mask)
+
+    def _read_sectors(self, s, mask) -> None:
+        """Keeps the keys of the sectors a load reads where it runs (a vector's first and last
+        byte's, which differ where it straddles two), packed as (workgroup, buffer, sector)."""
+        view = s.args[0]
+        active = mask & np.broadcast_to(self.value(s.args[2]), (self.n,)) if len(s.args) == 4 else mask
+        if not active.any():
+            return
+        size = view.dtype.scalar.numpy.itemsize * view.dtype.lanes
+        first = np.broadcast_to(np.asarray(self.value(s.args[1])).astype(np.int64), (self.n,))[active] * size
+        buffer = self.buffer_ids.setdefault(view.buffer, len(self.buffer_ids))
+        base = (self.group_local[active].astype(np.int64) * 256 + buffer) << 40
+        self.sectors.append(np.union1d(base + first // SECTOR, base + (first + size - 1) // SECTOR))
+        if len(self.sectors) > 64:
+            self.sectors = [np.unique(np.concatenate(self.sectors))]
+
+    def sectors_per_group(self) -> float:
+        read = np.unique(np.concatenate(self.sectors)) if self.sectors else ()
+        return len(read) / (self.n // self.wg)
 
     def _waves_running(self, mask) -> int:
         if self.wg % self.wave == 0:
@@ -261,6 +287,7 @@ def _tile_bytes(m) -> int:
 
 
 SAMPLE = 8  # workgroups the interpreter runs, spread over the grid
+SECTOR = 32  # bytes: the unit in which a cache line moves between the L2 and a unit's L1
 
 
 def sample(total: int, n: int = SAMPLE) -> list[int]:
@@ -296,4 +323,4 @@ def work(variant, args: dict, groups) -> Work | None:
         return None
     return Work(run.rounds / run.n, run.loads / run.n, run.ops / run.n, _static(k.body), run.ahead / run.n,
                 run.shared_bytes / run.n, float(run.each.reshape(-1, run.wg).max(axis=1).mean()),
-                _loop_runs(run.ran, run.static_by_depth, run.n // run.wg * run.waves))
+                _loop_runs(run.ran, run.static_by_depth, run.n // run.wg * run.waves), run.sectors_per_group())

@@ -281,14 +281,15 @@ def _check_tables(console, device: str, card, report: check.Report) -> None:
     for f, c in enumerate(report.fold_cards):
         console.print(f"fold {f}: fitted latency {c.latency_ns:g} ns, {c.cpi:g} cycles per dependent instruction, "
                       f"issue efficiency {c.issue_efficiency:g}, overlap p {c.overlap:g}, "
-                      f"shared-memory efficiency {c.shared_efficiency:g}")
+                      f"shared-memory efficiency {c.shared_efficiency:g}, L2 {c.l2_bytes_per_clock:g} bytes a clock an SM "
+                      f"({c.l2_bytes_per_clock * c.units * c.clock_ghz:,.0f} GB/s)")
     rho, within = report.summary(report.held_out)
     n = len(report.uses)
     console.print(f"[bold]held out[/bold]: median ρ {rho:.2f}, pick within 5% of the best in "
                   f"{round(within * n)} of {n} uses ({within:.0%})")
     rho, within = report.summary(report.nominal)
     console.print(f"the card's own figures (latency {card.latency_ns:g} ns, cpi {card.cpi:g}, efficiency "
-                  f"{card.issue_efficiency:g}, p {card.overlap:g}, shared {card.shared_efficiency:g}), no fit: median ρ {rho:.2f}, picks within 5% {within:.0%}; "
+                  f"{card.issue_efficiency:g}, p {card.overlap:g}, shared {card.shared_efficiency:g}, L2 {card.l2_bytes_per_clock:g}), no fit: median ρ {rho:.2f}, picks within 5% {within:.0%}; "
                   f"the defaults alone are within 5% in {report.defaults_within():.0%}")
 
 
@@ -391,12 +392,12 @@ def _ties(console, r: tuner.Result) -> None:
     """A line for each kind of tie among a modelled use's candidates, with why the model cannot
     tell them apart (`tuner.ties`) and how they are ordered."""
     groups = tuner.ties(r)
-    memory = [cs for why, cs in groups if why == "memory"]
     same = [cs for why, cs in groups if why == "same code figures"]
-    for cs in memory:
-        console.print(f"  {len(cs)} candidates tie at the memory term (each moves the same bytes, their lanes' limits "
-                      "lie under it): ranked by their lanes' paths, then issue"
-                      + ("; the default first among them" if any(c is r.default for c in cs) else ""))
+    for why, cs in groups:
+        if why in ("memory", "l2"):
+            console.print(f"  {len(cs)} candidates tie at the {'memory' if why == 'memory' else 'L2'} term (each moves "
+                          "the same bytes, their lanes' limits lie under it): ranked by their lanes' paths, then issue"
+                          + ("; the default first among them" if any(c is r.default for c in cs) else ""))
     if same:
         eg = " = ".join(c.label for c in same[0])
         console.print(f"  {len(same)} groups tie with the same statistics, rounds and terms (e.g. {eg}): their code "
