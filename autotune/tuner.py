@@ -130,6 +130,7 @@ class Result:
 
 
 TERMS = ("memory_us", "l2_us", "latency_us", "chain_us", "issue_us")
+TIED_TERMS = ("memory_us", "latency_us", "chain_us", "issue_us")  # what the same code shares (`ties`)
 
 
 def decided_by(card: cost_model.Card, r: Result) -> tuple[str, float, float] | None:
@@ -154,9 +155,10 @@ def decided_by(card: cost_model.Card, r: Result) -> tuple[str, float, float] | N
 def ties(r: Result) -> list[tuple[str, list[Candidate]]]:
     """The modelled candidates that tie (the same µs), each group with why the model cannot tell
     them apart: the memory or L2 term binds them all (they move the same bytes; the lanes' limits
-    lie under it), or their statistics, rounds and terms are the same (their code differs in
-    constants only, such as the rows a workgroup's NSUB subgroups start at: the same
-    instructions, waves and occupancy); anything else is an unexplained tie."""
+    lie under it), or their statistics, rounds and the terms of their path are the same (their
+    code differs in constants only, such as the rows a workgroup's NSUB subgroups start at: the
+    same instructions, waves and occupancy; the bigger workgroup reads its shared rows through
+    the L2 fewer times, under the path); anything else is an unexplained tie."""
     groups: dict[float, list[Candidate]] = {}
     for c in r.ranked:
         groups.setdefault(round(c.us, 6), []).append(c)
@@ -167,7 +169,7 @@ def ties(r: Result) -> list[tuple[str, list[Candidate]]]:
         bounds = {c.figures.get("bound") for c in cs}
         if len(bounds) == 1 and bounds <= {"memory", "l2"}:
             why = bounds.pop()
-        elif len({tuple(c.figures.get(k) for k in (*STAT_FIGURES, *TERMS, "rounds")) for c in cs}) == 1:
+        elif len({tuple(c.figures.get(k) for k in (*STAT_FIGURES, *TIED_TERMS, "rounds")) for c in cs}) == 1:
             why = "same code figures"
         else:
             why = "unexplained"

@@ -687,7 +687,7 @@ def test_modelled_ties_and_the_deciding_term():
     default = cand(10.0, "chain", 5.0, 7.9, 2.0, WG=256)
     best = cand(7.0, "memory", 5.0, 4.0, 2.2, WG=512)
     a, b = cand(7.0, "memory", 5.0, 4.5, 2.0, WG=64), cand(8.0, "chain", 1.0, 5.9, 1.0, NSUB=2)
-    c, odd = cand(8.0, "chain", 1.0, 5.9, 1.0, NSUB=4), cand(9.0, "chain", 1.0, 6.9, 1.0, ROWS=2)
+    c, odd = cand(8.0, "chain", 1.0, 5.9, 1.0, 0.5, NSUB=4), cand(9.0, "chain", 1.0, 6.9, 1.0, ROWS=2)
     odder = cand(9.0, "issue", 1.0, 1.0, 6.9, ROWS=4)
     x, y = cand(9.5, "l2", 1.0, 1.0, 1.0, 7.5, COLS=4), cand(9.5, "l2", 2.0, 1.0, 1.0, 7.5, COLS=8)
     r = tuner.Result(None, "modelled", default, [best, a, b, c, odd, odder, x, y, default], [])
