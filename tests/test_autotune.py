@@ -1115,7 +1115,7 @@ def test_the_model_ranks_the_measured_h200_decode_candidates():
 def test_the_model_ranks_the_measured_h100_decode_candidates_of_every_mix():
     """The same on the decode steps of all four type mixes the repo keeps H100 records of
     (2026-11-28; a use the mixes share counts once). There the model does not reach the issue's
-    80% (docs/PERF.md: 22 of 31): this holds it to median ρ ≥ 0.7, picks within 5% in ≥ 70%, and
+    80% (docs/PERF.md: 23 of 31): this holds it to median ρ ≥ 0.7, picks within 5% in ≥ 70%, and
     more than the kernels' defaults alone."""
     from zdsl.autotune import check, cost_model
 
