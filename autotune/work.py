@@ -263,12 +263,14 @@ class _Counting(Run):
         size = view.dtype.scalar.numpy.itemsize * view.dtype.lanes
         first = np.broadcast_to(np.asarray(self.value(s.args[1])).astype(np.int64), (self.n,))[active] * size
         buffer = self.buffer_ids.setdefault(view.buffer, len(self.buffer_ids))
+        # a key: workgroup · 256 + buffer above 40 bits of sector (a kernel binds < 256 buffers)
         base = (self.group_local[active].astype(np.int64) * 256 + buffer) << 40
         self.sectors.append(np.union1d(base + first // SECTOR, base + (first + size - 1) // SECTOR))
         if len(self.sectors) > 64:
             self.sectors = [np.unique(np.concatenate(self.sectors))]
 
     def sectors_per_group(self) -> float:
+        """The distinct sectors read, per sampled workgroup."""
         read = np.unique(np.concatenate(self.sectors)) if self.sectors else ()
         return len(read) / (self.n // self.wg)
 
