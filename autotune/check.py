@@ -141,26 +141,29 @@ def _label(params: dict) -> str:
 # -- scoring -------------------------------------------------------------------------------------------
 
 def ranks(a) -> np.ndarray:
-    """Ranks from 0, ties sharing their mean rank."""
+    """Ranks from 0, ties sharing their mean rank (along the last axis: of each row of a 2-D
+    array)."""
     a = np.asarray(a, float)
-    order = np.argsort(a, kind="stable")
-    out = np.empty(len(a))
-    i = 0
-    while i < len(a):
-        j = i
-        while j + 1 < len(a) and a[order[j + 1]] == a[order[i]]:
-            j += 1
-        out[order[i:j + 1]] = (i + j) / 2
-        i = j + 1
-    return out
+    below = (a[..., None, :] < a[..., :, None]).sum(-1)
+    same = (a[..., None, :] == a[..., :, None]).sum(-1)
+    return below + (same - 1) / 2
 
 
-def spearman(a, b) -> float:
-    """Spearman's rank correlation (0 where either side is all ties)."""
+def spearman(a, b):
+    """Spearman's rank correlation of a and b (0 where either side is all ties); of each row of a
+    2-D `a` with b, an array."""
     ra, rb = ranks(a), ranks(b)
-    if ra.std() == 0 or rb.std() == 0:
-        return 0.0
-    return float(np.corrcoef(ra, rb)[0, 1])
+    ra, rb = ra - ra.mean(-1, keepdims=True), rb - rb.mean()
+    norm = np.sqrt((ra ** 2).sum(-1) * (rb ** 2).sum())
+    rho = np.where(norm > 0, (ra * rb).sum(-1) / np.where(norm > 0, norm, 1.0), 0.0)
+    return float(rho) if rho.ndim == 0 else rho
+
+
+def picks(predicted, measured):
+    """The candidate the model ranks first (of each row of a 2-D `predicted`): a tie is no
+    choice, so of those it ties, the slowest measured."""
+    predicted = np.asarray(predicted)
+    return np.where(predicted == predicted.min(-1, keepdims=True), measured, -np.inf).argmax(-1)
 
 
 def order(u: Use, s: "Score") -> list[float]:
@@ -185,8 +188,7 @@ class Score:
 def score(card: cost_model.Card, u: Use) -> Score:
     est = [cost_model.estimate_run(card, parts) for parts in u.dispatches]
     predicted = np.asarray([e["us"] for e in est])
-    tied = np.flatnonzero(predicted == predicted.min())  # a tie is no choice: count the worst of it
-    pick = int(tied[np.argmax(u.measured[tied])])
+    pick = int(picks(predicted, u.measured))
     return Score(spearman(predicted, u.measured), pick, float(u.measured[pick] / u.measured.min()), predicted,
                  est[pick]["bound"])
 
@@ -210,32 +212,17 @@ def grid_scores(card: cost_model.Card, u: Use) -> tuple[np.ndarray, np.ndarray]:
     figures, all points at once."""
     predicted = np.stack([sum(cost_model.total(card, t, t["ahead"]) for t in (cost_model.terms(card, d) for d in parts))
                           for parts in u.dispatches], axis=1)  # points × candidates
-    measured = ranks(u.measured)
-    fitted = _ranks_of_rows(predicted)
-    fitted -= fitted.mean(1, keepdims=True)
-    measured -= measured.mean()
-    norm = np.sqrt((fitted ** 2).sum(1) * (measured ** 2).sum())
-    rho = np.where(norm > 0, (fitted * measured).sum(1) / np.where(norm > 0, norm, 1.0), 0.0)
-    tied = predicted == predicted.min(1, keepdims=True)  # a tie is no choice: the worst of it counts
-    picked = np.where(tied, u.measured, -np.inf).max(1)
-    return rho, picked / u.measured.min() <= WITHIN
-
-
-def _ranks_of_rows(a: np.ndarray) -> np.ndarray:
-    """`ranks` of each row."""
-    below = (a[:, None, :] < a[:, :, None]).sum(2)
-    same = (a[:, None, :] == a[:, :, None]).sum(2)
-    return below + (same - 1) / 2
+    return spearman(predicted, u.measured), u.measured[picks(predicted, u.measured)] / u.measured.min() <= WITHIN
 
 
 def fit(card: cost_model.Card, uses: list[Use]) -> cost_model.Card:
     """The card with the free parameters of GRID that rank `uses` best."""
-    return _fitted(card, [grid_scores(grid(card)[0], u) for u in uses])
+    every, points = grid(card)
+    return _fitted(card, points, [grid_scores(every, u) for u in uses])
 
 
-def _fitted(card: cost_model.Card, scores: list[tuple[np.ndarray, np.ndarray]]) -> cost_model.Card:
+def _fitted(card: cost_model.Card, points: list[dict], scores: list[tuple[np.ndarray, np.ndarray]]) -> cost_model.Card:
     """The card at the grid point of best merit over the uses' grid scores (the first of equals)."""
-    points = grid(card)[1]
     m = merit(np.stack([r for r, _ in scores]), np.stack([w for _, w in scores]))
     return replace(card, **points[int(np.argmax(m))])
 
@@ -265,11 +252,11 @@ def cross_validate(card: cost_model.Card, uses: list[Use], folds: int) -> Report
     folds = max(2, min(folds, len(uses)))
     held: list[Score | None] = [None] * len(uses)
     cards, fold_of = [], [0] * len(uses)
-    every = grid(card)[0]
+    every, points = grid(card)
     scores = [grid_scores(every, u) for u in uses]
     for f in range(folds):
         out = list(range(f, len(uses), folds))
-        fitted = _fitted(card, [s for i, s in enumerate(scores) if i not in out])
+        fitted = _fitted(card, points, [s for i, s in enumerate(scores) if i not in out])
         cards.append(fitted)
         for i in out:
             held[i] = score(fitted, uses[i])

@@ -265,7 +265,7 @@ FLOORS = ("memory_us", "l2_us")  # the terms a launch's bytes set, under which n
 
 def total(c: Card, terms: dict, ahead: float):
     """µs from the terms: the bytes' floors or the lanes' path, whichever is longest, and the launch."""
-    out = np.maximum(np.maximum(terms["memory_us"], terms.get("l2_us", 0.0)), path(c, terms, ahead)) + LAUNCH_US
+    out = np.maximum(np.maximum(terms["memory_us"], terms["l2_us"]), path(c, terms, ahead)) + LAUNCH_US
     return float(out) if np.ndim(out) == 0 else out
 
 
