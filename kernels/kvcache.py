@@ -2,7 +2,7 @@
 
 A row is one token's d values of one KV head. `f16` stores them as they are. `q8_0` and `q4_0`
 cut the row into blocks of 32 values, each an f16 scale d and 32 codes, rounded as GGUF's Q8_0
-and Q4_0 blocks are (kernels/formats.py): q8_0 value = d·q with q an int8 and d = max|x| / 127;
+and Q4_0 blocks are (kernels/quant_numpy.py): q8_0 value = d·q with q an int8 and d = max|x| / 127;
 q4_0 value = d·(c − 8) with c a 4-bit code and d = −(the value of largest |x|) / 8. A quantized
 row holds its codes first (each block's as GGUF orders them: q4_0's low nibbles are values 0–15,
 the high ones 16–31) and its scales after them, so the codes a lane reads are aligned as the row
@@ -29,7 +29,7 @@ import numpy as np
 import zdsl
 from zdsl import f16, f32, u16, u32
 from zdsl.errors import ZdslError
-from zdsl.kernels.formats import QuantType, dequantize, quantize
+from zdsl.kernels.quant_numpy import QuantType, dequantize, quantize
 from zdsl.kernels.q8_1 import quantize_8bit
 from zdsl.kernels.quant import words_at
 

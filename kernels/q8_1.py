@@ -25,7 +25,7 @@ import numpy as np
 
 import zdsl
 from zdsl import Buffer, Const, f16, f32, i32, u32
-from zdsl.kernels.formats import q8_1_quantize
+from zdsl.kernels.quant_numpy import q8_1_quantize
 from zdsl.kernels.norm import rms_norm_ref
 from zdsl.kernels.reduce import SUBGROUPS, workgroup_sums
 

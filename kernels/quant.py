@@ -1,4 +1,5 @@
-"""GGUF weight blocks decoded inside kernels.
+"""GGUF weight blocks decoded on the GPU, inside kernels (DSL); `quant_numpy.py` is the same
+formats in numpy, the reference these decoders are tested against.
 
 Each format splits a block into `parts` equal shares; invocation `part` of a block decodes its
 share as a few `Group`s of consecutive elements, each `w = scale · q + bias` (bias may be
@@ -29,7 +30,7 @@ from functools import cache
 
 import zdsl
 from zdsl import f16, f32, i32, u8, u16, u32
-from zdsl.kernels.formats import MXFP4_LEVELS, QuantType, iq_grid, set_iq1_m_d_bits
+from zdsl.kernels.quant_numpy import MXFP4_LEVELS, QuantType, iq_grid, set_iq1_m_d_bits
 
 # IQ4_NL / IQ4_XS: the 16 non-linear levels a 4-bit index selects (ggml's kvalues_iq4nl).
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -665,7 +666,7 @@ class IQ4_XS(IQ4):
 
 class MXFP4(Levels):
     """17 bytes: an E8M0 exponent e, 16 bytes of 4-bit codes laid out as in Q4_0, indexing the FP4
-    (E2M1) values doubled (formats.MXFP4_LEVELS). w = 2^(e − 128)·level. Blocks of 17 bytes start
+    (E2M1) values doubled (quant_numpy.MXFP4_LEVELS). w = 2^(e − 128)·level. Blocks of 17 bytes start
     at any byte, so the codes are read a byte at a time."""
     name, block, nbytes, parts, e8m0_fields = "mxfp4", 32, 17, 2, (0,)
     LEVELS = tuple(int(v) for v in MXFP4_LEVELS)
@@ -678,7 +679,7 @@ class MXFP4(Levels):
 
 
 def sign_bits(index):
-    """The 8 signs a 7-bit index stands for (formats.sign_byte): the index, and an eighth bit that
+    """The 8 signs a 7-bit index stands for (quant_numpy.sign_byte): the index, and an eighth bit that
     makes the number of negatives even."""
     parity = index ^ (index >> 4)
     parity = parity ^ (parity >> 2)
@@ -702,7 +703,7 @@ def iq2_scale(d, ls):
 
 
 class Grid(Format):
-    """IQ formats whose indices name points of a fixed grid (formats.iq_grid), held as a table of
+    """IQ formats whose indices name points of a fixed grid (quant_numpy.iq_grid), held as a table of
     u32 words, 4 values a word (`grid_words`; Format.table: copied into shared memory where
     kernels set up; kernels without the set-up, the embedding lookup, read the constant table)."""
     qtype: QuantType
@@ -744,7 +745,7 @@ def iq2_bytes(codes):
 
 
 class IQ3_XXS(Grid):
-    """98 bytes: f16 d, 64 grid indices (a byte each, naming 4 values of formats.iq3_grid), and
+    """98 bytes: f16 d, 64 grid indices (a byte each, naming 4 values of quant_numpy.iq3_grid), and
     per 32-element run a u32 of four 7-bit sign indices (8 elements each; the eighth sign makes
     the count of negatives even) under a 4-bit scale ls. w = d·(0.5 + ls)·0.5 · ±grid. Part p
     takes elements 4p … 4p + 3 of each run: one index byte and four signs; in the int8 path, run
@@ -876,7 +877,7 @@ class IQ3_S(Grid):
 
 
 class IQ1(TwoBitGrid):
-    """Shared by IQ1_S and IQ1_M: 11-bit indices name 8 values of −1, 0 or 1 (formats.iq_grid;
+    """Shared by IQ1_S and IQ1_M: 11-bit indices name 8 values of −1, 0 or 1 (quant_numpy.iq_grid;
     IQ1_M uses IQ1_S's), kept as 2-bit codes c = value + 1 (two_bit_words): a table of 1024 u32
     (4 KiB), copied into shared memory where kernels set up. w = dl·(value + delta), delta = ±1/8
     per point; in unit form 4·dl·(1 + c/4) + dl·(delta − 5)."""

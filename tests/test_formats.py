@@ -29,8 +29,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zdsl.errors import ZdslError
-from zdsl.kernels import formats as F
-from zdsl.kernels.formats import QuantType as Q
+from zdsl.kernels import quant_numpy as F
+from zdsl.kernels.quant_numpy import QuantType as Q
 
 BLOCK_TYPES = sorted(F.SUPPORTED_DEQUANT - {Q.F32, Q.F16, Q.BF16, Q.Q8_1})
 FLOAT_TYPES = [Q.F32, Q.F16, Q.BF16]

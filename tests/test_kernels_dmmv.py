@@ -1,7 +1,7 @@
 """The matrix-vector family against numpy, for every weight type: dmmv (COLS, ROWS, ADD),
 ffn_gate_up (experts chosen by id, and the dense pair), moe_down (several slots), the embedding
 lookup, and the int8 path (quantize_q8_1, then dmmv and ffn_gate_up with Q8). Weights are random bytes with small finite
-f16 scale fields, or formats.quantize of Gaussian values; references dequantize with gguf-py.
+f16 scale fields, or quant_numpy.quantize of Gaussian values; references dequantize with gguf-py.
 Shapes: odd row counts (not multiples of ROWS) and K any number of blocks (not a multiple of
 what a workgroup reduces per step). Interpreter at every subgroup size and variant; lavapipe at
 its own subgroup size (8) with one variant per weight type, the variants rotating over the types
@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType as QuantType
 from zdsl.kernels import dmmv as dm
 from zdsl.kernels import ffn
 from zdsl.kernels import embedding as emb
-from zdsl.kernels import formats
+from zdsl.kernels import quant_numpy
 from zdsl.kernels import q8_1 as q8
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS, Grid
 from kernel_testing import BACKENDS, run, subgroup
@@ -57,8 +57,8 @@ def fixed(backend, qtype, draw, n):
 def weights(rng, qtype, rows, k, quantizer):
     """rows × k weights as GGUF bytes (rows, row_bytes)."""
     qt = QuantType[qtype.upper()]
-    if qtype in FLOATS or (quantizer and qt in formats.SUPPORTED_QUANT):
-        return formats.quantize(rng.standard_normal((rows, k)).astype(np.float32), qt)
+    if qtype in FLOATS or (quantizer and qt in quant_numpy.SUPPORTED_QUANT):
+        return quant_numpy.quantize(rng.standard_normal((rows, k)).astype(np.float32), qt)
     f = FORMATS[qtype]
     w = rng.integers(0, 256, (rows, k // f.block, f.nbytes), dtype=np.uint8)
     f.finite_scales(rng, w, 0.05)  # the rest of a block may be anything

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kernel_testing import BACKENDS, run
 from zdsl.kernels import ffn as D
-from zdsl.kernels import formats as F
+from zdsl.kernels import quant_numpy as F
 from zdsl.kernels.moe import route_ref
 from zdsl.kernels.q8_1 import q8_1_buffers, q8_1_values
 

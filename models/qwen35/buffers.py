@@ -16,7 +16,7 @@ import numpy as np
 from zdsl.errors import OutOfMemoryError, ZdslError
 from zdsl.kernels import deltanet
 from zdsl.kernels.attention import cache_rows, split_count
-from zdsl.kernels.formats import row_bytes
+from zdsl.kernels.quant_numpy import row_bytes
 from zdsl.kernels.kvcache import DEFAULT as KV_DEFAULT, FORMATS as KV_FORMATS
 from zdsl.kernels.sampling import SETTINGS
 from zdsl.runtime.memory import fmt_bytes

@@ -19,7 +19,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from zdsl.errors import ModelError
-from zdsl.kernels.formats import SUPPORTED_DEQUANT, dequantize, row_bytes
+from zdsl.kernels.quant_numpy import SUPPORTED_DEQUANT, dequantize, row_bytes
 
 QuantType = GGMLQuantizationType
 ARCHITECTURES = ("qwen35moe", "qwen35")

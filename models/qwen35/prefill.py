@@ -23,7 +23,7 @@ import numpy as np
 
 from zdsl.errors import ZdslError
 from zdsl.kernels import attention, deltanet, embedding, ffn, matmul, mma, moe, q8_1, sampling
-from zdsl.kernels.formats import row_bytes
+from zdsl.kernels.quant_numpy import row_bytes
 from zdsl.models.qwen35.buffers import STEP_WORDS
 
 ROW_ALIGN = 256  # regions of the host buffer start at multiples of this (any device binds them)

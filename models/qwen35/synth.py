@@ -22,7 +22,7 @@ import numpy as np
 from gguf import GGUFWriter, TokenType
 
 from zdsl.errors import ModelError
-from zdsl.kernels.formats import SUPPORTED_QUANT, block_shape, dequantize, quantize, set_iq1_m_d_bits
+from zdsl.kernels.quant_numpy import SUPPORTED_QUANT, block_shape, dequantize, quantize, set_iq1_m_d_bits
 
 from .gguf_file import Hparams, QuantType, TensorInfo, TensorSpec, row_bytes, tensor_specs
 
@@ -200,7 +200,7 @@ _pools: dict[tuple, np.ndarray] = {}  # per process: quantized rows by (seed, wi
 
 
 # Block types whose f16 scale d is the first two bytes, all other bytes free; IQ1_M's d is spread
-# over the top nibbles of its four scale words (formats.set_iq1_m_d_bits).
+# over the top nibbles of its four scale words (quant_numpy.set_iq1_m_d_bits).
 SCALE_FIRST = frozenset(QuantType[t] for t in ("Q4_0", "Q5_0", "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS",
                                                         "IQ2_XS", "IQ2_S", "IQ1_S"))
 RANDOM_BLOCKS = SCALE_FIRST | {QuantType.IQ1_M}  # the types without encoder written as scaled random blocks

@@ -1,4 +1,5 @@
-"""GGUF weight formats in numpy: decode what model files hold, encode what tests synthesize.
+"""GGUF weight formats in numpy, on the CPU: decode what model files hold, encode what tests
+synthesize; the reference for the GPU decoders of `quant.py`.
 
 Every block format decodes to small integer codes and per-group factors, w = scale·q + bias, the
 form the GPU decoders in `quant.py` and int8 dot products work in. The factors are formed and
