@@ -38,7 +38,7 @@ import numpy as np
 import zdsl
 from zdsl import Buffer, Const, f16, f32, u32
 from zdsl.kernels import inputs, mma
-from zdsl.kernels.kvcache import FORMATS as KV_FORMATS
+from zdsl.kernels.kvcache import KV_FORMATS, KVTypes
 from zdsl.kernels.norm import rms_scale
 from zdsl.kernels.q8_1 import store_q8_1
 from zdsl.kernels.reduce import SUBGROUPS
@@ -970,8 +970,8 @@ def attn_prefill_coop_ref(q, qg, k_cache, v_cache, p0):
 
 # ---- examples ------------------------------------------------------------------------------------
 
-def _kv_types(use) -> tuple[str, str]:
-    return use.variant.params["KT"], use.variant.params["VT"]
+def _kv_types(use) -> KVTypes:
+    return KVTypes(use.variant.params["KT"], use.variant.params["VT"])
 
 
 def _written(kc, vc, kt: str, vt: str) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from zdsl.kernels.kvcache import FORMATS as KV_FORMATS
+from zdsl.kernels.kvcache import KV_FORMATS
 from zdsl.kernels.q8_1 import q8_1_buffers, q8_1_ref
 from zdsl.kernels.quant import FORMATS
 

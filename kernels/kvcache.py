@@ -7,7 +7,7 @@ q4_0 value = d·(c − 8) with c a 4-bit code and d = −(the value of largest |
 row holds its codes first (each block's as GGUF orders them: q4_0's low nibbles are values 0–15,
 the high ones 16–31) and its scales after them, so the codes a lane reads are aligned as the row
 is; bytes per value are the GGUF type's (q8_0 34 / 32, q4_0 18 / 32). `q3_rot` (experimental, no
-GGUF type) turns each block by a Walsh–Hadamard transform before rounding it to 3 bits (Q3Rot);
+GGUF type) turns each block by a Walsh–Hadamard transform before rounding it to 3 bits (KVQ3Rot);
 the attention kernels turn q alike and turn o back.
 
 On the GPU an invocation writes (`store`) or reads (`load`) four consecutive values of a row at
@@ -23,6 +23,7 @@ fixed by its launches and their pipelines compile on first use, cached as any ot
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -95,7 +96,7 @@ class KVFormat:
         return hadamard32(v, i) if self.rotated else v
 
 
-class F16(KVFormat):
+class KVF16(KVFormat):
     def fetch(self, cache, row, quad, d: int) -> tuple:
         """What `load` reads, as read (a reader keeps loads in flight in fewer registers)."""
         return (cache.vec4[row * (d // 4) + quad],)
@@ -112,7 +113,7 @@ class F16(KVFormat):
             cache.vec4[row * (d // 4) + quad] = v.to(f16.vec(4))
 
 
-class Q8_0(KVFormat):
+class KVQ8_0(KVFormat):
     def fetch(self, cache, row, quad, d: int) -> tuple:
         base = row * self.row_bytes(d)
         (word,) = words_at(cache, base + 4 * quad, 1, _align(self.row_bytes(d)))
@@ -131,7 +132,7 @@ class Q8_0(KVFormat):
                 cache.view(f16)[(base + d + 2 * (quad // 8)) >> 1] = scale.to(f16)
 
 
-class Q4_0(KVFormat):
+class KVQ4_0(KVFormat):
     def fetch(self, cache, row, quad, d: int) -> tuple:
         base, i = row * self.row_bytes(d), quad % 8
         (word,) = words_at(cache, base + 16 * (quad // 8) + 4 * (i % 4), 1, _align(self.row_bytes(d)))
@@ -157,7 +158,7 @@ class Q4_0(KVFormat):
                 cache.view(f16)[(base + d // 2 + 2 * (quad // 8)) >> 1] = scale.to(f16)
 
 
-class Q3Rot(KVFormat):
+class KVQ3Rot(KVFormat):
     """3 bits a value after a rotation (experimental): each block of 32 values is turned by the
     Walsh–Hadamard transform (`hadamard32`), which spreads an outlier over the block so that one
     scale serves it better, then rounded to value = (2c − 7)·d, c a 3-bit code, d = max|x| / 7
@@ -261,24 +262,31 @@ def _store_word(cache, addr, word) -> None:
     cache.view(u16)[(addr >> 1) + 1] = word >> 16
 
 
-FORMATS = {f.name: f for f in (F16("f16", QuantType.F16, 1, 2), Q8_0("q8_0", QuantType.Q8_0, BLOCK, 34),
-                               Q4_0("q4_0", QuantType.Q4_0, BLOCK, 18), Q3Rot("q3_rot", None, BLOCK, 14))}
-KV_TYPES = list(FORMATS)
-DEFAULT = ("f16", "f16")  # the (K, V) formats a run uses unless told
+KV_FORMATS = {f.name: f for f in (KVF16("f16", QuantType.F16, 1, 2), KVQ8_0("q8_0", QuantType.Q8_0, BLOCK, 34),
+                                  KVQ4_0("q4_0", QuantType.Q4_0, BLOCK, 18), KVQ3Rot("q3_rot", None, BLOCK, 14))}
+
+
+class KVTypes(NamedTuple):
+    """The formats of the K and of the V cache, by name (KV_FORMATS): a tuple, so `k, v = kv`."""
+
+    k: str
+    v: str
+
+
+KV_DEFAULT = KVTypes("f16", "f16")  # what a run uses unless told
 
 
 def kv_format(name: str) -> KVFormat:
     try:
-        return FORMATS[name]
+        return KV_FORMATS[name]
     except KeyError:
-        raise ZdslError(f"unknown KV cache type '{name}'; known: {', '.join(FORMATS)}") from None
+        raise ZdslError(f"unknown KV cache type '{name}'; known: {', '.join(KV_FORMATS)}") from None
 
 
-def kv_types(text: str) -> tuple[str, str]:
-    """The (K, V) formats of a `--kv-type` value: one name for both ("q8_0"), or "K,V" ("q4_0,q8_0")."""
+def kv_types(text: str) -> KVTypes:
+    """The formats of a `--kv-type` value: one name for both ("q8_0"), or "K,V" ("q4_0,q8_0")."""
     names = [n.strip().lower() for n in text.split(",")]
     if len(names) not in (1, 2) or not all(names):
         raise ZdslError(f"--kv-type '{text}': give one KV cache type for K and V, or two as K,V "
-                        f"(e.g. q4_0,q8_0); known: {', '.join(FORMATS)}")
-    k, v = (kv_format(n).name for n in (names * 2)[:2])
-    return k, v
+                        f"(e.g. q4_0,q8_0); known: {', '.join(KV_FORMATS)}")
+    return KVTypes(*(kv_format(n).name for n in (names * 2)[:2]))

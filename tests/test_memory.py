@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from zdsl.errors import OutOfMemoryError, ZdslError
+from zdsl.kernels.kvcache import KVTypes
 from zdsl.models.qwen35 import synth
 from zdsl.models.qwen35.buffers import Footprint, check_fits, decode_buffers, largest_context
 from zdsl.models.qwen35.info import plan_tensors
@@ -103,8 +104,8 @@ def test_the_caches_take_their_formats_bytes_and_the_longest_context_follows():
     262,144-token context fits a 32 GiB card in any format, a 23 GiB one only quantized (f16:
     160,960 tokens), and at 22 GiB q4_0,q8_0 still holds it where q8_0 does not."""
     hp, tensors, _ = _35b_buffers(4096)
-    plans = {kv: decode_buffers(hp, tensors, 1000, 0, kv=kv) for kv in (("f16", "f16"), ("q8_0", "q8_0"),
-                                                                        ("q4_0", "q8_0"), ("q3_rot", "q3_rot"))}
+    plans = {kv: decode_buffers(hp, tensors, 1000, 0, kv=kv) for kv in (KVTypes("f16", "f16"), KVTypes("q8_0", "q8_0"),
+                                                                        KVTypes("q4_0", "q8_0"), KVTypes("q3_rot", "q3_rot"))}
     kv_bytes = {kv: Footprint(specs).by_kind["KV cache"] for kv, specs in plans.items()}
     assert kv_bytes == {("f16", "f16"): 1024 * 20 * 1024, ("q8_0", "q8_0"): 1024 * 10 * 2 * 2 * 272,
                         ("q4_0", "q8_0"): 1024 * 10 * 2 * (144 + 272), ("q3_rot", "q3_rot"): 1024 * 10 * 2 * 2 * 112}
@@ -116,7 +117,7 @@ def test_the_caches_take_their_formats_bytes_and_the_longest_context_follows():
     fits = [Footprint(decode_buffers(hp, tensors, c, 0, chunk=512, halves=True)).total <= 23 * GIB for c in (n, n + 64)]
     assert fits == [True, False]
     with pytest.raises(ZdslError, match="blocks of 32 values, but this model's heads have 48: use --kv-type f16"):
-        decode_buffers(dataclasses.replace(hp, head_dim=48), tensors, 64, 0, kv=("f16", "q8_0"))
+        decode_buffers(dataclasses.replace(hp, head_dim=48), tensors, 64, 0, kv=KVTypes("f16", "q8_0"))
 
 
 def test_alloc_many_on_a_device(device):

@@ -19,6 +19,7 @@ import openai
 import pytest
 from click.testing import CliRunner
 
+from zdsl.kernels.kvcache import KV_DEFAULT
 from zdsl.models.qwen35 import synth
 from zdsl.models.qwen35.gguf_file import open_model
 from zdsl.models.qwen35.generate import Generator
@@ -53,7 +54,7 @@ def serving(model_path, parallel: int):
     import uvicorn
 
     engine, model_id = open_engine(str(model_path), os.environ.get("ZDSL_TEST_DEVICE", "lavapipe"), n_ctx=CTX,
-                                   kv=("f16", "f16"), checkpoint_mib=16, parallel=parallel)
+                                   kv=KV_DEFAULT, checkpoint_mib=16, parallel=parallel)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

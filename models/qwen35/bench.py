@@ -23,7 +23,7 @@ import numpy as np
 
 from zdsl import device_defaults
 from zdsl.errors import ZdslError
-from zdsl.kernels.kvcache import DEFAULT as KV_DEFAULT
+from zdsl.kernels.kvcache import KV_DEFAULT, KVTypes, kv_types
 from zdsl.models.qwen35.run import kv_type_option
 
 DEFAULT_CONTEXTS = "0,4096,16384,32768"  # llama-bench reports pp512 and tg128 at depth 0
@@ -78,7 +78,7 @@ def check_contexts(hp, contexts: list[int], extra: int) -> None:
                             f"{hp.context_length} tokens; drop it from --contexts or lower --tokens/--prompt")
 
 
-def bytes_per_token(plan, depth: int, tokens: int, kv: tuple[str, str] = KV_DEFAULT) -> dict:
+def bytes_per_token(plan, depth: int, tokens: int, kv: KVTypes = KV_DEFAULT) -> dict:
     """Bytes one decoded token moves at `depth`: the `tokens` timed steps at positions depth ..
     depth+tokens-1 read depth+1 .. depth+tokens cache rows, (tokens+1)/2 more than `depth` on
     average, in the (K, V) formats `kv`."""
@@ -197,7 +197,7 @@ def plot(r: dict, plan, path: Path) -> bool:
     lo, hi = max(min(ctx), 1), max(max(ctx), 2)
     xs = np.geomspace(lo, hi, 200)
     n = r["settings"]["tokens"]
-    kv = tuple(r["settings"]["kv_type"].split(","))
+    kv = kv_types(r["settings"]["kv_type"])
     ax.plot(xs, [r["copy_gbps"] * 1e9 / bytes_per_token(plan, x, n, kv)["total"] for x in xs], "k--",
             label=f"ceiling at {r['copy_gbps']:,.0f} GB/s")
     for key, label, style in (("decode", "decode", "o-"), ("prompt", "prompt (batched prefill)", "s:")):

@@ -17,7 +17,7 @@ from zdsl.errors import OutOfMemoryError, ZdslError
 from zdsl.kernels import deltanet
 from zdsl.kernels.attention import cache_rows, split_count
 from zdsl.kernels.quant_numpy import row_bytes
-from zdsl.kernels.kvcache import DEFAULT as KV_DEFAULT, FORMATS as KV_FORMATS
+from zdsl.kernels.kvcache import KV_DEFAULT, KV_FORMATS, KVTypes
 from zdsl.kernels.sampling import SETTINGS
 from zdsl.runtime.memory import fmt_bytes
 
@@ -87,7 +87,7 @@ def attn_splits(n_ctx: int, n_kv: int) -> int:
 
 
 def decode_buffers(hp, tensors, n_ctx: int, candidates: int, checkpoint: bool = False, chunk: int = 0,
-                   halves: bool = False, kv: tuple[str, str] = KV_DEFAULT) -> list[Spec]:
+                   halves: bool = False, kv: KVTypes = KV_DEFAULT) -> list[Spec]:
     """The decode graph's buffers for hyperparameters `hp`, the graph's weights `tensors`
     (weights.GraphWeights), a context of n_ctx tokens and `candidates` bytes of sampler room;
     with `checkpoint`, a twin of the sequence state that steps overwrite (DecodeGraph.checkpoint);
@@ -216,7 +216,7 @@ def largest(fits, limit: int) -> int:
     return lo
 
 
-def largest_context(hp, tensors, memory: int, kv: tuple[str, str]) -> int:
+def largest_context(hp, tensors, memory: int, kv: KVTypes) -> int:
     """The longest context (at most the trained one) whose buffers, with the KV caches in the
     formats `kv`, fit `memory` bytes: the decode graph's and the prompt path's, as on a device
     with matrix units (their f16 rows: the larger plan), less the sampler's few KiB of candidates,

@@ -151,21 +151,21 @@ def _contexts(d, memory: int) -> dict[str, int]:
     allocates (buffers.py) where zdsl runs the file, else beside the weights and state alone."""
     from zdsl.kernels.kvcache import kv_types
 
-    from .info import KV_FORMATS
+    from .info import SHOWN_KV_TYPES
 
     if not d.runnable:
-        return {f: d.plan.max_context(memory, f) for f in KV_FORMATS}
+        return {f: d.plan.max_context(memory, f) for f in SHOWN_KV_TYPES}
     from .buffers import largest_context
     from .gguf_file import open_model
     from .weights import graph_weights
 
     tensors = graph_weights(open_model(d.path))
-    return {f: largest_context(d.hparams, tensors, memory, kv_types(f)) for f in KV_FORMATS}
+    return {f: largest_context(d.hparams, tensors, memory, kv_types(f)) for f in SHOWN_KV_TYPES}
 
 
 def _model_rows(d, memory: int | None) -> list[tuple[str, str]]:
     """Hyperparameters, and the memory plan when the file holds every tensor the model needs."""
-    from .info import KV_FORMATS
+    from .info import SHOWN_KV_TYPES
 
     hp, plan = d.hparams, d.plan
     if hp is None:
@@ -190,7 +190,7 @@ def _model_rows(d, memory: int | None) -> list[tuple[str, str]]:
         ("weights read per token", _size(plan.read_per_token)),
         ("recurrent state / sequence", f"{_size(plan.recurrent_state_bytes)} "
                                        f"(S {_size(plan.ssm_state_bytes)} + conv {_size(plan.conv_state_bytes)}, f32)"),
-        *((f"KV per token, {f}", _size(plan.kv_bytes_per_token[f])) for f in KV_FORMATS),
+        *((f"KV per token, {f}", _size(plan.kv_bytes_per_token[f])) for f in SHOWN_KV_TYPES),
     ]
     if memory is not None:
         rows += [(f"context in {_size(memory)}, KV {f}", f"{n:,} tokens") for f, n in _contexts(d, memory).items()]

@@ -27,7 +27,7 @@ import numpy as np
 from zdsl.autotune.database import Database, choose, shape_key
 from zdsl.errors import ZdslError
 from zdsl.kernels import attention, deltanet, dmmv, embedding, ffn, moe, q8_1, sampling, steps
-from zdsl.kernels.kvcache import DEFAULT as KV_DEFAULT
+from zdsl.kernels.kvcache import KV_DEFAULT, KVTypes
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS
 from zdsl.runtime.memory import fmt_bytes
 from zdsl.models.qwen35.batch import MOST as BATCH_MOST
@@ -68,7 +68,7 @@ def candidate_bytes(sampler: SamplerConfig, groups: int) -> int:
 
 
 def plan_buffers(model: ModelFile, info, n_ctx: int, sampler: SamplerConfig, tuning: Database | None = None,
-                 kv: tuple[str, str] = KV_DEFAULT):
+                 kv: KVTypes = KV_DEFAULT):
     """The buffers (buffers.Spec) a DecodeGraph of `model` holds on device `info`, sized before
     one is made: to show and check the memory plan up front."""
     groups = sampler_kernels(lambda kernel, key, fixed: choose(kernel, info, key, db=tuning, **fixed),
@@ -78,7 +78,7 @@ def plan_buffers(model: ModelFile, info, n_ctx: int, sampler: SamplerConfig, tun
 
 
 def record_launches(model, info, n_ctx: int, sampler: SamplerConfig | None = None, tuning: Database | None = None,
-                    kv: tuple[str, str] = KV_DEFAULT):
+                    kv: KVTypes = KV_DEFAULT):
     """The launches of one decode step of `model` (a ModelFile or synth.PresetModel) as a device
     of `info` would run it (KernelDef.launch records them; a DryDevice allocates and runs nothing)."""
     from zdsl.runtime.dry import DryDevice
@@ -88,7 +88,7 @@ def record_launches(model, info, n_ctx: int, sampler: SamplerConfig | None = Non
 
 
 def record_chunk_launches(model, info, n_ctx: int, t: int, tuning: Database | None = None,
-                          kv: tuple[str, str] = KV_DEFAULT):
+                          kv: KVTypes = KV_DEFAULT):
     """The launches of one prompt chunk of t tokens (prefill.py) of `model` as a device of `info`
     would run it, recorded as record_launches records a step."""
     from zdsl.runtime.dry import DryDevice
@@ -102,7 +102,7 @@ def record_chunk_launches(model, info, n_ctx: int, t: int, tuning: Database | No
 class DecodeGraph:
     def __init__(self, model: ModelFile, device, n_ctx: int, sampler: SamplerConfig | None = None,
                  progress: bool = True, tuning: Database | None = None, say=None, checkpoint: bool = False,
-                 chunk: int = CHUNK, kv: tuple[str, str] = KV_DEFAULT, weights_of: DecodeGraph | None = None,
+                 chunk: int = CHUNK, kv: KVTypes = KV_DEFAULT, weights_of: DecodeGraph | None = None,
                  slots: int = 1):
         """`say(line)` hears the memory plan before anything is allocated; `progress` shows the
         weights' upload; `checkpoint` keeps room to save the sequence state (`checkpoint()`);
@@ -115,7 +115,7 @@ class DecodeGraph:
         is allocated (a server's --parallel)."""
         self.weights_of = weights_of
         self.can_checkpoint = checkpoint
-        self.kv_types = tuple(kv)
+        self.kv_types = KVTypes(*kv)
         self.chunk = max(1, min(chunk, n_ctx))
         self.model, self.device, self.hp = model, device, model.hparams
         self.tensors = graph_weights(model)  # what the graph reads, by its names (weights.py)

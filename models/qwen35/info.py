@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGML_QUANT_SIZES
 
-from zdsl.kernels.kvcache import FORMATS as KV_TYPES, kv_types
+from zdsl.kernels.kvcache import KV_FORMATS, KVTypes, kv_types
 
 from .gguf_file import Hparams, ModelFile, QuantType
 
 # The KV cache formats the plan shows, as --kv-type spells them (K,V where they differ).
-KV_FORMATS = ("f16", "q8_0", "q4_0,q8_0", "q4_0")
+SHOWN_KV_TYPES = ("f16", "q8_0", "q4_0,q8_0", "q4_0")
 F32 = 4
 
 
@@ -35,14 +35,14 @@ class MemoryPlan:
     ssm_state_bytes: int               # delta-net S matrices, f32, per sequence
     conv_state_bytes: int              # delta-net conv inputs, a ring of conv_kernel slots, f32, per sequence
 
-    def kv_bytes(self, kv: str | tuple[str, str]) -> int:
+    def kv_bytes(self, kv: str | KVTypes) -> int:
         """KV cache bytes per token of context in the formats `kv` (a --kv-type value, or (K, V))."""
-        return sum(KV_TYPES[t].row_bytes(self.kv_values) for t in (kv_types(kv) if isinstance(kv, str) else kv))
+        return sum(KV_FORMATS[t].row_bytes(self.kv_values) for t in (kv_types(kv) if isinstance(kv, str) else kv))
 
     @property
     def kv_bytes_per_token(self) -> dict[str, int]:
         """Bytes per token of context for each format the plan shows."""
-        return {f: self.kv_bytes(f) for f in KV_FORMATS}
+        return {f: self.kv_bytes(f) for f in SHOWN_KV_TYPES}
 
     @property
     def recurrent_state_bytes(self) -> int:

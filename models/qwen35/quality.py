@@ -16,7 +16,7 @@ import click
 import numpy as np
 
 from zdsl.errors import ZdslError
-from zdsl.kernels.kvcache import DEFAULT as KV_DEFAULT, kv_types
+from zdsl.kernels.kvcache import KV_DEFAULT, KVTypes, kv_types
 
 DEFAULT_TYPES = "q8_0;q4_0,q8_0;q4_0;q3_rot"  # the formats compared with f16 unless --kv-types names others
 
@@ -43,7 +43,7 @@ def compare(reference: np.ndarray, other: np.ndarray, kv_type: str) -> Quality:
                    float((reference.argmax(axis=-1) == other.argmax(axis=-1)).mean()))
 
 
-def next_token_logits(model, device, tokens: list[int], kv: tuple[str, str]) -> np.ndarray:
+def next_token_logits(model, device, tokens: list[int], kv: KVTypes) -> np.ndarray:
     """(len(tokens), vocab): the logits after each token, fed one decode step at a time."""
     from zdsl.models.qwen35.graph import DecodeGraph
     from zdsl.models.qwen35.sampler import SamplerConfig
@@ -59,7 +59,7 @@ def next_token_logits(model, device, tokens: list[int], kv: tuple[str, str]) -> 
         graph.close()
 
 
-def kv_quality(model, device, tokens: list[int], formats: list[tuple[str, str]]) -> list[Quality]:
+def kv_quality(model, device, tokens: list[int], formats: list[KVTypes]) -> list[Quality]:
     """Each KV format's quality against f16 on `tokens`."""
     reference = next_token_logits(model, device, tokens, KV_DEFAULT)
     return [compare(reference, next_token_logits(model, device, tokens, kv), ",".join(dict.fromkeys(kv)))

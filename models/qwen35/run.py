@@ -12,10 +12,10 @@ from zdsl.models.qwen35.sampler import SamplerConfig
 
 def kv_type_option(f):
     """--kv-type: the KV caches' formats (kernels/kvcache.py), as (K, V)."""
-    from zdsl.kernels.kvcache import FORMATS, kv_types
+    from zdsl.kernels.kvcache import KV_FORMATS, kv_types
 
     return click.option("--kv-type", "kv", default="f16", show_default=True, callback=lambda ctx, param, v: kv_types(v),
-                        help=f"KV cache format for K and V ({', '.join(FORMATS)}), or K,V: e.g. q8_0 (both) or "
+                        help=f"KV cache format for K and V ({', '.join(KV_FORMATS)}), or K,V: e.g. q8_0 (both) or "
                              "q4_0,q8_0; q3_rot (3 bits after a Hadamard rotation) is experimental.")(f)
 
 

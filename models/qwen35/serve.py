@@ -20,6 +20,7 @@ import uuid
 import click
 
 from zdsl.errors import ZdslError
+from zdsl.kernels.kvcache import KVTypes
 from zdsl.models.qwen35.api import ApiError, chat_job, completion_job
 from zdsl.models.qwen35.engine import Engine
 from zdsl.models.qwen35.run import kv_type_option
@@ -156,7 +157,7 @@ def loopback(host: str) -> bool:
         return False
 
 
-def open_engine(model, device, *, n_ctx: int, kv, checkpoint_mib: int, parallel: int = 1,
+def open_engine(model, device, *, n_ctx: int, kv: KVTypes, checkpoint_mib: int, parallel: int = 1,
                 say=None) -> tuple[Engine, str]:
     """`parallel` slots on `model` (a path, or None: the synthetic default), reading one copy of
     its weights and decoding together, and its model id."""

@@ -21,9 +21,10 @@ from pathlib import Path
 import click
 from zdsl.console import Table, make_console
 from zdsl.errors import ZdslError
+from zdsl.kernels.kvcache import KV_DEFAULT, KVTypes
 
 from .gguf_file import open_model
-from .graph import KV_DEFAULT, DecodeGraph, record_chunk_launches, record_launches
+from .graph import DecodeGraph, record_chunk_launches, record_launches
 from .run import kv_type_option
 from .sampler import SamplerConfig
 from .synth import QUANTS, PresetModel
@@ -54,7 +55,7 @@ def _open(device_name: str | None, warmup: int, repeats: int, warm_ms: int, cach
         dev.info, dev
 
 
-def step_uses(model, info, n_ctx: int, caps: tuple[int, ...], kv: tuple[str, str] = KV_DEFAULT) -> list[tuner.Use]:
+def step_uses(model, info, n_ctx: int, caps: tuple[int, ...], kv: KVTypes = KV_DEFAULT) -> list[tuner.Use]:
     """The tunable uses of one decode step of `model` as a device of `info` records it, once per
     sampler candidate cap in `caps` (1 is greedy decoding; a step records one of them), with KV
     caches in the formats `kv`."""
@@ -69,12 +70,12 @@ def step_uses(model, info, n_ctx: int, caps: tuple[int, ...], kv: tuple[str, str
     return found
 
 
-def chunk_uses(model, info, n_ctx: int, t: int, kv: tuple[str, str] = KV_DEFAULT) -> list[tuner.Use]:
+def chunk_uses(model, info, n_ctx: int, t: int, kv: KVTypes = KV_DEFAULT) -> list[tuner.Use]:
     """The tunable uses of one prompt chunk of t tokens of `model` (batched prefill)."""
     return tuner.uses(record_chunk_launches(model, info, n_ctx, t, kv=kv))
 
 
-def uses_of(model, info, n_ctx: int, caps: tuple[int, ...], prompt: int, kv: tuple[str, str],
+def uses_of(model, info, n_ctx: int, caps: tuple[int, ...], prompt: int, kv: KVTypes,
             names: str | None) -> list[tuner.Use]:
     """The uses `zdsl tune` takes: one prompt chunk's of `prompt` tokens, or else the decode
     step's (per sampler cap), with the KV caches in the formats `kv`, narrowed to `names`."""
