@@ -109,7 +109,7 @@ class Emitter:
             return o.name
         if isinstance(o, ir.Scalar):
             return f"pc.{safe(o.name)}"
-        if isinstance(o, ir.Spec):
+        if isinstance(o, ir.SpecParam):
             return f"sc_{o.name}"
         if isinstance(o, ir.Builtin):
             axis = "xyz"[o.axis]

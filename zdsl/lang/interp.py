@@ -97,7 +97,7 @@ class Run:
             return self.vars[o.id]
         if isinstance(o, ir.Scalar):
             return self.scalars[o.name]
-        if isinstance(o, ir.Spec):
+        if isinstance(o, ir.SpecParam):
             return self.specs[o.name]
         if isinstance(o, ir.Builtin):
             b = self.builtins[o.name]

@@ -44,7 +44,7 @@ class Scalar:
 
 
 @dataclass(frozen=True)
-class Spec:
+class SpecParam:
     """A specialization-constant parameter."""
     name: str
     dtype: DType
@@ -68,7 +68,7 @@ class ConstExpr:
     dtype: DType
 
 
-Operand = Const | Temp | VarRef | Scalar | Spec | Builtin | ConstExpr
+Operand = Const | Temp | VarRef | Scalar | SpecParam | Builtin | ConstExpr
 
 BUILTINS = ("workgroup_id", "local_id", "global_id", "num_workgroups", "local_index",
             "subgroup_id", "lane_id")
@@ -193,7 +193,7 @@ class Kernel:
     buffers: list  # [(name, storage dtype, access "r"/"w"/"rw")] in binding order
     views: list[View]
     scalars: list[Scalar]
-    specs: list[Spec]
+    specs: list[SpecParam]
     shared: list[Shared]
     features: set[str]
     source: Loc
@@ -216,7 +216,7 @@ def scalars_read(body) -> set[str]:
         elif isinstance(node, dict):
             for item in node.values():
                 visit(item)
-        elif hasattr(node, "__dataclass_fields__") and not isinstance(node, (Const, Temp, VarRef, Spec, Builtin, View)):
+        elif hasattr(node, "__dataclass_fields__") and not isinstance(node, (Const, Temp, VarRef, SpecParam, Builtin, View)):
             for name in node.__dataclass_fields__:
                 visit(getattr(node, name))
     visit(body)

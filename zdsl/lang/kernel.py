@@ -231,7 +231,7 @@ class KernelDef:
                 scalars.append(ir.Scalar(p.name, p.dtype))
                 args[p.name] = Value(scalars[-1])
             elif p.kind == "spec":
-                specs.append(ir.Spec(p.name, p.dtype, len(specs)))
+                specs.append(ir.SpecParam(p.name, p.dtype, len(specs)))
                 args[p.name] = Value(specs[-1])
             else:
                 args[p.name] = consts[p.name]

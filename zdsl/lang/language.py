@@ -200,7 +200,7 @@ def shared(dtype: DType, size, over=()) -> SharedArray:
     barriers."""
     t = tracer()
     size_ref = size if isinstance(size, int) else operand(size)
-    if not isinstance(size_ref, (int, ir.Const, ir.Spec, ir.ConstExpr)):
+    if not isinstance(size_ref, (int, ir.Const, ir.SpecParam, ir.ConstExpr)):
         raise fail("a shared array's size must be known at pipeline creation (ints, Const and Spec params)")
     ids = tuple(a.decl.id for a in over)
     if over:

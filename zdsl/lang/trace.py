@@ -134,7 +134,7 @@ def operand(x, like: DType | None = None) -> ir.Operand:
 
 
 def _is_constexpr(o) -> bool:
-    return isinstance(o, (ir.Const, ir.Spec, ir.ConstExpr))
+    return isinstance(o, (ir.Const, ir.SpecParam, ir.ConstExpr))
 
 
 def apply(op: str, *xs, dtype: DType | None = None, same: bool = True, **attrs) -> Value:
