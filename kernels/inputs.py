@@ -9,11 +9,11 @@ import numpy as np
 from zdsl.kernels.kvcache import KV_FORMATS
 from zdsl.kernels.q8_1 import q8_1_buffers, q8_1_ref
 from zdsl.kernels.quant import FORMATS
+from zdsl.kernels.steps import STEP_WORDS
 
 CHECK_ROWS = 45      # output rows of a check case: not a multiple of any ROWS, so tails are covered
 CHECK_CTX = 300      # context of an attention check case (a few splits of 64 rows)
 CHECK_VOCAB = 5000   # vocabulary of a sampling check case (two or more candidate groups)
-STEP_WORDS = 8       # the decode graph's step buffer: position, length, token, sampler counter
 
 
 def rows(rng, qtype: str, n: int, k: int) -> np.ndarray:

@@ -25,8 +25,8 @@ import numpy as np
 
 import zdsl
 from zdsl import Buffer, Const, f32, u32
-from zdsl.kernels.inputs import STEP_WORDS
 from zdsl.kernels.reduce import SHARED_LIMIT, SUBGROUPS
+from zdsl.kernels.steps import STEP_WORDS
 
 CAPS = [1, 64, 256]  # candidates kept; 1 is the greedy variant
 SENTINEL = 0xFFFFFFFF  # id of an empty candidate slot

@@ -7,6 +7,8 @@ import numpy as np
 import zdsl
 from zdsl import Buffer, u32
 
+STEP_WORDS = 8  # a step record: [0] position, [1] length, [2] token id, [3] sampler counter
+
 
 @zdsl.kernel(workgroup=1)
 def advance(step: Buffer[u32]):

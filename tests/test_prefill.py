@@ -43,7 +43,7 @@ from graph_testing import router_ties, state_of
 
 PROMPTS = (1, 7, 64, 300)
 REAL_VOCAB_PROMPTS = (1, 7, 64, 70)  # the path to the last prompt is as many decode steps
-CHUNK = 64
+PROMPT_CHUNK = 64  # prompts of 300 tokens run in several chunks
 LOGITS, STATE = 0.08, 0.05
 TIE = 2 ** -9  # router logits this close (relative to the row's largest) may swap under f16 rounding
 
@@ -117,7 +117,7 @@ def assert_states_near(got, state, what: str) -> None:
 
 def test_prefill_leaves_what_decode_steps_leave(model, device):
     prompts = REAL_VOCAB_PROMPTS if model.hparams.vocab in synth.REAL_VOCABS.values() else PROMPTS
-    g = DecodeGraph(model, device, max(prompts) + 8, SamplerConfig(temperature=0), progress=False, chunk=CHUNK)
+    g = DecodeGraph(model, device, max(prompts) + 8, SamplerConfig(temperature=0), progress=False, chunk=PROMPT_CHUNK)
     ref = ReferenceModel(model, int8_activations=True)
     rng = np.random.default_rng(1)
     units = g.prefill_units

@@ -36,7 +36,8 @@ import numpy as np
 from zdsl.errors import ZdslError
 from zdsl.kernels import embedding
 from zdsl.kernels.dmmv import dmmv
-from zdsl.models.qwen35.buffers import STEP_WORDS, batch_buffers
+from zdsl.kernels.steps import STEP_WORDS
+from zdsl.models.qwen35.buffers import batch_buffers
 
 MOST = max(dmmv.variant_space["COLS"])  # sequences a batch holds: dmmv's columns
 OWN_AFTER, KEPT = 2, 8  # the burst of a set of sequences that records its own step; steps kept

@@ -16,9 +16,10 @@ import numpy as np
 from zdsl.errors import OutOfMemoryError, ZdslError
 from zdsl.kernels import deltanet
 from zdsl.kernels.attention import cache_rows, split_count
-from zdsl.kernels.quant_numpy import row_bytes
 from zdsl.kernels.kvcache import KV_DEFAULT, KV_FORMATS, KVTypes
+from zdsl.kernels.quant_numpy import row_bytes
 from zdsl.kernels.sampling import SETTINGS
+from zdsl.kernels.steps import STEP_WORDS
 from zdsl.runtime.memory import fmt_bytes
 
 KINDS = ("weights", "KV cache", "recurrent state", "scratch")
@@ -31,12 +32,13 @@ KINDS = ("weights", "KV cache", "recurrent state", "scratch")
 # second wave begun) 52–64, 256 (two waves) 45, 64 (half the SMs) 46–52 (q8_0 and f16, 2026-11-27).
 ATTN_MIN_CHUNK = 64
 ATTN_WORKGROUPS = 256
-STEP_WORDS = 8  # step[0] position, [1] length, [2] token id, [3] sampler counter
-CHUNK = 512  # prompt tokens a prefill chunk holds at most (prefill.py)
+PROMPT_CHUNK = 512  # prompt tokens a prefill chunk holds at most (prefill.py)
 
 
 @dataclass(frozen=True)
-class Spec:
+class BufferSpec:
+    """One device buffer of the plan: its name, its size and its kind (one of KINDS)."""
+
     name: str
     nbytes: int
     kind: str
@@ -47,38 +49,42 @@ def tensor_bytes(t) -> int:
     return int(np.prod(t.shape[:-1], dtype=np.int64)) * row_bytes(t.qtype, t.shape[-1])
 
 
-def f32(name: str, n: int) -> Spec:
+def scratch(name: str, nbytes: int) -> BufferSpec:
+    return BufferSpec(name, nbytes, "scratch")
+
+
+def f32(name: str, n: int) -> BufferSpec:
     """An f32 activation of n values (room for one where n is 0)."""
-    return Spec(name, 4 * max(n, 1), "scratch")
+    return scratch(name, 4 * max(n, 1))
 
 
-def vector(name: str, n: int, halves: bool = False) -> list[Spec]:
+def vector(name: str, n: int, halves: bool = False) -> list[BufferSpec]:
     """An activation as projections read it: f32, and its Q8_1 quants and block scales (q8_1.py);
     with halves, in f16 too (what products on matrix units read)."""
     if n % 32:
         raise ZdslError(f"{name} has {n} values; zdsl's Q8_1 activations need a multiple of 32")
-    return [Spec(name, 4 * n, "scratch"), Spec(name + "_q8_1", n, "scratch"),
-            Spec(name + "_q8_1_scales", 4 * (n // 16), "scratch")] + ([Spec(name + "_f16", 2 * n, "scratch")] if halves else [])
+    return [scratch(name, 4 * n), scratch(name + "_q8_1", n),
+            scratch(name + "_q8_1_scales", 4 * (n // 16))] + ([scratch(name + "_f16", 2 * n)] if halves else [])
 
 
 SAVED = "saved."  # the prefix of the checkpoint twins of a sequence's state
 
 
-def batch_buffers(hp, n: int, parts: int, candidates: int, stride: int) -> list[Spec]:
+def batch_buffers(hp, n: int, parts: int, candidates: int, stride: int) -> list[BufferSpec]:
     """The buffers of a batched step of n sequences (batch.py) that the prompt's rows lack, and
     those one sequence's launches write that no other may: `parts` and `candidates` bytes of
     attention partials and sampler room a sequence, `stride` bytes a launch's workgroup counts."""
     K, F, S = hp.n_experts_used, hp.expert_ffn, hp.shared_ffn
-    specs = [Spec("logits", 4 * n * hp.vocab, "scratch")]
-    specs += [Spec(f"attn_partials.{r}", parts, "scratch") for r in range(n)]
-    specs += [Spec(f"candidates.{r}", candidates, "scratch") for r in range(n)]
+    specs = [scratch("logits", 4 * n * hp.vocab)]
+    specs += [scratch(f"attn_partials.{r}", parts) for r in range(n)]
+    specs += [scratch(f"candidates.{r}", candidates) for r in range(n)]
     if hp.moe:
-        specs += [Spec(name, nbytes, "scratch") for name, nbytes in (
+        specs += [scratch(name, nbytes) for name, nbytes in (
             ("router_logits", 4 * n * (hp.n_experts + 1)), ("router_arrivals", 4 * n), ("route_ids", 4 * n * (K + 1)),
             ("route_weights", 4 * n * (K + 1)), ("expert_act", 4 * n * (K * F + S)), ("zero_id", 4 * n * (K + 1)))]
     else:
-        specs.append(Spec("ffn_act", 4 * n * hp.ffn, "scratch"))
-    return specs + [Spec("counts_gpu", stride * n * (8 * hp.n_layers + 16), "scratch")]
+        specs.append(scratch("ffn_act", 4 * n * hp.ffn))
+    return specs + [scratch("counts_gpu", stride * n * (8 * hp.n_layers + 16))]
 
 
 def attn_splits(n_ctx: int, n_kv: int) -> int:
@@ -87,7 +93,7 @@ def attn_splits(n_ctx: int, n_kv: int) -> int:
 
 
 def decode_buffers(hp, tensors, n_ctx: int, candidates: int, checkpoint: bool = False, chunk: int = 0,
-                   halves: bool = False, kv: KVTypes = KV_DEFAULT) -> list[Spec]:
+                   halves: bool = False, kv: KVTypes = KV_DEFAULT) -> list[BufferSpec]:
     """The decode graph's buffers for hyperparameters `hp`, the graph's weights `tensors`
     (weights.GraphWeights), a context of n_ctx tokens and `candidates` bytes of sampler room;
     with `checkpoint`, a twin of the sequence state that steps overwrite (DecodeGraph.checkpoint);
@@ -98,9 +104,9 @@ def decode_buffers(hp, tensors, n_ctx: int, candidates: int, checkpoint: bool = 
     qd, kvd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
     splits = attn_splits(n_ctx, hp.n_kv_heads)
 
-    specs = [Spec(name, tensor_bytes(t), "weights") for name, t in tensors.tensors.items()]
-    specs += [Spec("step", 4 * STEP_WORDS, "scratch"), f32("x", H), f32("logits", hp.vocab), *vector("normed", H),
-              Spec("router_arrivals", 4, "scratch"), f32("qg", 2 * qd), f32("q", qd), f32("k", kvd), f32("v", kvd),
+    specs = [BufferSpec(name, tensor_bytes(t), "weights") for name, t in tensors.tensors.items()]
+    specs += [scratch("step", 4 * STEP_WORDS), f32("x", H), f32("logits", hp.vocab), *vector("normed", H),
+              scratch("router_arrivals", 4), f32("qg", 2 * qd), f32("q", qd), f32("k", kvd), f32("v", kvd),
               *vector("attn_o", qd), f32("attn_partials", hp.n_heads * splits * (hp.head_dim + 2)),
               f32("mix", C), f32("z", vd), *vector("deltanet_out", vd)]
     rows = cache_rows(n_ctx) * hp.n_kv_heads  # whole blocks of positions, which the prompt's attention reads
@@ -108,32 +114,32 @@ def decode_buffers(hp, tensors, n_ctx: int, candidates: int, checkpoint: bool = 
     for fmt in (k_fmt, v_fmt):
         fmt.check(hp.head_dim)
     for i in hp.attention_layers:
-        specs += [Spec(f"k_cache.{i}", rows * k_fmt.row_bytes(hp.head_dim), "KV cache"),
-                  Spec(f"v_cache.{i}", rows * v_fmt.row_bytes(hp.head_dim), "KV cache")]
+        specs += [BufferSpec(f"k_cache.{i}", rows * k_fmt.row_bytes(hp.head_dim), "KV cache"),
+                  BufferSpec(f"v_cache.{i}", rows * v_fmt.row_bytes(hp.head_dim), "KV cache")]
     for i in hp.deltanet_layers:
         # the conv inputs as a ring of conv_kernel slots indexed by position (kernels/deltanet.py)
-        specs += [Spec(f"conv_state.{i}", 4 * hp.conv_kernel * C, "recurrent state"),
-                  Spec(f"ssm_state.{i}", 4 * hp.ssm_v_heads * hp.ssm_head_dim ** 2, "recurrent state")]
+        specs += [BufferSpec(f"conv_state.{i}", 4 * hp.conv_kernel * C, "recurrent state"),
+                  BufferSpec(f"ssm_state.{i}", 4 * hp.ssm_v_heads * hp.ssm_head_dim ** 2, "recurrent state")]
     if hp.moe:
         E, K, F, S = hp.n_experts, hp.n_experts_used, hp.expert_ffn, hp.shared_ffn
         specs += [f32("router_logits", E + 1),    # [E]: the shared expert's gate
-                  Spec("route_ids", 4 * (K + 1), "scratch"),  # [K]: the shared expert, E
+                  scratch("route_ids", 4 * (K + 1)),  # [K]: the shared expert, E
                   f32("route_weights", K + 1),    # [K]: the shared expert's gate
                   f32("expert_act", K * F + S),   # after the K slots of F: the shared expert's S
-                  Spec("zero_id", 4, "scratch")]
+                  scratch("zero_id", 4)]
     else:
         specs.append(f32("ffn_act", hp.ffn))
-    specs += [Spec("token_counts", 4 * hp.vocab, "scratch"), Spec("penalty_ring", 4 * n_ctx, "scratch"),
-              Spec("tokens_out", 4 * n_ctx, "scratch"),
-              Spec("candidates", candidates, "scratch"), Spec("sampler_settings", 4 * len(SETTINGS), "scratch")]
+    specs += [scratch("token_counts", 4 * hp.vocab), scratch("penalty_ring", 4 * n_ctx),
+              scratch("tokens_out", 4 * n_ctx),
+              scratch("candidates", candidates), scratch("sampler_settings", 4 * len(SETTINGS))]
     if checkpoint:
-        specs += [Spec(SAVED + s.name, s.nbytes, s.kind) for s in specs if s.name in checkpointed(hp)]
+        specs += [BufferSpec(SAVED + s.name, s.nbytes, s.kind) for s in specs if s.name in checkpointed(hp)]
     if chunk:
         specs += chunk_buffers(hp, min(chunk, n_ctx), halves)
     return specs
 
 
-def chunk_buffers(hp, chunk: int, halves: bool = False) -> list[Spec]:
+def chunk_buffers(hp, chunk: int, halves: bool = False) -> list[BufferSpec]:
     """The prompt path's buffers (prefill.py): rows of every activation for chunks of up to
     `chunk` tokens, their steps and tokens, the MoE's routing and grouping. chunk.qg (attention's
     q and gate rows) also holds the delta-net's raw o, and chunk.q (attention's roped q) the delta
@@ -141,23 +147,23 @@ def chunk_buffers(hp, chunk: int, halves: bool = False) -> list[Spec]:
     the rows that products on matrix units read also in f16 (the dense FFN's act included)."""
     H, C, vd = hp.hidden, hp.conv_channels, hp.ssm_value_dim
     qd, kvd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
-    specs = [Spec("chunk.tokens", 4 * chunk, "scratch"), Spec("chunk.steps", 4 * STEP_WORDS * chunk, "scratch"),
+    specs = [scratch("chunk.tokens", 4 * chunk), scratch("chunk.steps", 4 * STEP_WORDS * chunk),
              f32("chunk.x", chunk * H), *vector("chunk.normed", chunk * H, halves), f32("chunk.qg", chunk * max(2 * qd, vd)),
              f32("chunk.q", max(chunk * qd, deltanet.wy_size(chunk, hp.ssm_v_heads, deltanet.BLOCK))),
              f32("chunk.k", chunk * kvd), f32("chunk.v", chunk * kvd),
              *vector("chunk.attn_o", chunk * qd, halves), f32("chunk.mix", chunk * C), f32("chunk.conv", chunk * C),
              f32("chunk.z", chunk * vd), f32("chunk.ba", 2 * chunk * hp.ssm_v_heads),
              *vector("chunk.deltanet_out", chunk * vd, halves),
-             Spec("chunk.one_offsets", 8, "scratch"), Spec("chunk.one_pairs", 4 * chunk, "scratch")]
+             scratch("chunk.one_offsets", 8), scratch("chunk.one_pairs", 4 * chunk)]
     if hp.moe:
         E, K, F, S = hp.n_experts, hp.n_experts_used, hp.expert_ffn, hp.shared_ffn
-        specs += [f32("chunk.router_logits", chunk * (E + 1)), Spec("chunk.expert_counts", 4 * E, "scratch"),
-                  Spec("chunk.route_ids", 4 * chunk * K, "scratch"), f32("chunk.route_weights", chunk * K),
-                  Spec("chunk.expert_offsets", 4 * (E + 1), "scratch"), Spec("chunk.pairs", 4 * chunk * K, "scratch"),
+        specs += [f32("chunk.router_logits", chunk * (E + 1)), scratch("chunk.expert_counts", 4 * E),
+                  scratch("chunk.route_ids", 4 * chunk * K), f32("chunk.route_weights", chunk * K),
+                  scratch("chunk.expert_offsets", 4 * (E + 1)), scratch("chunk.pairs", 4 * chunk * K),
                   f32("chunk.act", chunk * K * F), f32("chunk.pair_out", chunk * K * H),
                   f32("chunk.act_shared", chunk * S), f32("chunk.shared_out", chunk * H)]
     else:
-        specs += [f32("chunk.act", chunk * hp.ffn)] + ([Spec("chunk.act_f16", 2 * chunk * hp.ffn, "scratch")] if halves else [])
+        specs += [f32("chunk.act", chunk * hp.ffn)] + ([scratch("chunk.act_f16", 2 * chunk * hp.ffn)] if halves else [])
     return specs
 
 
@@ -172,7 +178,7 @@ def checkpointed(hp) -> set[str]:
 class Footprint:
     """What a list of buffers takes, by kind."""
 
-    def __init__(self, specs: list[Spec]):
+    def __init__(self, specs: list[BufferSpec]):
         self.by_kind = {kind: sum(s.nbytes for s in specs if s.kind == kind) for kind in KINDS}
         self.total = sum(self.by_kind.values())
 
@@ -221,5 +227,6 @@ def largest_context(hp, tensors, memory: int, kv: KVTypes) -> int:
     formats `kv`, fit `memory` bytes: the decode graph's and the prompt path's, as on a device
     with matrix units (their f16 rows: the larger plan), less the sampler's few KiB of candidates,
     which depend on the device."""
-    return largest(lambda n: Footprint(decode_buffers(hp, tensors, n, 0, chunk=CHUNK, halves=True, kv=kv)).total <= memory,
-                   hp.context_length)
+    def fits(n: int) -> bool:
+        return Footprint(decode_buffers(hp, tensors, n, 0, chunk=PROMPT_CHUNK, halves=True, kv=kv)).total <= memory
+    return largest(fits, hp.context_length)

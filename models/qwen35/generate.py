@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 from zdsl.cache import cache_dir, discard
 from zdsl.errors import ModelError, ZdslError
 from zdsl.kernels.kvcache import KV_DEFAULT, KVTypes
-from zdsl.models.qwen35.buffers import CHUNK
+from zdsl.models.qwen35.buffers import PROMPT_CHUNK
 from zdsl.models.qwen35.checkpoints import Checkpoints
 from zdsl.models.qwen35.gguf_file import ModelFile, open_model
 from zdsl.models.qwen35.graph import DecodeGraph
@@ -83,7 +83,7 @@ class Generator:
 
     def __init__(self, model: ModelFile, device, *, n_ctx: int, sampler: SamplerConfig, progress: bool = True,
                  burst: int = 8, say: Callable[[str], None] | None = None, keep: bool = False,
-                 kv: KVTypes = KV_DEFAULT, checkpoints: int = 0, chunk: int = CHUNK,
+                 kv: KVTypes = KV_DEFAULT, checkpoints: int = 0, chunk: int = PROMPT_CHUNK,
                  weights_of: Generator | None = None, slots: int = 1):
         """`keep`: prompts that extend the context continue it (a chat); bursts that run past an
         end-of-turn token are then undone from a checkpoint of the sequence state; `kv`: the

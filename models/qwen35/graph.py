@@ -29,9 +29,10 @@ from zdsl.errors import ZdslError
 from zdsl.kernels import attention, deltanet, dmmv, embedding, ffn, moe, q8_1, sampling, steps
 from zdsl.kernels.kvcache import KV_DEFAULT, KVTypes
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS
+from zdsl.kernels.steps import STEP_WORDS
 from zdsl.runtime.memory import fmt_bytes
 from zdsl.models.qwen35.batch import MOST as BATCH_MOST
-from zdsl.models.qwen35.buffers import (ATTN_MIN_CHUNK, CHUNK, SAVED, STEP_WORDS, Footprint, Spec, attn_splits,
+from zdsl.models.qwen35.buffers import (ATTN_MIN_CHUNK, PROMPT_CHUNK, SAVED, BufferSpec, Footprint, attn_splits,
                                         batch_buffers, check_fits, checkpointed, decode_buffers, largest)
 from zdsl.models.qwen35.checkpoints import Snapshot
 from zdsl.models.qwen35.gguf_file import ModelFile
@@ -69,11 +70,11 @@ def candidate_bytes(sampler: SamplerConfig, groups: int) -> int:
 
 def plan_buffers(model: ModelFile, info, n_ctx: int, sampler: SamplerConfig, tuning: Database | None = None,
                  kv: KVTypes = KV_DEFAULT):
-    """The buffers (buffers.Spec) a DecodeGraph of `model` holds on device `info`, sized before
+    """The buffers (buffers.BufferSpec) a DecodeGraph of `model` holds on device `info`, sized before
     one is made: to show and check the memory plan up front."""
     groups = sampler_kernels(lambda kernel, key, fixed: choose(kernel, info, key, db=tuning, **fixed),
                              model.hparams.vocab, sampler)[2]
-    return decode_buffers(model.hparams, graph_weights(model), n_ctx, candidate_bytes(sampler, groups), chunk=CHUNK,
+    return decode_buffers(model.hparams, graph_weights(model), n_ctx, candidate_bytes(sampler, groups), chunk=PROMPT_CHUNK,
                           halves="coopmat" in info.features, kv=kv)
 
 
@@ -102,7 +103,7 @@ def record_chunk_launches(model, info, n_ctx: int, t: int, tuning: Database | No
 class DecodeGraph:
     def __init__(self, model: ModelFile, device, n_ctx: int, sampler: SamplerConfig | None = None,
                  progress: bool = True, tuning: Database | None = None, say=None, checkpoint: bool = False,
-                 chunk: int = CHUNK, kv: KVTypes = KV_DEFAULT, weights_of: DecodeGraph | None = None,
+                 chunk: int = PROMPT_CHUNK, kv: KVTypes = KV_DEFAULT, weights_of: DecodeGraph | None = None,
                  slots: int = 1):
         """`say(line)` hears the memory plan before anything is allocated; `progress` shows the
         weights' upload; `checkpoint` keeps room to save the sequence state (`checkpoint()`);
@@ -160,7 +161,7 @@ class DecodeGraph:
             return mine
         by_name = {s.name: s for s in mine}
         theirs = [s for s in mine if not borrows(s, self.hp, s)]  # what each sequence holds of its own
-        more = [Spec(f"{s.name}.{i}", s.nbytes, s.kind) for i in range(1, slots) for s in theirs]
+        more = [BufferSpec(f"{s.name}.{i}", s.nbytes, s.kind) for i in range(1, slots) for s in theirs]
         return mine + more + batch_buffers(self.hp, min(slots, BATCH_MOST), by_name["attn_partials"].nbytes,
                                            by_name["candidates"].nbytes, 256)  # Vulkan's largest offset alignment
 

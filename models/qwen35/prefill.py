@@ -24,7 +24,7 @@ import numpy as np
 from zdsl.errors import ZdslError
 from zdsl.kernels import attention, deltanet, embedding, ffn, matmul, mma, moe, q8_1, sampling
 from zdsl.kernels.quant_numpy import row_bytes
-from zdsl.models.qwen35.buffers import STEP_WORDS
+from zdsl.kernels.steps import STEP_WORDS
 
 ROW_ALIGN = 256  # regions of the host buffer start at multiples of this (any device binds them)
 KEPT_LENGTHS = 4  # recorded chunks kept of lengths other than the full chunk

@@ -22,7 +22,7 @@ import numpy as np
 
 from .gguf_file import Hparams, ModelFile, open_model
 
-CHUNK = 64  # delta-net prefill chunk, as in llama.cpp and the fla kernels
+DELTANET_CHUNK = 64  # tokens a chunk of the delta rule's chunked form solves at once, as in llama.cpp and the fla kernels
 CACHE_WHOLE_BYTES = 256 << 20  # expert tensors smaller than this dequantized are kept whole; larger
                                # ones (35B-A3B: 1 GiB each) are dequantized one expert per use
 
@@ -78,7 +78,7 @@ def deltanet_recurrent(q, k, v, g, beta, S):
     return out
 
 
-def deltanet_chunked(q, k, v, g, beta, S, chunk=CHUNK):
+def deltanet_chunked(q, k, v, g, beta, S, chunk=DELTANET_CHUNK):
     """The same recurrence, `chunk` tokens at a time in the WY/UT form: within a chunk,
     w_t = beta_t (v_t - k_t.S_{t-1}) solves a unit lower-triangular system, then the state
     takes one rank-`chunk` update. Same arguments and result as `deltanet_recurrent`."""
