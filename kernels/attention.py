@@ -135,7 +135,6 @@ def rope_ref(x, pos, rope_dims, base):
                            x[..., rope_dims:]], axis=-1)
 
 
-@attn_prep.reference
 def attn_prep_ref(qg, k, v, q_norm, k_norm, k_cache, v_cache, pos, rope_dims, rope_base, eps, kt="f16", vt="f16"):
     """qg: (n_head, 2d); k, v: (n_kv, d); caches (n_ctx, n_kv, …) holding rows in formats kt, vt
     (kvcache.py; of any dtype, as bytes). Returns (q, k_cache, v_cache), the caches as given."""
@@ -159,7 +158,6 @@ def attn_prep_rows(qg: Buffer[f32], k: Buffer[f32], v: Buffer[f32], q_norm: Buff
                n_head, n_kv, d, rope_dims, rope_base, eps, WG, SG, KT, VT)
 
 
-@attn_prep_rows.reference
 def attn_prep_rows_ref(qg, k, v, q_norm, k_norm, k_cache, v_cache, p0, rope_dims, rope_base, eps, kt="f16",
                        vt="f16"):
     """qg: (T, n_head, 2d); k, v: (T, n_kv, d); caches (n_ctx, n_kv, …) holding rows in formats
@@ -493,7 +491,6 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
                     part[first + e] = a[e]
 
 
-@attn_decode.reference
 def attn_decode_ref(q, k_cache, v_cache, length, nsplit, min_chunk=1):
     """Partials (n_head, nsplit, d + 2) for the splits in use (NaN elsewhere). q: (n_head, d);
     caches (n_ctx, n_kv, d)."""
@@ -605,7 +602,6 @@ def attn_combine(part: Buffer[f32], qg: Buffer[f32], step: Buffer[u32], o: Buffe
         store_q8_1(value, at, group == 0, oq, od)
 
 
-@attn_combine.reference
 def attn_combine_ref(part, qg, length, nsplit, min_chunk=1, vt="f16"):
     """part: (n_head, nsplit, d + 2) from attn_decode; qg: (n_head, 2d); vt: V's format (whose
     rotation the merge undoes). Returns o: (n_head, d)."""
@@ -721,7 +717,6 @@ def attn_prefill(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_cache:
                 store_q8_1(value, heads[qi] * (D // 4) + quad, mine, oq, od)
 
 
-@attn_prefill.reference
 def attn_prefill_ref(q, qg, k_cache, v_cache, p0):
     """q: (T, n_head, d); qg: (T, n_head, 2d); caches (n_ctx, n_kv, d). Plain softmax attention with a
     causal mask over positions: token i (position p0 + i) sees rows 0 .. p0 + i; query head h reads
@@ -960,12 +955,6 @@ def attn_prefill_coop(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_c
                 if Q8:
                     store_q8_1(value, at_o, R < rows, oq, od)
         tiles_through_shared(pair, emit)
-
-
-@attn_prefill_coop.reference
-def attn_prefill_coop_ref(q, qg, k_cache, v_cache, p0):
-    """attn_prefill_ref: the same attention (the units' f16 roundings are within the tests' bounds)."""
-    return attn_prefill_ref(q, qg, k_cache, v_cache, p0)
 
 
 # ---- examples ------------------------------------------------------------------------------------

@@ -231,7 +231,6 @@ def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32]
     _store_out(lay, o, gate, norm_w, h * lay.quads + lay.c, out, oq, od, eps, Q8, SG, "deltanet_step")
 
 
-@deltanet_step.reference
 def deltanet_step_ref(mix, conv_w, conv_state, pos, z, w_ba, x, xq, xd, qtype, ssm_a, dt_bias, norm_w, state, n_k_heads,
                       eps):
     """Straight from the model doc, in float64. mix: (C,) the raw q|k|v projection; conv_w: (C, KC);
@@ -334,7 +333,6 @@ def deltanet_conv_rows(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer
     conv[i * channels + ch] = x
 
 
-@deltanet_conv_rows.reference
 def deltanet_conv_rows_ref(mix, conv_w, conv_state, pos, n_k_heads, D, eps):
     """(T, C) silu(conv) of mix (T, C) after the ring conv_state (KC, C) at position pos, the
     q and k heads (the first 2·n_k_heads of D channels) L2-normalised; float64."""
@@ -526,7 +524,6 @@ def _rule_inputs(conv, ba, ssm_a, dt_bias, n_k_heads, D):
     return q, k, v, 1 / (1 + np.exp(-ba[:, :Hv])), f(ssm_a) * np.logaddexp(0.0, ba[:, Hv:] + f(dt_bias))
 
 
-@deltanet_chunk_wy.reference
 def deltanet_chunk_wy_ref(conv, ba, ssm_a, dt_bias, n_k_heads, D, L):
     """float64 (wy entries (blocks, Hv, wy_floats(L)), U (T, Hv, D)) from conv rows (T, C) and
     gate logits (T, 2·Hv), straight from the definitions (T by a linear solve)."""
@@ -688,7 +685,6 @@ def deltanet_chunk_scan(conv: Buffer[f32], wy: Buffer[f32], o: Buffer[f32], stat
             conv_state[((first + t + row) % KC) * C + ch] = mix[(t + row - KC) * C + ch]
 
 
-@deltanet_chunk_scan.reference
 def deltanet_chunk_scan_ref(conv, mix, conv_state, pos, ba, ssm_a, dt_bias, state, n_k_heads):
     """Straight from the model doc, in float64, token after token, for positions pos … pos + T − 1.
     conv: (T, C) deltanet_conv_rows' rows (q and k normalised); mix: (T, C); conv_state: (KC, C),
@@ -751,7 +747,6 @@ def deltanet_gated_norm(o: Buffer[f32], z: Buffer[f32], norm_w: Buffer[f32], out
                  gate=z, h=h if HALVES else None)
 
 
-@deltanet_gated_norm.reference
 def deltanet_gated_norm_ref(o, z, norm_w, eps):
     """rmsnorm(o) · norm_w · silu(z) over the last axis, float64."""
     o, z = np.asarray(o, np.float64), np.asarray(z, np.float64)

@@ -330,7 +330,6 @@ def dequant_rows(w_bytes, qtype: str, m: int, k: int) -> np.ndarray:
     return dequantize(rows, QuantType[qtype.upper()]).reshape(m, k).astype(np.float64)
 
 
-@dmmv.reference
 def as_read(a, f16: bool = False) -> np.ndarray:
     """`a` in float64 as a kernel reads it: with f16, rounded to f16 first (the matrix units' operands)."""
     a = np.asarray(a, np.float32)
@@ -394,7 +393,6 @@ def dmmv_q8_pair(w: Buffer[u8], w2: Buffer[u8], xq: Buffer[u32], xd: Buffer[f32]
         project(w2, None, xq, xd, y2, k, m2, QTYPE2, True, Rows(ROWS, NSUB, SG, wid - split))
 
 
-@dmmv_q8_pair.reference
 def dmmv_q8_pair_ref(w_bytes, w2_bytes, xq, xd, qtype, qtype2, m, m2, k):
     """(y, y2): dmmv_q8_ref of each weight."""
     return dmmv_q8_ref(w_bytes, xq, xd, qtype, m, k), dmmv_q8_ref(w2_bytes, xq, xd, qtype2, m2, k)

@@ -31,7 +31,6 @@ def embed(table: Buffer[u8], ids: Buffer[u32], out: Buffer[f32], k: u32, index: 
                 out[r * k + b * f.block + g.offset + i] = w + g.bias if g.bias is not None else w
 
 
-@embed.reference
 def embed_ref(table_bytes, token, qtype, vocab, k):
     rows = np.asarray(table_bytes, np.uint8).reshape(vocab, -1)[token:token + 1]
     return dequant_rows(rows, qtype, 1, k)[0]

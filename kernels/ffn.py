@@ -105,7 +105,6 @@ def experts_of(w_bytes, qtype, m, k) -> int:
     return len(np.asarray(w_bytes).reshape(-1)) // (m * (k // f.block) * f.nbytes)
 
 
-@ffn_gate_up.reference
 def ffn_gate_up_ref(wg_bytes, wu_bytes, ids, x, qtype, m, k, experts=True, qtype_up=None):
     """act of every slot: the experts `ids` of the stacks (the shared one among them), or the
     one pair (not experts); Wu in qtype_up where given."""
@@ -185,7 +184,6 @@ def moe_down(w: Buffer[u8], ids: Buffer[u32], weights: Buffer[f32], act: Buffer[
     store_rows(y, group.sums(total), group, m, 1, old)
 
 
-@moe_down.reference
 def moe_down_ref(w_bytes, ids, weights, act, qtype, m, k, y=None):
     nexp = experts_of(w_bytes, qtype, m, k)
     wd = dequant_rows(w_bytes, qtype, nexp * m, k).reshape(nexp, m, k)
@@ -275,7 +273,6 @@ def moe_down_all(w: Buffer[u8], w_sh: Buffer[u8], ids: Buffer[u32], weights: Buf
     store_rows(y, group.sums(total), group, m, 1, old)
 
 
-@moe_down_all.reference
 def moe_down_all_ref(w_bytes, w_sh_bytes, ids, weights, act, y, qtype, m, k, qtype_sh=None):
     """`ids` names all K + 1 experts of w_bytes when w_sh_bytes is None, else the K routed ones."""
     if w_sh_bytes is None:
@@ -370,7 +367,6 @@ def moe_gate_up_grouped(wg: Buffer[u8], wu: Buffer[u8], offsets: Buffer[u32], pa
     expert_tiles(offsets, pairs, COLS, SPLIT, group, tile)
 
 
-@moe_gate_up_grouped.reference
 def moe_gate_up_grouped_ref(wg_bytes, wu_bytes, ids, x, qtype, m, k, f16=False, qtype_up=None):
     """act of every pair j (the expert ids[j], token j // K of the rows x; K = len(ids) / rows);
     with f16 the weights and x rounded to f16 first; Wu in qtype_up where given."""
@@ -450,7 +446,6 @@ def moe_down_grouped(w: Buffer[u8], offsets: Buffer[u32], pairs: Buffer[u32], ac
     expert_tiles(offsets, pairs, COLS, SPLIT, group, tile)
 
 
-@moe_down_grouped.reference
 def moe_down_grouped_ref(w_bytes, ids, act, qtype, m, k, f16=False):
     """y of every pair j: expert ids[j]'s down rows times act[j·k : j·k + k] (with f16 both
     rounded to f16 first)."""
@@ -531,7 +526,6 @@ def moe_gate_up_coop(wg: Buffer[u8], wu: Buffer[u8], offsets: Buffer[u32], pairs
     _coop_tiles(offsets, pairs, BN, SPLIT, tiles, tile)
 
 
-@moe_gate_up_coop.reference
 def moe_gate_up_coop_ref(wg_bytes, wu_bytes, ids, x, qtype, m, k):
     """moe_gate_up_grouped_ref with the weights and x rounded to f16."""
     return moe_gate_up_grouped_ref(wg_bytes, wu_bytes, ids, x, qtype, m, k, f16=True)
@@ -568,7 +562,6 @@ def moe_down_coop(w: Buffer[u8], offsets: Buffer[u32], pairs: Buffer[u32], act: 
     _coop_tiles(offsets, pairs, BN, SPLIT, tiles, tile)
 
 
-@moe_down_coop.reference
 def moe_down_coop_ref(w_bytes, ids, act, qtype, m, k):
     """moe_down_grouped_ref with the weights and act rounded to f16."""
     return moe_down_grouped_ref(w_bytes, ids, act, qtype, m, k, f16=True)

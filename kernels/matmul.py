@@ -48,7 +48,6 @@ def mul_mm(w: Buffer[u8], x: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], y: B
     dmmv.project(w, x, xq, xd, y, k, m, QTYPE, Q8, Rows(ROWS, NSUB, SG), COLS, ADD, cols, live)
 
 
-@mul_mm.reference
 def mul_mm_ref(w_bytes, x, qtype, m, k, y=None):
     """Y = X · dequant(W)ᵀ (+ y), rows of X back to back, in float64."""
     return dmmv.dmmv_ref(w_bytes, x, qtype, m, k, y)
@@ -75,7 +74,6 @@ def half_rows(x: Buffer[f32], h: Buffer[f16], n: u32):
         h.vec4[i] = x.vec4[i].to(f16.vec(4))
 
 
-@half_rows.reference
 def half_rows_ref(x):
     return np.asarray(x, np.float32).astype(np.float16)
 
@@ -126,7 +124,6 @@ def mul_mm_coop(w: Buffer[u8], x: Buffer[f16], y: Buffer[f32], k: u32, m: u32, t
     tiles.spread(BM * BN, store)
 
 
-@mul_mm_coop.reference
 def mul_mm_coop_ref(w_bytes, x, qtype, m, k, y=None):
     """mul_mm_ref with W and X rounded to f16, as the matrix units see them (x may be f16 already)."""
     return dmmv.dmmv_ref(w_bytes, x, qtype, m, k, None if y is None else np.asarray(y).reshape(-1), f16=True)

@@ -115,7 +115,6 @@ def pick_experts(load, n_expert, K: int, WG: int, SG: int, ids, weights, base, c
             zdsl.atomic_add(counts, e, 1)
 
 
-@moe_router.reference
 def moe_router_ref(w_bytes, x, norm_w, eps, qtype, n_expert, k, K=8):
     """(hn, logits, ids, weights) of one token; w_bytes holds n_expert + 1 rows, the last the shared
     expert's gate; slot K is the shared expert: ids[K] = n_expert, weights[K] its gate."""
@@ -211,7 +210,6 @@ def moe_route_rows(logits: Buffer[f32], ids: Buffer[u32], weights: Buffer[f32], 
     pick_experts(load, n_expert, K, WG, SG, ids, weights, row * K, counts)
 
 
-@moe_route_rows.reference
 def moe_route_rows_ref(logits, n_expert, K=8):
     """(ids, weights, counts) of the token rows of `logits` (the first n_expert of each row)."""
     ids, weights = route_ref(np.atleast_2d(logits)[:, :n_expert], K)
@@ -271,7 +269,6 @@ def moe_group(ids: Buffer[u32], counts: Buffer[i32], offsets: Buffer[u32], pairs
         pairs[start[e] + left - 1] = j
 
 
-@moe_group.reference
 def moe_group_ref(ids, n_expert):
     """(offsets, pairs) with each expert's pairs in increasing order (the kernel's order within
     an expert is any)."""
@@ -327,7 +324,6 @@ def moe_combine_rows(x: Buffer[f32], weights: Buffer[f32], y: Buffer[f32], share
         x.vec4[at] = acc
 
 
-@moe_combine_rows.reference
 def moe_combine_rows_ref(x, weights, y, topk, shared=None, gate_logits=None):
     """x + Σ_s weights · y per token row (+ shared · sigmoid(gate_logits)), in float64."""
     t = np.asarray(x).reshape(len(weights) // topk, -1).shape[0]

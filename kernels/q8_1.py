@@ -107,7 +107,6 @@ def quantize_q8_1(x: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], n: u32, SG: 
     store_q8_1(x.vec4[zdsl.min(i, n4 - 1)], i, i < n4, xq, xd)
 
 
-@quantize_q8_1.reference
 def quantize_q8_1_ref(x):
     """(q int8, d, s) per block of 32 as ggml makes them; ggml rounds d and s to f16, the kernel
     keeps them f32 (and its 1/d may differ by an ulp, moving a q that sits on a half by one)."""
@@ -130,7 +129,6 @@ def norm_q8_1(x: Buffer[f32], norm_w: Buffer[f32], hn: Buffer[f32], xq: Buffer[u
     write_normed(x, norm_w, hn, xq, xd, n, eps, WG, SG, row=zdsl.workgroup_id(), h=h if HALVES else None)
 
 
-@norm_q8_1.reference
 def norm_q8_1_ref(x, norm_w, eps):
     """(hn f32, q int8, d, s): the normed vector and the Q8_1 blocks of it."""
     hn = rms_norm_ref(x, norm_w, eps)

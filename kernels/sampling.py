@@ -255,10 +255,10 @@ def candidate_groups(v, n_vocab: int) -> int:
 
 @zdsl.kernel(workgroup=1)
 def penalty_window(step: Buffer[u32], ring: Buffer[u32], counts: Buffer[u32], window: u32, n_vocab: u32, t: u32):
-    """The window of the last `window` context tokens moves on by t tokens, in order: the input
-    token step[2] at position step[0] of each of t step records (STEP_WORDS apart: one at decode,
-    a prompt chunk's at prefill): counts[token] += 1, and the token at position − window (kept
-    in ring[position % window]) is uncounted."""
+    """The window of the last `window` context tokens (the prompt's included, as llama.cpp counts
+    them) moves on by t tokens, in order: the input token step[2] at position step[0] of each of t
+    step records (STEP_WORDS apart: one at decode, a prompt chunk's at prefill): counts[token] += 1,
+    and the token at position − window (kept in ring[position % window]) is uncounted."""
     for i in zdsl.range(0, t):
         pos, token = step[i * STEP_WORDS], step[i * STEP_WORDS + 2]
         slot = pos % window
@@ -269,13 +269,6 @@ def penalty_window(step: Buffer[u32], ring: Buffer[u32], counts: Buffer[u32], wi
         ring[slot] = token
         with zdsl.if_(token < n_vocab):
             counts[token] = counts[token] + 1
-
-
-@penalty_window.reference
-def penalty_window_ref(context, window: int, n_vocab: int):
-    """The counts of the window after the step whose input is context[-1]: each id among the last
-    `window` tokens of the context, prompt included (llama.cpp's rule)."""
-    return np.bincount(np.asarray(context[-window:], np.int64), minlength=n_vocab).astype(np.uint32)
 
 
 @zdsl.kernel(workgroup="WG", subgroup="SG", variants=VARIANTS, where=_fits, key=("n_vocab",),
@@ -309,7 +302,6 @@ def sample_candidates(logits: Buffer[f32], counts: Buffer[u32], cand: Buffer[u32
         cand[2 * (out + j) + 1] = id_sh[first + j]
 
 
-@sample_candidates.reference
 def sample_candidates_ref(logits, counts, repeat_penalty, presence_penalty, frequency_penalty=0.0, CAP=64, WG=256,
                           R=16):
     pen = penalise_ref(logits, counts, repeat_penalty, presence_penalty, frequency_penalty)
@@ -381,14 +373,6 @@ def sample_draw(cand: Buffer[u32], step: Buffer[u32], tokens: Buffer[u32], setti
         pos = step[0]
         with zdsl.if_(pos < max_tokens):
             tokens[pos] = token
-
-
-@sample_draw.reference
-def sample_draw_ref(cand, top_k, min_p, inv_temp, top_p, seed, counter, CAP=64):
-    """The token id sample_draw picks from the candidate pairs `cand`."""
-    pairs = np.asarray(cand, np.uint32).reshape(-1, 2)
-    values, ids = topk_ref(pairs[:, 0].view(np.float32), pairs[:, 1], CAP)
-    return choose_ref(values, ids, top_k, min_p, inv_temp, top_p, uniform_ref(seed, counter))
 
 
 def choose_ref(values, ids, top_k, min_p, inv_temp, top_p, u):

@@ -22,7 +22,6 @@ def axpy(x: Buffer[f32], y: Buffer[f32], out: Buffer[f32], n: u32, a: f32, WG: C
         out[i] = a * x[i] + y[i]
 
 
-@axpy.reference
 def axpy_ref(x, y, a):
     return np.float32(a) * x + y
 
@@ -62,7 +61,6 @@ def row_reduce(x: Buffer[f32], y: Buffer[f32], k: u32, OP: Const = "sum", WG: Co
         y[row] = result
 
 
-@row_reduce.reference
 def row_reduce_ref(x, OP="sum"):
     return x.sum(axis=1, dtype=np.float32) if OP == "sum" else x.max(axis=1)
 
@@ -87,7 +85,6 @@ def subgroup_op(x: Buffer[f32], y: Buffer[f32], OP: Const = "sum", WG: Const = 6
     }[OP]()
 
 
-@subgroup_op.reference
 def subgroup_op_ref(x, OP="sum", SG=32):
     g = x.reshape(-1, SG)
     if OP in ("sum", "max", "min"):
@@ -120,7 +117,6 @@ def transpose(x: Buffer[f32], y: Buffer[f32], rows: u32, cols: u32, TILE: Const 
         y[c2 * rows + r2] = tile[tx * (TILE + 1) + ty]
 
 
-@transpose.reference
 def transpose_ref(x):
     return np.ascontiguousarray(x.T)
 
@@ -140,7 +136,6 @@ def dot_i8(a: Buffer[u32], b: Buffer[u32], y: Buffer[i32], k4: u32, SCALE: Spec[
         y[row] = total * SCALE
 
 
-@dot_i8.reference
 def dot_i8_ref(a_i8, b_i8, SCALE=1):
     return (a_i8.astype(np.int32) @ b_i8.astype(np.int32)) * SCALE
 

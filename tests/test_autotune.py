@@ -40,7 +40,6 @@ def scale_rows(x: Buffer[f32], out: Buffer[f32], n: u32, a: f32, WG: Const = 64,
             out[i] = x[i] * a + (1.0 if WG == 128 else 0.0)
 
 
-@scale_rows.reference
 def scale_rows_ref(x, a):
     return np.asarray(x, np.float64) * a
 

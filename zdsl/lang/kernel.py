@@ -10,7 +10,8 @@ A kernel also owns its launch: its grid (a function of the variant and the launc
 sizes that key its tuning, and the bytes one launch moves. `KernelDef.launch` picks the variant
 for a key, computes the groups and records a `Launch` into the sequence, so a graph says what to
 compute and the tuner, the benches and the static ranking read what the graph really runs. Its
-`example` (beside its numpy reference) makes inputs of any recorded size to check and time it.
+`example` makes inputs of any recorded size and says what its numpy reference gives for them,
+so that any launch can be checked and timed.
 """
 
 from __future__ import annotations
@@ -99,18 +100,12 @@ class KernelDef:
                                   f"scalar type (u32, i32, f32), Spec[T] or Const")
         return params
 
-    def reference(self, fn: Callable) -> Callable:
-        """Decorator: the numpy function this kernel must agree with (tests and the tuner use it)."""
-        self.ref = fn
-        return fn
-
     def example(self, fn: Callable) -> Callable:
         """Decorator: `fn(launch, rng, check) -> Example`, inputs for a recorded launch's sizes
         and what the reference says they give (check: a small version whose reference is cheap)."""
         self.make_example = fn
         return fn
 
-    ref: Callable | None = None
     make_example: Callable | None = None
 
     # -- launches
