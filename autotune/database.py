@@ -131,14 +131,13 @@ class Database:
         write_atomic(path, (json.dumps({"entries": entries}, indent=1, sort_keys=True) + "\n").encode())
 
 
-def _file_name(device: str, name: str) -> str:
+def _file_name(name: str) -> str:
     slug = "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
     return f"{slug}.json"
 
 
 def user_path(info) -> Path:
-    device, _ = device_key(info)
-    return cache_dir("tuning") / _file_name(device, info.name)
+    return cache_dir("tuning") / _file_name(info.name)
 
 
 @cache

@@ -21,7 +21,7 @@ from zdsl.runtime import memory, nulldevice, physical, pipeline, vk
 from zdsl.runtime.physical import DeviceInfo, Physical
 from zdsl.runtime.pipeline import Pipeline
 from zdsl.runtime.sequence import Sequence
-from zdsl.runtime.vk import DEPENDENCY, TO_HOST, Keep, ffi, lib
+from zdsl.runtime.vk import Keep, ffi, lib
 
 # RADV's names for the families its null device can impersonate (compile-only targets).
 FAMILY = re.compile(r"(gfx\d+\w*|navi\d+|vega\d+|polaris\d+)", re.I)

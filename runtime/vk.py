@@ -188,13 +188,6 @@ def device_proc(device, name: str):
     return ffi.cast(f"PFN_{name}", ptr)
 
 
-def instance_proc(instance, name: str):
-    ptr = lib.vkGetInstanceProcAddr(instance, name.encode())
-    if ptr == NULL:
-        raise MissingFeatureError(f"the Vulkan loader does not provide {name}")
-    return ffi.cast(f"PFN_{name}", ptr)
-
-
 _RESULT_NAMES: dict[int, str] = {}
 
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zdsl
-from zdsl.kernels import dmmv, moe
+from zdsl.kernels import moe
 from zdsl.kernels import quant_numpy as F
 from zdsl.kernels.norm import rms_norm_ref
 from kernel_testing import BACKENDS, assert_q8_1_of, run, subgroup

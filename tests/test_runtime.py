@@ -18,7 +18,6 @@ import zdsl
 from zdsl import Buffer, u32
 from zdsl.errors import MissingFeatureError, NoDeviceError, OutOfMemoryError, ZdslError
 from zdsl.runtime import HostBuffer, open_device
-from zdsl.runtime import memory as rt_memory
 from zdsl.toolchain import compile_glsl
 
 # Every test kernel, in one place: they get replaced by DSL-generated kernels once those exist.
