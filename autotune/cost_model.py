@@ -110,7 +110,7 @@ def _rdna(name, cus, bandwidth, clock, latency=600.0, **more) -> Card:
 # RDNA latency, cpi and efficiency are not measured: they stay at the nominal guesses.
 CARDS = {
     # Hopper's SM has 228 KiB for shared memory, but NVIDIA's Vulkan driver gives workgroups 100
-    # KiB of it: 2026-11-27, the 35B-A3B's experts' gate·up (102 registers: 4 workgroups an SM by
+    # KiB of it: the 35B-A3B's experts' gate·up (102 registers: 4 workgroups an SM by
     # registers) with its shared array grown from 22,144 to 24,192 bytes took 24.0 → 24.1 ms a
     # 511-token chunk, to 26,240 (4 × 27,264 > 102,400: 3 an SM) 37.7 ms; its down (6 → 5 → 4
     # an SM by 100 KiB) 16.3 → 18.0 → 23.8.

@@ -14,7 +14,7 @@ timestamps: warm-up dispatches, then repeats (median and spread), rotating copie
 inputs between dispatches, after replaying for a while so that the clocks are up. The first
 candidate timed (the default) is timed again after the others and keeps the lower median: it
 follows the CPU's making of the use's inputs, and on the H100 it read up to 4× slow there
-(2026-11-27, the prompt chunk's uses: the routed gate·up's default 2,224 µs against 557 for a
+(the prompt chunk's uses: the routed gate·up's default 2,224 µs against 557 for a
 neighbour, attention's 1,788 against 951 timed alone), which favoured every other candidate.
 Modelled: each candidate is compiled for the target by RADV's null device and ranked by
 `cost_model` from its machine-code statistics, the bytes its launch moves and the work the

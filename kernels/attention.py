@@ -366,15 +366,15 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
     in its own lanes: the exponentials are taken there, once per head, and shuffled to the
     accumulators (`owned_softmax`), where every lane took every head's before.
 
-    H100, 35B-A3B (D 256, G 8, 2 KV heads), 32,768 rows in 128 splits, µs alone (2026-11-27):
+    H100, 35B-A3B (D 256, G 8, 2 KV heads), 32,768 rows in 128 splits, µs alone:
     every head's softmax in every lane, q8_0 43.6 (DEPTH 1) and 41.6 (DEPTH 2), f16 40.0 and
     40.7; each head's in its lanes, q8_0 54.6 and 35.9, f16 48.6 and 36.5 (at 512 rows 9.1
     both, as before): DEPTH 2 for every format. U 4 reads about as fast (35.6, 35.1) in 35 KB of
     machine code against 27: between dispatches of a step the weights evict the code from L2,
     which cost U 4 2% of the step at 512 before. The driver gives every variant all 255
-    registers a lane. Tried and slower at 32,768 (H200, 2026-11-27): the group's heads sliced
+    registers a lane. Tried and slower at 32,768 (H200): the group's heads sliced
     over two or four workgroups (128 or 64 registers, the rows read twice or four times: q8_0
-    50.1 and 69.8 µs against 41.5), and the split pass on matrix units (74482d2)."""
+    50.1 and 69.8 µs against 41.5), and the split pass on matrix units."""
     if not _decode_fits(SimpleNamespace(D=D, SG=SG)):
         raise zdsl.ZdslError(f"attn_decode needs D / 4 a power of two or a multiple of 4·SG, not D={D}, SG={SG}")
     for kv_type in (KT, VT):
@@ -537,7 +537,7 @@ def attn_combine(part: Buffer[f32], qg: Buffer[f32], step: Buffer[u32], o: Buffe
     then n·R + groups·R …), each keeping a running merge; the groups then merge through shared
     memory. So up to WG / 8 groups walk a head's splits at once, and the heads' blocks are apart:
     at depth 32,768 (256 splits) a group takes 2 rounds of loads, where one workgroup a head with
-    four groups took 16 (26 µs a layer on the H100, 2026-11-27). With Q8, o also goes out as Q8_1
+    four groups took 16 (26 µs a layer on the H100). With Q8, o also goes out as Q8_1
     (oq, od: the output projection's int8 input; q8_1.py; D a multiple of 32). The launch names
     n_head and ctx (the rows the cache holds). qg, o, oq and od are at row `row` (one sequence of
     a batch, batch.py). Where V's format VT rotates (q3_rot), the merged sums are turned back."""
@@ -762,9 +762,9 @@ def _coop_shared_bytes(v) -> int:
 def _coop_fits(v) -> bool:
     """Heads of whole pairs of tiles (the epilogue writes 32 dims, a Q8_1 block, at a time), SG /
     16 lanes a row, the arrays in shared memory, and at least four subgroups: on the H100 (driver
-    580) workgroups of one or two gave wrong outputs in 4a230de's layout (by ~1 with zeroed cache
-    rows past the chunk, ~10⁴ with huge ones), four and eight right (2026-11-26), and in this
-    layout too (2026-11-27, test_prefill_coop drawing one or two); the interpreter is right for
+    580) workgroups of one or two gave wrong outputs in an earlier layout (by ~1 with zeroed cache
+    rows past the chunk, ~10⁴ with huge ones), four and eight right, and in this layout too
+    (test_prefill_coop drawing one or two); the interpreter is right for
     all. Not understood, so not offered (they were slower as well: 6,555–19,230 µs a layer at
     32,768 against 2,861)."""
     return (v.D % 32 == 0 and v.SG in (16, 32, 64) and v.BKV % 16 == 0 and v.NW >= 4
@@ -810,10 +810,10 @@ def attn_prefill_coop(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_c
     hold finite values (the graph zeroes its caches, and the KV buffers hold whole blocks).
 
     A 512-token chunk of the 35B-A3B (16 heads of 256, 2 KV heads), µs a layer alone at depth
-    4,096 / 32,768. On the H100 (2026-11-26/27) in 4e88538's layout (16 query rows a workgroup,
+    4,096 / 32,768. On the H100, in the layout before this one (16 query rows a workgroup,
     its four subgroups splitting the cache, every K and V tile read by the units straight from
-    the cache, so from L2 once per 16 query rows): 960 / 7,618, about 36 TFLOP/s. On the H200
-    (2026-11-27): that layout 1,123 / 8,044 (q8_0 6,106 / 12,531: a tile decoded through shared
+    the cache, so from L2 once per 16 query rows): 960 / 7,618, about 36 TFLOP/s. On the H200:
+    that layout 1,123 / 8,044 (q8_0 6,106 / 12,531: a tile decoded through shared
     memory cost a barrier each); this one, blocks of 32, 397 / 2,947 (q8_0 453 / 4,073), about
     93 TFLOP/s; blocks of 16: 426 / 3,322; eight subgroups (blocks of 16): 552 / 4,016."""
     if not _coop_fits(SimpleNamespace(D=D, SG=SG, BKV=BKV, NW=NW)):

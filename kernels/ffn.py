@@ -490,18 +490,18 @@ _COOP = dict(workgroup=mma.workgroup, subgroup="SG", where=mma.fits, tune={"SPLI
 # (each row tile reads its pairs' rows again). H200, 511-token chunk of the 35B-A3B, against 32 ×
 # 32: routed down 58.8 → 44.4 ms, shared gate·up 11.3 → 8.0 (a workgroup per 16 tokens:
 # prefill.py's SPLIT). Types that step by 128 have room for larger tiles (below). These are the
-# defaults; the H100's tuned entries take steps of 64 for Q4_K (a7df6d7: gate·up 64 × 32, 566 →
+# defaults; the H100's tuned entries take steps of 64 for Q4_K (gate·up 64 × 32, 566 →
 # 528 µs; down 64 × 16, 348 → 260), where the driver gives a lane far fewer registers.
 _COOP_TILES = {"BM": [32, 64], "BN": [16, 32], "SG": [32]}
 
 
 # The gate·up takes 128 rows (64 gate, 64 up) × 16 pairs in steps of 128 where the type steps so:
-# a step's 16 activation rows serve twice the rows of 64-row tiles (2026-11-26, H100, zdsl profile
+# a step's 16 activation rows serve twice the rows of 64-row tiles (H100, zdsl profile
 # --prompt 511 of the 35B-A3B, one row tile per subgroup: 26.5 ms against 29.9 for 64 × 16 in steps
 # of 256, pp512 5,645.8 against 5,437.4; 96 × 16 in steps of 128: 33.6; 64 × 16 in steps of 128:
 # 44.4; 64 × 32: 34.2; 48 × 32 in steps of 256: 33.5). Each subgroup takes two row tiles (four
 # subgroups): the activations' tile is read from shared memory four times a step instead of eight,
-# and the 128 invocations decode one int8 part each (timed alone, 2026-11-26, H100: 554 µs against
+# and the 128 invocations decode one int8 part each (timed alone on the H100: 554 µs against
 # 572 with eight subgroups; four row tiles a subgroup: 840).
 @zdsl.kernel(variants={"QTYPE": EXPERT_QTYPES, **_COOP_TILES, "BM": [32, 64, 128]}, sizes=("t", "n_expert"),
              grid=_coop_grid(2), traffic=_gate_up_grouped_traffic, **_COOP)
@@ -538,7 +538,7 @@ def moe_gate_up_coop_example(use, rng, check):
 
 # The experts' down (k = the expert width, 512: four steps of 128) takes 64 × 32 tiles where the
 # type steps by 128: each expert's rows decoded once for its ~16 pairs, where 16-token tiles
-# decode them again from its 17th pair on (2026-11-26, H100, zdsl profile --prompt 511 of the
+# decode them again from its 17th pair on (H100, zdsl profile --prompt 511 of the
 # 35B-A3B: 20.6 ms against 23.7).
 @zdsl.kernel(variants={"QTYPE": EXPERT_QTYPES, **_COOP_TILES}, sizes=("t", "n_expert", "topk"),
              grid=_coop_grid(1), traffic=_down_grouped_traffic, **_COOP)

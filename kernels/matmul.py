@@ -92,13 +92,13 @@ def _coop_traffic(v, s) -> int:
 
 
 # Tiles of 48 rows × 64 tokens in steps of 128 where the type steps so (the weights decoded 8
-# times for a 512-token chunk, not 11), 32 × 48 in whole blocks otherwise: 2026-11-26, H100,
+# times for a 512-token chunk, not 11), 32 × 48 in whole blocks otherwise: H100,
 # zdsl profile --prompt 511 of the 35B-A3B, the projections 22.2 ms against 25.6 (32 × 96 in
 # steps of 128: 24.1). Those 48 × 64 take two token tiles per subgroup: each A tile is read from
-# shared memory by two subgroups instead of four (timed alone, 2026-11-26, H100: Q5_K 8192 rows
+# shared memory by two subgroups instead of four (timed alone on the H100: Q5_K 8192 rows
 # 239 µs against 256, Q4_K 4096 rows 124.5 against 133). The H100's tuned entries take other tiles
-# for most Q4_K uses: 32 × 64 or 64 × 32 in steps of 64 (a7df6d7: 4,096 rows 123 → 110 µs); 96 or
-# 128 tokens a tile win nothing there (2026-11-27, the same tune: one use at 96, 108 against 110).
+# for most Q4_K uses: 32 × 64 or 64 × 32 in steps of 64 (4,096 rows 123 → 110 µs); 96 or
+# 128 tokens a tile win nothing there (the same tune: one use at 96, 108 against 110).
 @zdsl.kernel(workgroup=mma.workgroup, subgroup="SG", variants={"QTYPE": QTYPES, "BN": [64, 48, 32], "SG": [32]},
              tune={"TN": [1, 2], "BK": mma.STEPS, "BM": [32, 48, 64]}, where=mma.fits, key=("k", "m"),
              grid=lambda v, s: (-(-s.m // v.BM), -(-s.t // v.BN)), traffic=_coop_traffic)

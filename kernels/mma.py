@@ -47,10 +47,10 @@ def step_k(bk: int) -> int:
     """K per step: bk, by default BK (whole blocks of every format). A format whose int8 parts
     cover K in runs (the K-quants: 64 or 128; IQ3_XXS: 32) may step through part of a block,
     which leaves shared memory for larger tiles (by_steps). In the same tiles it is slower on
-    the H100 (2026-11-26, pp512 of the 35B-A3B: 4,190 tok/s in steps of 128, 4,827–4,867 with
+    the H100 (pp512 of the 35B-A3B: 4,190 tok/s in steps of 128, 4,827–4,867 with
     Q4_K in steps of 64, 4,886–4,910 in steps of 256): more steps, each a chain of loads,
     decode, barrier and products. With the tiles tuned for them, steps of 64 win most of the
-    H100's Q4_K uses (2026-11-27, `zdsl tune --device 0 --prompt 512`: the experts' down 348 →
+    H100's Q4_K uses (`zdsl tune --device 0 --prompt 512`: the experts' down 348 →
     260 µs, a 4,096-row projection 123 → 110; pp512 6,411 → 6,829): half the registers stage a
     step, and more workgroups share an SM."""
     return bk or BK

@@ -73,7 +73,7 @@ def write_normed(x, norm_w, hn, xq, xd, n, eps, WG: int, SG: int, row=0, gate=No
     then the outputs) in 16-byte loads; invocation t takes quads t, t + WG, …, so eight
     neighbours hold a block. The loops are GPU loops, not unrolled: in the decode step this
     kernel's code comes from memory every time (the weights streaming through L2 evict it), and
-    code costs more than the latency that unrolled loads would overlap (docs/PERF.md, 2026-11-24)."""
+    code costs more than the latency that unrolled loads would overlap (docs/DESIGN.md)."""
     n4 = n >> 2
     first = row * n4
     t = zdsl.local_index()

@@ -468,7 +468,7 @@ FIXTURE_LABEL = "dmmv[ADD=False,QTYPE=q8_0,Q8=True,COLS=1,ROWS=1,NSUB=1,SG=32,WG
 
 def test_nvidia_machine_code_comes_out_of_a_pipeline_cache():
     """The data of an NVIDIA pipeline cache holding one pipeline (dmmv's Q8_0 variant, from the
-    H200's driver 580.159, 2026-11-28) carries exactly its Binary Size of machine code, which
+    H200's driver 580.159) carries exactly its Binary Size of machine code, which
     nvdisasm reads as whole instructions ending in EXIT; the H100 record of the same variant holds
     the loop depths read from it. Data of another layout is refused in one line."""
     from zdsl import toolchain
@@ -1063,14 +1063,14 @@ def test_every_shipped_entry_keys_a_use_of_the_35b_step(shipped, device):
 
 def test_the_model_ranks_the_measured_h100_decode_candidates():
     """Issue 30's bar on the H100 measurement the repo keeps (every candidate of the 35B-A3B decode
-    step's uses, 2026-11-28): fitted on the other folds' uses, the model's ranking of each held-out
+    step's uses): fitted on the other folds' uses, the model's ranking of each held-out
     use has a median Spearman ρ ≥ 0.7 with the measured one and its pick is within 5% of the best
     in ≥ 80% of the uses; the kernels' defaults alone are within 5% in far fewer."""
     from zdsl.autotune import check, cost_model
 
     device, records = check.load(Path(check.__file__).parent / "measured" / "nvidia-h100-step.json")
     uses, stale = check.uses_of([r for r in records if r["where"] == "step"])
-    assert set(stale) <= {"attn_combine"}  # redesigned after the measurement (a7f91ce)
+    assert set(stale) <= {"attn_combine"}  # redesigned after the measurement
     assert len(uses) >= 10
     report = check.cross_validate(cost_model.card_of(device), uses, 4)
     rho, within = report.summary(report.held_out)
@@ -1097,7 +1097,7 @@ def test_the_model_ranks_the_measured_h100_decode_and_prompt_product_candidates(
 
 
 def test_the_model_ranks_the_measured_h200_decode_candidates():
-    """The same bar on a second card, the H200 (2026-11-28, recorded with the machine code's
+    """The same bar on a second card, the H200 (recorded with the machine code's
     loop depths by `--record` itself): held out, median ρ ≥ 0.7 and picks within 5% in ≥ 80%
     of the Q4_K_M decode step's uses, more than the defaults alone."""
     from zdsl.autotune import check, cost_model
@@ -1113,7 +1113,7 @@ def test_the_model_ranks_the_measured_h200_decode_candidates():
 
 def test_the_model_ranks_the_measured_h100_decode_candidates_of_every_mix():
     """The same on the decode steps of all four type mixes the repo keeps H100 records of
-    (2026-11-28; a use the mixes share counts once). There the model does not reach the issue's
+    (a use the mixes share counts once). There the model does not reach the issue's
     80% (docs/PERF.md: 23 of 31): this holds it to median ρ ≥ 0.7, picks within 5% in ≥ 70%, and
     more than the kernels' defaults alone."""
     from zdsl.autotune import check, cost_model
@@ -1124,7 +1124,7 @@ def test_the_model_ranks_the_measured_h100_decode_candidates_of_every_mix():
         devices.add(device)
         records += more
     uses, stale = check.uses_of(records)
-    assert len(devices) == 1 and set(stale) <= {"attn_combine"}  # redesigned after the first record (a7f91ce)
+    assert len(devices) == 1 and set(stale) <= {"attn_combine"}  # redesigned after the first record
     assert len(uses) >= 30
     report = check.cross_validate(cost_model.card_of(device), uses, 4)
     rho, within = report.summary(report.held_out)

@@ -265,7 +265,7 @@ def test_quantized_kv_caches_against_f16(tmp_path, device, capsys):
     """The tiny model over 48 random tokens with K and V in q8_0 against f16 (`zdsl eval kv`): the
     next-token distributions differ by a mean KL under 1e-3 nats and the most likely token agrees
     at 90% of positions or more. q3_rot (3 bits after a Hadamard rotation) within a mean KL of
-    0.03 and 90% agreement (0.0089 and 96%, 2026-11-27; with q left unturned, which the kernels
+    0.03 and 90% agreement (measured 0.0089 and 96%; with q left unturned, which the kernels
     must turn as the cache's k, 0.068 and 79%). A bad --kv-types is one line and a non-zero exit."""
     from zdsl.cli import main
     from zdsl.models.qwen35.quality import kv_quality

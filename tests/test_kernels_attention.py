@@ -412,7 +412,7 @@ def in_format(values, kv_type: str, d: int, turned_back: bool = False):
 def test_prefill_coop_as_the_graph_runs_it(backend, request):
     """The variant a graph picks for the 35B-A3B's attention (heads of 256 in groups of 8: the
     kernel's defaults, or the device's tuning entry) over a chunk of 37 tokens at depth 100,
-    the rows past it huge: the kernel tests draw their own layouts, and 4a230de's default
+    the rows past it huge: the kernel tests draw their own layouts, and an earlier default
     (two subgroups) was wrong on the H100 while every drawn layout they tried passed."""
     from zdsl.autotune.database import choose
 

@@ -29,7 +29,7 @@ from zdsl.models.qwen35.run import kv_type_option
 DEFAULT_CONTEXTS = "0,4096,16384,32768"  # llama-bench reports pp512 and tg128 at depth 0
 # Untimed prompts at each depth for at least this long: an idle GPU's clocks rise over the first
 # fraction of a second of load, and one warm-up prompt left the first timed ones up to 2x slow
-# (2026-11-28, H100: pp512 samples 3,801 7,616 8,024 8,123 8,119 tok/s)
+# (H100: pp512 samples 3,801 7,616 8,024 8,123 8,119 tok/s)
 WARM_S = 1.0
 PROMPT_NOTE = ("prompt = batched prefill in chunks of up to 512 tokens (each expert's weights read once per chunk, "
                "the delta rule in blocks of 64 tokens), the first new token drawn in the last chunk from its last "

@@ -29,7 +29,7 @@ KINDS = ("weights", "KV cache", "recurrent state", "scratch")
 # the GPU from the current length, so one recorded step serves every length. 256 workgroups are
 # one wave of attn_decode on the H100 (132 SMs, two of its workgroups each at 255 registers a
 # lane): over 32,768 rows of the 35B-A3B's 2 KV heads, 128 chunks took 40 µs, 144 or 160 (a
-# second wave begun) 52–64, 256 (two waves) 45, 64 (half the SMs) 46–52 (q8_0 and f16, 2026-11-27).
+# second wave begun) 52–64, 256 (two waves) 45, 64 (half the SMs) 46–52 (q8_0 and f16).
 ATTN_MIN_CHUNK = 64
 ATTN_WORKGROUPS = 256
 PROMPT_CHUNK = 512  # prompt tokens a prefill chunk holds at most (prefill.py)

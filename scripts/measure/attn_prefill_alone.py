@@ -1,5 +1,5 @@
 """attn_prefill_coop alone: one 512-token chunk of the 35B-A3B's attention (16 heads of 256 over
-2 KV heads) at depths 4,096 and 32,768, f16 and q8_0 caches (docs/PERF.md, 2026-11-27).
+2 KV heads) at depths 4,096 and 32,768, f16 and q8_0 caches (docs/DESIGN.md).
 
 Usage: python3 attn_prefill_alone.py [NAME=VALUE,... (a variant; several: each timed)] ...
 

@@ -1,5 +1,5 @@
 """The per-stage floor: what a dependent dispatch costs when a pipeline barrier orders it after the
-one before, as every stage of the decode step is (docs/PERF.md, "The per-stage floor").
+one before, as every stage of the decode step is (docs/DESIGN.md).
 
 Usage: python3 barrier_chain.py [DEVICE (default 0)] [CHAIN (default 40)]
 
@@ -8,7 +8,7 @@ previous one wrote into shared memory, then its rows, with a pipeline barrier be
 columns: "barrier", the input read through the cache as the decode step reads it, and
 "barrier+coherent", read coherently (from L2). Until the rewrite of PERF.md this script was
 counter_chain.py and also timed links ordered by arrival counters instead of barriers, which were
-measured slower and dropped (121b733, 7f6a3ff; `git log --follow` finds that version)."""
+measured slower and dropped (`git log --follow` finds that version)."""
 import time
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""How much shader code an SM keeps hot between dispatches (docs/PERF.md, 2026-11-24).
+"""How much shader code an SM keeps hot between dispatches (docs/DESIGN.md).
 
 Usage: python3 code_cache.py [DEVICE (default 0)] [CHAIN (default 48)]
 

@@ -1,4 +1,4 @@
-"""What a dependent dispatch pays to fetch its shader code (docs/PERF.md, 2026-11-24).
+"""What a dependent dispatch pays to fetch its shader code (docs/DESIGN.md).
 
 Usage: python3 code_fetch.py [DEVICE (default 0)] [CHAIN (default 40)]
 

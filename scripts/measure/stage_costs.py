@@ -1,4 +1,4 @@
-"""What each kind of dispatch costs inside the real decode step (docs/PERF.md, 2026-11-24).
+"""What each kind of dispatch costs inside the real decode step (docs/DESIGN.md).
 
 Usage: python3 stage_costs.py MODEL.gguf [DEVICE (default 0)] [POSITION (default 512)] [NAME=PATTERN ...]
 

@@ -1,5 +1,5 @@
 """One decode step of a model, timed whole, with the code size of each pipeline it runs
-(docs/PERF.md, 2026-11-24). Run it once per tree, alternating trees, to compare them.
+(docs/PERF.md). Run it once per tree, alternating trees, to compare them.
 
 Usage: python3 step_time.py MODEL.gguf [NAME (printed on each line)] [DEVICE (default 0)]
 
