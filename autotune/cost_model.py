@@ -38,7 +38,7 @@ Chain and issue are not separate resources: a lane's path is its stalls and its 
 the other lanes' issue fills its stalls only in part (lanes stall together at a barrier, and a
 lane that has work ready waits behind the others'). So they combine by a p-norm, from their sum
 (p = 1: no overlap) towards their max (p → ∞: each hides the other wholly); p is fitted with the
-other free parameters, 2 where nothing was measured. What the model misses is in docs/PERF.md.
+other free parameters, 2 where nothing was measured. Where it misses: docs/DESIGN.md.
 
 Occupancy follows each vendor's rules: NVIDIA's from the driver's register count (allocated per
 warp in units of 256) and shared memory (the share the driver gives workgroups, 100 KiB of an

@@ -382,7 +382,7 @@ def dmmv_q8_pair(w: Buffer[u8], w2: Buffer[u8], xq: Buffer[u32], xd: Buffer[f32]
                  NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
     """y = W · x̂ and y2 = W2 · x̂: two projections of one Q8_1 input in one dispatch, each
     weight in its own type (a delta-net layer's q5_k qkv and q4_k gate z in a Q4_K_M file); a
-    dispatch beside others in its stage still costs 1–3 µs (docs/PERF.md). The first
+    dispatch beside others in its stage still costs 1–3 µs (docs/DESIGN.md). The first
     row_groups(m) workgroups make y, the rest y2; only the types built ahead are listed, others
     specialize on demand."""
     split = (m + ROWS * NSUB - 1) // (ROWS * NSUB)

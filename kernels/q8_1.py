@@ -11,7 +11,7 @@ Each is written once, by whoever finishes it, in f32 (for weights without an int
 as Q8_1, so no projection normalises or quantizes for itself: `norm_q8_1` for the residual
 stream (one small dispatch after each addition to it), except before a MoE block, where the
 router norms x itself as it reads it (moe.moe_router); the attention and delta-net kernels for
-their outputs. The SwiGLU output feeding the down projections stays f32 (see docs/PERF.md).
+their outputs. The SwiGLU output feeding the down projections stays f32 (why: below).
 
 Tried and dropped, on the H100: the residual norm in the last workgroup of the dispatch that adds
 to x (2048 workgroups serializing on one arrival counter: ~13 µs against ~5 µs for the extra

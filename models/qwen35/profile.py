@@ -41,7 +41,7 @@ def code_sizes(device, labels) -> dict[str, int]:
     """Machine-code bytes of each variant that `labels` ("<role>:<variant>") name, where the
     driver reports them. Between two uses of a kernel the weights streaming through L2 evict its
     code, so every dispatch fetches its code from memory again: about 0.3 µs per KB on the H100
-    (docs/PERF.md). Code per step is a cost the timings alone do not show."""
+    (docs/DESIGN.md). Code per step is a cost the timings alone do not show."""
     from zdsl.lang.kernel import REGISTRY
 
     if "pipeline_stats" not in device.info.features:

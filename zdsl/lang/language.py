@@ -259,7 +259,7 @@ def last_workgroup(counter: BufferParam, index=0, per_z: bool = False) -> Value:
     last workgroup puts it back to 0 for the next one. Call it in uniform control flow. The
     "last workgroup finishes" reduction: a dependent step without a second dispatch. Every
     workgroup pays a fence and an atomic on one address, so it suits dispatches of a few hundred
-    workgroups (the MoE router); with thousands, a second dispatch is cheaper (docs/PERF.md)."""
+    workgroups (the MoE router); with thousands, a second dispatch is cheaper (docs/DESIGN.md)."""
     if not isinstance(counter, BufferParam) or counter.dtype.name != "u32":
         raise fail("zdsl.last_workgroup counts arrivals in a Buffer[u32]")
     groups = num_workgroups(0) * num_workgroups(1) * (1 if per_z else num_workgroups(2))
