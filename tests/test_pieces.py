@@ -8,6 +8,7 @@ included, with barriers between dependent dispatches as before.
 """
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ from zdsl.runtime.physical import lowered_limits
 
 PIECE = 64 << 10
 ALIGN = 16  # slices start where a binding may (lavapipe's minStorageBufferOffsetAlignment)
+TEST_DEVICE = os.environ.get("ZDSL_TEST_DEVICE", "lavapipe")  # as tests/conftest.py's device
 
 
 def _bytes(rng, n: int) -> np.ndarray:
@@ -59,14 +61,14 @@ def test_device_limits_are_read(text, limits):
 def test_a_bad_device_limits_value_is_one_line(text, monkeypatch):
     monkeypatch.setenv("ZDSL_DEVICE_LIMITS", text)
     with pytest.raises(ZdslError) as e:
-        open_device("lavapipe")
+        open_device(TEST_DEVICE)
     assert "\n" not in str(e.value)
     assert str(e.value).startswith(f"ZDSL_DEVICE_LIMITS={text!r}: write LIMIT=SIZE") and "binding=4MiB" in str(e.value)
 
 
 def test_a_limit_above_the_devices_own_changes_nothing(device, monkeypatch):
     monkeypatch.setenv("ZDSL_DEVICE_LIMITS", "binding=1024GiB")
-    with open_device("lavapipe") as dev:
+    with open_device(TEST_DEVICE) as dev:
         assert dev.info.max_storage_buffer_range == device.info.max_storage_buffer_range
 
 
@@ -308,7 +310,7 @@ def test_pieced_twins_leave_the_variants_glsl_alone():
 
 def test_a_device_without_nonuniform_indexing_says_so(monkeypatch):
     monkeypatch.setenv("ZDSL_DEVICE_LIMITS", "binding=64KiB")
-    with open_device("lavapipe") as dev:
+    with open_device(TEST_DEVICE) as dev:
         monkeypatch.setattr(dev, "info", dataclasses.replace(dev.info, features=dev.info.features - {"pieced_buffers"}))
         n = PIECE // 2
         with pytest.raises(MissingFeatureError) as e:
