@@ -92,6 +92,16 @@ def open_device(selector: str | int | None = None) -> "Device":
     return Device(instance, chosen)
 
 
+def _block_jobs(buf, offset: int, file_offset: int, n: int) -> list[tuple]:
+    """An upload job (buffer, offset in it, file offset, bytes) as (block, offset in it, file
+    offset, bytes), one a piece it touches."""
+    out = []
+    for piece, start, m in buf.spans(offset, n):
+        out.append((piece.block, piece.offset + start, file_offset, m))
+        file_offset += m
+    return out
+
+
 def _pick_type(phys: Physical, want: int, rank) -> int:
     """The memory type with all `want` flags that ranks highest by rank(flags, heap size)."""
     types = phys.memory_types
@@ -117,8 +127,8 @@ class Device:
         self._procs: dict[str, object] = {}
         self._pipelines: dict[Pipeline, None] = {}
         self._sequences: dict[Sequence, None] = {}
-        self._set_layouts: dict[int, object] = {}
-        self._layouts: dict[tuple[int, int], object] = {}
+        self._set_layouts: dict[tuple, object] = {}
+        self._layouts: dict[tuple, object] = {}
         self._arenas: dict[str, memory.Arena] = {}
         self._staging = None
         self._placeholder = None
@@ -212,24 +222,60 @@ class Device:
             self._arenas[kind] = arena
         return arena
 
-    def alloc(self, nbytes: int, name: str = "") -> memory.Buffer:
-        """Device-local memory, sub-allocated from large blocks (contents undefined)."""
+    def alloc(self, nbytes: int, name: str = "") -> memory.Buffer | memory.PiecedBuffer:
+        """Device-local memory, sub-allocated from large blocks (contents undefined); more than one
+        descriptor binds comes in pieces."""
         if not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
             raise ZdslError(f"alloc({nbytes!r}) for {name or 'a buffer'}: size must be a non-negative integer")
-        arena = self._arena("device")
-        block, offset, size = arena.alloc(int(nbytes), name)
-        return memory.Buffer(self, block, offset, int(nbytes), name, arena, size)
+        arena, nbytes = self._arena("device"), int(nbytes)
+        parts = self._parts(name, nbytes, self._piece(arena))
+        if len(parts) == 1:
+            return self._buffer(arena, nbytes, name)
+        arena.check_heap(nbytes, name)
+        pieces: list[memory.Buffer] = []
+        try:
+            for part, n in parts:
+                pieces.append(self._buffer(arena, n, part))
+        except BaseException:
+            for p in pieces:
+                p.free()
+            raise
+        return memory.PiecedBuffer(pieces, self._piece(arena), nbytes, name)
 
-    def alloc_many(self, requests: list[tuple[str, int]]) -> list[memory.Buffer]:
+    def _buffer(self, arena: memory.Arena, nbytes: int, name: str) -> memory.Buffer:
+        block, offset, size = arena.alloc(nbytes, name)
+        return memory.Buffer(self, block, offset, nbytes, name, arena, size)
+
+    def _piece(self, arena: memory.Arena) -> int:
+        """The size of the pieces of a buffer larger than one descriptor binds."""
+        return memory.piece_size(self.info.max_storage_buffer_range, arena.largest)
+
+    @staticmethod
+    def _parts(name: str, nbytes: int, piece: int) -> list[tuple[str, int]]:
+        """(name, bytes) of what a request takes: itself, or its pieces."""
+        if nbytes <= piece:
+            return [(name, nbytes)]
+        return [(f"{name}#{i}", n) for i, n in enumerate(memory.cut(nbytes, piece))]
+
+    def alloc_many(self, requests: list[tuple[str, int]]) -> list[memory.Buffer | memory.PiecedBuffer]:
         """Device-local buffers for (name, nbytes) requests known together (a model's weights,
-        caches and activations), packed into blocks of exactly the bytes they hold."""
+        caches and activations), packed into blocks of exactly the bytes they hold; the pieces of
+        one larger than a descriptor binds are packed like the rest."""
         for name, nbytes in requests:
             if not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
                 raise ZdslError(f"alloc_many: {name or 'a buffer'} of {nbytes!r} bytes; sizes are non-negative integers")
         arena = self._arena("device")
-        placed = arena.alloc_many([(int(n), name) for name, n in requests])
-        return [memory.Buffer(self, block, offset, int(n), name, arena, size)
-                for (name, n), (block, offset, size) in zip(requests, placed)]
+        piece = self._piece(arena)
+        parts = [self._parts(name, int(n), piece) for name, n in requests]
+        placed = iter(arena.alloc_many([(n, part) for request in parts for part, n in request]))
+        out = []
+        for (name, nbytes), request in zip(requests, parts):
+            bufs = []
+            for part, n in request:
+                block, offset, size = next(placed)
+                bufs.append(memory.Buffer(self, block, offset, n, part, arena, size))
+            out.append(bufs[0] if len(bufs) == 1 else memory.PiecedBuffer(bufs, piece, int(nbytes), name))
+        return out
 
     def upload_file(self, path, jobs, progress=None) -> None:
         """Copy file ranges into buffers: jobs are (Buffer, offset in it, offset in the file,
@@ -239,7 +285,7 @@ class Device:
 
         for buf, offset, _, n in jobs:
             buf._check(offset, n, "upload")
-        jobs = [(buf.block, buf.offset + offset, file_offset, n) for buf, offset, file_offset, n in jobs if n]
+        jobs = [job for buf, offset, at, n in jobs if n for job in _block_jobs(buf, offset, at, n)]
         fd = os.open(path, os.O_RDONLY)
         try:
             with ThreadPoolExecutor(memory.READ_THREADS, thread_name_prefix="zdsl-read") as pool:
@@ -338,46 +384,50 @@ class Device:
 
     def pipeline(self, spirv: bytes, *, bindings, push_size: int = 0, spec=None, subgroup_size: int | None = None,
                  name: str = "kernel", statistics: bool = False, isa: bool = False,
-                 grid_ids: tuple[int, int, int] | None = None) -> Pipeline:
+                 grid_ids: tuple[int, int, int] | None = None, arrays: tuple[int, ...] | None = None) -> Pipeline:
+        """`bindings`: the access of each descriptor; `arrays`: how many of them each binding
+        holds (an array of a pieced buffer's pieces), one each by default."""
         self._check_open()
         with self.lock:
             pipe = pipeline.create(self, spirv, bindings=bindings, push_size=push_size, spec=spec,
                                    subgroup_size=subgroup_size, name=name, statistics=statistics, isa=isa,
-                                   grid_ids=grid_ids)
+                                   grid_ids=grid_ids, arrays=arrays)
             self._pipelines[pipe] = None
             self._cache_dirty = True
         return pipe
 
-    def _set_layout(self, n: int):
+    def _set_layout(self, arrays: tuple[int, ...], pushed: bool):
+        """The set layout of bindings holding `arrays` descriptors each, pushed or allocated."""
         with self.lock:  # a Recorder's thread asks too
-            layout = self._set_layouts.get(n)
+            layout = self._set_layouts.get((arrays, pushed))
             if layout is None:
                 keep = Keep()
                 info = keep.struct(
                     "VkDescriptorSetLayoutCreateInfo", sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO,
-                    flags=vk.VK_DESCRIPTOR_SET_LAYOUT_CREATE_PUSH_DESCRIPTOR_BIT_KHR if self._push_descriptors else 0,
-                    bindingCount=n,
+                    flags=vk.VK_DESCRIPTOR_SET_LAYOUT_CREATE_PUSH_DESCRIPTOR_BIT_KHR if pushed else 0,
+                    bindingCount=len(arrays),
                     pBindings=[{"binding": i, "descriptorType": vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
-                                "descriptorCount": 1, "stageFlags": vk.VK_SHADER_STAGE_COMPUTE_BIT} for i in range(n)])
+                                "descriptorCount": n, "stageFlags": vk.VK_SHADER_STAGE_COMPUTE_BIT}
+                               for i, n in enumerate(arrays)])
                 out = keep.new("VkDescriptorSetLayout *")
                 vk.check(lib.vkCreateDescriptorSetLayout(self._dev, info, ffi.NULL, out), "vkCreateDescriptorSetLayout")
-                layout = self._set_layouts[n] = out[0]
+                layout = self._set_layouts[(arrays, pushed)] = out[0]
             return layout
 
-    def _pipeline_layout(self, n: int, push_size: int):
+    def _pipeline_layout(self, arrays: tuple[int, ...], pushed: bool, push_size: int):
         with self.lock:
-            layout = self._layouts.get((n, push_size))
+            layout = self._layouts.get((arrays, pushed, push_size))
             if layout is None:
                 keep = Keep()
                 ranges = ([{"stageFlags": vk.VK_SHADER_STAGE_COMPUTE_BIT, "offset": 0, "size": push_size}]
                           if push_size else [])
                 info = keep.struct("VkPipelineLayoutCreateInfo",
                                    sType=vk.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO,
-                                   setLayoutCount=1, pSetLayouts=[self._set_layout(n)],
+                                   setLayoutCount=1, pSetLayouts=[self._set_layout(arrays, pushed)],
                                    pushConstantRangeCount=len(ranges), pPushConstantRanges=ranges or None)
                 out = keep.new("VkPipelineLayout *")
                 vk.check(lib.vkCreatePipelineLayout(self._dev, info, ffi.NULL, out), "vkCreatePipelineLayout")
-                layout = self._layouts[(n, push_size)] = out[0]
+                layout = self._layouts[(arrays, pushed, push_size)] = out[0]
             return layout
 
     def _ext(self, name: str):

@@ -168,11 +168,14 @@ class Arena:
                 f"(heap {self.heap}: {fmt_bytes(self.heap_size)}, {fmt_bytes(self.reserved)} already reserved"
                 f" by zdsl{why})")
 
+    def check_heap(self, nbytes: int, name: str) -> None:
+        """Refuse what the heap cannot hold at all (before a pieced request takes what it can)."""
+        if nbytes > self.heap_size:
+            raise OutOfMemoryError(f"out of {self.label} memory {self._oom(nbytes, name)}")
+
     def _new_block(self, size: int, dedicated: bool, nbytes: int, name: str) -> Block:
-        phys = self.device._phys
-        if size > self.heap_size or size > phys.max_buffer_size:
-            limit = (f"; the largest buffer it allows is {fmt_bytes(phys.max_buffer_size)}"
-                     if size <= self.heap_size else "")
+        if size > self.heap_size or size > self.largest:
+            limit = f"; the largest buffer it allows is {fmt_bytes(self.largest)}" if size <= self.heap_size else ""
             raise OutOfMemoryError(f"out of {self.label} memory {self._oom(nbytes, name, limit)}")
         dev, keep = self.device._dev, Keep()
         info = keep.struct("VkBufferCreateInfo", sType=vk.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, size=size,
@@ -228,20 +231,17 @@ def _bytes_of(array) -> memoryview:
     return memoryview(np.ascontiguousarray(array).reshape(-1)).cast("B")
 
 
-class Buffer:
-    """A sub-allocation (block, offset, nbytes) of device memory, or a slice of one."""
+class _Memory:
+    """What a Buffer and a PiecedBuffer share: bytes to and from the host, moved span by span
+    (a Buffer is one span; a PiecedBuffer one a piece it touches)."""
 
-    __slots__ = ("nbytes", "name", "device", "block", "offset", "_arena", "_size")
-
-    def __init__(self, device, block: Block, offset: int, nbytes: int, name: str, arena=None, size: int = 0):
-        self.device, self.block, self.offset, self.nbytes, self.name = device, block, offset, nbytes, name
-        self._arena, self._size = arena, size
+    __slots__ = ()
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name or 'unnamed'} {fmt_bytes(self.nbytes)}>"
 
     def _check(self, offset: int, nbytes: int, what: str) -> None:
-        if self.block is None:
+        if self._freed:
             raise ZdslError(f"{what} of freed buffer {self.name or '(unnamed)'}")
         if self.device._closed:
             raise ZdslError(f"{what} of buffer {self.name or '(unnamed)'} after its device was closed")
@@ -252,7 +252,10 @@ class Buffer:
     def write(self, array, offset: int = 0) -> None:
         data = _bytes_of(array)
         self._check(offset, len(data), "write")
-        self.device._write(self.block, self.offset + offset, data)
+        at = 0
+        for buf, start, n in self.spans(offset, len(data)):
+            self.device._write(buf.block, buf.offset + start, data[at:at + n])
+            at += n
 
     def read(self, dtype=np.float32, shape=None, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
         dtype = np.dtype(dtype)
@@ -261,15 +264,41 @@ class Buffer:
                       else (self.nbytes - offset) // dtype.itemsize * dtype.itemsize)
         self._check(offset, nbytes, "read")
         out = np.empty(nbytes, np.uint8)
-        self.device._read(self.block, self.offset + offset, memoryview(out))
+        at = 0
+        for buf, start, n in self.spans(offset, nbytes):
+            self.device._read(buf.block, buf.offset + start, memoryview(out)[at:at + n])
+            at += n
         out = out.view(dtype)
         return out if shape is None else out.reshape(shape)
 
+    def _aligned(self, at: int, offset: int) -> None:
+        """A slice `at` bytes past the start of its block (or piece) can be bound there."""
+        align = self.device._phys.min_storage_offset_alignment
+        if at % align:
+            raise ZdslError(f"slice of {self.name or 'buffer'} at offset {offset} is not aligned to "
+                            f"{align} bytes, so it cannot be bound")
+
+
+class Buffer(_Memory):
+    """A sub-allocation (block, offset, nbytes) of device memory, or a slice of one."""
+
+    __slots__ = ("nbytes", "name", "device", "block", "offset", "_arena", "_size")
+
+    def __init__(self, device, block: Block, offset: int, nbytes: int, name: str, arena=None, size: int = 0):
+        self.device, self.block, self.offset, self.nbytes, self.name = device, block, offset, nbytes, name
+        self._arena, self._size = arena, size
+
+    @property
+    def _freed(self) -> bool:
+        return self.block is None
+
+    def spans(self, offset: int, nbytes: int) -> list[tuple["Buffer", int, int]]:
+        """(buffer, offset in it, bytes) covering bytes [offset, offset + nbytes): here, one."""
+        return [(self, offset, nbytes)]
+
     def slice(self, offset: int, nbytes: int) -> "Buffer":
         self._check(offset, nbytes, "slice")
-        if (self.offset + offset) % self.device._phys.min_storage_offset_alignment:
-            raise ZdslError(f"slice of {self.name or 'buffer'} at offset {offset} is not aligned to "
-                            f"{self.device._phys.min_storage_offset_alignment} bytes, so it cannot be bound")
+        self._aligned(self.offset + offset, offset)
         view = type(self).__new__(type(self))
         Buffer.__init__(view, self.device, self.block, self.offset + offset, nbytes, f"{self.name}[{offset}:+{nbytes}]")
         return view
@@ -281,6 +310,76 @@ class Buffer:
         if not self.device._closed:
             self._arena.release(self.block, self.offset, self._size)
         self._arena, self.block = None, None
+
+
+class PiecedBuffer(_Memory):
+    """A buffer larger than the device binds in one descriptor (or allocates at once): ordinary
+    Buffers ("pieces") of `piece` bytes each, the last maybe shorter. `piece` is a power of two,
+    so a kernel finds an element's piece with a shift and its place there with a mask (kernels
+    bind it as an array of descriptors: zdsl/lang/glsl.py). Outside a dispatch it is one buffer:
+    reads, writes, slices, copies and fills span the pieces. A slice across a seam keeps the
+    whole pieces it touches and `start`, the byte where it begins in the first."""
+
+    __slots__ = ("device", "pieces", "piece", "start", "nbytes", "name", "_owner")
+
+    def __init__(self, pieces: list[Buffer], piece: int, nbytes: int, name: str, start: int = 0, owner: bool = True):
+        self.device, self.pieces, self.piece, self.start = pieces[0].device, pieces, piece, start
+        self.nbytes, self.name, self._owner = nbytes, name, owner
+
+    def __repr__(self) -> str:
+        return f"<PiecedBuffer {self.name or 'unnamed'} {fmt_bytes(self.nbytes)} in {len(self.pieces)} pieces>"
+
+    @property
+    def _freed(self) -> bool:
+        return any(p.block is None for p in self.pieces)
+
+    def spans(self, offset: int, nbytes: int) -> list[tuple[Buffer, int, int]]:
+        """(piece, offset in it, bytes) covering bytes [offset, offset + nbytes), one a piece."""
+        out, at, end = [], self.start + offset, self.start + offset + nbytes
+        while at < end:
+            i, start = divmod(at, self.piece)
+            n = min(self.piece - start, end - at)
+            out.append((self.pieces[i], start, n))
+            at += n
+        return out
+
+    def slice(self, offset: int, nbytes: int) -> "Buffer | PiecedBuffer":
+        """Bytes within one piece: a slice of that piece; across a seam: a view of the pieces."""
+        self._check(offset, nbytes, "slice")
+        at = self.start + offset
+        first = min(at // self.piece, len(self.pieces) - 1)
+        last = max(first, (at + nbytes - 1) // self.piece)
+        if first == last:
+            return self.pieces[first].slice(at - first * self.piece, nbytes)
+        self._aligned(at, offset)
+        return PiecedBuffer(self.pieces[first:last + 1], self.piece, nbytes, f"{self.name}[{offset}:+{nbytes}]",
+                            at - first * self.piece, owner=False)
+
+    def bindings(self) -> list[Buffer]:
+        """The pieces as a kernel binds them: each from its start, where its indices count from,
+        the last up to this buffer's end (what it touches, for the barriers)."""
+        end = self.start + self.nbytes - (len(self.pieces) - 1) * self.piece
+        return self.pieces[:-1] + [self.pieces[-1].slice(0, end)]
+
+    def free(self) -> None:
+        """Give every piece back to the arena (slices of it must not be used afterwards)."""
+        if not self._owner:
+            raise ZdslError(f"{self.name or 'buffer'} is a slice or already freed; free the buffer it came from")
+        for p in self.pieces:
+            p.free()
+        self._owner = False
+
+
+def cut(nbytes: int, piece: int) -> list[int]:
+    """The sizes of the pieces of a buffer of `nbytes`: `piece` each, the last the rest."""
+    return [min(piece, nbytes - at) for at in range(0, nbytes, piece)]
+
+
+def piece_size(binding: int, largest: int) -> int:
+    """The pieces' size on a device that binds `binding` bytes in one descriptor and allocates at
+    most `largest` at once: the largest power of two within both (a shift and a mask find an
+    element's place, and no naturally aligned element straddles a seam)."""
+    return 1 << (min(binding, largest).bit_length() - 1)
 
 
 class HostBuffer(Buffer):
@@ -306,8 +405,8 @@ class Staging:
     queue runs them before anything submitted later, which reads them after a barrier."""
 
     def __init__(self, device, arena: Arena, slots: int = 2, slot_size: int = STAGING_SIZE):
-        self.device, self.arena, self.size = device, arena, slot_size
-        self.block, self.offset, self._nbytes = arena.alloc(slots * slot_size, "staging")
+        self.device, self.arena, self.size = device, arena, min(slot_size, arena.largest // slots)
+        self.block, self.offset, self._nbytes = arena.alloc(slots * self.size, "staging")
         self._cbs = [device._command_buffer(device._pool) for _ in range(slots)]
         self._fences = [device._fence() for _ in range(slots)]
         self._pending = [False] * slots

@@ -8,14 +8,23 @@ memory types, the exact feature bits to enable).
 from __future__ import annotations
 
 import os
+import re
 import struct
 from dataclasses import dataclass, field
 
+from zdsl.errors import ZdslError
 from zdsl.runtime import vk
 from zdsl.runtime.vk import Keep, ffi, lib
 
 FEATURES = ("int8_dot", "fp16", "bf16", "int8_storage", "int16", "int64", "coopmat",
-            "subgroup_size_control", "pipeline_stats", "push_descriptors", "timestamps")
+            "subgroup_size_control", "pipeline_stats", "push_descriptors", "timestamps", "pieced_buffers")
+
+# Limits lowered for this process: lets lavapipe (128 MiB a binding) stand in for a device that
+# binds or allocates less, so that tests put tensors of the tiny models across piece seams.
+LIMITS_VAR = "ZDSL_DEVICE_LIMITS"
+LIMITS = ("binding", "allocation")   # maxStorageBufferRange, maxMemoryAllocationSize
+SMALLEST_LIMIT = 4 << 10
+_UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 VENDORS = {0x1002: "AMD", 0x10DE: "NVIDIA", 0x8086: "Intel", 0x10005: "Mesa", 0x13B5: "ARM",
            0x5143: "Qualcomm", 0x106B: "Apple", 0x1010: "ImgTec", 0x14E4: "Broadcom"}
@@ -52,7 +61,7 @@ _FEATURE_STRUCTS = (
     ("VkPhysicalDeviceVulkan12Features", vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES, (1, 2),
      ("storageBuffer8BitAccess", "uniformAndStorageBuffer8BitAccess", "storagePushConstant8",
       "shaderFloat16", "shaderInt8", "shaderSubgroupExtendedTypes", "vulkanMemoryModel",
-      "vulkanMemoryModelDeviceScope", "scalarBlockLayout")),
+      "vulkanMemoryModelDeviceScope", "scalarBlockLayout", "shaderStorageBufferArrayNonUniformIndexing")),
     ("VkPhysicalDeviceVulkan13Features", vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_3_FEATURES, (1, 3),
      ("subgroupSizeControl", "computeFullSubgroups", "shaderIntegerDotProduct", "maintenance4",
       "synchronization2")),
@@ -69,7 +78,7 @@ _FEATURE_STRUCTS = (
     (None, vk.STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_BFLOAT16_FEATURES_KHR, "VK_KHR_shader_bfloat16",
      ("shaderBFloat16Type", "shaderBFloat16DotProduct", "shaderBFloat16CooperativeMatrix")),
 )
-_CORE_FEATURES = ("shaderInt16", "shaderInt64")
+_CORE_FEATURES = ("shaderInt16", "shaderInt64", "shaderStorageBufferArrayDynamicIndexing")
 # Extensions enabled when present (the rest zdsl uses is core in Vulkan 1.3).
 EXTENSIONS = ("VK_KHR_push_descriptor", "VK_KHR_pipeline_executable_properties",
               "VK_KHR_cooperative_matrix", "VK_KHR_shader_bfloat16", "VK_EXT_memory_budget",
@@ -91,6 +100,8 @@ class Physical:
     timestamp_period: float
     min_storage_offset_alignment: int
     max_push_constants: int
+    max_push_descriptors: int                    # 0 without VK_KHR_push_descriptor
+    max_storage_buffers: int                     # descriptors of storage buffers a shader may bind
     max_group_count: tuple[int, int, int]
     max_buffer_size: int
     max_allocation_size: int
@@ -142,25 +153,50 @@ def device_extensions(phys: Physical) -> list[str]:
     return [e for e in EXTENSIONS if e in phys.extensions]
 
 
+def lowered_limits(text: str | None = None) -> dict[str, int]:
+    """$ZDSL_DEVICE_LIMITS (e.g. `binding=4MiB,allocation=4MiB`) as {limit: bytes}: what this
+    process takes the device to bind in one descriptor and allocate at once, where that is less
+    than the device says."""
+    text = os.environ.get(LIMITS_VAR, "") if text is None else text
+    if not text.strip():
+        return {}
+    out = {}
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*(\w+)\s*=\s*(\d+)\s*(B|KiB|MiB|GiB)?\s*", part)
+        size = int(m[2]) * _UNITS[m[3] or ""] if m else 0
+        if not m or m[1] not in LIMITS or size < SMALLEST_LIMIT:
+            raise ZdslError(f"{LIMITS_VAR}={text!r}: write LIMIT=SIZE[,LIMIT=SIZE] with LIMIT one of "
+                            f"{', '.join(LIMITS)} and SIZE at least 4KiB, e.g. binding=4MiB,allocation=4MiB")
+        out[m[1]] = size
+    return out
+
+
 def probe(handle, index: int) -> Physical:
     keep = Keep()
     base = keep.struct("VkPhysicalDeviceProperties2", sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2)
     lib.vkGetPhysicalDeviceProperties2(handle, base)
     api = base.properties.apiVersion
-    p11, p12, p13 = (keep.struct(f"VkPhysicalDeviceVulkan1{v}Properties",
-                                 sType=getattr(vk, f"VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_{v}_PROPERTIES"))
-                     for v in (1, 2, 3))
-    has12, has13 = api >= vk.make_version(1, 2), api >= vk.make_version(1, 3)
-    if has12:
-        base.pNext, p11.pNext = p11, p12
-        if has13:
-            p12.pNext = p13
-        lib.vkGetPhysicalDeviceProperties2(handle, base)
-    props, limits = base.properties, base.properties.limits
-
     extensions = frozenset(vk.string(e.extensionName) for e in
                            vk.enumerate_(lib.vkEnumerateDeviceExtensionProperties, handle, ffi.NULL,
                                          ctype="VkExtensionProperties"))
+    p11, p12, p13 = (keep.struct(f"VkPhysicalDeviceVulkan1{v}Properties",
+                                 sType=getattr(vk, f"VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_{v}_PROPERTIES"))
+                     for v in (1, 2, 3))
+    pushing = keep.struct("VkPhysicalDevicePushDescriptorPropertiesKHR",
+                          sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PUSH_DESCRIPTOR_PROPERTIES_KHR)
+    has12, has13 = api >= vk.make_version(1, 2), api >= vk.make_version(1, 3)
+    chain = [p11, p12] if has12 else []
+    chain += [p13] if has13 else []
+    chain += [pushing] if "VK_KHR_push_descriptor" in extensions else []
+    if chain:
+        for a, b in zip([base] + chain, chain):
+            a.pNext = b
+        lib.vkGetPhysicalDeviceProperties2(handle, base)
+    props, limits = base.properties, base.properties.limits
+    lowered = lowered_limits()
+
+    def lower(name: str, value: int) -> int:
+        return min(value, lowered.get(name, value))
     specs = [s for s in _FEATURE_STRUCTS if _wanted(s, api, extensions)]
     nodes = _chain(keep, specs)
     features2 = keep.struct("VkPhysicalDeviceFeatures2", sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2,
@@ -204,6 +240,9 @@ def probe(handle, index: int) -> Physical:
         "pipeline_stats": supported["pipelineExecutableInfo"],
         "push_descriptors": "VK_KHR_push_descriptor" in extensions,
         "timestamps": timestamp_bits > 0 and 0 < period < float("inf"),
+        # a buffer larger than one binding, bound as an array indexed per element
+        "pieced_buffers": supported["shaderStorageBufferArrayDynamicIndexing"]
+        and supported["shaderStorageBufferArrayNonUniformIndexing"],
     }
     name = vk.string(props.deviceName)
     driver_name = vk.string(p12.driverName) if has12 else ""
@@ -219,7 +258,7 @@ def probe(handle, index: int) -> Physical:
         max_subgroup_size=p13.maxSubgroupSize if sizes_controlled else subgroup,
         shared_memory=limits.maxComputeSharedMemorySize,
         max_workgroup_invocations=limits.maxComputeWorkGroupInvocations,
-        max_storage_buffer_range=limits.maxStorageBufferRange,
+        max_storage_buffer_range=lower("binding", limits.maxStorageBufferRange),
         heaps=heaps,
         features=frozenset(k for k, v in flags.items() if v),
         compile_only=driver_name == "radv" and "RADV_FORCE_FAMILY" in os.environ,
@@ -230,9 +269,11 @@ def probe(handle, index: int) -> Physical:
         supported=supported, queue_family=queue_family, timestamp_bits=timestamp_bits, timestamp_period=period,
         min_storage_offset_alignment=limits.minStorageBufferOffsetAlignment,
         max_push_constants=limits.maxPushConstantsSize,
+        max_push_descriptors=pushing.maxPushDescriptors if "VK_KHR_push_descriptor" in extensions else 0,
+        max_storage_buffers=limits.maxPerStageDescriptorStorageBuffers,
         max_group_count=tuple(limits.maxComputeWorkGroupCount),
         max_buffer_size=p13.maxBufferSize if has13 else limits.maxStorageBufferRange,
-        max_allocation_size=p11.maxMemoryAllocationSize if has12 else limits.maxStorageBufferRange,
+        max_allocation_size=lower("allocation", p11.maxMemoryAllocationSize if has12 else limits.maxStorageBufferRange),
         memory_types=memory_types, heap_sizes=[h for h, _ in heaps],
     )
 

@@ -2,9 +2,11 @@
 driver's own statistics (registers, spills, occupancy) and disassembly when it offers them, or
 (NVIDIA, which offers none) the machine code itself.
 
-Every storage buffer is one binding of set 0, in order; the access string of each binding
-("r", "w", "rw", or "-" for one the variant never touches) is what the Sequence uses to decide
-where barriers go.
+Every storage buffer is one binding of set 0, in order, and most bindings hold one descriptor;
+a pieced buffer's binding holds an array of them, one a piece (runtime/memory.py). The access
+string of each descriptor ("r", "w", "rw", or "-" for one the variant never touches) is what the
+Sequence uses to decide where barriers go. Descriptors are pushed where the driver can
+(VK_KHR_push_descriptor) and the pipeline has no more than it pushes at once, else allocated.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def pack_spec(spec: dict[int, int | float | bool]) -> tuple[list[dict], bytes]:
 
 class Pipeline:
     __slots__ = ("name", "bindings", "push_size", "subgroup_size", "statistics", "isa", "code", "workgroup",
-                 "device", "handle", "layout", "access", "grid_ids", "_make", "_folded")
+                 "device", "handle", "layout", "access", "grid_ids", "arrays", "pushed", "_make", "_folded")
 
     def __repr__(self) -> str:
         wave = f" subgroup {self.subgroup_size}" if self.subgroup_size else ""
@@ -118,14 +120,17 @@ class Pipeline:
 
 
 def create(device, spirv: bytes, *, bindings, push_size: int, spec, subgroup_size: int | None, name: str,
-           statistics: bool, isa: bool, grid_ids: tuple[int, int, int] | None = None) -> Pipeline:
+           statistics: bool, isa: bool, grid_ids: tuple[int, int, int] | None = None,
+           arrays: tuple[int, ...] | None = None) -> Pipeline:
     """`grid_ids`: the specialization constants through which the shader reads a folded grid
-    (None: it cannot run one)."""
+    (None: it cannot run one); `arrays`: the descriptors each binding holds (None: one each)."""
     phys, info = device._phys, device.info
     bindings = tuple(bindings)
     for b in bindings:
         if b not in ACCESS:
             raise ZdslError(f"pipeline {name}: binding access {b!r} must be 'r', 'w', 'rw' or '-'")
+    arrays = tuple(arrays) if arrays is not None else (1,) * len(bindings)
+    _check_arrays(device, name, bindings, arrays)
     if push_size % 4 or push_size < 0 or push_size > phys.max_push_constants:
         raise ZdslError(f"pipeline {name}: push_size {push_size} must be a multiple of 4 and at most "
                         f"{phys.max_push_constants} on {info.name}")
@@ -167,7 +172,8 @@ def create(device, spirv: bytes, *, bindings, push_size: int, spec, subgroup_siz
     vk.check(lib.vkCreateShaderModule(dev, module_info, ffi.NULL, module), "vkCreateShaderModule",
              f"for pipeline {name}")
     stage["module"] = module[0]
-    layout = device._pipeline_layout(len(bindings), push_size)
+    pushed = device._push_descriptors and len(bindings) <= phys.max_push_descriptors
+    layout = device._pipeline_layout(arrays, pushed, push_size)
     create_info = keep.struct("VkComputePipelineCreateInfo", sType=vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO,
                               flags=flags, stage=stage, layout=layout, basePipelineIndex=-1)
     out = keep.new("VkPipeline *")
@@ -186,9 +192,10 @@ def create(device, spirv: bytes, *, bindings, push_size: int, spec, subgroup_siz
     pipe.name, pipe.bindings, pipe.push_size, pipe.subgroup_size = name, bindings, push_size, subgroup_size
     pipe.device, pipe.handle, pipe.layout, pipe.workgroup = device, out[0], layout, wg
     pipe.access = tuple(ACCESS[b] for b in bindings)
+    pipe.arrays, pipe.pushed = arrays, pushed
     pipe.grid_ids, pipe._folded = grid_ids, {}
     pipe._make = lambda grid: device.pipeline(spirv, bindings=bindings, push_size=push_size, spec={**spec, **grid},
-                                              subgroup_size=subgroup_size, name=name)
+                                              subgroup_size=subgroup_size, name=name, arrays=arrays)
     pipe.statistics = pipe.isa = pipe.code = None
     if capture:
         executable = _first_executable(device, out[0])
@@ -199,6 +206,20 @@ def create(device, spirv: bytes, *, bindings, push_size: int, spec, subgroup_siz
         if cache_data and pipe.statistics and "Binary Size" in pipe.statistics:
             pipe.code = nvidia_code.machine_code(cache_data, int(pipe.statistics["Binary Size"]))
     return pipe
+
+
+def _check_arrays(device, name: str, bindings: tuple, arrays: tuple) -> None:
+    """Descriptors that add up, and arrays of them (a pieced buffer's) only where the device
+    indexes them per element."""
+    info = device.info
+    if sum(arrays) != len(bindings) or min(arrays, default=1) < 1:
+        raise ZdslError(f"pipeline {name}: {len(bindings)} descriptors cannot fill bindings of {list(arrays)}")
+    if max(arrays, default=1) > 1 and "pieced_buffers" not in info.features:
+        raise MissingFeatureError(f"pipeline {name}: a buffer larger than {info.name} binds at once is bound in "
+                                  "pieces, which needs shaderStorageBufferArrayNonUniformIndexing; it lacks it")
+    if len(bindings) > device._phys.max_storage_buffers:
+        raise ZdslError(f"pipeline {name}: {len(bindings)} storage buffers, more than {info.name} binds in one "
+                        f"shader ({device._phys.max_storage_buffers}); its pieced buffers may be too large for it")
 
 
 def _own_cache(device):

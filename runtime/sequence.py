@@ -16,6 +16,7 @@ import numpy as np
 
 from zdsl.errors import MissingFeatureError, ZdslError
 from zdsl.runtime import vk
+from zdsl.runtime.memory import PiecedBuffer
 from zdsl.runtime.vk import COMPUTE, DEPENDENCY, INDIRECT, TO_HOST, TRANSFER, Keep, barrier, ffi, lib
 
 MAX_TIMESTAMPS = 16384
@@ -75,10 +76,12 @@ def fold(grid: tuple[int, int, int], limit: tuple[int, int, int]) -> tuple[int, 
     return nx, ny, nz
 
 
-def _range(buf) -> tuple:
+def _range(buf, offset: int = 0, nbytes: int | None = None) -> tuple:
+    """(block, first byte, end) of `nbytes` (all by default) at `offset` into a Buffer."""
     if buf.block is None:
         raise ZdslError(f"buffer {buf.name or '(unnamed)'} was freed")
-    return buf.block, buf.offset, buf.offset + buf.nbytes
+    lo = buf.offset + offset
+    return buf.block, lo, lo + (buf.nbytes - offset if nbytes is None else nbytes)
 
 
 class Sequence:
@@ -165,24 +168,31 @@ class Sequence:
 
     def copy(self, src, dst, nbytes: int | None = None, dst_offset: int = 0) -> None:
         """nbytes (all of src by default) from the start of src to dst_offset bytes into dst (a
-        copy, unlike a binding, may start anywhere)."""
+        copy, unlike a binding, may start anywhere); one region a pair of pieces where either is
+        pieced."""
         n = src.nbytes if nbytes is None else nbytes
         if n > src.nbytes or dst_offset + n > dst.nbytes:
             raise ZdslError(f"copy of {n} bytes from {src.name or 'a buffer'} ({src.nbytes} bytes) to "
                             f"{dst.name or 'a buffer'} ({dst.nbytes} bytes) at {dst_offset} does not fit")
-        s, d = _range(src), _range(dst)
-        at = d[1] + dst_offset
-        self._order(((s[0], s[1], s[1] + n),), ((d[0], at, at + n),), TRANSFER)
-        self._region.srcOffset, self._region.dstOffset, self._region.size = s[1], at, n
-        lib.vkCmdCopyBuffer(self.cb, s[0].buffer, d[0].buffer, 1, self._region)
+        regions, done = [], 0
+        for src_piece, at, m in src.spans(0, n):
+            for dst_piece, dst_at, k in dst.spans(dst_offset + done, m):
+                regions.append((_range(src_piece, at, k), _range(dst_piece, dst_at, k)))
+                at += k
+            done += m
+        self._order([r for r, _ in regions], [w for _, w in regions], TRANSFER)
+        for (src_block, lo, hi), (dst_block, dst_lo, _) in regions:
+            self._region.srcOffset, self._region.dstOffset, self._region.size = lo, dst_lo, hi - lo
+            lib.vkCmdCopyBuffer(self.cb, src_block.buffer, dst_block.buffer, 1, self._region)
         self._done(f"copy {src.name} -> {dst.name}")
 
     def fill(self, dst, value: int = 0) -> None:
         if dst.nbytes % 4:
             raise ZdslError(f"fill of {dst.name or 'a buffer'}: {dst.nbytes} bytes is not a whole number of u32")
-        d = _range(dst)
-        self._order((), (d,), TRANSFER)
-        lib.vkCmdFillBuffer(self.cb, d[0].buffer, d[1], dst.nbytes, value & 0xFFFFFFFF)
+        ranges = [_range(d, at, n) for d, at, n in dst.spans(0, dst.nbytes)]
+        self._order((), ranges, TRANSFER)
+        for block, lo, hi in ranges:
+            lib.vkCmdFillBuffer(self.cb, block.buffer, lo, hi - lo, value & 0xFFFFFFFF)
         self._done(f"fill {dst.name}")
 
     @contextmanager
@@ -233,10 +243,13 @@ class Sequence:
         reads, writes = list(extra_reads), []
         max_range = self.device.info.max_storage_buffer_range
         for buf, (r, w) in zip(buffers, pipe.access):
-            rng = _range(buf)
+            if isinstance(buf, PiecedBuffer):
+                raise ZdslError(f"dispatch of {pipe.name}: buffer {buf.name or '(unnamed)'} is in pieces: dispatch "
+                                "a kernel variant (Variant.dispatch), which binds them")
             if not 0 < buf.nbytes <= max_range:
                 raise ZdslError(f"dispatch of {pipe.name}: buffer {buf.name or '(unnamed)'} of {buf.nbytes} bytes "
                                 f"cannot be bound (1..{max_range} bytes): bind slices")
+            rng = _range(buf)
             if r:
                 reads.append(rng)
             if w:
@@ -256,18 +269,19 @@ class Sequence:
                 info.buffer, info.offset, info.range = buf.block.buffer, buf.offset, buf.nbytes
             write = self._write
             write.descriptorCount, write.pBufferInfo = n, infos
-            if self._push_set is not None:
+            if pipe.pushed:
                 self._push_set(cb, _COMPUTE, pipe.layout, 0, 1, write)
             else:
-                write.dstSet = self._allocate_set(n)
+                write.dstSet = self._allocate_set(pipe)
                 lib.vkUpdateDescriptorSets(self._dev, 1, write, 0, ffi.NULL)
                 lib.vkCmdBindDescriptorSets(cb, _COMPUTE, pipe.layout, 0, 1, self._set, 0, ffi.NULL)
         if push:
             lib.vkCmdPushConstants(cb, pipe.layout, _STAGE_COMPUTE, 0, len(push), ffi.from_buffer(push))
 
-    def _allocate_set(self, n: int):
-        """A descriptor set for `n` bindings from this sequence's pools (no push descriptors)."""
-        keep = Keep()
+    def _allocate_set(self, pipe):
+        """A descriptor set for the pipeline's bindings from this sequence's pools (where its
+        descriptors are not pushed)."""
+        keep, n = Keep(), len(pipe.bindings)
         sets, descriptors = self._room
         if sets < 1 or descriptors < n:
             sets, descriptors = 256, 256 * max(n, 8)
@@ -280,7 +294,7 @@ class Sequence:
         self._room = (sets - 1, descriptors - n)
         info = keep.struct("VkDescriptorSetAllocateInfo", sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_ALLOCATE_INFO,
                            descriptorPool=self._pools[-1], descriptorSetCount=1,
-                           pSetLayouts=[self.device._set_layout(n)])
+                           pSetLayouts=[self.device._set_layout(pipe.arrays, False)])
         vk.check(lib.vkAllocateDescriptorSets(self._dev, info, self._set), "vkAllocateDescriptorSets")
         return self._set[0]
 

@@ -28,6 +28,20 @@ def device():
     dev.close()
 
 
+@pytest.fixture(scope="session")
+def pieced_device():
+    """The same device told it binds 64 KiB at once (ZDSL_DEVICE_LIMITS), so that a buffer past
+    that comes in pieces: the tiny models' output heads, token embeddings and expert stacks among
+    them, and any kernel reading one reads across seams."""
+    from zdsl.runtime import open_device
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("ZDSL_DEVICE_LIMITS", "binding=64KiB,allocation=256KiB")
+        dev = open_device(os.environ.get("ZDSL_TEST_DEVICE", "lavapipe"))
+    yield dev
+    dev.close()
+
+
 def pytest_collection_modifyitems(items):
     """Tests marked `early` first: the whole registry's build is the suite's longest test (minutes,
     on worker processes of its own), and under `--dist worksteal` (Makefile) the first of the

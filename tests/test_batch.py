@@ -23,6 +23,7 @@ from zdsl.models.qwen35.gguf_file import QuantType, open_model
 from zdsl.models.qwen35.graph import DecodeGraph
 from zdsl.models.qwen35.reference import ReferenceModel
 from zdsl.models.qwen35.sampler import SamplerConfig
+from zdsl.runtime.memory import PiecedBuffer
 
 from graph_testing import state_of
 
@@ -50,6 +51,13 @@ def model(request, tmp_path_factory):
 
 @pytest.fixture
 def graphs(model, device):
+    gs, prompts = three_sequences(model, device)
+    yield gs, prompts
+    for g in reversed(gs):
+        g.close()
+
+
+def three_sequences(model, device):
     """Three sequences on one copy of the weights, each fed its own prompt."""
     rng = np.random.default_rng(3)
     first = DecodeGraph(model, device, 64, SamplerConfig(temperature=0), progress=False, chunk=16, checkpoint=True)
@@ -59,9 +67,7 @@ def graphs(model, device):
     for g, prompt in zip(gs, prompts):
         g.reset()
         g.prefill(prompt)
-    yield gs, prompts
-    for g in reversed(gs):
-        g.close()
+    return gs, prompts
 
 
 def near(got, want, spread, what, bound=SAME):
@@ -69,7 +75,26 @@ def near(got, want, spread, what, bound=SAME):
 
 
 def test_a_batched_step_leaves_each_sequence_as_its_own_step(model, graphs):
-    gs, prompts = graphs
+    batched_steps_leave_each_sequence_as_its_own_step(model, *graphs)
+
+
+def test_tensors_in_pieces_batch_as_single_steps(pieced_device, tmp_path):
+    """On a device that binds 64 KiB at once (tests/conftest.py), where the weights, the batch's
+    logits rows and the sequences' caches come in pieces, bound to launches sent indirect."""
+    path = tmp_path / "model.gguf"
+    synth.write(path, "tiny", quant="q4_k_m", seed=7)
+    model = open_model(path)
+    gs, prompts = three_sequences(model, pieced_device)
+    try:
+        assert all(isinstance(gs[0].weights[name], PiecedBuffer) for name in ("output.weight", "token_embd.weight",
+                                                                              "blk.0.ffn_up_exps.weight"))
+        batched_steps_leave_each_sequence_as_its_own_step(model, gs, prompts)
+    finally:
+        for g in reversed(gs):
+            g.close()
+
+
+def batched_steps_leave_each_sequence_as_its_own_step(model, gs, prompts):
     batch = Batch(gs)
     ref = ReferenceModel(model, int8_activations=True)
     rng = np.random.default_rng(4)

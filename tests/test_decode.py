@@ -31,6 +31,7 @@ from zdsl.models.qwen35.gguf_file import QuantType, open_model
 from zdsl.models.qwen35.graph import DecodeGraph
 from zdsl.models.qwen35.reference import ReferenceModel
 from zdsl.models.qwen35.sampler import SamplerConfig
+from zdsl.runtime.memory import PiecedBuffer
 
 from graph_testing import router_ties
 
@@ -93,8 +94,22 @@ def test_per_tensor_mixes_decode_like_the_reference(preset, types, device, tmp_p
     decodes_like_the_reference(model, device)
 
 
-def decodes_like_the_reference(model, device):
+@pytest.mark.parametrize("preset", ["tiny", "tiny-dense"])
+def test_tensors_in_pieces_decode_like_the_reference(preset, pieced_device, tmp_path):
+    """On a device that binds 64 KiB at once (tests/conftest.py) the output head, the token
+    embedding, the experts' stacks (the dense FFN's matrices), the larger projections and
+    activations come in pieces, and the kernels reading them read across seams: the same bounds."""
+    path = tmp_path / f"{preset}.gguf"
+    synth.write(path, preset, quant="q4_k_m", seed=3)
+    ffn = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps") if preset == "tiny" else ("ffn_gate", "ffn_up", "ffn_down")
+    decodes_like_the_reference(open_model(path), pieced_device, pieced=("output.weight", "token_embd.weight",
+                                                                        *(f"blk.3.{m}.weight" for m in ffn)))
+
+
+def decodes_like_the_reference(model, device, pieced=()):
+    """`pieced`: weights that must come in pieces on `device`."""
     graph = DecodeGraph(model, device, POSITIONS + 1, SamplerConfig(temperature=0), progress=False)
+    assert all(isinstance(graph.weights[name], PiecedBuffer) for name in pieced)
     ref, exact = ReferenceModel(model, int8_activations=True), ReferenceModel(model)
     state, exact_state = ref.new_state(), exact.new_state()
     rng = np.random.default_rng(0)
@@ -196,6 +211,35 @@ def test_real_vocabulary_decodes_like_the_reference(real_vocab_model, device):
         errors.append(np.abs(got - expected).max() / expected.std())
         assert token == int(np.argmax(got)), f"position {pos}"
     assert np.median(errors) <= MEDIAN and max(errors) <= WORST
+    graph.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vocab", ["qwen3", "qwen35"])
+def test_an_f32_head_larger_than_a_binding_ingests_a_prompt_and_decodes(vocab, device, tmp_path):
+    """Real vocabularies at width 512 with an F32 output head: 296.8 MiB (151,936 rows) and 485.0
+    MiB (248,320), more than lavapipe's 128 MiB binding, so in pieces (3 and 4). A prompt (ids
+    past 65,535 and the last id among them) ingested in chunks, then greedy steps, against the
+    reference (the dense model: no router ties; seen: 0.6–3.2% of the logits' spread)."""
+    path = tmp_path / f"dense-{vocab}-f32-head.gguf"
+    synth.write(path, "tiny-dense", vocab=synth.REAL_VOCABS[vocab], hidden=512,
+                tensor_types={r"^output\.weight$": QuantType.F32}, seed=5)
+    model = open_model(path)
+    graph = DecodeGraph(model, device, 32, SamplerConfig(temperature=0), progress=False, chunk=16)
+    head = graph.weights["output.weight"]
+    assert head.nbytes == 4 * 512 * model.hparams.vocab > 128 << 20
+    assert isinstance(head, PiecedBuffer) or head.nbytes <= device.info.max_storage_buffer_range
+    ref = ReferenceModel(model, int8_activations=True)
+    state = ref.new_state()
+    prompt = [70_000, model.hparams.vocab - 1, *np.random.default_rng(0).integers(0, model.hparams.vocab, 18).tolist()]
+    graph.prefill(prompt[:-1])
+    token, expected = graph.decode(prompt[-1]), ref.forward(prompt, state)[-1]
+    for step in range(5):
+        if step:  # the greedy token fed back
+            token, expected = graph.decode(), ref.forward([token], state)[0]
+        got = graph.logits()
+        assert token == int(np.argmax(got)) == int(np.argmax(expected)), f"step {step}"
+        assert np.abs(got - expected).max() <= P95 * expected.std(), f"step {step}"
     graph.close()
 
 

@@ -86,15 +86,10 @@ def test_a_model_that_does_not_fit_is_refused_naming_a_context_that_does():
     assert "a quantized --kv-type holds more" in msg
     with pytest.raises(OutOfMemoryError, match="this model cannot run on it"):
         check_fits(specs_at, 4096, 18 * GIB, card)
+    # a tensor larger than one binding is not refused for its size (it is bound in pieces)
     lavapipe = SimpleNamespace(name="lavapipe", max_storage_buffer_range=128 * MIB)
-    with pytest.raises(ZdslError, match=r"token_embd.weight would be 272.8 MiB, more than the 128.0 MiB lavapipe "
-                                        r"binds in one buffer; this model cannot run on it"):
-        check_fits(specs_at, 4096, 1 << 50, lavapipe)
-    hp = synth.preset("small")
-    tensors = GraphWeights(hp, {name: (shape, qtype) for name, shape, qtype in synth.plan(hp)})
-    with pytest.raises(ZdslError, match=r"k_cache.3 would be 195.3 MiB, more than the 128.0 MiB lavapipe binds in "
-                                        r"one buffer; --ctx 131072 would fit"):
-        check_fits(lambda n: decode_buffers(hp, tensors, n, 1024), 200_000, 1 << 50, lavapipe)
+    assert max(s.nbytes for s in specs_at(4096)) > 128 * MIB
+    assert check_fits(specs_at, 4096, 1 << 50, lavapipe).total == Footprint(specs_at(4096)).total
 
 
 def test_the_caches_take_their_formats_bytes_and_the_longest_context_follows():

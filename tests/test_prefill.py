@@ -38,6 +38,7 @@ from zdsl.models.qwen35.gguf_file import QuantType, open_model
 from zdsl.models.qwen35.graph import DecodeGraph
 from zdsl.models.qwen35.reference import ReferenceModel
 from zdsl.models.qwen35.sampler import SamplerConfig
+from zdsl.runtime.memory import PiecedBuffer
 
 from graph_testing import router_ties, state_of
 
@@ -116,8 +117,25 @@ def assert_states_near(got, state, what: str) -> None:
 
 
 def test_prefill_leaves_what_decode_steps_leave(model, device):
-    prompts = REAL_VOCAB_PROMPTS if model.hparams.vocab in synth.REAL_VOCABS.values() else PROMPTS
+    prefill_leaves_what_decode_steps_leave(model, device)
+
+
+def test_tensors_in_pieces_prefill_as_decode_steps(pieced_device, tmp_path):
+    """On a device that binds 64 KiB at once (tests/conftest.py), where the output head, the token
+    embedding, the experts' stacks (each expert's matrix a slice of them, some across a seam) and
+    the chunk's rows come in pieces: the same bounds, for prompts of up to 70 tokens (two chunks)."""
+    path = tmp_path / "model.gguf"
+    synth.write(path, "tiny", quant="q4_k_m", seed=5)
+    prefill_leaves_what_decode_steps_leave(open_model(path), pieced_device, REAL_VOCAB_PROMPTS, pieced=(
+        "output.weight", "token_embd.weight", "blk.0.ffn_gate_exps.weight", "blk.0.ffn_down_exps.weight"))
+
+
+def prefill_leaves_what_decode_steps_leave(model, device, prompts=None, pieced=()):
+    """`prompts`: their lengths (by default, as the model's vocabulary says); `pieced`: weights
+    that must come in pieces on `device`."""
+    prompts = prompts or (REAL_VOCAB_PROMPTS if model.hparams.vocab in synth.REAL_VOCABS.values() else PROMPTS)
     g = DecodeGraph(model, device, max(prompts) + 8, SamplerConfig(temperature=0), progress=False, chunk=PROMPT_CHUNK)
+    assert all(isinstance(g.weights[name], PiecedBuffer) for name in pieced)
     ref = ReferenceModel(model, int8_activations=True)
     rng = np.random.default_rng(1)
     units = g.prefill_units

@@ -192,12 +192,7 @@ def check_fits(specs_at, n_ctx: int, available: int, info, what: str = "this mod
     `fewer()`: another way that fits, or None (e.g. fewer sequences)."""
 
     def problem(n: int) -> str | None:
-        specs = specs_at(n)
-        big = next((s for s in specs if s.nbytes > info.max_storage_buffer_range), None)
-        if big is not None:
-            return (f"{big.name} would be {fmt_bytes(big.nbytes)}, more than the "
-                    f"{fmt_bytes(info.max_storage_buffer_range)} {info.name} binds in one buffer")
-        need = Footprint(specs)
+        need = Footprint(specs_at(n))
         if need.total > available:
             return f"{what} at --ctx {n} needs {need.line()} but {info.name} has {fmt_bytes(available)} free"
         return None

@@ -37,11 +37,14 @@ def model():
                    "low-bit mixes keep the rest, the shared expert too, at Q8_0); others are uniform.")
 @click.option("--shared-ffn", type=int, default=None, metavar="N",
               help="The shared expert's width (default: the preset's, the routed experts' width).")
+@click.option("--hidden", type=int, default=None, metavar="N",
+              help="The hidden width (default: the preset's); with --vocab qwen35 and --tensor-type '^output=f32', "
+                   "--hidden 512 makes a 485 MiB head, more than many devices bind in one buffer.")
 @click.option("--tensor-type", "tensor_types", multiple=True, metavar="REGEX=TYPE",
               help="Give the matrices whose names match REGEX this type (as llama-quantize's --tensor-type; "
                    "repeatable, the first match wins), e.g. ffn_up_exps=q5_k.")
 @click.option("--seed", type=int, default=0, show_default=True)
-def synth(out, preset, layers, vocab, quant, shared_ffn, tensor_types, seed):
+def synth(out, preset, layers, vocab, quant, shared_ffn, hidden, tensor_types, seed):
     """Write a random-weight model with the real tensor names, shapes and types."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
@@ -51,8 +54,8 @@ def synth(out, preset, layers, vocab, quant, shared_ffn, tensor_types, seed):
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                   TimeRemainingColumn(), transient=True) as bar:
         task = bar.add_task(f"writing {out}", total=None)
-        hp = write(out, preset, layers=layers, vocab=_vocab_size(vocab), shared_ffn=shared_ffn, quant=quant,
-                   tensor_types=overrides, seed=seed,
+        hp = write(out, preset, layers=layers, vocab=_vocab_size(vocab), shared_ffn=shared_ffn, hidden=hidden,
+                   quant=quant, tensor_types=overrides, seed=seed,
                    progress=lambda done, total: bar.update(task, completed=done, total=total))
     click.echo(f"wrote {out}: {hp.arch} preset {preset}, {hp.n_layers} layers, hidden {hp.hidden}, "
                f"vocab {hp.vocab}, {quant}")

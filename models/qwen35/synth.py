@@ -102,11 +102,13 @@ CHAT_TEMPLATE = """\
 REAL_VOCABS = {"qwen35": 248320, "qwen3": 151936}
 
 
-def preset(name: str, layers: int | None = None, vocab: int | None = None, shared_ffn: int | None = None) -> Hparams:
+def preset(name: str, layers: int | None = None, vocab: int | None = None, shared_ffn: int | None = None,
+           hidden: int | None = None) -> Hparams:
     """A preset's hyperparameters, with layer kinds filled in (every 4th layer is attention) and
     optionally another vocabulary size (real ones have more output rows than many devices launch
-    workgroups along one axis) or another shared-expert width (some files' is wider than the
-    routed experts')."""
+    workgroups along one axis), another shared-expert width (some files' is wider than the
+    routed experts') or another hidden width (with a real vocabulary, an F32 head larger than
+    many devices bind in one buffer)."""
     if name not in PRESETS:
         raise ModelError(f"unknown preset '{name}'; choose one of {', '.join(PRESETS)}")
     hp = PRESETS[name]
@@ -119,9 +121,12 @@ def preset(name: str, layers: int | None = None, vocab: int | None = None, share
         raise ModelError(f"--shared-ffn: preset '{name}' is dense; it has no shared expert")
     if shared_ffn is not None and shared_ffn < 1:
         raise ModelError(f"--shared-ffn must be at least 1, got {shared_ffn}")
+    if hidden is not None and (hidden < 32 or hidden % 32):
+        raise ModelError(f"--hidden must be a positive multiple of 32 (zdsl's Q8_1 activations), got {hidden}")
     return replace(hp, n_layers=n, attention=tuple((i + 1) % FULL_ATTENTION_INTERVAL == 0 for i in range(n)),
                    vocab=hp.vocab if vocab is None else vocab,
-                   shared_ffn=hp.shared_ffn if shared_ffn is None else shared_ffn)
+                   shared_ffn=hp.shared_ffn if shared_ffn is None else shared_ffn,
+                   hidden=hp.hidden if hidden is None else hidden)
 
 
 DENSE_FFN = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
@@ -388,12 +393,12 @@ class PresetModel:
 
 
 def write(path: str | os.PathLike, preset_name: str = "tiny", *, layers: int | None = None,
-          vocab: int | None = None, shared_ffn: int | None = None, quant: str = "q4_k_m",
+          vocab: int | None = None, shared_ffn: int | None = None, hidden: int | None = None, quant: str = "q4_k_m",
           tensor_types: dict[str, QuantType] | None = None, seed: int = 0,
           progress: Callable[[int, int], None] | None = None) -> Hparams:
     """Write a synthetic model (`tensor_types`: plan's overrides); `progress(done_bytes,
     total_bytes)` is called after each tensor."""
-    hp = preset(preset_name, layers, vocab, shared_ffn)
+    hp = preset(preset_name, layers, vocab, shared_ffn, hidden)
     tensors = plan(hp, quant, tensor_types)
     path = Path(path)
     w = GGUFWriter(path, hp.arch)

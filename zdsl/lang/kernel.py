@@ -324,6 +324,8 @@ class lazy:
 class Variant:
     """One specialization of a kernel: Const values fixed in the code, Spec values in the pipeline."""
 
+    arrays = None  # descriptors a binding holds: one each (a Pieced twin binds arrays)
+
     def __init__(self, kdef: KernelDef, params: dict):
         self.kernel = kdef
         self.params = params
@@ -331,6 +333,7 @@ class Variant:
         self.consts = {k: v for k, v in params.items() if k not in spec_names}
         self.spec_values = {k: v for k, v in params.items() if k in spec_names}
         self._pipelines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._twins: dict[tuple, Pieced] = {}
 
     @property
     def label(self) -> str:
@@ -425,7 +428,8 @@ class Variant:
                 if lacking(pipe):
                     pipe = device.pipeline(spirv, bindings=self.bindings, push_size=self.push_size,
                                            spec=self.spec_constants(), subgroup_size=self.ir.subgroup_size,
-                                           name=self.label, statistics=statistics, isa=isa, grid_ids=GRID_SPEC_IDS)
+                                           name=self.label, statistics=statistics, isa=isa, grid_ids=GRID_SPEC_IDS,
+                                           arrays=self.arrays)
                     self._pipelines[device] = pipe
         return pipe
 
@@ -452,19 +456,36 @@ class Variant:
 
     def dispatch(self, seq, groups, *, label: str | None = None, **args) -> None:
         """Record this variant into a runtime Sequence; buffers are runtime Buffers. `label`
-        names the dispatch in timings (default: the variant's label)."""
+        names the dispatch in timings (default: the variant's label). Where a buffer comes in
+        pieces (larger than the device binds at once), the variant's Pieced twin runs."""
         buffers, scalars = self._split_args(args, lambda dtype: seq.device.placeholder)
-        seq.dispatch(self.pipeline(seq.device), _groups(groups), buffers, self.pack_push(scalars),
+        buffers = [seq.device.placeholder if acc == UNUSED and _pieced(b) else b
+                   for b, (_, _, acc) in zip(buffers, self.ir.buffers)]
+        variant, push = self, self.pack_push(scalars)
+        if any(_pieced(b) for b in buffers):
+            variant = self.pieced(tuple((len(b.pieces), b.piece) if _pieced(b) else None for b in buffers))
+            push += variant.starts(buffers)
+            buffers = [p for b in buffers for p in (b.bindings() if _pieced(b) else [b])]
+        seq.dispatch(variant.pipeline(seq.device), _groups(groups), buffers, push,
                      label=f"{label}:{self.label}" if label else self.label)
+
+    def pieced(self, layout: tuple) -> "Pieced":
+        """The twin that binds buffers in pieces as `layout` says: for each buffer, None or
+        (pieces, bytes a piece). Made once a layout."""
+        twin = self._twins.get(layout)
+        if twin is None:
+            twin = self._twins[layout] = Pieced(self, layout)
+        return twin
 
     def run(self, device, groups, **args) -> dict[str, np.ndarray]:
         """One-shot: upload numpy arrays, dispatch once, return the buffers the kernel writes."""
         arrays, scalars = self._split_args(args, _placeholder_array)
         self._check_arrays(arrays)
-        bufs = [device.upload(np.ascontiguousarray(a), name=n) for a, (n, _, _) in zip(arrays, self.ir.buffers)]
+        names = [n for n, _, _ in self.ir.buffers]
+        bufs = [device.upload(np.ascontiguousarray(a), name=n) for a, n in zip(arrays, names)]
         try:
             seq = device.sequence()
-            seq.dispatch(self.pipeline(device), _groups(groups), bufs, self.pack_push(scalars), label=self.label)
+            self.dispatch(seq, groups, **dict(zip(names, bufs)), **scalars)
             seq.run()
             return {n: b.read(np.asarray(a).dtype, np.shape(a))
                     for a, b, (n, _, acc) in zip(arrays, bufs, self.ir.buffers) if "w" in acc}
@@ -481,6 +502,61 @@ class Variant:
         work = {n: np.array(a, copy=True) for a, (n, _, _) in zip(arrays, self.ir.buffers)}
         interpret(self.ir, _groups(groups), work, self._with_unread(scalars), self.spec_values)
         return {n: work[n] for n, _, acc in self.ir.buffers if "w" in acc}
+
+
+class Pieced(Variant):
+    """A variant with some buffers bound in pieces, each piece a descriptor of an array the
+    shader indexes per element (zdsl/lang/glsl.py): the same IR and code otherwise, so the
+    variant without pieces keeps its exact GLSL. Where each such buffer starts in its first
+    piece follows the kernel's scalars as push constants, so slices of one buffer share a
+    pipeline."""
+
+    def __init__(self, base: Variant, layout: tuple):
+        super().__init__(base.kernel, base.params)
+        self.layout = layout
+        self.pieces = {name: p for (name, _, _), p in zip(base.ir.buffers, layout) if p}
+
+    @lazy
+    def _glsl(self):
+        from zdsl.lang.glsl import emit
+        return emit(self.ir, self.pieces)
+
+    @property
+    def label(self) -> str:
+        return f"{super().label}(pieced {','.join(self.pieces)})"
+
+    @property
+    def bindings(self) -> tuple[str, ...]:
+        return tuple(acc for (_, _, acc), p in zip(self.ir.buffers, self.layout) for _ in range(p[0] if p else 1))
+
+    @property
+    def arrays(self) -> tuple[int, ...]:
+        return tuple(p[0] if p else 1 for p in self.layout)
+
+    @property
+    def push_size(self) -> int:
+        return super().push_size + 4 * len(self.pieces)
+
+    def starts(self, buffers: list) -> bytes:
+        """The push constants after the kernel's: the byte where each pieced buffer starts in its
+        first piece, a whole number of the elements of every view the kernel reads it through."""
+        starts = []
+        for (name, _, _), buf in zip(self.ir.buffers, buffers):
+            if name not in self.pieces:
+                continue
+            for view in self.ir.views:
+                if view.buffer == name and buf.start % view.dtype.nbytes:
+                    raise ZdslError(f"{self.kernel.name}: {name} ({buf.name}) starts {buf.start} bytes into a piece, "
+                                    f"not a whole number of its {view.dtype!r} elements; slice it at a multiple of "
+                                    f"{view.dtype.nbytes} bytes")
+            starts.append(buf.start)
+        return struct.pack(f"<{len(starts)}I", *starts)
+
+
+def _pieced(buf) -> bool:
+    """Whether a runtime buffer comes in pieces (runtime/memory.py's PiecedBuffer, known here by
+    what binding one needs: `bindings()`, `pieces`, `piece` and `start`)."""
+    return hasattr(buf, "bindings")
 
 
 def _placeholder_array(dtype) -> np.ndarray:
