@@ -148,7 +148,7 @@ def database() -> Database:
 def choose(kernel, info, shape: dict, db: Database | None = None, **fixed):
     """The variant of `kernel` to run on device `info` for `shape`: the tuned entry if the
     database (`db`, or the shipped and user files) has one, else the kernel's defaults at the
-    device's subgroup size."""
+    device's subgroup size (on a CPU device, its `cpu` defaults: the variants that compile soonest)."""
     params = dict(fixed)
     if kernel.subgroup and kernel.subgroup not in params:
         params[kernel.subgroup] = info.subgroup_size
@@ -157,6 +157,8 @@ def choose(kernel, info, shape: dict, db: Database | None = None, **fixed):
         known = {p.name for p in kernel.params if p.kind in ("const", "spec")}
         # a parameter the kernel no longer has (an entry older than the kernel) is ignored
         params.update({k: v for k, v in entry.params.items() if k not in fixed and k in known})
+    elif info.device_type == "cpu":
+        params.update({k: v for k, v in kernel.cpu.items() if k not in fixed})
     return kernel.specialize(**accepted_params(kernel, params))
 
 

@@ -343,7 +343,8 @@ def _decode_traffic(v, s) -> int:
 
 @zdsl.kernel(workgroup=lambda v: v.NW * v.SG, subgroup="SG",
              variants={"D": [128, 256], "G": [2, 4, 8], "NW": [1, 4], "U": [2, 4], "SG": SUBGROUPS}, where=_decode_fits,
-             sizes=("nsplit", "ctx"), grid=lambda v, s: (s.nsplit, s.n_kv), traffic=_decode_traffic)
+             sizes=("nsplit", "ctx"), grid=lambda v, s: (s.nsplit, s.n_kv), traffic=_decode_traffic,
+             cpu=dict(NW=1, DEPTH=1))
 def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step: Buffer[u32], part: Buffer[f32],
                 n_kv: u32, min_chunk: u32, row: u32 = 0, G: Const = 8, D: Const = 256, NW: Const = 4, U: Const = 2,
                 KT: Const = "f16", VT: Const = "f16", DEPTH: Const = 2, SG: Const = 32):
@@ -645,7 +646,7 @@ def _prefill_traffic(v, s) -> int:
              variants={"D": [128, 256], "G": [2, 4, 8], "BT": [1, 2, 4], "NW": [1, 4], "U": [1, 2],
                        "Q8": [False, True], "SG": SUBGROUPS},
              where=_prefill_fits, key=("t",), sizes=("ctx",),
-             grid=lambda v, s: (-(-s.t // (v.NW * v.BT)), s.n_kv), traffic=_prefill_traffic)
+             grid=lambda v, s: (-(-s.t // (v.NW * v.BT)), s.n_kv), traffic=_prefill_traffic, cpu=dict(NW=1, U=1))
 def attn_prefill(q: Buffer[f32], qg: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step: Buffer[u32],
                  o: Buffer[f32], oq: Buffer[u32], od: Buffer[f32], n_kv: u32, t: u32, G: Const = 8,
                  D: Const = 256, BT: Const = 1, NW: Const = 4, U: Const = 2, Q8: Const = False, KT: Const = "f16",

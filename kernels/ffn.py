@@ -344,7 +344,8 @@ def _gate_up_grouped_traffic(v, s) -> int:
 # 4: each row group reads its expert's activation rows again, and that traffic, not the weights,
 # bounds them (shared-memory tiles are the next step).
 _GROUPED = dict(workgroup=workgroup, subgroup="SG", tune={"NSUB": NSUBS, "SPLIT": [1, 2, 4]},
-                key=("k", "m", "n_expert"), grid=lambda v, s: (row_groups(v, s.m), s.n_expert * v.SPLIT))
+                key=("k", "m", "n_expert"), grid=lambda v, s: (row_groups(v, s.m), s.n_expert * v.SPLIT),
+                cpu=dict(ROWS=1))
 
 
 @zdsl.kernel(variants={"QTYPE": EXPERT_QTYPES, "Q8": [False, True], "ROWS": [1, 2], "COLS": [4, 8], "SG": SUBGROUPS},

@@ -35,7 +35,7 @@ def _traffic(v, s) -> int:
 @zdsl.kernel(workgroup=dmmv.workgroup, subgroup="SG",
              variants={"QTYPE": QTYPES, "Q8": [False, True], "COLS": [4, 8], "ROWS": [1, 4], "SG": SUBGROUPS},
              tune={"NSUB": NSUBS}, where=_fits, key=("k", "m"),
-             grid=lambda v, s: (row_groups(v, s.m), -(-s.t // v.COLS)), traffic=_traffic)
+             grid=lambda v, s: (row_groups(v, s.m), -(-s.t // v.COLS)), traffic=_traffic, cpu=dict(COLS=4, ROWS=1))
 def mul_mm(w: Buffer[u8], x: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], y: Buffer[f32], k: u32, m: u32,
            t: u32, ADD: Spec[boolean] = False, QTYPE: Const = "q4_k", Q8: Const = False, COLS: Const = 8,
            ROWS: Const = 4, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):

@@ -54,7 +54,8 @@ class KernelDef:
 
     def __init__(self, fn: Callable, *, workgroup, subgroup: str | None, variants: dict | None,
                  where: Callable | None, name: str | None, register: bool, tune: dict | None = None,
-                 grid=1, key: tuple[str, ...] = (), sizes: tuple[str, ...] = (), traffic: Callable | None = None):
+                 grid=1, key: tuple[str, ...] = (), sizes: tuple[str, ...] = (), traffic: Callable | None = None,
+                 cpu: dict | None = None):
         self.fn = fn
         self.grid, self.key, self.sizes, self.traffic = grid, tuple(key), tuple(sizes), traffic
         self.name = name or fn.__name__
@@ -62,6 +63,7 @@ class KernelDef:
         self.subgroup = subgroup
         self.variant_space = {k: list(v) for k, v in (variants or {}).items()}
         self.tune = {k: list(v) for k, v in (tune or {}).items()}
+        self.cpu = dict(cpu or {})
         self.constraint = where
         self.source = (inspect.getsourcefile(fn), fn.__code__.co_firstlineno)
         self.params = self._parse_params(fn)
@@ -69,7 +71,7 @@ class KernelDef:
         self._variants: dict[tuple, Variant] = {}
         self._traces: dict[tuple, ir.Kernel] = {}
         known = {p.name for p in self.params if p.kind in ("const", "spec")}
-        for key in list(self.variant_space) + list(self.tune) + ([subgroup] if subgroup else []):
+        for key in list(self.variant_space) + list(self.tune) + list(self.cpu) + ([subgroup] if subgroup else []):
             if key not in known:
                 raise self._error(f"variant parameter '{key}' is not a Const or Spec parameter of {self.name}")
         if register:
@@ -256,7 +258,8 @@ class KernelDef:
 
 def kernel(fn=None, *, workgroup=64, subgroup: str | None = None, variants: dict | None = None,
            where: Callable | None = None, name: str | None = None, register: bool = True, tune: dict | None = None,
-           grid=1, key: tuple[str, ...] = (), sizes: tuple[str, ...] = (), traffic: Callable | None = None):
+           grid=1, key: tuple[str, ...] = (), sizes: tuple[str, ...] = (), traffic: Callable | None = None,
+           cpu: dict | None = None):
     """Declare a kernel.
 
     workgroup: an int or tuple, the name of a Const parameter, or a function of the Const values.
@@ -270,10 +273,15 @@ def kernel(fn=None, *, workgroup=64, subgroup: str | None = None, variants: dict
     key:       the sizes that, with the Consts a launch fixes, key its tuning.
     sizes:     launch-only arguments the grid, key or traffic need (slots, heads, ...).
     traffic:   bytes one launch moves, a function of (variant values, sizes).
+    cpu:       {param: value} a CPU device (lavapipe) runs where nothing is tuned for it: there a
+               pipeline's first dispatch compiles it for seconds (big tiles unrolled: 7-24 s a
+               variant on 2 cores) while a small model's dispatches take microseconds, so the
+               variant that compiles soonest is the fast one.
     """
     def wrap(f):
         return KernelDef(f, workgroup=workgroup, subgroup=subgroup, variants=variants, where=where,
-                         name=name, register=register, tune=tune, grid=grid, key=key, sizes=sizes, traffic=traffic)
+                         name=name, register=register, tune=tune, grid=grid, key=key, sizes=sizes, traffic=traffic,
+                         cpu=cpu)
     return wrap(fn) if fn is not None else wrap
 
 
@@ -557,6 +565,23 @@ def _pieced(buf) -> bool:
     """Whether a runtime buffer comes in pieces (runtime/memory.py's PiecedBuffer, known here by
     what binding one needs: `bindings()`, `pieces`, `piece` and `start`)."""
     return hasattr(buf, "bindings")
+
+
+def compile_variants(variants, progress: Callable[[int], None] | None = None) -> int:
+    """Compile the variants' SPIR-V on every core (threads: glslang, spirv-val and spirv-opt run
+    outside the GIL); returns how many were compiled, not found in the cache. `progress(n)`
+    hears each one done."""
+    from concurrent.futures import ThreadPoolExecutor
+    import os
+
+    def build(v: Variant) -> bool:
+        compiled = v.compiled
+        if progress:
+            progress(1)
+        return not compiled.cached
+
+    with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="zdsl-compile") as pool:
+        return sum(pool.map(build, list(dict.fromkeys(variants))))
 
 
 def _placeholder_array(dtype) -> np.ndarray:
