@@ -93,7 +93,7 @@ def pack_spec(spec: dict[int, int | float | bool]) -> tuple[list[dict], bytes]:
 
 class Pipeline:
     __slots__ = ("name", "bindings", "push_size", "subgroup_size", "statistics", "isa", "code", "workgroup",
-                 "device", "handle", "layout", "access", "grid_ids", "arrays", "pushed", "_make", "_folded")
+                 "device", "handle", "layout", "access", "grid_ids", "arrays", "pushed", "source", "_folded")
 
     def __repr__(self) -> str:
         wave = f" subgroup {self.subgroup_size}" if self.subgroup_size else ""
@@ -108,8 +108,13 @@ class Pipeline:
         with self.device.lock:
             twin = self._folded.get(grid)
             if twin is None:
-                twin = self._folded[grid] = self._make(dict(zip(self.grid_ids, grid)))
+                source = {**self.source, "spec": {**self.source["spec"], **dict(zip(self.grid_ids, grid))}}
+                twin = self._folded[grid] = self.device.pipeline(**source)
         return twin
+
+    def on(self, device) -> "Pipeline":
+        """The same pipeline made on another device (of the same driver: runtime/warm.py)."""
+        return device.pipeline(**self.source)
 
     def free(self) -> None:
         """Destroy the VkPipeline now (a tuner makes thousands); the device also does it at close."""
@@ -194,8 +199,8 @@ def create(device, spirv: bytes, *, bindings, push_size: int, spec, subgroup_siz
     pipe.access = tuple(ACCESS[b] for b in bindings)
     pipe.arrays, pipe.pushed = arrays, pushed
     pipe.grid_ids, pipe._folded = grid_ids, {}
-    pipe._make = lambda grid: device.pipeline(spirv, bindings=bindings, push_size=push_size, spec={**spec, **grid},
-                                              subgroup_size=subgroup_size, name=name, arrays=arrays)
+    pipe.source = dict(spirv=spirv, bindings=bindings, push_size=push_size, spec=spec, subgroup_size=subgroup_size,
+                       name=name, grid_ids=grid_ids, arrays=arrays)
     pipe.statistics = pipe.isa = pipe.code = None
     if capture:
         executable = _first_executable(device, out[0])

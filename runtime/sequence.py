@@ -96,6 +96,7 @@ class Sequence:
         self._keep = Keep()
         self._labels: list[str] = []
         self.launches: list = []  # what KernelDef.launch recorded here (the tuner reads a step's)
+        self.pipelines: dict = {}  # the pipelines dispatched, in order (a dict as an ordered set: runtime/warm.py)
         self._hazards = Hazards()
         self._together: Hazards | None = None  # what the commands of a together() block touch
         self._since = 0     # stages of the commands since the last barrier
@@ -255,6 +256,7 @@ class Sequence:
             if w:
                 writes.append(rng)
         self._order(reads, writes, stage)
+        self.pipelines[pipe] = None
         cb = self.cb
         if self._bound is not pipe:
             lib.vkCmdBindPipeline(cb, _COMPUTE, pipe.handle)

@@ -158,3 +158,22 @@ def test_another_sampler_of_the_same_kernels_is_written_not_recorded(model, devi
     gen.use(SamplerConfig(temperature=0.8, repeat_penalty=1.2, last_n=8))  # another penalties' window
     assert gen.graph.recorded == recorded + 1
     gen.close()
+
+
+def test_a_first_run_shows_its_compile_stages_and_a_later_run_none(model, tmp_path):
+    """`zdsl run` piped: a first run (an empty kernel cache) says a line per compile stage and how
+    long until its kernels were ready; the next run, with everything cached, says none of it."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, ZDSL_CACHE_DIR=str(tmp_path))
+    args = [sys.executable, "-m", "zdsl.cli", "run", str(model.path), "-p", "hi", "-n", "2", "--temp", "0"]
+    first, again = (subprocess.run(args, capture_output=True, text=True, env=env, timeout=600) for _ in range(2))
+    assert first.returncode == again.returncode == 0, first.stderr + again.stderr
+    lines = first.stderr.splitlines()
+    stages = [i for i, line in enumerate(lines) if " compiled in " in line]
+    ready = [i for i, line in enumerate(lines) if line.startswith("kernels ready in ")]
+    assert stages and ready == [stages[-1] + 1], first.stderr
+    assert lines[ready[0]].endswith("(compiled on this first run, then cached)")
+    assert "compil" not in again.stderr and "kernels ready" not in again.stderr, again.stderr

@@ -236,6 +236,29 @@ def test_specialization_changes_behaviour(device, spec):
     pipe.free()
 
 
+
+def test_warm_has_each_pipeline_compiled_once_before_it_runs(device, tmp_path, monkeypatch):
+    """lavapipe compiles a pipeline at its first dispatch: `warm` makes helper devices (one a
+    core) dispatch no workgroups of each pipeline, notes each one done, and a later call finds
+    nothing to do; the pipelines then run as ever. A driver that compiles at creation is left alone."""
+    from types import SimpleNamespace
+
+    from zdsl.runtime.warm import warm
+
+    monkeypatch.setenv("ZDSL_CACHE_DIR", str(tmp_path))
+    add = device.pipeline(spirv("add"), bindings=["rw"], push_size=8, name="add")
+    double = device.pipeline(spirv("double"), bindings=["r", "w"], push_size=4, name="double")
+    heard = []
+    assert warm(device, [add, double, add], heard.append) == 2 and heard == [1, 1]
+    assert warm(device, [double, add]) == 0
+    x = device.upload(np.arange(100, dtype=np.float32))
+    seq = device.sequence()
+    seq.dispatch(add, groups(100), [x], push_add(100, 1.5))
+    seq.run()
+    assert np.array_equal(x.read(np.float32, (100,)), np.arange(100, dtype=np.float32) + 1.5)
+    x.free()
+    assert warm(SimpleNamespace(info=SimpleNamespace(device_type="discrete-gpu")), [add]) == 0
+
 @pytest.mark.parametrize("wg", [1, 32, 96, 1024])
 def test_workgroup_size_from_spec(device, wg):
     pipe = device.pipeline(spirv("wgsize"), bindings=["w"], spec={0: wg}, name="wgsize")

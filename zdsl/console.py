@@ -26,3 +26,36 @@ class Table(rich.table.Table):
 
     def add_column(self, *args, overflow: str = "fold", **kwargs) -> None:
         super().add_column(*args, overflow=overflow, **kwargs)
+
+
+class Stages:
+    """Long work in counted stages, shown as it goes: a progress bar on a terminal, else one line
+    per stage when it ends (a log or a pipe sees each stage, not only the total at the end)."""
+
+    def __init__(self, show: bool, say=None):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.console = Console(stderr=True)
+        self.say = say if show and not self.console.is_terminal else None
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            transient=True, console=self.console, disable=not (show and self.console.is_terminal))
+
+    def __enter__(self) -> "Stages":
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.__exit__(*exc)
+
+    def __call__(self, what: str, total: int, work, done: str = "done"):
+        """work(advance) for a stage of `total` steps; `done(result)` words the stage's line, said
+        where the result is something (a stage that found all its work done says nothing)."""
+        import time
+
+        task = self.bar.add_task(what, total=total)
+        start = time.perf_counter()
+        result = work(lambda n=1: self.bar.advance(task, n))
+        self.bar.remove_task(task)
+        if self.say and result:
+            self.say(f"{what}: {done(result) if callable(done) else done} in {time.perf_counter() - start:.1f} s")
+        return result

@@ -18,6 +18,7 @@ which norms x itself), and the attention and delta-net outputs by the kernels th
 from __future__ import annotations
 
 import functools
+import os
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -142,9 +143,7 @@ class DecodeGraph:
             self._upload_weights(progress, say)
         self.seq = self.seq_next = self._timed = None
         self.recorded = 0  # times the step was recorded
-        seconds = self._prepare_kernels(progress)
-        if say and seconds >= 1:
-            say(f"kernels ready in {seconds:.1f} s (compiled on this first run, then cached)")
+        self._prepare_kernels(progress, say)
 
     def buffers(self, n_ctx: int) -> list:
         """Every device buffer the graph holds at a context of n_ctx tokens (buffers.py): without
@@ -174,26 +173,36 @@ class DecodeGraph:
         """Whether this graph uses its weights_of graph's buffer for `spec` (borrows)."""
         return borrows(spec, self.hp, self.weights_of.by_name.get(spec.name))
 
-    def _prepare_kernels(self, progress: bool) -> float:
-        """Record the step (building the kernels not built before) and run it once, and a short
-        prompt chunk, since some drivers compile a pipeline only when it first runs (lavapipe): a
-        first run's prompt then does not count compilation as prompt time. Returns the seconds it
-        took."""
-        from rich.console import Console
-        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-        start = time.perf_counter()
-        console = Console(stderr=True)
-        with Progress(SpinnerColumn(), TextColumn("compiling kernels"), TimeElapsedColumn(), transient=True,
-                      console=console, disable=not (progress and console.is_terminal)):
+    def _prepare_kernels(self, progress: bool, say=None) -> None:
+        """Record the step. Before, compile every kernel variant a run needs (the step's and a
+        prompt chunk's, found by recording them on a DryDevice) on every core; after, have the
+        driver compile their pipelines (runtime/warm.py), so that a first prompt does not count
+        compilation as prompt time."""
+        if getattr(self.device, "dry", False):
             self._record_steps()
-            self.reset()
-            self.decode(0)
-            self.reset()
-            if self.chunk > 1 and not getattr(self.device, "dry", False):
-                self.prefill([0, 0])  # the prompt path's kernels too
-                self.reset()
-        return time.perf_counter() - start
+            return
+        from zdsl.console import Stages
+        from zdsl.lang.kernel import compile_variants
+        from zdsl.runtime.dry import DryDevice
+        from zdsl.runtime.warm import warm
+
+        start, cores = time.perf_counter(), os.cpu_count() or 1
+        dry = DecodeGraph(self.model, DryDevice(self.info), self.n_ctx, self.sampler, progress=False,
+                          tuning=self.tuning, kv=self.kv_types, chunk=self.chunk)
+        launches = dry.seq.launches + dry.seq_next.launches + dry.prompt.record(min(2, self.chunk)).launches
+        variants = list(dict.fromkeys(l.variant for l in launches))
+        with Stages(progress, say) as stage:
+            compiled = stage(f"compiling {len(variants)} kernels on {cores} cores", len(variants),
+                             lambda advance: compile_variants(variants, advance), lambda n: f"{n} compiled")
+            self._record_steps()
+            chunk = self.prompt.record(min(2, self.chunk))
+            pipes = list(dict.fromkeys([*self.seq.pipelines, *self.seq_next.pipelines, *chunk.pipelines]))
+            chunk.free()
+            warmed = stage(f"{self.info.name} compiling {len(pipes)} pipelines", len(pipes),
+                           lambda advance: warm(self.device, pipes, advance), lambda n: f"{n} compiled")
+        self.reset()
+        if say and (compiled or warmed):
+            say(f"kernels ready in {time.perf_counter() - start:.1f} s (compiled on this first run, then cached)")
 
     def _record_steps(self) -> None:
         self.recorded += 1  # a batch that holds this graph records again too
