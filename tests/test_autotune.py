@@ -65,7 +65,7 @@ def scale_use():
 
 
 def fake_info(name="Test GPU", identity="abcd:0001:test:7", sizes=(8, 64), subgroup=32):
-    return SimpleNamespace(name=name, identity=identity, subgroup_size=subgroup, min_subgroup_size=sizes[0],
+    return SimpleNamespace(name=name, identity=identity, device_type="discrete-gpu", subgroup_size=subgroup, min_subgroup_size=sizes[0],
                            max_subgroup_size=sizes[1], features=frozenset({"subgroup_size_control"}),
                            max_workgroup_invocations=1024)
 
@@ -120,6 +120,22 @@ def test_measured_tuning_rejects_a_wrong_candidate_and_stores_a_verified_best(de
     finally:
         path.unlink(missing_ok=True)
         db.database.cache_clear()
+
+
+def test_a_cpu_device_takes_a_kernels_cpu_defaults_where_nothing_is_tuned():
+    """lavapipe compiles at a pipeline's first dispatch, for seconds where a tile is big: with no
+    entry, a CPU device runs the kernel's `cpu` defaults; a GPU its plain defaults; an entry or a
+    value the launch fixes wins over both."""
+    from zdsl.kernels import matmul
+
+    cpu, gpu = (SimpleNamespace(**{**vars(fake_info(subgroup=8)), "device_type": kind}) for kind in ("cpu", "discrete-gpu"))
+    assert matmul.mul_mm.cpu == {"COLS": 4, "ROWS": 1}
+    empty = db.Database([])
+    assert {k: db.choose(matmul.mul_mm, cpu, {}, db=empty).params[k] for k in ("COLS", "ROWS")} == {"COLS": 4, "ROWS": 1}
+    assert {k: db.choose(matmul.mul_mm, gpu, {}, db=empty).params[k] for k in ("COLS", "ROWS")} == {"COLS": 8, "ROWS": 4}
+    assert db.choose(matmul.mul_mm, cpu, {}, db=empty, ROWS=4).params["ROWS"] == 4
+    tuned = db.Database.of([db.Entry("abcd:0001:test", cpu.name, "7", "mul_mm", {"k": 64, "m": 8}, {"COLS": 8})])
+    assert db.choose(matmul.mul_mm, cpu, {"k": 64, "m": 8}, db=tuned).params["COLS"] == 8
 
 
 def test_database_entries_change_choose_with_fallbacks(tmp_path, monkeypatch):

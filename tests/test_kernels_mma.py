@@ -55,7 +55,7 @@ def test_a_weight_types_table_counts_against_shared_memory():
     tiles = dict(BM=48, BN=128, BK=128, TM=1, TN=1)
     assert mma.fits(SimpleNamespace(QTYPE="q4_k", **tiles)) and not mma.fits(SimpleNamespace(QTYPE="iq3_xxs", **tiles))
     assert mma.fits(SimpleNamespace(QTYPE="iq3_xxs", **{**tiles, "BK": 64}))
-    info = SimpleNamespace(subgroup_size=32)
+    info = SimpleNamespace(subgroup_size=32, device_type="discrete-gpu")
     for qtype, bm in (("q4_k", 64), ("iq1_m", 64)):
         v = choose(ffn.moe_down_coop, info, {}, db=EmptyDatabase(), QTYPE=qtype)
         assert v.params["BM"] == bm and mma.fits(SimpleNamespace(**v.params))
