@@ -200,7 +200,8 @@ class _Counting(Run):
         self.round_lists = {id(b) for b in lists}
         self.ahead_lists = {id(b) for b in lists if b is not self.k.body and _ahead(b)}
         self.waiting: list[np.ndarray] = []  # per open round list: the invocations whose load ran
-        self.each = np.zeros(self.n, np.int64)  # loads and operations per invocation
+        self.each = np.zeros(self.n, np.int64)  # loads and operations per invocation (but the pending ones)
+        self._mask, self._tally, self._pending = None, (0, 0), 0  # the last mask seen: its tallies, its count
         self.static_by_depth = _static_by_depth(k.body)
         self.depth = 0  # the GPU loops around the statement
         self.ran = [0] * len(self.static_by_depth)  # subgroups' runs of operations, per depth
@@ -232,25 +233,41 @@ class _Counting(Run):
                 self.depth -= 1
         self._stmt(s, mask)
 
+    def _count(self, mask) -> tuple[int, int]:
+        """(subgroups running, invocations running) under `mask`, worked out once per mask: a
+        block's statements share their mask object, and most statements are in long blocks. Each
+        statement counted adds the mask to `each` in one go when the mask changes (`settle`)."""
+        if mask is not self._mask:
+            self.settle()
+            self._mask, self._tally = mask, (self._waves_running(mask), int(np.count_nonzero(mask)))
+        return self._tally
+
+    def settle(self) -> None:
+        """The statements counted under the last mask, into `each`."""
+        if self._pending:
+            self.each += self._pending * self._mask
+            self._pending = 0
+
     def _stmt(self, s, mask) -> None:
         if isinstance(s, ir.Let):
-            self.each += mask
-            self.ran[self.depth] += self._waves_running(mask)
+            waves, running = self._count(mask)
+            self._pending += 1
+            self.ran[self.depth] += waves
             if s.op == "load":
-                self.loads += int(mask.sum())
+                self.loads += running
                 if self.waiting:
                     self.waiting[-1] |= mask
                 self._read_sectors(s, mask)
             else:
-                self.ops += int(mask.sum())
+                self.ops += running
                 if s.op == "shared_load":
-                    self.shared_bytes += int(mask.sum()) * s.temp.dtype.nbytes
+                    self.shared_bytes += running * s.temp.dtype.nbytes
                 elif s.op == "mat_load" and isinstance(s.args[0], ir.Shared):
-                    self.shared_bytes += int(mask.sum()) * _tile_bytes(s.temp.dtype) / self.sg
+                    self.shared_bytes += running * _tile_bytes(s.temp.dtype) / self.sg
         elif isinstance(s, ir.Store) and isinstance(s.view, ir.Shared):
-            self.shared_bytes += int(mask.sum()) * s.view.dtype.nbytes
+            self.shared_bytes += self._count(mask)[1] * s.view.dtype.nbytes
         elif isinstance(s, ir.MatrixStore) and isinstance(s.array, ir.Shared):
-            self.shared_bytes += int(mask.sum()) * _tile_bytes(s.matrix.dtype) / self.sg
+            self.shared_bytes += self._count(mask)[1] * _tile_bytes(s.matrix.dtype) / self.sg
         super().stmt(s, mask)
 
     def _read_sectors(self, s, mask) -> None:
@@ -321,6 +338,7 @@ def work(variant, args: dict, groups) -> Work | None:
     try:
         run = _Counting(k, g, buffers, scalars, variant.spec_values, sample(g[0] * g[1] * g[2]))
         run.block(k.body, np.ones(run.n, dtype=bool))
+        run.settle()
     except (ZdslError, IndexError, ValueError):
         return None
     return Work(run.rounds / run.n, run.loads / run.n, run.ops / run.n, _static(k.body), run.ahead / run.n,

@@ -11,9 +11,13 @@ from hypothesis import HealthCheck, settings
 # (entries are written atomically; a SPIR-V module compiled by one worker is read by the other).
 os.environ.setdefault("ZDSL_CACHE_DIR", tempfile.mkdtemp(prefix="zdsl-test-cache-"))
 
-settings.register_profile("zdsl", deadline=None, max_examples=25, derandomize=True,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-settings.load_profile("zdsl")
+# Two hypothesis profiles: the default keeps `make test` within minutes on 2 cores; `thorough`
+# (ZDSL_TEST_PROFILE=thorough, `make test-thorough`) draws ten times the examples and, on a
+# device, every variant a test draws rather than one per case (kernel_testing.pick).
+_CHECKS = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+settings.register_profile("zdsl", deadline=None, max_examples=10, derandomize=True, suppress_health_check=_CHECKS)
+settings.register_profile("thorough", deadline=None, max_examples=100, derandomize=True, suppress_health_check=_CHECKS)
+settings.load_profile(os.environ.get("ZDSL_TEST_PROFILE", "zdsl"))
 
 
 @pytest.fixture(scope="session")
@@ -43,10 +47,17 @@ def pieced_device():
 
 
 def pytest_collection_modifyitems(items):
-    """Tests marked `early` first: the whole registry's build is the suite's longest test (minutes,
-    on worker processes of its own), and under `--dist worksteal` (Makefile) the first of the
-    collection starts on the first worker at once, so the other worker runs the rest beside it
-    and nothing long is left for the end."""
+    """Tests that run on a Vulkan device (the `device` fixtures, or a `lavapipe` or `device`
+    parameter; those that open one through the command line are marked by hand) are marked
+    `device`, so that `make test-quick` can leave them out. Tests marked `early` go first: the
+    longest ones (minutes, on one worker), and under `--dist worksteal` (Makefile) the first of
+    the collection starts on the first worker at once, so the other worker runs the rest beside
+    it and nothing long is left for the end."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        fixtures, values = set(getattr(item, "fixturenames", ())), set(map(str, params.values()))
+        if {"device", "pieced_device"} & fixtures or {"lavapipe", "device"} & values:
+            item.add_marker(pytest.mark.device)
     early = [item for item in items if item.get_closest_marker("early")]
     if early:
         items[:] = early + [item for item in items if not item.get_closest_marker("early")]

@@ -7,7 +7,18 @@ from zdsl.autotune.tuner import close, sizes_of
 from zdsl.kernels.q8_1 import q8_1_ref
 from zdsl.runtime.dry import DryBuffer, DryDevice
 
+from budget import THOROUGH
+
 BACKENDS = ["interp", "lavapipe"]
+
+
+def pick(backend, case: int, draw: int, n: int, salt: int = 0) -> int:
+    """An option index of a variant parameter: hypothesis' draw in the interpreter (and on a
+    device in the thorough profile); on a device otherwise fixed by the test case (`case`, e.g.
+    the weight type's index; `salt` 1, 2, … reads its next digits in base n, so that cases spread
+    over the combinations of several parameters), so that the device compiles one variant per
+    case: lavapipe compiles each at its first dispatch, for seconds where a tile is big."""
+    return draw % n if backend == "interp" or THOROUGH else (case // n ** salt) % n
 
 
 def run(variant, backend, request, groups, **args):

@@ -817,6 +817,7 @@ def test_cli_measured_json(tmp_path, capsys):
     assert entry["kernel"] == "norm_q8_1" and entry["method"] == "measured" and entry["params"] == use["best"]["params"]
 
 
+@pytest.mark.slow
 def test_cli_check_model_measures_then_replays_the_record(tmp_path, capsys, monkeypatch):
     """`zdsl tune --check-model` on lavapipe measures every candidate, scores the model's ranking
     of each use with parameters fitted on the other fold, and saves what it measured; replaying
@@ -1014,6 +1015,7 @@ def _nominees_alone(r):
     return _nominees(r, 1)
 
 
+@pytest.mark.slow
 def test_tune_with_a_model_file_tries_nominees_in_the_decode_step(tiny_model, tmp_path, capsys):
     """`zdsl tune --model` on lavapipe end to end: the JSON has the in-place trials and the
     entries written are exactly the kept ones (after a confirming final run)."""
@@ -1077,6 +1079,7 @@ def test_every_shipped_entry_keys_a_use_of_the_35b_step(shipped, device):
     assert len(entries) >= 5  # the file was read: each ships entries for several kernels
 
 
+@pytest.mark.slow
 def test_the_model_ranks_the_measured_h100_decode_candidates():
     """Issue 30's bar on the H100 measurement the repo keeps (every candidate of the 35B-A3B decode
     step's uses): fitted on the other folds' uses, the model's ranking of each held-out
@@ -1094,6 +1097,8 @@ def test_the_model_ranks_the_measured_h100_decode_candidates():
     assert report.defaults_within() < within
 
 
+@pytest.mark.slow
+@pytest.mark.early
 def test_the_model_ranks_the_measured_h100_decode_and_prompt_product_candidates():
     """The issue's bar over what it names on the H100: the decode step's uses and the prompt's
     matrix products (the chunk's mul_mm_coop, mul_mm and the experts' products, 27 uses in all):
@@ -1112,6 +1117,7 @@ def test_the_model_ranks_the_measured_h100_decode_and_prompt_product_candidates(
     assert report.defaults_within() < within
 
 
+@pytest.mark.slow
 def test_the_model_ranks_the_measured_h200_decode_candidates():
     """The same bar on a second card, the H200 (recorded with the machine code's
     loop depths by `--record` itself): held out, median ρ ≥ 0.7 and picks within 5% in ≥ 80%
@@ -1127,6 +1133,7 @@ def test_the_model_ranks_the_measured_h200_decode_candidates():
     assert report.defaults_within() < within
 
 
+@pytest.mark.slow
 def test_the_model_ranks_the_measured_h100_decode_candidates_of_every_mix():
     """The same on the decode steps of all four type mixes the repo keeps H100 records of
     (a use the mixes share counts once). There the model does not reach the issue's

@@ -51,6 +51,7 @@ def report(tiny, tmp_path_factory):
     return out, json.loads((out / "bench.json").read_text())
 
 
+@pytest.mark.device
 def test_bench_artifacts_and_structure(report, tiny):
     out, r = report
     path, hp = tiny
@@ -78,6 +79,7 @@ def test_bench_artifacts_and_structure(report, tiny):
         assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.device
 def test_bench_bytes_ceiling_and_percent_are_consistent(report, tiny):
     _, r = report
     _, hp = tiny
@@ -135,6 +137,7 @@ def test_bench_refuses_beyond_trained_context(tiny, capsys):
 MiB = 1 << 20
 
 
+@pytest.mark.slow
 def test_bench_defaults_fit_lavapipe(tiny, tmp_path, capsys, monkeypatch):
     """`zdsl bench MODEL --device lavapipe` with every default runs: the copy buffers shrink to
     what a CPU device gets (512 MiB would not even bind), the depths to those the tiny model's
@@ -309,6 +312,7 @@ def test_profile_sums_code_per_kernel(dispatches, sizes):
     assert "code_bytes" not in summarize(timings)
 
 
+@pytest.mark.device
 def test_profile_on_lavapipe(tiny, tmp_path):
     """`zdsl profile`: every dispatch of the step timed (medians over the timed steps), phases and
     kernels adding up to the total, the norms and the MoE router found in their phases."""

@@ -20,6 +20,7 @@ def counts(out: str) -> tuple[int, int, int]:
     return tuple(map(int, re.search(r"(\d+) variants, (\d+) from cache, (\d+) failed", out).groups()))
 
 
+@pytest.mark.slow
 @pytest.mark.early
 def test_every_pair_of_parameter_values_compiles(capsys):
     assert main(["build", "--pairwise", "--check", "--no-progress", "-j", "2"]) == 0
@@ -27,6 +28,7 @@ def test_every_pair_of_parameter_values_compiles(capsys):
     assert n > 500 and failed == 0
 
 
+@pytest.mark.slow
 def test_a_build_then_comes_from_cache(capsys):
     kernels = "quantize_q8_1,moe_down_coop"
     assert main(["build", "--no-progress", "-j", "2", "--kernels", kernels]) == 0

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import zdsl
 from zdsl import Buffer, Const, f16, f32, u32
 from zdsl.errors import KernelError
+from budget import examples
 
 
 @zdsl.kernel(workgroup=lambda v: 2 * v.SG, subgroup="SG")
@@ -55,7 +56,7 @@ def tile(arr, offset, stride, columns):
     return arr[offset + (c * stride + r if columns else r * stride + c)]
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(stride=st.integers(16, 40), a_cols=st.booleans(), b_cols=st.booleans(),
        stage=st.sampled_from(["no", "scalars", "fours"]), sg=st.sampled_from([8, 32]), seed=st.integers(0, 99))
 def test_tile_product_against_numpy(stride, a_cols, b_cols, stage, sg, seed):

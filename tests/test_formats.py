@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from zdsl.errors import ZdslError
 from zdsl.kernels import quant_numpy as F
 from zdsl.kernels.quant_numpy import QuantType as Q
+from budget import examples
 
 BLOCK_TYPES = sorted(F.SUPPORTED_DEQUANT - {Q.F32, Q.F16, Q.BF16, Q.Q8_1})
 FLOAT_TYPES = [Q.F32, Q.F16, Q.BF16]
@@ -108,7 +109,7 @@ def test_user_errors_are_one_line_zdsl_errors():
 
 # ---- decoding ------------------------------------------------------------------------------------
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(qtype=st.sampled_from(BLOCK_TYPES + FLOAT_TYPES), lead=st.lists(st.integers(1, 3), max_size=2),
        nblocks=st.integers(1, 5), finite=st.booleans(), as_bytes=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_dequantize_equals_gguf_bit_for_bit(qtype, lead, nblocks, finite, as_bytes, seed):
@@ -135,7 +136,7 @@ def test_dequantize_reads_memmaps_and_typed_arrays(tmp_path):
     assert F.dequantize(b"", Q.Q4_K, (0, 256)).shape == (0, 256)
 
 
-@settings(max_examples=60)
+@settings(max_examples=examples(60))
 @given(qtype=st.sampled_from(BLOCK_TYPES), rows=st.integers(1, 3), nblocks=st.integers(1, 3),
        seed=st.integers(0, 2**32 - 1))
 def test_unpack_codes_rebuild_the_values(qtype, rows, nblocks, seed):
@@ -221,7 +222,7 @@ def sample(kind: str, rng, shape) -> np.ndarray:
 KINDS = ["gauss", "t2", "positive", "negative", "outliers", "mixed", "sparse"]
 
 
-@settings(max_examples=150)
+@settings(max_examples=examples(150))
 @given(qtype=st.sampled_from([Q.Q8_0, Q.Q8_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]), kind=st.sampled_from(KINDS),
        rows=st.integers(1, 3), nblocks=st.integers(1, 3), log_scale=st.floats(-1, 3),
        seed=st.integers(0, 2**32 - 1))
@@ -260,7 +261,7 @@ def test_zero_and_constant_rows(qtype):
         assert np.abs(y - x).max() <= abs(c) * 2.0**-10, (qtype.name, c)
 
 
-@settings(max_examples=100)
+@settings(max_examples=examples(100))
 @given(qtype=st.sampled_from([Q.Q8_0, Q.Q4_0]), rows=st.integers(1, 4), nblocks=st.integers(1, 4),
        log_scale=st.floats(-4, 4), ties=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_q8_0_and_q4_0_bytes_equal_gguf(qtype, rows, nblocks, log_scale, ties, seed):
@@ -273,7 +274,7 @@ def test_q8_0_and_q4_0_bytes_equal_gguf(qtype, rows, nblocks, log_scale, ties, s
     assert np.array_equal(F.quantize(x, qtype), quants.quantize(x, qtype))
 
 
-@settings(max_examples=100)
+@settings(max_examples=examples(100))
 @given(kind=st.sampled_from(KINDS), rows=st.integers(1, 4), nblocks=st.integers(1, 4), log_scale=st.floats(-30, 30),
        seed=st.integers(0, 2**32 - 1))
 def test_mxfp4_bytes_equal_gguf(kind, rows, nblocks, log_scale, seed):
@@ -285,7 +286,7 @@ def test_mxfp4_bytes_equal_gguf(kind, rows, nblocks, log_scale, seed):
     assert np.array_equal(F.quantize(x, Q.MXFP4), quants.quantize(x, Q.MXFP4))
 
 
-@settings(max_examples=100)
+@settings(max_examples=examples(100))
 @given(lead=st.lists(st.integers(1, 3), max_size=2), nblocks=st.integers(1, 4),
        log_scale=st.floats(-3, 3), seed=st.integers(0, 2**32 - 1))
 def test_q8_1(lead, nblocks, log_scale, seed):
@@ -307,7 +308,7 @@ def test_q8_1(lead, nblocks, log_scale, seed):
     assert np.array_equal(F.dequantize(b, Q.Q8_1, x.shape), dq)
 
 
-@settings(max_examples=100)
+@settings(max_examples=examples(100))
 @given(bits=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=40))
 def test_float_quantizers(bits):
     x = np.array(bits, np.uint32).view(np.float32)  # every float32 pattern: NaNs, infinities, ties

@@ -160,6 +160,7 @@ def test_another_sampler_of_the_same_kernels_is_written_not_recorded(model, devi
     gen.close()
 
 
+@pytest.mark.slow
 def test_a_first_run_shows_its_compile_stages_and_a_later_run_none(model, tmp_path):
     """`zdsl run` piped: a first run (an empty kernel cache) says a line per compile stage and how
     long until its kernels were ready; the next run, with everything cached, says none of it."""

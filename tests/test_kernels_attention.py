@@ -20,6 +20,7 @@ from zdsl.errors import ZdslError
 from zdsl.kernels.kvcache import KV_FORMATS, hadamard, kv_format
 from zdsl.models.qwen35 import reference as model
 from kernel_testing import BACKENDS, assert_example_holds, assert_q8_1_of, run, subgroup
+from budget import examples
 
 EPS = 1e-6
 
@@ -549,7 +550,7 @@ def test_q3_rot_rows():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=8)
+@settings(max_examples=examples(8))
 @given(n_kv=st.sampled_from([1, 3]), group=st.sampled_from([1, 2, 8]), d=st.sampled_from([32, 64, 96]),
        kt=st.sampled_from(list(KV_FORMATS)), vt=st.sampled_from(list(KV_FORMATS)), pos=st.integers(0, 300), scale=st.sampled_from([0.01, 30.0]),
        wg=st.sampled_from([64, 256]), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
@@ -575,7 +576,7 @@ def test_prep_quantized(backend, request, n_kv, group, d, kt, vt, pos, scale, wg
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=8)
+@settings(max_examples=examples(8))
 @given(n_kv=st.sampled_from([1, 3]), group=st.sampled_from([1, 2, 8]), length=st.integers(1, 90),
        kt=st.sampled_from(list(KV_FORMATS)), vt=st.sampled_from(list(KV_FORMATS)), nsplit=st.integers(1, 6), nw=st.sampled_from([1, 4]),
        u=st.integers(1, 2), scale=st.sampled_from([0.3, 3.0]), sg_pick=st.integers(0, 3), seed=st.integers(0, 99),
@@ -599,7 +600,7 @@ def test_decode_quantized(backend, request, n_kv, group, length, kt, vt, nsplit,
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=8)
+@settings(max_examples=examples(8))
 @given(T=st.integers(1, 9), p0=st.sampled_from([0, 3, 40]), n_kv=st.sampled_from([1, 3]), group=st.sampled_from([1, 2, 8]),
        kt=st.sampled_from(list(KV_FORMATS)), vt=st.sampled_from(list(KV_FORMATS)), nw=st.sampled_from([1, 4]), u=st.integers(1, 2),
        q8=st.booleans(), sg_pick=st.integers(0, 3), seed=st.integers(0, 99), data=st.data())

@@ -29,8 +29,10 @@ from zdsl.kernels import ffn
 from zdsl.kernels import embedding as emb
 from zdsl.kernels import quant_numpy
 from zdsl.kernels import q8_1 as q8
-from zdsl.kernels.quant import FORMATS, INT8_FORMATS, Grid
+from zdsl.kernels.quant import FORMATS, INT8_FORMATS
 from kernel_testing import BACKENDS, run, subgroup
+from kernel_testing import pick as variant_pick
+from budget import examples
 
 QTYPES = list(FORMATS)
 RTOL = 2e-6
@@ -39,19 +41,9 @@ FLOATS = ("f32", "f16", "bf16")
 SHAPES = [(1, 1), (1, 2), (3, 1), (1, 4), (2, 1), (4, 1), (5, 1), (6, 1), (7, 1), (8, 1)]  # (COLS, ROWS)
 
 
-def pick(backend, qtype, draw, n):
-    """An option index: drawn in the interpreter, fixed per weight type on lavapipe."""
-    return draw % n if backend == "interp" else QTYPES.index(qtype) % n
-
-
-GRID = {name for name, f in FORMATS.items() if isinstance(f, Grid)}
-
-
-def fixed(backend, qtype, draw, n):
-    """`pick` for the IQ grid types only: their tables make each lavapipe compile cost 10-70 s
-    (mul_mm), so lavapipe builds one variant of a kernel per grid type; the interpreter draws
-    them all."""
-    return pick(backend, qtype, draw, n) if qtype in GRID else draw % n
+def pick(backend, qtype, draw, n, salt=0):
+    """An option index: drawn in the interpreter, fixed per weight type on lavapipe (kernel_testing.pick)."""
+    return variant_pick(backend, QTYPES.index(qtype), draw, n, salt)
 
 
 def weights(rng, qtype, rows, k, quantizer):
@@ -81,7 +73,7 @@ def abs_dot(w_bytes, qtype, rows, k, x):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("qtype", QTYPES)
-@settings(max_examples=20)
+@settings(max_examples=examples(20))
 @given(m=st.integers(1, 9), nb=st.integers(0, 5), shape=st.integers(0, len(SHAPES) - 1), add=st.booleans(),
        quantizer=st.booleans(), sg_pick=st.integers(0, 3), nsub=st.sampled_from([1, 2, 4]), seed=st.integers(0, 99))
 def test_dmmv(backend, request, qtype, m, nb, shape, add, quantizer, sg_pick, nsub, seed):
@@ -92,8 +84,8 @@ def test_dmmv(backend, request, qtype, m, nb, shape, add, quantizer, sg_pick, ns
     w = weights(rng, qtype, m, k, quantizer)
     x = rng.standard_normal(cols * k).astype(np.float32)
     y0 = rng.standard_normal(cols * m).astype(np.float32)
-    sg = subgroup(backend, request, fixed(backend, qtype, sg_pick, 4))
-    nsub = [1, 2, 4][fixed(backend, qtype, [1, 2, 4].index(nsub), 3)]
+    sg = subgroup(backend, request, pick(backend, qtype, sg_pick, 4, 1))
+    nsub = [1, 2, 4][pick(backend, qtype, [1, 2, 4].index(nsub), 3, 1)]
     nsub = nsub if sg % FORMATS[qtype].parts == 0 else 1  # rows per subgroup need whole blocks in one
     v = dm.dmmv.specialize(QTYPE=qtype, COLS=cols, ROWS=rows, NSUB=nsub, ADD=add, SG=sg)
     y = run(v, backend, request, v.groups(m=m), w=w, x=x, y=y0, k=k, m=m)["y"]
@@ -102,7 +94,7 @@ def test_dmmv(backend, request, qtype, m, nb, shape, add, quantizer, sg_pick, ns
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("qtype", QTYPES)
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 @given(m=st.integers(1, 7), nb=st.integers(0, 5), nexp=st.integers(1, 4), slots=st.integers(1, 3),
        experts=st.booleans(), rows=st.integers(0, 2), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
 def test_ffn_gate_up(backend, request, qtype, m, nb, nexp, slots, experts, rows, sg_pick, seed):
@@ -129,7 +121,7 @@ def test_ffn_gate_up(backend, request, qtype, m, nb, nexp, slots, experts, rows,
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("qtype", QTYPES)
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 @given(m=st.integers(1, 7), nb=st.integers(0, 5), nexp=st.integers(1, 5), slots=st.integers(1, 4),
        add=st.booleans(), rows=st.integers(0, 2), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
 def test_moe_down(backend, request, qtype, m, nb, nexp, slots, add, rows, sg_pick, seed):
@@ -151,7 +143,7 @@ def test_moe_down(backend, request, qtype, m, nb, nexp, slots, add, rows, sg_pic
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("qtype", QTYPES)
-@settings(max_examples=8)
+@settings(max_examples=examples(8))
 @given(vocab=st.integers(1, 6), nb=st.integers(0, 40), quantizer=st.booleans(), seed=st.integers(0, 99))
 def test_embed(backend, request, qtype, vocab, nb, quantizer, seed):
     rng = np.random.default_rng(seed)
@@ -168,7 +160,7 @@ def test_embed(backend, request, qtype, vocab, nb, quantizer, seed):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=15)
+@settings(max_examples=examples(15))
 @given(nb=st.integers(1, 20), spread=st.floats(1e-3, 1e3), ties=st.booleans(), sg_pick=st.integers(0, 3),
        seed=st.integers(0, 99))
 def test_quantize_q8_1(backend, request, nb, spread, ties, sg_pick, seed):
@@ -191,7 +183,7 @@ def test_quantize_q8_1(backend, request, nb, spread, ties, sg_pick, seed):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("qtype", INT8_FORMATS)
-@settings(max_examples=15)
+@settings(max_examples=examples(15))
 @given(m=st.integers(1, 9), nb=st.integers(0, 5), shape=st.integers(0, len(SHAPES) - 1), add=st.booleans(),
        quantizer=st.booleans(), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
 def test_dmmv_q8(backend, request, qtype, m, nb, shape, add, quantizer, sg_pick, seed):
@@ -217,7 +209,7 @@ def test_dmmv_q8(backend, request, qtype, m, nb, shape, add, quantizer, sg_pick,
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=12)
+@settings(max_examples=examples(12))
 @given(types=st.tuples(st.sampled_from(INT8_FORMATS), st.sampled_from(INT8_FORMATS)), m=st.integers(1, 9),
        m2=st.integers(1, 9), nb=st.integers(0, 3), rows=st.sampled_from([1, 2, 4]), nsub=st.sampled_from([1, 2, 4]),
        sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
@@ -245,7 +237,7 @@ def test_dmmv_q8_pair(backend, request, types, m, m2, nb, rows, nsub, sg_pick, s
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("qtype", INT8_FORMATS)
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 @given(m=st.integers(1, 7), nb=st.integers(0, 5), nexp=st.integers(1, 4), slots=st.integers(1, 3),
        experts=st.booleans(), rows=st.integers(0, 2), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
 def test_ffn_gate_up_q8(backend, request, qtype, m, nb, nexp, slots, experts, rows, sg_pick, seed):
@@ -275,6 +267,7 @@ def test_ffn_gate_up_q8(backend, request, qtype, m, nb, nexp, slots, experts, ro
     assert_within(act, ref, bound)
 
 
+@pytest.mark.slow
 def test_bench_kernels_on_lavapipe():
     """`zdsl bench-kernels` end to end on the tiny preset's step: every tunable use timed with the
     variant the device picks, bytes and rates consistent."""
@@ -313,7 +306,7 @@ def test_bench_kernels_bad_input(args, words, capsys):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("qtype", QTYPES)
-@settings(max_examples=6)
+@settings(max_examples=examples(6))
 @given(m=st.integers(1, 9), nb=st.integers(0, 5), t=st.integers(1, 19), cols=st.sampled_from([4, 8]),
        rows=st.sampled_from([1, 4]), add=st.booleans(), int8=st.booleans(), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
 def test_mul_mm_over_a_chunk_of_tokens(backend, request, qtype, m, nb, t, cols, rows, add, int8, sg_pick, seed):
@@ -322,9 +315,9 @@ def test_mul_mm_over_a_chunk_of_tokens(backend, request, qtype, m, nb, t, cols, 
     from zdsl.kernels import matmul
 
     rng = np.random.default_rng(seed)
-    cols, rows = [4, 8][fixed(backend, qtype, [4, 8].index(cols), 2)], [1, 4][fixed(backend, qtype, [1, 4].index(rows), 2)]
-    add, sg_pick = bool(fixed(backend, qtype, add, 2)), fixed(backend, qtype, sg_pick, 4)
-    int8 = bool(fixed(backend, qtype, int8, 2)) and qtype in INT8_FORMATS
+    cols, rows = [4, 8][pick(backend, qtype, [4, 8].index(cols), 2)], [1, 4][pick(backend, qtype, [1, 4].index(rows), 2, 1)]
+    add, sg_pick = bool(pick(backend, qtype, add, 2, 2)), pick(backend, qtype, sg_pick, 4)
+    int8 = bool(pick(backend, qtype, int8, 2, 3)) and qtype in INT8_FORMATS
     k = FORMATS[qtype].block * block_count(qtype, nb)
     w = weights(rng, qtype, m, k, quantizer=False)
     x = rng.standard_normal(t * k).astype(np.float32)

@@ -24,6 +24,7 @@ def sg_for(backend, request, pick):
     return sizes[pick % len(sizes)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @given(qtype=st.sampled_from(["q4_k", "q6_k", "q8_0"]), int8=st.booleans(), K=st.sampled_from([4, 8]),
        n_expert=st.integers(9, 40), rows=st.sampled_from([1, 2]), nsub=st.sampled_from([1, 2, 4]),

@@ -24,6 +24,7 @@ from zdsl.kernels import dmmv, ffn, inputs, matmul, mma
 from zdsl.kernels.dmmv import EXPERT_QTYPES
 from zdsl.kernels.quant import FORMATS
 from kernel_testing import run
+from budget import examples
 
 BACKENDS = ["interp", "device"]
 
@@ -85,7 +86,7 @@ def products(stack, ids, x, k):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("qtype", list(FORMATS))  # those built ahead (dmmv.QTYPES) and those made on demand
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=examples(3), deadline=None)
 @given(m=st.integers(1, 70), t=st.integers(1, 70), steps=st.integers(1, 2), add=st.booleans(), seed=st.integers(0, 99),
        data=st.data())
 def test_mul_mm_coop(backend, request, qtype, m, t, steps, add, seed, data):
@@ -117,7 +118,7 @@ def test_k_quants_step_through_part_of_a_block():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("qtype, bk", PARTIAL_STEPS)
-@settings(max_examples=2, deadline=None)
+@settings(max_examples=examples(2), deadline=None)
 @given(m=st.integers(1, 40), t=st.integers(1, 40), steps=st.integers(1, 2), seed=st.integers(0, 99))
 def test_steps_within_a_block(backend, request, qtype, bk, m, t, steps, seed):
     """Every K step shorter than a block a type allows (its int8 parts' runs), against numpy."""
@@ -138,7 +139,7 @@ SPLIT_TYPES = [q for q, f in FORMATS.items() if f.ipieces > 1]
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("qtype", SPLIT_TYPES)
 @pytest.mark.parametrize("tiles, pieces", [((32, 16), 1), ((32, 32), 2), ((16, 64), 4)])
-@settings(max_examples=2, deadline=None)
+@settings(max_examples=examples(2), deadline=None)
 @given(m=st.integers(1, 40), t=st.integers(1, 70), seed=st.integers(0, 99))
 def test_int8_parts_split_into_pieces(backend, request, qtype, tiles, pieces, m, t, seed):
     """Where a step's int8 parts are fewer than the invocations, each is split into pieces
@@ -158,7 +159,7 @@ def test_int8_parts_split_into_pieces(backend, request, qtype, tiles, pieces, m,
 
 
 @pytest.mark.parametrize("backend", ["interp", "lavapipe"])
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=examples(5), deadline=None)
 @given(n4=st.integers(1, 1500), scale=st.sampled_from([1e-6, 1.0, 3e4]), seed=st.integers(0, 99))
 def test_half_rows(backend, request, n4, scale, seed):
     """The f16 activations the matrix units read: every value rounded as numpy rounds to f16
@@ -181,9 +182,10 @@ def routing(rng, t, K, n_exp):
     return ids, offsets, np.argsort(ids, kind="stable").astype(np.uint32)
 
 
+@pytest.mark.slow  # every expert type through the interpreter: a minute
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("qtype", EXPERT_QTYPES)
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=examples(3), deadline=None)
 @given(m=st.integers(1, 40), t=st.integers(1, 40), K=st.integers(1, 4), n_exp=st.integers(4, 9),
        split=st.sampled_from([1, 2]), seed=st.integers(0, 99), data=st.data())
 def test_grouped_coop(backend, request, qtype, m, t, K, n_exp, split, seed, data):
@@ -199,6 +201,7 @@ def fitting(qtype: str, tiles: list) -> list:
             if mma.fits(SimpleNamespace(BM=tile[0], BN=tile[1], BK=bk, TM=1, TN=tile[2], QTYPE=qtype))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_grouped_coop_model_shapes(backend, request):
     """The tiny MoE model's shapes: 16 experts, 4 per token, 256 wide; chunks of 6 and 63 tokens (some

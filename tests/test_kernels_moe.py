@@ -17,6 +17,7 @@ from zdsl.kernels import moe
 from zdsl.kernels import quant_numpy as F
 from zdsl.kernels.norm import rms_norm_ref
 from kernel_testing import BACKENDS, assert_q8_1_of, run, subgroup
+from budget import examples
 
 EPS = 1e-6
 
@@ -50,7 +51,7 @@ def inputs(rng, k):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=20)
+@settings(max_examples=examples(20))
 @given(K=st.sampled_from([4, 8, 10]), extra=st.integers(0, 70), kb=st.integers(1, 4), qtype=st.sampled_from(["f32", "q8_0"]),
        ties=st.booleans(), rows=st.sampled_from([1, 2, 4]), nsub=st.sampled_from([1, 2, 4]),
        wg=st.sampled_from([0, 0, 128, 256]), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
@@ -166,7 +167,7 @@ def route_chunk(backend, request, logits, n, K, wg, sg_pick):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(t=st.sampled_from([1, 3, 7, 20]), n=st.integers(8, 16), K=st.integers(2, 4), extra=st.integers(0, 1),
        ties=st.booleans(), few=st.sampled_from([0, 0, 5]), wg=st.sampled_from([64, 256]), sg_pick=st.integers(0, 3),
        seed=st.integers(0, 99))
@@ -178,7 +179,7 @@ def test_route_and_group_rows(backend, request, t, n, K, extra, ties, few, wg, s
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(t=st.sampled_from([1, 6, 40]), n=st.sampled_from([70, 300, 512]), K=st.sampled_from([2, 8]),
        few=st.sampled_from([0, 0, 40]), wg=st.sampled_from([64, 256]), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
 def test_route_and_group_many_experts(backend, request, t, n, K, few, wg, sg_pick, seed):
@@ -213,7 +214,7 @@ def own_rows(nsub, sg, qtype, q8):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(qtype=st.sampled_from(PRODUCT_TYPES), q8=st.booleans(), t=st.sampled_from([1, 3, 13]), n=st.integers(8, 12),
        K=st.integers(2, 4), few=st.sampled_from([0, 5]), kb=st.integers(1, 2), m=st.sampled_from([13, 32, 45]),
        rows=st.sampled_from([1, 2]), cols=st.sampled_from([4, 8]), split=st.sampled_from([1, 2]),
@@ -311,7 +312,7 @@ def test_grouped_products_of_grid_types(backend, request, qtype):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(qtype=st.sampled_from(PRODUCT_TYPES), t=st.sampled_from([1, 3, 13]), n=st.integers(8, 12), K=st.integers(2, 4),
        few=st.sampled_from([0, 5]), kb=st.integers(1, 2), m=st.sampled_from([13, 32, 45]), rows=st.sampled_from([1, 2]),
        cols=st.sampled_from([4, 8]), split=st.sampled_from([1, 2]), nsub=st.sampled_from([1, 2]),
@@ -333,7 +334,7 @@ def test_down_grouped(backend, request, qtype, t, n, K, few, kb, m, rows, cols, 
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(t=st.sampled_from([1, 2, 5]), K=st.integers(2, 4), k4=st.integers(1, 80), shared=st.booleans(),
        wg=st.sampled_from([64, 256]), seed=st.integers(0, 99))
 def test_combine_rows(backend, request, t, K, k4, shared, wg, seed):
@@ -351,7 +352,7 @@ def test_combine_rows(backend, request, t, K, k4, shared, wg, seed):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=examples(4), deadline=None)
 @given(t=st.sampled_from([1, 5, 13]), n=st.integers(8, 16), K=st.integers(2, 4), few=st.sampled_from([0, 6]),
        types=st.sampled_from([("q4_k", "q6_k", True), ("q8_0", "q8_0", False), ("q6_k", "q4_k", True),
                               ("iq4_xs", "q5_k", False)]),

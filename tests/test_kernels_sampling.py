@@ -14,6 +14,7 @@ from zdsl.errors import ZdslError
 from zdsl.kernels import sampling as k
 from zdsl.models.qwen35.sampler import SamplerConfig, check_vocab, sample_reference
 from kernel_testing import BACKENDS, run, subgroup
+from budget import examples
 
 SHAPES = [(64, 4), (256, 4), (64, 16), (256, 16)]  # (WG, R)
 
@@ -247,7 +248,7 @@ def test_penalty_window_follows_llamacpp(request, n, last_n, prompt, penalties, 
     penalty_window_follows_llamacpp("lavapipe", request, n, last_n, prompt, penalties, temperature, seed)
 
 
-@settings(max_examples=8)
+@settings(max_examples=examples(8))
 @given(**WINDOW_DRAWS)
 def test_penalty_window_follows_llamacpp_in_the_interpreter(request, n, last_n, prompt, penalties, temperature, seed):
     """The same in the interpreter, on fewer draws: 24 steps of three kernels interpreted per

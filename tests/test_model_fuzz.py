@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zdsl.models.qwen35 import synth
+from budget import examples
 
 TIMEOUT = 120  # seconds per command: far beyond the ~3 s a tiny model takes, so a miss is a hang
 
@@ -58,10 +59,11 @@ def run(*args) -> subprocess.CompletedProcess:
                           timeout=TIMEOUT)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(kind=st.sampled_from(["header", "metadata", "table", "huge", "cut"]), where=st.floats(0, 1, exclude_max=True),
        bits=st.lists(st.integers(0, 7), min_size=1, max_size=4),
        value=st.sampled_from([2 ** 63 - 1, 2 ** 40, 2 ** 32 + 5, 0xFFFFFFFF]))
+@pytest.mark.slow
 def test_a_damaged_file_runs_or_ends_in_one_line(original, tmp_path, kind, where, bits, value):
     path = tmp_path / "damaged.gguf"
     path.write_bytes(mutate(original, kind, where, bits, value))

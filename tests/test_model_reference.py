@@ -10,6 +10,8 @@ from zdsl.models.qwen35 import synth
 from zdsl.models.qwen35.reference import (ReferenceModel, deltanet_chunked, deltanet_recurrent, l2norm,
                                           rope_neox)
 
+from budget import examples
+
 
 @pytest.fixture(scope="module", params=["tiny", "tiny-dense"])
 def model(request, tmp_path_factory):
@@ -28,7 +30,7 @@ def _inputs(rng, T, H, dk, dv):
     return q, k, v, g, beta, S
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(T=st.integers(1, 150), H=st.integers(1, 3), dk=st.sampled_from([4, 16, 32]), dv=st.sampled_from([4, 8, 32]),
        chunk=st.sampled_from([1, 7, 16, 64]), seed=st.integers(0, 2**31))
 def test_chunked_deltanet_equals_recurrent(T, H, dk, dv, chunk, seed):
@@ -120,7 +122,7 @@ def test_bad_tokens(model):
     assert model.forward([]).shape == (0, model.hp.vocab)
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(splits=st.lists(st.integers(1, 70), min_size=1, max_size=3), seed=st.integers(0, 2**31))
 def test_any_split_into_calls_matches(model, splits, seed):
     toks = np.random.default_rng(seed).integers(0, model.hp.vocab, sum(splits))

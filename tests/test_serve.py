@@ -30,6 +30,8 @@ from zdsl.models.qwen35.serve import app, loopback, open_engine, serve
 CTX = 256
 HELLO = [{"role": "user", "content": "Hello there, who are you?"}]
 
+pytestmark = pytest.mark.slow  # a server on lavapipe, in processes of its own
+
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):

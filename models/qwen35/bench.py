@@ -308,7 +308,7 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
 
         copy_gbps = copy_bandwidth(dev, copy_mb << 20)
         say(f"copy bandwidth {copy_gbps:,.0f} GB/s; {PROMPT_NOTE}")
-        gen = Generator(m, dev, n_ctx=depths[-1] + extra, sampler=sampler, say=say, kv=kv)
+        gen = Generator(m, dev, n_ctx=depths[-1] + extra, sampler=sampler, say=say, kv=kv, warm=True)
         results = measure(gen, plan, depths, tokens, prompt_len, repeats, copy_gbps, say)
         report = {
             "command": " ".join(["zdsl bench", str(m.path), f"--contexts {','.join(map(str, depths))}"]

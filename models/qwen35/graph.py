@@ -105,7 +105,7 @@ class DecodeGraph:
     def __init__(self, model: ModelFile, device, n_ctx: int, sampler: SamplerConfig | None = None,
                  progress: bool = True, tuning: Database | None = None, say=None, checkpoint: bool = False,
                  chunk: int = PROMPT_CHUNK, kv: KVTypes = KV_DEFAULT, weights_of: DecodeGraph | None = None,
-                 slots: int = 1):
+                 slots: int = 1, warm: bool = False):
         """`say(line)` hears the memory plan before anything is allocated; `progress` shows the
         weights' upload; `checkpoint` keeps room to save the sequence state (`checkpoint()`);
         `chunk`: the most prompt tokens `prefill` runs at once (prefill.py); `kv`: the formats of
@@ -114,7 +114,9 @@ class DecodeGraph:
         runs nothing: only what the sequence keeps is allocated; that graph must stay open while
         this one is); `slots`: the sequences that will use this graph's weights, this one
         included, whose buffers and batched step (batch.py) the memory plan holds before anything
-        is allocated (a server's --parallel)."""
+        is allocated (a server's --parallel); `warm`: compile every kernel a run needs, and the
+        driver's pipelines, before returning (on every core), so that a first prompt's time is not
+        compile time."""
         self.weights_of = weights_of
         self.can_checkpoint = checkpoint
         self.kv_types = KVTypes(*kv)
@@ -143,7 +145,11 @@ class DecodeGraph:
             self._upload_weights(progress, say)
         self.seq = self.seq_next = self._timed = None
         self.recorded = 0  # times the step was recorded
-        self._prepare_kernels(progress, say)
+        if warm:
+            self._prepare_kernels(progress, say)
+        else:
+            self._record_steps()
+        self.reset()
 
     def buffers(self, n_ctx: int) -> list:
         """Every device buffer the graph holds at a context of n_ctx tokens (buffers.py): without
@@ -178,9 +184,6 @@ class DecodeGraph:
         prompt chunk's, found by recording them on a DryDevice) on every core; after, have the
         driver compile their pipelines (runtime/warm.py), so that a first prompt does not count
         compilation as prompt time."""
-        if getattr(self.device, "dry", False):
-            self._record_steps()
-            return
         from zdsl.console import Stages
         from zdsl.lang.kernel import compile_variants
         from zdsl.runtime.dry import DryDevice
@@ -188,7 +191,7 @@ class DecodeGraph:
 
         start, cores = time.perf_counter(), os.cpu_count() or 1
         dry = DecodeGraph(self.model, DryDevice(self.info), self.n_ctx, self.sampler, progress=False,
-                          tuning=self.tuning, kv=self.kv_types, chunk=self.chunk)
+                          tuning=self.tuning, kv=self.kv_types, chunk=self.chunk)  # records, compiles nothing
         launches = dry.seq.launches + dry.seq_next.launches + dry.prompt.record(min(2, self.chunk)).launches
         variants = list(dict.fromkeys(l.variant for l in launches))
         with Stages(progress, say) as stage:
@@ -200,7 +203,6 @@ class DecodeGraph:
             chunk.free()
             warmed = stage(f"{self.info.name} compiling {len(pipes)} pipelines", len(pipes),
                            lambda advance: warm(self.device, pipes, advance), lambda n: f"{n} compiled")
-        self.reset()
         if say and (compiled or warmed):
             say(f"kernels ready in {time.perf_counter() - start:.1f} s (compiled on this first run, then cached)")
 
