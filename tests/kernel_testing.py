@@ -50,11 +50,13 @@ def assert_q8_1_of(xq, xd, x):
 def assert_example_holds(kernel, args):
     """The inputs the tuner and the benches build for a launch of `kernel` with `args` (buffers
     given by their size in words; the check version) give what the example's reference expects,
-    on the variant the launch recorded, in the interpreter at subgroup size 8 unless args name one."""
+    on the variant the launch recorded, in the interpreter at subgroup size 8 (a kernel with a
+    subgroup Const) unless args name one."""
     seq = DryDevice(None).sequence()
     args = {n: DryBuffer(n, 4 * v) if n in {p.name for p in kernel.params if p.kind == "buffer"} else v
             for n, v in args.items()}
-    launch = kernel.launch(seq, lambda k, key, fixed: k.specialize(**{"SG": 8, **fixed}), **args)
+    sg = {kernel.subgroup: 8} if kernel.subgroup else {}
+    launch = kernel.launch(seq, lambda k, key, fixed: k.specialize(**{**sg, **fixed}), **args)
     example = kernel.make_example(launch, np.random.default_rng(0), True)
     v, params = launch.variant, launch.variant.params
     declared = {b[0] for b in v.ir.buffers} | {s.name for s in v.ir.scalars}
