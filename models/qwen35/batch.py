@@ -178,7 +178,7 @@ class Batch:
         emb = "token_embd.weight"
         embedding.embed.launch(seq, lender._pick, QTYPE=lender._qname(emb), table=lender.weights[emb], ids=self.steps,
                                out=self.rows.x, k=hp.hidden, index=2, stride=STEP_WORDS, rows=t)
-        lender.record_layers(seq, graphs, self.rows, at_row if indirect else None)
+        lender.record_layers(seq, [(g, g.step) for g in graphs], self.rows, at_row if indirect else None)
         for r, g in enumerate(graphs):
             g.finish_step(at_row(r))  # its copy of the step values back runs for every row: as they were, if idle
         return seq

@@ -115,6 +115,32 @@ def time_decode(graph, depth: int, n: int, burst: int) -> float:
     return n / (time.perf_counter() - start)
 
 
+def time_steps(graph, depth: int, t: int, n: int) -> float:
+    """ms of a step of t tokens of one sequence from `depth` (DecodeGraph.decode_tokens: the step
+    a speculative decoder verifies t drafted tokens with), each step waited for, as a verifier
+    waits to see what it accepts."""
+    ids = np.random.default_rng(t).integers(0, graph.hp.vocab, t).tolist()
+    graph.seek(depth)
+    start = time.perf_counter()
+    for _ in range(n):
+        graph.decode_tokens(ids)
+    return 1e3 * (time.perf_counter() - start) / n
+
+
+def measure_steps(graph, depth: int, sizes: list[int], n: int, repeats: int, say) -> list[dict]:
+    """ms per step of each of `sizes` tokens at `depth` (median of repeats, after an untimed
+    pass that records and warms), and its ratio to the step of one token through the same path."""
+    say(f"depth {depth:,}: steps of {', '.join(map(str, sizes))} tokens of one sequence, {repeats} × {n} steps each")
+    rows = []
+    for t in sizes:
+        time_steps(graph, depth, t, n)
+        rows.append({"tokens": t, "ms": summary([time_steps(graph, depth, t, n) for _ in range(repeats)])})
+    one = next((r["ms"]["median"] for r in rows if r["tokens"] == 1), None)
+    for r in rows:
+        r["vs_one_token"] = r["ms"]["median"] / one if one else None
+    return rows
+
+
 def copy_bandwidth(device, nbytes: int) -> float:
     """GB/s of the DSL copy kernel over two `nbytes` buffers (read + write bytes counted)."""
     from zdsl.autotune import timing, tuner
@@ -247,6 +273,30 @@ def results_table(r: dict):
     return t
 
 
+def steps_table(r: dict):
+    from zdsl.console import Table
+
+    depth = r["settings"]["contexts"][0]
+    t = Table(title=f"steps of several tokens of one sequence at depth {depth:,}, each waited for")
+    for col in ("tokens", "ms a step", "× one token", "tok/s fed"):
+        t.add_column(col, justify="right")
+    for row in r["steps"]:
+        ms = row["ms"]["median"]
+        t.add_row(str(row["tokens"]), f"{ms:.2f} ± {row['ms']['stdev']:.2f}",
+                  f"{row['vs_one_token']:.2f}" if row["vs_one_token"] else "", f"{1e3 * row['tokens'] / ms:,.0f}")
+    return t
+
+
+def parse_step_sizes(text: str) -> list[int]:
+    try:
+        sizes = sorted({int(c) for c in text.split(",") if c.strip()})
+    except ValueError:
+        sizes = []
+    if not sizes or sizes[0] < 1 or sizes[-1] > 64:
+        raise ZdslError(f"--step-tokens '{text}': give comma-separated token counts from 1 to 64, e.g. 1,2,4,8,16")
+    return sizes
+
+
 @click.command("bench")
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.option("--contexts", default=None,
@@ -261,8 +311,11 @@ def results_table(r: dict):
                    f"binds less or is a CPU].")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench"),
               show_default=True, help="Where bench.json, bench.md and bench.png go.")
+@click.option("--step-tokens", "step_sizes", default=None,
+              help="Also time steps of this many tokens of one sequence (comma-separated, e.g. 1,2,4,8,16: what "
+                   "verifying drafted tokens costs) at the first depth.")
 @kv_type_option
-def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir, kv):
+def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir, kv, step_sizes):
     """Decode and prompt tok/s at each context depth, against the ceiling that the device's
     measured copy bandwidth and the bytes read per token imply."""
     from zdsl.console import make_console
@@ -275,6 +328,7 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
     from zdsl.runtime import open_device
 
     depths = parse_contexts(contexts or DEFAULT_CONTEXTS)
+    sizes = parse_step_sizes(step_sizes) if step_sizes else []
     if min(tokens, prompt_len, repeats) < 1:
         raise ZdslError("--tokens, --prompt and --repeats must be at least 1")
     console = make_console()
@@ -292,11 +346,11 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
         copy_mb = device_defaults.copy_mb(info, copy_mb, say)
         plan = memory_plan(m)
         sampler = SamplerConfig(temperature=0)
-        extra = max(tokens, prompt_len)
+        extra = max(tokens, prompt_len, 8 * max(sizes, default=0))
         available = dev.memory_available()
 
         def specs_at(n_ctx: int):
-            return plan_buffers(m, info, n_ctx, sampler, kv=kv)
+            return plan_buffers(m, info, n_ctx, sampler, kv=kv, step_tokens=max(sizes, default=1))
 
         rows = memory_rows(specs_at, depths, extra, available)
         console.print(memory_table(rows, available, info.name))
@@ -308,13 +362,16 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
 
         copy_gbps = copy_bandwidth(dev, copy_mb << 20)
         say(f"copy bandwidth {copy_gbps:,.0f} GB/s; {PROMPT_NOTE}")
-        gen = Generator(m, dev, n_ctx=depths[-1] + extra, sampler=sampler, say=say, kv=kv, warm=True)
+        gen = Generator(m, dev, n_ctx=depths[-1] + extra, sampler=sampler, say=say, kv=kv, warm=True,
+                        step_tokens=max(sizes, default=1))
         results = measure(gen, plan, depths, tokens, prompt_len, repeats, copy_gbps, say)
+        step_rows = measure_steps(gen.graph, depths[0], sizes, 8, repeats, say) if sizes else []
         report = {
             "command": " ".join(["zdsl bench", str(m.path), f"--contexts {','.join(map(str, depths))}"]
                                 + ([f"--device {device}"] if device is not None else [])
                                 + [f"--tokens {tokens}", f"--prompt {prompt_len}", f"--repeats {repeats}",
-                                   f"--copy-mb {copy_mb}", f"--kv-type {','.join(kv)}", f"--out {out_dir}"]),
+                                   f"--copy-mb {copy_mb}", f"--kv-type {','.join(kv)}", f"--out {out_dir}"]
+                                + ([f"--step-tokens {','.join(map(str, sizes))}"] if sizes else [])),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "commit": git_commit(),
             "device": {"name": info.name, "driver": f"{info.driver_name} {info.driver_info}".strip(),
@@ -335,6 +392,7 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
             "notes": [PROMPT_NOTE, "bytes_per_token: weights read + KV rows read (mean over the timed steps) and "
                       "the row written + delta-net state read and written; ceiling = copy bandwidth / those bytes"],
             "rows": results,
+            "steps": step_rows,
         }
     finally:
         if gen is not None:
@@ -344,6 +402,8 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
     (out_dir / "bench.json").write_text(json.dumps(report, indent=1, ensure_ascii=False))
     (out_dir / "bench.md").write_text(markdown(report))
     console.print(results_table(report))
+    if step_rows:
+        console.print(steps_table(report))
     wrote = [out_dir / "bench.json", out_dir / "bench.md"]
     if plot(report, plan, out_dir / "bench.png"):
         wrote.append(out_dir / "bench.png")

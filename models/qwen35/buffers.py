@@ -70,10 +70,10 @@ def vector(name: str, n: int, halves: bool = False) -> list[BufferSpec]:
 SAVED = "saved."  # the prefix of the checkpoint twins of a sequence's state
 
 
-def batch_buffers(hp, n: int, parts: int, candidates: int, stride: int) -> list[BufferSpec]:
-    """The buffers of a batched step of n sequences (batch.py) that the prompt's rows lack, and
-    those one sequence's launches write that no other may: `parts` and `candidates` bytes of
-    attention partials and sampler room a sequence, `stride` bytes a launch's workgroup counts."""
+def row_buffers(hp, n: int, parts: int, candidates: int, prefix: str = "") -> list[BufferSpec]:
+    """The buffers of a step of n rows (tokens of several sequences, batch.py, or of one,
+    token_rows.py) that the prompt's rows lack, and those one row's launches write that no other
+    may: `parts` and `candidates` bytes of attention partials and sampler room a row."""
     K, F, S = hp.n_experts_used, hp.expert_ffn, hp.shared_ffn
     specs = [scratch("logits", 4 * n * hp.vocab)]
     specs += [scratch(f"attn_partials.{r}", parts) for r in range(n)]
@@ -84,7 +84,29 @@ def batch_buffers(hp, n: int, parts: int, candidates: int, stride: int) -> list[
             ("route_weights", 4 * n * (K + 1)), ("expert_act", 4 * n * (K * F + S)), ("zero_id", 4 * n * (K + 1)))]
     else:
         specs.append(scratch("ffn_act", 4 * n * hp.ffn))
-    return specs + [scratch("counts_gpu", stride * n * (8 * hp.n_layers + 16))]
+    return [BufferSpec(prefix + s.name, s.nbytes, s.kind) for s in specs]
+
+
+def batch_buffers(hp, n: int, parts: int, candidates: int, stride: int) -> list[BufferSpec]:
+    """The buffers of a batched step of n sequences (batch.py): its rows', and `stride` bytes a
+    launch's workgroup counts."""
+    return row_buffers(hp, n, parts, candidates) + [scratch("counts_gpu", stride * n * (8 * hp.n_layers + 16))]
+
+
+def token_buffers(hp, most: int, parts: int, candidates: int) -> list[BufferSpec]:
+    """The buffers of steps of up to `most` tokens of one sequence (token_rows.py): its rows', and
+    each row's step values in a slot of its own."""
+    from zdsl.models.qwen35.token_rows import STEP_STRIDE
+
+    return row_buffers(hp, most, parts, candidates, "rows.") + [scratch("rows.steps", STEP_STRIDE * most)]
+
+
+def ring_slots(hp, step_tokens: int) -> tuple[int, int]:
+    """(conv slots, state slots): the delta-net's conv inputs and states kept by position
+    (kernels/deltanet.py), so that a step of up to `step_tokens` tokens can be cut back to any of
+    its positions: KC − 1 inputs before the earliest, and a state after each position (and
+    before the first). One token a step: the state updated in place, KC conv slots."""
+    return hp.conv_kernel - 1 + step_tokens, step_tokens + 1 if step_tokens > 1 else 1
 
 
 def attn_splits(n_ctx: int, n_kv: int) -> int:
@@ -93,13 +115,15 @@ def attn_splits(n_ctx: int, n_kv: int) -> int:
 
 
 def decode_buffers(hp, tensors, n_ctx: int, candidates: int, checkpoint: bool = False, chunk: int = 0,
-                   halves: bool = False, kv: KVTypes = KV_DEFAULT) -> list[BufferSpec]:
+                   halves: bool = False, kv: KVTypes = KV_DEFAULT, step_tokens: int = 1) -> list[BufferSpec]:
     """The decode graph's buffers for hyperparameters `hp`, the graph's weights `tensors`
     (weights.GraphWeights), a context of n_ctx tokens and `candidates` bytes of sampler room;
     with `checkpoint`, a twin of the sequence state that steps overwrite (DecodeGraph.checkpoint);
     with `chunk`, the prompt path's buffers for chunks of that many tokens (at most n_ctx), with
     `halves` their f16 activations for matrix units; the KV caches in the (K, V) formats `kv`
-    (kernels/kvcache.py)."""
+    (kernels/kvcache.py); with step_tokens > 1, steps of that many tokens of the sequence
+    (token_rows.py: within the prompt's rows, so chunk ≥ step_tokens), the recurrent states in
+    rings that such a step can be cut back in (ring_slots)."""
     H, C, vd = hp.hidden, hp.conv_channels, hp.ssm_value_dim
     qd, kvd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
     splits = attn_splits(n_ctx, hp.n_kv_heads)
@@ -116,10 +140,12 @@ def decode_buffers(hp, tensors, n_ctx: int, candidates: int, checkpoint: bool = 
     for i in hp.attention_layers:
         specs += [BufferSpec(f"k_cache.{i}", rows * k_fmt.row_bytes(hp.head_dim), "KV cache"),
                   BufferSpec(f"v_cache.{i}", rows * v_fmt.row_bytes(hp.head_dim), "KV cache")]
+    conv_slots, state_slots = ring_slots(hp, step_tokens)
     for i in hp.deltanet_layers:
-        # the conv inputs as a ring of conv_kernel slots indexed by position (kernels/deltanet.py)
-        specs += [BufferSpec(f"conv_state.{i}", 4 * hp.conv_kernel * C, "recurrent state"),
-                  BufferSpec(f"ssm_state.{i}", 4 * hp.ssm_v_heads * hp.ssm_head_dim ** 2, "recurrent state")]
+        # the conv inputs and the states as rings indexed by position (kernels/deltanet.py)
+        specs += [BufferSpec(f"conv_state.{i}", 4 * conv_slots * C, "recurrent state"),
+                  BufferSpec(f"ssm_state.{i}", 4 * state_slots * hp.ssm_v_heads * hp.ssm_head_dim ** 2,
+                             "recurrent state")]
     if hp.moe:
         E, K, F, S = hp.n_experts, hp.n_experts_used, hp.expert_ffn, hp.shared_ffn
         specs += [f32("router_logits", E + 1),    # [E]: the shared expert's gate
@@ -136,6 +162,10 @@ def decode_buffers(hp, tensors, n_ctx: int, candidates: int, checkpoint: bool = 
         specs += [BufferSpec(SAVED + s.name, s.nbytes, s.kind) for s in specs if s.name in checkpointed(hp)]
     if chunk:
         specs += chunk_buffers(hp, min(chunk, n_ctx), halves)
+    if step_tokens > 1:
+        if step_tokens > min(chunk, n_ctx):
+            raise ZdslError(f"steps of {step_tokens} tokens need a prompt chunk and a context at least as long")
+        specs += token_buffers(hp, step_tokens, 4 * hp.n_heads * splits * (hp.head_dim + 2), candidates)
     return specs
 
 

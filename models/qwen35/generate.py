@@ -84,7 +84,7 @@ class Generator:
     def __init__(self, model: ModelFile, device, *, n_ctx: int, sampler: SamplerConfig, progress: bool = True,
                  burst: int = 8, say: Callable[[str], None] | None = None, keep: bool = False,
                  kv: KVTypes = KV_DEFAULT, checkpoints: int = 0, chunk: int = PROMPT_CHUNK,
-                 weights_of: Generator | None = None, slots: int = 1, warm: bool = False):
+                 weights_of: Generator | None = None, slots: int = 1, warm: bool = False, step_tokens: int = 1):
         """`keep`: prompts that extend the context continue it (a chat); bursts that run past an
         end-of-turn token are then undone from a checkpoint of the sequence state; `kv`: the
         KV caches' formats (kernels/kvcache.py); `checkpoints` (with keep): bytes of device memory
@@ -93,7 +93,8 @@ class Generator:
         `chunk`: the most prompt tokens fed at once (prefill.py); `weights_of`: a Generator of this
         model on this device whose weights this one reads (another sequence, e.g. a server slot);
         `slots`: the sequences that will read this one's weights, itself included; `warm`: compile
-        what a run needs before returning (DecodeGraph)."""
+        what a run needs before returning; `step_tokens`: the most tokens a step of the sequence
+        holds (DecodeGraph)."""
         self.model, self.device = model, device
         self.burst = burst  # decode steps per submission: the host waits once per burst
         self.bursts = Alone()  # what runs them: this graph alone, or with others (engine.Together)
@@ -105,7 +106,7 @@ class Generator:
         self.keep = keep
         self.graph = DecodeGraph(model, device, self.n_ctx, sampler, progress=progress, say=say, checkpoint=keep, kv=kv,
                                  chunk=chunk, weights_of=weights_of.graph if weights_of else None, slots=slots,
-                                 warm=warm)
+                                 warm=warm, step_tokens=step_tokens)
         self.context: list[int] = []
         self.checkpoints = Checkpoints(self.graph, checkpoints) if keep and checkpoints else None
         tok = self.tokenizer

@@ -27,17 +27,20 @@ import numpy as np
 
 from zdsl.autotune.database import Database, choose, shape_key
 from zdsl.errors import ZdslError
-from zdsl.kernels import attention, deltanet, dmmv, embedding, ffn, moe, q8_1, sampling, steps
+from zdsl.kernels import attention, deltanet, dmmv, embedding, ffn, matmul, moe, q8_1, sampling, steps
 from zdsl.kernels.kvcache import KV_DEFAULT, KVTypes
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS
 from zdsl.kernels.steps import STEP_WORDS
 from zdsl.runtime.memory import fmt_bytes
 from zdsl.models.qwen35.batch import MOST as BATCH_MOST
+
+DMMV_COLS = max(dmmv.dmmv.variant_space["COLS"])  # rows a matrix-vector product takes at most
 from zdsl.models.qwen35.buffers import (ATTN_MIN_CHUNK, PROMPT_CHUNK, SAVED, BufferSpec, Footprint, attn_splits,
-                                        batch_buffers, check_fits, checkpointed, decode_buffers, largest)
+                                        batch_buffers, check_fits, checkpointed, decode_buffers, largest, ring_slots)
 from zdsl.models.qwen35.checkpoints import Snapshot
 from zdsl.models.qwen35.gguf_file import ModelFile
 from zdsl.models.qwen35.prefill import Prefill
+from zdsl.models.qwen35.token_rows import TokenRows
 from zdsl.models.qwen35.sampler import SamplerConfig, check_vocab
 from zdsl.models.qwen35.weights import file_ranges, graph_weights
 
@@ -70,13 +73,13 @@ def candidate_bytes(sampler: SamplerConfig, groups: int) -> int:
 
 
 def plan_buffers(model: ModelFile, info, n_ctx: int, sampler: SamplerConfig, tuning: Database | None = None,
-                 kv: KVTypes = KV_DEFAULT):
+                 kv: KVTypes = KV_DEFAULT, step_tokens: int = 1):
     """The buffers (buffers.BufferSpec) a DecodeGraph of `model` holds on device `info`, sized before
     one is made: to show and check the memory plan up front."""
     groups = sampler_kernels(lambda kernel, key, fixed: choose(kernel, info, key, db=tuning, **fixed),
                              model.hparams.vocab, sampler)[2]
     return decode_buffers(model.hparams, graph_weights(model), n_ctx, candidate_bytes(sampler, groups), chunk=PROMPT_CHUNK,
-                          halves="coopmat" in info.features, kv=kv)
+                          halves="coopmat" in info.features, kv=kv, step_tokens=step_tokens)
 
 
 def record_launches(model, info, n_ctx: int, sampler: SamplerConfig | None = None, tuning: Database | None = None,
@@ -105,7 +108,7 @@ class DecodeGraph:
     def __init__(self, model: ModelFile, device, n_ctx: int, sampler: SamplerConfig | None = None,
                  progress: bool = True, tuning: Database | None = None, say=None, checkpoint: bool = False,
                  chunk: int = PROMPT_CHUNK, kv: KVTypes = KV_DEFAULT, weights_of: DecodeGraph | None = None,
-                 slots: int = 1, warm: bool = False):
+                 slots: int = 1, warm: bool = False, step_tokens: int = 1):
         """`say(line)` hears the memory plan before anything is allocated; `progress` shows the
         weights' upload; `checkpoint` keeps room to save the sequence state (`checkpoint()`);
         `chunk`: the most prompt tokens `prefill` runs at once (prefill.py); `kv`: the formats of
@@ -116,11 +119,18 @@ class DecodeGraph:
         included, whose buffers and batched step (batch.py) the memory plan holds before anything
         is allocated (a server's --parallel); `warm`: compile every kernel a run needs, and the
         driver's pipelines, before returning (on every core), so that a first prompt's time is not
-        compile time."""
+        compile time; `step_tokens`: the most tokens of the sequence one step may hold
+        (`decode_tokens`, token_rows.py; a speculative step's drafts and one), whose recurrent
+        states are kept by position so that it can be cut back (`cut`)."""
         self.weights_of = weights_of
         self.can_checkpoint = checkpoint
         self.kv_types = KVTypes(*kv)
         self.chunk = max(1, min(chunk, n_ctx))
+        if not 1 <= step_tokens <= self.chunk:
+            raise ZdslError(f"a step holds 1 to {self.chunk} tokens (the prompt chunk), not {step_tokens}")
+        self.step_tokens = step_tokens
+        self.conv_slots, self.state_slots = ring_slots(model.hparams, step_tokens)
+        self.last_step = None  # (position, sampler counter, tokens) of the last step of several tokens
         self.model, self.device, self.hp = model, device, model.hparams
         self.tensors = graph_weights(model)  # what the graph reads, by its names (weights.py)
         self.info = device.info
@@ -155,7 +165,7 @@ class DecodeGraph:
         """Every device buffer the graph holds at a context of n_ctx tokens (buffers.py): without
         the weights and activations where it uses another graph's."""
         specs = decode_buffers(self.hp, self.tensors, n_ctx, self._candidate_bytes(), self.can_checkpoint, self.chunk,
-                               "coopmat" in self.device.info.features, self.kv_types)
+                               "coopmat" in self.device.info.features, self.kv_types, self.step_tokens)
         return specs if self.weights_of is None else [s for s in specs if not self._borrowed(s)]
 
     def plan(self, n_ctx: int, slots: int = 1) -> list:
@@ -229,6 +239,8 @@ class DecodeGraph:
         chunks are recorded again on their next use: their variants and penalty window change too."""
         self._free_steps()
         self.prompt.forget()
+        if self.token_rows is not None:
+            self.token_rows.forget()
         self.tuning = tuning
         if sampler is not None:
             self.sampler = sampler
@@ -319,6 +331,7 @@ class DecodeGraph:
         self.sampler_settings = b["sampler_settings"]
         self.sampler_settings.write(self.sampler.settings())
         self.prompt = Prefill(self, b)
+        self.token_rows = TokenRows(self, b, self.step_tokens) if self.step_tokens > 1 else None
         # what a step overwrites that the sequence needs to be undone or resumed (buffers.checkpointed)
         self.sequence_state = {name: b[name] for name in sorted(checkpointed(hp))}
         self._snapshot = self._taken = None
@@ -353,6 +366,8 @@ class DecodeGraph:
         seq.fill(self.counts)
         seq.fill(self.router_arrivals)
         self.prompt.clear(seq)
+        if self.token_rows is not None:
+            self.token_rows.clear(seq)
         if self.hp.moe:
             seq.fill(self.zero_id)
         seq.run()
@@ -372,10 +387,16 @@ class DecodeGraph:
         return self._qname(tensor) in INT8_FORMATS
 
     def _project(self, seq, tensor: str, y, x: Vector, t: int = 1, add: bool = False) -> None:
-        """y rows (+)= W · x rows for t rows (one weight read for all: dmmv's COLS): int8 products
-        where the weight type has an int8 decoder and x comes in Q8_1, else f32."""
+        """y rows (+)= W · x rows for t rows (one weight read for all: dmmv's COLS, mul_mm's tiles
+        past them): int8 products where the weight type has an int8 decoder and x comes in Q8_1,
+        else f32."""
         m, k = self.tensors.shape(tensor)[-2:]
         q8 = self._int8(tensor) and x.q is not None
+        if t > DMMV_COLS:
+            matmul.mul_mm.launch(seq, self._pick, label=tensor.removesuffix(".weight"), QTYPE=self._qname(tensor),
+                                 Q8=q8, ADD=add, w=self.weights[tensor], y=y, k=k, m=m, t=t,
+                                 **(dict(xq=x.q, xd=x.d) if q8 else dict(x=x.f32)))
+            return
         dmmv.dmmv.launch(seq, self._pick, label=tensor.removesuffix(".weight"), QTYPE=self._qname(tensor), Q8=q8,
                          COLS=t, ADD=add, w=self.weights[tensor], y=y, k=k, m=m,
                          **(dict(xq=x.q, xd=x.d) if q8 else dict(x=x.f32)))
@@ -436,18 +457,24 @@ class DecodeGraph:
         emb = "token_embd.weight"
         embedding.embed.launch(seq, self._pick, QTYPE=self._qname(emb), table=self.weights[emb], ids=self.step,
                                out=self.x, k=self.hp.hidden, index=2, rows=1)
-        self.record_layers(seq, [self], self.own_rows)
+        self.record_layers(seq, [(self, self.step)], self.own_rows)
         self.finish_step(seq)
         return seq
 
-    def record_layers(self, seq, graphs: list, a, row_seq=None) -> None:
-        """The step after the embedding, for the sequences of `graphs` (this graph's weights; row r
-        of a's activations is graphs[r]'s token; x holds the embeddings): every projection once
-        for all rows, each sequence's attention, delta-net step, experts and sampling on its row,
-        a stage's launches of all sequences with no barrier between them. `row_seq(r)`, where
-        given, is what row r's launches record into (batch.py: indirect dispatches)."""
-        hp, t = self.hp, len(graphs)
+    def record_layers(self, seq, rows: list, a, row_seq=None) -> None:
+        """The step after the embedding, one token a row of a's activations (x holds their
+        embeddings), with this graph's weights. rows[r] = (graph, step): the sequence whose caches
+        and states row r's token reads and writes, and the step values its kernels read (its
+        position, length, token). Several rows may be tokens of one sequence at consecutive
+        positions (a step of several tokens, tokens.py), or of several sequences (batch.py).
+        Every projection runs once for all rows; attention, delta-net and sampling a launch a row,
+        a stage's launches of all rows with no barrier between them, except the delta-net's rows
+        of one sequence, which run in order (each reads the state the one before wrote); the
+        experts of all rows in one launch each. `row_seq(r)`, where given, is what row r's
+        launches record into (batch.py: indirect dispatches)."""
+        hp, t = self.hp, len(rows)
         each = functools.partial(_each, row_seq=row_seq or (lambda r: seq))
+        one_sequence_each = len({id(g) for g, _ in rows}) == t
         # the experts of every row in one launch each (the grid's z), where each row's need not be its own
         by_row = (lambda launches_of: each(seq, [launches_of(r, 1) for r in range(t)])) if row_seq else \
             (lambda launches_of: [launch(seq) for launch in launches_of(0, t)])
@@ -457,11 +484,12 @@ class DecodeGraph:
             if hp.attention[i]:
                 for name, out in (("attn_q", a.qg), ("attn_k", a.k), ("attn_v", a.v)):
                     self._project(seq, p + name + ".weight", out, a.normed, t)
-                each(seq, [g.attend(i, a, r) for r, g in enumerate(graphs)])
+                each(seq, [g.attend(i, a, r, step) for r, (g, step) in enumerate(rows)])
                 self._residual(seq, p + "attn_output.weight", a.attn_o, self._post_attention_norm(i), a, t)
             else:
                 self._project_two(seq, p + "attn_qkv.weight", a.mix, p + "attn_gate.weight", a.z, a, t)
-                each(seq, [[g.delta_step(i, a, r)] for r, g in enumerate(graphs)])
+                steps = [[g.delta_step(i, a, r, step)] for r, (g, step) in enumerate(rows)]
+                each(seq, steps) if one_sequence_each else [launch(seq) for [launch] in steps]
                 self._residual(seq, p + "ssm_out.weight", a.dn_out, self._post_attention_norm(i), a, t)
             if hp.moe:
                 by_row(lambda r, rows: self.experts(i, a, r, rows))
@@ -471,14 +499,15 @@ class DecodeGraph:
                                                       hp.ffn, rows=rows)])
                 self._residual(seq, p + "ffn_down.weight", Vector(a.act, None, None), self._next_norm(i), a, t)
         self._project(seq, self.tensors.output_name, a.logits, a.normed, t)
-        each(seq, [g.sample(a.logits, r, a.cands[r]) for r, g in enumerate(graphs)])
+        each(seq, [g.sample(a.logits, r, a.cands[r], step) for r, (g, step) in enumerate(rows)])
 
-    def attend(self, i: int, a, row: int) -> list:
+    def attend(self, i: int, a, row: int, step) -> list:
         """Layer i's attention for this graph's sequence, as three launches to record in order
         (each a function of the sequence): q, k and v normed and rotated, k and v into the cache;
         the splits of the cache; their merge, gated, into o. They read q·gate, k and v at row
         `row` of a's qg, k and v and write that row of a's q and attn_o (a Vector), with a's
-        parts[row] for the splits: the graph's own rows, or a batch's (record_layers)."""
+        parts[row] for the splits: the graph's own rows, or a batch's (record_layers); the token's
+        position and length in `step`."""
         hp, p = self.hp, f"blk.{i}."
         nh, nkv, d = hp.n_heads, hp.n_kv_heads, hp.head_dim
         k_cache, v_cache = self.kv[i]
@@ -488,18 +517,18 @@ class DecodeGraph:
             lambda seq: attention.attn_prep.launch(
                 seq, self._pick, label=p + "attn_prep", KT=kt, VT=vt, qg=a.qg, k=a.k, v=a.v,
                 q_norm=self.weights[p + "attn_q_norm.weight"], k_norm=self.weights[p + "attn_k_norm.weight"],
-                step=self.step, q=a.q, k_cache=k_cache, v_cache=v_cache, n_head=nh, n_kv=nkv, d=d,
+                step=step, q=a.q, k_cache=k_cache, v_cache=v_cache, n_head=nh, n_kv=nkv, d=d,
                 rope_dims=hp.rope_dims, rope_base=hp.rope_base, eps=hp.eps, row=row),
             lambda seq: attention.attn_decode.launch(
                 seq, self._pick, label=p + "attn_decode", D=d, G=nh // nkv, KT=kt, VT=vt, q=a.q, k_cache=k_cache,
-                v_cache=v_cache, step=self.step, part=part, n_kv=nkv, min_chunk=ATTN_MIN_CHUNK,
+                v_cache=v_cache, step=step, part=part, n_kv=nkv, min_chunk=ATTN_MIN_CHUNK,
                 nsplit=self.attn_splits, ctx=self.n_ctx, row=row),
             lambda seq: attention.attn_combine.launch(
                 seq, self._pick, label=p + "attn_combine", D=d, Q8=self._int8(p + "attn_output.weight"), VT=vt,
-                part=part, qg=a.qg, step=self.step, o=o.f32, oq=o.q, od=o.d, nsplit=self.attn_splits,
+                part=part, qg=a.qg, step=step, o=o.f32, oq=o.q, od=o.d, nsplit=self.attn_splits,
                 min_chunk=ATTN_MIN_CHUNK, n_head=nh, ctx=self.n_ctx, row=row)]
 
-    def delta_step(self, i: int, a, row: int):
+    def delta_step(self, i: int, a, row: int, step):
         """Layer i's delta-net step for this graph's sequence, as a launch to record (a function of
         the sequence): each head's gates β and α, the conv of the channels it reads and the delta
         rule, in one dispatch, reading row `row` of a's mix, z and normed (a Vector) and writing
@@ -510,7 +539,7 @@ class DecodeGraph:
         return lambda seq: deltanet.deltanet_step.launch(
             seq, self._pick, label=p + "ssm_conv+step", D=hp.ssm_head_dim, KC=hp.conv_kernel,
             Q8=self._int8(p + "ssm_out.weight"), QTYPE=self._qname(gates), v_heads=hp.ssm_v_heads, mix=a.mix,
-            conv_w=self.weights[p + "ssm_conv1d.weight"], conv_state=self.conv_state[i], step=self.step, z=a.z,
+            conv_w=self.weights[p + "ssm_conv1d.weight"], conv_state=self.conv_state[i], step=step, z=a.z,
             w_ba=self.weights[gates], x=x.f32, xq=x.q, xd=x.d, ssm_a=self.weights[p + "ssm_a"],
             dt_bias=self.weights[p + "ssm_dt.bias"], norm_w=self.weights[p + "ssm_norm.weight"],
             state=self.ssm_state[i], out=o.f32, oq=o.q, od=o.d, n_k_heads=hp.ssm_k_heads, k=hp.hidden, eps=hp.eps,
@@ -605,19 +634,19 @@ class DecodeGraph:
         a = self.own_rows
         self._norm(seq, "output_norm.weight", a, 1, x=x)
         self._project(seq, self.tensors.output_name, a.logits, a.normed)
-        for launch in self.sample(a.logits, 0, a.cands[0]):
+        for launch in self.sample(a.logits, 0, a.cands[0], self.step):
             launch(seq)
         self.finish_step(seq)
 
-    def sample(self, logits, row: int, cand) -> list:
+    def sample(self, logits, row: int, cand, step) -> list:
         """The next token of this graph's sequence from row `row` of `logits`, with this graph's
         sampler, as two launches to record in order: the candidates into `cand`, then the draw
-        into the step values and tokens_out."""
+        into the step values `step` (its token and counter) and tokens_out (at its position)."""
         cap, vocab, settings = self.sampler.kernel_cap, self.hp.vocab, self.sampler_settings
         return [lambda seq: sampling.sample_candidates.launch(seq, self._pick, CAP=cap, logits=logits, counts=self.counts,
                                                               cand=cand, settings=settings, n_vocab=vocab, row=row),
                 lambda seq: sampling.sample_draw.launch(seq, self._pick, CAP=cap, WG=self.sample_pass.params["WG"],
-                                                        R=self.sample_pass.params["R"], cand=cand, step=self.step,
+                                                        R=self.sample_pass.params["R"], cand=cand, step=step,
                                                         tokens=self.tokens_out, settings=settings, n_vocab=vocab,
                                                         max_tokens=self.n_ctx)]
 
@@ -636,6 +665,7 @@ class DecodeGraph:
         sequence's), write its position, length and token there. Returns whether it did."""
         if self.position + n > self.n_ctx:
             raise ZdslError(f"the context of {self.n_ctx} tokens is full; start again with a larger --ctx")
+        self.last_step = None
         if token is None and self._synced:
             return False
         w = self.step_words
@@ -654,6 +684,7 @@ class DecodeGraph:
         tokens[:-1]) would return (returned), as one submission."""
         if self.position + len(tokens) > self.n_ctx:
             raise ZdslError(f"the context of {self.n_ctx} tokens is full; start again with a larger --ctx")
+        self.last_step = None
         bad = next((t for t in tokens if not 0 <= t < self.hp.vocab), None)
         if bad is not None:
             raise ZdslError(f"token id {bad} is outside the vocabulary [0, {self.hp.vocab})")
@@ -662,6 +693,30 @@ class DecodeGraph:
         # the sampler's counter: each position one draw, as if stepped (the GPU counts a sampled one's)
         self.step_words[3] += len(tokens) - (1 if sample else 0)
         return self.prompt.run(tokens, sample)
+
+    def decode_tokens(self, tokens: list[int]) -> list[int]:
+        """Run one step of `tokens` (1 to step_tokens of them) at the current position, and return
+        the token sampled after each: what decode(tokens[0]), decode(tokens[1]), … would return,
+        up to rounding (token_rows.py). Afterwards the sequence may go on from any position the
+        step passed through (`cut`)."""
+        if self.token_rows is None:
+            raise ZdslError("this decode graph steps one token at a time: make it with step_tokens > 1")
+        return self.token_rows.run(tokens)
+
+    def cut(self, position: int) -> None:
+        """Go on from `position`, one of those the last step of several tokens passed through
+        (p0 … p0 + T), as if only the step's first position − p0 tokens had been fed (the rest of
+        a draft rejected): the recurrent states are read from the slots that step left there, the
+        KV rows past it are overwritten before they are read, the sampler's counter goes back.
+        The next step starts from the host (its token given)."""
+        if self.last_step is None:
+            raise ZdslError("cut() follows a decode_tokens() step, before any other")
+        p0, counter, t = self.last_step
+        if not p0 <= position <= p0 + t:
+            raise ZdslError(f"the last step passed positions {p0} to {p0 + t}, not {position}")
+        self.position = position
+        self.step_words[3] = counter + position - p0
+        self._synced = False
 
     @property
     def prefill_units(self) -> bool:
@@ -740,6 +795,8 @@ class DecodeGraph:
     def close(self) -> None:
         self._free_steps()
         self.prompt.free()
+        if self.token_rows is not None:
+            self.token_rows.free()
         if self._snapshot is not None:
             self._snapshot.free()   # its twins are the graph's buffers, freed below
         for buf in self._owned:

@@ -1,0 +1,124 @@
+"""Steps of several tokens of one sequence: a drafted continuation verified in one step.
+
+T tokens at positions p0 … p0 + T − 1 (T ≤ the graph's `step_tokens`) go through the same layer
+schedule as a decode step (DecodeGraph.record_layers), one row of the activations a token: the
+projections read each weight once for all T rows (dmmv's columns; mul_mm past them), the
+experts of all rows run in one launch, each row's attention reads the cache up to its own
+position (the rows' K and V are written first), and the delta-net's rows run in order, each
+from the state the row before left. Every row's logits are kept and every row samples, so
+token r + 1 of a draft can be checked against the token sampled after row r.
+
+The delta-net state and conv inputs are rings indexed by position (kernels/deltanet.py): the
+step leaves the state after each of its positions in a slot of its own, so the sequence can go
+on from any position p0 + j, j ≤ T (`DecodeGraph.cut`), with no replay and no copy. KV rows
+past it are overwritten before they are read.
+
+Each row's step values (position, length, token, sampler counter) sit in a slot of their own of
+`steps`, 256 bytes apart (any Vulkan device binds a slice there), which that row's kernels read
+as the decode step's kernels read the graph's `step`.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from zdsl.errors import ZdslError
+from zdsl.kernels import embedding, steps as step_kernels
+from zdsl.kernels.steps import STEP_WORDS
+
+STEP_STRIDE = 256  # bytes between rows' step values: Vulkan's largest storage-offset alignment
+
+
+class TokenRows:
+    """The steps of 2 … most tokens of DecodeGraph `g`'s sequence, over its buffers `b`
+    (buffers.token_buffers) and its prompt chunk's rows."""
+
+    def __init__(self, g, b: dict, most: int):
+        self.g, self.most = g, most
+        chunk = g.prompt  # its rows of the residual stream, norms and projections' outputs
+        self.steps = b["rows.steps"]
+        self.host = g.device.host_buffer(STEP_STRIDE * most, name="rows.steps_host")
+        self.host_words = self.host.view(np.uint32).reshape(most, STEP_STRIDE // 4)
+        self.logits = b["rows.logits"]
+        self.rows = SimpleNamespace(x=chunk.x, normed=chunk.normed, qg=chunk.qg, q=chunk.q, k=chunk.k, v=chunk.v,
+                                    attn_o=chunk.attn_o, mix=chunk.mix, z=chunk.z, dn_out=chunk.dn_out,
+                                    logits=self.logits, parts=[b[f"rows.attn_partials.{r}"] for r in range(most)],
+                                    cands=[b[f"rows.candidates.{r}"] for r in range(most)],
+                                    act=b["rows.expert_act" if g.hp.moe else "rows.ffn_act"])
+        if g.hp.moe:
+            self.rows.__dict__.update(router=b["rows.router_logits"], arrivals=b["rows.router_arrivals"],
+                                      route_ids=b["rows.route_ids"], route_w=b["rows.route_weights"],
+                                      zero_id=b["rows.zero_id"])
+        self._seqs: dict[int, object] = {}  # recorded steps by token count
+
+    def clear(self, seq) -> None:
+        """Record the zeroing of the counters the router expects at 0 (and leaves at 0)."""
+        if self.g.hp.moe:
+            seq.fill(self.rows.arrivals), seq.fill(self.rows.zero_id)
+
+    def step(self, t: int):
+        """The step of t tokens, step values by row from `steps`."""
+        return [self.steps.slice(STEP_STRIDE * r, 4 * STEP_WORDS) for r in range(t)]
+
+    def record(self, t: int, timestamps: bool = False):
+        """The sequence of a step of t tokens, recorded and not run (on a DryDevice: the launches
+        `zdsl tune` and `zdsl bench-kernels` see). It copies the rows' step values from the host,
+        runs the layers and every row's draw, then leaves the graph's own step values as a decode
+        step of the last token would (its draw, position and length moved on) and copies them back."""
+        g = self.g
+        if g.sampler.penalties:
+            raise ZdslError("a step of several tokens samples without repetition penalties (their window would "
+                            "count drafts that are cut away); use --repeat-penalty 1 and no presence/frequency penalty")
+        seq = g.device.sequence(timestamps=timestamps)
+        seq.copy(self.host, self.steps, STEP_STRIDE * t)
+        emb = "token_embd.weight"
+        embedding.embed.launch(seq, g._pick, QTYPE=g._qname(emb), table=g.weights[emb], ids=self.steps,
+                               out=self.rows.x, k=g.hp.hidden, index=2, stride=STEP_STRIDE // 4, rows=t)
+        views = self.step(t)
+        g.record_layers(seq, [(g, view) for view in views], self.rows)
+        seq.copy(views[-1], g.step, 4 * STEP_WORDS)
+        step_kernels.advance.launch(seq, g._pick, step=g.step)
+        seq.copy(g.step, g.step_host)
+        return seq
+
+    def run(self, tokens: list[int]) -> list[int]:
+        """Feed `tokens` at the graph's position in one step; returns the token sampled after each
+        (the one after tokens[r] at index r), as decode(tokens[r]) after tokens[:r] would."""
+        g, t = self.g, len(tokens)
+        if not 1 <= t <= self.most:
+            raise ZdslError(f"a step of this graph holds 1 to {self.most} tokens, not {t} (its step_tokens)")
+        g.from_host(tokens[0], t)  # checks the context's room and the first token
+        bad = next((x for x in tokens if not 0 <= x < g.hp.vocab), None)
+        if bad is not None:
+            raise ZdslError(f"token id {bad} is outside the vocabulary [0, {g.hp.vocab})")
+        p0, counter = g.position, int(g.step_words[3])
+        words = self.host_words
+        words[:t] = 0
+        words[:t, 0] = np.arange(p0, p0 + t)
+        words[:t, 1] = words[:t, 0] + 1
+        words[:t, 2] = tokens
+        words[:t, 3] = np.arange(counter, counter + t)  # each row's draw its own counter, as t steps count
+        seq = self._seqs.get(t)
+        if seq is None:
+            seq = self._seqs[t] = self.record(t)
+        seq.run()
+        g.position += t
+        g._synced = True
+        g.last_step = (p0, counter, t)
+        return g.tokens_out.read(np.uint32, (t,), offset=4 * p0).tolist()
+
+    def logits_of(self, t: int) -> np.ndarray:
+        """The t rows of logits of the last step of t tokens."""
+        return self.logits.read(np.float32, (t, self.g.hp.vocab))
+
+    def forget(self) -> None:
+        """Free the recorded steps (recorded again when next run)."""
+        for seq in self._seqs.values():
+            seq.free()
+        self._seqs.clear()
+
+    def free(self) -> None:
+        self.forget()
+        self.host.free()
