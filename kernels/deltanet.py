@@ -21,7 +21,7 @@ Layouts (all f32):
   sequence (inputs before position 0 are zeros), and the position advances by one per step.
 - delta state: [value head][i = key dim][j = value dim], row-major (j contiguous).
 - gate weights `w_ba`: `ssm_beta` then `ssm_alpha`, one buffer of 2 × heads rows in one GGUF type
-  (models/qwen35/weights.py stacks them).
+  (models/qwen35/model/weights.py stacks them).
 """
 
 from __future__ import annotations

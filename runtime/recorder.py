@@ -3,7 +3,7 @@
 Why: recording a step is Python work, ~0.15 ms a command (a few hundred ms for a batched step
 of the 35B-A3B), and the GPU need not wait for it. A server's set of decoding sequences changes
 as requests come and go; the step the new set deserves is recorded meanwhile, and the set runs
-a step already recorded until it is ready (models/qwen35/batch.py). The thread waits on nothing
+a step already recorded until it is ready (models/qwen35/model/batch.py). The thread waits on nothing
 the caller holds, and the caller's thread spends its time in vkWaitForFences with the GIL
 released, so the two overlap on CPython too.
 

@@ -22,9 +22,9 @@ from zdsl import Buffer, Const, f32, u32
 from zdsl.autotune import cost_model, database as db, tuner
 from zdsl.errors import KernelError, ZdslError
 from zdsl.lang.kernel import Launch
-from zdsl.models.qwen35 import synth
-from zdsl.models.qwen35.synth import PresetModel
-from zdsl.models.qwen35.tune import chunk_uses, step_uses
+from zdsl.models.qwen35.cli.tune import chunk_uses, step_uses
+from zdsl.models.qwen35.file import synth
+from zdsl.models.qwen35.file.synth import PresetModel
 
 
 # A kernel with a planted bug: WG = 128 (a value only `tune=` offers) adds 1 to every output.
@@ -174,9 +174,9 @@ def test_choose_takes_the_first_declared_choice_the_constraint_accepts_where_it_
 def test_recorded_launches_are_what_the_real_graph_launches(device, tmp_path):
     """A step recorded on a DryDevice (no memory, nothing runs) lists the launches a graph on
     lavapipe records: the same kernels, keys, sizes, grids and variants, in the same order."""
-    from zdsl.models.qwen35 import synth
-    from zdsl.models.qwen35.gguf_file import open_model
-    from zdsl.models.qwen35.graph import DecodeGraph, record_launches
+    from zdsl.models.qwen35.file import synth
+    from zdsl.models.qwen35.file.gguf_file import open_model
+    from zdsl.models.qwen35.model.graph import DecodeGraph, record_launches
 
     for preset in ("tiny", "tiny-dense"):
         path = tmp_path / f"{preset}.gguf"
@@ -937,7 +937,7 @@ def test_cli_modelled_prompt_chunk(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from zdsl.models.qwen35 import synth
+    from zdsl.models.qwen35.file import synth
 
     path = tmp_path_factory.mktemp("inplace") / "tiny.gguf"
     synth.write(path, "tiny", seed=5)
@@ -945,7 +945,7 @@ def tiny_model(tmp_path_factory):
 
 
 def _measured(device, path, kernel: str):
-    from zdsl.models.qwen35.gguf_file import open_model
+    from zdsl.models.qwen35.file.gguf_file import open_model
 
     uses = [u for u in step_uses(open_model(path), device.info, 64, (1,)) if u.kernel.name == kernel]
     measure = tuner.Measure(device, warmup=1, repeats=3, warm_s=0.0, cache_bytes=1 << 16)
@@ -955,8 +955,8 @@ def _measured(device, path, kernel: str):
 def test_retuned_step_runs_the_entry_and_decodes_the_same(device, tiny_model):
     """An entry recorded into the step by retune() changes the variant the step dispatches, and
     greedy decoding gives the same tokens (same math, another variant)."""
-    from zdsl.models.qwen35.gguf_file import open_model
-    from zdsl.models.qwen35.graph import DecodeGraph
+    from zdsl.models.qwen35.file.gguf_file import open_model
+    from zdsl.models.qwen35.model.graph import DecodeGraph
 
     (result,) = _measured(device, tiny_model, "moe_down_all")[:1]
     other = next(c for c in result.ranked + result.rejected if c.error is None and c.params != result.default.params)
@@ -977,9 +977,9 @@ def test_in_place_keeps_a_nominee_only_when_the_step_gets_faster(device, tiny_mo
     """The keep/drop logic with a step clock that depends on what the graph really recorded: a
     step is 1% faster per kept variant of one kind, so exactly those are kept, the final run
     confirms a gain, and the graph is back on the defaults afterwards."""
-    from zdsl.models.qwen35 import in_place
-    from zdsl.models.qwen35.gguf_file import open_model
-    from zdsl.models.qwen35.graph import DecodeGraph
+    from zdsl.models.qwen35.cli import in_place
+    from zdsl.models.qwen35.file.gguf_file import open_model
+    from zdsl.models.qwen35.model.graph import DecodeGraph
 
     results = _measured(device, tiny_model, "dmmv")
     g = DecodeGraph(open_model(tiny_model), device, 24, progress=False)
@@ -1010,7 +1010,7 @@ def test_in_place_keeps_a_nominee_only_when_the_step_gets_faster(device, tiny_mo
 
 
 def _nominees_alone(r):
-    from zdsl.models.qwen35.in_place import _nominees
+    from zdsl.models.qwen35.cli.in_place import _nominees
 
     return _nominees(r, 1)
 

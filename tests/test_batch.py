@@ -1,4 +1,4 @@
-"""Batched decode (models/qwen35/batch.py) against each sequence's own decode step, on lavapipe:
+"""Batched decode (models/qwen35/model/batch.py) against each sequence's own decode step, on lavapipe:
 three sequences at different positions (prompts of 5, 12 and 31 tokens) step together, for the
 MoE and the dense tiny models and weight types on the int8 and the f32 paths; the logits of each
 row, its KV cache rows and delta-net state, and its sampled tokens against those of the same
@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 from zdsl.errors import ZdslError
-from zdsl.models.qwen35 import synth
-from zdsl.models.qwen35.batch import Batch
-from zdsl.models.qwen35.gguf_file import QuantType, open_model
-from zdsl.models.qwen35.graph import DecodeGraph
-from zdsl.models.qwen35.reference import ReferenceModel
-from zdsl.models.qwen35.sampler import SamplerConfig
+from zdsl.models.qwen35.file import synth
+from zdsl.models.qwen35.file.gguf_file import QuantType, open_model
+from zdsl.models.qwen35.model.batch import Batch
+from zdsl.models.qwen35.model.graph import DecodeGraph
+from zdsl.models.qwen35.model.reference import ReferenceModel
+from zdsl.models.qwen35.model.sampler import SamplerConfig
 from zdsl.runtime.memory import PiecedBuffer
 
 from graph_testing import state_of

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from zdsl.cli import main
 from zdsl.kernels.attention import cache_rows
-from zdsl.models.qwen35 import synth
+from zdsl.models.qwen35.file import synth
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTEXTS, TOKENS, PROMPT, REPEATS = (16, 200), 4, 3, 2
@@ -142,7 +142,7 @@ def test_bench_defaults_fit_lavapipe(tiny, tmp_path, capsys, monkeypatch):
     """`zdsl bench MODEL --device lavapipe` with every default runs: the copy buffers shrink to
     what a CPU device gets (512 MiB would not even bind), the depths to those the tiny model's
     trained context holds, and each reduction is one line saying why."""
-    from zdsl.models.qwen35.bench import DEFAULT_CONTEXTS
+    from zdsl.models.qwen35.cli.bench import DEFAULT_CONTEXTS
 
     path, hp = tiny
     monkeypatch.chdir(tmp_path)
@@ -212,7 +212,7 @@ def test_copy_size_is_one_the_device_binds(limit, kind, given):
 
 @given(st.lists(st.tuples(st.integers(1, 1 << 20), st.booleans()), min_size=1, max_size=5), st.integers(1, 1 << 20))
 def test_default_depths_are_those_the_model_and_device_hold(shape, trained):
-    from zdsl.models.qwen35.bench import DEFAULT_CONTEXTS, default_rows
+    from zdsl.models.qwen35.cli.bench import DEFAULT_CONTEXTS, default_rows
 
     rows = [{"context": n - 1, "n_ctx": n, "fits": fits} for n, fits in sorted(shape)]
     said = []
@@ -296,7 +296,7 @@ def test_peer_script_without_llama_bench(tmp_path, monkeypatch, capsys):
 def test_profile_sums_code_per_kernel(dispatches, sizes):
     """Each kernel's code per step is the code bytes of the variant of each of its dispatches,
     summed; variants the driver gave no size for add nothing, and with no sizes there is none."""
-    from zdsl.models.qwen35.profile import summarize
+    from zdsl.models.qwen35.cli.profile import summarize
 
     timings = [(f"{role}:{variant}", ms) for role, variant, ms in dispatches]
     s = summarize(timings, sizes)

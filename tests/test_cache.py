@@ -127,7 +127,7 @@ def test_pipeline_cache_is_checked_against_the_device(cache, caplog):
 
 
 def test_default_model_is_regenerated(cache, caplog):
-    from zdsl.models.qwen35.generate import default_model
+    from zdsl.models.qwen35.model.generate import default_model
 
     path = default_model().path
     size = path.stat().st_size

@@ -26,11 +26,11 @@ import re
 import numpy as np
 import pytest
 
-from zdsl.models.qwen35 import synth
-from zdsl.models.qwen35.gguf_file import QuantType, open_model
-from zdsl.models.qwen35.graph import DecodeGraph
-from zdsl.models.qwen35.reference import ReferenceModel
-from zdsl.models.qwen35.sampler import SamplerConfig
+from zdsl.models.qwen35.file import synth
+from zdsl.models.qwen35.file.gguf_file import QuantType, open_model
+from zdsl.models.qwen35.model.graph import DecodeGraph
+from zdsl.models.qwen35.model.reference import ReferenceModel
+from zdsl.models.qwen35.model.sampler import SamplerConfig
 from zdsl.runtime.memory import PiecedBuffer
 
 from graph_testing import router_ties
@@ -190,7 +190,7 @@ def real_vocab_model(tmp_path_factory):
 def test_real_vocabulary_decodes_like_the_reference(real_vocab_model, device):
     """Logits over all 248,320 rows against the reference at positions 0..15, prompt ids above
     65,535 included; the tokenizer of that size encodes and decodes text."""
-    from zdsl.models.qwen35.tokenizer import Tokenizer
+    from zdsl.models.qwen35.model.tokenizer import Tokenizer
 
     model = real_vocab_model
     tok = Tokenizer.from_model(model)
@@ -261,7 +261,7 @@ def test_penalties_see_the_last_tokens_of_the_context(model, device):
     each sampled token is what the reference sampler picks from the step's own logits given the
     counts of that window (greedy, so the pick depends on the penalties alone), and the bursts
     that feed samples back on the GPU move the window too."""
-    from zdsl.models.qwen35.sampler import sample_reference
+    from zdsl.models.qwen35.model.sampler import sample_reference
 
     config = SamplerConfig(temperature=0, repeat_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3, last_n=4)
     graph = DecodeGraph(model, device, 40, config, progress=False)
@@ -312,7 +312,7 @@ def test_quantized_kv_caches_against_f16(tmp_path, device, capsys):
     0.03 and 90% agreement (measured 0.0089 and 96%; with q left unturned, which the kernels
     must turn as the cache's k, 0.068 and 79%). A bad --kv-types is one line and a non-zero exit."""
     from zdsl.cli import main
-    from zdsl.models.qwen35.quality import kv_quality
+    from zdsl.models.qwen35.cli.quality import kv_quality
 
     path = tmp_path / "tiny.gguf"
     synth.write(path, "tiny", seed=7)

@@ -16,10 +16,10 @@ to a reference of its own, and this test the sampler state and the undoing.)"""
 import numpy as np
 import pytest
 
-from zdsl.models.qwen35 import synth
-from zdsl.models.qwen35.gguf_file import open_model
-from zdsl.models.qwen35.generate import Generator
-from zdsl.models.qwen35.sampler import SamplerConfig
+from zdsl.models.qwen35.file import synth
+from zdsl.models.qwen35.file.gguf_file import open_model
+from zdsl.models.qwen35.model.generate import Generator
+from zdsl.models.qwen35.model.sampler import SamplerConfig
 
 from graph_testing import sampler_state_of, state_of
 
@@ -94,7 +94,7 @@ def test_second_turn_feeds_only_its_new_tokens(model, device, sampler):
 def test_chat_ids_keep_the_sampled_tokens(model):
     """The reply's own ids are spliced where the template puts its text, even where encoding the
     text again gives other ids; the rest is the template's rendering, encoded."""
-    from zdsl.models.qwen35.tokenizer import Tokenizer
+    from zdsl.models.qwen35.model.tokenizer import Tokenizer
 
     tok = Tokenizer.from_model(model)
     odd = [tok.token_id("h"), tok.token_id("e"), tok.token_id("y")]   # "hey", not as encoding would cut it

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from zdsl.kernels import attention as att
 from zdsl.errors import ZdslError
 from zdsl.kernels.kvcache import KV_FORMATS, hadamard, kv_format
-from zdsl.models.qwen35 import reference as model
+from zdsl.models.qwen35.model import reference as model
 from kernel_testing import BACKENDS, assert_example_holds, assert_q8_1_of, run, subgroup
 from budget import examples
 

@@ -21,7 +21,7 @@ from zdsl.kernels import deltanet as dn
 from zdsl.kernels import dmmv
 from zdsl.kernels.q8_1 import q8_1_buffers, q8_1_values
 from zdsl.kernels.quant import FORMATS
-from zdsl.models.qwen35 import reference as model
+from zdsl.models.qwen35.model import reference as model
 from kernel_testing import BACKENDS, assert_example_holds, assert_q8_1_of, run, subgroup
 
 EPS = 1e-6

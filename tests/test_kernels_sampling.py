@@ -12,7 +12,7 @@ import zdsl
 from zdsl import Buffer, Const, f32, u32
 from zdsl.errors import ZdslError
 from zdsl.kernels import sampling as k
-from zdsl.models.qwen35.sampler import SamplerConfig, check_vocab, sample_reference
+from zdsl.models.qwen35.model.sampler import SamplerConfig, check_vocab, sample_reference
 from kernel_testing import BACKENDS, run, subgroup
 from budget import examples
 

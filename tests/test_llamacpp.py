@@ -30,10 +30,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zdsl.models.qwen35 import synth
-from zdsl.models.qwen35.gguf_file import open_model
-from zdsl.models.qwen35.reference import ReferenceModel
-from zdsl.models.qwen35.tokenizer import Tokenizer
+from zdsl.models.qwen35.file import synth
+from zdsl.models.qwen35.file.gguf_file import open_model
+from zdsl.models.qwen35.model.reference import ReferenceModel
+from zdsl.models.qwen35.model.tokenizer import Tokenizer
 
 from test_model_loader import rewrite
 

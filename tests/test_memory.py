@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 from zdsl.errors import OutOfMemoryError, ZdslError
 from zdsl.kernels.kvcache import KVTypes
-from zdsl.models.qwen35 import synth
-from zdsl.models.qwen35.buffers import Footprint, check_fits, decode_buffers, largest_context
-from zdsl.models.qwen35.info import plan_tensors
-from zdsl.models.qwen35.weights import GraphWeights
+from zdsl.models.qwen35.file import synth
+from zdsl.models.qwen35.file.info import plan_tensors
+from zdsl.models.qwen35.model.buffers import Footprint, check_fits, decode_buffers, largest_context
+from zdsl.models.qwen35.model.weights import GraphWeights
 from zdsl.runtime import memory
 
 GIB, MIB = 1 << 30, 1 << 20

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zdsl.models.qwen35 import synth
+from zdsl.models.qwen35.file import synth
 from budget import examples
 
 TIMEOUT = 120  # seconds per command: far beyond the ~3 s a tiny model takes, so a miss is a hang

@@ -10,9 +10,9 @@ from gguf import GGML_QUANT_SIZES
 from test_model_loader import rewrite
 
 from zdsl.cli import main
-from zdsl.models.qwen35 import synth
-from zdsl.models.qwen35.gguf_file import QuantType, open_model
-from zdsl.models.qwen35.info import memory_plan, plan_tensors
+from zdsl.models.qwen35.file import synth
+from zdsl.models.qwen35.file.gguf_file import QuantType, open_model
+from zdsl.models.qwen35.file.info import memory_plan, plan_tensors
 
 GIB = 1 << 30
 

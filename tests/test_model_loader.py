@@ -8,9 +8,9 @@ import pytest
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, quants
 
 from zdsl.errors import ModelError
-from zdsl.models.qwen35 import synth
-from zdsl.models.qwen35.gguf_file import QuantType, open_model, read_gguf, tensor_specs
-from zdsl.models.qwen35.reference import ReferenceModel
+from zdsl.models.qwen35.file import synth
+from zdsl.models.qwen35.file.gguf_file import QuantType, open_model, read_gguf, tensor_specs
+from zdsl.models.qwen35.model.reference import ReferenceModel
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +123,8 @@ def test_fused_variants_load_and_give_the_same_logits(tiny, tmp_path):
 def test_fused_files_decode_on_the_gpu_as_the_unfused(tiny, tmp_path, device):
     """The decode graph reads fused tensors as their parts (weights.py): the same bytes reach
     the same kernels, so the logits are identical, not merely close."""
-    from zdsl.models.qwen35.graph import DecodeGraph
-    from zdsl.models.qwen35.sampler import SamplerConfig
+    from zdsl.models.qwen35.model.graph import DecodeGraph
+    from zdsl.models.qwen35.model.sampler import SamplerConfig
 
     fused = open_model(rewrite(tiny, tmp_path / "fused.gguf", fuse=True))
     logits = []
@@ -141,7 +141,7 @@ def test_graph_weights_split_fused_tensors_stack_shared_experts_and_join_gates()
     """Fused tensors split into row ranges, the shared expert stacked as expert E (kept apart
     where it has a type or width of its own), its gate as the router's last row, β and α joined
     (as F32 values where their types differ); gates of another shape are refused with the names."""
-    from zdsl.models.qwen35.weights import GraphWeights, Part
+    from zdsl.models.qwen35.model.weights import GraphWeights, Part
 
     hp = synth.preset("tiny")
     files = {n: (s, q) for n, s, q in synth.plan(hp, "q4_k_m")}

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zdsl.models.qwen35 import synth
-from zdsl.models.qwen35.reference import (ReferenceModel, deltanet_chunked, deltanet_recurrent, l2norm,
+from zdsl.models.qwen35.file import synth
+from zdsl.models.qwen35.model.reference import (ReferenceModel, deltanet_chunked, deltanet_recurrent, l2norm,
                                           rope_neox)
 
 from budget import examples

@@ -8,10 +8,10 @@ import pytest
 from click.testing import CliRunner
 
 from zdsl.errors import ModelError
-from zdsl.models.qwen35 import synth
-from zdsl.models.qwen35.commands import model as model_cli
-from zdsl.models.qwen35.gguf_file import QuantType, open_model
-from zdsl.models.qwen35.reference import ReferenceModel
+from zdsl.models.qwen35.cli.commands import model as model_cli
+from zdsl.models.qwen35.file import synth
+from zdsl.models.qwen35.file.gguf_file import QuantType, open_model
+from zdsl.models.qwen35.model.reference import ReferenceModel
 
 
 def test_35b_a3b_preset_has_the_real_shapes():

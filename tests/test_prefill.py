@@ -1,4 +1,4 @@
-"""Batched prefill (models/qwen35/prefill.py) against the token-by-token decode path and the numpy
+"""Batched prefill (models/qwen35/model/prefill.py) against the token-by-token decode path and the numpy
 reference, on lavapipe: prompts of 1, 7, 64 and 300 tokens in chunks of 64 (the last crossing
 chunk boundaries and ending on a partial chunk), for the MoE and the dense tiny models, weight
 types on the int8 and on the f32 path, and a real vocabulary (whose 248,320-row output head
@@ -33,11 +33,11 @@ tight bounds in tests/test_kernels_mma.py and the other kernel tests.
 import numpy as np
 import pytest
 
-from zdsl.models.qwen35 import synth
-from zdsl.models.qwen35.gguf_file import QuantType, open_model
-from zdsl.models.qwen35.graph import DecodeGraph
-from zdsl.models.qwen35.reference import ReferenceModel
-from zdsl.models.qwen35.sampler import SamplerConfig
+from zdsl.models.qwen35.file import synth
+from zdsl.models.qwen35.file.gguf_file import QuantType, open_model
+from zdsl.models.qwen35.model.graph import DecodeGraph
+from zdsl.models.qwen35.model.reference import ReferenceModel
+from zdsl.models.qwen35.model.sampler import SamplerConfig
 from zdsl.runtime.memory import PiecedBuffer
 
 from graph_testing import router_ties, state_of
@@ -212,7 +212,7 @@ def test_prefill_refuses_what_does_not_fit(model, device):
 def test_recorded_chunks_stay_few(model, device):
     """Prompts of many lengths keep the full chunk's recording and the last few others' (not one
     per length), and a length whose recording was dropped records again and feeds alike."""
-    from zdsl.models.qwen35.prefill import KEPT_LENGTHS
+    from zdsl.models.qwen35.model.prefill import KEPT_LENGTHS
 
     g = DecodeGraph(model, device, 64, SamplerConfig(temperature=0), progress=False, chunk=8)
     try:

@@ -20,12 +20,12 @@ import pytest
 from click.testing import CliRunner
 
 from zdsl.kernels.kvcache import KV_DEFAULT
-from zdsl.models.qwen35 import synth
-from zdsl.models.qwen35.gguf_file import open_model
-from zdsl.models.qwen35.generate import Generator
-from zdsl.models.qwen35.run import run
-from zdsl.models.qwen35.sampler import SamplerConfig
-from zdsl.models.qwen35.serve import app, loopback, open_engine, serve
+from zdsl.models.qwen35.cli.run import run
+from zdsl.models.qwen35.file import synth
+from zdsl.models.qwen35.file.gguf_file import open_model
+from zdsl.models.qwen35.model.generate import Generator
+from zdsl.models.qwen35.model.sampler import SamplerConfig
+from zdsl.models.qwen35.serve.server import app, loopback, open_engine, serve
 
 CTX = 256
 HELLO = [{"role": "user", "content": "Hello there, who are you?"}]

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from zdsl.errors import ZdslError
-from zdsl.models.qwen35 import synth
-from zdsl.models.qwen35.gguf_file import open_model
-from zdsl.models.qwen35.graph import DecodeGraph
-from zdsl.models.qwen35.sampler import SamplerConfig
+from zdsl.models.qwen35.file import synth
+from zdsl.models.qwen35.file.gguf_file import open_model
+from zdsl.models.qwen35.model.graph import DecodeGraph
+from zdsl.models.qwen35.model.sampler import SamplerConfig
 
 SAME = 1e-3
 PROMPT, MOST, CTX = 9, 16, 64

@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zdsl.errors import ModelError
-from zdsl.models.qwen35 import synth
-from zdsl.models.qwen35.gguf_file import open_model
-from zdsl.models.qwen35.tokenizer import Tokenizer
+from zdsl.models.qwen35.file import synth
+from zdsl.models.qwen35.file.gguf_file import open_model
+from zdsl.models.qwen35.model.tokenizer import Tokenizer
 from budget import examples
 
 SDIST = "llama-cpp-python==0.3.36"

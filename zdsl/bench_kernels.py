@@ -106,9 +106,9 @@ def print_table(device_name: str, copy_gbps: float, copy_bytes: int, results: li
 def bench_kernels(model, preset, quant, device_name, names, n_ctx, warmup, warm_ms, repeats, copy_mb, cache_mb, as_json):
     """Time each kernel launch of a model's decode step: GPU time and GB/s against measured copy bandwidth."""
     from zdsl.autotune import timing, tuner
-    from zdsl.models.qwen35.gguf_file import open_model
-    from zdsl.models.qwen35.synth import PresetModel
-    from zdsl.models.qwen35.tune import select, step_uses
+    from zdsl.models.qwen35.cli.tune import select, step_uses
+    from zdsl.models.qwen35.file.gguf_file import open_model
+    from zdsl.models.qwen35.file.synth import PresetModel
     from zdsl.runtime import open_device
 
     if min(warmup, warm_ms, cache_mb) < 0 or min(repeats, n_ctx) < 1:

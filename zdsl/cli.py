@@ -17,16 +17,16 @@ from zdsl.errors import ZdslError
 COMMANDS: dict[str, tuple[str, str]] = {
     # name: (module:attribute, one-line help shown by `zdsl --help`)
     "devices": ("zdsl.runtime.commands:devices", "List Vulkan devices and compile-only targets."),
-    "model": ("zdsl.models.qwen35.commands:model", "Inspect GGUF models and make synthetic ones."),
+    "model": ("zdsl.models.qwen35.cli.commands:model", "Inspect GGUF models and make synthetic ones."),
     "build": ("zdsl.build:build_command", "Build every kernel variant; --target gfx1201 adds RDNA statistics."),
-    "bench": ("zdsl.models.qwen35.bench:bench", "Decode speed against the bandwidth roofline, across context lengths."),
+    "bench": ("zdsl.models.qwen35.cli.bench:bench", "Decode speed against the bandwidth roofline, across context lengths."),
     "bench-kernels": ("zdsl.bench_kernels:bench_kernels", "Time kernels: GPU time and GB/s against measured copy bandwidth."),
-    "run": ("zdsl.models.qwen35.run:run", "Generate text from a GGUF model (default: a synthetic one)."),
-    "chat": ("zdsl.models.qwen35.run:chat", "Chat interactively with a GGUF model."),
-    "serve": ("zdsl.models.qwen35.serve:serve", "Serve a GGUF model over an OpenAI-compatible HTTP API."),
-    "profile": ("zdsl.models.qwen35.profile:profile", "Time one decode step dispatch by dispatch."),
-    "eval": ("zdsl.models.qwen35.quality:eval_group", "Measure quality: KV cache formats against f16 (eval kv)."),
-    "tune": ("zdsl.models.qwen35.tune:tune", "Pick the fastest kernel variants for a device (measured, or modelled for compile-only targets)."),
+    "run": ("zdsl.models.qwen35.cli.run:run", "Generate text from a GGUF model (default: a synthetic one)."),
+    "chat": ("zdsl.models.qwen35.cli.run:chat", "Chat interactively with a GGUF model."),
+    "serve": ("zdsl.models.qwen35.serve.server:serve", "Serve a GGUF model over an OpenAI-compatible HTTP API."),
+    "profile": ("zdsl.models.qwen35.cli.profile:profile", "Time one decode step dispatch by dispatch."),
+    "eval": ("zdsl.models.qwen35.cli.quality:eval_group", "Measure quality: KV cache formats against f16 (eval kv)."),
+    "tune": ("zdsl.models.qwen35.cli.tune:tune", "Pick the fastest kernel variants for a device (measured, or modelled for compile-only targets)."),
 }
 
 

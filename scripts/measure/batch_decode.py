@@ -1,4 +1,4 @@
-"""Aggregate decode speed of k sequences stepping together (models/qwen35/batch.py), against one
+"""Aggregate decode speed of k sequences stepping together (models/qwen35/model/batch.py), against one
 sequence's own steps: k DecodeGraphs on one copy of the weights, each fed a --prompt-token
 prompt, then --tokens steps of all k in bursts of 8. Prints one JSON line per k. Run on the GPU
 machine (docs/PERF.md)."""
@@ -11,10 +11,10 @@ import time
 import click
 import numpy as np
 
-from zdsl.models.qwen35.batch import Batch
-from zdsl.models.qwen35.gguf_file import open_model
-from zdsl.models.qwen35.graph import DecodeGraph
-from zdsl.models.qwen35.sampler import SamplerConfig
+from zdsl.models.qwen35.file.gguf_file import open_model
+from zdsl.models.qwen35.model.batch import Batch
+from zdsl.models.qwen35.model.graph import DecodeGraph
+from zdsl.models.qwen35.model.sampler import SamplerConfig
 from zdsl.runtime import open_device
 
 

@@ -12,7 +12,7 @@ per pipeline) measure two things:
   difference is what fetching code costs per link when a layer's kernels take turns."""
 from chains import chain_us, device_and_links
 from code_fetch import busy
-from zdsl.models.qwen35.profile import code_size
+from zdsl.models.qwen35.cli.profile import code_size
 
 SETS = {  # KB of NVIDIA binary per kernel, in the order a layer runs them
     "delta-net layer (HEAD)": (5.9, 13.7, 26.0, 3.7, 24.4, 5.9, 8.4),

@@ -18,9 +18,9 @@ import click
 import numpy as np
 
 from zdsl.kernels.kvcache import kv_types
-from zdsl.models.qwen35.api import Job
-from zdsl.models.qwen35.sampler import SamplerConfig
-from zdsl.models.qwen35.serve import open_engine
+from zdsl.models.qwen35.model.sampler import SamplerConfig
+from zdsl.models.qwen35.serve.api import Job
+from zdsl.models.qwen35.serve.server import open_engine
 
 
 def job(ids: list[int], tokens: int, temperature: float) -> Job:

@@ -20,9 +20,9 @@ import sys
 
 import zdsl
 from zdsl import Buffer, u32
-from zdsl.models.qwen35 import in_place
-from zdsl.models.qwen35.gguf_file import open_model
-from zdsl.models.qwen35.graph import DecodeGraph
+from zdsl.models.qwen35.cli import in_place
+from zdsl.models.qwen35.file.gguf_file import open_model
+from zdsl.models.qwen35.model.graph import DecodeGraph
 from zdsl.runtime import open_device
 from zdsl.runtime.sequence import Sequence
 

@@ -8,10 +8,10 @@ are the driver's code sizes where it reports them (profile.code_sizes: NVIDIA an
 import statistics
 import sys
 
-from zdsl.models.qwen35 import in_place
-from zdsl.models.qwen35.gguf_file import open_model
-from zdsl.models.qwen35.graph import DecodeGraph
-from zdsl.models.qwen35.profile import code_sizes
+from zdsl.models.qwen35.cli import in_place
+from zdsl.models.qwen35.cli.profile import code_sizes
+from zdsl.models.qwen35.file.gguf_file import open_model
+from zdsl.models.qwen35.model.graph import DecodeGraph
 from zdsl.runtime import open_device
 
 model, name = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else ""

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from .synth import PRESETS, QUANTS
+from ..file.synth import PRESETS, QUANTS
 
 GIB = 1 << 30
 
@@ -48,7 +48,7 @@ def synth(out, preset, layers, vocab, quant, shared_ffn, hidden, tensor_types, s
     """Write a random-weight model with the real tensor names, shapes and types."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
-    from .synth import tensor_type_option, write
+    from ..file.synth import tensor_type_option, write
 
     overrides = dict(tensor_type_option(t) for t in tensor_types)
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
@@ -64,7 +64,7 @@ def synth(out, preset, layers, vocab, quant, shared_ffn, hidden, tensor_types, s
 def _vocab_size(text: str | None) -> int | None:
     from zdsl.errors import ZdslError
 
-    from .synth import REAL_VOCABS
+    from ..file.synth import REAL_VOCABS
 
     if text is None:
         return None
@@ -86,7 +86,7 @@ def _vocab_size(text: str | None) -> int | None:
 def info(path, vram, device, as_json):
     """Architecture, type mix and what zdsl can run of any GGUF file; for a Qwen3.5 model also
     hyperparameters, bytes read per token, KV and state sizes, and the context that fits a card."""
-    from .describe import NO_KERNEL, describe
+    from ..file.describe import NO_KERNEL, describe
 
     d = describe(path)
     memory = parse_size(vram) if vram is not None else _free_memory(device) if device is not None else None
@@ -154,13 +154,13 @@ def _contexts(d, memory: int) -> dict[str, int]:
     allocates (buffers.py) where zdsl runs the file, else beside the weights and state alone."""
     from zdsl.kernels.kvcache import kv_types
 
-    from .info import SHOWN_KV_TYPES
+    from ..file.info import SHOWN_KV_TYPES
 
     if not d.runnable:
         return {f: d.plan.max_context(memory, f) for f in SHOWN_KV_TYPES}
-    from .buffers import largest_context
-    from .gguf_file import open_model
-    from .weights import graph_weights
+    from ..file.gguf_file import open_model
+    from ..model.buffers import largest_context
+    from ..model.weights import graph_weights
 
     tensors = graph_weights(open_model(d.path))
     return {f: largest_context(d.hparams, tensors, memory, kv_types(f)) for f in SHOWN_KV_TYPES}
@@ -168,7 +168,7 @@ def _contexts(d, memory: int) -> dict[str, int]:
 
 def _model_rows(d, memory: int | None) -> list[tuple[str, str]]:
     """Hyperparameters, and the memory plan when the file holds every tensor the model needs."""
-    from .info import SHOWN_KV_TYPES
+    from ..file.info import SHOWN_KV_TYPES
 
     hp, plan = d.hparams, d.plan
     if hp is None:

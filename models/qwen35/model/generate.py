@@ -14,12 +14,12 @@ from typing import Callable, Iterator
 from zdsl.cache import cache_dir, discard
 from zdsl.errors import ModelError, ZdslError
 from zdsl.kernels.kvcache import KV_DEFAULT, KVTypes
-from zdsl.models.qwen35.buffers import PROMPT_CHUNK
-from zdsl.models.qwen35.checkpoints import Checkpoints
-from zdsl.models.qwen35.gguf_file import ModelFile, open_model
-from zdsl.models.qwen35.graph import DecodeGraph
-from zdsl.models.qwen35.sampler import SamplerConfig
-from zdsl.models.qwen35.tokenizer import Tokenizer
+from zdsl.models.qwen35.file.gguf_file import ModelFile, open_model
+from zdsl.models.qwen35.model.buffers import PROMPT_CHUNK
+from zdsl.models.qwen35.model.checkpoints import Checkpoints
+from zdsl.models.qwen35.model.graph import DecodeGraph
+from zdsl.models.qwen35.model.sampler import SamplerConfig
+from zdsl.models.qwen35.model.tokenizer import Tokenizer
 
 DEFAULT_PRESET = "tiny"
 
@@ -27,7 +27,7 @@ DEFAULT_PRESET = "tiny"
 def default_model(progress: Callable[[str], None] | None = None) -> ModelFile:
     """The embedded default: a tiny synthetic qwen35moe model, generated on first use, and again
     when the cached file no longer opens."""
-    from zdsl.models.qwen35 import synth
+    from zdsl.models.qwen35.file import synth
 
     path = cache_dir("models") / f"synthetic-{DEFAULT_PRESET}.gguf"
     if path.exists():

@@ -37,7 +37,7 @@ from zdsl.errors import ZdslError
 from zdsl.kernels import embedding
 from zdsl.kernels.dmmv import dmmv
 from zdsl.kernels.steps import STEP_WORDS
-from zdsl.models.qwen35.buffers import batch_buffers
+from zdsl.models.qwen35.model.buffers import batch_buffers
 
 MOST = max(dmmv.variant_space["COLS"])  # sequences a batch holds: dmmv's columns
 OWN_AFTER, KEPT = 2, 8  # the burst of a set of sequences that records its own step; steps kept

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .gguf_file import Hparams, ModelFile, open_model
+from ..file.gguf_file import Hparams, ModelFile, open_model
 
 DELTANET_CHUNK = 64  # tokens a chunk of the delta rule's chunked form solves at once, as in llama.cpp and the fla kernels
 CACHE_WHOLE_BYTES = 256 << 20  # expert tensors smaller than this dequantized are kept whole; larger

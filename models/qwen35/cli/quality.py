@@ -45,8 +45,8 @@ def compare(reference: np.ndarray, other: np.ndarray, kv_type: str) -> Quality:
 
 def next_token_logits(model, device, tokens: list[int], kv: KVTypes) -> np.ndarray:
     """(len(tokens), vocab): the logits after each token, fed one decode step at a time."""
-    from zdsl.models.qwen35.graph import DecodeGraph
-    from zdsl.models.qwen35.sampler import SamplerConfig
+    from zdsl.models.qwen35.model.graph import DecodeGraph
+    from zdsl.models.qwen35.model.sampler import SamplerConfig
 
     graph = DecodeGraph(model, device, len(tokens), SamplerConfig(temperature=0), progress=False, chunk=1, kv=kv)
     try:
@@ -83,7 +83,7 @@ def eval_kv(model, tokens, types, seed, device, as_json):
     """Mean KL divergence of the next-token distributions and top-1 agreement of each KV cache
     format against f16, over the same token sequence."""
     from zdsl.console import Table, make_console
-    from zdsl.models.qwen35.gguf_file import open_model
+    from zdsl.models.qwen35.file.gguf_file import open_model
     from zdsl.runtime import open_device
 
     if tokens < 1:

@@ -23,11 +23,11 @@ from zdsl.console import Table, make_console
 from zdsl.errors import ZdslError
 from zdsl.kernels.kvcache import KV_DEFAULT, KVTypes
 
-from .gguf_file import open_model
-from .graph import DecodeGraph, record_chunk_launches, record_launches
+from ..file.gguf_file import open_model
+from ..file.synth import QUANTS, PresetModel
+from ..model.graph import DecodeGraph, record_chunk_launches, record_launches
+from ..model.sampler import SamplerConfig
 from .run import kv_type_option
-from .sampler import SamplerConfig
-from .synth import QUANTS, PresetModel
 
 from zdsl.autotune import check, cost_model, tuner
 from zdsl.autotune.database import Database, database, user_path

@@ -21,9 +21,9 @@ import click
 
 from zdsl.errors import ZdslError
 from zdsl.kernels.kvcache import KVTypes
-from zdsl.models.qwen35.api import ApiError, chat_job, completion_job
-from zdsl.models.qwen35.engine import Engine
-from zdsl.models.qwen35.run import kv_type_option
+from zdsl.models.qwen35.cli.run import kv_type_option
+from zdsl.models.qwen35.serve.api import ApiError, chat_job, completion_job
+from zdsl.models.qwen35.serve.engine import Engine
 
 log = logging.getLogger("zdsl.serve")
 OPEN = {"/health"}  # routes that need no API key
@@ -163,10 +163,10 @@ def open_engine(model, device, *, n_ctx: int, kv: KVTypes, checkpoint_mib: int, 
     its weights and decoding together, and its model id."""
     import threading
 
-    from zdsl.models.qwen35.batch import MOST, Batch
-    from zdsl.models.qwen35.engine import Slot, Together
-    from zdsl.models.qwen35.generate import Generator, load
-    from zdsl.models.qwen35.sampler import SamplerConfig
+    from zdsl.models.qwen35.model.batch import MOST, Batch
+    from zdsl.models.qwen35.model.generate import Generator, load
+    from zdsl.models.qwen35.model.sampler import SamplerConfig
+    from zdsl.models.qwen35.serve.engine import Slot, Together
     from zdsl.runtime.memory import fmt_bytes
 
     gpu = threading.RLock()

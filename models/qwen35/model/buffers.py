@@ -96,7 +96,7 @@ def batch_buffers(hp, n: int, parts: int, candidates: int, stride: int) -> list[
 def token_buffers(hp, most: int, parts: int, candidates: int) -> list[BufferSpec]:
     """The buffers of steps of up to `most` tokens of one sequence (token_rows.py): its rows', and
     each row's step values in a slot of its own."""
-    from zdsl.models.qwen35.token_rows import STEP_STRIDE
+    from zdsl.models.qwen35.model.token_rows import STEP_STRIDE
 
     return row_buffers(hp, most, parts, candidates, "rows.") + [scratch("rows.steps", STEP_STRIDE * most)]
 

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from zdsl.models.qwen35.sampler import SamplerConfig
+from zdsl.models.qwen35.model.sampler import SamplerConfig
 
 
 def kv_type_option(f):
@@ -63,7 +63,7 @@ def run(model, prompt, n_predict, chat, no_think, ignore_eos, as_json, **opts):
     """Generate text. With no MODEL, a small synthetic model (generated on first use) shows the
     whole pipeline working."""
     from zdsl.errors import ZdslError
-    from zdsl.models.qwen35.generate import load
+    from zdsl.models.qwen35.model.generate import load
 
     if n_predict < 1:
         raise ZdslError(f"-n must be at least 1, got {n_predict}")
@@ -104,7 +104,7 @@ def run(model, prompt, n_predict, chat, no_think, ignore_eos, as_json, **opts):
 def chat(model, n_predict, no_think, system, **opts):
     """Interactive chat with the model's template (an empty line or Ctrl-D ends it). The
     conversation stays in the caches: each turn feeds only its new tokens."""
-    from zdsl.models.qwen35.generate import load
+    from zdsl.models.qwen35.model.generate import load
 
     gen = load(model, opts["device"], n_ctx=opts["n_ctx"], sampler=make_sampler(opts), say=_say, keep=True,
                kv=opts["kv"])

@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from zdsl.models.qwen35.api import Job
-from zdsl.models.qwen35.generate import Generator
+from zdsl.models.qwen35.model.generate import Generator
+from zdsl.models.qwen35.serve.api import Job
 
 GATHER_S = 0.02  # how long a burst waits for the other decoding slots' before it runs without them
 

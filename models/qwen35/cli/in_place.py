@@ -21,7 +21,7 @@ from zdsl.autotune import tuner
 from zdsl.autotune.database import Database, Entry
 from zdsl.kernels import sampling
 
-from .sampler import SamplerConfig
+from ..model.sampler import SamplerConfig
 
 MIN_GAIN = 0.002  # a nominee must save at least this fraction of a step (and more than the noise)
 

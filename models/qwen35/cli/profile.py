@@ -18,7 +18,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from zdsl.models.qwen35.run import kv_type_option
+from zdsl.models.qwen35.cli.run import kv_type_option
 
 PHASES = [  # (phase, pattern on the dispatch label "<role>:<kernel variant>")
     ("embedding", r"^embed"),
@@ -128,8 +128,8 @@ def profile(model, device, n_ctx, position, top, steps, warm_ms, prompt_len, out
     """Time a decode step (or a prompt chunk) dispatch by dispatch (GPU timestamps)."""
     from zdsl.console import Table, make_console
     from zdsl.errors import ZdslError
-    from zdsl.models.qwen35.generate import load
-    from zdsl.models.qwen35.sampler import SamplerConfig
+    from zdsl.models.qwen35.model.generate import load
+    from zdsl.models.qwen35.model.sampler import SamplerConfig
 
     if not 0 <= position < n_ctx - 1 - prompt_len:
         raise ZdslError(f"--position must be in [0, {n_ctx - 1 - prompt_len}) for a context of {n_ctx}"

@@ -16,7 +16,7 @@ from gguf import TokenType
 
 from zdsl.errors import ModelError
 
-from .gguf_file import field_contents, read_gguf
+from ..file.gguf_file import field_contents, read_gguf
 
 # Pre-tokenizer regexes by `tokenizer.ggml.pre` (from the models' tokenizer.json files).
 # qwen35 adds \p{M} (combining marks) to the letter classes of qwen2.

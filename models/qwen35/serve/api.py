@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass
 
 from zdsl.errors import ZdslError
-from zdsl.models.qwen35.sampler import SamplerConfig
+from zdsl.models.qwen35.model.sampler import SamplerConfig
 
 # request field -> SamplerConfig field
 SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",

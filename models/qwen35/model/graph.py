@@ -32,17 +32,18 @@ from zdsl.kernels.kvcache import KV_DEFAULT, KVTypes
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS
 from zdsl.kernels.steps import STEP_WORDS
 from zdsl.runtime.memory import fmt_bytes
-from zdsl.models.qwen35.batch import MOST as BATCH_MOST
+from zdsl.models.qwen35.file.gguf_file import ModelFile
+from zdsl.models.qwen35.model.batch import MOST as BATCH_MOST
+from zdsl.models.qwen35.model.buffers import (ATTN_MIN_CHUNK, PROMPT_CHUNK, SAVED, BufferSpec, Footprint, attn_splits,
+                                              batch_buffers, check_fits, checkpointed, decode_buffers, largest,
+                                              ring_slots)
+from zdsl.models.qwen35.model.checkpoints import Snapshot
+from zdsl.models.qwen35.model.prefill import Prefill
+from zdsl.models.qwen35.model.sampler import SamplerConfig, check_vocab
+from zdsl.models.qwen35.model.token_rows import TokenRows
+from zdsl.models.qwen35.model.weights import file_ranges, graph_weights
 
 DMMV_COLS = max(dmmv.dmmv.variant_space["COLS"])  # rows a matrix-vector product takes at most
-from zdsl.models.qwen35.buffers import (ATTN_MIN_CHUNK, PROMPT_CHUNK, SAVED, BufferSpec, Footprint, attn_splits,
-                                        batch_buffers, check_fits, checkpointed, decode_buffers, largest, ring_slots)
-from zdsl.models.qwen35.checkpoints import Snapshot
-from zdsl.models.qwen35.gguf_file import ModelFile
-from zdsl.models.qwen35.prefill import Prefill
-from zdsl.models.qwen35.token_rows import TokenRows
-from zdsl.models.qwen35.sampler import SamplerConfig, check_vocab
-from zdsl.models.qwen35.weights import file_ranges, graph_weights
 
 
 @dataclass

@@ -24,7 +24,7 @@ import numpy as np
 from zdsl import device_defaults
 from zdsl.errors import ZdslError
 from zdsl.kernels.kvcache import KV_DEFAULT, KVTypes, kv_types
-from zdsl.models.qwen35.run import kv_type_option
+from zdsl.models.qwen35.cli.run import kv_type_option
 
 DEFAULT_CONTEXTS = "0,4096,16384,32768"  # llama-bench reports pp512 and tg128 at depth 0
 # Untimed prompts at each depth for at least this long: an idle GPU's clocks rise over the first
@@ -48,7 +48,7 @@ def parse_contexts(text: str) -> list[int]:
 
 def memory_rows(specs_at, contexts: list[int], extra: int, available: int) -> list[dict]:
     """The decode graph's buffers for each context (depth + `extra` timed tokens), by kind."""
-    from zdsl.models.qwen35.buffers import Footprint
+    from zdsl.models.qwen35.model.buffers import Footprint
 
     rows = []
     for c in contexts:
@@ -247,7 +247,7 @@ def plot(r: dict, plan, path: Path) -> bool:
 
 def memory_table(rows: list[dict], available: int, device_name: str):
     from zdsl.console import Table
-    from zdsl.models.qwen35.buffers import KINDS
+    from zdsl.models.qwen35.model.buffers import KINDS
     from zdsl.runtime.memory import fmt_bytes
 
     t = Table(title=f"memory plan ({device_name}: {fmt_bytes(available)} free)")
@@ -319,12 +319,12 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
     """Decode and prompt tok/s at each context depth, against the ceiling that the device's
     measured copy bandwidth and the bytes read per token imply."""
     from zdsl.console import make_console
-    from zdsl.models.qwen35.gguf_file import open_model
-    from zdsl.models.qwen35.buffers import check_fits
-    from zdsl.models.qwen35.generate import Generator
-    from zdsl.models.qwen35.graph import plan_buffers
-    from zdsl.models.qwen35.info import memory_plan
-    from zdsl.models.qwen35.sampler import SamplerConfig
+    from zdsl.models.qwen35.file.gguf_file import open_model
+    from zdsl.models.qwen35.file.info import memory_plan
+    from zdsl.models.qwen35.model.buffers import check_fits
+    from zdsl.models.qwen35.model.generate import Generator
+    from zdsl.models.qwen35.model.graph import plan_buffers
+    from zdsl.models.qwen35.model.sampler import SamplerConfig
     from zdsl.runtime import open_device
 
     depths = parse_contexts(contexts or DEFAULT_CONTEXTS)

@@ -1,0 +1,1 @@
+"""The model on the device and its ground truth: decode graph, prefill, batches, buffers, weights, generation."""
