@@ -113,7 +113,7 @@ class Batch:
         self._step(sorted(rows)).run(times=n)
         for g in graphs:
             g.position += n
-            g._synced = True
+            g.synced = True
         return [g.tokens_out.read(np.uint32, (n,), offset=4 * p).tolist() for g, p in zip(graphs, first)]
 
     def _rows_of(self, graphs: list) -> set[int]:
@@ -176,7 +176,7 @@ class Batch:
         for r, g in enumerate(graphs):
             g.window(at_row(r))
         emb = "token_embd.weight"
-        embedding.embed.launch(seq, lender._pick, QTYPE=lender._qname(emb), table=lender.weights[emb], ids=self.steps,
+        embedding.embed.launch(seq, lender.pick, QTYPE=lender.qname(emb), table=lender.weights[emb], ids=self.steps,
                                out=self.rows.x, k=hp.hidden, index=2, stride=STEP_WORDS, rows=t)
         lender.record_layers(seq, [(g, g.step) for g in graphs], self.rows, at_row if indirect else None)
         for r, g in enumerate(graphs):
@@ -201,7 +201,7 @@ class Batch:
             seq.run()
             for g in graphs:
                 g.position += 1
-                g._synced = True
+                g.synced = True
             return seq.timings()
         finally:
             seq.free()

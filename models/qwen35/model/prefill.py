@@ -118,7 +118,7 @@ class Prefill:
             w[0], w[1], w[2] = p0 + t - 1, p0 + t, part[-1]
         seq.run()
         g.position += t
-        g._synced = sample  # after a draw, as after a decode step, the GPU holds the sequence's step values
+        g.synced = sample  # after a draw, as after a decode step, the GPU holds the sequence's step values
         return int(g.step_words[2]) if sample else None
 
     def clear(self, seq) -> None:
@@ -150,10 +150,10 @@ class Prefill:
         seq.copy(self.host.slice(self.one_at, ROW_ALIGN), self.one_offsets, 8)
         seq.copy(self.host.slice(self.one_at + ROW_ALIGN, 4 * self.chunk), self.one_pairs, 4 * t)
         if g.sampler.penalties:  # the prompt's tokens enter the penalties' window
-            sampling.penalty_window.launch(seq, g._pick, step=self.steps, ring=g.penalty_ring, counts=g.counts,
+            sampling.penalty_window.launch(seq, g.pick, step=self.steps, ring=g.penalty_ring, counts=g.counts,
                                            window=g.sampler.window(g.n_ctx), n_vocab=hp.vocab, t=t)
         emb = "token_embd.weight"
-        embedding.embed.launch(seq, g._pick, QTYPE=g._qname(emb), table=g.weights[emb], ids=self.tokens, out=self.x,
+        embedding.embed.launch(seq, g.pick, QTYPE=g.qname(emb), table=g.weights[emb], ids=self.tokens, out=self.x,
                                k=hp.hidden, index=0, rows=t)
         self._norm(seq, "blk.0.attn_norm.weight", t)
         for i in range(hp.n_layers):
@@ -165,7 +165,7 @@ class Prefill:
 
     def _norm(self, seq, norm: str, t: int) -> None:
         n = self.normed
-        q8_1.norm_q8_1.launch(seq, self.g._pick, label="chunk." + norm.removesuffix(".weight"), x=self.x,
+        q8_1.norm_q8_1.launch(seq, self.g.pick, label="chunk." + norm.removesuffix(".weight"), x=self.x,
                               norm_w=self.g.weights[norm], hn=n.f32, xq=n.q, xd=n.d, **self._halved(n),
                               n=self.hp.hidden, eps=self.hp.eps, rows=t)
 
@@ -177,7 +177,7 @@ class Prefill:
     def _halves(self, seq, v, n: int) -> None:
         """v's f16 rows from its f32 ones, where products on matrix units read them (n values)."""
         if v.h is not None:
-            matmul.half_rows.launch(seq, self.g._pick, x=v.f32, h=v.h, n=n)
+            matmul.half_rows.launch(seq, self.g.pick, x=v.f32, h=v.h, n=n)
 
     def _project(self, seq, tensor: str, y, t: int, x=None, add: bool = False, exact: bool = False) -> None:
         """y rows (+)= W · x rows for the chunk's t tokens (x: the normed rows by default), on matrix
@@ -187,12 +187,12 @@ class Prefill:
         x = x or self.normed
         m, k = g.tensors.shape(tensor)[-2:]
         if self._coop(k) and x.h is not None and not exact:
-            matmul.mul_mm_coop.launch(seq, g._pick, label="chunk." + tensor.removesuffix(".weight"),
-                                      QTYPE=g._qname(tensor), ADD=add, w=g.weights[tensor], x=x.h, y=y, k=k, m=m,
+            matmul.mul_mm_coop.launch(seq, g.pick, label="chunk." + tensor.removesuffix(".weight"),
+                                      QTYPE=g.qname(tensor), ADD=add, w=g.weights[tensor], x=x.h, y=y, k=k, m=m,
                                       t=t)
             return
-        q8 = g._int8(tensor) and x.q is not None and not exact
-        matmul.mul_mm.launch(seq, g._pick, label="chunk." + tensor.removesuffix(".weight"), QTYPE=g._qname(tensor),
+        q8 = g.int8(tensor) and x.q is not None and not exact
+        matmul.mul_mm.launch(seq, g.pick, label="chunk." + tensor.removesuffix(".weight"), QTYPE=g.qname(tensor),
                              Q8=q8, ADD=add, w=g.weights[tensor], y=y, k=k, m=m, t=t,
                              **(dict(xq=x.q, xd=x.d) if q8 else dict(x=x.f32)))
 
@@ -210,17 +210,17 @@ class Prefill:
         g, n = self.g, self.normed
         gate, up = names
         m, k = g.tensors.shape(gate)[-2:]
-        q, q_up = g._qname(gate), g._qname(up)
+        q, q_up = g.qname(gate), g.qname(up)
         sizes = dict(label=label, QTYPE=q, wg=wg, wu=wu, offsets=offsets, pairs=pairs, act=act, k=k, m=m, topk=topk,
                      t=t, n_expert=n_expert)
         if q_up != q:  # gate and up of two types: the grouped kernel, a decoder each
             sizes["QTYPE_UP"] = q_up
         if self._coop(k) and q_up == q:
-            ffn.moe_gate_up_coop.launch(seq, g._pick, x=n.f32, **self._spread(n_expert), **sizes)
-        elif g._int8(gate) and g._int8(up):
-            ffn.moe_gate_up_grouped.launch(seq, g._pick, Q8=True, xq=n.q, xd=n.d, **sizes)
+            ffn.moe_gate_up_coop.launch(seq, g.pick, x=n.f32, **self._spread(n_expert), **sizes)
+        elif g.int8(gate) and g.int8(up):
+            ffn.moe_gate_up_grouped.launch(seq, g.pick, Q8=True, xq=n.q, xd=n.d, **sizes)
         else:
-            ffn.moe_gate_up_grouped.launch(seq, g._pick, Q8=False, x=n.f32, **sizes)
+            ffn.moe_gate_up_grouped.launch(seq, g.pick, Q8=False, x=n.f32, **sizes)
 
     def _down(self, seq, label: str, qtype: str, w, offsets, pairs, act, y, k: int, m: int, topk: int, t: int,
               n_expert: int) -> None:
@@ -228,9 +228,9 @@ class Prefill:
         sizes = dict(label=label, QTYPE=qtype, w=w, offsets=offsets, pairs=pairs, act=act, y=y, k=k, m=m, t=t,
                      n_expert=n_expert, topk=topk)
         if self._coop(k):
-            ffn.moe_down_coop.launch(seq, self.g._pick, **self._spread(n_expert), **sizes)
+            ffn.moe_down_coop.launch(seq, self.g.pick, **self._spread(n_expert), **sizes)
         else:
-            ffn.moe_down_grouped.launch(seq, self.g._pick, **sizes)
+            ffn.moe_down_grouped.launch(seq, self.g.pick, **sizes)
 
     def _spread(self, n_expert: int) -> dict:
         """One expert that every token routes to (the shared expert, a dense FFN) gets a workgroup
@@ -254,15 +254,15 @@ class Prefill:
         k_cache, v_cache = g.kv[i]
         step, (kt, vt) = self.steps, g.kv_types
         attention.attn_prep_rows.launch(
-            seq, g._pick, label=p + "attn_prep_rows", KT=kt, VT=vt, qg=self.qg, k=self.k, v=self.v,
+            seq, g.pick, label=p + "attn_prep_rows", KT=kt, VT=vt, qg=self.qg, k=self.k, v=self.v,
             q_norm=g.weights[p + "attn_q_norm.weight"], k_norm=g.weights[p + "attn_k_norm.weight"], step=step,
             q=self.q, k_cache=k_cache, v_cache=v_cache, n_head=nh, n_kv=nkv, d=d, rope_dims=hp.rope_dims,
             rope_base=hp.rope_base, eps=hp.eps, t=t)
         o = self.attn_o
-        fixed = dict(D=d, G=nh // nkv, Q8=g._int8(p + "attn_output.weight"), KT=kt, VT=vt)
+        fixed = dict(D=d, G=nh // nkv, Q8=g.int8(p + "attn_output.weight"), KT=kt, VT=vt)
         coop = self.coop and attention.attn_prefill_coop.allows(D=d, G=nh // nkv)
         kernel = attention.attn_prefill_coop if coop else attention.attn_prefill
-        kernel.launch(seq, g._pick, label=p + "attn_prefill", **fixed, q=self.q, qg=self.qg, k_cache=k_cache,
+        kernel.launch(seq, g.pick, label=p + "attn_prefill", **fixed, q=self.q, qg=self.qg, k_cache=k_cache,
                       v_cache=v_cache, step=step, o=o.f32, oq=o.q, od=o.d, n_kv=nkv, t=t, ctx=g.n_ctx)
         self._halves(seq, o, t * nh * d)
         self._project(seq, p + "attn_output.weight", self.x, t, o, add=True)
@@ -278,20 +278,20 @@ class Prefill:
         self._project(seq, p + "attn_gate.weight", self.z, t)
         self._project(seq, p + "ssm_beta_alpha.weight", self.ba, t)
         D = hp.ssm_head_dim
-        deltanet.deltanet_conv_rows.launch(seq, g._pick, label=p + "ssm_conv", D=D, KC=hp.conv_kernel, mix=self.mix,
+        deltanet.deltanet_conv_rows.launch(seq, g.pick, label=p + "ssm_conv", D=D, KC=hp.conv_kernel, mix=self.mix,
                                            conv_w=g.weights[p + "ssm_conv1d.weight"], conv_state=g.conv_state[i],
                                            step=self.steps, conv=self.conv, channels=hp.conv_channels,
                                            n_k_heads=hp.ssm_k_heads, eps=hp.eps, t=t)
-        deltanet.deltanet_chunk_wy.launch(seq, g._pick, label=p + "ssm_wy", D=D, L=deltanet.BLOCK, conv=self.conv,
+        deltanet.deltanet_chunk_wy.launch(seq, g.pick, label=p + "ssm_wy", D=D, L=deltanet.BLOCK, conv=self.conv,
                                           ba=self.ba, ssm_a=g.weights[p + "ssm_a"],
                                           dt_bias=g.weights[p + "ssm_dt.bias"], wy=self.wy, u=self.dn_raw, t=t,
                                           n_k_heads=hp.ssm_k_heads, v_heads=hp.ssm_v_heads)
-        deltanet.deltanet_chunk_scan.launch(seq, g._pick, label=p + "ssm_chunk", D=D, L=deltanet.BLOCK,
+        deltanet.deltanet_chunk_scan.launch(seq, g.pick, label=p + "ssm_chunk", D=D, L=deltanet.BLOCK,
                                             KC=hp.conv_kernel, conv=self.conv, wy=self.wy, o=self.dn_raw,
                                             state=g.ssm_state[i], mix=self.mix, conv_state=g.conv_state[i],
                                             step=self.steps, t=t, n_k_heads=hp.ssm_k_heads, v_heads=hp.ssm_v_heads)
         o = self.dn_out
-        deltanet.deltanet_gated_norm.launch(seq, g._pick, label=p + "ssm_norm", Q8=g._int8(p + "ssm_out.weight"),
+        deltanet.deltanet_gated_norm.launch(seq, g.pick, label=p + "ssm_norm", Q8=g.int8(p + "ssm_out.weight"),
                                             o=self.dn_raw, z=self.z, norm_w=g.weights[p + "ssm_norm.weight"],
                                             out=o.f32, oq=o.q, od=o.d, **self._halved(o), d=D, eps=hp.eps,
                                             rows=t * hp.ssm_v_heads)
@@ -310,7 +310,7 @@ class Prefill:
         gate, up = p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"
         down, down_sh = p + "ffn_down_exps.weight", p + "ffn_down_shexp.weight"
         F, _ = g.tensors.shape(gate)[-2:]
-        qd = g._qname(down)
+        qd = g.qname(down)
         # the shared expert: the stacks' last expert (or tensors of its own type), every token routed to it
         # once. Its gate·up is recorded beside the router and its down beside the experts' gate·up (no
         # barrier between: neither reads what the other writes), so these small dispatches fill SMs the
@@ -319,13 +319,13 @@ class Prefill:
         gate_sh, up_sh = p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"
         named, wg, wu = (((gate_sh, up_sh), g.weights[gate_sh], g.weights[up_sh]) if gate_sh in g.tensors
                          else ((gate, up), _expert(g, gate, E), _expert(g, up, E)))
-        w_sh, q_sh = (g.weights[down_sh], g._qname(down_sh)) if down_sh in g.tensors else (_expert(g, down, E), qd)
+        w_sh, q_sh = (g.weights[down_sh], g.qname(down_sh)) if down_sh in g.tensors else (_expert(g, down, E), qd)
         self._norm(seq, p + "post_attention_norm.weight", t)
         self._project(seq, router, self.logits, t, exact=True)
         self._gate_up(seq, p + "ffn_gate_up_shexp", named, wg, wu, *one, self.act_shared, 1, t, 1)
-        moe.moe_route_rows.launch(seq, g._pick, label=p + "moe_route_rows", K=K, logits=self.logits, ids=self.route_ids,
+        moe.moe_route_rows.launch(seq, g.pick, label=p + "moe_route_rows", K=K, logits=self.logits, ids=self.route_ids,
                                   weights=self.route_w, counts=self.counts, n_expert=E, stride=E + 1, t=t)
-        moe.moe_group.launch(seq, g._pick, label=p + "moe_group", K=K, ids=self.route_ids, counts=self.counts,
+        moe.moe_group.launch(seq, g.pick, label=p + "moe_group", K=K, ids=self.route_ids, counts=self.counts,
                              offsets=self.offsets, pairs=self.pairs, t=t, n_expert=E)
         self._gate_up(seq, p + "ffn_gate_up_exps", (gate, up), g.weights[gate], g.weights[up], self.offsets,
                       self.pairs, self.act, K, t, E)
@@ -333,7 +333,7 @@ class Prefill:
                    t, 1)
         self._down(seq, p + "ffn_down_exps", qd, g.weights[down], self.offsets, self.pairs, self.act, self.y, F, H,
                    K, t, E)
-        moe.moe_combine_rows.launch(seq, g._pick, label=p + "moe_combine", SHARED=True, x=self.x, weights=self.route_w,
+        moe.moe_combine_rows.launch(seq, g.pick, label=p + "moe_combine", SHARED=True, x=self.x, weights=self.route_w,
                                     y=self.y, shared=self.y_shared, logits=self.logits, k=H, topk=K, n_expert=E,
                                     stride=E + 1, t=t)
         self._next_norm(seq, i, t)

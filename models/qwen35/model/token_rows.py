@@ -74,12 +74,12 @@ class TokenRows:
         seq = g.device.sequence(timestamps=timestamps)
         seq.copy(self.host, self.steps, STEP_STRIDE * t)
         emb = "token_embd.weight"
-        embedding.embed.launch(seq, g._pick, QTYPE=g._qname(emb), table=g.weights[emb], ids=self.steps,
+        embedding.embed.launch(seq, g.pick, QTYPE=g.qname(emb), table=g.weights[emb], ids=self.steps,
                                out=self.rows.x, k=g.hp.hidden, index=2, stride=STEP_STRIDE // 4, rows=t)
         views = self.step(t)
         g.record_layers(seq, [(g, view) for view in views], self.rows)
         seq.copy(views[-1], g.step, 4 * STEP_WORDS)
-        step_kernels.advance.launch(seq, g._pick, step=g.step)
+        step_kernels.advance.launch(seq, g.pick, step=g.step)
         seq.copy(g.step, g.step_host)
         return seq
 
@@ -105,7 +105,7 @@ class TokenRows:
             seq = self._seqs[t] = self.record(t)
         seq.run()
         g.position += t
-        g._synced = True
+        g.synced = True
         g.last_step = (p0, counter, t)
         return g.tokens_out.read(np.uint32, (t,), offset=4 * p0).tolist()
 
