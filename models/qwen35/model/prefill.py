@@ -1,9 +1,11 @@
 """Batched prefill: a prompt's tokens through the model a chunk at a time, not a step per token.
 
 A chunk of t tokens at positions p0 … p0 + t − 1 is one recorded sequence (one per chunk length,
-kept for reuse) over the decode graph's weights, caches and states: the embedding rows, each
-layer's norms and projections for all t rows at once (`matmul.mul_mm`: a weight block loaded once
-serves a tile of tokens; `mul_mm_coop` and the `_coop` expert products on matrix units), the
+kept for reuse) over the decode graph's weights, caches and states: the embedding rows, then
+the layers in the schedule's order (schedule.layer_order), this module giving each block on the
+kernels made for a chunk's rows: the norms and projections for all t rows at once (the
+schedule's `project`: `matmul.mul_mm`, a weight block loaded once serving a tile of tokens, or
+`mul_mm_coop` on matrix units; dmmv's columns for a chunk of 8 tokens or fewer), the
 delta-net's conv and gated norm for all t rows and its delta rule in blocks of 64 tokens (the WY
 form: `deltanet.deltanet_chunk_wy`, `deltanet_chunk_scan`), the MoE block with each picked
 expert's weights read once for all the tokens routed to it (moe_route_rows, moe_group, the grouped
@@ -22,9 +24,10 @@ from types import SimpleNamespace
 import numpy as np
 
 from zdsl.errors import ZdslError
-from zdsl.kernels import attention, deltanet, embedding, ffn, matmul, mma, moe, q8_1, sampling
+from zdsl.kernels import attention, deltanet, embedding, ffn, matmul, moe, q8_1, sampling
 from zdsl.kernels.quant_numpy import row_bytes
 from zdsl.kernels.steps import STEP_WORDS
+from zdsl.models.qwen35.model.schedule import layer_order
 
 ROW_ALIGN = 256  # regions of the host buffer start at multiples of this (any device binds them)
 KEPT_LENGTHS = 4  # recorded chunks kept of lengths other than the full chunk
@@ -155,15 +158,12 @@ class Prefill:
         emb = "token_embd.weight"
         embedding.embed.launch(seq, g.pick, QTYPE=g.qname(emb), table=g.weights[emb], ids=self.tokens, out=self.x,
                                k=hp.hidden, index=0, rows=t)
-        self._norm(seq, "blk.0.attn_norm.weight", t)
-        for i in range(hp.n_layers):
-            (self._attention if hp.attention[i] else self._deltanet)(seq, i, t)
-            (self._moe if hp.moe else self._ffn)(seq, i, t)
+        layer_order(seq, hp, self, t)  # the blocks on kernels made for a chunk's rows (below)
         if sample:
             g.sample_row(seq, self.x.slice(4 * hp.hidden * (t - 1), 4 * hp.hidden))
         return seq
 
-    def _norm(self, seq, norm: str, t: int) -> None:
+    def norm(self, seq, norm: str, t: int) -> None:
         n = self.normed
         q8_1.norm_q8_1.launch(seq, self.g.pick, label="chunk." + norm.removesuffix(".weight"), x=self.x,
                               norm_w=self.g.weights[norm], hn=n.f32, xq=n.q, xd=n.d, **self._halved(n),
@@ -180,24 +180,9 @@ class Prefill:
             matmul.half_rows.launch(seq, self.g.pick, x=v.f32, h=v.h, n=n)
 
     def _project(self, seq, tensor: str, y, t: int, x=None, add: bool = False, exact: bool = False) -> None:
-        """y rows (+)= W · x rows for the chunk's t tokens (x: the normed rows by default), on matrix
-        units where the device has them; exact keeps x in f32, neither f16 nor Q8_1 (the router: an
-        expert chosen by a rounding would change the whole block)."""
-        g = self.g
-        x = x or self.normed
-        m, k = g.tensors.shape(tensor)[-2:]
-        if self._coop(k) and x.h is not None and not exact:
-            matmul.mul_mm_coop.launch(seq, g.pick, label="chunk." + tensor.removesuffix(".weight"),
-                                      QTYPE=g.qname(tensor), ADD=add, w=g.weights[tensor], x=x.h, y=y, k=k, m=m,
-                                      t=t)
-            return
-        q8 = g.int8(tensor) and x.q is not None and not exact
-        matmul.mul_mm.launch(seq, g.pick, label="chunk." + tensor.removesuffix(".weight"), QTYPE=g.qname(tensor),
-                             Q8=q8, ADD=add, w=g.weights[tensor], y=y, k=k, m=m, t=t,
-                             **(dict(xq=x.q, xd=x.d) if q8 else dict(x=x.f32)))
-
-    def _coop(self, k: int) -> bool:
-        return self.coop and k % mma.BK == 0
+        """y rows (+)= W · x rows for the chunk's t tokens (x: the normed rows by default), on the
+        kernel the schedule picks for t rows (LayerSchedule.project)."""
+        self.g.project(seq, tensor, y, x or self.normed, t, add, exact, label="chunk.")
 
     def _gate_up(self, seq, label: str, names: tuple[str, str], wg, wu, offsets, pairs, act, topk: int, t: int,
                  n_expert: int) -> None:
@@ -215,7 +200,7 @@ class Prefill:
                      t=t, n_expert=n_expert)
         if q_up != q:  # gate and up of two types: the grouped kernel, a decoder each
             sizes["QTYPE_UP"] = q_up
-        if self._coop(k) and q_up == q:
+        if self.g.coop(k) and q_up == q:
             ffn.moe_gate_up_coop.launch(seq, g.pick, x=n.f32, **self._spread(n_expert), **sizes)
         elif g.int8(gate) and g.int8(up):
             ffn.moe_gate_up_grouped.launch(seq, g.pick, Q8=True, xq=n.q, xd=n.d, **sizes)
@@ -227,7 +212,7 @@ class Prefill:
         """y = W_e · act for each pair of expert e (grouped as for _gate_up)."""
         sizes = dict(label=label, QTYPE=qtype, w=w, offsets=offsets, pairs=pairs, act=act, y=y, k=k, m=m, t=t,
                      n_expert=n_expert, topk=topk)
-        if self._coop(k):
+        if self.g.coop(k):
             ffn.moe_down_coop.launch(seq, self.g.pick, **self._spread(n_expert), **sizes)
         else:
             ffn.moe_down_grouped.launch(seq, self.g.pick, **sizes)
@@ -240,9 +225,9 @@ class Prefill:
 
     def _after_mixer(self, seq, i: int, t: int) -> None:
         if not self.hp.moe:  # the MoE block norms x as its first step
-            self._norm(seq, f"blk.{i}.post_attention_norm.weight", t)
+            self.norm(seq, f"blk.{i}.post_attention_norm.weight", t)
 
-    def _attention(self, seq, i: int, t: int) -> None:
+    def attention(self, seq, i: int, t: int) -> None:
         """q, k and v for the chunk, normed and rotated, k and v into the cache rows p0 … p0 + t − 1
         (attn_prep_rows), then causal attention of the t queries over the cache (attn_prefill, on
         matrix units where the device has them: attn_prefill_coop), both reading the cache in
@@ -268,7 +253,7 @@ class Prefill:
         self._project(seq, p + "attn_output.weight", self.x, t, o, add=True)
         self._after_mixer(seq, i, t)
 
-    def _deltanet(self, seq, i: int, t: int) -> None:
+    def deltanet(self, seq, i: int, t: int) -> None:
         """The projections for the chunk; the conv with q and k normalised (deltanet_conv_rows),
         the delta rule in blocks of tokens (deltanet_chunk_wy for every block at once, then
         deltanet_chunk_scan carrying the state over them) into raw o, then o's gated norm
@@ -298,7 +283,7 @@ class Prefill:
         self._project(seq, p + "ssm_out.weight", self.x, t, o, add=True)
         self._after_mixer(seq, i, t)
 
-    def _moe(self, seq, i: int, t: int) -> None:
+    def moe(self, seq, i: int, t: int) -> None:
         """The MoE block for the chunk, each expert's weights read once for every token routed to
         it: the router's logits for all rows (its last row is the shared expert's gate), each
         token's K experts, the (token, slot) pairs grouped by expert, the grouped gate·up and down
@@ -320,7 +305,7 @@ class Prefill:
         named, wg, wu = (((gate_sh, up_sh), g.weights[gate_sh], g.weights[up_sh]) if gate_sh in g.tensors
                          else ((gate, up), _expert(g, gate, E), _expert(g, up, E)))
         w_sh, q_sh = (g.weights[down_sh], g.qname(down_sh)) if down_sh in g.tensors else (_expert(g, down, E), qd)
-        self._norm(seq, p + "post_attention_norm.weight", t)
+        self.norm(seq, p + "post_attention_norm.weight", t)
         self._project(seq, router, self.logits, t, exact=True)
         self._gate_up(seq, p + "ffn_gate_up_shexp", named, wg, wu, *one, self.act_shared, 1, t, 1)
         moe.moe_route_rows.launch(seq, g.pick, label=p + "moe_route_rows", K=K, logits=self.logits, ids=self.route_ids,
@@ -338,7 +323,7 @@ class Prefill:
                                     stride=E + 1, t=t)
         self._next_norm(seq, i, t)
 
-    def _ffn(self, seq, i: int, t: int) -> None:
+    def ffn(self, seq, i: int, t: int) -> None:
         """The dense SwiGLU for the chunk: gate·up as the grouped expert product with every token
         routed to the one pair of matrices, then the down projection."""
         g, p = self.g, f"blk.{i}."
@@ -352,7 +337,7 @@ class Prefill:
 
     def _next_norm(self, seq, i: int, t: int) -> None:
         if i + 1 < self.hp.n_layers:  # after the last layer nothing reads the chunk's rows
-            self._norm(seq, f"blk.{i + 1}.attn_norm.weight", t)
+            self.norm(seq, f"blk.{i + 1}.attn_norm.weight", t)
 
 
 def _expert(g, stack: str, e: int):

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from zdsl.autotune.database import choose, shape_key
 from zdsl.errors import ZdslError
-from zdsl.kernels import attention, deltanet, dmmv, ffn, matmul, moe, q8_1, sampling, steps
+from zdsl.kernels import attention, deltanet, dmmv, ffn, matmul, mma, moe, q8_1, sampling, steps
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS
 from zdsl.models.qwen35.model.buffers import ATTN_MIN_CHUNK
 
@@ -68,20 +68,30 @@ class LayerSchedule:
     def int8(self, tensor: str) -> bool:
         return self.qname(tensor) in INT8_FORMATS
 
-    def project(self, seq, tensor: str, y, x: Vector, t: int = 1, add: bool = False) -> None:
-        """y rows (+)= W · x rows for t rows (one weight read for all: dmmv's COLS, mul_mm's tiles
-        past them): int8 products where the weight type has an int8 decoder and x comes in Q8_1,
-        else f32."""
+    def project(self, seq, tensor: str, y, x: Vector, t: int = 1, add: bool = False, exact: bool = False,
+                label: str = "") -> None:
+        """y rows (+)= W · x rows for t rows, each weight read once for all of them, on the kernel
+        made for that many: dmmv's columns up to 8, past them mul_mm's tiles, or matrix units
+        (mul_mm_coop) where the device has them and x comes in f16 too. int8 products where the
+        weight type has an int8 decoder and x comes in Q8_1, else f32; `exact` keeps x in f32 (the
+        router: an expert chosen by a rounding would change the whole block)."""
         m, k = self.tensors.shape(tensor)[-2:]
-        q8 = self.int8(tensor) and x.q is not None
-        if t > DMMV_COLS:
-            matmul.mul_mm.launch(seq, self.pick, label=tensor.removesuffix(".weight"), QTYPE=self.qname(tensor),
-                                 Q8=q8, ADD=add, w=self.weights[tensor], y=y, k=k, m=m, t=t,
-                                 **(dict(xq=x.q, xd=x.d) if q8 else dict(x=x.f32)))
-            return
-        dmmv.dmmv.launch(seq, self.pick, label=tensor.removesuffix(".weight"), QTYPE=self.qname(tensor), Q8=q8,
-                         COLS=t, ADD=add, w=self.weights[tensor], y=y, k=k, m=m,
-                         **(dict(xq=x.q, xd=x.d) if q8 else dict(x=x.f32)))
+        label = label + tensor.removesuffix(".weight")
+        q8 = self.int8(tensor) and x.q is not None and not exact
+        xs = dict(xq=x.q, xd=x.d) if q8 else dict(x=x.f32)
+        if t <= DMMV_COLS:
+            dmmv.dmmv.launch(seq, self.pick, label=label, QTYPE=self.qname(tensor), Q8=q8, COLS=t, ADD=add,
+                             w=self.weights[tensor], y=y, k=k, m=m, **xs)
+        elif self.coop(k) and x.h is not None and not exact:
+            matmul.mul_mm_coop.launch(seq, self.pick, label=label, QTYPE=self.qname(tensor), ADD=add,
+                                      w=self.weights[tensor], x=x.h, y=y, k=k, m=m, t=t)
+        else:
+            matmul.mul_mm.launch(seq, self.pick, label=label, QTYPE=self.qname(tensor), Q8=q8, ADD=add,
+                                 w=self.weights[tensor], y=y, k=k, m=m, t=t, **xs)
+
+    def coop(self, k: int) -> bool:
+        """Whether products over k inputs run on matrix units here (whole K steps: mma.py)."""
+        return "coopmat" in self.info.features and k % mma.BK == 0
 
     def project_two(self, seq, tensor: str, y, tensor2: str, y2, a, t: int) -> None:
         """y = W · normed and y2 = W2 · normed: one dispatch for one row where both types have
@@ -122,43 +132,15 @@ class LayerSchedule:
 
     def record_layers(self, seq, rows: list, a, row_seq=None) -> None:
         """The step after the embedding, one token a row of a's activations (x holds their
-        embeddings), with this graph's weights. rows[r] = (graph, step): the sequence whose caches
-        and states row r's token reads and writes, and the step values its kernels read (its
-        position, length, token). Several rows may be tokens of one sequence at consecutive
-        positions (a step of several tokens, tokens.py), or of several sequences (batch.py).
-        Every projection runs once for all rows; attention, delta-net and sampling a launch a row,
-        a stage's launches of all rows with no barrier between them, except the delta-net's rows
-        of one sequence, which run in order (each reads the state the one before wrote); the
-        experts of all rows in one launch each. `row_seq(r)`, where given, is what row r's
-        launches record into (batch.py: indirect dispatches)."""
-        hp, t = self.hp, len(rows)
-        each = functools.partial(_each, row_seq=row_seq or (lambda r: seq))
-        one_sequence_each = len({id(g) for g, _ in rows}) == t
-        # the experts of every row in one launch each (the grid's z), where each row's need not be its own
-        by_row = (lambda launches_of: each(seq, [launches_of(r, 1) for r in range(t)])) if row_seq else \
-            (lambda launches_of: [launch(seq) for launch in launches_of(0, t)])
-        self.norm(seq, "blk.0.attn_norm.weight", a, t)
-        for i in range(hp.n_layers):
-            p = f"blk.{i}."
-            if hp.attention[i]:
-                for name, out in (("attn_q", a.qg), ("attn_k", a.k), ("attn_v", a.v)):
-                    self.project(seq, p + name + ".weight", out, a.normed, t)
-                each(seq, [g.attend(i, a, r, step) for r, (g, step) in enumerate(rows)])
-                self.residual(seq, p + "attn_output.weight", a.attn_o, self.post_attention_norm(i), a, t)
-            else:
-                self.project_two(seq, p + "attn_qkv.weight", a.mix, p + "attn_gate.weight", a.z, a, t)
-                steps = [[g.delta_step(i, a, r, step)] for r, (g, step) in enumerate(rows)]
-                each(seq, steps) if one_sequence_each else [launch(seq) for [launch] in steps]
-                self.residual(seq, p + "ssm_out.weight", a.dn_out, self.post_attention_norm(i), a, t)
-            if hp.moe:
-                by_row(lambda r, rows: self.experts(i, a, r, rows))
-                self.norm(seq, self.next_norm(i), a, t)
-            else:
-                by_row(lambda r, rows: [self.gate_up(p + "ffn_gate.weight", p + "ffn_up.weight", 1, False, a, r,
-                                                      hp.ffn, rows=rows)])
-                self.residual(seq, p + "ffn_down.weight", Vector(a.act, None, None), self.next_norm(i), a, t)
-        self.project(seq, self.tensors.output_name, a.logits, a.normed, t)
-        each(seq, [g.sample(a.logits, r, a.cands[r], step) for r, (g, step) in enumerate(rows)])
+        embeddings), with this graph's weights: the layer order (`layer_order`) on `RowBlocks`,
+        then the head and each row's draw. rows[r] = (graph, step): the sequence whose caches and
+        states row r's token reads and writes, and the step values its kernels read (its
+        position, length, token). `row_seq(r)`, where given, is what row r's launches record into
+        (batch.py: indirect dispatches)."""
+        blocks = RowBlocks(self, seq, rows, a, row_seq)
+        layer_order(seq, self.hp, blocks, len(rows))
+        self.project(seq, self.tensors.output_name, a.logits, a.normed, len(rows))
+        blocks.each(seq, [g.sample(a.logits, r, a.cands[r], step) for r, (g, step) in enumerate(rows)])
 
     def attend(self, i: int, a, row: int, step) -> list:
         """Layer i's attention for this graph's sequence, as three launches to record in order
@@ -308,6 +290,72 @@ class LayerSchedule:
                                                         R=self.sample_pass.params["R"], cand=cand, step=step,
                                                         tokens=self.tokens_out, settings=settings, n_vocab=vocab,
                                                         max_tokens=self.n_ctx)]
+
+
+def layer_order(seq, hp, blocks, t: int) -> None:
+    """The model's layers in order, the one place the order is written: the first layer's norm,
+    then for each layer its mixer (gated attention or the gated delta-net: projections, the mixer,
+    the output projection added to the residual) and its FFN (the MoE block or a dense SwiGLU,
+    added to the residual), each leaving the norm the next block reads. `blocks` records each
+    block for t rows on the kernels made for the step's shape: RowBlocks for a step of a few rows
+    (one token, a speculative step, a batch), prefill.Prefill for a prompt's chunk."""
+    blocks.norm(seq, "blk.0.attn_norm.weight", t)
+    for i in range(hp.n_layers):
+        (blocks.attention if hp.attention[i] else blocks.deltanet)(seq, i, t)
+        (blocks.moe if hp.moe else blocks.ffn)(seq, i, t)
+
+
+class RowBlocks:
+    """The blocks of a step of a few rows (layer_order): every projection once for all rows
+    (dmmv's columns, mul_mm past them); attention, the delta-net and the draw a launch a row, a
+    stage's launches of all rows with no barrier between them, except the delta-net's rows of
+    one sequence, which run in order (each reads the state the one before wrote); the experts of
+    all rows in one launch each (the grid's z), or one a row where rows dispatch indirect."""
+
+    def __init__(self, g, seq, rows: list, a, row_seq=None):
+        self.g, self.rows, self.a, self.row_seq = g, rows, a, row_seq
+        self.each = functools.partial(_each, row_seq=row_seq or (lambda r: seq))
+        self.one_sequence_each = len({id(graph) for graph, _ in rows}) == len(rows)
+
+    def _by_row(self, seq, launches_of) -> None:
+        t = len(self.rows)
+        if self.row_seq:
+            self.each(seq, [launches_of(r, 1) for r in range(t)])
+        else:
+            for launch in launches_of(0, t):
+                launch(seq)
+
+    def norm(self, seq, norm: str, t: int) -> None:
+        self.g.norm(seq, norm, self.a, t)
+
+    def attention(self, seq, i: int, t: int) -> None:
+        g, a, p = self.g, self.a, f"blk.{i}."
+        for name, out in (("attn_q", a.qg), ("attn_k", a.k), ("attn_v", a.v)):
+            g.project(seq, p + name + ".weight", out, a.normed, t)
+        self.each(seq, [graph.attend(i, a, r, step) for r, (graph, step) in enumerate(self.rows)])
+        g.residual(seq, p + "attn_output.weight", a.attn_o, g.post_attention_norm(i), a, t)
+
+    def deltanet(self, seq, i: int, t: int) -> None:
+        g, a, p = self.g, self.a, f"blk.{i}."
+        g.project_two(seq, p + "attn_qkv.weight", a.mix, p + "attn_gate.weight", a.z, a, t)
+        steps = [[graph.delta_step(i, a, r, step)] for r, (graph, step) in enumerate(self.rows)]
+        if self.one_sequence_each:
+            self.each(seq, steps)
+        else:
+            for [launch] in steps:
+                launch(seq)
+        g.residual(seq, p + "ssm_out.weight", a.dn_out, g.post_attention_norm(i), a, t)
+
+    def moe(self, seq, i: int, t: int) -> None:
+        g, a = self.g, self.a
+        self._by_row(seq, lambda r, rows: g.experts(i, a, r, rows))
+        g.norm(seq, g.next_norm(i), a, t)
+
+    def ffn(self, seq, i: int, t: int) -> None:
+        g, a, p = self.g, self.a, f"blk.{i}."
+        self._by_row(seq, lambda r, rows: [g.gate_up(p + "ffn_gate.weight", p + "ffn_up.weight", 1, False, a, r,
+                                                     g.hp.ffn, rows=rows)])
+        g.residual(seq, p + "ffn_down.weight", Vector(a.act, None, None), g.next_norm(i), a, t)
 
 
 def _each(seq, launches: list[list], row_seq) -> None:
