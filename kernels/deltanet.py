@@ -14,12 +14,24 @@ Layouts (all f32):
 
 - conv weight `ssm_conv1d.weight` as stored ({4, C} in GGUF order): [channel][tap], tap KC − 1 the
   current token.
-- conv state: a ring of KC slots of C channels, [slot][channel]: the input (`mix`) of position p is
-  stored in slot p % KC, so the taps of position p read slots (p − KC + 1) % KC … (p − 1) % KC and
-  nobody reads the slot being written. Workgroups that share a key head read the same q and k
-  channels, so an in-place shift would race; the ring never moves a value. It is zeroed with the
-  sequence (inputs before position 0 are zeros), and the position advances by one per step.
-- delta state: [value head][i = key dim][j = value dim], row-major (j contiguous).
+- conv state: a ring of conv_slots ≥ KC slots of C channels, [slot][channel] (conv_slots a launch
+  parameter): the input (`mix`) of position p is stored in slot p % conv_slots, so the taps of
+  position p read slots (p − KC + 1) % conv_slots … (p − 1) % conv_slots and nobody reads the slot
+  being written. Workgroups that share a key head read the same q and k channels, so an in-place
+  shift would race; the ring never moves a value. It is zeroed with the sequence (inputs before
+  position 0 are zeros), and the position advances by one per step. The ring keeps the inputs
+  of the last conv_slots positions, so with conv_slots = KC − 1 + Tmax a sequence cut back to
+  any of the last Tmax positions (speculative decoding: drafted tokens verified, some rejected)
+  still finds the KC − 1 inputs before it in place. conv_slots = KC keeps just what the next
+  step needs.
+- delta state: a ring of state_slots ≥ 1 slots (a launch parameter) of [value head][i = key
+  dim][j = value dim], row-major (j contiguous). The state before position p is read from slot
+  p % state_slots and the state after it is written to slot (p + 1) % state_slots, so after T
+  steps from p0 slot (p0 + j) % state_slots holds the state after the first j of them, for every
+  j ≤ T as long as T < state_slots (state_slots = Tmax + 1 with the conv ring above): a sequence
+  continues from any of them by its position alone, with no replay and no copy. A chunk
+  (deltanet_chunk_scan) writes only its last state, to slot (p0 + t) % state_slots.
+  state_slots = 1 is the in-place update, with the same traffic.
 - gate weights `w_ba`: `ssm_beta` then `ssm_alpha`, one buffer of 2 × heads rows in one GGUF type
   (models/qwen35/model/weights.py stacks them).
 """
@@ -175,17 +187,20 @@ def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32]
                   w_ba: Buffer[u8], x: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], ssm_a: Buffer[f32],
                   dt_bias: Buffer[f32], norm_w: Buffer[f32],
                   state: Buffer[f32], out: Buffer[f32], oq: Buffer[u32], od: Buffer[f32], n_k_heads: u32, k: u32,
-                  eps: f32, row: u32 = 0, D: Const = 128, KC: Const = 4, WG: Const = 256, Q8: Const = False, QTYPE: Const = "q8_0",
-                  SG: Const = 32):
+                  eps: f32, conv_slots: u32, state_slots: u32, row: u32 = 0, D: Const = 128, KC: Const = 4,
+                  WG: Const = 256, Q8: Const = False, QTYPE: Const = "q8_0", SG: Const = 32):
     """Value head h = workgroup_id, key head kh = h % n_k_heads, position p = step[0]; mix = the
     raw [q (n_k_heads × D) | k (n_k_heads × D) | v (heads × D)] projection, C channels. The
     workgroup first convolves the channels it reads (q and k of kh, v of h): conv_c =
-    silu(Σ_k conv_w[c, k] · x_c(p − KC + 1 + k)), the past inputs from the ring `conv_state`
-    (module doc), and stores mix_c in slot p % KC (q and k by workgroup kh only, so each value
-    has one writer). Meanwhile all its invocations project the head's gates from the normed
-    input x (k values; as Q8_1 in xq, xd for int8 types): b = w_ba[h] · x, a = w_ba[heads + h] · x
-    (QTYPE rows; WG a multiple of the type's invocations per block). With q, k L2-normalised
-    (eps), β = sigmoid(b_h), g = ssm_a_h · softplus(a_h + dt_bias_h), S the head's D × D state:
+    silu(Σ_k conv_w[c, k] · x_c(p − KC + 1 + k)), the past inputs from the ring `conv_state` of
+    conv_slots ≥ KC slots (module doc), and stores mix_c in slot p % conv_slots (q and k by
+    workgroup kh only, so each value has one writer). Meanwhile all its invocations project the
+    head's gates from the normed input x (k values; as Q8_1 in xq, xd for int8 types):
+    b = w_ba[h] · x, a = w_ba[heads + h] · x (QTYPE rows; WG a multiple of the type's
+    invocations per block). With q, k L2-normalised (eps), β = sigmoid(b_h),
+    g = ssm_a_h · softplus(a_h + dt_bias_h), S the head's D × D state, read from slot
+    p % state_slots of the ring `state` and written to slot (p + 1) % state_slots (module doc;
+    state_slots = 1: in place):
         S ← e^g S;  u = Sᵀk;  S ← S + k (β (v − u))ᵀ;  o = Sᵀq / √D
     computed in one pass as o = (e^g S_oldᵀq + (k·q) δ) / √D with δ = β (v − e^g S_oldᵀk), then
     out_h = rmsnorm(o) · norm_w · silu(z_h); with Q8 also as Q8_1 (oq, od: the output
@@ -206,11 +221,14 @@ def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32]
         oq, od = oq.at(row * (n // 4)), od.at(row * (n // 16))
     lay = _Layout(D, WG)
     # every load first: the state's are in flight while the conv runs and q and k are normalised
-    S = [state.vec4[(h * D + i) * lay.quads + lay.c] for i in lay.rows]
+    s_in = step[0] % state_slots  # the state before p; the one after it goes to the next slot
+    s_out = (s_in + 1) % state_slots
+    S = [state.vec4[((s_in * zdsl.num_workgroups() + h) * D + i) * lay.quads + lay.c] for i in lay.rows]
     gate = z.vec4[h * lay.quads + lay.c]
     b_part, a_part = gate_dots(w_ba, x, xq, xd, h, k, QTYPE, SG)
-    now = step[0] % KC
-    past = [(now + 1 + j) % KC for j in range(KC - 1)]  # ring slot of tap j's input, oldest first
+    now = step[0] % conv_slots
+    # ring slot of tap j's input (position p − KC + 1 + j), oldest first; conv_slots ≥ KC, no underflow
+    past = [(now + conv_slots + 1 + j - KC) % conv_slots for j in range(KC - 1)]
     owner = h < n_k_heads  # the one workgroup of key head kh that stores its q and k inputs
 
     def conv(ch, shared_channel):
@@ -227,30 +245,33 @@ def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32]
     qq, kk, qk, b, a = workgroup_sums([*qkv.sums, b_part, a_part], WG, SG)
     S, o = _delta_rule(lay, S, qkv, qq, kk, qk, _decay(ssm_a, dt_bias, h, a), zdsl.sigmoid(b), eps)
     for s, i in zip(S, lay.rows):
-        state.vec4[(h * D + i) * lay.quads + lay.c] = s
+        state.vec4[((s_out * zdsl.num_workgroups() + h) * D + i) * lay.quads + lay.c] = s
     _store_out(lay, o, gate, norm_w, h * lay.quads + lay.c, out, oq, od, eps, Q8, SG, "deltanet_step")
 
 
 def deltanet_step_ref(mix, conv_w, conv_state, pos, z, w_ba, x, xq, xd, qtype, ssm_a, dt_bias, norm_w, state, n_k_heads,
                       eps):
     """Straight from the model doc, in float64. mix: (C,) the raw q|k|v projection; conv_w: (C, KC);
-    conv_state: (KC, C), the ring (module doc: slot s holds the input of the last position ≡ s mod
-    KC); pos: the position; z: (Hv·D,); w_ba: the 2·Hv gate rows (β's, then α's) as `qtype`
-    bytes, dequantized by gguf-py; x: (k,) the normed input, xq, xd: its Q8_1 form (what the gates
-    read for types with an int8 decoder); ssm_a, dt_bias: (Hv,); norm_w: (D,);
-    state: (Hv, D, D). Returns (out (Hv·D,), new delta state, new conv state)."""
+    conv_state: (conv_slots, C), the ring (module doc: slot s holds the input of the last position
+    ≡ s mod conv_slots, conv_slots ≥ KC); pos: the position; z: (Hv·D,); w_ba: the 2·Hv gate rows
+    (β's, then α's) as `qtype` bytes, dequantized by gguf-py; x: (k,) the normed input, xq, xd: its
+    Q8_1 form (what the gates read for types with an int8 decoder); ssm_a, dt_bias: (Hv,); norm_w:
+    (D,); state: (state_slots, Hv, D, D), the ring (slot pos % state_slots: the state before pos).
+    Returns (out (Hv·D,), new state ring (slot (pos + 1) % state_slots: the state after pos),
+    new conv ring)."""
     f = lambda x: np.asarray(x, np.float64)  # noqa: E731
-    Hv, D = state.shape[0], state.shape[1]
+    slots, Hv, D = state.shape[0], state.shape[1], state.shape[2]
     xs = q8_1_values(xq, xd) if FORMATS[qtype].iparts else f(x)
     b, a = np.split(dmmv.dequant_rows(w_ba, qtype, 2 * Hv, len(x)) @ xs, 2)
     Hk = n_k_heads
-    KC = conv_state.shape[0]
+    KC, conv_slots = conv_w.shape[1], conv_state.shape[0]
+    assert conv_slots >= KC
     # the inputs of positions pos − KC + 1 … pos, oldest first; tap KC − 1 is the current token
-    hist = [f(conv_state[(pos - KC + 1 + k) % KC]) for k in range(KC - 1)] + [f(mix)]
+    hist = [f(conv_state[(pos - KC + 1 + k) % conv_slots]) for k in range(KC - 1)] + [f(mix)]
     pre = sum(f(conv_w)[:, k] * hist[k] for k in range(KC))
     conv = pre / (1 + np.exp(-pre))
     ring = np.array(conv_state, np.float32, copy=True)
-    ring[pos % KC] = mix
+    ring[pos % conv_slots] = mix
     q = conv[:Hk * D].reshape(Hk, D)
     k = conv[Hk * D:2 * Hk * D].reshape(Hk, D)
     v = conv[2 * Hk * D:].reshape(Hv, D)
@@ -258,7 +279,7 @@ def deltanet_step_ref(mix, conv_w, conv_state, pos, z, w_ba, x, xq, xd, qtype, s
     k = k / np.sqrt((k * k).sum(axis=1, keepdims=True) + eps)
     beta = 1 / (1 + np.exp(-f(b)))
     g = f(ssm_a) * np.logaddexp(0.0, f(a) + f(dt_bias))
-    S = f(state).copy()
+    S = f(state[pos % slots]).copy()
     out = np.empty((Hv, D))
     z = f(z).reshape(Hv, D)
     for h in range(Hv):
@@ -268,7 +289,19 @@ def deltanet_step_ref(mix, conv_w, conv_state, pos, z, w_ba, x, xq, xd, qtype, s
         S[h] += np.outer(k[kh], beta[h] * (v[h] - u))
         o = S[h].T @ q[kh] / np.sqrt(D)
         out[h] = o / np.sqrt(np.mean(o * o) + eps) * f(norm_w) * z[h] / (1 + np.exp(-z[h]))
-    return out.reshape(-1).astype(np.float32), S.astype(np.float32), ring
+    states = np.array(state, np.float32, copy=True)
+    states[(pos + 1) % slots] = S
+    return out.reshape(-1).astype(np.float32), states, ring
+
+
+def example_rings(use, rng, check: bool, KC: int) -> tuple[int, int, int]:
+    """(conv_slots, state_slots, position) for an example: the launch's ring sizes at a far
+    position (what a timing runs), or for a check drawn ones (conv_slots KC … KC + 7, state_slots
+    1 … 5) at a position past both rings' first wrap."""
+    if not check:
+        return use.sizes["conv_slots"], use.sizes.get("state_slots", 1), 1001
+    conv_slots, state_slots = KC + int(rng.integers(0, 8)), int(rng.integers(1, 6))
+    return conv_slots, state_slots, int(rng.integers(conv_slots + state_slots, 2000))
 
 
 @deltanet_step.example
@@ -276,13 +309,15 @@ def deltanet_step_example(use, rng, check):
     D, KC, q, q8 = use.fixed["D"], use.fixed["KC"], use.fixed["QTYPE"], use.fixed["Q8"]
     Hk, Hv, H, eps = use.sizes["n_k_heads"], use.sizes["v_heads"], use.sizes["k"], use.sizes["eps"]
     C = (2 * Hk + Hv) * D
-    pos = 1001  # the taps read a wrapped ring
-    args = dict(mix=inputs.normal(rng, C), conv_w=inputs.normal(rng, C * KC, 0.5), conv_state=inputs.normal(rng, KC * C),
+    conv_slots, state_slots, pos = example_rings(use, rng, check, KC)
+    args = dict(mix=inputs.normal(rng, C), conv_w=inputs.normal(rng, C * KC, 0.5),
+                conv_state=inputs.normal(rng, conv_slots * C),
                 step=inputs.step_words(pos, pos + 1), z=inputs.normal(rng, Hv * D, 2.0),
                 w_ba=inputs.rows(rng, q, 2 * Hv, H), **inputs.activations(rng, H, False),
                 ssm_a=-np.exp(rng.standard_normal(Hv)).astype(np.float32), dt_bias=inputs.normal(rng, Hv),
-                norm_w=inputs.normal(rng, D), state=inputs.normal(rng, Hv * D * D, 0.5), out=np.zeros(Hv * D, np.float32),
-                n_k_heads=Hk, k=H, eps=eps, v_heads=Hv)
+                norm_w=inputs.normal(rng, D), state=inputs.normal(rng, state_slots * Hv * D * D, 0.5),
+                out=np.zeros(Hv * D, np.float32), n_k_heads=Hk, k=H, eps=eps, conv_slots=conv_slots,
+                state_slots=state_slots, v_heads=Hv)
     args.update(zip(("xq", "xd"), q8_1_buffers(args["x"])))
     if q8:
         args.update(oq=np.zeros(Hv * D // 4, np.uint32), od=np.zeros(Hv * D // 16, np.float32))
@@ -291,22 +326,24 @@ def deltanet_step_example(use, rng, check):
     def expect(p):
         given = {n: args[n] for n in ("mix", "z", "w_ba", "x", "xq", "xd", "ssm_a", "dt_bias", "norm_w")}
         out, state, ring = deltanet_step_ref(**given, qtype=q, conv_w=args["conv_w"].reshape(C, KC),
-                                             conv_state=ring0.reshape(KC, C), pos=pos, state=s0.reshape(Hv, D, D),
-                                             n_k_heads=Hk, eps=eps)
+                                             conv_state=ring0.reshape(conv_slots, C), pos=pos,
+                                             state=s0.reshape(state_slots, Hv, D, D), n_k_heads=Hk, eps=eps)
         q8_out = {"od": (inputs.q8_1_scales(out), 1e-4)} if q8 else {}
         return {"out": (out, 1e-4), **q8_out, "state": (state, 1e-5), "conv_state": (ring, 0)}
     return zdsl.Example(args, expect, lambda n: {"state": inputs.copies(args["state"], n)})
 
 
-def chunk_taps(mix, conv_state, first, i, ch, C, KC: int):
+def chunk_taps(mix, conv_state, first, i, ch, C, KC: int, conv_slots):
     """Channel ch's inputs of positions p0 + i − KC + 1 … p0 + i for token i of a chunk at p0,
-    oldest first: mix rows for positions ≥ p0, the ring (slot `first` holds p0's) for earlier ones."""
+    oldest first: mix rows for positions ≥ p0, the ring of conv_slots slots (slot `first`
+    = p0 % conv_slots would hold p0's) for earlier ones."""
     taps = []
     for j in range(KC - 1):
         r = i + (j + 1)  # KC more than the tap's offset from p0
         in_chunk = r >= KC
         from_mix = mix.load((r - KC) * C + ch, mask=in_chunk, other=0.0)
-        from_ring = conv_state.load(((first + r) % KC) * C + ch, mask=r < KC, other=0.0)
+        # position p0 + r − KC (r < KC where it is read); conv_slots ≥ KC, no underflow
+        from_ring = conv_state.load(((first + conv_slots + r - KC) % conv_slots) * C + ch, mask=r < KC, other=0.0)
         taps.append(zdsl.where(in_chunk, from_mix, from_ring))
     return taps + [mix[i * C + ch]]
 
@@ -317,16 +354,18 @@ def chunk_taps(mix, conv_state, first, i, ch, C, KC: int):
              key=("channels",), sizes=("t",), grid=lambda v, s: (s.channels // v.D, s.t),
              traffic=lambda v, s: 4 * s.channels * (2 * s.t + v.KC + v.KC - 1))
 def deltanet_conv_rows(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32], step: Buffer[u32],
-                       conv: Buffer[f32], channels: u32, n_k_heads: u32, eps: f32, D: Const = 128, KC: Const = 4,
-                       SG: Const = 32):
+                       conv: Buffer[f32], channels: u32, n_k_heads: u32, eps: f32, conv_slots: u32, D: Const = 128,
+                       KC: Const = 4, SG: Const = 32):
     """conv[i·C + c] = silu of channel c's causal conv for token i = workgroup_id(1) of a chunk at
     p0 = step[0] (C = channels; the same sums, in the same order, as deltanet_step's), with each
     head of q and k (the first 2·n_k_heads heads of D channels) L2-normalised (eps): the delta
     rule's inputs, none of it a recurrence, for every token at once. Workgroup (head, token) does
-    one head of D channels. Reads the ring, writes nothing of it (deltanet_chunk_scan does)."""
+    one head of D channels. Reads the ring of conv_slots slots (module doc), writes nothing of it
+    (deltanet_chunk_scan does)."""
     head, i = zdsl.workgroup_id(0), zdsl.workgroup_id(1)
     ch = head * D + zdsl.local_index()
-    x = zdsl.var(conv_silu(conv_w, ch, chunk_taps(mix, conv_state, step[0] % KC, i, ch, channels, KC), KC))
+    taps = chunk_taps(mix, conv_state, step[0] % conv_slots, i, ch, channels, KC, conv_slots)
+    x = zdsl.var(conv_silu(conv_w, ch, taps, KC))
     with zdsl.if_(head < 2 * n_k_heads):  # a q or k head: uniform over the workgroup
         (ss,) = workgroup_sums([x * x], D, SG)
         x.set(x * zdsl.rsqrt(ss + eps))
@@ -334,11 +373,12 @@ def deltanet_conv_rows(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer
 
 
 def deltanet_conv_rows_ref(mix, conv_w, conv_state, pos, n_k_heads, D, eps):
-    """(T, C) silu(conv) of mix (T, C) after the ring conv_state (KC, C) at position pos, the
-    q and k heads (the first 2·n_k_heads of D channels) L2-normalised; float64."""
+    """(T, C) silu(conv) of mix (T, C) after the ring conv_state (conv_slots, C) at position pos,
+    the q and k heads (the first 2·n_k_heads of D channels) L2-normalised; float64."""
     f = lambda x: np.asarray(x, np.float64)  # noqa: E731
-    T, KC = mix.shape[0], conv_state.shape[0]
-    hist = np.concatenate([f(conv_state[[(pos - KC + 1 + j) % KC for j in range(KC - 1)]]), f(mix)])
+    T, KC, slots = mix.shape[0], conv_w.shape[1], conv_state.shape[0]
+    assert slots >= KC
+    hist = np.concatenate([f(conv_state[[(pos - KC + 1 + j) % slots for j in range(KC - 1)]]), f(mix)])
     pre = sum(hist[j:j + T] * f(conv_w)[:, j] for j in range(KC))
     conv = pre / (1 + np.exp(-pre))
     qk = conv[:, :2 * n_k_heads * D].reshape(T, 2 * n_k_heads, D)
@@ -350,12 +390,12 @@ def deltanet_conv_rows_ref(mix, conv_w, conv_state, pos, n_k_heads, D, eps):
 def deltanet_conv_rows_example(use, rng, check):
     D, KC, C, T = use.fixed["D"], use.fixed["KC"], use.sizes["channels"], use.sizes["t"]
     Hk, eps = use.sizes["n_k_heads"], use.sizes["eps"]
-    pos = 1001
+    conv_slots, _, pos = example_rings(use, rng, check, KC)
     args = dict(mix=inputs.normal(rng, T * C), conv_w=inputs.normal(rng, C * KC, 0.5),
-                conv_state=inputs.normal(rng, KC * C), step=inputs.step_words(pos, pos + T),
-                conv=np.zeros(T * C, np.float32), channels=C, n_k_heads=Hk, eps=eps, t=T)
+                conv_state=inputs.normal(rng, conv_slots * C), step=inputs.step_words(pos, pos + T),
+                conv=np.zeros(T * C, np.float32), channels=C, n_k_heads=Hk, eps=eps, conv_slots=conv_slots, t=T)
     want = deltanet_conv_rows_ref(args["mix"].reshape(T, C), args["conv_w"].reshape(C, KC),
-                                  args["conv_state"].reshape(KC, C), pos, Hk, D, eps)
+                                  args["conv_state"].reshape(conv_slots, C), pos, Hk, D, eps)
     return zdsl.Example(args, lambda p: {"conv": (want.reshape(-1), 1e-5)})
 
 
@@ -580,18 +620,20 @@ def _scan_fits(v) -> bool:
 
 def _scan_traffic(v, s) -> int:
     """Each workgroup: every block's q and k rows, wy entry, U and o rows of its columns; the
-    state read and written; the chunk's last min(t, KC) mix rows into the ring."""
+    state read (one slot) and written (one slot); the chunk's last min(t, conv_slots) mix rows
+    into the ring."""
     Hv, D, T, L = s.v_heads, v.D, s.t, v.L
     C = (2 * s.n_k_heads + Hv) * D
     per_wg = 4 * T * 2 * D + 4 * zdsl.cdiv(T, L) * wy_floats(L)
-    return (Hv * (D // v.NC)) * per_wg + 4 * T * Hv * D * 2 + 8 * Hv * D * D + 8 * C * min(T, v.KC)
+    return (Hv * (D // v.NC)) * per_wg + 4 * T * Hv * D * 2 + 8 * Hv * D * D + 8 * C * min(T, s.conv_slots)
 
 
 @zdsl.kernel(workgroup="WG", subgroup="SG",
              variants={"D": [128], "L": [BLOCK], "NC": [8, 16, 32], "WG": [64, 128, 256], "SG": SUBGROUPS},
              tune={"WG": [512], "US": [16]}, where=_scan_fits, sizes=("v_heads",), grid=lambda v, s: s.v_heads * (v.D // v.NC), traffic=_scan_traffic)
 def deltanet_chunk_scan(conv: Buffer[f32], wy: Buffer[f32], o: Buffer[f32], state: Buffer[f32], mix: Buffer[f32],
-                        conv_state: Buffer[f32], step: Buffer[u32], t: u32, n_k_heads: u32, D: Const = 128,
+                        conv_state: Buffer[f32], step: Buffer[u32], t: u32, n_k_heads: u32, conv_slots: u32,
+                        state_slots: u32, D: Const = 128,
                         L: Const = 64, NC: Const = 16, KC: Const = 4, WG: Const = 128, US: Const = 8,
                         SG: Const = 32):
     """The state carried over a chunk's blocks of L tokens (deltanet_chunk_wy's docstring has the
@@ -600,9 +642,15 @@ def deltanet_chunk_scan(conv: Buffer[f32], wy: Buffer[f32], o: Buffer[f32], stat
     S ← γ_last S + Kᵀ diag(e^(G_last − G)) Δ, products of whole blocks instead of a chain token
     after token. The state's columns are independent, so workgroups split them; S (D × NC) and Δ
     (L × NC) sit in shared memory, an invocation computes four columns of L / (WG / quads) token
-    rows and D / (WG / quads) state rows. Every workgroup takes a share of storing the chunk's
-    last min(t, KC) mix rows in the conv ring's slots (p % KC), as t deltanet_step dispatches
-    would leave it."""
+    rows and D / (WG / quads) state rows. The state before the chunk (at p0 = step[0]) comes from
+    slot p0 % state_slots of the ring `state`, the state after its last token goes to slot
+    (p0 + t) % state_slots (module doc), and only that one: a chunk is not cut back. Each
+    workgroup reads its columns of the in-slot before the first block and writes them to the
+    out-slot after the last, and no other workgroup touches them, so the two slots may be one
+    (state_slots = 1: in place, as ever) or two without a race, and the state is read once and
+    written once either way. Every workgroup takes a share of storing the chunk's last
+    min(t, conv_slots) mix rows in the conv ring's slots (p % conv_slots), as t deltanet_step
+    dispatches would leave it."""
     if not _scan_fits(SimpleNamespace(D=D, L=L, NC=NC, WG=WG, SG=SG)):
         raise zdsl.ZdslError(f"deltanet_chunk_scan needs 4 | NC, NC | D, WG / (NC / 4) dividing L and D and "
                              f"{SHARED_LIMIT:,} bytes of shared memory at most, not D={D}, L={L}, NC={NC}, WG={WG}")
@@ -617,7 +665,9 @@ def deltanet_chunk_scan(conv: Buffer[f32], wy: Buffer[f32], o: Buffer[f32], stat
     its_d = [rg * (D // rows) + n for n in range(D // rows)]  # its state rows
     S_sh, Z = zdsl.shared(f32.vec(4), D * quads), zdsl.shared(f32.vec(4), L * quads)
     G, E = zdsl.shared(f32, L), zdsl.shared(f32, L)
-    S = [zdsl.var(state.vec4[((h * D + d) * D + j) // 4]) for d in its_d]
+    s_in = step[0] % state_slots  # the state before p0; the one after the chunk goes t slots on
+    s_out = (s_in + t) % state_slots
+    S = [zdsl.var(state.vec4[(((s_in * Hv + h) * D + d) * D + j) // 4]) for d in its_d]
     for d, s in zip(its_d, S):
         S_sh[d * quads + cq] = s
     k_at, q_at = (n_k_heads + kh) * D, kh * D
@@ -676,36 +726,41 @@ def deltanet_chunk_scan(conv: Buffer[f32], wy: Buffer[f32], o: Buffer[f32], stat
         for d, s in zip(its_d, S):
             S_sh[d * quads + cq] = s
     for d, s in zip(its_d, S):
-        state.vec4[((h * D + d) * D + j) // 4] = s
-    # slot (first + t + n) % KC takes position p0 + t − KC + n, the mix row t − KC + n, if in the chunk
-    first = step[0] % KC
-    for n in zdsl.range(zdsl.global_id(), KC * C, zdsl.num_workgroups() * WG):
+        state.vec4[(((s_out * Hv + h) * D + d) * D + j) // 4] = s
+    # slot (first + t + n) % conv_slots takes position p0 + t − conv_slots + n, the mix row
+    # t − conv_slots + n, if in the chunk
+    first = step[0] % conv_slots
+    for n in zdsl.range(zdsl.global_id(), conv_slots * C, zdsl.num_workgroups() * WG):
         row, ch = n // C, n % C
-        with zdsl.if_(t + row >= KC):
-            conv_state[((first + t + row) % KC) * C + ch] = mix[(t + row - KC) * C + ch]
+        with zdsl.if_(t + row >= conv_slots):
+            conv_state[((first + t + row) % conv_slots) * C + ch] = mix[(t + row - conv_slots) * C + ch]
 
 
 def deltanet_chunk_scan_ref(conv, mix, conv_state, pos, ba, ssm_a, dt_bias, state, n_k_heads):
     """Straight from the model doc, in float64, token after token, for positions pos … pos + T − 1.
-    conv: (T, C) deltanet_conv_rows' rows (q and k normalised); mix: (T, C); conv_state: (KC, C),
-    the ring (slot s: the input of the last position ≡ s mod KC before pos); ba: (T, 2·Hv) the β
-    logits then the α inputs; ssm_a, dt_bias: (Hv,); state: (Hv, D, D). Returns (raw o (T, Hv, D),
-    new delta state, new conv ring)."""
-    Hv, D = state.shape[0], state.shape[1]
-    T, KC = mix.shape[0], conv_state.shape[0]
+    conv: (T, C) deltanet_conv_rows' rows (q and k normalised); mix: (T, C); conv_state:
+    (conv_slots, C), the ring (slot s: the input of the last position ≡ s mod conv_slots before
+    pos); ba: (T, 2·Hv) the β logits then the α inputs; ssm_a, dt_bias: (Hv,); state:
+    (state_slots, Hv, D, D), the ring (slot pos % state_slots: the state before pos). Returns
+    (raw o (T, Hv, D), new state ring (slot (pos + T) % state_slots: the state after the chunk,
+    the others as given), new conv ring)."""
+    slots, Hv, D = state.shape[0], state.shape[1], state.shape[2]
+    T, conv_slots = mix.shape[0], conv_state.shape[0]
     ring = np.array(conv_state, np.float32, copy=True)
-    for p in range(max(pos, pos + T - KC), pos + T):
-        ring[p % KC] = mix[p - pos]
+    for p in range(max(pos, pos + T - conv_slots), pos + T):
+        ring[p % conv_slots] = mix[p - pos]
     q, k, v, beta, g = _rule_inputs(conv, ba, ssm_a, dt_bias, n_k_heads, D)
     decay = np.exp(g)
-    S = np.asarray(state, np.float64).copy()
+    S = np.asarray(state[pos % slots], np.float64).copy()
     o = np.empty((T, Hv, D))
     for i in range(T):
         S *= decay[i][:, None, None]
         u = np.einsum("hij,hi->hj", S, k[i])
         S += k[i][:, :, None] * (beta[i][:, None] * (v[i] - u))[:, None, :]
         o[i] = np.einsum("hij,hi->hj", S, q[i]) / np.sqrt(D)
-    return o, S, ring
+    states = np.array(state, np.float32, copy=True)
+    states[(pos + T) % slots] = S
+    return o, states, ring
 
 
 @deltanet_chunk_scan.example
@@ -713,18 +768,20 @@ def deltanet_chunk_scan_example(use, rng, check):
     D, KC, L = use.fixed["D"], use.fixed["KC"], use.fixed["L"]
     Hk, Hv, T = use.sizes["n_k_heads"], use.sizes["v_heads"], use.sizes["t"]
     C = (2 * Hk + Hv) * D
-    pos = 1001  # a wrapped ring
+    conv_slots, state_slots, pos = example_rings(use, rng, check, KC)
     x = chunk_inputs(rng, Hk, Hv, D, T)
     wy, U = deltanet_chunk_wy_ref(x["conv"], x["ba"], x["ssm_a"], x["dt_bias"], Hk, D, L)
     args = dict(conv=x["conv"].reshape(-1), wy=wy.astype(np.float32).reshape(-1),
-                o=U.astype(np.float32).reshape(-1), state=inputs.normal(rng, Hv * D * D, 0.5),
-                mix=inputs.normal(rng, T * C), conv_state=inputs.normal(rng, KC * C),
-                step=inputs.step_words(pos, pos + T), t=T, n_k_heads=Hk, v_heads=Hv)
+                o=U.astype(np.float32).reshape(-1), state=inputs.normal(rng, state_slots * Hv * D * D, 0.5),
+                mix=inputs.normal(rng, T * C), conv_state=inputs.normal(rng, conv_slots * C),
+                step=inputs.step_words(pos, pos + T), t=T, n_k_heads=Hk, conv_slots=conv_slots,
+                state_slots=state_slots, v_heads=Hv)
     s0, ring0 = args["state"].copy(), args["conv_state"].copy()
 
     def expect(p):
-        o, state, ring = deltanet_chunk_scan_ref(x["conv"], args["mix"].reshape(T, C), ring0.reshape(KC, C), pos,
-                                                 x["ba"], x["ssm_a"], x["dt_bias"], s0.reshape(Hv, D, D), Hk)
+        o, state, ring = deltanet_chunk_scan_ref(x["conv"], args["mix"].reshape(T, C), ring0.reshape(conv_slots, C),
+                                                 pos, x["ba"], x["ssm_a"], x["dt_bias"],
+                                                 s0.reshape(state_slots, Hv, D, D), Hk)
         return {"o": (o.reshape(-1), 1e-4), "state": (state.reshape(-1), 1e-4), "conv_state": (ring.reshape(-1), 0)}
     return zdsl.Example(args, expect, lambda n: {"state": inputs.copies(args["state"], n),
                                                  "o": inputs.copies(args["o"], n)})

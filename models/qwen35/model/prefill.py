@@ -266,7 +266,7 @@ class Prefill:
         deltanet.deltanet_conv_rows.launch(seq, g.pick, label=p + "ssm_conv", D=D, KC=hp.conv_kernel, mix=self.mix,
                                            conv_w=g.weights[p + "ssm_conv1d.weight"], conv_state=g.conv_state[i],
                                            step=self.steps, conv=self.conv, channels=hp.conv_channels,
-                                           n_k_heads=hp.ssm_k_heads, eps=hp.eps, t=t)
+                                           n_k_heads=hp.ssm_k_heads, eps=hp.eps, conv_slots=g.conv_slots, t=t)
         deltanet.deltanet_chunk_wy.launch(seq, g.pick, label=p + "ssm_wy", D=D, L=deltanet.BLOCK, conv=self.conv,
                                           ba=self.ba, ssm_a=g.weights[p + "ssm_a"],
                                           dt_bias=g.weights[p + "ssm_dt.bias"], wy=self.wy, u=self.dn_raw, t=t,
@@ -274,7 +274,8 @@ class Prefill:
         deltanet.deltanet_chunk_scan.launch(seq, g.pick, label=p + "ssm_chunk", D=D, L=deltanet.BLOCK,
                                             KC=hp.conv_kernel, conv=self.conv, wy=self.wy, o=self.dn_raw,
                                             state=g.ssm_state[i], mix=self.mix, conv_state=g.conv_state[i],
-                                            step=self.steps, t=t, n_k_heads=hp.ssm_k_heads, v_heads=hp.ssm_v_heads)
+                                            step=self.steps, t=t, n_k_heads=hp.ssm_k_heads, v_heads=hp.ssm_v_heads,
+                                            conv_slots=g.conv_slots, state_slots=g.state_slots)
         o = self.dn_out
         deltanet.deltanet_gated_norm.launch(seq, g.pick, label=p + "ssm_norm", Q8=g.int8(p + "ssm_out.weight"),
                                             o=self.dn_raw, z=self.z, norm_w=g.weights[p + "ssm_norm.weight"],
