@@ -329,3 +329,33 @@ def test_profile_on_lavapipe(tiny, tmp_path):
     assert p["phases"]["moe router"] > 0 and p["phases"]["norms"] > 0
     trace = json.loads((tmp_path / "trace.json").read_text())
     assert len(trace["traceEvents"]) == p["dispatches"]
+
+
+@pytest.mark.device
+def test_profile_and_bench_of_steps_of_several_tokens(tiny, tmp_path):
+    """`zdsl profile --step-tokens 3`: one sequence's three tokens in a step, attention and the
+    delta-net a launch a row, three draws; `zdsl bench --step-tokens 1,3`: the time of each step
+    and its ratio to the one-token step through the same path."""
+    path, hp = tiny
+    n_attn = sum(hp.attention)
+    assert main(["profile", str(path), "--device", "lavapipe", "--ctx", "64", "--position", "5", "--steps", "2",
+                 "--warm-ms", "0", "--step-tokens", "3", "--out", str(tmp_path / "p")]) == 0
+    p = json.loads((tmp_path / "p" / "profile.json").read_text())
+    kernels = p["kernels"]
+    assert kernels["deltanet_step"]["count"] == 3 * (hp.n_layers - n_attn)
+    assert kernels["attn_prep"]["count"] == kernels["attn_decode"]["count"] == 3 * n_attn
+    assert kernels["sample_draw"]["count"] == 3 and kernels["moe_router"]["count"] == hp.n_layers
+    assert main(["bench", str(path), "--device", "lavapipe", "--contexts", "0", "--tokens", "2", "--prompt", "2",
+                 "--repeats", "1", "--copy-mb", "4", "--step-tokens", "3,1", "--out", str(tmp_path / "b")]) == 0
+    r = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert r["command"].endswith("--step-tokens 1,3")
+    assert [s["tokens"] for s in r["steps"]] == [1, 3] and r["steps"][0]["vs_one_token"] == 1.0
+    assert r["steps"][1]["vs_one_token"] == pytest.approx(r["steps"][1]["ms"]["median"] / r["steps"][0]["ms"]["median"])
+
+
+@pytest.mark.parametrize("args, message", [(["--step-tokens", "0"], "give comma-separated token counts"),
+                                           (["--step-tokens", "2,x"], "give comma-separated token counts")])
+def test_bench_step_tokens_say_what_is_wrong(tiny, capsys, args, message):
+    path, _ = tiny
+    assert main(["bench", str(path), "--device", "lavapipe", *args]) != 0
+    assert message in capsys.readouterr().err

@@ -121,22 +121,29 @@ def chrome_trace(timings: list[tuple[str, float]]) -> dict:
               help="Replay the step this long before timing (lets the GPU raise its clocks).")
 @click.option("--prompt", "prompt_len", type=int, default=0,
               help="Time a batched prefill chunk of this many prompt tokens instead of a decode step.")
+@click.option("--step-tokens", type=int, default=0,
+              help="Time a step of this many tokens of one sequence (what verifying drafted tokens costs) instead "
+                   "of a decode step.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("profile"),
               show_default=True, help="Where profile.json and trace.json go.")
 @kv_type_option
-def profile(model, device, n_ctx, position, top, steps, warm_ms, prompt_len, out_dir, kv):
+def profile(model, device, n_ctx, position, top, steps, warm_ms, prompt_len, step_tokens, out_dir, kv):
     """Time a decode step (or a prompt chunk) dispatch by dispatch (GPU timestamps)."""
     from zdsl.console import Table, make_console
     from zdsl.errors import ZdslError
     from zdsl.models.qwen35.model.generate import load
     from zdsl.models.qwen35.model.sampler import SamplerConfig
 
-    if not 0 <= position < n_ctx - 1 - prompt_len:
-        raise ZdslError(f"--position must be in [0, {n_ctx - 1 - prompt_len}) for a context of {n_ctx}"
-                        + (f" and a {prompt_len}-token prompt" if prompt_len else ""))
-    if steps < 1 or warm_ms < 0:
-        raise ZdslError("--steps must be at least 1 and --warm-ms at least 0")
-    gen = load(model, device, n_ctx=n_ctx, sampler=SamplerConfig(temperature=0), kv=kv)
+    extra = prompt_len or step_tokens
+    if not 0 <= position < n_ctx - 1 - extra:
+        raise ZdslError(f"--position must be in [0, {n_ctx - 1 - extra}) for a context of {n_ctx}"
+                        + (f" and {extra} tokens timed" if extra else ""))
+    if steps < 1 or warm_ms < 0 or step_tokens < 0:
+        raise ZdslError("--steps must be at least 1, --warm-ms and --step-tokens at least 0")
+    if prompt_len and step_tokens:
+        raise ZdslError("give --prompt or --step-tokens, not both")
+    gen = load(model, device, n_ctx=n_ctx, sampler=SamplerConfig(temperature=0), kv=kv,
+               step_tokens=max(step_tokens, 2))  # 2: a step of one token on this path too
     if "timestamps" not in gen.device.info.features:
         raise ZdslError(f"{gen.device.info.name} has no timestamp queries; zdsl profile needs them")
     g = gen.graph
@@ -144,8 +151,9 @@ def profile(model, device, n_ctx, position, top, steps, warm_ms, prompt_len, out
     if position:  # a random prompt of that many tokens, fed as `zdsl run` feeds one
         g.prefill(rng.integers(0, g.hp.vocab, position).tolist())
     at = g.position
-    ids = rng.integers(0, g.hp.vocab, prompt_len).tolist()
-    timed = (lambda: g.prompt.profile(ids)) if prompt_len else g.profile
+    ids = rng.integers(0, g.hp.vocab, prompt_len or step_tokens).tolist()
+    timed = (lambda: g.prompt.profile(ids)) if prompt_len else (lambda: g.token_rows.profile(ids)) if step_tokens \
+        else g.profile
     end = time.perf_counter() + warm_ms / 1e3
     while True:  # the same step over and over, until the clocks are up
         g.seek(at)
@@ -165,7 +173,8 @@ def profile(model, device, n_ctx, position, top, steps, warm_ms, prompt_len, out
                                                      indent=1))
     console = make_console()
     code = f", {s['code_bytes'] / 1024:,.0f} KB of machine code run" if "code_bytes" in s else ""
-    what = f"a prefill chunk of {prompt_len} tokens" if prompt_len else "a decode step"
+    what = (f"a prefill chunk of {prompt_len} tokens" if prompt_len else
+            f"a step of {step_tokens} tokens of one sequence" if step_tokens else "a decode step")
     console.print(f"{gen.model.path.name} on {gen.device.info.name}: {what} at position {at}, "
                   f"{s['dispatches']} dispatches{code}, {s['total_ms']:.3f} ms GPU (median of {steps} timed steps, "
                   "each dispatch timed alone: an upper bound)")

@@ -255,7 +255,7 @@ class Alone:
 
 def load(path: str | None, device_selector: str | None, *, n_ctx: int, sampler: SamplerConfig,
          progress: bool = True, say: Callable[[str], None] | None = None, keep: bool = False,
-         kv: KVTypes = KV_DEFAULT, checkpoints: int = 0, slots: int = 1) -> Generator:
+         kv: KVTypes = KV_DEFAULT, checkpoints: int = 0, slots: int = 1, step_tokens: int = 1) -> Generator:
     from zdsl.runtime import open_device
 
     model = open_model(path) if path is not None else default_model(say)
@@ -264,7 +264,7 @@ def load(path: str | None, device_selector: str | None, *, n_ctx: int, sampler: 
         raise ZdslError(f"{device.info.name} is a compile-only target; pick a device that runs code (zdsl devices)")
     try:
         return Generator(model, device, n_ctx=n_ctx, sampler=sampler, progress=progress, say=say, keep=keep, kv=kv,
-                         checkpoints=checkpoints, slots=slots, warm=True)
+                         checkpoints=checkpoints, slots=slots, warm=True, step_tokens=step_tokens)
     except BaseException:
         device.close()
         raise

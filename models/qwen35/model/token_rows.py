@@ -52,6 +52,7 @@ class TokenRows:
                                       route_ids=b["rows.route_ids"], route_w=b["rows.route_weights"],
                                       zero_id=b["rows.zero_id"])
         self._seqs: dict[int, object] = {}  # recorded steps by token count
+        self._timed: dict[int, object] = {}  # the same with a timestamp after every command (profile)
 
     def clear(self, seq) -> None:
         """Record the zeroing of the counters the router expects at 0 (and leaves at 0)."""
@@ -86,9 +87,17 @@ class TokenRows:
     def run(self, tokens: list[int]) -> list[int]:
         """Feed `tokens` at the graph's position in one step; returns the token sampled after each
         (the one after tokens[r] at index r), as decode(tokens[r]) after tokens[:r] would."""
-        g, t = self.g, len(tokens)
+        t = len(tokens)
         if not 1 <= t <= self.most:
             raise ZdslError(f"a step of this graph holds 1 to {self.most} tokens, not {t} (its step_tokens)")
+        seq = self._seqs.get(t)
+        if seq is None:
+            seq = self._seqs[t] = self.record(t)
+        return self._run(seq, tokens)
+
+    def _run(self, seq, tokens: list[int]) -> list[int]:
+        """Run `seq`, a recorded step of len(tokens) tokens: their step values written first."""
+        g, t = self.g, len(tokens)
         g.from_host(tokens[0], t)  # checks the context's room and the first token
         bad = next((x for x in tokens if not 0 <= x < g.hp.vocab), None)
         if bad is not None:
@@ -100,14 +109,24 @@ class TokenRows:
         words[:t, 1] = words[:t, 0] + 1
         words[:t, 2] = tokens
         words[:t, 3] = np.arange(counter, counter + t)  # each row's draw its own counter, as t steps count
-        seq = self._seqs.get(t)
-        if seq is None:
-            seq = self._seqs[t] = self.record(t)
         seq.run()
         g.position += t
         g.synced = True
         g.last_step = (p0, counter, t)
         return g.tokens_out.read(np.uint32, (t,), offset=4 * p0).tolist()
+
+    def profile(self, tokens: list[int]) -> list[tuple[str, float]]:
+        """Run one step of `tokens` recorded with a GPU timestamp after every command (recorded
+        once a length, so that replays keep the GPU busy); returns (label, GPU ms) of each. The
+        step advances the sequence as `run` does."""
+        t = len(tokens)
+        if not 1 <= t <= self.most:
+            raise ZdslError(f"a profiled step holds 1 to {self.most} tokens, not {t}")
+        seq = self._timed.get(t)
+        if seq is None:
+            seq = self._timed[t] = self.record(t, timestamps=True)
+        self._run(seq, tokens)
+        return seq.timings()
 
     def logits_of(self, t: int) -> np.ndarray:
         """The t rows of logits of the last step of t tokens."""
@@ -115,9 +134,10 @@ class TokenRows:
 
     def forget(self) -> None:
         """Free the recorded steps (recorded again when next run)."""
-        for seq in self._seqs.values():
+        for seq in [*self._seqs.values(), *self._timed.values()]:
             seq.free()
         self._seqs.clear()
+        self._timed.clear()
 
     def free(self) -> None:
         self.forget()
