@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from zdsl.lang import ir
 from zdsl.lang.trace import BufferParam, SharedArray, Value, fail, operand, tracer, user_loc
-from zdsl.lang.types import DType, f16, f32, u32
+from zdsl.lang.types import DType, f32, u32
 
 SIZE = 16
 USES = {"a": "gl_MatrixUseA", "b": "gl_MatrixUseB", "acc": "gl_MatrixUseAccumulator"}
