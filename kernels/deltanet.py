@@ -186,13 +186,14 @@ def _step_traffic(v, s) -> int:
 
 
 @zdsl.kernel(workgroup="WG", subgroup="SG",
-             variants={"D": [128], "WG": [256, 512], "Q8": [False, True], "QTYPE": GATE_QTYPES, "SG": SUBGROUPS},
+             variants={"D": [128], "WG": [256, 512], "Q8": [False, True], "QTYPE": GATE_QTYPES, "MANY": [False, True],
+                       "SG": SUBGROUPS},
              where=_step_fits, sizes=("v_heads", "rows"), grid=lambda v, s: s.v_heads, traffic=_step_traffic)
 def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32], step: Buffer[u32], z: Buffer[f32],
                   w_ba: Buffer[u8], x: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], ssm_a: Buffer[f32],
                   dt_bias: Buffer[f32], norm_w: Buffer[f32],
                   state: Buffer[f32], out: Buffer[f32], oq: Buffer[u32], od: Buffer[f32], n_k_heads: u32, k: u32,
-                  eps: f32, conv_slots: u32, state_slots: u32, row: u32 = 0, rows: u32 = 1, D: Const = 128,
+                  eps: f32, conv_slots: u32, state_slots: u32, row: u32 = 0, rows: u32 = 1, MANY: Const = False, D: Const = 128,
                   KC: Const = 4, WG: Const = 256, Q8: Const = False, QTYPE: Const = "q8_0", SG: Const = 32):
     """Value head h = workgroup_id, key head kh = h % n_k_heads, `rows` tokens of one sequence at
     positions p = p0 + r (p0 = step[0], r = 0 … rows − 1), in order; mix = the raw
@@ -238,7 +239,7 @@ def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32]
     first = step[0] % conv_slots  # the ring slot of p0 (slots computed from it: no u32 overflow)
     owner = h < n_k_heads  # the one workgroup of key head kh that stores its q and k inputs
     chunk = mix.at(row * C)  # this launch's mix rows, for the taps of positions ≥ p0
-    for r in zdsl.range(0, rows):
+    for r in zdsl.range(0, rows) if MANY else [0]:  # one row: the body once (a loop around barriers costs)
         at = row + r
         mix_r, z_r, out_r, x_r = mix.at(at * C), z.at(at * n), out.at(at * n), x.at(at * k)
         xq_r, xd_r = xq.at(at * (k // 4)), xd.at(at * (k // 16))  # Q8_1: a word per 4 values, (d, d·Σq) per 32
@@ -264,11 +265,16 @@ def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32]
         for s, value in zip(S, new):
             s.set(value)
         s_out = (s_in + r + 1) % state_slots
-        with zdsl.if_((state_slots > 1) | (r + 1 == rows)):  # one slot: in place, the last row's is enough
+        if MANY:
+            with zdsl.if_((state_slots > 1) | (r + 1 == rows)):  # one slot: in place, the last row's is enough
+                for s, i in zip(S, lay.rows):
+                    state.vec4[at_state(s_out, i)] = s
+        else:
             for s, i in zip(S, lay.rows):
                 state.vec4[at_state(s_out, i)] = s
         _store_out(lay, o, gate, norm_w, h * lay.quads + lay.c, out_r, oq_r, od_r, eps, Q8, SG, "deltanet_step")
-        zdsl.barrier()  # every read of this row's q, k, v and sums done before the next row's writes
+        if MANY:
+            zdsl.barrier()  # every read of this row's q, k, v and sums done before the next row's writes
 
 
 def deltanet_step_ref(mix, conv_w, conv_state, pos, z, w_ba, x, xq, xd, qtype, ssm_a, dt_bias, norm_w, state, n_k_heads,
@@ -346,7 +352,8 @@ def deltanet_step_example(use, rng, check):
     D, KC, q, q8 = use.fixed["D"], use.fixed["KC"], use.fixed["QTYPE"], use.fixed["Q8"]
     Hk, Hv, H, eps = use.sizes["n_k_heads"], use.sizes["v_heads"], use.sizes["k"], use.sizes["eps"]
     C = (2 * Hk + Hv) * D
-    R = int(rng.integers(1, 6)) if check else use.sizes.get("rows", 1)  # tokens of the launch
+    many = use.fixed.get("MANY", False)  # a loop over rows, or one row
+    R = (int(rng.integers(1, 6)) if check else use.sizes.get("rows", 1)) if many else 1  # tokens of the launch
     conv_slots, state_slots, pos = example_rings(use, rng, check, KC, R)
     args = dict(mix=inputs.normal(rng, R * C), conv_w=inputs.normal(rng, C * KC, 0.5),
                 conv_state=inputs.normal(rng, conv_slots * C),
@@ -381,6 +388,10 @@ def chunk_taps(mix, conv_state, first, i, ch, C, KC: int, conv_slots):
     for j in range(KC - 1):
         r = i + (j + 1)  # KC more than the tap's offset from p0
         in_chunk = r >= KC
+        if isinstance(in_chunk, bool):  # i known when traced (a launch of one row): one load, no select
+            taps.append(mix[(r - KC) * C + ch] if in_chunk else
+                        conv_state[((first + conv_slots + r - KC) % conv_slots) * C + ch])
+            continue
         from_mix = mix.load((r - KC) * C + ch, mask=in_chunk, other=0.0)
         # position p0 + r − KC (r < KC where it is read); conv_slots ≥ KC, no underflow
         from_ring = conv_state.load(((first + conv_slots + r - KC) % conv_slots) * C + ch, mask=r < KC, other=0.0)

@@ -56,7 +56,7 @@ def step(backend, request, x, state, pos, n_k_heads, wg, sg, rows=1, row=0):
     n = (row + rows) * Hv * D
     q8 = D % 32 == 0  # the output also as Q8_1 where it is whole blocks
     q8_out = dict(oq=np.zeros(n // 4, np.uint32), od=np.full(n // 16, np.nan, np.float32)) if q8 else {}
-    out = run(dn.deltanet_step.specialize(D=D, KC=KC, WG=wg, Q8=q8, QTYPE=qtype, SG=sg), backend, request, Hv, **args,
+    out = run(dn.deltanet_step.specialize(D=D, KC=KC, WG=wg, Q8=q8, QTYPE=qtype, MANY=rows > 1, SG=sg), backend, request, Hv, **args,
               step=words, state=state.reshape(-1), out=np.full(n, np.nan, np.float32), n_k_heads=n_k_heads,
               k=len(x["x"]) // (row + rows), eps=EPS, conv_slots=conv_slots, state_slots=slots, row=row, rows=rows,
               **q8_out)
@@ -590,7 +590,7 @@ def test_gated_norm(backend, request, rows, d, q8, halves, sg_pick, scale, seed)
     (dn.deltanet_step, dict(mix=4 * 1024, conv_w=1024 * 4, conv_state=7 * 1024, step=8, z=4 * 512, w_ba=8 * 256,
                             x=4 * 256, xq=4 * 64, xd=4 * 16, ssm_a=4, dt_bias=4, norm_w=128, state=4 * 4 * 128 * 128,
                             out=4 * 512, oq=4 * 128, od=4 * 32, n_k_heads=2, k=256, eps=EPS, conv_slots=7,
-                            state_slots=4, rows=4, v_heads=4, D=128, KC=4, Q8=True, QTYPE="q4_k")),
+                            state_slots=4, rows=4, v_heads=4, D=128, KC=4, Q8=True, QTYPE="q4_k", MANY=True)),
     (dn.deltanet_conv_rows, dict(mix=3 * 1024, conv_w=1024 * 4, conv_state=4 * 1024, step=8, conv=3 * 1024,
                                  channels=1024, n_k_heads=2, eps=EPS, conv_slots=4, t=3, D=128, KC=4)),
     (dn.deltanet_chunk_wy, dict(conv=70 * 1024, ba=70 * 8, ssm_a=4, dt_bias=4, wy=dn.wy_size(70, 4, 64),
