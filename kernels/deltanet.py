@@ -6,7 +6,9 @@ per value head, its two gate projections (β and α: one row each of the normed 
 be worth a dispatch of their own), the causal depthwise conv (+ silu) of the q, k and v channels it
 reads, L2-normalised q and k, the gated delta rule on the f32 state, the read-out o and the gated
 RMSNorm of o, fused: the state (64 KiB per head at d = 128) is read once and written once, and
-neither the conv output nor o leaves the workgroup. A prompt's chunk runs the conv rows, then the
+neither the conv output nor o leaves the workgroup. A step of a few tokens of one sequence (a
+speculative step) runs them in order in the same dispatch (its `rows`), the state carried in
+registers from one to the next and written after each. A prompt's chunk runs the conv rows, then the
 delta rule in blocks of BLOCK tokens (the WY form: `deltanet_chunk_wy` for every block at once,
 `deltanet_chunk_scan` carrying the state over them), then the gated norm rows.
 
@@ -172,42 +174,53 @@ def _store_out(lay: _Layout, o, gate, norm_w, at, out, oq, od, eps, Q8: bool, SG
 
 
 def _step_traffic(v, s) -> int:
-    """Every buffer once (the conv ring: KC − 1 slots read, one written), the state read and written."""
-    H, Hv, D = s.k, s.v_heads, v.D
+    """Every buffer once a row (the gate rows too: the cache keeps them, the count does not), the
+    conv ring's KC − 1 slots before p0 read and one a row written, the state read once and written
+    once a row (once at the end with state_slots = 1: in place)."""
+    H, Hv, D, R = s.k, s.v_heads, v.D, getattr(s, "rows", 1)
     C = (2 * s.n_k_heads + Hv) * D
     out = 4 * Hv * D + (Hv * D + Hv * D // 4 if v.Q8 else 0)
-    return (4 * C * (1 + 2 * v.KC) + 32 + 4 * Hv * D + 2 * Hv * inputs.row_bytes(v.QTYPE, H) + 4 * H + H + H // 4
-            + 8 * Hv + 4 * D + 8 * Hv * D * D + out)
+    writes = R if getattr(s, "state_slots", 1) > 1 else 1
+    return (4 * C * (2 * R + 2 * v.KC - 1) + 32 + 8 * Hv + 4 * D + 4 * Hv * D * D * (1 + writes)
+            + R * (4 * Hv * D + 2 * Hv * inputs.row_bytes(v.QTYPE, H) + 4 * H + H + H // 4 + out))
 
 
 @zdsl.kernel(workgroup="WG", subgroup="SG",
-             variants={"D": [128], "WG": [256, 512], "Q8": [False, True], "QTYPE": GATE_QTYPES, "SG": SUBGROUPS},
-             where=_step_fits, sizes=("v_heads",), grid=lambda v, s: s.v_heads, traffic=_step_traffic)
+             variants={"D": [128], "WG": [256, 512], "Q8": [False, True], "QTYPE": GATE_QTYPES, "MANY": [False, True],
+                       "SG": SUBGROUPS},
+             where=_step_fits, sizes=("v_heads", "rows"), grid=lambda v, s: s.v_heads, traffic=_step_traffic)
 def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32], step: Buffer[u32], z: Buffer[f32],
                   w_ba: Buffer[u8], x: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], ssm_a: Buffer[f32],
                   dt_bias: Buffer[f32], norm_w: Buffer[f32],
                   state: Buffer[f32], out: Buffer[f32], oq: Buffer[u32], od: Buffer[f32], n_k_heads: u32, k: u32,
-                  eps: f32, conv_slots: u32, state_slots: u32, row: u32 = 0, D: Const = 128, KC: Const = 4,
-                  WG: Const = 256, Q8: Const = False, QTYPE: Const = "q8_0", SG: Const = 32):
-    """Value head h = workgroup_id, key head kh = h % n_k_heads, position p = step[0]; mix = the
-    raw [q (n_k_heads × D) | k (n_k_heads × D) | v (heads × D)] projection, C channels. The
-    workgroup first convolves the channels it reads (q and k of kh, v of h): conv_c =
-    silu(Σ_k conv_w[c, k] · x_c(p − KC + 1 + k)), the past inputs from the ring `conv_state` of
-    conv_slots ≥ KC slots (module doc), and stores mix_c in slot p % conv_slots (q and k by
-    workgroup kh only, so each value has one writer). Meanwhile all its invocations project the
-    head's gates from the normed input x (k values; as Q8_1 in xq, xd for int8 types):
-    b = w_ba[h] · x, a = w_ba[heads + h] · x (QTYPE rows; WG a multiple of the type's
-    invocations per block). With q, k L2-normalised (eps), β = sigmoid(b_h),
-    g = ssm_a_h · softplus(a_h + dt_bias_h), S the head's D × D state, read from slot
-    p % state_slots of the ring `state` and written to slot (p + 1) % state_slots (module doc;
-    state_slots = 1: in place):
+                  eps: f32, conv_slots: u32, state_slots: u32, row: u32 = 0, rows: u32 = 1, MANY: Const = False, D: Const = 128,
+                  KC: Const = 4, WG: Const = 256, Q8: Const = False, QTYPE: Const = "q8_0", SG: Const = 32):
+    """Value head h = workgroup_id, key head kh = h % n_k_heads, `rows` tokens of one sequence at
+    positions p = p0 + r (p0 = step[0], r = 0 … rows − 1), in order; mix = the raw
+    [q (n_k_heads × D) | k (n_k_heads × D) | v (heads × D)] projection, C channels. For each row
+    the workgroup first convolves the channels it reads (q and k of kh, v of h): conv_c =
+    silu(Σ_k conv_w[c, k] · x_c(p − KC + 1 + k)), and stores mix_c in slot p % conv_slots of the
+    ring `conv_state` (module doc; q and k by workgroup kh only, so each value has one writer).
+    The inputs of positions ≥ p0 come from this launch's mix rows, earlier ones from the ring
+    (chunk_taps): another workgroup (the owner) writes the q and k slots of this launch's rows,
+    so reading them back would race. Nothing written is read by the launch as long as
+    rows ≤ conv_slots − KC + 1 (the slots of p0 … p0 + rows − 1 are not those of p0 − KC + 1 …
+    p0 − 1). Meanwhile all its invocations project the head's gates from the row's normed input x
+    (k values; as Q8_1 in xq, xd for int8 types): b = w_ba[h] · x, a = w_ba[heads + h] · x
+    (QTYPE rows; WG a multiple of the type's invocations per block). With q, k L2-normalised
+    (eps), β = sigmoid(b_h), g = ssm_a_h · softplus(a_h + dt_bias_h), S the head's D × D state:
         S ← e^g S;  u = Sᵀk;  S ← S + k (β (v − u))ᵀ;  o = Sᵀq / √D
     computed in one pass as o = (e^g S_oldᵀq + (k·q) δ) / √D with δ = β (v − e^g S_oldᵀk), then
     out_h = rmsnorm(o) · norm_w · silu(z_h); with Q8 also as Q8_1 (oq, od: the output
-    projection's int8 input; q8_1.py; D a multiple of 32). Invocation (row part p, column quad c) keeps rows
-    p, p + RP, … of columns 4c..4c+3 in registers (RP = 4·WG / D row parts), so each row of S
-    is one contiguous read and write per D/4 invocations. mix, z, x, xq, xd, out, oq and od are
-    at row `row` (one sequence of a batch, batch.py). The launch names v_heads (the grid)."""
+    projection's int8 input; q8_1.py; D a multiple of 32). S is read once, from slot
+    p0 % state_slots of the ring `state`, and carried in registers from row to row; the state
+    after row r goes to slot (p0 + r + 1) % state_slots (module doc), every row's, so the
+    sequence can be cut back to any of them; with state_slots = 1 (in place) only the last.
+    Invocation (row part p, column quad c) keeps rows p, p + RP, … of columns 4c..4c+3 in
+    registers (RP = 4·WG / D row parts), so each row of S is one contiguous read and write per D/4
+    invocations. Token r's mix, z, x, xq, xd, out, oq and od are at row `row` + r (a batch's
+    sequences one row each, batch.py; a step of several tokens of one sequence, token_rows.py).
+    The launch names v_heads (the grid)."""
     if not _step_fits(SimpleNamespace(D=D, WG=WG, SG=SG, QTYPE=QTYPE)):
         raise zdsl.ZdslError(f"deltanet_step needs 4 | D, D/4 | WG, WG / (D/4) | D and whole {QTYPE} blocks per "
                              f"workgroup, not D={D}, WG={WG}")
@@ -215,38 +228,53 @@ def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32]
     kh = h % n_k_heads
     C = (2 * n_k_heads + zdsl.num_workgroups()) * D
     n = zdsl.num_workgroups() * D  # a row of z and out
-    mix, z, out, x = mix.at(row * C), z.at(row * n), out.at(row * n), x.at(row * k)
-    xq, xd = xq.at(row * (k // 4)), xd.at(row * (k // 16))  # Q8_1: a word per 4 values, (d, d·Σq) per 32
-    if Q8:
-        oq, od = oq.at(row * (n // 4)), od.at(row * (n // 16))
     lay = _Layout(D, WG)
-    # every load first: the state's are in flight while the conv runs and q and k are normalised
-    s_in = step[0] % state_slots  # the state before p; the one after it goes to the next slot
-    s_out = (s_in + 1) % state_slots
-    S = [state.vec4[((s_in * zdsl.num_workgroups() + h) * D + i) * lay.quads + lay.c] for i in lay.rows]
-    gate = z.vec4[h * lay.quads + lay.c]
-    b_part, a_part = gate_dots(w_ba, x, xq, xd, h, k, QTYPE, SG)
-    now = step[0] % conv_slots
-    # ring slot of tap j's input (position p − KC + 1 + j), oldest first; conv_slots ≥ KC, no underflow
-    past = [(now + conv_slots + 1 + j - KC) % conv_slots for j in range(KC - 1)]
+
+    def at_state(slot, i):
+        return ((slot * zdsl.num_workgroups() + h) * D + i) * lay.quads + lay.c
+
+    # the state's loads first: in flight while the first row's conv runs and q and k are normalised
+    s_in = step[0] % state_slots  # the state before p0; the one after row r goes r + 1 slots on
+    S = [zdsl.var(state.vec4[at_state(s_in, i)]) for i in lay.rows]
+    first = step[0] % conv_slots  # the ring slot of p0 (slots computed from it: no u32 overflow)
     owner = h < n_k_heads  # the one workgroup of key head kh that stores its q and k inputs
+    chunk = mix.at(row * C)  # this launch's mix rows, for the taps of positions ≥ p0
+    for r in zdsl.range(0, rows) if MANY else [0]:  # one row: the body once (a loop around barriers costs)
+        at = row + r
+        mix_r, z_r, out_r, x_r = mix.at(at * C), z.at(at * n), out.at(at * n), x.at(at * k)
+        xq_r, xd_r = xq.at(at * (k // 4)), xd.at(at * (k // 16))  # Q8_1: a word per 4 values, (d, d·Σq) per 32
+        oq_r, od_r = (oq.at(at * (n // 4)), od.at(at * (n // 16))) if Q8 else (oq, od)
+        gate = z_r.vec4[h * lay.quads + lay.c]
+        b_part, a_part = gate_dots(w_ba, x_r, xq_r, xd_r, h, k, QTYPE, SG)
+        now = (first + r) % conv_slots
 
-    def conv(ch, shared_channel):
-        """Channel ch's conv output; stores its input in the ring (q and k: by the owner)."""
-        taps = [conv_state[past[j] * C + ch] for j in range(KC - 1)] + [mix[ch]]
-        if shared_channel:
-            with zdsl.if_(owner):
-                conv_state[now * C + ch] = taps[-1]
+        def conv(ch, shared_channel):
+            """Channel ch's conv output for row r; stores its input in the ring (q and k: by the
+            owner)."""
+            taps = chunk_taps(chunk, conv_state, first, r, ch, C, KC, conv_slots)
+            if shared_channel:
+                with zdsl.if_(owner):
+                    conv_state[now * C + ch] = mix_r[ch]
+            else:
+                conv_state[now * C + ch] = mix_r[ch]
+            return conv_silu(conv_w, ch, taps, KC)
+
+        qkv = _conv_head(conv, kh, h, n_k_heads, D, WG)
+        qq, kk, qk, b, a = workgroup_sums([*qkv.sums, b_part, a_part], WG, SG)
+        new, o = _delta_rule(lay, S, qkv, qq, kk, qk, _decay(ssm_a, dt_bias, h, a), zdsl.sigmoid(b), eps)
+        for s, value in zip(S, new):
+            s.set(value)
+        s_out = (s_in + r + 1) % state_slots
+        if MANY:
+            with zdsl.if_((state_slots > 1) | (r + 1 == rows)):  # one slot: in place, the last row's is enough
+                for s, i in zip(S, lay.rows):
+                    state.vec4[at_state(s_out, i)] = s
         else:
-            conv_state[now * C + ch] = taps[-1]
-        return conv_silu(conv_w, ch, taps, KC)
-
-    qkv = _conv_head(conv, kh, h, n_k_heads, D, WG)
-    qq, kk, qk, b, a = workgroup_sums([*qkv.sums, b_part, a_part], WG, SG)
-    S, o = _delta_rule(lay, S, qkv, qq, kk, qk, _decay(ssm_a, dt_bias, h, a), zdsl.sigmoid(b), eps)
-    for s, i in zip(S, lay.rows):
-        state.vec4[((s_out * zdsl.num_workgroups() + h) * D + i) * lay.quads + lay.c] = s
-    _store_out(lay, o, gate, norm_w, h * lay.quads + lay.c, out, oq, od, eps, Q8, SG, "deltanet_step")
+            for s, i in zip(S, lay.rows):
+                state.vec4[at_state(s_out, i)] = s
+        _store_out(lay, o, gate, norm_w, h * lay.quads + lay.c, out_r, oq_r, od_r, eps, Q8, SG, "deltanet_step")
+        if MANY:
+            zdsl.barrier()  # every read of this row's q, k, v and sums done before the next row's writes
 
 
 def deltanet_step_ref(mix, conv_w, conv_state, pos, z, w_ba, x, xq, xd, qtype, ssm_a, dt_bias, norm_w, state, n_k_heads,
@@ -294,13 +322,28 @@ def deltanet_step_ref(mix, conv_w, conv_state, pos, z, w_ba, x, xq, xd, qtype, s
     return out.reshape(-1).astype(np.float32), states, ring
 
 
-def example_rings(use, rng, check: bool, KC: int) -> tuple[int, int, int]:
+def deltanet_steps_ref(mix, conv_w, conv_state, pos, z, w_ba, x, xq, xd, qtype, ssm_a, dt_bias, norm_w, state,
+                       n_k_heads, eps):
+    """deltanet_step of rows = len(mix) tokens at positions pos … pos + rows − 1: the single-step
+    reference row after row, each from the rings the one before left. mix: (rows, C); z:
+    (rows, Hv·D); x: (rows, k); xq, xd: (rows, …) its Q8_1 form; the rest as
+    deltanet_step_ref's. Returns (outs (rows, Hv·D), state ring, conv ring)."""
+    outs = []
+    for r in range(len(mix)):
+        out, state, conv_state = deltanet_step_ref(mix[r], conv_w, conv_state, pos + r, z[r], w_ba, x[r], xq[r],
+                                                   xd[r], qtype, ssm_a, dt_bias, norm_w, state, n_k_heads, eps)
+        outs.append(out)
+    return np.stack(outs), state, conv_state
+
+
+def example_rings(use, rng, check: bool, KC: int, rows: int = 1) -> tuple[int, int, int]:
     """(conv_slots, state_slots, position) for an example: the launch's ring sizes at a far
-    position (what a timing runs), or for a check drawn ones (conv_slots KC … KC + 7, state_slots
-    1 … 5) at a position past both rings' first wrap."""
+    position (what a timing runs), or for a check drawn ones (conv_slots KC + rows − 1 …
+    KC + rows + 6, room for `rows` tokens in a launch; state_slots 1 … 5) at a position past
+    both rings' first wrap."""
     if not check:
         return use.sizes["conv_slots"], use.sizes.get("state_slots", 1), 1001
-    conv_slots, state_slots = KC + int(rng.integers(0, 8)), int(rng.integers(1, 6))
+    conv_slots, state_slots = KC + rows - 1 + int(rng.integers(0, 8)), int(rng.integers(1, 6))
     return conv_slots, state_slots, int(rng.integers(conv_slots + state_slots, 2000))
 
 
@@ -309,27 +352,31 @@ def deltanet_step_example(use, rng, check):
     D, KC, q, q8 = use.fixed["D"], use.fixed["KC"], use.fixed["QTYPE"], use.fixed["Q8"]
     Hk, Hv, H, eps = use.sizes["n_k_heads"], use.sizes["v_heads"], use.sizes["k"], use.sizes["eps"]
     C = (2 * Hk + Hv) * D
-    conv_slots, state_slots, pos = example_rings(use, rng, check, KC)
-    args = dict(mix=inputs.normal(rng, C), conv_w=inputs.normal(rng, C * KC, 0.5),
+    many = use.fixed.get("MANY", False)  # a loop over rows, or one row
+    R = (int(rng.integers(1, 6)) if check else use.sizes.get("rows", 1)) if many else 1  # tokens of the launch
+    conv_slots, state_slots, pos = example_rings(use, rng, check, KC, R)
+    args = dict(mix=inputs.normal(rng, R * C), conv_w=inputs.normal(rng, C * KC, 0.5),
                 conv_state=inputs.normal(rng, conv_slots * C),
-                step=inputs.step_words(pos, pos + 1), z=inputs.normal(rng, Hv * D, 2.0),
-                w_ba=inputs.rows(rng, q, 2 * Hv, H), **inputs.activations(rng, H, False),
+                step=inputs.step_words(pos, pos + 1), z=inputs.normal(rng, R * Hv * D, 2.0),
+                w_ba=inputs.rows(rng, q, 2 * Hv, H), x=inputs.normal(rng, R * H),
                 ssm_a=-np.exp(rng.standard_normal(Hv)).astype(np.float32), dt_bias=inputs.normal(rng, Hv),
                 norm_w=inputs.normal(rng, D), state=inputs.normal(rng, state_slots * Hv * D * D, 0.5),
-                out=np.zeros(Hv * D, np.float32), n_k_heads=Hk, k=H, eps=eps, conv_slots=conv_slots,
-                state_slots=state_slots, v_heads=Hv)
+                out=np.zeros(R * Hv * D, np.float32), n_k_heads=Hk, k=H, eps=eps, conv_slots=conv_slots,
+                state_slots=state_slots, rows=R, v_heads=Hv)
     args.update(zip(("xq", "xd"), q8_1_buffers(args["x"])))
     if q8:
-        args.update(oq=np.zeros(Hv * D // 4, np.uint32), od=np.zeros(Hv * D // 16, np.float32))
+        args.update(oq=np.zeros(R * Hv * D // 4, np.uint32), od=np.zeros(R * Hv * D // 16, np.float32))
     s0, ring0 = args["state"].copy(), args["conv_state"].copy()
 
     def expect(p):
-        given = {n: args[n] for n in ("mix", "z", "w_ba", "x", "xq", "xd", "ssm_a", "dt_bias", "norm_w")}
-        out, state, ring = deltanet_step_ref(**given, qtype=q, conv_w=args["conv_w"].reshape(C, KC),
-                                             conv_state=ring0.reshape(conv_slots, C), pos=pos,
-                                             state=s0.reshape(state_slots, Hv, D, D), n_k_heads=Hk, eps=eps)
+        given = {n: args[n].reshape(R, -1) for n in ("mix", "z", "x", "xq", "xd")}
+        out, state, ring = deltanet_steps_ref(**given, w_ba=args["w_ba"], ssm_a=args["ssm_a"],
+                                              dt_bias=args["dt_bias"], norm_w=args["norm_w"], qtype=q,
+                                              conv_w=args["conv_w"].reshape(C, KC),
+                                              conv_state=ring0.reshape(conv_slots, C), pos=pos,
+                                              state=s0.reshape(state_slots, Hv, D, D), n_k_heads=Hk, eps=eps)
         q8_out = {"od": (inputs.q8_1_scales(out), 1e-4)} if q8 else {}
-        return {"out": (out, 1e-4), **q8_out, "state": (state, 1e-5), "conv_state": (ring, 0)}
+        return {"out": (out.reshape(-1), 1e-4), **q8_out, "state": (state, 1e-5), "conv_state": (ring, 0)}
     return zdsl.Example(args, expect, lambda n: {"state": inputs.copies(args["state"], n)})
 
 
@@ -341,6 +388,10 @@ def chunk_taps(mix, conv_state, first, i, ch, C, KC: int, conv_slots):
     for j in range(KC - 1):
         r = i + (j + 1)  # KC more than the tap's offset from p0
         in_chunk = r >= KC
+        if isinstance(in_chunk, bool):  # i known when traced (a launch of one row): one load, no select
+            taps.append(mix[(r - KC) * C + ch] if in_chunk else
+                        conv_state[((first + conv_slots + r - KC) % conv_slots) * C + ch])
+            continue
         from_mix = mix.load((r - KC) * C + ch, mask=in_chunk, other=0.0)
         # position p0 + r − KC (r < KC where it is read); conv_slots ≥ KC, no underflow
         from_ring = conv_state.load(((first + conv_slots + r - KC) % conv_slots) * C + ch, mask=r < KC, other=0.0)

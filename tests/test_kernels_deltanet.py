@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from zdsl.kernels import inputs
@@ -24,6 +24,7 @@ from zdsl.kernels import dmmv
 from zdsl.kernels.q8_1 import q8_1_buffers, q8_1_values
 from zdsl.kernels.quant import FORMATS
 from zdsl.models.qwen35.model import reference as model
+from budget import examples
 from kernel_testing import BACKENDS, assert_example_holds, assert_q8_1_of, run, subgroup
 
 EPS = 1e-6
@@ -36,23 +37,33 @@ def subgroup_sizes(backend, request):
     return [8, 16, 32, 64] if backend == "interp" else [request.getfixturevalue("device").info.subgroup_size]
 
 
-def step(backend, request, x, state, pos, n_k_heads, wg, sg):
+def step(backend, request, x, state, pos, n_k_heads, wg, sg, rows=1, row=0):
     """x: the step's inputs (mix, conv_w (C, KC), conv_state (conv_slots, C), z, w_ba, x, qtype,
-    ssm_a, dt_bias, norm_w); state: the ring (state_slots, Hv, D, D)."""
+    ssm_a, dt_bias, norm_w; mix, z, x, xq, xd `rows` rows of them, from row `row` of buffers whose
+    rows before it are NaN); state: the ring (state_slots, Hv, D, D)."""
     slots, Hv, D = state.shape[:3]
     x = dict(x)
     qtype = x.pop("qtype")
     KC, conv_slots = x["conv_w"].shape[1], x["conv_state"].shape[0]
     words = np.zeros(8, np.uint32)
     words[0], words[1] = pos, (pos + 1) % 2**32
+    for name in ("mix", "z", "x", "xq", "xd"):  # the rows before `row` NaN (not read)
+        given = np.asarray(x[name]).reshape(rows, -1)
+        unread = np.full((row, given.shape[1]), np.nan if given.dtype.kind == "f" else 0xFFFFFFFF, given.dtype)
+        x[name] = np.concatenate([unread, given])
+        x[name] = x[name].reshape(-1)
     args = dict(x, conv_w=x["conv_w"].reshape(-1), conv_state=x["conv_state"].reshape(-1))
+    n = (row + rows) * Hv * D
     q8 = D % 32 == 0  # the output also as Q8_1 where it is whole blocks
-    q8_out = dict(oq=np.zeros(Hv * D // 4, np.uint32), od=np.full(Hv * D // 16, np.nan, np.float32)) if q8 else {}
-    out = run(dn.deltanet_step.specialize(D=D, KC=KC, WG=wg, Q8=q8, QTYPE=qtype, SG=sg), backend, request, Hv, **args,
-              step=words, state=state.reshape(-1), out=np.full(Hv * D, np.nan, np.float32), n_k_heads=n_k_heads,
-              k=len(x["x"]), eps=EPS, conv_slots=conv_slots, state_slots=slots, **q8_out)
+    q8_out = dict(oq=np.zeros(n // 4, np.uint32), od=np.full(n // 16, np.nan, np.float32)) if q8 else {}
+    out = run(dn.deltanet_step.specialize(D=D, KC=KC, WG=wg, Q8=q8, QTYPE=qtype, MANY=rows > 1, SG=sg), backend, request, Hv, **args,
+              step=words, state=state.reshape(-1), out=np.full(n, np.nan, np.float32), n_k_heads=n_k_heads,
+              k=len(x["x"]) // (row + rows), eps=EPS, conv_slots=conv_slots, state_slots=slots, row=row, rows=rows,
+              **q8_out)
     if q8:
-        assert_q8_1_of(out["oq"], out["od"], out["out"])
+        at = row * Hv * D
+        assert_q8_1_of(out["oq"][at // 4:], out["od"][at // 16:], out["out"][at:])
+    out["out"] = out["out"][row * Hv * D:]
     return out
 
 
@@ -143,6 +154,87 @@ def unread_nan(ring, pos, KC):
     taps = [(pos - KC + 1 + j) % ring.shape[0] for j in range(KC - 1)]
     out[taps] = ring[taps]
     return out
+
+
+def row_inputs(rng, x, rows):
+    """`rows` tokens' mix, z and normed input x (and its Q8_1 form), drawn like step_inputs' one."""
+    C, hidden = len(x["mix"]), len(x["x"])
+    xn = (rng.standard_normal((rows, hidden)) / np.sqrt(hidden)).astype(np.float32)
+    xq, xd = zip(*[q8_1_buffers(r) for r in xn])
+    return dict(mix=rng.standard_normal((rows, C)).astype(np.float32),
+                z=(rng.standard_normal((rows, len(x["z"]))) * 2).astype(np.float32), x=xn, xq=np.stack(xq),
+                xd=np.stack(xd))
+
+
+# positions for several rows in a launch: before the rings fill, their wraps, far out, the last
+# rows of u32 positions (the slot arithmetic must not overflow)
+ROW_POSITIONS = [0, 1, 2, 3, 5, 262_141, 2**32 - 6]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=examples(12))
+@given(rows=st.integers(1, 5), hk=st.integers(1, 3), ratio=st.integers(1, 2), rp_log=st.integers(0, 3),
+       d=st.sampled_from([8, 16, 32]), sg_pick=st.integers(0, 3), layout=st.sampled_from(LAVAPIPE_LAYOUTS),
+       kc=st.integers(1, 5), pos=st.one_of(st.sampled_from(ROW_POSITIONS), st.integers(0, 40)),
+       qtype=st.sampled_from(["q8_0", "q4_k", "f32", "q5_0"]), conv_extra=st.integers(0, 4),
+       state_slots=st.integers(1, 6), row=st.integers(0, 2), seed=st.integers(0, 99))
+def test_rows(backend, request, rows, hk, ratio, rp_log, d, sg_pick, layout, kc, pos, qtype, conv_extra, state_slots,
+              row, seed):
+    """One launch of `rows` tokens of a sequence at positions pos … pos + rows − 1 (from row `row`
+    of the buffers) against as many steps of the reference, each from the rings the one before
+    left: every row's output, the state after every row in its slot (every slot written, the
+    others as they were: NaN), the conv ring (exact). Rings of conv_slots = KC + rows − 1 … + 4
+    (the fewest a launch of `rows` needs) and state_slots = 1 … 6 (fewer or more than the rows:
+    slots written twice, and in place), at positions past their wraps; the conv slots the
+    launch must not read (those of positions ≥ pos among them) NaN."""
+    sizes = subgroup_sizes(backend, request)
+    sg = sizes[sg_pick % len(sizes)]
+    if backend == "interp":
+        rp = 2 ** rp_log
+        wg = d // 4 * rp
+        assume(d % rp == 0 and wg % sg == 0 and wg <= 1024)
+    else:
+        (d, wg), kc = layout, 4
+        qtype = LAVAPIPE_QTYPES[seed % len(LAVAPIPE_QTYPES)]
+        assume(wg % sg == 0)
+    assume(wg % FORMATS[qtype].parts == 0)
+    rng = np.random.default_rng(seed)
+    hv = hk * ratio
+    x = step_inputs(rng, hk, hv, d, kc, qtype=qtype, blocks=1, conv_slots=kc + rows - 1 + conv_extra)
+    x["conv_state"] = unread_nan(x["conv_state"], pos, kc)
+    x.update(row_inputs(rng, x, rows))
+    state = ring_of(rng, state_slots, pos, hv, d, 0.5)
+    got = step(backend, request, x, state, pos, hk, wg, sg, rows, row)
+    want, want_state, want_ring = dn.deltanet_steps_ref(**x, pos=pos, state=state, n_k_heads=hk, eps=EPS)
+    np.testing.assert_array_equal(got["conv_state"].reshape(want_ring.shape), want_ring)
+    np.testing.assert_allclose(got["state"].reshape(state.shape), want_state, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got["out"].reshape(rows, -1), want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rows,pos,state_slots,row", [(2, 3, 3, 0), (4, 1001, 5, 1), (5, 2**32 - 6, 1, 2),
+                                                      (3, 17, 2, 0)])
+def test_rows_as_single_launches(backend, request, rows, pos, state_slots, row):
+    """A launch of `rows` tokens leaves what `rows` launches of one row each leave (the rings
+    carried from one to the next): the same outputs, states and conv ring, bit for bit (the same
+    sums in the same order); 3 key heads, 6 value heads, rings of KC − 1 + rows + 1 conv slots."""
+    rng = np.random.default_rng(pos % 1000 + rows)
+    hk, hv, d, wg, kc = 3, 6, 32, 64, 4
+    sg = [s for s in subgroup_sizes(backend, request) if wg % s == 0][-1]
+    x = step_inputs(rng, hk, hv, d, kc, qtype="q4_k", blocks=1, conv_slots=kc + rows)
+    x.update(row_inputs(rng, x, rows))
+    state = ring_of(rng, state_slots, pos, hv, d, 0.5)
+    state[np.isnan(state)] = 7.0  # other slots: written by both, or left as they were by both
+    got = step(backend, request, x, state, pos, hk, wg, sg, rows, row)
+    ring, ring_state, outs = x["conv_state"], state, []
+    for r in range(rows):
+        one = dict(x, conv_state=ring, **{n: x[n][r] for n in ("mix", "z", "x", "xq", "xd")})
+        s = step(backend, request, one, ring_state, pos + r, hk, wg, sg, 1, row + r)
+        ring, ring_state = s["conv_state"].reshape(ring.shape), s["state"].reshape(state.shape)
+        outs.append(s["out"])
+    np.testing.assert_array_equal(got["conv_state"].reshape(ring.shape), ring)
+    np.testing.assert_array_equal(got["state"].reshape(state.shape), ring_state)
+    np.testing.assert_array_equal(got["out"].reshape(rows, -1), np.stack(outs))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -495,6 +587,10 @@ def test_gated_norm(backend, request, rows, d, q8, halves, sg_pick, scale, seed)
 
 
 @pytest.mark.parametrize("kernel,args", [
+    (dn.deltanet_step, dict(mix=4 * 1024, conv_w=1024 * 4, conv_state=7 * 1024, step=8, z=4 * 512, w_ba=8 * 256,
+                            x=4 * 256, xq=4 * 64, xd=4 * 16, ssm_a=4, dt_bias=4, norm_w=128, state=4 * 4 * 128 * 128,
+                            out=4 * 512, oq=4 * 128, od=4 * 32, n_k_heads=2, k=256, eps=EPS, conv_slots=7,
+                            state_slots=4, rows=4, v_heads=4, D=128, KC=4, Q8=True, QTYPE="q4_k", MANY=True)),
     (dn.deltanet_conv_rows, dict(mix=3 * 1024, conv_w=1024 * 4, conv_state=4 * 1024, step=8, conv=3 * 1024,
                                  channels=1024, n_k_heads=2, eps=EPS, conv_slots=4, t=3, D=128, KC=4)),
     (dn.deltanet_chunk_wy, dict(conv=70 * 1024, ba=70 * 8, ssm_a=4, dt_bias=4, wy=dn.wy_size(70, 4, 64),

@@ -6,7 +6,8 @@ the norm, the mixer (gated attention or the gated delta-net) with its projection
 residual addition, then the FFN (the MoE with its shared expert, or a dense SwiGLU) and its
 residual addition, and the next layer's norm; after the last, the output norm, the head and each
 row's draw. Each launch picks its kernel by the step's shape: dmmv for up to 8 rows, mul_mm
-past them; attention, delta-net and the draw a launch a row, the experts of all rows in one.
+past them; attention and the draw a launch a row, the delta-net a launch a sequence (a step of
+several tokens runs them in order in one), the experts of all rows in one.
 (A prompt's chunk runs the same order on kernels made for hundreds of rows: prefill.py.)
 
 Every projection reads its input once quantized to Q8_1 (int8 products; f32 for weight types
@@ -169,11 +170,13 @@ class LayerSchedule:
                 part=part, qg=a.qg, step=step, o=o.f32, oq=o.q, od=o.d, nsplit=self.attn_splits,
                 min_chunk=ATTN_MIN_CHUNK, n_head=nh, ctx=self.n_ctx, row=row)]
 
-    def delta_step(self, i: int, a, row: int, step):
+    def delta_step(self, i: int, a, row: int, step, rows: int = 1):
         """Layer i's delta-net step for this graph's sequence, as a launch to record (a function of
         the sequence): each head's gates β and α, the conv of the channels it reads and the delta
-        rule, in one dispatch, reading row `row` of a's mix, z and normed (a Vector) and writing
-        that row of a's dn_out (attend() says why a)."""
+        rule, in one dispatch, for `rows` tokens at positions step[0] … step[0] + rows − 1 in
+        order (the state carried from one to the next in the workgroup), reading rows row …
+        row + rows − 1 of a's mix, z and normed (a Vector) and writing those of a's dn_out
+        (attend() says why a)."""
         hp, p = self.hp, f"blk.{i}."
         gates = p + "ssm_beta_alpha.weight"
         x, o = a.normed, a.dn_out
@@ -184,7 +187,7 @@ class LayerSchedule:
             w_ba=self.weights[gates], x=x.f32, xq=x.q, xd=x.d, ssm_a=self.weights[p + "ssm_a"],
             dt_bias=self.weights[p + "ssm_dt.bias"], norm_w=self.weights[p + "ssm_norm.weight"],
             state=self.ssm_state[i], out=o.f32, oq=o.q, od=o.d, n_k_heads=hp.ssm_k_heads, k=hp.hidden, eps=hp.eps,
-            conv_slots=self.conv_slots, state_slots=self.state_slots, row=row)
+            conv_slots=self.conv_slots, state_slots=self.state_slots, row=row, rows=rows, MANY=rows > 1)
 
     def gate_up(self, gate: str, up: str, slots: int, experts: bool, a, row: int, act_stride: int, act=None,
                  label: str | None = None, rows: int = 1):
@@ -307,10 +310,12 @@ def layer_order(seq, hp, blocks, t: int) -> None:
 
 class RowBlocks:
     """The blocks of a step of a few rows (layer_order): every projection once for all rows
-    (dmmv's columns, mul_mm past them); attention, the delta-net and the draw a launch a row, a
-    stage's launches of all rows with no barrier between them, except the delta-net's rows of
-    one sequence, which run in order (each reads the state the one before wrote); the experts of
-    all rows in one launch each (the grid's z), or one a row where rows dispatch indirect."""
+    (dmmv's columns, mul_mm past them); attention and the draw a launch a row, a stage's
+    launches of all rows with no barrier between them; the delta-net a launch a sequence: a
+    batch's rows (one a sequence) together, a step of several tokens of one sequence in one
+    launch that runs its rows in order (each from the state the one before left, in registers);
+    the experts of all rows in one launch each (the grid's z), or one a row where rows dispatch
+    indirect."""
 
     def __init__(self, g, seq, rows: list, a, row_seq=None):
         self.g, self.rows, self.a, self.row_seq = g, rows, a, row_seq
@@ -338,12 +343,13 @@ class RowBlocks:
     def deltanet(self, seq, i: int, t: int) -> None:
         g, a, p = self.g, self.a, f"blk.{i}."
         g.project_two(seq, p + "attn_qkv.weight", a.mix, p + "attn_gate.weight", a.z, a, t)
-        steps = [[graph.delta_step(i, a, r, step)] for r, (graph, step) in enumerate(self.rows)]
-        if self.one_sequence_each:
-            self.each(seq, steps)
-        else:
-            for [launch] in steps:
-                launch(seq)
+        if self.one_sequence_each:  # a batch: a launch a sequence, together
+            self.each(seq, [[graph.delta_step(i, a, r, step)] for r, (graph, step) in enumerate(self.rows)])
+        else:  # a step of several tokens of one sequence: one launch runs its rows in order
+            if len({id(graph) for graph, _ in self.rows}) != 1:
+                raise ZdslError("a step's rows are one sequence's tokens or one token of each sequence")
+            graph, step = self.rows[0]  # its step values: p0 = the first row's position
+            graph.delta_step(i, a, 0, step, rows=t)(seq)
         g.residual(seq, p + "ssm_out.weight", a.dn_out, g.post_attention_norm(i), a, t)
 
     def moe(self, seq, i: int, t: int) -> None:

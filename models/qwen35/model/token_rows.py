@@ -4,8 +4,8 @@ T tokens at positions p0 … p0 + T − 1 (T ≤ the graph's `step_tokens`) go t
 schedule as a decode step (DecodeGraph.record_layers), one row of the activations a token: the
 projections read each weight once for all T rows (dmmv's columns; mul_mm past them), the
 experts of all rows run in one launch, each row's attention reads the cache up to its own
-position (the rows' K and V are written first), and the delta-net's rows run in order, each
-from the state the row before left. Every row's logits are kept and every row samples, so
+position (the rows' K and V are written first), and the delta-net's rows run in order in one
+launch a layer, each from the state the row before left. Every row's logits are kept and every row samples, so
 token r + 1 of a draft can be checked against the token sampled after row r.
 
 The delta-net state and conv inputs are rings indexed by position (kernels/deltanet.py): the
