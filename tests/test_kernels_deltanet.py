@@ -108,6 +108,24 @@ LAVAPIPE_LAYOUTS = [(8, 16), (16, 32), (24, 48), (32, 64)]
 LAVAPIPE_QTYPES = ["q8_0", "q4_k"]
 
 
+def step_layout(backend, request, d, rp_log, sg_pick, layout, kc, qtype, seed):
+    """(d, wg, sg, kc, qtype) of a drawn deltanet_step launch: in the interpreter the drawn head
+    dim split over 2^rp_log row parts, any taps and gate type; on a device one of the few
+    LAVAPIPE_LAYOUTS, the model's 4 taps and a LAVAPIPE_QTYPES gate (a pipeline compile each)."""
+    sizes = subgroup_sizes(backend, request)
+    sg = sizes[sg_pick % len(sizes)]
+    if backend == "interp":
+        rp = 2 ** rp_log
+        wg = d // 4 * rp
+        assume(d % rp == 0 and wg % sg == 0 and wg <= 1024)
+    else:
+        (d, wg), kc = layout, 4
+        qtype = LAVAPIPE_QTYPES[seed % len(LAVAPIPE_QTYPES)]
+        assume(wg % sg == 0)  # a device with larger subgroups (the H100's 32) takes the wider layouts
+    assume(wg % FORMATS[qtype].parts == 0)
+    return d, wg, sg, kc, qtype
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @given(hk=st.integers(1, 3), ratio=st.integers(1, 3), d=st.sampled_from([8, 16, 24, 32, 64]),
        rp_log=st.integers(0, 6), sg_pick=st.integers(0, 3), layout=st.sampled_from(LAVAPIPE_LAYOUTS),
@@ -122,17 +140,7 @@ def test_step(backend, request, hk, ratio, d, rp_log, sg_pick, layout, kc, pos, 
     slots and a state ring of 1 to 5 (positions past both wraps; the slots the step does not read
     hold NaN, so a read of a wrong one shows); gates of any weight type and any number of its
     blocks."""
-    sizes = subgroup_sizes(backend, request)
-    sg = sizes[sg_pick % len(sizes)]
-    if backend == "interp":
-        rp = 2 ** rp_log
-        wg = d // 4 * rp
-        assume(d % rp == 0 and wg % sg == 0 and wg <= 1024)
-    else:
-        (d, wg), kc = layout, 4
-        qtype = LAVAPIPE_QTYPES[seed % len(LAVAPIPE_QTYPES)]
-        assume(wg % sg == 0)  # a device with larger subgroups (the H100's 32) takes the wider layouts
-    assume(wg % FORMATS[qtype].parts == 0)
+    d, wg, sg, kc, qtype = step_layout(backend, request, d, rp_log, sg_pick, layout, kc, qtype, seed)
     rng = np.random.default_rng(seed)
     hv = hk * ratio
     x = step_inputs(rng, hk, hv, d, kc, mix_scale, qtype, blocks, kc + conv_extra)
@@ -187,17 +195,7 @@ def test_rows(backend, request, rows, hk, ratio, rp_log, d, sg_pick, layout, kc,
     (the fewest a launch of `rows` needs) and state_slots = 1 … 6 (fewer or more than the rows:
     slots written twice, and in place), at positions past their wraps; the conv slots the
     launch must not read (those of positions ≥ pos among them) NaN."""
-    sizes = subgroup_sizes(backend, request)
-    sg = sizes[sg_pick % len(sizes)]
-    if backend == "interp":
-        rp = 2 ** rp_log
-        wg = d // 4 * rp
-        assume(d % rp == 0 and wg % sg == 0 and wg <= 1024)
-    else:
-        (d, wg), kc = layout, 4
-        qtype = LAVAPIPE_QTYPES[seed % len(LAVAPIPE_QTYPES)]
-        assume(wg % sg == 0)
-    assume(wg % FORMATS[qtype].parts == 0)
+    d, wg, sg, kc, qtype = step_layout(backend, request, d, rp_log, sg_pick, layout, kc, qtype, seed)
     rng = np.random.default_rng(seed)
     hv = hk * ratio
     x = step_inputs(rng, hk, hv, d, kc, qtype=qtype, blocks=1, conv_slots=kc + rows - 1 + conv_extra)
