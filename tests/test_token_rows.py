@@ -19,6 +19,8 @@ from zdsl.models.qwen35.file.gguf_file import open_model
 from zdsl.models.qwen35.model.graph import DecodeGraph
 from zdsl.models.qwen35.model.sampler import SamplerConfig
 
+from graph_testing import state_of
+
 SAME = 1e-3
 PROMPT, MOST, CTX = 9, 16, 64
 
@@ -45,10 +47,8 @@ def pair(model, device):
 def live_state(g) -> dict:
     """What the sequence goes on from at its position: the KV rows before it, the delta-net state
     in the slot of the position, the conv inputs of the KC − 1 positions before it."""
-    hp, p, out = g.hp, g.position, {}
-    for i, (k, v) in g.kv.items():
-        n = p * hp.n_kv_heads * hp.head_dim
-        out[f"k{i}"], out[f"v{i}"] = k.read(np.float16, (n,)), v.read(np.float16, (n,))
+    hp, p = g.hp, g.position
+    out = {name: rows for name, rows in state_of(g).items() if name[0] in "kv"}  # the KV rows
     per_state, C = hp.ssm_v_heads * hp.ssm_head_dim ** 2, hp.conv_channels
     for i in hp.deltanet_layers:
         states = g.ssm_state[i].read(np.float32, (g.state_slots, per_state))

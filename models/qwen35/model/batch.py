@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from concurrent.futures import Future
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -38,6 +37,7 @@ from zdsl.kernels import embedding
 from zdsl.kernels.dmmv import dmmv
 from zdsl.kernels.steps import STEP_WORDS
 from zdsl.models.qwen35.model.buffers import batch_buffers
+from zdsl.models.qwen35.model.schedule import step_rows
 
 MOST = max(dmmv.variant_space["COLS"])  # sequences a batch holds: dmmv's columns
 OWN_AFTER, KEPT = 2, 8  # the burst of a set of sequences that records its own step; steps kept
@@ -64,15 +64,9 @@ class Batch:
         specs = batch_buffers(hp, n, parts, self.cand_bytes, self.stride)
         self._owned = dev.alloc_many([("batch." + s.name, s.nbytes) for s in specs])
         b = dict(zip((s.name for s in specs), self._owned))
-        self.logits = b["logits"]
-        self.rows = SimpleNamespace(x=chunk.x, normed=chunk.normed, qg=chunk.qg, q=chunk.q, k=chunk.k, v=chunk.v,
-                                    attn_o=chunk.attn_o, mix=chunk.mix, z=chunk.z, dn_out=chunk.dn_out,
-                                    logits=self.logits, parts=[b[f"attn_partials.{r}"] for r in range(n)],
-                                    cands=[b[f"candidates.{r}"] for r in range(n)],
-                                    act=b["expert_act" if hp.moe else "ffn_act"])
+        self.rows = step_rows(chunk, b, n, hp.moe)
+        self.logits = self.rows.logits
         if hp.moe:
-            self.rows.__dict__.update(router=b["router_logits"], arrivals=b["router_arrivals"],
-                                      route_ids=b["route_ids"], route_w=b["route_weights"], zero_id=b["zero_id"])
             seq = dev.sequence()  # the router's counters start at 0 (and every step leaves them there)
             seq.fill(b["router_arrivals"]), seq.fill(b["zero_id"])
             seq.run()

@@ -127,6 +127,8 @@ def decode_buffers(hp, tensors, n_ctx: int, candidates: int, checkpoint: bool = 
     H, C, vd = hp.hidden, hp.conv_channels, hp.ssm_value_dim
     qd, kvd = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
     splits = attn_splits(n_ctx, hp.n_kv_heads)
+    if not 1 <= step_tokens <= max(1, min(chunk, n_ctx)):
+        raise ZdslError(f"a step holds 1 to {max(1, min(chunk, n_ctx))} tokens (the prompt chunk), not {step_tokens}")
 
     specs = [BufferSpec(name, tensor_bytes(t), "weights") for name, t in tensors.tensors.items()]
     specs += [scratch("step", 4 * STEP_WORDS), f32("x", H), f32("logits", hp.vocab), *vector("normed", H),
@@ -163,8 +165,6 @@ def decode_buffers(hp, tensors, n_ctx: int, candidates: int, checkpoint: bool = 
     if chunk:
         specs += chunk_buffers(hp, min(chunk, n_ctx), halves)
     if step_tokens > 1:
-        if step_tokens > min(chunk, n_ctx):
-            raise ZdslError(f"steps of {step_tokens} tokens need a prompt chunk and a context at least as long")
         specs += token_buffers(hp, step_tokens, 4 * hp.n_heads * splits * (hp.head_dim + 2), candidates)
     return specs
 

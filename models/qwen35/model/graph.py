@@ -111,8 +111,6 @@ class DecodeGraph(LayerSchedule):
         self.can_checkpoint = checkpoint
         self.kv_types = KVTypes(*kv)
         self.chunk = max(1, min(chunk, n_ctx))
-        if not 1 <= step_tokens <= self.chunk:
-            raise ZdslError(f"a step holds 1 to {self.chunk} tokens (the prompt chunk), not {step_tokens}")
         self.step_tokens = step_tokens
         self.conv_slots, self.state_slots = ring_slots(model.hparams, step_tokens)
         self.last_step = None  # (position, sampler counter, tokens) of the last step of several tokens
@@ -373,18 +371,23 @@ class DecodeGraph(LayerSchedule):
             w[2] = token
         return True
 
+    def check_feed(self, tokens: list[int]) -> None:
+        """Before `tokens` go in at the position (a prompt, a step of several tokens): refuse them if
+        they overrun the context or leave the vocabulary; what they overwrite can no longer be cut."""
+        if self.position + len(tokens) > self.n_ctx:
+            raise ZdslError(f"the context of {self.n_ctx} tokens is full; start again with a larger --ctx")
+        bad = next((t for t in tokens if not 0 <= t < self.hp.vocab), None)
+        if bad is not None:
+            raise ZdslError(f"token id {bad} is outside the vocabulary [0, {self.hp.vocab})")
+        self.last_step = None
+
     def prefill(self, tokens: list[int], sample: bool = False) -> int | None:
         """Feed prompt tokens at the current position a chunk at a time (prefill.py), leaving the
         caches and states as decode steps of each would, up to rounding (other kernels sum in
         other orders); nothing is sampled, unless `sample`: then the last chunk makes the last
         token's logits and draws from them the token that decode(tokens[-1]) after prefill(
         tokens[:-1]) would return (returned), as one submission."""
-        if self.position + len(tokens) > self.n_ctx:
-            raise ZdslError(f"the context of {self.n_ctx} tokens is full; start again with a larger --ctx")
-        self.last_step = None
-        bad = next((t for t in tokens if not 0 <= t < self.hp.vocab), None)
-        if bad is not None:
-            raise ZdslError(f"token id {bad} is outside the vocabulary [0, {self.hp.vocab})")
+        self.check_feed(tokens)
         if sample and not tokens:
             raise ZdslError("a prompt to sample after holds at least one token")
         # the sampler's counter: each position one draw, as if stepped (the GPU counts a sampled one's)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from zdsl.autotune.database import choose, shape_key
 from zdsl.errors import ZdslError
@@ -295,6 +296,23 @@ class LayerSchedule:
                                                         max_tokens=self.n_ctx)]
 
 
+def step_rows(chunk, b: dict, n: int, experts: bool, prefix: str = "") -> SimpleNamespace:
+    """The activations of a step of n rows (RowBlocks' `a`): the prompt chunk's rows of the
+    residual stream, norms and projections' outputs (prefill.Prefill `chunk`), and the buffers one
+    row's launches write that no other may, `b`'s of buffers.row_buffers named with `prefix`
+    (`experts`: the MoE's routing rows too)."""
+    rows = SimpleNamespace(x=chunk.x, normed=chunk.normed, qg=chunk.qg, q=chunk.q, k=chunk.k, v=chunk.v,
+                           attn_o=chunk.attn_o, mix=chunk.mix, z=chunk.z, dn_out=chunk.dn_out,
+                           logits=b[prefix + "logits"], parts=[b[f"{prefix}attn_partials.{r}"] for r in range(n)],
+                           cands=[b[f"{prefix}candidates.{r}"] for r in range(n)],
+                           act=b[prefix + ("expert_act" if experts else "ffn_act")])
+    if experts:
+        rows.__dict__.update({name: b[prefix + buffer] for name, buffer in (
+            ("router", "router_logits"), ("arrivals", "router_arrivals"), ("route_ids", "route_ids"),
+            ("route_w", "route_weights"), ("zero_id", "zero_id"))})
+    return rows
+
+
 def layer_order(seq, hp, blocks, t: int) -> None:
     """The model's layers in order, the one place the order is written: the first layer's norm,
     then for each layer its mixer (gated attention or the gated delta-net: projections, the mixer,
@@ -320,7 +338,7 @@ class RowBlocks:
     def __init__(self, g, seq, rows: list, a, row_seq=None):
         self.g, self.rows, self.a, self.row_seq = g, rows, a, row_seq
         self.each = functools.partial(_each, row_seq=row_seq or (lambda r: seq))
-        self.one_sequence_each = len({id(graph) for graph, _ in rows}) == len(rows)
+        self.sequences = len({id(graph) for graph, _ in rows})
 
     def _by_row(self, seq, launches_of) -> None:
         t = len(self.rows)
@@ -343,13 +361,13 @@ class RowBlocks:
     def deltanet(self, seq, i: int, t: int) -> None:
         g, a, p = self.g, self.a, f"blk.{i}."
         g.project_two(seq, p + "attn_qkv.weight", a.mix, p + "attn_gate.weight", a.z, a, t)
-        if self.one_sequence_each:  # a batch: a launch a sequence, together
+        if self.sequences == t:  # a batch: a launch a sequence, together
             self.each(seq, [[graph.delta_step(i, a, r, step)] for r, (graph, step) in enumerate(self.rows)])
-        else:  # a step of several tokens of one sequence: one launch runs its rows in order
-            if len({id(graph) for graph, _ in self.rows}) != 1:
-                raise ZdslError("a step's rows are one sequence's tokens or one token of each sequence")
+        elif self.sequences == 1:  # a step of several tokens of one sequence: one launch runs its rows in order
             graph, step = self.rows[0]  # its step values: p0 = the first row's position
             graph.delta_step(i, a, 0, step, rows=t)(seq)
+        else:
+            raise ZdslError("a step's rows are one sequence's tokens or one token of each sequence")
         g.residual(seq, p + "ssm_out.weight", a.dn_out, g.post_attention_norm(i), a, t)
 
     def moe(self, seq, i: int, t: int) -> None:

@@ -20,13 +20,13 @@ as the decode step's kernels read the graph's `step`.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import numpy as np
 
 from zdsl.errors import ZdslError
 from zdsl.kernels import embedding, steps as step_kernels
 from zdsl.kernels.steps import STEP_WORDS
+from zdsl.models.qwen35.model.schedule import step_rows
 
 STEP_STRIDE = 256  # bytes between rows' step values: Vulkan's largest storage-offset alignment
 
@@ -37,20 +37,11 @@ class TokenRows:
 
     def __init__(self, g, b: dict, most: int):
         self.g, self.most = g, most
-        chunk = g.prompt  # its rows of the residual stream, norms and projections' outputs
         self.steps = b["rows.steps"]
         self.host = g.device.host_buffer(STEP_STRIDE * most, name="rows.steps_host")
         self.host_words = self.host.view(np.uint32).reshape(most, STEP_STRIDE // 4)
-        self.logits = b["rows.logits"]
-        self.rows = SimpleNamespace(x=chunk.x, normed=chunk.normed, qg=chunk.qg, q=chunk.q, k=chunk.k, v=chunk.v,
-                                    attn_o=chunk.attn_o, mix=chunk.mix, z=chunk.z, dn_out=chunk.dn_out,
-                                    logits=self.logits, parts=[b[f"rows.attn_partials.{r}"] for r in range(most)],
-                                    cands=[b[f"rows.candidates.{r}"] for r in range(most)],
-                                    act=b["rows.expert_act" if g.hp.moe else "rows.ffn_act"])
-        if g.hp.moe:
-            self.rows.__dict__.update(router=b["rows.router_logits"], arrivals=b["rows.router_arrivals"],
-                                      route_ids=b["rows.route_ids"], route_w=b["rows.route_weights"],
-                                      zero_id=b["rows.zero_id"])
+        self.rows = step_rows(g.prompt, b, most, g.hp.moe, "rows.")
+        self.logits = self.rows.logits
         self._seqs: dict[int, object] = {}  # recorded steps by token count
         self._timed: dict[int, object] = {}  # the same with a timestamp after every command (profile)
 
@@ -64,10 +55,10 @@ class TokenRows:
         return [self.steps.slice(STEP_STRIDE * r, 4 * STEP_WORDS) for r in range(t)]
 
     def record(self, t: int, timestamps: bool = False):
-        """The sequence of a step of t tokens, recorded and not run (on a DryDevice: the launches
-        `zdsl tune` and `zdsl bench-kernels` see). It copies the rows' step values from the host,
-        runs the layers and every row's draw, then leaves the graph's own step values as a decode
-        step of the last token would (its draw, position and length moved on) and copies them back."""
+        """The sequence of a step of t tokens, recorded and not run. It copies the rows' step values
+        from the host, runs the layers and every row's draw, then leaves the graph's own step values
+        as a decode step of the last token would (its draw, position and length moved on) and
+        copies them back."""
         g = self.g
         if g.sampler.penalties:
             raise ZdslError("a step of several tokens samples without repetition penalties (their window would "
@@ -87,21 +78,21 @@ class TokenRows:
     def run(self, tokens: list[int]) -> list[int]:
         """Feed `tokens` at the graph's position in one step; returns the token sampled after each
         (the one after tokens[r] at index r), as decode(tokens[r]) after tokens[:r] would."""
-        t = len(tokens)
+        return self._run(self._recorded(len(tokens)), tokens)
+
+    def _recorded(self, t: int, timestamps: bool = False):
+        """The step of t tokens, recorded on its first use (with timestamps: profile's)."""
         if not 1 <= t <= self.most:
             raise ZdslError(f"a step of this graph holds 1 to {self.most} tokens, not {t} (its step_tokens)")
-        seq = self._seqs.get(t)
-        if seq is None:
-            seq = self._seqs[t] = self.record(t)
-        return self._run(seq, tokens)
+        seqs = self._timed if timestamps else self._seqs
+        if t not in seqs:
+            seqs[t] = self.record(t, timestamps)
+        return seqs[t]
 
     def _run(self, seq, tokens: list[int]) -> list[int]:
         """Run `seq`, a recorded step of len(tokens) tokens: their step values written first."""
         g, t = self.g, len(tokens)
-        g.from_host(tokens[0], t)  # checks the context's room and the first token
-        bad = next((x for x in tokens if not 0 <= x < g.hp.vocab), None)
-        if bad is not None:
-            raise ZdslError(f"token id {bad} is outside the vocabulary [0, {g.hp.vocab})")
+        g.check_feed(tokens)
         p0, counter = g.position, int(g.step_words[3])
         words = self.host_words
         words[:t] = 0
@@ -119,12 +110,7 @@ class TokenRows:
         """Run one step of `tokens` recorded with a GPU timestamp after every command (recorded
         once a length, so that replays keep the GPU busy); returns (label, GPU ms) of each. The
         step advances the sequence as `run` does."""
-        t = len(tokens)
-        if not 1 <= t <= self.most:
-            raise ZdslError(f"a profiled step holds 1 to {self.most} tokens, not {t}")
-        seq = self._timed.get(t)
-        if seq is None:
-            seq = self._timed[t] = self.record(t, timestamps=True)
+        seq = self._recorded(len(tokens), timestamps=True)
         self._run(seq, tokens)
         return seq.timings()
 
