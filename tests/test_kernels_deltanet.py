@@ -24,7 +24,7 @@ from zdsl.kernels import dmmv
 from zdsl.kernels.q8_1 import q8_1_buffers, q8_1_values
 from zdsl.kernels.quant import FORMATS
 from zdsl.models.qwen35.model import reference as model
-from budget import examples
+from budget import THOROUGH, examples
 from kernel_testing import BACKENDS, assert_example_holds, assert_q8_1_of, run, subgroup
 
 EPS = 1e-6
@@ -120,7 +120,8 @@ def step_layout(backend, request, d, rp_log, sg_pick, layout, kc, qtype, seed):
         assume(d % rp == 0 and wg % sg == 0 and wg <= 1024)
     else:
         (d, wg), kc = layout, 4
-        qtype = LAVAPIPE_QTYPES[seed % len(LAVAPIPE_QTYPES)]
+        # the gate type goes with the layout (each pair a pipeline compile), unless thorough
+        qtype = LAVAPIPE_QTYPES[(seed if THOROUGH else LAVAPIPE_LAYOUTS.index(layout)) % len(LAVAPIPE_QTYPES)]
         assume(wg % sg == 0)  # a device with larger subgroups (the H100's 32) takes the wider layouts
     assume(wg % FORMATS[qtype].parts == 0)
     return d, wg, sg, kc, qtype

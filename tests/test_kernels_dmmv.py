@@ -29,10 +29,10 @@ from zdsl.kernels import ffn
 from zdsl.kernels import embedding as emb
 from zdsl.kernels import quant_numpy
 from zdsl.kernels import q8_1 as q8
-from zdsl.kernels.quant import FORMATS, INT8_FORMATS
+from zdsl.kernels.quant import FORMATS, INT8_FORMATS, Grid
 from kernel_testing import BACKENDS, run, subgroup
 from kernel_testing import pick as variant_pick
-from budget import examples
+from budget import THOROUGH, examples
 
 QTYPES = list(FORMATS)
 RTOL = 2e-6
@@ -41,8 +41,13 @@ FLOATS = ("f32", "f16", "bf16")
 SHAPES = [(1, 1), (1, 2), (3, 1), (1, 4), (2, 1), (4, 1), (5, 1), (6, 1), (7, 1), (8, 1)]  # (COLS, ROWS)
 
 
-def pick(backend, qtype, draw, n, salt=0):
-    """An option index: drawn in the interpreter, fixed per weight type on lavapipe (kernel_testing.pick)."""
+def pick(backend, qtype, draw, n, salt=0, size=False):
+    """An option index: drawn in the interpreter, fixed per weight type on lavapipe (kernel_testing.pick).
+    A `size` (a tile's columns or rows, options smallest first) is the smallest for the IQ grid
+    types there: their decoders in a big tile cost lavapipe up to a minute of compiling each, and
+    the other types cover every size."""
+    if size and backend != "interp" and not THOROUGH and isinstance(FORMATS[qtype], Grid):
+        return 0
     return variant_pick(backend, QTYPES.index(qtype), draw, n, salt)
 
 
@@ -78,7 +83,7 @@ def abs_dot(w_bytes, qtype, rows, k, x):
        quantizer=st.booleans(), sg_pick=st.integers(0, 3), nsub=st.sampled_from([1, 2, 4]), seed=st.integers(0, 99))
 def test_dmmv(backend, request, qtype, m, nb, shape, add, quantizer, sg_pick, nsub, seed):
     rng = np.random.default_rng(seed)
-    cols, rows = SHAPES[pick(backend, qtype, shape, len(SHAPES))]
+    cols, rows = SHAPES[pick(backend, qtype, shape, len(SHAPES), size=True)]
     add = bool(pick(backend, qtype, add, 2))
     k = FORMATS[qtype].block * block_count(qtype, nb)
     w = weights(rng, qtype, m, k, quantizer)
@@ -99,7 +104,7 @@ def test_dmmv(backend, request, qtype, m, nb, shape, add, quantizer, sg_pick, ns
        experts=st.booleans(), rows=st.integers(0, 2), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
 def test_ffn_gate_up(backend, request, qtype, m, nb, nexp, slots, experts, rows, sg_pick, seed):
     rng = np.random.default_rng(seed)
-    rows = [1, 2, 4][pick(backend, qtype, rows, 3)]
+    rows = [1, 2, 4][pick(backend, qtype, rows, 3, size=True)]
     experts = bool(pick(backend, qtype, experts, 2))
     k = FORMATS[qtype].block * block_count(qtype, nb)
     nexp, slots = (nexp, slots) if experts else (1, 1)
@@ -126,7 +131,7 @@ def test_ffn_gate_up(backend, request, qtype, m, nb, nexp, slots, experts, rows,
        add=st.booleans(), rows=st.integers(0, 2), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
 def test_moe_down(backend, request, qtype, m, nb, nexp, slots, add, rows, sg_pick, seed):
     rng = np.random.default_rng(seed)
-    rows = [1, 2, 4][pick(backend, qtype, rows, 3)]
+    rows = [1, 2, 4][pick(backend, qtype, rows, 3, size=True)]
     add = bool(pick(backend, qtype, add, 2))
     k = FORMATS[qtype].block * block_count(qtype, nb)
     w = weights(rng, qtype, nexp * m, k, quantizer=True)
@@ -188,7 +193,7 @@ def test_quantize_q8_1(backend, request, nb, spread, ties, sg_pick, seed):
        quantizer=st.booleans(), sg_pick=st.integers(0, 3), seed=st.integers(0, 99))
 def test_dmmv_q8(backend, request, qtype, m, nb, shape, add, quantizer, sg_pick, seed):
     rng = np.random.default_rng(seed)
-    cols, rows = SHAPES[pick(backend, qtype, shape, len(SHAPES))]
+    cols, rows = SHAPES[pick(backend, qtype, shape, len(SHAPES), size=True)]
     add = bool(pick(backend, qtype, add, 2))
     k = FORMATS[qtype].block * block_count(qtype, nb)
     sg = subgroup(backend, request, sg_pick)
@@ -243,7 +248,7 @@ def test_dmmv_q8_pair(backend, request, types, m, m2, nb, rows, nsub, sg_pick, s
 def test_ffn_gate_up_q8(backend, request, qtype, m, nb, nexp, slots, experts, rows, sg_pick, seed):
     """Gate·up by expert id over Q8_1 activations: against the f64 product on the kernel's own x̂."""
     rng = np.random.default_rng(seed)
-    rows = [1, 2, 4][pick(backend, qtype, rows, 3)]
+    rows = [1, 2, 4][pick(backend, qtype, rows, 3, size=True)]
     experts = bool(pick(backend, qtype, experts, 2))
     k = FORMATS[qtype].block * block_count(qtype, nb)
     nexp, slots = (nexp, slots) if experts else (1, 1)
@@ -315,7 +320,8 @@ def test_mul_mm_over_a_chunk_of_tokens(backend, request, qtype, m, nb, t, cols, 
     from zdsl.kernels import matmul
 
     rng = np.random.default_rng(seed)
-    cols, rows = [4, 8][pick(backend, qtype, [4, 8].index(cols), 2)], [1, 4][pick(backend, qtype, [1, 4].index(rows), 2, 1)]
+    cols = [4, 8][pick(backend, qtype, [4, 8].index(cols), 2, size=True)]
+    rows = [1, 4][pick(backend, qtype, [1, 4].index(rows), 2, 1, size=True)]
     add, sg_pick = bool(pick(backend, qtype, add, 2, 2)), pick(backend, qtype, sg_pick, 4)
     int8 = bool(pick(backend, qtype, int8, 2, 3)) and qtype in INT8_FORMATS
     k = FORMATS[qtype].block * block_count(qtype, nb)
