@@ -49,13 +49,16 @@ LOGITS, STATE = 0.08, 0.05
 TIE = 2 ** -9  # router logits this close (relative to the row's largest) may swap under f16 rounding
 
 
-@pytest.fixture(scope="module", params=[("tiny", "q4_k_m", None, None, None, 5), ("tiny-dense", "q4_k_m", None), ("tiny", "q8_0", None),
-                                        ("tiny", "f16", None), ("tiny", "mxfp4_moe", None), ("tiny", "iq3_xxs_dynamic", None),
-                                        ("tiny", "iq3_xxs_dynamic", None, 416), ("tiny", "q4_k_m", "qwen35"),
-                                        ("tiny", "q4_k_m", None, None, {"ffn_up_exps": "q5_k", "ffn_up_shexp": "q8_0"}),
-                                        ("tiny", "q4_k_m", None, None, {"ssm_alpha": "f16", r"blk\.1\.ffn_gate_inp\.": "q8_0"})],
-                ids=["moe-q4_k_m", "dense-q4_k_m", "moe-q8_0", "moe-f16", "moe-mxfp4", "moe-iq3_xxs_dynamic",
-                     "moe-wide-shared", "moe-248k-vocab", "moe-gate-up-two-types", "moe-gates-two-types"])
+MODEL_PARAMS = [("tiny", "q4_k_m", None, None, None, 5), ("tiny-dense", "q4_k_m", None), ("tiny", "q8_0", None),
+                ("tiny", "f16", None), ("tiny", "mxfp4_moe", None), ("tiny", "iq3_xxs_dynamic", None),
+                ("tiny", "iq3_xxs_dynamic", None, 416), ("tiny", "q4_k_m", "qwen35"),
+                ("tiny", "q4_k_m", None, None, {"ffn_up_exps": "q5_k", "ffn_up_shexp": "q8_0"}),
+                ("tiny", "q4_k_m", None, None, {"ssm_alpha": "f16", r"blk\.1\.ffn_gate_inp\.": "q8_0"})]
+MODEL_IDS = ["moe-q4_k_m", "dense-q4_k_m", "moe-q8_0", "moe-f16", "moe-mxfp4", "moe-iq3_xxs_dynamic",
+             "moe-wide-shared", "moe-248k-vocab", "moe-gate-up-two-types", "moe-gates-two-types"]
+
+
+@pytest.fixture(scope="module", params=MODEL_PARAMS, ids=MODEL_IDS)
 def model(request, tmp_path_factory):
     """Q4_K_M mixes four int8 types, Q8_0 is one, F16 has no int8 decoder (the f32 path), nor has
     MXFP4 (the experts, beside a Q8_0 shared expert); IQ3_XXS experts have one, beside IQ4_XS
@@ -209,24 +212,28 @@ def test_prefill_refuses_what_does_not_fit(model, device):
         g.close()
 
 
+@pytest.mark.parametrize("model", [MODEL_PARAMS[0]], ids=[MODEL_IDS[0]], indirect=True)
 def test_recorded_chunks_stay_few(model, device):
     """Prompts of many lengths keep the full chunk's recording and the last few others' (not one
-    per length), and a length whose recording was dropped records again and feeds alike."""
+    per length), and a length whose recording was dropped records again and feeds alike. (What
+    is kept does not depend on the model: one model, and chunks just long enough to leave more
+    lengths than are kept, each length being a product variant to compile.)"""
     from zdsl.models.qwen35.model.prefill import KEPT_LENGTHS
 
-    g = DecodeGraph(model, device, 64, SamplerConfig(temperature=0), progress=False, chunk=8)
+    chunk = KEPT_LENGTHS + 2
+    g = DecodeGraph(model, device, 64, SamplerConfig(temperature=0), progress=False, chunk=chunk)
     try:
         rng = np.random.default_rng(2)
-        prompt = rng.integers(0, model.hparams.vocab, 12).tolist()
+        prompt = rng.integers(0, model.hparams.vocab, chunk + 2).tolist()
         g.reset()
-        g.prefill(prompt[:-1])   # chunks of 8 and 3
+        g.prefill(prompt[:-1])   # a full chunk and 1
         first = g.decode(prompt[-1])
         logits = g.logits()
-        for n in range(1, 8):
+        for n in range(2, chunk):  # KEPT_LENGTHS more: the least recently used, 1, goes
             g.reset()
             g.prefill(prompt[:n])
-        assert (8, False) in g.prompt._seqs and len(g.prompt._seqs) <= 1 + KEPT_LENGTHS
-        assert (3, False) not in g.prompt._seqs
+        assert (chunk, False) in g.prompt._seqs and len(g.prompt._seqs) <= 1 + KEPT_LENGTHS
+        assert (1, False) not in g.prompt._seqs
         g.reset()
         g.prefill(prompt[:-1])
         assert g.decode(prompt[-1]) == first and np.array_equal(g.logits(), logits)
