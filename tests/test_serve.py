@@ -25,9 +25,10 @@ from zdsl.models.qwen35.file import synth
 from zdsl.models.qwen35.file.gguf_file import open_model
 from zdsl.models.qwen35.model.generate import Generator
 from zdsl.models.qwen35.model.sampler import SamplerConfig
+from zdsl.models.qwen35.serve.api import chat_job
 from zdsl.models.qwen35.serve.server import app, loopback, open_engine, serve
 
-CTX = 256
+CTX = 1024
 HELLO = [{"role": "user", "content": "Hello there, who are you?"}]
 
 pytestmark = pytest.mark.slow  # a server on lavapipe, in processes of its own
@@ -60,7 +61,9 @@ def serving(model_path, parallel: int):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app(engine, model_id), host="127.0.0.1", port=port, log_level="warning"))
+    # replies as raw text (no reasoning_content), as `zdsl run` prints them; tests of the split ask for it
+    srv = uvicorn.Server(uvicorn.Config(app(engine, model_id, reasoning_format="none"), host="127.0.0.1", port=port,
+                                        log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     while not srv.started:
@@ -144,14 +147,21 @@ def test_a_longer_conversation_feeds_only_its_new_tokens(server, client, cold):
     text, _, usage = chat(client, messages, temperature=0, max_tokens=8)
     ids = tok.chat_ids(messages)
     assert usage.prompt_tokens == len(ids)
-    # at least the first prompt (its end is a checkpoint); all of it and the reply where the
-    # reply's text encodes to the tokens sampled
-    assert usage.prompt_tokens_details.cached_tokens >= usage1.prompt_tokens - 1
+    # at least the first prompt up to the <think> its generation prompt opened (a checkpoint: the
+    # next turn renders the reply without it); all of it and the reply where the reply's text
+    # encodes to the tokens sampled and the template keeps the turn as it was
+    assert usage.prompt_tokens_details.cached_tokens >= think_at(tok, HELLO)
     assert metric(server[0], "prompt_tokens_reused_total") - before == usage.prompt_tokens_details.cached_tokens
     cold.use(SamplerConfig(temperature=0))
     want = list(cold.generate(ids, 8))
     assert text == tok.decode([t for t in want if t not in cold.stop_ids], skip_special=True)
     assert usage.completion_tokens == len(want)
+
+
+def think_at(tok, messages) -> int:
+    """Where the <think> that the generation prompt of `messages` opens begins."""
+    ids = tok.chat_ids(messages)
+    return len(ids) - 1 - ids[::-1].index(tok.token_id("<think>"))
 
 
 def test_text_completion_is_the_generate_path(client, cold):
@@ -189,16 +199,30 @@ def metric(url: str, name: str) -> float:
 
 BAD = [("{not json", 400, None), ('[1, 2]', 400, None),
        ('{"messages": "hi"}', 400, "messages"),
-       ('{"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}', 404, "model"),
        ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', 400, "max_tokens"),
-       ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}', 400, "max_tokens"),
        ('{"messages": [{"role": "user", "content": "hi"}], "temperature": "warm"}', 400, "temperature"),
        ('{"messages": [{"role": "user", "content": "hi"}], "top_k": 1000}', 400, "top_k"),
-       ('{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 1}}', 400, "logit_bias"),
+       ('{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 101}}', 400, "logit_bias"),
+       ('{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999": 1}}', 400, "logit_bias"),
+       ('{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21}', 400,
+        "top_logprobs"),
+       ('{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}', 400, "top_logprobs"),
+       ('{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}', 400, "tools[0]"),
+       ('{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}', 400, "tool_choice"),
+       ('{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}', 400,
+        "response_format"),
+       ('{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": '
+        '{"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "wizard"}}}}}}', 400,
+        "response_format"),
+       ('{"messages": [{"role": "user", "content": "hi"}], "reasoning_format": "xml"}', 400, "reasoning_format"),
+       ('{"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}]}',
+        400, "messages[0].tool_calls[0]"),
+       ('{"messages": [{"role": "user", "content": "\\ud800 lone"}]}', 400, None),
+       ('{"messages": [{"role": "user", "content": "hi"}], "x": ' + "[" * 50000 + "]" * 50000 + '}', 400, None),
        ('{"messages": [{"role": "wizard", "content": "hi"}]}', 400, "messages[0]"),
        ('{"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}', 400, "stream"),
        ('{"messages": [{"role": "user", "content": "hi"}], "ignore_eos": 1}', 400, "ignore_eos"),
-       ('{"messages": [{"role": "user", "content": "' + "word " * 400 + '"}]}', 400, "messages")]
+       ('{"messages": [{"role": "user", "content": "' + "word " * 2000 + '"}]}', 400, "messages")]
 
 
 @pytest.mark.parametrize("body,status,param", BAD, ids=range(len(BAD)))
@@ -385,6 +409,151 @@ def test_two_slots_stream_together_and_keep_their_own_prefixes(server2, cold):
     for messages, reply in ((long_chat, want["long"]), (short_chat, want["short"])):
         longer = messages + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Again."}]
         usage = chat(client2, longer, temperature=0, max_tokens=2)[2]
-        assert usage.prompt_tokens_details.cached_tokens >= len(tok.chat_ids(messages)) - 1
+        assert usage.prompt_tokens_details.cached_tokens >= think_at(tok, messages)
     assert httpx.get(url + "/health").json() == {"status": "ok", "slots_idle": 2, "slots_processing": 0,
                                                  "requests_waiting": 0}
+
+
+# -- agents and apps: tools, reasoning, logprobs, structured output ---------------------------
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+           "required": ["city", "days"], "additionalProperties": False}
+NOTE = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 10}}, "required": ["text"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather of a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "note", "parameters": NOTE}}]
+SCHEMAS = {"get_weather": WEATHER, "note": NOTE}
+
+
+def test_a_forced_call_comes_whole_and_typed_streamed_or_not(client):
+    """tool_choice "required" (and a named function): the reply is calls, their arguments valid
+    under the tool's schema (jsonschema); the streamed deltas put together give the same calls."""
+    import jsonschema
+
+    for choice in ("required", {"type": "function", "function": {"name": "note"}}):
+        kw = dict(model="anything", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS,
+                  tool_choice=choice, temperature=1.0, seed=3, max_tokens=120, parallel_tool_calls=False,
+                  extra_body={"reasoning_budget": 4})
+        r = client.chat.completions.create(**kw)
+        m = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls" and len(m.tool_calls) == 1
+        call = m.tool_calls[0]
+        assert choice == "required" or call.function.name == "note"
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        calls, finish = {}, None
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                finish = c.finish_reason or finish
+                for d in c.delta.tool_calls or []:
+                    got = calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
+                    got["arguments"] += d.function.arguments or ""
+        assert finish == "tool_calls"
+        assert list(calls.values()) == [{"id": calls[0]["id"], "name": call.function.name,
+                                         "arguments": call.function.arguments}]
+
+
+def test_a_conversation_with_calls_and_results_renders_through_the_template(server, client):
+    tok = server[1].tokenizer
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    r = client.chat.completions.create(model="tiny.gguf", messages=messages, tools=TOOLS, max_tokens=1)
+    shown = [messages[0], {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris",
+                                                                                               "days": 2}}}]},
+        {"role": "tool", "content": "sunny, 21 C"}]
+    text = tok.apply_chat_template(shown, tools=TOOLS)
+    assert "<parameter=days>\n2\n</parameter>" in text and "<tool_response>\nsunny, 21 C\n</tool_response>" in text
+    assert r.usage.prompt_tokens == len(tok.encode(text, parse_special=True))
+
+
+def raw_and_split(client, **kw):
+    """The same greedy reply as raw text and split (plain), and split as streamed."""
+    kw = dict(model="tiny.gguf", messages=HELLO, temperature=0, max_tokens=12, **kw)
+    raw = client.chat.completions.create(**kw).choices[0].message.content
+    plain = client.chat.completions.create(extra_body={"reasoning_format": "auto", **kw.pop("extra_body", {})},
+                                           **kw).choices[0].message
+    return raw, plain
+
+
+def test_the_thinking_is_split_from_the_answer_plain_and_streamed(client):
+    """A thinking budget of 3 ends the thinking (a forced </think>) three tokens in: the raw text
+    is 3 tokens, </think>, the answer; split, the thinking is reasoning_content, exactly."""
+    for budget in (3, 0):
+        kw = dict(model="tiny.gguf", messages=HELLO, temperature=0, max_tokens=12)
+        raw = client.chat.completions.create(extra_body={"reasoning_budget": budget}, **kw).choices[0].message.content
+        head, mark, tail = raw.partition("</think>")
+        assert mark
+        message = client.chat.completions.create(extra_body={"reasoning_budget": budget, "reasoning_format": "auto"},
+                                                 **kw).choices[0].message
+        assert (getattr(message, "reasoning_content", None) or "", message.content) == (head.strip(), tail.lstrip())
+        reasoning, content = [], []
+        for chunk in client.chat.completions.create(
+                extra_body={"reasoning_budget": budget, "reasoning_format": "auto"}, stream=True, **kw):
+            for c in chunk.choices:
+                reasoning.append(getattr(c.delta, "reasoning_content", None) or "")
+                content.append(c.delta.content or "")
+        assert ("".join(reasoning), "".join(content)) == (head.strip(), tail.lstrip())
+
+
+def test_logprobs_are_the_models_and_leave_the_reply_alone(client, cold):
+    """Greedy with logprobs (tokens picked on the host) is the GPU's greedy reply; each token's
+    log-probability is the log-softmax of a cold run's logits there, and the best of its top 5."""
+    import numpy as np
+
+    kw = dict(model="tiny.gguf", messages=HELLO, temperature=0, max_tokens=6, extra_body={"reasoning_format": "none"})
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    r = client.chat.completions.create(logprobs=True, top_logprobs=5, **kw)
+    entries = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == plain == "".join(e.token for e in entries)
+    cold.use(SamplerConfig(temperature=0))
+    seen = []
+    list(cold.generate(cold.tokenizer.chat_ids(HELLO), 1, pick=lambda logits: seen.append(logits) or 0))
+    logits = seen[0].astype(np.float64)
+    want = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+    assert abs(entries[0].logprob - want.max()) < 1e-4
+    for e in entries:
+        tops = [t.logprob for t in e.top_logprobs]
+        assert len(tops) == 5 and tops == sorted(tops, reverse=True) and e.logprob == tops[0]
+    c = client.completions.create(model="tiny.gguf", prompt="Once upon a time", max_tokens=4, temperature=0,
+                                  logprobs=3)
+    assert "".join(c.choices[0].logprobs.tokens) == c.choices[0].text
+    assert all(len(t) <= 3 for t in c.choices[0].logprobs.top_logprobs)
+
+
+def test_logit_bias_and_max_tokens_past_the_context(client, server):
+    tok = server[1].tokenizer
+    word = tok.encode(" hello")[0]
+    r = client.chat.completions.create(model="tiny.gguf", messages=HELLO, temperature=0, max_tokens=5,
+                                       logit_bias={str(word): 100}, extra_body={"reasoning_format": "none"})
+    assert r.choices[0].message.content == tok.decode([word] * 5)
+    # beyond the room left: as many as fit (the reply then ends with "length"), not a 400
+    job = chat_job({"messages": HELLO, "max_tokens": 32000}, tok, CTX)
+    assert job.max_tokens == CTX - len(job.prompt_ids)
+    end = str(tok.token_id("<|im_end|>"))
+    r = client.chat.completions.create(model="any-name", messages=HELLO, max_tokens=32000, logit_bias={end: 100})
+    assert r.model == "tiny.gguf" and r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 1
+    r = client.chat.completions.create(model="tiny.gguf", messages=HELLO, max_completion_tokens=3,
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3
+
+
+def test_tokenize_detokenize_and_props(server):
+    url, tok = server[0], server[1].tokenizer
+    text = "Hello <think> world"
+    ids = httpx.post(url + "/tokenize", json={"content": text}).json()["tokens"]
+    assert ids == tok.encode(text, parse_special=True)
+    assert httpx.post(url + "/detokenize", json={"tokens": ids}).json() == {"content": text}
+    assert httpx.post(url + "/detokenize", json={"tokens": [-1]}).status_code == 400
+    props = httpx.get(url + "/props").json()
+    assert props["default_generation_settings"]["n_ctx"] == CTX and props["total_slots"] == 1
+
+
+def test_a_body_too_large_is_refused_while_others_flow(server):
+    url = server[0]
+    big = b'{"messages": [{"role": "user", "content": "' + b"x" * (10 << 20) + b'"}]}'
+    r = httpx.post(url + "/v1/chat/completions", content=big, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["message"]

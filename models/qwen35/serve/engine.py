@@ -26,6 +26,8 @@ from typing import AsyncIterator
 
 from zdsl.models.qwen35.model.generate import Generator
 from zdsl.models.qwen35.serve.api import Job
+from zdsl.models.qwen35.serve.grammar import Constraint
+from zdsl.models.qwen35.serve.picker import Choice, Picker
 
 GATHER_S = 0.02  # how long a burst waits for the other decoding slots' before it runs without them
 
@@ -46,9 +48,10 @@ class Slot:
                 return fn(*args)
         return self.thread.submit(locked)
 
-    def stream(self, job: Job, stop: threading.Event) -> asyncio.Queue:
+    def stream(self, job: Job, stop: threading.Event, picker: Picker | None = None) -> asyncio.Queue:
         """The job's generation on the slot's thread: a queue that gets each token id as it comes,
-        then None at the end (or the exception that ended it). It ends early once `stop` is set."""
+        then None at the end (or the exception that ended it). It ends early once `stop` is set.
+        With a `picker`, the host picks each token (picker.py)."""
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
 
@@ -63,7 +66,8 @@ class Slot:
             try:
                 with self.gpu:
                     gen.use(job.sampler)
-                    tokens = gen.generate(job.prompt_ids, job.max_tokens, stop=not job.ignore_eos)
+                    tokens = gen.generate(job.prompt_ids, job.max_tokens, stop=not job.ignore_eos, pick=picker,
+                                          marks=job.marks)
                 while not stop.is_set():
                     with self.gpu:  # a burst's tokens after the first come from the host: no wait
                         token = next(tokens, None)
@@ -164,6 +168,7 @@ class Piece:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     reused_tokens: int = 0
+    choices: list[Choice] = field(default_factory=list)  # its tokens' log-probabilities, where asked
 
 
 @dataclass
@@ -216,6 +221,10 @@ class Engine:
         return self.slots[0].gen.tokenizer
 
     @property
+    def stop_ids(self) -> frozenset[int]:
+        return self.slots[0].gen.stop_ids
+
+    @property
     def n_ctx(self) -> int:
         return self.slots[0].gen.n_ctx
 
@@ -262,11 +271,34 @@ class Engine:
                 woken.set_result(None)
                 return
 
+    def picker(self, job: Job, gen: Generator) -> Picker | None:
+        """What picks the job's tokens on the host, where the GPU sampler cannot alone."""
+        if not job.on_host:
+            return None
+        tok = gen.tokenizer
+        grammar = None if job.grammar is None else Constraint(job.grammar, tok, gen.stop_ids)
+        think_end = tok.tokens.index("</think>") if "</think>" in tok.tokens else None
+        budget = job.budget
+        if grammar is not None:  # the constrained answer keeps at least half the tokens
+            budget = min(job.max_tokens // 2, job.max_tokens if budget is None else budget)
+        return Picker(job.sampler, job.prompt_ids, gen.n_ctx, top_logprobs=job.top_logprobs, bias=job.bias,
+                      grammar=grammar, thinking=job.thinking and think_end is not None, think_end=think_end,
+                      budget=budget, stop_ids=gen.stop_ids)
+
     async def _generate(self, slot: Slot, job: Job) -> AsyncIterator[Piece]:
         gen = slot.gen
         tok = gen.tokenizer
         stop = threading.Event()
-        tokens = slot.stream(job, stop)
+        picker = self.picker(job, gen)
+        tokens = slot.stream(job, stop, picker)
+        given = 0  # the picker's choices handed out with a piece
+
+        def choices(upto: int) -> list[Choice]:
+            nonlocal given
+            if picker is None or job.top_logprobs is None:
+                return []
+            out, given = picker.choices[given:upto], max(given, upto)
+            return out
 
         async def take():
             item = await tokens.get()
@@ -289,16 +321,17 @@ class Engine:
                 piece = text.add(b"" if token in tok.special_ids else tok.piece(token))
                 if text.stopped:
                     finish = "stop"
-                    yield Piece(piece)
+                    yield Piece(piece, choices=choices(produced))
                     break
                 if piece:
-                    yield Piece(piece)
+                    yield Piece(piece, choices=choices(produced))
                 token = await take()
         finally:
             stop.set()  # no await: this may be a cancellation
             self.metrics.add(gen.timings)
         t = gen.timings
-        yield Piece("" if text.stopped else text.flush(), finish, len(job.prompt_ids), produced, t.reused_tokens)
+        yield Piece("" if text.stopped else text.flush(), finish, len(job.prompt_ids), produced, t.reused_tokens,
+                    choices(produced - (finish == "stop" and not text.stopped)))
 
     def prometheus(self) -> str:
         """The metrics in Prometheus's text format."""
