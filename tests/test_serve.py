@@ -18,7 +18,10 @@ import httpx
 import openai
 import pytest
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from budget import examples
 from zdsl.kernels.kvcache import KV_DEFAULT
 from zdsl.models.qwen35.cli.run import run
 from zdsl.models.qwen35.file import synth
@@ -557,3 +560,116 @@ def test_a_body_too_large_is_refused_while_others_flow(server):
     big = b'{"messages": [{"role": "user", "content": "' + b"x" * (10 << 20) + b'"}]}'
     r = httpx.post(url + "/v1/chat/completions", content=big, timeout=60)
     assert r.status_code == 413 and r.json()["error"]["message"]
+
+
+POINT = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
+                                          "tag": {"type": "string", "maxLength": 4},
+                                          "ok": {"type": "boolean"}},
+         "required": ["x", "tag", "ok"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("thinking", [False, True], ids=["no-thinking", "thinking"])
+def test_random_weights_under_a_schema_or_a_forced_call_always_comply(client, thinking):
+    """Sampled replies of the random model under a bounded json_schema, and under tool_choice
+    "required", all parse and validate (jsonschema), with and without thinking, split from it.
+    Each token here is a lavapipe step (~40 ms), a call ~60 of them, so 3 replies of each:
+    tests/test_serve_parts.py walks the same grammars 50 times each without the model."""
+    import jsonschema
+
+    kw = dict(model="tiny.gguf", messages=HELLO, temperature=1.0, max_tokens=160,
+              extra_body={"chat_template_kwargs": {"enable_thinking": thinking}, "reasoning_budget": 3,
+                          "reasoning_format": "auto"})
+    fmt = {"type": "json_schema", "json_schema": {"name": "point", "schema": POINT, "strict": True}}
+    for seed in range(3):
+        m = client.chat.completions.create(seed=seed, response_format=fmt, **kw).choices[0].message
+        jsonschema.validate(json.loads(m.content), POINT)
+        assert thinking or not getattr(m, "reasoning_content", None)
+        r = client.chat.completions.create(seed=seed, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                                           **kw)
+        assert r.choices[0].finish_reason == "tool_calls"
+        for call in r.choices[0].message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_the_sdk_parses_into_a_pydantic_model(client):
+    from pydantic import BaseModel, Field
+
+    class Point(BaseModel):
+        x: int = Field(ge=0, le=9)
+        tag: str = Field(max_length=4)
+
+    for seed in range(3):
+        r = client.beta.chat.completions.parse(model="tiny.gguf", messages=HELLO, response_format=Point, seed=seed,
+                                               max_tokens=80, extra_body={"reasoning_budget": 2,
+                                                                          "reasoning_format": "auto"})
+        point = r.choices[0].message.parsed
+        assert isinstance(point, Point) and 0 <= point.x <= 9 and len(point.tag) <= 4
+
+
+def test_an_agent_loop_with_two_tools_runs_to_its_end(server):
+    """openai-agents through chat completions, with its own loop: a call forced in the first turn
+    (tool_choice "required"), its result sent back, then (the SDK resets tool_choice to auto) the
+    random model answers in text and the run ends; the call's arguments reach the tool typed.
+    (The SDK's default Responses model needs /v1/responses, which this server lacks yet.)"""
+    import asyncio
+    from typing import Annotated
+
+    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, ReasoningItem, Runner, ToolCallItem,
+                        ToolCallOutputItem, function_tool, set_tracing_disabled)
+    from pydantic import Field
+
+    set_tracing_disabled(True)
+    calls = []
+
+    # bounded, so that the random model's sampled arguments end within max_tokens
+    @function_tool
+    def lookup(city: Annotated[str, Field(max_length=8)], days: Annotated[int, Field(ge=1, le=9)]) -> str:
+        """Look up the weather of a city for some days."""
+        calls.append((city, days))
+        return f"{city}: sunny for {days} days"
+
+    @function_tool
+    def convert(celsius: Annotated[float, Field(ge=-50, le=50)]) -> str:
+        """Convert a temperature to Fahrenheit."""
+        calls.append((celsius,))
+        return f"{celsius * 9 / 5 + 32} F"
+
+    model = OpenAIChatCompletionsModel(model="tiny", openai_client=openai.AsyncOpenAI(
+        base_url=server[0] + "/v1", api_key="unused", max_retries=0))
+    agent = Agent(name="weather", instructions="Answer with the tools.", tools=[lookup, convert], model=model,
+                  model_settings=ModelSettings(tool_choice="required", temperature=1.0, max_tokens=100,
+                                               parallel_tool_calls=False,
+                                               extra_body={"reasoning_budget": 2, "seed": 4,
+                                                           "reasoning_format": "auto"}))
+    result = asyncio.run(Runner.run(agent, "Weather in Paris?", max_turns=4))
+    kinds = [type(item) for item in result.new_items]
+    assert ReasoningItem in kinds   # the thinking came apart as reasoning_content, and the SDK took it so
+    kinds = [k for k in kinds if k is not ReasoningItem]
+    assert kinds[:2] == [ToolCallItem, ToolCallOutputItem] and len(result.raw_responses) == 2
+    assert len(calls) == 1 and all(isinstance(v, (str, int, float)) for v in calls[0])
+    assert isinstance(calls[0][0], float if len(calls[0]) == 1 else str)
+    assert isinstance(result.final_output, str)
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 40, 2 ** 40) | st.floats(allow_nan=False)
+                    | st.text(max_size=20), lambda inner: st.lists(inner, max_size=4)
+                    | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+FIELDS = ["messages", "tools", "tool_choice", "response_format", "logit_bias", "logprobs", "top_logprobs", "stop",
+          "temperature", "top_k", "seed", "stream", "stream_options", "chat_template_kwargs", "parallel_tool_calls",
+          "reasoning_format", "reasoning_budget", "n", "model", "max_completion_tokens"]
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool", "system", "x"])},
+                                optional={"content": JSON, "tool_calls": JSON, "name": JSON})
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(fields=st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=4), messages=st.lists(MESSAGE, max_size=3))
+def test_fuzzed_requests_get_no_server_error(server, fields, messages):
+    body = {"messages": messages, **fields, "max_tokens": 2}
+    r = httpx.post(server[0] + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code < 500, r.text
+
+
+def test_the_greedy_answer_is_the_same_after_the_fuzz(client, model_path):
+    """After everything above (the fuzz included), the server's greedy answer is still `zdsl run`'s."""
+    want = zdsl_run(model_path, HELLO[0]["content"], "--temp", "0", "-n", "12")
+    assert chat(client, temperature=0, max_tokens=12)[0] == want["text"]
