@@ -4,7 +4,6 @@ grammars that force a call or a JSON schema (walked by llguidance itself, checke
 `jsonschema`)."""
 
 import json
-import re
 
 import jsonschema
 import numpy as np
