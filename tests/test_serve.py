@@ -673,3 +673,128 @@ def test_the_greedy_answer_is_the_same_after_the_fuzz(client, model_path):
     """After everything above (the fuzz included), the server's greedy answer is still `zdsl run`'s."""
     want = zdsl_run(model_path, HELLO[0]["content"], "--temp", "0", "-n", "12")
     assert chat(client, temperature=0, max_tokens=12)[0] == want["text"]
+
+
+# -- /v1/responses ----------------------------------------------------------------------------
+
+def streamed_response(client, **kw):
+    """The events of a streamed response, and the response they end with."""
+    events = list(client.responses.create(stream=True, **kw))
+    return events, events[-1].response
+
+
+def test_a_response_is_the_chat_reply_as_items_streamed_or_not(client):
+    """The same greedy reply through /v1/responses and /v1/chat/completions: the thinking a
+    reasoning item, the answer an output_text; streamed, the events come in order (numbered from
+    0, each item added, its deltas, done) and their deltas make the items of the final response."""
+    extra = {"reasoning_budget": 3, "reasoning_format": "auto"}
+    chat = client.chat.completions.create(model="tiny.gguf", messages=[{"role": "system", "content": "Be brief."}]
+                                          + HELLO, temperature=0, max_tokens=12, extra_body=extra)
+    kw = dict(model="any", instructions="Be brief.", input=HELLO[0]["content"], temperature=0, max_output_tokens=12,
+              extra_body=extra)
+    r = client.responses.create(**kw)
+    reasoning, message = r.output
+    assert (reasoning.type, message.type) == ("reasoning", "message")
+    assert reasoning.content[0].text == chat.choices[0].message.reasoning_content
+    assert r.output_text == message.content[0].text == chat.choices[0].message.content
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    assert r.usage.output_tokens_details.reasoning_tokens == 4  # three thinking tokens and the forced </think>
+    assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    events, final = streamed_response(client, **kw)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == f"response.{r.status}"
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 2
+    deltas = {}
+    for e in events:
+        if e.type in ("response.reasoning_text.delta", "response.output_text.delta"):
+            deltas[e.output_index] = deltas.get(e.output_index, "") + e.delta
+    assert deltas == {0: reasoning.content[0].text, 1: message.content[0].text}
+    assert [o.model_dump(exclude={"id"}) for o in final.output] == [o.model_dump(exclude={"id"}) for o in r.output]
+
+
+RESPONSE_TOOLS = [{"type": "function", **t["function"], "strict": True} for t in TOOLS]
+
+
+def test_a_response_calls_a_tool_and_takes_its_output_back(client):
+    """tool_choice "required": a function_call item whose arguments validate (jsonschema); streamed,
+    its argument deltas make them. Sent back with its output, the conversation is the prompt the
+    chat endpoint renders for the same messages."""
+    import jsonschema
+
+    kw = dict(model="tiny.gguf", input=[{"role": "user", "content": "Weather in Paris?"}], tools=RESPONSE_TOOLS,
+              tool_choice="required", parallel_tool_calls=False, temperature=1.0, max_output_tokens=120,
+              extra_body={"reasoning_budget": 2, "seed": 3})
+    r = client.responses.create(**kw)
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    events, final = streamed_response(client, **kw)
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert args == done.arguments == final.output[-1].arguments == call.arguments
+    back = kw["input"] + [{"type": "function_call", "call_id": call.call_id, "name": call.name,
+                           "arguments": call.arguments}, {"type": "function_call_output", "call_id": call.call_id,
+                                                          "output": "sunny"}]
+    again = client.responses.create(**(kw | {"input": back, "tool_choice": "auto", "max_output_tokens": 1}))
+    messages = kw["input"] + [{"role": "assistant", "tool_calls": [{"id": call.call_id, "type": "function", "function": {
+        "name": call.name, "arguments": call.arguments}}]}, {"role": "tool", "tool_call_id": call.call_id,
+                                                             "content": "sunny"}]
+    chat = client.chat.completions.create(model="tiny.gguf", messages=messages, tools=TOOLS, max_tokens=1)
+    assert again.usage.input_tokens == chat.usage.prompt_tokens
+
+
+BAD_RESPONSES = [('{"input": "hi", "previous_response_id": "resp_1"}', "previous_response_id"),
+                 ('{"input": []}', "input"), ('{"input": [{"type": "item_reference", "id": "x"}]}', "input[0]"),
+                 ('{"input": "hi", "tools": [{"type": "web_search"}]}', "tools[0]"),
+                 ('{"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}',
+                  "input[0]"),
+                 ('{"input": "hi", "text": {"format": {"type": "xml"}}}', "text"),
+                 ('{"input": "hi", "include": ["file_search_call.results"]}', "include"),
+                 ('{"input": "hi", "max_output_tokens": 0}', "max_tokens")]
+
+
+@pytest.mark.parametrize("body,param", BAD_RESPONSES, ids=range(len(BAD_RESPONSES)))
+def test_bad_responses_requests_get_an_openai_error(server, body, param):
+    r = httpx.post(server[0] + "/v1/responses", content=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_an_agent_loop_runs_through_the_default_responses_model(server):
+    """openai-agents with its default model (OpenAIResponsesModel, /v1/responses): a forced call,
+    its output back, then the model answers in text and the run ends. The SDK takes a reply cut
+    by max_output_tokens (status incomplete) for a failure: a bias towards the end of turn lets
+    the random model's text end."""
+    import asyncio
+    from typing import Annotated
+
+    from agents import Agent, ModelSettings, Runner, ToolCallItem, ToolCallOutputItem, function_tool, \
+        set_default_openai_api, set_default_openai_client, set_tracing_disabled
+    from pydantic import Field
+
+    set_tracing_disabled(True)
+    set_default_openai_client(openai.AsyncOpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0),
+                              use_for_tracing=False)
+    set_default_openai_api("responses")
+    calls, end = [], str(server[1].tokenizer.token_id("<|im_end|>"))
+
+    @function_tool
+    def lookup(city: Annotated[str, Field(max_length=8)], days: Annotated[int, Field(ge=1, le=9)]) -> str:
+        """Look up the weather of a city for some days."""
+        calls.append((city, days))
+        return f"{city}: sunny for {days} days"
+
+    @function_tool
+    def convert(celsius: Annotated[float, Field(ge=-50, le=50)]) -> str:
+        """Convert a temperature to Fahrenheit."""
+        calls.append((celsius,))
+        return f"{celsius * 9 / 5 + 32} F"
+
+    agent = Agent(name="weather", instructions="Answer with the tools.", tools=[lookup, convert], model="tiny",
+                  model_settings=ModelSettings(tool_choice="required", temperature=1.0, max_tokens=100,
+                                               parallel_tool_calls=False,
+                                               extra_body={"reasoning_budget": 2, "seed": 4,
+                                                           "logit_bias": {end: 8}}))
+    result = asyncio.run(Runner.run(agent, "Weather in Paris?", max_turns=4))
+    kinds = [type(item) for item in result.new_items if type(item) in (ToolCallItem, ToolCallOutputItem)]
+    assert kinds == [ToolCallItem, ToolCallOutputItem] and len(result.raw_responses) == 2
+    assert len(calls) == 1 and isinstance(result.final_output, str)

@@ -168,6 +168,7 @@ class Piece:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     reused_tokens: int = 0
+    reasoning_tokens: int = 0   # of the completion's: those up to its </think>
     choices: list[Choice] = field(default_factory=list)  # its tokens' log-probabilities, where asked
 
 
@@ -312,9 +313,13 @@ class Engine:
             stop.set()
             raise
         text, produced, finish = StopText(job.stop), 0, "length"
+        think_end = tok.tokens.index("</think>") if "</think>" in tok.tokens else None
+        thought = None  # tokens up to the </think>, once it came
         try:
             while token is not None:
                 produced += 1
+                if token == think_end and thought is None:
+                    thought = produced
                 if token in gen.stop_ids and not job.ignore_eos:
                     finish = "stop"
                     break
@@ -330,8 +335,9 @@ class Engine:
             stop.set()  # no await: this may be a cancellation
             self.metrics.add(gen.timings)
         t = gen.timings
+        reasoning = thought if thought is not None else produced if job.thinking else 0
         yield Piece("" if text.stopped else text.flush(), finish, len(job.prompt_ids), produced, t.reused_tokens,
-                    choices(produced - (finish == "stop" and not text.stopped)))
+                    reasoning, choices(produced - (finish == "stop" and not text.stopped)))
 
     def prometheus(self) -> str:
         """The metrics in Prometheus's text format."""

@@ -1,7 +1,7 @@
 """`zdsl serve`: the model behind an OpenAI-compatible HTTP API (starlette on uvicorn).
 
-Routes: POST /v1/chat/completions and /v1/completions (streamed as server-sent events with
-`stream: true`), GET /v1/models, /health, /metrics and /props, POST /tokenize and /detokenize.
+Routes: POST /v1/chat/completions, /v1/completions and /v1/responses (streamed as server-sent
+events with `stream: true`), GET /v1/models, /health, /metrics and /props, POST /tokenize and /detokenize.
 Generation is engine.py's; the protocol's checks are api.py's, the reply's shape reply.py's.
 Every error a client can cause answers with OpenAI's error body and a 4xx status; anything else
 with a 500 and the same body, the traceback only in the server's log. A request's body is read
@@ -28,6 +28,7 @@ from zdsl.models.qwen35.cli.run import kv_type_option
 from zdsl.models.qwen35.serve.api import REASONING_FORMATS, ApiError, bad, chat_job, completion_job
 from zdsl.models.qwen35.serve.engine import Engine
 from zdsl.models.qwen35.serve.reply import Reply, chat_logprobs, completion_logprobs
+from zdsl.models.qwen35.serve.responses import ResponseEvents, chat_body, sse
 
 log = logging.getLogger("zdsl.serve")
 OPEN = {"/health"}  # routes that need no API key
@@ -124,14 +125,9 @@ def app(engine: Engine, model_id: str, api_key: str | None = None, *, reasoning_
 
             return StreamingResponse(events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text, choices = [], []
-        async with contextlib.aclosing(engine.run(job)) as pieces:
-            async for p in pieces:
-                text.append(p.text)
-                choices += p.choices
-                if await request.is_disconnected():   # no one waits for the reply: stop, free the slot
-                    return Response(status_code=499)
-        p.text, p.choices = "".join(text), choices
+        p = await whole(request, job)
+        if p is None:
+            return Response(status_code=499)
         if chat:
             reply.add(p.text)
             reply.flush()
@@ -142,8 +138,45 @@ def app(engine: Engine, model_id: str, api_key: str | None = None, *, reasoning_
         return JSONResponse(head | {"object": "chat.completion" if chat else "text_completion",
                                     "choices": [body], "usage": usage(p)})
 
+    async def whole(request, job):
+        """The job's last piece holding all its text and choices; None where the client went away
+        (the generation stopped, the slot freed)."""
+        text, choices = [], []
+        async with contextlib.aclosing(engine.run(job)) as pieces:
+            async for p in pieces:
+                text.append(p.text)
+                choices += p.choices
+                if await request.is_disconnected():
+                    return None
+        p.text, p.choices = "".join(text), choices
+        return p
+
     async def chat_completions(request):
         return await complete(request, chat=True)
+
+    async def responses(request):
+        body = await body_of(request)
+        job = await run_in_threadpool(lambda: job_of(chat_body(body), chat=True))
+        response, reply = ResponseEvents(body, model_id), Reply(job)
+        if job.stream:
+            async def events():
+                for e in response.start():
+                    yield sse(e)
+                async for p in engine.run(job):
+                    for e in response.add(merged(reply.add(p.text), reply.flush() if p.finish else {})):
+                        yield sse(e)
+                    if p.finish:
+                        for e in response.finish(p, reply.called):
+                            yield sse(e)
+
+            return StreamingResponse(events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        p = await whole(request, job)
+        if p is None:
+            return Response(status_code=499)
+        response.add(merged(reply.add(p.text), reply.flush()))
+        response.finish(p, reply.called)
+        return JSONResponse(response.object)
 
     async def completions(request):
         return await complete(request, chat=False)
@@ -213,6 +246,7 @@ def app(engine: Engine, model_id: str, api_key: str | None = None, *, reasoning_
 
     routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/responses", responses, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
               Route("/tokenize", tokenize, methods=["POST"]),
               Route("/detokenize", detokenize, methods=["POST"]),
@@ -292,7 +326,7 @@ def _say(msg: str) -> None:
 def serve(model, host, port, n_ctx, parallel, checkpoint_mib, api_key, alias, reasoning_format, reasoning_budget,
           device, kv):
     """Serve MODEL over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
-    /v1/models, /health, /metrics, /props, /tokenize, /detokenize. A request whose prompt starts with what the slot holds feeds
+    /v1/responses, /v1/models, /health, /metrics, /props, /tokenize, /detokenize. A request whose prompt starts with what the slot holds feeds
     only the rest. Ctrl-C (or SIGTERM) finishes the requests under way, then exits."""
     import uvicorn
 
