@@ -1,9 +1,11 @@
 """`zdsl serve` as a client sees it: a real uvicorn server on a loopback port (lavapipe, the tiny
 synthetic model), talked to with the official `openai` client and with httpx.
 
+
 The references are independent of the server: `zdsl run --json` (the CLI's own generation, on a
 device of its own) for a chat's greedy and seeded output, and a cold Generator (no kept context,
 no checkpoints) over the tokenizer's ids for what a reused prefix must not change."""
+
 
 import json
 import os
@@ -14,6 +16,7 @@ import sys
 import threading
 import time
 
+
 import httpx
 import openai
 import pytest
@@ -21,7 +24,9 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+
 from budget import examples
+from test_serve_parts import coding_agent_request
 from zdsl.kernels.kvcache import KV_DEFAULT
 from zdsl.models.qwen35.cli.run import run
 from zdsl.models.qwen35.file import synth
@@ -31,8 +36,10 @@ from zdsl.models.qwen35.model.sampler import SamplerConfig
 from zdsl.models.qwen35.serve.api import chat_job
 from zdsl.models.qwen35.serve.server import app, loopback, open_engine, serve
 
+
 CTX = 1024
 HELLO = [{"role": "user", "content": "Hello there, who are you?"}]
+
 
 pytestmark = pytest.mark.slow  # a server on lavapipe, in processes of its own
 
@@ -419,6 +426,7 @@ def test_two_slots_stream_together_and_keep_their_own_prefixes(server2, cold):
 
 # -- agents and apps: tools, reasoning, logprobs, structured output ---------------------------
 
+
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 9}},
            "required": ["city", "days"], "additionalProperties": False}
@@ -427,6 +435,21 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "parameters": WEATHER}},
          {"type": "function", "function": {"name": "note", "parameters": NOTE}}]
 SCHEMAS = {"get_weather": WEATHER, "note": NOTE}
+
+
+POINT = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
+                                          "tag": {"type": "string", "maxLength": 4},
+                                          "ok": {"type": "boolean"}},
+         "required": ["x", "tag", "ok"], "additionalProperties": False}
+
+
+RESPONSE_TOOLS = [{"type": "function", **t["function"], "strict": True} for t in TOOLS]
+
+
+def streamed_response(client, **kw):
+    """The events of a streamed response, and the response they end with."""
+    events = list(client.responses.create(stream=True, **kw))
+    return events, events[-1].response
 
 
 def test_a_forced_call_comes_whole_and_typed_streamed_or_not(client):
@@ -456,6 +479,33 @@ def test_a_forced_call_comes_whole_and_typed_streamed_or_not(client):
                                          "arguments": call.function.arguments}]
 
 
+def test_a_response_calls_a_tool_and_takes_its_output_back(client):
+    """tool_choice "required": a function_call item whose arguments validate (jsonschema); streamed,
+    its argument deltas make them. Sent back with its output, the conversation is the prompt the
+    chat endpoint renders for the same messages."""
+    import jsonschema
+
+    kw = dict(model="tiny.gguf", input=[{"role": "user", "content": "Weather in Paris?"}], tools=RESPONSE_TOOLS,
+              tool_choice="required", parallel_tool_calls=False, temperature=1.0, max_output_tokens=120,
+              extra_body={"reasoning_budget": 2, "seed": 3})
+    r = client.responses.create(**kw)
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    events, final = streamed_response(client, **kw)
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert args == done.arguments == final.output[-1].arguments == call.arguments
+    back = kw["input"] + [{"type": "function_call", "call_id": call.call_id, "name": call.name,
+                           "arguments": call.arguments}, {"type": "function_call_output", "call_id": call.call_id,
+                                                          "output": "sunny"}]
+    again = client.responses.create(**(kw | {"input": back, "tool_choice": "auto", "max_output_tokens": 1}))
+    sent = {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    messages = kw["input"] + [{"role": "assistant", "tool_calls": [sent]},
+                              {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}]
+    chat = client.chat.completions.create(model="tiny.gguf", messages=messages, tools=TOOLS, max_tokens=1)
+    assert again.usage.input_tokens == chat.usage.prompt_tokens
+
+
 def test_a_conversation_with_calls_and_results_renders_through_the_template(server, client):
     tok = server[1].tokenizer
     messages = [{"role": "user", "content": "Weather in Paris?"},
@@ -473,13 +523,76 @@ def test_a_conversation_with_calls_and_results_renders_through_the_template(serv
     assert r.usage.prompt_tokens == len(tok.encode(text, parse_special=True))
 
 
-def raw_and_split(client, **kw):
-    """The same greedy reply as raw text and split (plain), and split as streamed."""
-    kw = dict(model="tiny.gguf", messages=HELLO, temperature=0, max_tokens=12, **kw)
-    raw = client.chat.completions.create(**kw).choices[0].message.content
-    plain = client.chat.completions.create(extra_body={"reasoning_format": "auto", **kw.pop("extra_body", {})},
-                                           **kw).choices[0].message
-    return raw, plain
+def test_random_weights_under_a_schema_or_a_forced_call_always_comply(client):
+    """Sampled replies of the random model under tool_choice "required" and under a bounded
+    json_schema all parse and validate (jsonschema), with and without thinking, split from it.
+    Each token is a lavapipe step (~35 ms), a call ~70 of them, so 2 replies of each kind and
+    setting; tests/test_serve_parts.py walks the same grammars 50 times each without the model.
+    The requests of one prompt come together: the slot resumes it, rather than feeding it again."""
+    import jsonschema
+
+    def kw(thinking: bool, seed: int) -> dict:
+        return dict(model="tiny.gguf", temperature=1.0, max_tokens=160, seed=seed,
+                    extra_body={"chat_template_kwargs": {"enable_thinking": thinking}, "reasoning_budget": 3,
+                                "reasoning_format": "auto"})
+
+    runs = [(thinking, seed) for thinking in (True, False) for seed in range(2)]
+    for thinking, seed in runs:
+        r = client.chat.completions.create(messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS,
+                                           tool_choice="required", parallel_tool_calls=False, **kw(thinking, seed))
+        assert r.choices[0].finish_reason == "tool_calls"
+        for call in r.choices[0].message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    fmt = {"type": "json_schema", "json_schema": {"name": "point", "schema": POINT, "strict": True}}
+    for thinking, seed in runs:
+        m = client.chat.completions.create(messages=HELLO, response_format=fmt, **kw(thinking, seed)).choices[0].message
+        jsonschema.validate(json.loads(m.content), POINT)
+        assert thinking or not getattr(m, "reasoning_content", None)
+
+
+def test_the_sdk_parses_into_a_pydantic_model(client):
+    from pydantic import BaseModel, Field
+
+    class Point(BaseModel):
+        x: int = Field(ge=0, le=9)
+        tag: str = Field(max_length=4)
+
+    for seed in range(3):
+        r = client.beta.chat.completions.parse(model="tiny.gguf", messages=HELLO, response_format=Point, seed=seed,
+                                               max_tokens=80, extra_body={"reasoning_budget": 2,
+                                                                          "reasoning_format": "auto"})
+        point = r.choices[0].message.parsed
+        assert isinstance(point, Point) and 0 <= point.x <= 9 and len(point.tag) <= 4
+
+
+def test_a_response_is_the_chat_reply_as_items_streamed_or_not(client):
+    """The same greedy reply through /v1/responses and /v1/chat/completions: the thinking a
+    reasoning item, the answer an output_text; streamed, the events come in order (numbered from
+    0, each item added, its deltas, done) and their deltas make the items of the final response."""
+    extra = {"reasoning_budget": 3, "reasoning_format": "auto"}
+    chat = client.chat.completions.create(model="tiny.gguf", messages=[{"role": "system", "content": "Be brief."}]
+                                          + HELLO, temperature=0, max_tokens=12, extra_body=extra)
+    kw = dict(model="any", instructions="Be brief.", input=HELLO[0]["content"], temperature=0, max_output_tokens=12,
+              extra_body=extra)
+    r = client.responses.create(**kw)
+    reasoning, message = r.output
+    assert (reasoning.type, message.type) == ("reasoning", "message")
+    assert reasoning.content[0].text == chat.choices[0].message.reasoning_content
+    assert r.output_text == message.content[0].text == chat.choices[0].message.content
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    assert r.usage.output_tokens_details.reasoning_tokens == 4  # three thinking tokens and the forced </think>
+    assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    events, final = streamed_response(client, **kw)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == f"response.{r.status}"
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 2
+    deltas = {}
+    for e in events:
+        if e.type in ("response.reasoning_text.delta", "response.output_text.delta"):
+            deltas[e.output_index] = deltas.get(e.output_index, "") + e.delta
+    assert deltas == {0: reasoning.content[0].text, 1: message.content[0].text}
+    assert [o.model_dump(exclude={"id"}) for o in final.output] == [o.model_dump(exclude={"id"}) for o in r.output]
 
 
 def test_the_thinking_is_split_from_the_answer_plain_and_streamed(client):
@@ -562,66 +675,15 @@ def test_a_body_too_large_is_refused_while_others_flow(server):
     assert r.status_code == 413 and r.json()["error"]["message"]
 
 
-POINT = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
-                                          "tag": {"type": "string", "maxLength": 4},
-                                          "ok": {"type": "boolean"}},
-         "required": ["x", "tag", "ok"], "additionalProperties": False}
-
-
-@pytest.mark.parametrize("thinking", [False, True], ids=["no-thinking", "thinking"])
-def test_random_weights_under_a_schema_or_a_forced_call_always_comply(client, thinking):
-    """Sampled replies of the random model under a bounded json_schema, and under tool_choice
-    "required", all parse and validate (jsonschema), with and without thinking, split from it.
-    Each token here is a lavapipe step (~40 ms), a call ~60 of them, so 3 replies of each:
-    tests/test_serve_parts.py walks the same grammars 50 times each without the model."""
-    import jsonschema
-
-    kw = dict(model="tiny.gguf", messages=HELLO, temperature=1.0, max_tokens=160,
-              extra_body={"chat_template_kwargs": {"enable_thinking": thinking}, "reasoning_budget": 3,
-                          "reasoning_format": "auto"})
-    fmt = {"type": "json_schema", "json_schema": {"name": "point", "schema": POINT, "strict": True}}
-    for seed in range(3):
-        m = client.chat.completions.create(seed=seed, response_format=fmt, **kw).choices[0].message
-        jsonschema.validate(json.loads(m.content), POINT)
-        assert thinking or not getattr(m, "reasoning_content", None)
-        r = client.chat.completions.create(seed=seed, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
-                                           **kw)
-        assert r.choices[0].finish_reason == "tool_calls"
-        for call in r.choices[0].message.tool_calls:
-            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
-
-
-def test_the_sdk_parses_into_a_pydantic_model(client):
-    from pydantic import BaseModel, Field
-
-    class Point(BaseModel):
-        x: int = Field(ge=0, le=9)
-        tag: str = Field(max_length=4)
-
-    for seed in range(3):
-        r = client.beta.chat.completions.parse(model="tiny.gguf", messages=HELLO, response_format=Point, seed=seed,
-                                               max_tokens=80, extra_body={"reasoning_budget": 2,
-                                                                          "reasoning_format": "auto"})
-        point = r.choices[0].message.parsed
-        assert isinstance(point, Point) and 0 <= point.x <= 9 and len(point.tag) <= 4
-
-
-def test_an_agent_loop_with_two_tools_runs_to_its_end(server):
-    """openai-agents through chat completions, with its own loop: a call forced in the first turn
-    (tool_choice "required"), its result sent back, then (the SDK resets tool_choice to auto) the
-    random model answers in text and the run ends; the call's arguments reach the tool typed.
-    (The SDK's default Responses model needs /v1/responses, which this server lacks yet.)"""
-    import asyncio
+def weather_agent(model, calls: list, **settings):
+    """An openai-agents Agent with two tools whose calls land in `calls`, a call forced in its first
+    turn (the SDK then resets tool_choice to auto); the arguments are bounded, so that the random
+    model's sampled ones end within max_tokens."""
     from typing import Annotated
 
-    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, ReasoningItem, Runner, ToolCallItem,
-                        ToolCallOutputItem, function_tool, set_tracing_disabled)
+    from agents import Agent, ModelSettings, function_tool
     from pydantic import Field
 
-    set_tracing_disabled(True)
-    calls = []
-
-    # bounded, so that the random model's sampled arguments end within max_tokens
     @function_tool
     def lookup(city: Annotated[str, Field(max_length=8)], days: Annotated[int, Field(ge=1, le=9)]) -> str:
         """Look up the weather of a city for some days."""
@@ -634,13 +696,26 @@ def test_an_agent_loop_with_two_tools_runs_to_its_end(server):
         calls.append((celsius,))
         return f"{celsius * 9 / 5 + 32} F"
 
+    return Agent(name="weather", instructions="Answer with the tools.", tools=[lookup, convert], model=model,
+                 model_settings=ModelSettings(tool_choice="required", temperature=1.0, max_tokens=100,
+                                              parallel_tool_calls=False,
+                                              extra_body={"reasoning_budget": 2, **settings}))
+
+
+def test_an_agent_loop_with_two_tools_runs_to_its_end(server):
+    """openai-agents through chat completions, with its own loop: the forced call, its result sent
+    back, then the random model answers in text and the run ends; the call's arguments reach the
+    tool typed."""
+    import asyncio
+
+    from agents import OpenAIChatCompletionsModel, ReasoningItem, Runner, ToolCallItem, ToolCallOutputItem, \
+        set_tracing_disabled
+
+    set_tracing_disabled(True)
+    calls = []
     model = OpenAIChatCompletionsModel(model="tiny", openai_client=openai.AsyncOpenAI(
         base_url=server[0] + "/v1", api_key="unused", max_retries=0))
-    agent = Agent(name="weather", instructions="Answer with the tools.", tools=[lookup, convert], model=model,
-                  model_settings=ModelSettings(tool_choice="required", temperature=1.0, max_tokens=100,
-                                               parallel_tool_calls=False,
-                                               extra_body={"reasoning_budget": 2, "seed": 4,
-                                                           "reasoning_format": "auto"}))
+    agent = weather_agent(model, calls, seed=4, reasoning_format="auto")
     result = asyncio.run(Runner.run(agent, "Weather in Paris?", max_turns=4))
     kinds = [type(item) for item in result.new_items]
     assert ReasoningItem in kinds   # the thinking came apart as reasoning_content, and the SDK took it so
@@ -649,6 +724,60 @@ def test_an_agent_loop_with_two_tools_runs_to_its_end(server):
     assert len(calls) == 1 and all(isinstance(v, (str, int, float)) for v in calls[0])
     assert isinstance(calls[0][0], float if len(calls[0]) == 1 else str)
     assert isinstance(result.final_output, str)
+
+
+def test_an_agent_loop_runs_through_the_default_responses_model(server):
+    """The same agent with the SDK's default model (OpenAIResponsesModel, /v1/responses). The SDK
+    takes a reply cut by max_output_tokens (status incomplete) for a failure: a bias towards the
+    end of turn lets the random model's text end."""
+    import asyncio
+
+    from agents import Runner, ToolCallItem, ToolCallOutputItem, set_default_openai_api, set_default_openai_client, \
+        set_tracing_disabled
+
+    set_tracing_disabled(True)
+    set_default_openai_client(openai.AsyncOpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0),
+                              use_for_tracing=False)
+    set_default_openai_api("responses")
+    calls, end = [], str(server[1].tokenizer.token_id("<|im_end|>"))
+    agent = weather_agent("tiny", calls, seed=4, logit_bias={end: 8})
+    result = asyncio.run(Runner.run(agent, "Weather in Paris?", max_turns=4))
+    kinds = [type(item) for item in result.new_items if type(item) in (ToolCallItem, ToolCallOutputItem)]
+    assert kinds == [ToolCallItem, ToolCallOutputItem] and len(result.raw_responses) == 2
+    assert len(calls) == 1 and isinstance(result.final_output, str)
+
+
+BAD_RESPONSES = [('{"input": "hi", "previous_response_id": "resp_1"}', "previous_response_id"),
+                 ('{"input": []}', "input"), ('{"input": [{"type": "item_reference", "id": "x"}]}', "input[0]"),
+                 ('{"input": "hi", "tools": [{"type": "web_search"}]}', "tools[0]"),
+                 ('{"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}',
+                  "input[0]"),
+                 ('{"input": "hi", "text": {"format": {"type": "xml"}}}', "text"),
+                 ('{"input": "hi", "include": ["file_search_call.results"]}', "include"),
+                 ('{"input": "hi", "max_output_tokens": 0}', "max_tokens")]
+
+
+@pytest.mark.parametrize("body,param", BAD_RESPONSES, ids=range(len(BAD_RESPONSES)))
+def test_bad_responses_requests_get_an_openai_error(server, body, param):
+    r = httpx.post(server[0] + "/v1/responses", content=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_a_coding_agents_first_request_streams_to_its_end(server, client):
+    """A coding agent's first request (6 tools, a system prompt, streamed with usage, max_tokens
+    32000) against a slot of 1024 tokens streams to its end, with its usage. Its full size (22 KB
+    of system prompt, 15 KB of tool schemas) is 24,576 tokens of the synthetic vocabulary, beyond
+    the tiny model's 4,096: here the shape at the size the slot holds (996 tokens: minutes of
+    lavapipe prefill saved), the full size in test_serve_parts."""
+    body = coding_agent_request(40, 0)
+    prompt = len(chat_job(body, server[1].tokenizer, CTX).prompt_ids)
+    chunks = list(client.chat.completions.create(**body))
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    usage = chunks[-1].usage
+    assert finish in (["length"], ["stop"], ["tool_calls"]) and not chunks[-1].choices
+    assert usage.prompt_tokens == prompt and 1 <= usage.completion_tokens <= CTX - prompt
+    assert (finish == ["length"]) == (usage.prompt_tokens + usage.completion_tokens == CTX)
+    assert any(c.choices and (c.choices[0].delta.content or c.choices[0].delta.tool_calls) for c in chunks)
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 40, 2 ** 40) | st.floats(allow_nan=False)
@@ -676,125 +805,3 @@ def test_the_greedy_answer_is_the_same_after_the_fuzz(client, model_path):
 
 
 # -- /v1/responses ----------------------------------------------------------------------------
-
-def streamed_response(client, **kw):
-    """The events of a streamed response, and the response they end with."""
-    events = list(client.responses.create(stream=True, **kw))
-    return events, events[-1].response
-
-
-def test_a_response_is_the_chat_reply_as_items_streamed_or_not(client):
-    """The same greedy reply through /v1/responses and /v1/chat/completions: the thinking a
-    reasoning item, the answer an output_text; streamed, the events come in order (numbered from
-    0, each item added, its deltas, done) and their deltas make the items of the final response."""
-    extra = {"reasoning_budget": 3, "reasoning_format": "auto"}
-    chat = client.chat.completions.create(model="tiny.gguf", messages=[{"role": "system", "content": "Be brief."}]
-                                          + HELLO, temperature=0, max_tokens=12, extra_body=extra)
-    kw = dict(model="any", instructions="Be brief.", input=HELLO[0]["content"], temperature=0, max_output_tokens=12,
-              extra_body=extra)
-    r = client.responses.create(**kw)
-    reasoning, message = r.output
-    assert (reasoning.type, message.type) == ("reasoning", "message")
-    assert reasoning.content[0].text == chat.choices[0].message.reasoning_content
-    assert r.output_text == message.content[0].text == chat.choices[0].message.content
-    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
-    assert r.usage.output_tokens_details.reasoning_tokens == 4  # three thinking tokens and the forced </think>
-    assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
-    events, final = streamed_response(client, **kw)
-    assert [e.sequence_number for e in events] == list(range(len(events)))
-    kinds = [e.type for e in events]
-    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == f"response.{r.status}"
-    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 2
-    deltas = {}
-    for e in events:
-        if e.type in ("response.reasoning_text.delta", "response.output_text.delta"):
-            deltas[e.output_index] = deltas.get(e.output_index, "") + e.delta
-    assert deltas == {0: reasoning.content[0].text, 1: message.content[0].text}
-    assert [o.model_dump(exclude={"id"}) for o in final.output] == [o.model_dump(exclude={"id"}) for o in r.output]
-
-
-RESPONSE_TOOLS = [{"type": "function", **t["function"], "strict": True} for t in TOOLS]
-
-
-def test_a_response_calls_a_tool_and_takes_its_output_back(client):
-    """tool_choice "required": a function_call item whose arguments validate (jsonschema); streamed,
-    its argument deltas make them. Sent back with its output, the conversation is the prompt the
-    chat endpoint renders for the same messages."""
-    import jsonschema
-
-    kw = dict(model="tiny.gguf", input=[{"role": "user", "content": "Weather in Paris?"}], tools=RESPONSE_TOOLS,
-              tool_choice="required", parallel_tool_calls=False, temperature=1.0, max_output_tokens=120,
-              extra_body={"reasoning_budget": 2, "seed": 3})
-    r = client.responses.create(**kw)
-    (call,) = [o for o in r.output if o.type == "function_call"]
-    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
-    events, final = streamed_response(client, **kw)
-    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
-    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
-    assert args == done.arguments == final.output[-1].arguments == call.arguments
-    back = kw["input"] + [{"type": "function_call", "call_id": call.call_id, "name": call.name,
-                           "arguments": call.arguments}, {"type": "function_call_output", "call_id": call.call_id,
-                                                          "output": "sunny"}]
-    again = client.responses.create(**(kw | {"input": back, "tool_choice": "auto", "max_output_tokens": 1}))
-    messages = kw["input"] + [{"role": "assistant", "tool_calls": [{"id": call.call_id, "type": "function", "function": {
-        "name": call.name, "arguments": call.arguments}}]}, {"role": "tool", "tool_call_id": call.call_id,
-                                                             "content": "sunny"}]
-    chat = client.chat.completions.create(model="tiny.gguf", messages=messages, tools=TOOLS, max_tokens=1)
-    assert again.usage.input_tokens == chat.usage.prompt_tokens
-
-
-BAD_RESPONSES = [('{"input": "hi", "previous_response_id": "resp_1"}', "previous_response_id"),
-                 ('{"input": []}', "input"), ('{"input": [{"type": "item_reference", "id": "x"}]}', "input[0]"),
-                 ('{"input": "hi", "tools": [{"type": "web_search"}]}', "tools[0]"),
-                 ('{"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}',
-                  "input[0]"),
-                 ('{"input": "hi", "text": {"format": {"type": "xml"}}}', "text"),
-                 ('{"input": "hi", "include": ["file_search_call.results"]}', "include"),
-                 ('{"input": "hi", "max_output_tokens": 0}', "max_tokens")]
-
-
-@pytest.mark.parametrize("body,param", BAD_RESPONSES, ids=range(len(BAD_RESPONSES)))
-def test_bad_responses_requests_get_an_openai_error(server, body, param):
-    r = httpx.post(server[0] + "/v1/responses", content=body)
-    assert r.status_code == 400 and r.json()["error"]["param"] == param
-
-
-def test_an_agent_loop_runs_through_the_default_responses_model(server):
-    """openai-agents with its default model (OpenAIResponsesModel, /v1/responses): a forced call,
-    its output back, then the model answers in text and the run ends. The SDK takes a reply cut
-    by max_output_tokens (status incomplete) for a failure: a bias towards the end of turn lets
-    the random model's text end."""
-    import asyncio
-    from typing import Annotated
-
-    from agents import Agent, ModelSettings, Runner, ToolCallItem, ToolCallOutputItem, function_tool, \
-        set_default_openai_api, set_default_openai_client, set_tracing_disabled
-    from pydantic import Field
-
-    set_tracing_disabled(True)
-    set_default_openai_client(openai.AsyncOpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0),
-                              use_for_tracing=False)
-    set_default_openai_api("responses")
-    calls, end = [], str(server[1].tokenizer.token_id("<|im_end|>"))
-
-    @function_tool
-    def lookup(city: Annotated[str, Field(max_length=8)], days: Annotated[int, Field(ge=1, le=9)]) -> str:
-        """Look up the weather of a city for some days."""
-        calls.append((city, days))
-        return f"{city}: sunny for {days} days"
-
-    @function_tool
-    def convert(celsius: Annotated[float, Field(ge=-50, le=50)]) -> str:
-        """Convert a temperature to Fahrenheit."""
-        calls.append((celsius,))
-        return f"{celsius * 9 / 5 + 32} F"
-
-    agent = Agent(name="weather", instructions="Answer with the tools.", tools=[lookup, convert], model="tiny",
-                  model_settings=ModelSettings(tool_choice="required", temperature=1.0, max_tokens=100,
-                                               parallel_tool_calls=False,
-                                               extra_body={"reasoning_budget": 2, "seed": 4,
-                                                           "logit_bias": {end: 8}}))
-    result = asyncio.run(Runner.run(agent, "Weather in Paris?", max_turns=4))
-    kinds = [type(item) for item in result.new_items if type(item) in (ToolCallItem, ToolCallOutputItem)]
-    assert kinds == [ToolCallItem, ToolCallOutputItem] and len(result.raw_responses) == 2
-    assert len(calls) == 1 and isinstance(result.final_output, str)

@@ -8,7 +8,7 @@ import json
 import jsonschema
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from budget import examples
@@ -74,6 +74,30 @@ def rendered_calls(tok, calls: list[dict], content: str = "") -> str:
                     {"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]}]
     text = tok.apply_chat_template(messages, add_generation_prompt=False, tools=TOOLS)
     return text.split("</think>\n\n", 1)[1].removesuffix("<|im_end|>\n")
+
+
+@settings(max_examples=examples(50), deadline=None)
+@given(thought=words, args=st.fixed_dictionaries({"city": st.text("Paris ", max_size=8)},
+                                                 optional={"days": st.integers(1, 14)}),
+       cuts=st.lists(st.integers(0, 300), max_size=8))
+def test_a_call_written_inside_the_thinking_is_a_call(tok, thought, args, cuts):
+    """As llama-server parses Qwen3.5's replies: <tool_call> ends the thinking (no </think>
+    needed), and the call it opens is a call, whole and streamed alike."""
+    from zdsl.models.qwen35.model.sampler import SamplerConfig
+    from zdsl.models.qwen35.serve.api import Job
+    from zdsl.models.qwen35.serve.reply import Reply
+
+    assume("</think>" not in thought)
+    job = Job([0], 1, SamplerConfig(), [], False, False, tools=tools_of({"tools": TOOLS}), thinking=True)
+    reply, streamed = Reply(job), {}
+    for piece in pieces(thought + rendered_calls(tok, [("get_weather", args)]), cuts) + [None]:
+        delta = reply.flush() if piece is None else reply.add(piece)
+        for d in delta.get("tool_calls", []):
+            streamed[d["index"]] = streamed.get(d["index"], "") + d["function"]["arguments"]
+    message = reply.message()
+    assert (message.get("reasoning_content", ""), message["content"]) == (thought.strip(), None)
+    assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [args]
+    assert [json.loads(streamed[i]) for i in sorted(streamed)] == [args]
 
 
 arguments = st.fixed_dictionaries({"city": st.text(st.characters(blacklist_categories=["Cs"]), max_size=12)},
@@ -149,3 +173,37 @@ def test_json_schema_walks_validate(tok):
     rng = np.random.default_rng(1)
     for _ in range(50):
         jsonschema.validate(json.loads(walk(tok, "start: " + json_lark(schema), rng, {tok.eos_id})), schema)
+
+
+def coding_agent_request(system_chars: int, schema_chars: int) -> dict:
+    """A coding agent's first request, in its shape: 6 tools whose schemas (as JSON) take about
+    `schema_chars` characters in all (at least their bare ~90 each), a system prompt of about
+    `system_chars`, streamed with usage and max_tokens 32000 (whatever the context)."""
+    def padded(what: str, n: int) -> str:
+        line = f"{what}: follow the repository's conventions, explain nothing twice, and check the result. "
+        return (line * (n // len(line) + 1))[:n]
+
+    tools = []
+    for name, arg in {"bash": "command", "read": "path", "write": "path", "edit": "old_string", "glob": "pattern",
+                      "grep": "pattern"}.items():
+        f = {"name": name, "parameters": {"type": "object", "properties": {arg: {"type": "string"}}, "required": [arg]}}
+        room = schema_chars // 6 - len(json.dumps({"type": "function", "function": f})) - len(', "description": ""')
+        tools.append({"type": "function", "function": f | ({"description": padded(name, room)} if room > 0 else {})})
+    return {"model": "agent", "messages": [{"role": "system", "content": padded("Rule", system_chars)},
+                                           {"role": "user", "content": "Add a test for the parser."}],
+            "tools": tools, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 32000}
+
+
+def test_a_coding_agents_first_request_is_taken_where_its_prompt_fits(tok):
+    """Full size (a 22 KB system prompt, 15 KB of tool schemas): beyond a context that cannot hold
+    the prompt, one clear 400; where it fits, max_tokens 32000 is the room the context leaves."""
+    from zdsl.models.qwen35.serve.api import ApiError, chat_job
+
+    body = coding_agent_request(22_000, 15_000)
+    assert abs(sum(len(json.dumps(t)) for t in body["tools"]) - 15_000) < 12
+    with pytest.raises(ApiError, match="context holds 4096") as refused:
+        chat_job(body, tok, 4096)
+    assert (refused.value.status, refused.value.code) == (400, "context_length_exceeded")
+    job = chat_job(body, tok, 48_000)
+    assert job.stream and job.include_usage and job.max_tokens == 48_000 - len(job.prompt_ids) < 32000
+    assert len(job.tools.schemas) == 6 and not job.tools.forced

@@ -2,7 +2,9 @@
 the rest `content`, split alike whether the text comes at once or piece by piece.
 
 Qwen3.5's chat template opens `<think>` in the prompt when thinking is on, so the reply starts
-inside it; a reply may also open one itself at its very start. Whitespace at either end of the
+inside it; a reply may also open one itself at its very start. A `<tool_call>` ends the thinking
+too and stays in the answer, where it becomes a call: as llama-server parses Qwen3.5's replies,
+since the model may call from inside its thinking without closing it. Whitespace at either end of the
 thinking, and at the start of the answer after it, is the format's, not the model's words: it
 is dropped, as llama-server does.
 """
@@ -10,6 +12,7 @@ is dropped, as llama-server does.
 from __future__ import annotations
 
 OPEN, CLOSE = "<think>", "</think>"
+CALL = "<tool_call>"  # ends the thinking, kept as the answer's start
 
 
 def held(text: str, mark: str) -> int:
@@ -41,11 +44,14 @@ class ReasoningSplit:
                 self.started = True  # an answer with no thinking: its text as it comes
         if self.thinking:
             self.reasoned = True
-            end = self.pending.find(CLOSE)
-            if end < 0:
-                return self._release(len(self.pending) - held(self.pending, CLOSE), thinking=True), ""
+            ends = [(self.pending.find(mark), mark) for mark in (CLOSE, CALL) if mark in self.pending]
+            if not ends:
+                hold = max(held(self.pending, CLOSE), held(self.pending, CALL))
+                return self._release(len(self.pending) - hold, thinking=True), ""
+            end, mark = min(ends)
             reasoning = self._release(end, thinking=True, last=True)
-            self.pending = self.pending[len(CLOSE):]
+            if mark == CLOSE:
+                self.pending = self.pending[len(CLOSE):]
             self.thinking, self.started = False, False
         content = self._release(len(self.pending), thinking=False)
         return reasoning, content
