@@ -18,6 +18,7 @@ import time
 
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from click.testing import CliRunner
@@ -455,8 +456,6 @@ def streamed_response(client, **kw):
 def test_a_forced_call_comes_whole_and_typed_streamed_or_not(client):
     """tool_choice "required" (and a named function): the reply is calls, their arguments valid
     under the tool's schema (jsonschema); the streamed deltas put together give the same calls."""
-    import jsonschema
-
     for choice in ("required", {"type": "function", "function": {"name": "note"}}):
         kw = dict(model="anything", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS,
                   tool_choice=choice, temperature=1.0, seed=3, max_tokens=120, parallel_tool_calls=False,
@@ -483,8 +482,6 @@ def test_a_response_calls_a_tool_and_takes_its_output_back(client):
     """tool_choice "required": a function_call item whose arguments validate (jsonschema); streamed,
     its argument deltas make them. Sent back with its output, the conversation is the prompt the
     chat endpoint renders for the same messages."""
-    import jsonschema
-
     kw = dict(model="tiny.gguf", input=[{"role": "user", "content": "Weather in Paris?"}], tools=RESPONSE_TOOLS,
               tool_choice="required", parallel_tool_calls=False, temperature=1.0, max_output_tokens=120,
               extra_body={"reasoning_budget": 2, "seed": 3})
@@ -529,8 +526,6 @@ def test_random_weights_under_a_schema_or_a_forced_call_always_comply(client):
     Each token is a lavapipe step (~35 ms), a call ~70 of them, so 2 replies of each kind and
     setting; tests/test_serve_parts.py walks the same grammars 50 times each without the model.
     The requests of one prompt come together: the slot resumes it, rather than feeding it again."""
-    import jsonschema
-
     def kw(thinking: bool, seed: int) -> dict:
         return dict(model="tiny.gguf", temperature=1.0, max_tokens=160, seed=seed,
                     extra_body={"chat_template_kwargs": {"enable_thinking": thinking}, "reasoning_budget": 3,
@@ -548,6 +543,20 @@ def test_random_weights_under_a_schema_or_a_forced_call_always_comply(client):
         m = client.chat.completions.create(messages=HELLO, response_format=fmt, **kw(thinking, seed)).choices[0].message
         jsonschema.validate(json.loads(m.content), POINT)
         assert thinking or not getattr(m, "reasoning_content", None)
+
+
+def test_a_constrained_reply_is_drawn_on_the_gpu_as_its_reference_draws_it(client):
+    """A schema and a thinking budget steer the GPU's sampler (its mask written each step); with
+    logprobs the same request picks on the host, by the sampler's numpy reference under the same
+    mask: both give the same reply, greedy or seeded."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "point", "schema": POINT, "strict": True}}
+    for kw in (dict(temperature=0), dict(temperature=1.0, seed=5)):
+        kw |= dict(model="tiny.gguf", messages=HELLO, max_tokens=60, response_format=fmt,
+                   extra_body={"reasoning_budget": 3, "reasoning_format": "none"})
+        gpu = client.chat.completions.create(**kw).choices[0].message.content
+        host = client.chat.completions.create(logprobs=True, **kw).choices[0].message.content
+        assert gpu == host
+        jsonschema.validate(json.loads(gpu.partition("</think>")[2]), POINT)
 
 
 def test_the_sdk_parses_into_a_pydantic_model(client):

@@ -182,10 +182,12 @@ class Generator:
         return g.decode(tokens[-1])
 
     def generate(self, prompt_ids: list[int], n: int, *, stop: bool = True,
-                 pick: Callable[[np.ndarray], int] | None = None, marks=()) -> Iterator[int]:
+                 pick: Callable[[np.ndarray], int] | None = None, steer=None, marks=()) -> Iterator[int]:
         """Yield up to n generated token ids after `prompt_ids`, ending after a stop token when
         `stop`. The caches start over unless they hold a prefix of the prompt (`keep`). With
-        `pick`, each token is pick(its step's logits) rather than the GPU sampler's; `marks`:
+        `pick`, each token is pick(its step's logits) rather than the GPU sampler's; with `steer`
+        (serve/picker.Steer: `words()` the bitmask of the tokens allowed next, or None for any;
+        `take(token)`), the GPU sampler draws among those it allows, a step at a time; `marks`:
         positions in the prompt to keep a checkpoint at. Timings of the last call are in
         `self.timings`."""
         if not prompt_ids:
@@ -196,6 +198,7 @@ class Generator:
         g, t = self.graph, Timings()
         self.timings = t
         start = time.perf_counter()
+        g.allow(None if steer is None else steer.words())  # the prompt's last step draws the first token
         reused = self.resume(prompt_ids)
         new = prompt_ids[reused:]
         try:
@@ -207,7 +210,12 @@ class Generator:
         t.prompt_tokens, t.reused_tokens, t.prompt_s = len(prompt_ids) - reused, reused, time.perf_counter() - start
         start = time.perf_counter()
         try:
-            yield from (self._decode(token, n, stop, t, start) if pick is None else self._pick(pick, n, stop, t, start))
+            if pick is not None:
+                yield from self._pick(pick, n, stop, t, start)
+            elif steer is not None:
+                yield from self._steer(steer, token, n, stop, t, start)
+            else:
+                yield from self._decode(token, n, stop, t, start)
         finally:
             self.bursts.done(g)
         if "timestamps" in self.device.info.features and g.position < self.n_ctx and not self.keep:
@@ -253,6 +261,21 @@ class Generator:
                 g.decode(token)
                 self.context.append(token)
             token = pick(g.logits())
+            t.decode_tokens, t.decode_s = produced, time.perf_counter() - start
+            yield token
+            if stop and token in self.stop_ids:
+                break
+
+    def _steer(self, steer, token: int, n: int, stop: bool, t: Timings, start: float) -> Iterator[int]:
+        """The generation's tokens one step at a time, each drawn by the GPU sampler among those
+        `steer` allows (its mask written before the step); only the token comes back."""
+        g = self.graph
+        for produced in range(n):
+            if produced:
+                g.allow(steer.words())
+                self.context.append(token)
+                token = g.decode(token)
+            steer.take(token)
             t.decode_tokens, t.decode_s = produced, time.perf_counter() - start
             yield token
             if stop and token in self.stop_ids:

@@ -67,8 +67,12 @@ class Job:
     @property
     def on_host(self) -> bool:
         """Whether its tokens are picked on the host from read-back logits (picker.py)."""
-        return self.top_logprobs is not None or bool(self.bias) or self.grammar is not None or (
-            self.thinking and self.budget is not None)
+        return self.top_logprobs is not None or bool(self.bias)
+
+    @property
+    def steered(self) -> bool:
+        """Whether the tokens allowed change step by step: a grammar, a thinking budget (picker.Steer)."""
+        return self.grammar is not None or (self.thinking and self.budget is not None)
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:

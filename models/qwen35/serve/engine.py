@@ -27,7 +27,7 @@ from typing import AsyncIterator
 from zdsl.models.qwen35.model.generate import Generator
 from zdsl.models.qwen35.serve.api import Job
 from zdsl.models.qwen35.serve.grammar import Constraint
-from zdsl.models.qwen35.serve.picker import Choice, Picker
+from zdsl.models.qwen35.serve.picker import Choice, Picker, Steer
 
 GATHER_S = 0.02  # how long a burst waits for the other decoding slots' before it runs without them
 
@@ -48,10 +48,12 @@ class Slot:
                 return fn(*args)
         return self.thread.submit(locked)
 
-    def stream(self, job: Job, stop: threading.Event, picker: Picker | None = None) -> asyncio.Queue:
+    def stream(self, job: Job, stop: threading.Event, picker: Picker | None = None,
+               steer: Steer | None = None) -> asyncio.Queue:
         """The job's generation on the slot's thread: a queue that gets each token id as it comes,
         then None at the end (or the exception that ended it). It ends early once `stop` is set.
-        With a `picker`, the host picks each token (picker.py)."""
+        With a `picker`, the host picks each token; with a `steer`, the GPU among those it allows
+        (picker.py)."""
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
 
@@ -67,7 +69,7 @@ class Slot:
                 with self.gpu:
                     gen.use(job.sampler)
                     tokens = gen.generate(job.prompt_ids, job.max_tokens, stop=not job.ignore_eos, pick=picker,
-                                          marks=job.marks)
+                                          steer=steer, marks=job.marks)
                 while not stop.is_set():
                     with self.gpu:  # a burst's tokens after the first come from the host: no wait
                         token = next(tokens, None)
@@ -272,26 +274,30 @@ class Engine:
                 woken.set_result(None)
                 return
 
-    def picker(self, job: Job, gen: Generator) -> Picker | None:
-        """What picks the job's tokens on the host, where the GPU sampler cannot alone."""
-        if not job.on_host:
-            return None
+    def steering(self, job: Job, gen: Generator) -> tuple[Picker | None, Steer | None]:
+        """What chooses the job's tokens where the GPU sampler cannot alone: (a host picker, or
+        the steer of the GPU's draws, or neither)."""
+        if not (job.on_host or job.steered):
+            return None, None
         tok = gen.tokenizer
         grammar = None if job.grammar is None else Constraint(job.grammar, tok, gen.stop_ids)
         think_end = tok.tokens.index("</think>") if "</think>" in tok.tokens else None
         budget = job.budget
         if grammar is not None:  # the constrained answer keeps at least half the tokens
             budget = min(job.max_tokens // 2, job.max_tokens if budget is None else budget)
-        return Picker(job.sampler, job.prompt_ids, gen.n_ctx, top_logprobs=job.top_logprobs, bias=job.bias,
-                      grammar=grammar, thinking=job.thinking and think_end is not None, think_end=think_end,
-                      budget=budget, stop_ids=gen.stop_ids)
+        steer = Steer(tok.vocab_size, grammar=grammar, thinking=job.thinking, think_end=think_end, budget=budget,
+                      stop_ids=gen.stop_ids)
+        if not job.on_host:
+            return None, steer
+        return Picker(job.sampler, job.prompt_ids, gen.n_ctx, steer, top_logprobs=job.top_logprobs,
+                      bias=job.bias), None
 
     async def _generate(self, slot: Slot, job: Job) -> AsyncIterator[Piece]:
         gen = slot.gen
         tok = gen.tokenizer
         stop = threading.Event()
-        picker = self.picker(job, gen)
-        tokens = slot.stream(job, stop, picker)
+        picker, steer = self.steering(job, gen)
+        tokens = slot.stream(job, stop, picker, steer)
         given = 0  # the picker's choices handed out with a piece
 
         def choices(upto: int) -> list[Choice]:

@@ -63,12 +63,17 @@ class Constraint:
                                             llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
         if self.matcher.is_error():
             raise GrammarError(self.matcher.get_error())
-        self.words = np.zeros((self.vocab + 31) // 32, np.int32)
+        self.mask = np.zeros((self.vocab + 31) // 32, np.uint32)
+
+    def words(self) -> np.ndarray:
+        """The bitmask of the tokens that may come next (bit i % 32 of word i // 32; the end of
+        turn where the grammar is done): what the GPU sampler reads (sampling.mask_of)."""
+        self.matcher.unsafe_compute_mask_ptr(self.mask.ctypes.data, self.mask.nbytes)
+        return self.mask
 
     def allowed(self) -> np.ndarray:
-        """A boolean per token: may it come next (the end of turn where the grammar is done)."""
-        self.matcher.unsafe_compute_mask_ptr(self.words.ctypes.data, self.words.nbytes)
-        return np.unpackbits(self.words.view(np.uint8), bitorder="little")[:self.vocab].astype(bool)
+        """A boolean per token: may it come next."""
+        return np.unpackbits(self.words().view(np.uint8), bitorder="little")[:self.vocab].astype(bool)
 
     def take(self, token: int) -> None:
         if not self.matcher.consume_token(token):
