@@ -207,3 +207,43 @@ def test_a_coding_agents_first_request_is_taken_where_its_prompt_fits(tok):
     job = chat_job(body, tok, 48_000)
     assert job.stream and job.include_usage and job.max_tokens == 48_000 - len(job.prompt_ids) < 32000
     assert len(job.tools.schemas) == 6 and not job.tools.forced
+
+
+def test_a_call_the_model_opens_follows_a_strict_tools_schema(tok):
+    """tool_choice auto with a strict tool: free text until the model writes <tool_call> (in its
+    thinking or after), then the call's grammar: walked at random, every call validates
+    (jsonschema); a tool that is not strict keeps free arguments; after the call, free again."""
+    from zdsl.models.qwen35.serve.picker import Steer
+
+    strict = [{"type": "function", "function": t["function"] | {"strict": name == "get_weather"}}
+              for t, name in zip(TOOLS, ("get_weather", "get_time"))]
+    tools = tools_of({"tools": strict})
+    assert tools.lazy and not tools.forced
+    stop = {tok.eos_id}
+    rng = np.random.default_rng(2)
+
+    def steer(thinking: bool) -> Steer:
+        return Steer(tok.vocab_size, thinking=thinking, think_end=tok.token_id("</think>"), stop_ids=stop,
+                     calls=lambda: Constraint(tools.grammar(lazy=True), tok, stop), piece=tok.piece)
+
+    for n in range(20):
+        s, text = steer(n % 2 == 1), "Let me look. <tool_call>\n<function=get_weather>\n"
+        for token in tok.encode(text):
+            assert s.words() is None or s.call is not None
+            s.take(token)
+        walked = []
+        while s.call is not None:
+            allowed = np.flatnonzero(np.unpackbits(s.words().view(np.uint8), bitorder="little")[:tok.vocab_size])
+            walked.append(int(rng.choice(allowed)))
+            s.take(walked[-1])
+        assert s.words() is None and not s.thinking
+        parser = CallParser(tools)
+        parser.add(text + tok.decode(walked))
+        parser.flush()
+        (call,) = parser.calls
+        jsonschema.validate(json.loads(call.arguments), WEATHER)
+    s = steer(False)
+    for token in tok.encode("<tool_call>\n<function=get_time>\n"):
+        s.take(token)
+    free = np.unpackbits(s.words().view(np.uint8), bitorder="little")[:tok.vocab_size]
+    assert free[tok.encode("<parameter=hour>")[0]] and free[tok.encode("anything")[0]]

@@ -58,6 +58,7 @@ class Job:
     top_logprobs: int | None = None  # each token's log-probability and this many likeliest (None: none)
     bias: dict[int, float] = field(default_factory=dict)  # added to the logits
     grammar: str | None = None       # the Lark grammar the answer (after any thinking) follows
+    calls: str | None = None         # the Lark grammar of a call the model opens (auto, strict tools)
     thinking: bool = False           # the prompt opens a <think> the reply starts in
     budget: int | None = None        # thinking tokens before </think> is forced
     tools: Tools = field(default_factory=Tools)
@@ -72,7 +73,7 @@ class Job:
     @property
     def steered(self) -> bool:
         """Whether the tokens allowed change step by step: a grammar, a thinking budget (picker.Steer)."""
-        return self.grammar is not None or (self.thinking and self.budget is not None)
+        return self.grammar is not None or self.calls is not None or (self.thinking and self.budget is not None)
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -283,12 +284,13 @@ def chat_job(body, tokenizer, n_ctx: int, stop_ids=frozenset(), reasoning_format
     job.budget = None if budget == -1 else budget
     job.split_reasoning = reasoning_format != "none"
     job.grammar = tools.grammar() if tools.forced else _response_grammar(body)
-    if job.grammar is not None:
+    job.calls = tools.grammar(lazy=True) if tools.lazy and job.grammar is None else None
+    for lark, param in ((job.grammar, "tools" if tools.forced else "response_format"), (job.calls, "tools")):
         try:
-            check(job.grammar, tokenizer, stop_ids)
+            if lark is not None:
+                check(lark, tokenizer, stop_ids)
         except GrammarError as e:
-            raise bad(f"the JSON schema cannot be enforced: {e}", "tools" if tools.forced else "response_format") \
-                from None
+            raise bad(f"the JSON schema cannot be enforced: {e}", param) from None
     return job
 
 

@@ -285,8 +285,9 @@ class Engine:
         budget = job.budget
         if grammar is not None:  # the constrained answer keeps at least half the tokens
             budget = min(job.max_tokens // 2, job.max_tokens if budget is None else budget)
+        calls = None if job.calls is None else lambda: Constraint(job.calls, tok, gen.stop_ids)
         steer = Steer(tok.vocab_size, grammar=grammar, thinking=job.thinking, think_end=think_end, budget=budget,
-                      stop_ids=gen.stop_ids)
+                      stop_ids=gen.stop_ids, calls=calls, piece=tok.piece)
         if not job.on_host:
             return None, steer
         return Picker(job.sampler, job.prompt_ids, gen.n_ctx, steer, top_logprobs=job.top_logprobs,

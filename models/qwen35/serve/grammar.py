@@ -82,3 +82,8 @@ class Constraint:
     @property
     def done(self) -> bool:
         return self.matcher.is_stopped()
+
+    @property
+    def complete(self) -> bool:
+        """Whether the text so far is a whole sentence of the grammar."""
+        return self.matcher.is_accepting()

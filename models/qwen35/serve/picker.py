@@ -6,7 +6,9 @@ sampler draws among them (DecodeGraph.allow), so a constrained reply runs the GP
 sampler and reads back only its token. A grammar applies only after the thinking: while it
 waits, the end of turn is masked out (the reply it constrains must come), and the thinking is
 closed after half the reply's tokens at most (the engine's budget); a thinking budget closes it
-after that many tokens (</think> the one token allowed).
+after that many tokens (</think> the one token allowed). Under tool_choice auto with strict
+tools, a call the model opens (its text reaches `<tool_call>`, in the thinking or after it) is
+held to the call's grammar until it ends, as llama-server's lazy grammars are.
 
 `Picker` reads the step's logits back, shapes them (the bias), and draws from them with the GPU
 sampler's own numpy reference among the tokens its Steer allows, so an unshaped greedy request
@@ -17,26 +19,38 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Callable
 
 import numpy as np
 
 from zdsl.kernels.sampling import mask_of
 from zdsl.models.qwen35.model.sampler import SamplerConfig, sample_reference
 from zdsl.models.qwen35.serve.grammar import Constraint
+from zdsl.models.qwen35.serve.tools import START
+
+CALL = START.encode()
 
 
 class Steer:
     """The tokens allowed at each step of one reply: `words()` before the step, `take(token)` after."""
 
     def __init__(self, vocab: int, *, grammar: Constraint | None = None, thinking: bool = False,
-                 think_end: int | None = None, budget: int | None = None, stop_ids=frozenset()):
+                 think_end: int | None = None, budget: int | None = None, stop_ids=frozenset(),
+                 calls: Callable[[], Constraint] | None = None, piece: Callable[[int], bytes] | None = None):
+        """`calls` makes the grammar of one call after its <tool_call> (Tools.grammar(lazy=True));
+        `piece` gives a token's bytes, to see the model open one."""
         self.vocab, self.grammar, self.budget = vocab, grammar, budget
         self.thinking = thinking and think_end is not None
         self.think_end, self.thought = think_end, 0
         self.stop_ids = sorted(stop_ids)
+        self.calls, self.piece = calls, piece
+        self.call: Constraint | None = None  # the grammar of the call under way
+        self.tail = b""                      # the text's end, where a <tool_call> may be starting
 
     def words(self) -> np.ndarray | None:
         """The bitmask (sampling.mask_of) of the tokens allowed next; None: any."""
+        if self.call is not None:
+            return self.call.words()
         if self.thinking and self.budget is not None and self.thought >= self.budget:
             return self._think_end_only
         if self.thinking:
@@ -52,11 +66,21 @@ class Steer:
         return mask_of(~np.isin(np.arange(self.vocab), self.stop_ids))
 
     def take(self, token: int) -> None:
+        if self.call is not None:
+            self.call.take(token)
+            if self.call.complete:
+                self.call = None
+            return
         if self.thinking:
             self.thought += 1
             self.thinking = token != self.think_end
         elif self.grammar is not None:
             self.grammar.take(token)
+            return
+        if self.calls is not None:
+            self.tail = (self.tail + self.piece(token))[-len(CALL):]
+            if self.tail == CALL:  # the model opened a call: it ends the thinking too (reasoning.py)
+                self.call, self.thinking, self.tail = self.calls(), False, b""
 
 
 @dataclass

@@ -47,12 +47,24 @@ class Tools:
     def forced(self) -> bool:
         return bool(self.schemas) and self.choice != "auto" and self.choice != "none"
 
-    def grammar(self) -> str:
+    @property
+    def lazy(self) -> bool:
+        """Whether calls the model opens of its own (tool_choice auto) are held to a grammar: some
+        tool is strict."""
+        return self.choice == "auto" and any(self.strict.values())
+
+    def grammar(self, lazy: bool = False) -> str:
         """The Lark grammar of a reply that is only calls: one (or, with parallel calls, several)
-        of the function named, or of any."""
+        of the function named, or of any. `lazy`: of one call after the <tool_call> that opened it
+        (tool_choice auto), a strict tool's arguments under its schema, another's free."""
         names = [self.choice] if self.choice in self.schemas else list(self.schemas)
         rules = [f"call: {' | '.join(f'f{i}' for i in range(len(names)))}"]
         for i, name in enumerate(names):
+            opening = json.dumps(("" if lazy else START) + f"\n<function={name}>\n")
+            if lazy and not self.strict[name]:
+                rules.append(f"f{i}: {opening} f{i}_free")
+                rules.append(f'f{i}_free[lazy]: /(.|\\n)*/ "</function>\\n{END}"')
+                continue
             schema = self.schemas[name]
             props = schema.get("properties") or {}
             required = set(schema.get("required") or [])
@@ -67,9 +79,8 @@ class Tools:
                     rules.append(f'{rule}_v[lazy]: /(.|\\n){{{lo},{"" if hi is None else hi}}}/ "\\n</parameter>\\n"')
                 else:
                     rules.append(f"{rule}: {head} {json_lark(sub, self.strict[name])} \"\\n</parameter>\\n\"")
-            head = json.dumps(f"{START}\n<function={name}>\n")
-            rules.append(f"f{i}: {head} {' '.join(parts)} \"</function>\\n{END}\"".replace("\n", "\\n"))
-        top = 'start: call ("\\n" call)*' if self.parallel else "start: call"
+            rules.append(f"f{i}: {opening} {' '.join(parts)} \"</function>\\n{END}\"".replace("\n", "\\n"))
+        top = 'start: call ("\\n" call)*' if self.parallel and not lazy else "start: call"
         return "\n".join([top, *rules])
 
 
