@@ -44,14 +44,16 @@ def test_second_turn_feeds_only_its_new_tokens(model, device, sampler):
     fresh = Generator(model, device, n_ctx=160, sampler=sampler, progress=False)
     tok = fresh.tokenizer
     turn1 = [{"role": "user", "content": "Hello there, who are you?"}]
-    ids1 = tok.chat_ids(turn1)
+    ids1 = tok.chat_ids(turn1, enable_thinking=False)
     # the end of turn: a token the model samples 6th (mid-burst: bursts of 8 follow the first)
     free = list(fresh.generate(ids1, 12, stop=False))
     end = free[5]
     assert end not in free[:5]
+    # a tool's result after the reply: Qwen3.5's template renders the turn as the prompt had it
+    # (its empty thinking too, which a new user message would drop), so the second prompt extends it
     turn2 = turn1 + [{"role": "assistant", "content": tok.decode(free[:5]), "ids": free[:5]},
-                     {"role": "user", "content": "And what can you do?"}]
-    ids2 = tok.chat_ids(turn2)
+                     {"role": "tool", "content": "And what can you do?"}]
+    ids2 = tok.chat_ids(turn2, enable_thinking=False)
 
     def chat(burst):
         """Both turns, keeping the caches; the state after the second prompt; the second reply."""

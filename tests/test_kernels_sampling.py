@@ -41,6 +41,7 @@ class Sampler:
         self.ring = np.full(max(n_ctx, 1), 99999, np.uint32)
         self.tokens = np.full(max_tokens, 7777, np.uint32)
         self.settings, self.max_tokens = config.settings(), max_tokens
+        self.allowed = k.all_allowed(n_vocab)
 
     def _run(self, variant, groups, **args):
         if self.backend == "interp":
@@ -55,8 +56,8 @@ class Sampler:
             out = self._run(k.penalty_window.specialize(), 1, step=self.step, ring=self.ring, counts=self.counts,
                             window=self.window, n_vocab=self.n_vocab, t=1)
             self.ring, self.counts = out["ring"], out["counts"]
-        self.cand = self._run(self.candidates, self.groups, logits=logits, counts=self.counts, cand=self.cand,
-                              settings=self.settings, n_vocab=self.n_vocab)["cand"]
+        self.cand = self._run(self.candidates, self.groups, logits=logits, counts=self.counts, allowed=self.allowed,
+                              cand=self.cand, settings=self.settings, n_vocab=self.n_vocab)["cand"]
         out = self._run(self.draw, 1, cand=self.cand, step=self.step, tokens=self.tokens, settings=self.settings,
                         n_vocab=self.n_vocab, max_tokens=self.max_tokens)
         self.step, self.tokens = out["step"], out["tokens"]
@@ -76,8 +77,8 @@ def logits_for(rng, n, ties):
 @pytest.mark.parametrize("backend", BACKENDS)
 @given(n=st.integers(1, 3000), ties=st.booleans(), cap=st.sampled_from(k.CAPS), shape=st.sampled_from(SHAPES),
        sg_pick=st.integers(0, 3), rp=st.floats(0.5, 2), pp=st.floats(-1, 1), fp=st.floats(-1, 1),
-       seed=st.integers(0, 99))
-def test_candidates(backend, request, n, ties, cap, shape, sg_pick, rp, pp, fp, seed):
+       kept=st.sampled_from([1.0, 0.5, 0.01]), seed=st.integers(0, 99))
+def test_candidates(backend, request, n, ties, cap, shape, sg_pick, rp, pp, fp, kept, seed):
     wg, r = shape
     sg = subgroup(backend, request, sg_pick)
     assume(fits(cap, wg, r, sg))
@@ -85,13 +86,15 @@ def test_candidates(backend, request, n, ties, cap, shape, sg_pick, rp, pp, fp, 
     logits = logits_for(rng, n, ties)
     logits[rng.integers(0, n, 3)] = [np.nan, -np.inf, -np.inf]
     counts = rng.integers(0, 3, n).astype(np.uint32)
+    allowed = rng.random(n) < kept
     groups = -(-n // (wg * r))
-    args = dict(logits=logits, counts=counts, cand=np.zeros(2 * groups * cap, np.uint32), n_vocab=n,
+    args = dict(logits=logits, counts=counts, allowed=k.mask_of(allowed),
+                cand=np.zeros(2 * groups * cap, np.uint32), n_vocab=n,
                 settings=SamplerConfig(repeat_penalty=rp, presence_penalty=pp, frequency_penalty=fp).settings())
     v = k.sample_candidates.specialize(CAP=cap, WG=wg, R=r, SG=sg)
     cand = (v.interpret(groups, **args) if backend == "interp" else v.run(request.getfixturevalue("device"), groups, **args))
     np.testing.assert_array_equal(cand["cand"], k.sample_candidates_ref(logits, counts, rp, pp, fp, CAP=cap, WG=wg,
-                                                                        R=r))
+                                                                        R=r, allowed=allowed))
 
 
 def test_penalties_as_defined():
@@ -100,7 +103,7 @@ def test_penalties_as_defined():
     logits = np.array([2.0, -2.0, 2.0, -2.0, 0.0], np.float32)
     counts = np.array([1, 3, 0, 0, 1], np.uint32)
     cand = k.sample_candidates.specialize(CAP=64, WG=64, R=4, SG=8).interpret(
-        1, logits=logits, counts=counts, cand=np.zeros(128, np.uint32), n_vocab=5,
+        1, logits=logits, counts=counts, allowed=k.all_allowed(5), cand=np.zeros(128, np.uint32), n_vocab=5,
         settings=SamplerConfig(repeat_penalty=2.0, presence_penalty=0.25, frequency_penalty=0.5).settings())["cand"].reshape(-1, 2)[:5]
     got = dict(zip(cand[:, 1], cand[:, 0].view(np.float32)))
     assert got == {0: 0.25, 1: -5.75, 2: 2.0, 3: -2.0, 4: -0.75}
@@ -134,6 +137,32 @@ def test_sampler_matches_reference(backend, request, config, n, ties, shape, sg_
         want_tokens[pos] = token
     np.testing.assert_array_equal(s.tokens, want_tokens)
     np.testing.assert_array_equal(s.counts, before)  # the window moves at the next step's input, not here
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=examples(10), deadline=None)
+@given(config=configs, n=st.integers(1, 2500), shape=st.sampled_from(SHAPES), sg_pick=st.integers(0, 3),
+       pos=st.integers(0, 20), counter=st.integers(0, 2 ** 32 - 1),
+       allowed=st.one_of(st.sampled_from([0.5, 0.02]), st.lists(st.integers(0, 2499), min_size=1, max_size=3)),
+       seed=st.integers(0, 99))
+def test_a_mask_limits_the_draw_to_the_allowed_tokens(backend, request, config, n, shape, sg_pick, pos, counter,
+                                                      allowed, seed):
+    """A grammar's bitmask (a fraction of the tokens, or a few ids: a token the grammar forces): the
+    token drawn is the reference's among the allowed, and allowed, however likely the others."""
+    wg, r = shape
+    sg = subgroup(backend, request, sg_pick)
+    assume(fits(config.kernel_cap, wg, r, sg))
+    rng = np.random.default_rng(seed)
+    logits = logits_for(rng, n, False)
+    mask = rng.random(n) < allowed if isinstance(allowed, float) else np.isin(np.arange(n), allowed)
+    assume(mask.any())
+    logits[~mask] += 10  # the tokens left out are the likeliest
+    s = Sampler(backend, request, config, n, wg=wg, r=r, sg=sg, step=(pos, pos + 1, 123, counter))
+    s.allowed = k.mask_of(mask)
+    s.counts[:] = rng.integers(0, 2, n)
+    before = s.counts.copy()
+    token = s(logits)
+    assert mask[token] and token == sample_reference(logits, before, config, counter, allowed=mask)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -1,9 +1,11 @@
 """`zdsl serve` as a client sees it: a real uvicorn server on a loopback port (lavapipe, the tiny
 synthetic model), talked to with the official `openai` client and with httpx.
 
+
 The references are independent of the server: `zdsl run --json` (the CLI's own generation, on a
 device of its own) for a chat's greedy and seeded output, and a cold Generator (no kept context,
 no checkpoints) over the tokenizer's ids for what a reused prefix must not change."""
+
 
 import json
 import os
@@ -14,21 +16,31 @@ import sys
 import threading
 import time
 
+
 import httpx
+import jsonschema
 import openai
 import pytest
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+
+from budget import examples
+from test_serve_parts import coding_agent_request
 from zdsl.kernels.kvcache import KV_DEFAULT
 from zdsl.models.qwen35.cli.run import run
 from zdsl.models.qwen35.file import synth
 from zdsl.models.qwen35.file.gguf_file import open_model
 from zdsl.models.qwen35.model.generate import Generator
 from zdsl.models.qwen35.model.sampler import SamplerConfig
+from zdsl.models.qwen35.serve.api import chat_job
 from zdsl.models.qwen35.serve.server import app, loopback, open_engine, serve
 
-CTX = 256
+
+CTX = 1024
 HELLO = [{"role": "user", "content": "Hello there, who are you?"}]
+
 
 pytestmark = pytest.mark.slow  # a server on lavapipe, in processes of its own
 
@@ -60,7 +72,9 @@ def serving(model_path, parallel: int):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app(engine, model_id), host="127.0.0.1", port=port, log_level="warning"))
+    # replies as raw text (no reasoning_content), as `zdsl run` prints them; tests of the split ask for it
+    srv = uvicorn.Server(uvicorn.Config(app(engine, model_id, reasoning_format="none"), host="127.0.0.1", port=port,
+                                        log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     while not srv.started:
@@ -144,14 +158,21 @@ def test_a_longer_conversation_feeds_only_its_new_tokens(server, client, cold):
     text, _, usage = chat(client, messages, temperature=0, max_tokens=8)
     ids = tok.chat_ids(messages)
     assert usage.prompt_tokens == len(ids)
-    # at least the first prompt (its end is a checkpoint); all of it and the reply where the
-    # reply's text encodes to the tokens sampled
-    assert usage.prompt_tokens_details.cached_tokens >= usage1.prompt_tokens - 1
+    # at least the first prompt up to the <think> its generation prompt opened (a checkpoint: the
+    # next turn renders the reply without it); all of it and the reply where the reply's text
+    # encodes to the tokens sampled and the template keeps the turn as it was
+    assert usage.prompt_tokens_details.cached_tokens >= think_at(tok, HELLO)
     assert metric(server[0], "prompt_tokens_reused_total") - before == usage.prompt_tokens_details.cached_tokens
     cold.use(SamplerConfig(temperature=0))
     want = list(cold.generate(ids, 8))
     assert text == tok.decode([t for t in want if t not in cold.stop_ids], skip_special=True)
     assert usage.completion_tokens == len(want)
+
+
+def think_at(tok, messages) -> int:
+    """Where the <think> that the generation prompt of `messages` opens begins."""
+    ids = tok.chat_ids(messages)
+    return len(ids) - 1 - ids[::-1].index(tok.token_id("<think>"))
 
 
 def test_text_completion_is_the_generate_path(client, cold):
@@ -189,16 +210,30 @@ def metric(url: str, name: str) -> float:
 
 BAD = [("{not json", 400, None), ('[1, 2]', 400, None),
        ('{"messages": "hi"}', 400, "messages"),
-       ('{"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}', 404, "model"),
        ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', 400, "max_tokens"),
-       ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}', 400, "max_tokens"),
        ('{"messages": [{"role": "user", "content": "hi"}], "temperature": "warm"}', 400, "temperature"),
        ('{"messages": [{"role": "user", "content": "hi"}], "top_k": 1000}', 400, "top_k"),
-       ('{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 1}}', 400, "logit_bias"),
+       ('{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 101}}', 400, "logit_bias"),
+       ('{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999": 1}}', 400, "logit_bias"),
+       ('{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21}', 400,
+        "top_logprobs"),
+       ('{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}', 400, "top_logprobs"),
+       ('{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}', 400, "tools[0]"),
+       ('{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}', 400, "tool_choice"),
+       ('{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}', 400,
+        "response_format"),
+       ('{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": '
+        '{"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "wizard"}}}}}}', 400,
+        "response_format"),
+       ('{"messages": [{"role": "user", "content": "hi"}], "reasoning_format": "xml"}', 400, "reasoning_format"),
+       ('{"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}]}',
+        400, "messages[0].tool_calls[0]"),
+       ('{"messages": [{"role": "user", "content": "\\ud800 lone"}]}', 400, None),
+       ('{"messages": [{"role": "user", "content": "hi"}], "x": ' + "[" * 50000 + "]" * 50000 + '}', 400, None),
        ('{"messages": [{"role": "wizard", "content": "hi"}]}', 400, "messages[0]"),
        ('{"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}', 400, "stream"),
        ('{"messages": [{"role": "user", "content": "hi"}], "ignore_eos": 1}', 400, "ignore_eos"),
-       ('{"messages": [{"role": "user", "content": "' + "word " * 400 + '"}]}', 400, "messages")]
+       ('{"messages": [{"role": "user", "content": "' + "word " * 2000 + '"}]}', 400, "messages")]
 
 
 @pytest.mark.parametrize("body,status,param", BAD, ids=range(len(BAD)))
@@ -385,6 +420,397 @@ def test_two_slots_stream_together_and_keep_their_own_prefixes(server2, cold):
     for messages, reply in ((long_chat, want["long"]), (short_chat, want["short"])):
         longer = messages + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Again."}]
         usage = chat(client2, longer, temperature=0, max_tokens=2)[2]
-        assert usage.prompt_tokens_details.cached_tokens >= len(tok.chat_ids(messages)) - 1
+        assert usage.prompt_tokens_details.cached_tokens >= think_at(tok, messages)
     assert httpx.get(url + "/health").json() == {"status": "ok", "slots_idle": 2, "slots_processing": 0,
                                                  "requests_waiting": 0}
+
+
+# -- agents and apps: tools, reasoning, logprobs, structured output ---------------------------
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+           "required": ["city", "days"], "additionalProperties": False}
+NOTE = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 10}}, "required": ["text"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather of a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "note", "parameters": NOTE}}]
+SCHEMAS = {"get_weather": WEATHER, "note": NOTE}
+
+
+POINT = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
+                                          "tag": {"type": "string", "maxLength": 4},
+                                          "ok": {"type": "boolean"}},
+         "required": ["x", "tag", "ok"], "additionalProperties": False}
+
+
+RESPONSE_TOOLS = [{"type": "function", **t["function"], "strict": True} for t in TOOLS]
+
+
+def streamed_response(client, **kw):
+    """The events of a streamed response, and the response they end with."""
+    events = list(client.responses.create(stream=True, **kw))
+    return events, events[-1].response
+
+
+def test_a_forced_call_comes_whole_and_typed_streamed_or_not(client):
+    """tool_choice "required" (and a named function): the reply is calls, their arguments valid
+    under the tool's schema (jsonschema); the streamed deltas put together give the same calls."""
+    for choice in ("required", {"type": "function", "function": {"name": "note"}}):
+        kw = dict(model="anything", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS,
+                  tool_choice=choice, temperature=1.0, seed=3, max_tokens=120, parallel_tool_calls=False,
+                  extra_body={"reasoning_budget": 4})
+        r = client.chat.completions.create(**kw)
+        m = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls" and len(m.tool_calls) == 1
+        call = m.tool_calls[0]
+        assert choice == "required" or call.function.name == "note"
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        calls, finish = {}, None
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                finish = c.finish_reason or finish
+                for d in c.delta.tool_calls or []:
+                    got = calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
+                    got["arguments"] += d.function.arguments or ""
+        assert finish == "tool_calls"
+        assert list(calls.values()) == [{"id": calls[0]["id"], "name": call.function.name,
+                                         "arguments": call.function.arguments}]
+
+
+def test_a_response_calls_a_tool_and_takes_its_output_back(client):
+    """tool_choice "required": a function_call item whose arguments validate (jsonschema); streamed,
+    its argument deltas make them. Sent back with its output, the conversation is the prompt the
+    chat endpoint renders for the same messages."""
+    kw = dict(model="tiny.gguf", input=[{"role": "user", "content": "Weather in Paris?"}], tools=RESPONSE_TOOLS,
+              tool_choice="required", parallel_tool_calls=False, temperature=1.0, max_output_tokens=120,
+              extra_body={"reasoning_budget": 2, "seed": 3})
+    r = client.responses.create(**kw)
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    events, final = streamed_response(client, **kw)
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert args == done.arguments == final.output[-1].arguments == call.arguments
+    back = kw["input"] + [{"type": "function_call", "call_id": call.call_id, "name": call.name,
+                           "arguments": call.arguments}, {"type": "function_call_output", "call_id": call.call_id,
+                                                          "output": "sunny"}]
+    again = client.responses.create(**(kw | {"input": back, "tool_choice": "auto", "max_output_tokens": 1}))
+    sent = {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    messages = kw["input"] + [{"role": "assistant", "tool_calls": [sent]},
+                              {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}]
+    chat = client.chat.completions.create(model="tiny.gguf", messages=messages, tools=TOOLS, max_tokens=1)
+    assert again.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_a_conversation_with_calls_and_results_renders_through_the_template(server, client):
+    tok = server[1].tokenizer
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    r = client.chat.completions.create(model="tiny.gguf", messages=messages, tools=TOOLS, max_tokens=1)
+    shown = [messages[0], {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris",
+                                                                                               "days": 2}}}]},
+        {"role": "tool", "content": "sunny, 21 C"}]
+    text = tok.apply_chat_template(shown, tools=TOOLS)
+    assert "<parameter=days>\n2\n</parameter>" in text and "<tool_response>\nsunny, 21 C\n</tool_response>" in text
+    assert r.usage.prompt_tokens == len(tok.encode(text, parse_special=True))
+
+
+def test_random_weights_under_a_schema_or_a_forced_call_always_comply(client):
+    """Sampled replies of the random model under tool_choice "required" and under a bounded
+    json_schema all parse and validate (jsonschema), with and without thinking, split from it.
+    Each token is a lavapipe step (~35 ms), a call ~70 of them, so 2 replies of each kind and
+    setting; tests/test_serve_parts.py walks the same grammars 50 times each without the model.
+    The requests of one prompt come together: the slot resumes it, rather than feeding it again."""
+    def kw(thinking: bool, seed: int) -> dict:
+        return dict(model="tiny.gguf", temperature=1.0, max_tokens=160, seed=seed,
+                    extra_body={"chat_template_kwargs": {"enable_thinking": thinking}, "reasoning_budget": 3,
+                                "reasoning_format": "auto"})
+
+    runs = [(thinking, seed) for thinking in (True, False) for seed in range(2)]
+    for thinking, seed in runs:
+        r = client.chat.completions.create(messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS,
+                                           tool_choice="required", parallel_tool_calls=False, **kw(thinking, seed))
+        assert r.choices[0].finish_reason == "tool_calls"
+        for call in r.choices[0].message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    fmt = {"type": "json_schema", "json_schema": {"name": "point", "schema": POINT, "strict": True}}
+    for thinking, seed in runs:
+        m = client.chat.completions.create(messages=HELLO, response_format=fmt, **kw(thinking, seed)).choices[0].message
+        jsonschema.validate(json.loads(m.content), POINT)
+        assert thinking or not getattr(m, "reasoning_content", None)
+
+
+def test_a_constrained_reply_is_drawn_on_the_gpu_as_its_reference_draws_it(client):
+    """A schema and a thinking budget steer the GPU's sampler (its mask written each step); with
+    logprobs the same request picks on the host, by the sampler's numpy reference under the same
+    mask: both give the same reply, greedy or seeded."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "point", "schema": POINT, "strict": True}}
+    for kw in (dict(temperature=0), dict(temperature=1.0, seed=5)):
+        kw |= dict(model="tiny.gguf", messages=HELLO, max_tokens=60, response_format=fmt,
+                   extra_body={"reasoning_budget": 3, "reasoning_format": "none"})
+        gpu = client.chat.completions.create(**kw).choices[0].message.content
+        host = client.chat.completions.create(logprobs=True, **kw).choices[0].message.content
+        assert gpu == host
+        jsonschema.validate(json.loads(gpu.partition("</think>")[2]), POINT)
+
+
+def test_the_sdk_parses_into_a_pydantic_model(client):
+    from pydantic import BaseModel, Field
+
+    class Point(BaseModel):
+        x: int = Field(ge=0, le=9)
+        tag: str = Field(max_length=4)
+
+    for seed in range(3):
+        r = client.beta.chat.completions.parse(model="tiny.gguf", messages=HELLO, response_format=Point, seed=seed,
+                                               max_tokens=80, extra_body={"reasoning_budget": 2,
+                                                                          "reasoning_format": "auto"})
+        point = r.choices[0].message.parsed
+        assert isinstance(point, Point) and 0 <= point.x <= 9 and len(point.tag) <= 4
+
+
+def test_a_response_is_the_chat_reply_as_items_streamed_or_not(client):
+    """The same greedy reply through /v1/responses and /v1/chat/completions: the thinking a
+    reasoning item, the answer an output_text; streamed, the events come in order (numbered from
+    0, each item added, its deltas, done) and their deltas make the items of the final response."""
+    extra = {"reasoning_budget": 3, "reasoning_format": "auto"}
+    chat = client.chat.completions.create(model="tiny.gguf", messages=[{"role": "system", "content": "Be brief."}]
+                                          + HELLO, temperature=0, max_tokens=12, extra_body=extra)
+    kw = dict(model="any", instructions="Be brief.", input=HELLO[0]["content"], temperature=0, max_output_tokens=12,
+              extra_body=extra)
+    r = client.responses.create(**kw)
+    reasoning, message = r.output
+    assert (reasoning.type, message.type) == ("reasoning", "message")
+    assert reasoning.content[0].text == chat.choices[0].message.reasoning_content
+    assert r.output_text == message.content[0].text == chat.choices[0].message.content
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    assert r.usage.output_tokens_details.reasoning_tokens == 4  # three thinking tokens and the forced </think>
+    assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    events, final = streamed_response(client, **kw)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == f"response.{r.status}"
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 2
+    deltas = {}
+    for e in events:
+        if e.type in ("response.reasoning_text.delta", "response.output_text.delta"):
+            deltas[e.output_index] = deltas.get(e.output_index, "") + e.delta
+    assert deltas == {0: reasoning.content[0].text, 1: message.content[0].text}
+    assert [o.model_dump(exclude={"id"}) for o in final.output] == [o.model_dump(exclude={"id"}) for o in r.output]
+
+
+def test_the_thinking_is_split_from_the_answer_plain_and_streamed(client):
+    """A thinking budget of 3 ends the thinking (a forced </think>) three tokens in: the raw text
+    is 3 tokens, </think>, the answer; split, the thinking is reasoning_content, exactly."""
+    for budget in (3, 0):
+        kw = dict(model="tiny.gguf", messages=HELLO, temperature=0, max_tokens=12)
+        raw = client.chat.completions.create(extra_body={"reasoning_budget": budget}, **kw).choices[0].message.content
+        head, mark, tail = raw.partition("</think>")
+        assert mark
+        message = client.chat.completions.create(extra_body={"reasoning_budget": budget, "reasoning_format": "auto"},
+                                                 **kw).choices[0].message
+        assert (getattr(message, "reasoning_content", None) or "", message.content) == (head.strip(), tail.lstrip())
+        reasoning, content = [], []
+        for chunk in client.chat.completions.create(
+                extra_body={"reasoning_budget": budget, "reasoning_format": "auto"}, stream=True, **kw):
+            for c in chunk.choices:
+                reasoning.append(getattr(c.delta, "reasoning_content", None) or "")
+                content.append(c.delta.content or "")
+        assert ("".join(reasoning), "".join(content)) == (head.strip(), tail.lstrip())
+
+
+def test_logprobs_are_the_models_and_leave_the_reply_alone(client, cold):
+    """Greedy with logprobs (tokens picked on the host) is the GPU's greedy reply; each token's
+    log-probability is the log-softmax of a cold run's logits there, and the best of its top 5."""
+    import numpy as np
+
+    kw = dict(model="tiny.gguf", messages=HELLO, temperature=0, max_tokens=6, extra_body={"reasoning_format": "none"})
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    r = client.chat.completions.create(logprobs=True, top_logprobs=5, **kw)
+    entries = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == plain == "".join(e.token for e in entries)
+    cold.use(SamplerConfig(temperature=0))
+    seen = []
+    list(cold.generate(cold.tokenizer.chat_ids(HELLO), 1, pick=lambda logits: seen.append(logits) or 0))
+    logits = seen[0].astype(np.float64)
+    want = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+    assert abs(entries[0].logprob - want.max()) < 1e-4
+    for e in entries:
+        tops = [t.logprob for t in e.top_logprobs]
+        assert len(tops) == 5 and tops == sorted(tops, reverse=True) and e.logprob == tops[0]
+    c = client.completions.create(model="tiny.gguf", prompt="Once upon a time", max_tokens=4, temperature=0,
+                                  logprobs=3)
+    assert "".join(c.choices[0].logprobs.tokens) == c.choices[0].text
+    assert all(len(t) <= 3 for t in c.choices[0].logprobs.top_logprobs)
+
+
+def test_logit_bias_and_max_tokens_past_the_context(client, server):
+    tok = server[1].tokenizer
+    word = tok.encode(" hello")[0]
+    r = client.chat.completions.create(model="tiny.gguf", messages=HELLO, temperature=0, max_tokens=5,
+                                       logit_bias={str(word): 100}, extra_body={"reasoning_format": "none"})
+    assert r.choices[0].message.content == tok.decode([word] * 5)
+    # beyond the room left: as many as fit (the reply then ends with "length"), not a 400
+    job = chat_job({"messages": HELLO, "max_tokens": 32000}, tok, CTX)
+    assert job.max_tokens == CTX - len(job.prompt_ids)
+    end = str(tok.token_id("<|im_end|>"))
+    r = client.chat.completions.create(model="any-name", messages=HELLO, max_tokens=32000, logit_bias={end: 100})
+    assert r.model == "tiny.gguf" and r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 1
+    r = client.chat.completions.create(model="tiny.gguf", messages=HELLO, max_completion_tokens=3,
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3
+
+
+def test_tokenize_detokenize_and_props(server):
+    url, tok = server[0], server[1].tokenizer
+    text = "Hello <think> world"
+    ids = httpx.post(url + "/tokenize", json={"content": text}).json()["tokens"]
+    assert ids == tok.encode(text, parse_special=True)
+    assert httpx.post(url + "/detokenize", json={"tokens": ids}).json() == {"content": text}
+    assert httpx.post(url + "/detokenize", json={"tokens": [-1]}).status_code == 400
+    props = httpx.get(url + "/props").json()
+    assert props["default_generation_settings"]["n_ctx"] == CTX and props["total_slots"] == 1
+
+
+def test_a_body_too_large_is_refused_while_others_flow(server):
+    url = server[0]
+    big = b'{"messages": [{"role": "user", "content": "' + b"x" * (10 << 20) + b'"}]}'
+    r = httpx.post(url + "/v1/chat/completions", content=big, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["message"]
+
+
+def weather_agent(model, calls: list, **settings):
+    """An openai-agents Agent with two tools whose calls land in `calls`, a call forced in its first
+    turn (the SDK then resets tool_choice to auto); the arguments are bounded, so that the random
+    model's sampled ones end within max_tokens."""
+    from typing import Annotated
+
+    from agents import Agent, ModelSettings, function_tool
+    from pydantic import Field
+
+    @function_tool
+    def lookup(city: Annotated[str, Field(max_length=8)], days: Annotated[int, Field(ge=1, le=9)]) -> str:
+        """Look up the weather of a city for some days."""
+        calls.append((city, days))
+        return f"{city}: sunny for {days} days"
+
+    @function_tool
+    def convert(celsius: Annotated[float, Field(ge=-50, le=50)]) -> str:
+        """Convert a temperature to Fahrenheit."""
+        calls.append((celsius,))
+        return f"{celsius * 9 / 5 + 32} F"
+
+    return Agent(name="weather", instructions="Answer with the tools.", tools=[lookup, convert], model=model,
+                 model_settings=ModelSettings(tool_choice="required", temperature=1.0, max_tokens=100,
+                                              parallel_tool_calls=False,
+                                              extra_body={"reasoning_budget": 2, **settings}))
+
+
+def test_an_agent_loop_with_two_tools_runs_to_its_end(server):
+    """openai-agents through chat completions, with its own loop: the forced call, its result sent
+    back, then the random model answers in text and the run ends; the call's arguments reach the
+    tool typed."""
+    import asyncio
+
+    from agents import OpenAIChatCompletionsModel, ReasoningItem, Runner, ToolCallItem, ToolCallOutputItem, \
+        set_tracing_disabled
+
+    set_tracing_disabled(True)
+    calls = []
+    model = OpenAIChatCompletionsModel(model="tiny", openai_client=openai.AsyncOpenAI(
+        base_url=server[0] + "/v1", api_key="unused", max_retries=0))
+    agent = weather_agent(model, calls, seed=4, reasoning_format="auto")
+    result = asyncio.run(Runner.run(agent, "Weather in Paris?", max_turns=4))
+    kinds = [type(item) for item in result.new_items]
+    assert ReasoningItem in kinds   # the thinking came apart as reasoning_content, and the SDK took it so
+    kinds = [k for k in kinds if k is not ReasoningItem]
+    assert kinds[:2] == [ToolCallItem, ToolCallOutputItem] and len(result.raw_responses) == 2
+    assert len(calls) == 1 and all(isinstance(v, (str, int, float)) for v in calls[0])
+    assert isinstance(calls[0][0], float if len(calls[0]) == 1 else str)
+    assert isinstance(result.final_output, str)
+
+
+def test_an_agent_loop_runs_through_the_default_responses_model(server):
+    """The same agent with the SDK's default model (OpenAIResponsesModel, /v1/responses). The SDK
+    takes a reply cut by max_output_tokens (status incomplete) for a failure: a bias towards the
+    end of turn lets the random model's text end."""
+    import asyncio
+
+    from agents import Runner, ToolCallItem, ToolCallOutputItem, set_default_openai_api, set_default_openai_client, \
+        set_tracing_disabled
+
+    set_tracing_disabled(True)
+    set_default_openai_client(openai.AsyncOpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0),
+                              use_for_tracing=False)
+    set_default_openai_api("responses")
+    calls, end = [], str(server[1].tokenizer.token_id("<|im_end|>"))
+    agent = weather_agent("tiny", calls, seed=4, logit_bias={end: 8})
+    result = asyncio.run(Runner.run(agent, "Weather in Paris?", max_turns=4))
+    kinds = [type(item) for item in result.new_items if type(item) in (ToolCallItem, ToolCallOutputItem)]
+    assert kinds == [ToolCallItem, ToolCallOutputItem] and len(result.raw_responses) == 2
+    assert len(calls) == 1 and isinstance(result.final_output, str)
+
+
+BAD_RESPONSES = [('{"input": "hi", "previous_response_id": "resp_1"}', "previous_response_id"),
+                 ('{"input": []}', "input"), ('{"input": [{"type": "item_reference", "id": "x"}]}', "input[0]"),
+                 ('{"input": "hi", "tools": [{"type": "web_search"}]}', "tools[0]"),
+                 ('{"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}',
+                  "input[0]"),
+                 ('{"input": "hi", "text": {"format": {"type": "xml"}}}', "text"),
+                 ('{"input": "hi", "include": ["file_search_call.results"]}', "include"),
+                 ('{"input": "hi", "max_output_tokens": 0}', "max_tokens")]
+
+
+@pytest.mark.parametrize("body,param", BAD_RESPONSES, ids=range(len(BAD_RESPONSES)))
+def test_bad_responses_requests_get_an_openai_error(server, body, param):
+    r = httpx.post(server[0] + "/v1/responses", content=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_a_coding_agents_first_request_streams_to_its_end(server, client):
+    """A coding agent's first request (6 tools, a system prompt, streamed with usage, max_tokens
+    32000) against a slot of 1024 tokens streams to its end, with its usage. Its full size (22 KB
+    of system prompt, 15 KB of tool schemas) is 24,576 tokens of the synthetic vocabulary, beyond
+    the tiny model's 4,096: here the shape at the size the slot holds (996 tokens: minutes of
+    lavapipe prefill saved), the full size in test_serve_parts."""
+    body = coding_agent_request(40, 0)
+    prompt = len(chat_job(body, server[1].tokenizer, CTX).prompt_ids)
+    chunks = list(client.chat.completions.create(**body))
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    usage = chunks[-1].usage
+    assert finish in (["length"], ["stop"], ["tool_calls"]) and not chunks[-1].choices
+    assert usage.prompt_tokens == prompt and 1 <= usage.completion_tokens <= CTX - prompt
+    assert (finish == ["length"]) == (usage.prompt_tokens + usage.completion_tokens == CTX)
+    assert any(c.choices and (c.choices[0].delta.content or c.choices[0].delta.tool_calls) for c in chunks)
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 40, 2 ** 40) | st.floats(allow_nan=False)
+                    | st.text(max_size=20), lambda inner: st.lists(inner, max_size=4)
+                    | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+FIELDS = ["messages", "tools", "tool_choice", "response_format", "logit_bias", "logprobs", "top_logprobs", "stop",
+          "temperature", "top_k", "seed", "stream", "stream_options", "chat_template_kwargs", "parallel_tool_calls",
+          "reasoning_format", "reasoning_budget", "n", "model", "max_completion_tokens"]
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool", "system", "x"])},
+                                optional={"content": JSON, "tool_calls": JSON, "name": JSON})
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(fields=st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=4), messages=st.lists(MESSAGE, max_size=3))
+def test_fuzzed_requests_get_no_server_error(server, fields, messages):
+    body = {"messages": messages, **fields, "max_tokens": 2}
+    r = httpx.post(server[0] + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code < 500, r.text
+
+
+def test_the_greedy_answer_is_the_same_after_the_fuzz(client, model_path):
+    """After everything above (the fuzz included), the server's greedy answer is still `zdsl run`'s."""
+    want = zdsl_run(model_path, HELLO[0]["content"], "--temp", "0", "-n", "12")
+    assert chat(client, temperature=0, max_tokens=12)[0] == want["text"]
+
+
+# -- /v1/responses ----------------------------------------------------------------------------

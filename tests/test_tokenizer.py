@@ -106,14 +106,14 @@ def test_chat_template(synthetic):
     text = synthetic.apply_chat_template(msgs)
     assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
                     "<|im_start|>assistant\nHello<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n"
-                    "<|im_start|>assistant\n")
+                    "<|im_start|>assistant\n<think>\n")
     off = synthetic.apply_chat_template(msgs[1:2], enable_thinking=False)
     assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not synthetic.apply_chat_template(msgs[1:2], add_generation_prompt=False).endswith("assistant\n")
     ids = synthetic.encode(text, parse_special=True)
     assert ids.count(synthetic.token_id("<|im_start|>")) == 5
     with pytest.raises(ModelError, match="chat template failed"):
-        synthetic.apply_chat_template([{"role": "tool", "content": "x"}])
+        synthetic.apply_chat_template([{"role": "wizard", "content": "x"}])
 
 
 def test_merges_naming_no_token_are_left_out(synthetic, tmp_path):

@@ -68,21 +68,90 @@ MIN_VOCAB = 256 + len(SPECIAL_TOKENS)
 # that pool. Keeps the 35B preset's quantization work to seconds while every row stays a valid block.
 POOL_ROWS = 8192
 
+# Qwen3.5's chat format, written here: tools listed in the system turn, past calls as
+# <tool_call> blocks, tool results as <tool_response> blocks in a user turn, the thinking of
+# replies after the last user message kept, and a generation prompt that opens <think>.
 CHAT_TEMPLATE = """\
-{%- if messages and messages[0].role == 'system' -%}
+{%- set system = messages[0].content if messages and messages[0].role == 'system' else '' -%}
+{%- if tools -%}
 <|im_start|>system
-{{ messages[0].content }}<|im_end|>
+# Tools
+
+You may call these functions:
+<tools>
+{% for tool in tools -%}
+{{ tool | tojson }}
+{% endfor -%}
+</tools>
+
+To call one, answer with nothing else but:
+<tool_call>
+<function=NAME>
+<parameter=ARGUMENT>
+value
+</parameter>
+</function>
+</tool_call>
+{%- if system %}
+
+
+{{ system }}
+{%- endif %}<|im_end|>
+{% elif system -%}
+<|im_start|>system
+{{ system }}<|im_end|>
 {% endif -%}
+{%- set last = namespace(user=-1) -%}
+{%- for message in messages -%}
+{%- if message.role == 'user' -%}{%- set last.user = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
 {%- for message in messages -%}
 {%- if message.role == 'user' -%}
 <|im_start|>user
 {{ message.content }}<|im_end|>
 {% elif message.role == 'assistant' -%}
-{%- set content = message.content -%}
-{%- if '</think>' in content -%}{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}
+{%- set content = message.content or '' -%}
+{%- set reasoning = message.reasoning_content or '' -%}
+{%- if '</think>' in content -%}
+{%- set reasoning = content.split('</think>')[0].split('<think>')[-1] -%}
+{%- set content = content.split('</think>')[-1] -%}
+{%- endif -%}
+{%- set content = content.strip() -%}
 <|im_start|>assistant
-{{ content }}<|im_end|>
-{% elif message.role != 'system' -%}
+{% if loop.index0 > last.user -%}
+<think>
+{{ reasoning.strip() }}
+</think>
+
+{% endif -%}
+{{ content }}
+{%- for call in message.tool_calls or [] -%}
+{%- if content or not loop.first %}
+
+{% endif -%}
+<tool_call>
+<function={{ call.function.name }}>
+{% for name, value in call.function.arguments.items() -%}
+<parameter={{ name }}>
+{{ value if value is string else value | tojson }}
+</parameter>
+{% endfor -%}
+</function>
+</tool_call>
+{%- endfor -%}
+<|im_end|>
+{% elif message.role == 'tool' -%}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}
+<|im_start|>user
+{%- endif %}
+
+<tool_response>
+{{ message.content }}
+</tool_response>
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}
+<|im_end|>
+{% endif -%}
+{% elif message.role != 'system' or not loop.first -%}
 {{ raise_exception('unsupported role: ' ~ message.role) }}
 {%- endif -%}
 {%- endfor -%}
@@ -93,6 +162,8 @@ CHAT_TEMPLATE = """\
 
 </think>
 
+{% else -%}
+<think>
 {% endif -%}
 {%- endif -%}
 """

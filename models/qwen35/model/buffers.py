@@ -18,7 +18,7 @@ from zdsl.kernels import deltanet
 from zdsl.kernels.attention import cache_rows, split_count
 from zdsl.kernels.kvcache import KV_DEFAULT, KV_FORMATS, KVTypes
 from zdsl.kernels.quant_numpy import row_bytes
-from zdsl.kernels.sampling import SETTINGS
+from zdsl.kernels.sampling import SETTINGS, mask_words
 from zdsl.kernels.steps import STEP_WORDS
 from zdsl.runtime.memory import fmt_bytes
 
@@ -158,6 +158,7 @@ def decode_buffers(hp, tensors, n_ctx: int, candidates: int, checkpoint: bool = 
     else:
         specs.append(f32("ffn_act", hp.ffn))
     specs += [scratch("token_counts", 4 * hp.vocab), scratch("penalty_ring", 4 * n_ctx),
+              scratch("allowed_tokens", 4 * mask_words(hp.vocab)),
               scratch("tokens_out", 4 * n_ctx),
               scratch("candidates", candidates), scratch("sampler_settings", 4 * len(SETTINGS))]
     if checkpoint:

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+import numpy as np
+
 from zdsl.cache import cache_dir, discard
 from zdsl.errors import ModelError, ZdslError
 from zdsl.kernels.kvcache import KV_DEFAULT, KVTypes
@@ -158,29 +160,36 @@ class Generator:
             self.forget()
         g.use_sampler(sampler)
 
-    def _prefill(self, tokens: list[int]) -> int:
+    def _prefill(self, tokens: list[int], marks=()) -> int:
         """Feed the prompt's new tokens and return the first generated one: drawn in the last
         chunk from the last token's logits (DecodeGraph.prefill's `sample`). With checkpoints,
         the tokens but the last in pieces that end at multiples of the prompt chunk (where a
         prompt fed whole is cut too), each followed by a snapshot, then the last token's decode
         step: a prompt resumes at most one token short of its end (its last token's logits are
         wanted), so the snapshot one short lets the same prompt again (a retry) feed one token,
-        where one at its end would leave it a chunk to feed."""
+        where one at its end would leave it a chunk to feed. `marks`: positions of the context
+        to snapshot at too (where the next prompt may part from this one)."""
         g = self.graph
         if self.checkpoints is None:
             return g.prefill(tokens, sample=True)
-        at, last = 0, len(tokens) - 1
+        at, last, base = 0, len(tokens) - 1, g.position
+        cuts = [m - base for m in marks if 0 < m - base < last]
         while at < last:
-            n = min(last - at, g.chunk - g.position % g.chunk)
+            n = min(last - at, g.chunk - g.position % g.chunk, *(c - at for c in cuts if c > at))
             g.prefill(tokens[at:at + n])
             self.checkpoints.save()
             at += n
         return g.decode(tokens[-1])
 
-    def generate(self, prompt_ids: list[int], n: int, *, stop: bool = True) -> Iterator[int]:
+    def generate(self, prompt_ids: list[int], n: int, *, stop: bool = True,
+                 pick: Callable[[np.ndarray], int] | None = None, steer=None, marks=()) -> Iterator[int]:
         """Yield up to n generated token ids after `prompt_ids`, ending after a stop token when
-        `stop`. The caches start over unless they hold a prefix of the prompt (`keep`). Timings of
-        the last call are in `self.timings`."""
+        `stop`. The caches start over unless they hold a prefix of the prompt (`keep`). With
+        `pick`, each token is pick(its step's logits) rather than the GPU sampler's; with `steer`
+        (serve/picker.Steer: `words()` the bitmask of the tokens allowed next, or None for any;
+        `take(token)`), the GPU sampler draws among those it allows, a step at a time; `marks`:
+        positions in the prompt to keep a checkpoint at. Timings of the last call are in
+        `self.timings`."""
         if not prompt_ids:
             raise ZdslError("the prompt is empty; give some text with -p")
         if len(prompt_ids) + n > self.n_ctx:
@@ -189,10 +198,11 @@ class Generator:
         g, t = self.graph, Timings()
         self.timings = t
         start = time.perf_counter()
+        g.allow(None if steer is None else steer.words())  # the prompt's last step draws the first token
         reused = self.resume(prompt_ids)
         new = prompt_ids[reused:]
         try:
-            token = self._prefill(new)  # in chunks, the last of which samples the first new token
+            token = self._prefill(new, marks)  # in chunks, the last of which samples the first new token
         except BaseException:
             self.forget()  # fed part-way: what the caches hold is known no more
             raise
@@ -200,7 +210,12 @@ class Generator:
         t.prompt_tokens, t.reused_tokens, t.prompt_s = len(prompt_ids) - reused, reused, time.perf_counter() - start
         start = time.perf_counter()
         try:
-            yield from self._decode(token, n, stop, t, start)
+            if pick is not None:
+                yield from self._pick(pick, n, stop, t, start)
+            elif steer is not None:
+                yield from self._steer(steer, token, n, stop, t, start)
+            else:
+                yield from self._decode(token, n, stop, t, start)
         finally:
             self.bursts.done(g)
         if "timestamps" in self.device.info.features and g.position < self.n_ctx and not self.keep:
@@ -235,6 +250,35 @@ class Generator:
                 yield tok
             last = burst[-1]
             if stop and last in self.stop_ids:
+                break
+
+    def _pick(self, pick, n: int, stop: bool, t: Timings, start: float) -> Iterator[int]:
+        """The generation's tokens one step at a time, each picked on the host from the logits the
+        step left (the prompt's last step's for the first)."""
+        g = self.graph
+        for produced in range(n):
+            if produced:
+                g.decode(token)
+                self.context.append(token)
+            token = pick(g.logits())
+            t.decode_tokens, t.decode_s = produced, time.perf_counter() - start
+            yield token
+            if stop and token in self.stop_ids:
+                break
+
+    def _steer(self, steer, token: int, n: int, stop: bool, t: Timings, start: float) -> Iterator[int]:
+        """The generation's tokens one step at a time, each drawn by the GPU sampler among those
+        `steer` allows (its mask written before the step); only the token comes back."""
+        g = self.graph
+        for produced in range(n):
+            if produced:
+                g.allow(steer.words())
+                self.context.append(token)
+                token = g.decode(token)
+            steer.take(token)
+            t.decode_tokens, t.decode_s = produced, time.perf_counter() - start
+            yield token
+            if stop and token in self.stop_ids:
                 break
 
     def close(self) -> None:

@@ -216,6 +216,11 @@ class DecodeGraph(LayerSchedule):
         else:
             self.retune(self.tuning, sampler)
 
+    def allow(self, words: np.ndarray | None) -> None:
+        """Let the sampler draw only the tokens whose bits `words` set (sampling.mask_of; a
+        grammar's mask), from the next step on; None: any token."""
+        self.allowed.write(sampling.all_allowed(self.hp.vocab) if words is None else np.asarray(words, np.uint32))
+
     def retune(self, tuning: Database | None, sampler: SamplerConfig | None = None) -> None:
         """Record the step again with the variants `tuning` picks (and another sampler, if given);
         weights, caches and states stay. The tuner times candidates in place this way. Prompt
@@ -275,6 +280,8 @@ class DecodeGraph(LayerSchedule):
         self.tokens_out, self.cand = b["tokens_out"], b["candidates"]
         self.sampler_settings = b["sampler_settings"]
         self.sampler_settings.write(self.sampler.settings())
+        self.allowed = b["allowed_tokens"]  # the tokens the sampler may draw: a bit each
+        self.allow(None)
         self.prompt = Prefill(self, b)
         self.token_rows = TokenRows(self, b, self.step_tokens) if self.step_tokens > 1 else None
         # what a step overwrites that the sequence needs to be undone or resumed (buffers.checkpointed)

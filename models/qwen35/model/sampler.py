@@ -111,8 +111,10 @@ def check_vocab(n_vocab: int) -> None:
         raise ZdslError(f"vocabulary size must be in [1, {SENTINEL}), got {n_vocab}")
 
 
-def sample_reference(logits, counts, config: SamplerConfig, step: int) -> int:
+def sample_reference(logits, counts, config: SamplerConfig, step: int, allowed=None) -> int:
     """numpy: the token the GPU sampler picks from `logits` given per-token `counts` of the tokens
-    in the penalties' window, at random-number counter `step` (the value of step[3])."""
+    in the penalties' window, at random-number counter `step` (the value of step[3]), among the
+    `allowed` tokens (a boolean each; None: all)."""
     logits = np.asarray(logits, np.float32)
-    return sample_ref(logits, counts, cap=config.kernel_cap, counter=step, **settings_of(config.settings()))
+    return sample_ref(logits, counts, cap=config.kernel_cap, counter=step, allowed=allowed,
+                      **settings_of(config.settings()))

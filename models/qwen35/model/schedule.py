@@ -289,7 +289,8 @@ class LayerSchedule:
         into the step values `step` (its token and counter) and tokens_out (at its position)."""
         cap, vocab, settings = self.sampler.kernel_cap, self.hp.vocab, self.sampler_settings
         return [lambda seq: sampling.sample_candidates.launch(seq, self.pick, CAP=cap, logits=logits, counts=self.counts,
-                                                              cand=cand, settings=settings, n_vocab=vocab, row=row),
+                                                              allowed=self.allowed, cand=cand, settings=settings,
+                                                              n_vocab=vocab, row=row),
                 lambda seq: sampling.sample_draw.launch(seq, self.pick, CAP=cap, WG=self.sample_pass.params["WG"],
                                                         R=self.sample_pass.params["R"], cand=cand, step=step,
                                                         tokens=self.tokens_out, settings=settings, n_vocab=vocab,

@@ -126,8 +126,9 @@ class Tokenizer:
         data = b"".join(self.piece(t) for t in tokens if not (skip_special and t in self.special_ids))
         return data.decode("utf-8", errors="replace")
 
-    def chat_ids(self, messages: list[dict], *, enable_thinking: bool = True) -> list[int]:
-        """Token ids of a conversation as the chat template renders it, a generation prompt after.
+    def chat_ids(self, messages: list[dict], *, enable_thinking: bool = True, **extra) -> list[int]:
+        """Token ids of a conversation as the chat template renders it (`extra`: more of its
+        variables, e.g. `tools`), a generation prompt after.
         An assistant message that carries the token ids the model sampled ("ids") keeps them,
         spliced where the template puts its text: the text encoded again could give other ids,
         and a conversation kept in the caches across turns must match the tokens they hold."""
@@ -138,7 +139,7 @@ class Tokenizer:
                 marks[mark] = m["ids"]
                 m = {k: v for k, v in m.items() if k != "ids"} | {"content": mark}
             shown.append(m)
-        text = self.apply_chat_template(shown, enable_thinking=enable_thinking)
+        text = self.apply_chat_template(shown, enable_thinking=enable_thinking, **extra)
         ids: list[int] = []
         for piece in re.split("(\ue000zdsl reply \\d+\ue000)", text):
             ids += marks[piece] if piece in marks else self.encode(piece, parse_special=True) if piece else []
@@ -165,3 +166,7 @@ class Tokenizer:
                                    eos_token=self.tokens[self.eos_id] if self.eos_id is not None else "", **extra)
         except TemplateError as e:
             raise ModelError(f"the chat template failed: {e}; check the messages' roles and fields") from None
+
+    def hf_json(self) -> str:
+        """The tokenizer as the `tokenizers` library serialises it (what grammar engines read)."""
+        return self._hf.to_str()

@@ -26,6 +26,8 @@ from typing import AsyncIterator
 
 from zdsl.models.qwen35.model.generate import Generator
 from zdsl.models.qwen35.serve.api import Job
+from zdsl.models.qwen35.serve.grammar import Constraint
+from zdsl.models.qwen35.serve.picker import Choice, Picker, Steer
 
 GATHER_S = 0.02  # how long a burst waits for the other decoding slots' before it runs without them
 
@@ -46,9 +48,12 @@ class Slot:
                 return fn(*args)
         return self.thread.submit(locked)
 
-    def stream(self, job: Job, stop: threading.Event) -> asyncio.Queue:
+    def stream(self, job: Job, stop: threading.Event, picker: Picker | None = None,
+               steer: Steer | None = None) -> asyncio.Queue:
         """The job's generation on the slot's thread: a queue that gets each token id as it comes,
-        then None at the end (or the exception that ended it). It ends early once `stop` is set."""
+        then None at the end (or the exception that ended it). It ends early once `stop` is set.
+        With a `picker`, the host picks each token; with a `steer`, the GPU among those it allows
+        (picker.py)."""
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
 
@@ -63,7 +68,8 @@ class Slot:
             try:
                 with self.gpu:
                     gen.use(job.sampler)
-                    tokens = gen.generate(job.prompt_ids, job.max_tokens, stop=not job.ignore_eos)
+                    tokens = gen.generate(job.prompt_ids, job.max_tokens, stop=not job.ignore_eos, pick=picker,
+                                          steer=steer, marks=job.marks)
                 while not stop.is_set():
                     with self.gpu:  # a burst's tokens after the first come from the host: no wait
                         token = next(tokens, None)
@@ -164,6 +170,8 @@ class Piece:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     reused_tokens: int = 0
+    reasoning_tokens: int = 0   # of the completion's: those up to its </think>
+    choices: list[Choice] = field(default_factory=list)  # its tokens' log-probabilities, where asked
 
 
 @dataclass
@@ -216,6 +224,10 @@ class Engine:
         return self.slots[0].gen.tokenizer
 
     @property
+    def stop_ids(self) -> frozenset[int]:
+        return self.slots[0].gen.stop_ids
+
+    @property
     def n_ctx(self) -> int:
         return self.slots[0].gen.n_ctx
 
@@ -262,11 +274,39 @@ class Engine:
                 woken.set_result(None)
                 return
 
+    def steering(self, job: Job, gen: Generator) -> tuple[Picker | None, Steer | None]:
+        """What chooses the job's tokens where the GPU sampler cannot alone: (a host picker, or
+        the steer of the GPU's draws, or neither)."""
+        if not (job.on_host or job.steered):
+            return None, None
+        tok = gen.tokenizer
+        grammar = None if job.grammar is None else Constraint(job.grammar, tok, gen.stop_ids)
+        think_end = tok.tokens.index("</think>") if "</think>" in tok.tokens else None
+        budget = job.budget
+        if grammar is not None:  # the constrained answer keeps at least half the tokens
+            budget = min(job.max_tokens // 2, job.max_tokens if budget is None else budget)
+        calls = None if job.calls is None else lambda: Constraint(job.calls, tok, gen.stop_ids)
+        steer = Steer(tok.vocab_size, grammar=grammar, thinking=job.thinking, think_end=think_end, budget=budget,
+                      stop_ids=gen.stop_ids, calls=calls, piece=tok.piece)
+        if not job.on_host:
+            return None, steer
+        return Picker(job.sampler, job.prompt_ids, gen.n_ctx, steer, top_logprobs=job.top_logprobs,
+                      bias=job.bias), None
+
     async def _generate(self, slot: Slot, job: Job) -> AsyncIterator[Piece]:
         gen = slot.gen
         tok = gen.tokenizer
         stop = threading.Event()
-        tokens = slot.stream(job, stop)
+        picker, steer = self.steering(job, gen)
+        tokens = slot.stream(job, stop, picker, steer)
+        given = 0  # the picker's choices handed out with a piece
+
+        def choices(upto: int) -> list[Choice]:
+            nonlocal given
+            if picker is None or job.top_logprobs is None:
+                return []
+            out, given = picker.choices[given:upto], max(given, upto)
+            return out
 
         async def take():
             item = await tokens.get()
@@ -280,25 +320,31 @@ class Engine:
             stop.set()
             raise
         text, produced, finish = StopText(job.stop), 0, "length"
+        think_end = tok.tokens.index("</think>") if "</think>" in tok.tokens else None
+        thought = None  # tokens up to the </think>, once it came
         try:
             while token is not None:
                 produced += 1
+                if token == think_end and thought is None:
+                    thought = produced
                 if token in gen.stop_ids and not job.ignore_eos:
                     finish = "stop"
                     break
                 piece = text.add(b"" if token in tok.special_ids else tok.piece(token))
                 if text.stopped:
                     finish = "stop"
-                    yield Piece(piece)
+                    yield Piece(piece, choices=choices(produced))
                     break
                 if piece:
-                    yield Piece(piece)
+                    yield Piece(piece, choices=choices(produced))
                 token = await take()
         finally:
             stop.set()  # no await: this may be a cancellation
             self.metrics.add(gen.timings)
         t = gen.timings
-        yield Piece("" if text.stopped else text.flush(), finish, len(job.prompt_ids), produced, t.reused_tokens)
+        reasoning = thought if thought is not None else produced if job.thinking else 0
+        yield Piece("" if text.stopped else text.flush(), finish, len(job.prompt_ids), produced, t.reused_tokens,
+                    reasoning, choices(produced - (finish == "stop" and not text.stopped)))
 
     def prometheus(self) -> str:
         """The metrics in Prometheus's text format."""
