@@ -19,6 +19,7 @@ from zdsl.models.qwen35.model.buffers import PROMPT_CHUNK
 from zdsl.models.qwen35.model.checkpoints import Checkpoints
 from zdsl.models.qwen35.model.graph import DecodeGraph
 from zdsl.models.qwen35.model.sampler import SamplerConfig
+from zdsl.models.qwen35.model.speculate import Speculation, SpecStats, Verifier
 from zdsl.models.qwen35.model.tokenizer import Tokenizer
 
 DEFAULT_PRESET = "tiny"
@@ -51,6 +52,7 @@ class Timings:
     decode_tokens: int = 0
     decode_s: float = 0.0
     gpu_ms: list[float] = field(default_factory=list)
+    spec: SpecStats | None = None  # what speculative decoding did, when on
 
     @property
     def prompt_tps(self) -> float:
@@ -68,13 +70,15 @@ class Timings:
         return {"prompt_tokens": self.prompt_tokens, "reused_tokens": self.reused_tokens,
                 "prompt_tok_per_s": round(self.prompt_tps, 2),
                 "decode_tokens": self.decode_tokens, "decode_tok_per_s": round(self.decode_tps, 2),
-                "gpu_ms_per_token": None if self.gpu_ms_per_token is None else round(self.gpu_ms_per_token, 3)}
+                "gpu_ms_per_token": None if self.gpu_ms_per_token is None else round(self.gpu_ms_per_token, 3),
+                **({"speculation": self.spec.as_dict()} if self.spec else {})}
 
     def summary(self) -> str:
         gpu = f", GPU {self.gpu_ms_per_token:.2f} ms/token" if self.gpu_ms_per_token is not None else ""
         reused = f" ({self.reused_tokens} reused)" if self.reused_tokens else ""
+        spec = f"; {self.spec.summary()}" if self.spec else ""
         return (f"prompt {self.prompt_tokens} tok{reused} at {self.prompt_tps:.1f} tok/s, "
-                f"decode {self.decode_tokens} tok at {self.decode_tps:.1f} tok/s{gpu}")
+                f"decode {self.decode_tokens} tok at {self.decode_tps:.1f} tok/s{gpu}{spec}")
 
 
 class Generator:
@@ -84,7 +88,8 @@ class Generator:
     def __init__(self, model: ModelFile, device, *, n_ctx: int, sampler: SamplerConfig, progress: bool = True,
                  burst: int = 8, say: Callable[[str], None] | None = None, keep: bool = False,
                  kv: KVTypes = KV_DEFAULT, checkpoints: int = 0, chunk: int = PROMPT_CHUNK,
-                 weights_of: Generator | None = None, slots: int = 1, warm: bool = False, step_tokens: int = 1):
+                 weights_of: Generator | None = None, slots: int = 1, warm: bool = False, step_tokens: int = 1,
+                 speculate: Speculation | None = None):
         """`keep`: prompts that extend the context continue it (a chat); bursts that run past an
         end-of-turn token are then undone from a checkpoint of the sequence state; `kv`: the
         KV caches' formats (kernels/kvcache.py); `checkpoints` (with keep): bytes of device memory
@@ -94,8 +99,13 @@ class Generator:
         model on this device whose weights this one reads (another sequence, e.g. a server slot);
         `slots`: the sequences that will read this one's weights, itself included; `warm`: compile
         what a run needs before returning; `step_tokens`: the most tokens a step of the sequence
-        holds (DecodeGraph)."""
+        holds (DecodeGraph); `speculate`: draft tokens and check them in steps of several
+        (speculate.py), the graph's steps made large enough for them (the attribute may change
+        between generations, within the draft maximum made for)."""
         self.model, self.device = model, device
+        self.speculate = speculate
+        if speculate is not None:
+            step_tokens = max(step_tokens, speculate.draft_max + 1)
         self.burst = burst  # decode steps per submission: the host waits once per burst
         self.bursts = Alone()  # what runs them: this graph alone, or with others (engine.Together)
         self.tokenizer = Tokenizer.from_model(model)
@@ -200,7 +210,10 @@ class Generator:
         t.prompt_tokens, t.reused_tokens, t.prompt_s = len(prompt_ids) - reused, reused, time.perf_counter() - start
         start = time.perf_counter()
         try:
-            yield from self._decode(token, n, stop, t, start)
+            if self.speculate is None:
+                yield from self._decode(token, n, stop, t, start)
+            else:
+                yield from self._speculate(token, n, stop, t, start)
         finally:
             self.bursts.done(g)
         if "timestamps" in self.device.info.features and g.position < self.n_ctx and not self.keep:
@@ -237,6 +250,27 @@ class Generator:
             if stop and last in self.stop_ids:
                 break
 
+    def _speculate(self, token: int, n: int, stop: bool, t: Timings, start: float) -> Iterator[int]:
+        """The generation's tokens from the first on, each step feeding the last one with drafts
+        after it (speculate.py); what a step rejects or runs past a stop token is cut away, so
+        nothing is undone from a checkpoint."""
+        t.spec = SpecStats()
+        history = self.context + [token]
+        verify = Verifier(self.graph, self.speculate.drafts(list(self.context)), self.speculate.draft_max, t.spec)
+        stop_ids = self.stop_ids if stop else frozenset()
+        produced, said = 0, [token]
+        while True:
+            t.decode_tokens, t.decode_s = produced + len(said) - 1, time.perf_counter() - start
+            for tok in said:
+                produced += 1
+                yield tok
+            if produced == n or said[-1] in stop_ids:
+                break
+            said = verify.step(history, n - produced, stop_ids)
+            self.context.append(history[-1])
+            self.context += said[:-1]
+            history += said
+
     def close(self) -> None:
         if self.checkpoints is not None:
             self.checkpoints.close()
@@ -255,7 +289,8 @@ class Alone:
 
 def load(path: str | None, device_selector: str | None, *, n_ctx: int, sampler: SamplerConfig,
          progress: bool = True, say: Callable[[str], None] | None = None, keep: bool = False,
-         kv: KVTypes = KV_DEFAULT, checkpoints: int = 0, slots: int = 1, step_tokens: int = 1) -> Generator:
+         kv: KVTypes = KV_DEFAULT, checkpoints: int = 0, slots: int = 1, step_tokens: int = 1,
+         speculate: Speculation | None = None) -> Generator:
     from zdsl.runtime import open_device
 
     model = open_model(path) if path is not None else default_model(say)
@@ -264,7 +299,7 @@ def load(path: str | None, device_selector: str | None, *, n_ctx: int, sampler: 
         raise ZdslError(f"{device.info.name} is a compile-only target; pick a device that runs code (zdsl devices)")
     try:
         return Generator(model, device, n_ctx=n_ctx, sampler=sampler, progress=progress, say=say, keep=keep, kv=kv,
-                         checkpoints=checkpoints, slots=slots, warm=True, step_tokens=step_tokens)
+                         checkpoints=checkpoints, slots=slots, warm=True, step_tokens=step_tokens, speculate=speculate)
     except BaseException:
         device.close()
         raise
