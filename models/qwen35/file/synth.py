@@ -299,6 +299,8 @@ def _metadata(w: GGUFWriter, hp: Hparams, name: str) -> None:
     w.add_name(f"zdsl synthetic {name}")
     w.add_quantization_version(2)
     w.add_uint32(f"{a}.block_count", hp.n_layers + hp.nextn_layers)
+    if hp.nextn_layers:
+        w.add_uint32(f"{a}.nextn_predict_layers", hp.nextn_layers)
     w.add_uint32(f"{a}.context_length", hp.context_length)
     w.add_uint32(f"{a}.embedding_length", hp.hidden)
     w.add_uint32(f"{a}.attention.head_count", hp.n_heads)
@@ -343,7 +345,7 @@ def plan(hp: Hparams, quant: str = "q4_k_m", tensor_types: dict[str, QuantType] 
     if quant not in QUANTS:
         raise ModelError(f"unknown --quant '{quant}'; choose one of {', '.join(QUANTS)}")
     out = []
-    for name, spec in tensor_specs(hp).items():
+    for name, spec in tensor_specs(hp, head=hp.nextn_layers > 0).items():
         layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
         qtype = tensor_type(name, spec, quant, layer, hp.n_layers)
         if not spec.vector and not name.endswith("ssm_conv1d.weight"):  # the conv's taps stay F32
@@ -394,11 +396,12 @@ class PresetModel:
 
 def write(path: str | os.PathLike, preset_name: str = "tiny", *, layers: int | None = None,
           vocab: int | None = None, shared_ffn: int | None = None, hidden: int | None = None, quant: str = "q4_k_m",
-          tensor_types: dict[str, QuantType] | None = None, seed: int = 0,
+          tensor_types: dict[str, QuantType] | None = None, seed: int = 0, mtp: bool = False,
           progress: Callable[[int, int], None] | None = None) -> Hparams:
-    """Write a synthetic model (`tensor_types`: plan's overrides); `progress(done_bytes,
-    total_bytes)` is called after each tensor."""
-    hp = preset(preset_name, layers, vocab, shared_ffn, hidden)
+    """Write a synthetic model (`tensor_types`: plan's overrides; `mtp`: with its MTP head, the
+    block after the trunk's, as converters graft it in); `progress(done_bytes, total_bytes)` is
+    called after each tensor."""
+    hp = replace(preset(preset_name, layers, vocab, shared_ffn, hidden), nextn_layers=int(mtp))
     tensors = plan(hp, quant, tensor_types)
     path = Path(path)
     w = GGUFWriter(path, hp.arch)
