@@ -118,3 +118,109 @@ def test_reference_head_is_its_math_row_by_row_and_overwrites_what_it_cuts(model
     again, _ = ref.mtp(other, h[3:4], 3, state)
     kv = (kv[0][:3], kv[1][:3])
     assert np.allclose(again[0], mtp_by_hand(ref, other[0], h[3], 3, kv)[0], rtol=1e-6, atol=1e-6)
+
+
+STEP = 5  # the graph's step rows: drafts of up to 4
+BOUND = 0.1  # of the logits' standard deviation: test_decode.py's bounds for the trunk, which the head reads
+
+
+@pytest.fixture(scope="module")
+def graph(model, device):
+    from zdsl.models.qwen35.model.graph import DecodeGraph
+    from zdsl.models.qwen35.model.mtp import MtpHead
+    from zdsl.models.qwen35.model.sampler import SamplerConfig
+
+    g = DecodeGraph(model, device, 64, SamplerConfig(temperature=0), progress=False, chunk=16, step_tokens=STEP)
+    head = MtpHead(g)
+    yield g, head
+    head.close()
+    g.close()
+
+
+def reference_chain(ref, mst, token, h, position, drafts):
+    """The reference head chained along the GPU's drafts (so that one near tie taken the other way
+    does not part the two): each row's logits."""
+    out = []
+    for d in [token, *drafts[:-1]]:
+        logits, hs = ref.mtp([d], h[None], position, mst)
+        out.append(logits[0])
+        h, position = hs[0], position + 1
+    return out
+
+
+def assert_drafts_agree(got_drafts, got_last, want):
+    """Each draft the argmax of the reference's row where its lead is clear; the last row's
+    logits near the reference's."""
+    for d, logits in zip(got_drafts, want):
+        top = np.sort(logits)[-2:]
+        if top[1] - top[0] > 2 * BOUND * logits.std():
+            assert d == int(np.argmax(logits))
+    assert np.abs(got_last - want[-1]).max() <= BOUND * want[-1].std()
+
+
+@pytest.mark.device
+def test_gpu_head_drafts_as_the_reference_after_a_prompt_and_after_a_cut_step(model, graph):
+    """After a prompt: three chained drafts. Then a step of four tokens cut back to three kept:
+    the head catches up on those three rows and drafts on from the model's next token."""
+    from zdsl.models.qwen35.model.mtp import MtpDrafts
+
+    g, head = graph
+    hp, L = model.hparams, model.hparams.n_layers
+    ref = ReferenceModel(model, int8_activations=True)
+    rng = np.random.default_rng(5)  # (3 puts a router near-tie of the head at the second draft: test_decode.py)
+    prompt = rng.integers(0, hp.vocab, 9).tolist()
+    g.reset()
+    y = g.prefill(prompt, sample=True)
+    drafter = MtpDrafts(head, prompt)
+    drafts = drafter.draft(prompt + [y], 3)
+    state, trace = ref.new_state(), {}
+    ref.forward(prompt, state, trace=trace)
+    mst = ref.new_state()  # the prompt's positions: zero KV rows (mtp.py)
+    mst.kv[L] = (np.zeros((hp.n_kv_heads, len(prompt), hp.head_dim), np.float32),) * 2
+    last_h = trace["h"][-1]
+    want = reference_chain(ref, mst, y, last_h, len(prompt), drafts)
+    assert_drafts_agree(drafts, g.token_rows.logits_of(1)[0], want)
+
+    fed = [y, *rng.integers(0, hp.vocab, 3).tolist()]
+    said = g.decode_tokens(fed)
+    g.cut(len(prompt) + 3)  # y and two more kept; said[2] is the next token
+    trace = {}
+    ref.forward(fed[:3], state, trace=trace)
+    h = np.concatenate([last_h[None], trace["h"]])  # h of positions P - 1 … P + 2
+    ref.mtp(fed[:3], h[:3], len(prompt), mst)  # the catch-up: positions P … P + 2
+    drafts = drafter.draft(prompt + fed[:3] + [said[2]], 3)
+    want = reference_chain(ref, mst, said[2], h[3], len(prompt) + 3, drafts)
+    assert_drafts_agree(drafts, g.token_rows.logits_of(1)[0], want)
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("temperature", [0, 1.5], ids=["greedy", "sampled"])
+def test_generation_with_mtp_drafts_is_plain_decoding(model, device, temperature):
+    """`auto` drafts with the file's head; tokens as plain decoding's, greedy and sampled alike."""
+    from zdsl.models.qwen35.model.generate import Generator
+    from zdsl.models.qwen35.model.sampler import SamplerConfig
+    from zdsl.models.qwen35.model.speculate import speculation
+
+    sampler = SamplerConfig(temperature=temperature, top_k=0, seed=2)
+    prompt = np.random.default_rng(6).integers(0, model.hparams.vocab, 12).tolist()
+    plain = Generator(model, device, n_ctx=96, sampler=sampler, progress=False)
+    fast = Generator(model, device, n_ctx=96, sampler=sampler, progress=False, weights_of=plain,
+                     speculate=speculation("auto", 3, sampler))
+    try:
+        assert fast.speculate.mtp
+        want = list(plain.generate(prompt, 30, stop=False))
+        assert list(fast.generate(prompt, 30, stop=False)) == want
+        s = fast.timings.spec
+        assert s.steps > 0 and s.drafted >= 3 * (s.steps - 1) and s.accepted + s.steps + s.plain == 29
+    finally:
+        fast.close(), plain.close()
+
+
+@pytest.mark.device
+def test_mtp_drafts_from_a_file_without_a_head_say_so(tmp_path, capsys):
+    path = tmp_path / "plain.gguf"
+    synth.write(path, "tiny")
+    assert main(["run", str(path), "--device", "lavapipe", "--spec", "mtp", "-n", "2"]) != 0
+    assert "has no MTP head for --spec mtp" in capsys.readouterr().err
+    assert main(["bench", str(path), "--device", "lavapipe", "--spec", "mtp"]) != 0
+    assert "has no MTP head for --spec mtp" in capsys.readouterr().err

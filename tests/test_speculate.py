@@ -63,7 +63,9 @@ def test_chosen_drafts_are_the_reference_each_right_with_probability_accept():
 
 def test_speculation_options_say_what_is_wrong():
     greedy = SamplerConfig(temperature=0)
-    assert speculation("auto", None, greedy) is None and speculation("none", 4, greedy) is None
+    assert speculation("auto", None, greedy).resolved(has_mtp=False) is None and speculation("none", 4, greedy) is None
+    assert speculation("auto", 2, greedy).resolved(has_mtp=True).mtp
+    assert speculation("auto", None, SamplerConfig(repeat_penalty=1.1)) is None
     assert speculation("ngram", None, greedy).draft_max == 3
     with pytest.raises(ZdslError, match="--draft-max must be from 1 to 15"):
         speculation("ngram", 0, greedy)
@@ -119,7 +121,7 @@ def test_chosen_drafts_cut_anywhere_and_give_plain_decodings_tokens(model, devic
     want = list(plain.generate(prompt, 48, stop=False))
     kept = []
 
-    def drafter(p):
+    def drafter(p, head):
         """The chosen drafts, noting how many of each are right (where the step is cut)."""
         chosen = ChosenDrafts(want, len(p), 0.5, model.hparams.vocab, seed=1)
         draft = chosen.draft
@@ -155,7 +157,7 @@ def test_a_chat_goes_on_from_where_a_stop_token_cut_the_step(model, device):
         for g in (plain, fast):
             g.stop_ids = frozenset([free[first]])
             g.forget()
-        fast.speculate = Speculation(lambda p: ChosenDrafts(free, len(p), 1.0, model.hparams.vocab), 4)
+        fast.speculate = Speculation(lambda p, head: ChosenDrafts(free, len(p), 1.0, model.hparams.vocab), 4)
         want1 = list(plain.generate(prompt, 20))
         assert list(fast.generate(prompt, 20)) == want1 == free[:first + 1]
         assert fast.timings.spec.steps == 2 and fast.timings.spec.plain == 0
@@ -182,7 +184,7 @@ def test_a_long_generation_with_drafts_is_plain_decoding(model, device):
         want = list(plain.generate(prompt, 200, stop=False))
         assert list(fast.generate(prompt, 200, stop=False)) == want
         assert fast.timings.spec.drafted > 0
-        fast.speculate = Speculation(lambda p: ChosenDrafts(want, len(p), 0.7, model.hparams.vocab), 4)
+        fast.speculate = Speculation(lambda p, head: ChosenDrafts(want, len(p), 0.7, model.hparams.vocab), 4)
         assert list(fast.generate(prompt, 200, stop=False)) == want
         assert fast.timings.spec.tokens_per_step > 2
     finally:
@@ -230,7 +232,7 @@ def test_bench_of_chosen_acceptance(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--accept", "0.5"], "give it with --spec ngram"),
+    (["--accept", "0.5"], "give it with --spec mtp or --spec ngram"),
     (["--spec", "ngram", "--accept", "1.5"], "acceptances from 0 to 1"),
     (["--spec", "ngram", "--draft-max", "0..2"], "draft counts from 1 to 15"),
     (["--spec", "ngram", "--draft-max", "x"], "draft counts from 1 to 15"),

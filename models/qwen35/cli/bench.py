@@ -314,9 +314,10 @@ def parse_step_sizes(text: str) -> list[int]:
 @click.option("--step-tokens", "step_sizes", default=None,
               help="Also time steps of this many tokens of one sequence (comma-separated, e.g. 1,2,4,8,16: what "
                    "verifying drafted tokens costs) at the first depth.")
-@click.option("--spec", type=click.Choice(["ngram", "none"]), default="none", show_default=True,
-              help="Also time speculative decoding (greedy, at depth 0) against plain decoding: ngram drafts on a "
-                   "prompt that repeats itself, or with --accept drafts of a chosen acceptance.")
+@click.option("--spec", type=click.Choice(["mtp", "ngram", "none"]), default="none", show_default=True,
+              help="Also time speculative decoding (greedy, at depth 0) against plain decoding: the file's MTP head's "
+                   "drafts, or ngram drafts on a prompt that repeats itself; with --accept, drafts of a chosen "
+                   "acceptance (the MTP head still drafting, for its time).")
 @click.option("--accept", "accepts", default=None,
               help="With --spec: drafts right with each of these probabilities (e.g. 0.5,0.7,0.9), taken from a "
                    "first plain run's tokens (for synthetic weights, where real drafts cannot be judged).")
@@ -333,6 +334,7 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
     from zdsl.models.qwen35.cli.bench_spec import (measure_speculation, parse_accepts, parse_draft_max,
                                                    speculation_markdown, speculation_table)
     from zdsl.models.qwen35.model.buffers import check_fits
+    from zdsl.models.qwen35.model.mtp import head_buffers
     from zdsl.models.qwen35.model.generate import Generator
     from zdsl.models.qwen35.model.graph import plan_buffers
     from zdsl.models.qwen35.model.sampler import SamplerConfig
@@ -341,7 +343,7 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
     depths = parse_contexts(contexts or DEFAULT_CONTEXTS)
     sizes = parse_step_sizes(step_sizes) if step_sizes else []
     if accepts is not None and spec == "none":
-        raise ZdslError("--accept chooses how often drafts are right: give it with --spec ngram")
+        raise ZdslError("--accept chooses how often drafts are right: give it with --spec mtp or --spec ngram")
     accept_list = parse_accepts(accepts) if accepts is not None else []
     drafts = parse_draft_max(draft_maxes) if spec != "none" else []
     step_tokens = max(max(sizes, default=1), max(drafts, default=0) + 1)
@@ -353,6 +355,8 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
         console.print(msg, markup=False, highlight=False)
 
     m = open_model(model)
+    if spec == "mtp" and not m.has_mtp:
+        raise ZdslError(f"{m.path.name} has no MTP head for --spec mtp; use --spec ngram (or zdsl model synth --mtp)")
     dev = open_device(device)
     gen = None
     try:
@@ -366,7 +370,8 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
         available = dev.memory_available()
 
         def specs_at(n_ctx: int):
-            return plan_buffers(m, info, n_ctx, sampler, kv=kv, step_tokens=step_tokens)
+            head = head_buffers(m.hparams, n_ctx, step_tokens, kv) if spec == "mtp" else []
+            return plan_buffers(m, info, n_ctx, sampler, kv=kv, step_tokens=step_tokens) + head
 
         rows = memory_rows(specs_at, depths, extra, available)
         console.print(memory_table(rows, available, info.name))

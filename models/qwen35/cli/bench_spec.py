@@ -6,8 +6,10 @@ Each measurement is a greedy generation (model/generate.py) of --tokens tokens a
 --accept, drafts of a chosen acceptance (drafts.ChosenDrafts): the reference continuation is the
 plain run's own output, each draft of it replaced by a wrong token with probability 1 − a, which
 measures what a drafter right that often would give where real drafts cannot be judged
-(synthetic weights). Without, the drafter of --spec on a prompt that repeats a stretch of
-tokens (what prompt lookup is for). Every run's tokens are compared with plain decoding's.
+(synthetic weights); with --spec mtp the head drafts all the same (its time counts) and its
+drafts are replaced. Without --accept, the drafter of --spec (ngram: on a prompt that repeats a
+stretch of tokens, what prompt lookup is for). Every run's tokens are compared with plain
+decoding's.
 """
 
 from __future__ import annotations
@@ -64,10 +66,10 @@ def measure_speculation(gen, mode: str, accepts: list[float], draft_maxes: list[
     decoding's. `gen` is greedy, with steps of at least max(draft_maxes) + 1 tokens."""
     from zdsl.models.qwen35.cli.bench import summary
     from zdsl.models.qwen35.model.drafts import ChosenDrafts
-    from zdsl.models.qwen35.model.speculate import Speculation, speculation
+    from zdsl.models.qwen35.model.speculate import Speculation, mtp_drafts, speculation
 
     vocab = gen.model.hparams.vocab
-    prompt = bench_prompt(vocab, prompt_len, repeats=not accepts)
+    prompt = bench_prompt(vocab, prompt_len, repeats=mode == "ngram" and not accepts)
     gen.speculate = None
     say(f"speculation: plain decoding of {tokens} tokens after {prompt_len}, then {mode} drafts, {repeats} runs each")
     reference = generation(gen, prompt, tokens)[0]
@@ -78,8 +80,10 @@ def measure_speculation(gen, mode: str, accepts: list[float], draft_maxes: list[
             if a is None:
                 gen.speculate = speculation(mode, k, gen.graph.sampler)
             else:
-                gen.speculate = Speculation(lambda p, a=a: ChosenDrafts(reference, len(p), a, vocab, seed=len(rows)),
-                                            k, f"chosen {a:g}")
+                def chosen(p, head, a=a, seed=len(rows)):
+                    costs = mtp_drafts(p, head) if mode == "mtp" else None  # the head runs: its time counts
+                    return ChosenDrafts(reference, len(p), a, vocab, seed=seed, costs=costs)
+                gen.speculate = Speculation(chosen, k, f"chosen {a:g}", mtp=mode == "mtp")
             generation(gen, prompt, tokens)
             runs = [generation(gen, prompt, tokens) for _ in range(repeats)]
             tps = summary([r[1] for r in runs])
@@ -90,7 +94,8 @@ def measure_speculation(gen, mode: str, accepts: list[float], draft_maxes: list[
                          "vs_plain": tps["median"] / plain["median"],
                          "same_as_plain": all(r[0] == reference for r in runs)})
     gen.speculate = None
-    return {"mode": "drafts of chosen acceptance" if accepts else mode, "prompt": "repeats a stretch of %d tokens" % REPEATED if not accepts else "random",
+    return {"mode": f"{mode}, drafts of chosen acceptance" if accepts else mode,
+            "prompt": f"repeats a stretch of {REPEATED} tokens" if mode == "ngram" and not accepts else "random",
             "plain_tok_per_s": plain, "rows": rows}
 
 

@@ -199,7 +199,7 @@ def _model_rows(d, memory: int | None) -> list[tuple[str, str]]:
     ]
     if hp.nextn_layers:
         rows.append(("MTP head", f"block {hp.n_layers}: gated attention + {'MoE' if hp.moe else 'dense FFN'}, "
-                                 f"{_size(plan.mtp_bytes)}, {_size(plan.mtp_read_per_draft)} read per draft"
+                                 f"{_size(plan.mtp_bytes)}, {_size(plan.mtp_read_per_draft)} read per draft (--spec mtp)"
                      if plan.mtp_bytes else "counted in the metadata, not in the file"))
     if memory is not None:
         rows += [(f"context in {_size(memory)}, KV {f}", f"{n:,} tokens") for f, n in _contexts(d, memory).items()]

@@ -47,9 +47,10 @@ def spec_options(f):
     f = click.option("--draft-max", type=int, default=None,
                      help=f"Most draft tokens checked in one step [default: {DRAFT_MAX}].")(f)
     return click.option("--spec", type=click.Choice(SPEC_MODES), default="auto", show_default=True,
-                        help="Speculative decoding: ngram drafts what the prompt and reply already hold (prompt "
-                             "lookup) and checks the drafts in one step; the output is plain decoding's, token for "
-                             "token. auto decodes plainly: n-gram drafts pay only on text that repeats.")(f)
+                        help="Speculative decoding: drafts checked in one step, the output plain decoding's token "
+                             "for token. mtp: the file's MTP head drafts; ngram: what the prompt and reply already "
+                             "hold (prompt lookup). auto: mtp where the file has a head, else none (n-gram drafts "
+                             "pay only on text that repeats).")(f)
 
 
 def make_sampler(o: dict) -> SamplerConfig:

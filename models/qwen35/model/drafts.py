@@ -48,13 +48,19 @@ class ChosenDrafts:
     """Drafts of a chosen acceptance, for measuring speed where real drafts cannot be judged
     (synthetic weights): the tokens of `reference`, the greedy continuation of a prompt of
     `prompt_len` tokens, each replaced by another token with probability 1 − `accept`. Greedy
-    verification then accepts each draft with probability `accept` until the first wrong one."""
+    verification then accepts each draft with probability `accept` until the first wrong one.
+    `costs`, a drafter whose drafts these replace, is run all the same: its time is the drafts'
+    (the MTP head's)."""
 
-    def __init__(self, reference: list[int], prompt_len: int, accept: float, vocab: int, seed: int = 0):
+    def __init__(self, reference: list[int], prompt_len: int, accept: float, vocab: int, seed: int = 0,
+                 costs=None):
         self.reference, self.prompt_len, self.accept, self.vocab = reference, prompt_len, accept, vocab
         self.rng = np.random.default_rng(seed)
+        self.costs = costs
 
     def draft(self, history: list[int], k: int) -> list[int]:
+        if self.costs is not None:
+            self.costs.draft(history, k)
         at = len(history) - self.prompt_len  # the reference's index of the token after history
         out = []
         for token in self.reference[at:at + k]:

@@ -103,9 +103,12 @@ class Generator:
         (speculate.py), the graph's steps made large enough for them (the attribute may change
         between generations, within the draft maximum made for)."""
         self.model, self.device = model, device
-        self.speculate = speculate
-        if speculate is not None:
-            step_tokens = max(step_tokens, speculate.draft_max + 1)
+        self.speculate = speculate.resolved(model.has_mtp) if speculate is not None else None
+        self.mtp = None  # the MTP head, made on first use (mtp.py)
+        if self.speculate is not None and self.speculate.mtp and not model.has_mtp:
+            raise ZdslError(f"{model.path.name} has no MTP head for --spec mtp; use --spec ngram, or a file with its head")
+        if self.speculate is not None:
+            step_tokens = max(step_tokens, self.speculate.draft_max + 1)
         self.burst = burst  # decode steps per submission: the host waits once per burst
         self.bursts = Alone()  # what runs them: this graph alone, or with others (engine.Together)
         self.tokenizer = Tokenizer.from_model(model)
@@ -256,7 +259,12 @@ class Generator:
         nothing is undone from a checkpoint."""
         t.spec = SpecStats()
         history = self.context + [token]
-        verify = Verifier(self.graph, self.speculate.drafts(list(self.context)), self.speculate.draft_max, t.spec)
+        if self.speculate.mtp and self.mtp is None:
+            from zdsl.models.qwen35.model.mtp import MtpHead
+
+            self.mtp = MtpHead(self.graph)
+        drafts = self.speculate.drafts(list(self.context), self.mtp)
+        verify = Verifier(self.graph, drafts, self.speculate.draft_max, t.spec)
         stop_ids = self.stop_ids if stop else frozenset()
         produced, said = 0, [token]
         while True:
@@ -272,6 +280,8 @@ class Generator:
             history += said
 
     def close(self) -> None:
+        if self.mtp is not None:
+            self.mtp.close()
         if self.checkpoints is not None:
             self.checkpoints.close()
         self.graph.close()

@@ -18,7 +18,7 @@ from typing import Callable
 
 from zdsl.errors import ZdslError
 
-SPEC_MODES = ("auto", "ngram", "none")
+SPEC_MODES = ("auto", "mtp", "ngram", "none")
 DRAFT_MAX = 3  # at 70% acceptance 3 drafts give 2.5 tokens a step and a 4th adds 0.24, for a larger step
 
 
@@ -51,30 +51,53 @@ class SpecStats:
 
 @dataclass
 class Speculation:
-    """How a Generator drafts: `drafts(prompt_ids)` makes the drafter of one generation; at most
-    `draft_max` drafts a step (the graph's step_tokens is one more)."""
-    drafts: Callable[[list[int]], object]
+    """How a Generator drafts: `drafts(prompt_ids, head)` makes the drafter of one generation
+    (`head`: the generator's MTP head, mtp.py, where `mtp` asks for one; else None); at most
+    `draft_max` drafts a step (the graph's step_tokens is one more). `auto` is resolved by the
+    Generator, which knows whether its file has a head (`resolved`)."""
+    drafts: Callable[[list[int], object], object]
     draft_max: int = DRAFT_MAX
     name: str = "ngram"
+    mtp: bool = False
+
+    def resolved(self, has_mtp: bool) -> Speculation | None:
+        """`auto` as the file decides: its MTP head where it has one, else plain decoding."""
+        if self.name != "auto":
+            return self
+        return Speculation(mtp_drafts, self.draft_max, "mtp", mtp=True) if has_mtp else None
+
+
+def mtp_drafts(prompt: list[int], head) -> object:
+    from zdsl.models.qwen35.model.mtp import MtpDrafts
+
+    return MtpDrafts(head, prompt)
+
+
+def ngram_drafts(prompt: list[int], head) -> object:
+    from zdsl.models.qwen35.model.drafts import NgramDrafts
+
+    return NgramDrafts()
 
 
 def speculation(mode: str, draft_max: int | None, sampler) -> Speculation | None:
-    """The Speculation of `--spec mode --draft-max n`, or None for plain decoding. `auto` decodes
-    plainly: n-gram drafts pay on repetitive text only, and a wrong draft costs a step of several
-    tokens, so a user turns them on for the text that repeats (llama-server's default too)."""
-    from zdsl.models.qwen35.model.drafts import NgramDrafts
-
+    """The Speculation of `--spec mode --draft-max n`, or None for plain decoding. `auto` drafts
+    with the file's MTP head where it has one (the Generator resolves it) and decodes plainly
+    otherwise: n-gram drafts pay on repetitive text only, and a wrong draft costs a step of
+    several tokens, so a user turns them on for the text that repeats."""
     if mode not in SPEC_MODES:
         raise ZdslError(f"--spec {mode!r}: choose one of {', '.join(SPEC_MODES)}")
     if draft_max is not None and not 1 <= draft_max <= 15:
         raise ZdslError(f"--draft-max must be from 1 to 15, got {draft_max}")
-    if mode in ("auto", "none"):
+    if mode == "none" or (mode == "auto" and sampler.penalties):
         return None
     if sampler.penalties:
         raise ZdslError("speculative decoding samples without repetition penalties (their window would count "
                         "drafts that are cut away); use --repeat-penalty 1 and no presence/frequency penalty, "
                         "or --spec none")
-    return Speculation(lambda prompt: NgramDrafts(), draft_max or DRAFT_MAX, mode)
+    k = draft_max or DRAFT_MAX
+    if mode == "mtp":
+        return Speculation(mtp_drafts, k, "mtp", mtp=True)
+    return Speculation(ngram_drafts, k, mode)
 
 
 class Verifier:
