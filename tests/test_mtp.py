@@ -160,23 +160,27 @@ def assert_drafts_agree(got_drafts, got_last, want):
 
 @pytest.mark.device
 def test_gpu_head_drafts_as_the_reference_after_a_prompt_and_after_a_cut_step(model, graph):
-    """After a prompt: three chained drafts. Then a step of four tokens cut back to three kept:
-    the head catches up on those three rows and drafts on from the model's next token."""
+    """After a prompt of two chunks, each caught up on: three chained drafts. Then a step of four
+    tokens cut back to three kept: the head catches up on those three rows and drafts on from the
+    model's next token."""
     from zdsl.models.qwen35.model.mtp import MtpDrafts
 
     g, head = graph
     hp, L = model.hparams, model.hparams.n_layers
     ref = ReferenceModel(model, int8_activations=True)
     rng = np.random.default_rng(5)  # (3 puts a router near-tie of the head at the second draft: test_decode.py)
-    prompt = rng.integers(0, hp.vocab, 9).tolist()
+    prompt = rng.integers(0, hp.vocab, 21).tolist()
     g.reset()
-    y = g.prefill(prompt, sample=True)
+    g.prefill(prompt[:16])  # a chunk (16) and a part of one, each caught up on after it ran
+    head.prompt(16, 0)
+    y = g.prefill(prompt[16:], sample=True)
+    head.prompt(5, 16)
     drafter = MtpDrafts(head, prompt)
     drafts = drafter.draft(prompt + [y], 3)
     state, trace = ref.new_state(), {}
     ref.forward(prompt, state, trace=trace)
-    mst = ref.new_state()  # the prompt's positions: zero KV rows (mtp.py)
-    mst.kv[L] = (np.zeros((hp.n_kv_heads, len(prompt), hp.head_dim), np.float32),) * 2
+    mst = ref.new_state()
+    ref.mtp(prompt, np.concatenate([np.zeros((1, hp.hidden)), trace["h"][:-1]]), 0, mst)  # h before 0: zero
     last_h = trace["h"][-1]
     want = reference_chain(ref, mst, y, last_h, len(prompt), drafts)
     assert_drafts_agree(drafts, g.token_rows.logits_of(1)[0], want)

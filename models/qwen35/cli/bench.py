@@ -333,7 +333,7 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
     from zdsl.models.qwen35.file.info import memory_plan
     from zdsl.models.qwen35.cli.bench_spec import (measure_speculation, parse_accepts, parse_draft_max,
                                                    speculation_markdown, speculation_table)
-    from zdsl.models.qwen35.model.buffers import check_fits
+    from zdsl.models.qwen35.model.buffers import PROMPT_CHUNK, check_fits
     from zdsl.models.qwen35.model.mtp import head_buffers
     from zdsl.models.qwen35.model.generate import Generator
     from zdsl.models.qwen35.model.graph import plan_buffers
@@ -370,7 +370,7 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
         available = dev.memory_available()
 
         def specs_at(n_ctx: int):
-            head = head_buffers(m.hparams, n_ctx, step_tokens, kv) if spec == "mtp" else []
+            head = head_buffers(m.hparams, n_ctx, step_tokens, PROMPT_CHUNK, kv) if spec == "mtp" else []
             return plan_buffers(m, info, n_ctx, sampler, kv=kv, step_tokens=step_tokens) + head
 
         rows = memory_rows(specs_at, depths, extra, available)

@@ -180,6 +180,8 @@ class Generator:
         wanted), so the snapshot one short lets the same prompt again (a retry) feed one token,
         where one at its end would leave it a chunk to feed."""
         g = self.graph
+        if self.mtp is not None and self.speculate is not None and self.speculate.mtp and self.checkpoints is None:
+            return self._prefill_mtp(tokens)
         if self.checkpoints is None:
             return g.prefill(tokens, sample=True)
         at, last = 0, len(tokens) - 1
@@ -189,6 +191,19 @@ class Generator:
             self.checkpoints.save()
             at += n
         return g.decode(tokens[-1])
+
+    def _prefill_mtp(self, tokens: list[int]) -> int:
+        """Feed the prompt's new tokens in pieces that end where chunks end, the MTP head catching
+        up on each after it (mtp.py); the last piece draws the first generated token."""
+        g, at = self.graph, 0
+        while True:
+            n = min(len(tokens) - at, g.chunk - g.position % g.chunk)
+            p0, last = g.position, at + n == len(tokens)
+            token = g.prefill(tokens[at:at + n], sample=last)
+            self.mtp.prompt(n, p0)
+            at += n
+            if last:
+                return token
 
     def generate(self, prompt_ids: list[int], n: int, *, stop: bool = True) -> Iterator[int]:
         """Yield up to n generated token ids after `prompt_ids`, ending after a stop token when
@@ -202,6 +217,10 @@ class Generator:
         g, t = self.graph, Timings()
         self.timings = t
         start = time.perf_counter()
+        if self.speculate is not None and self.speculate.mtp and self.mtp is None:
+            from zdsl.models.qwen35.model.mtp import MtpHead
+
+            self.mtp = MtpHead(self.graph)
         reused = self.resume(prompt_ids)
         new = prompt_ids[reused:]
         try:
@@ -259,10 +278,6 @@ class Generator:
         nothing is undone from a checkpoint."""
         t.spec = SpecStats()
         history = self.context + [token]
-        if self.speculate.mtp and self.mtp is None:
-            from zdsl.models.qwen35.model.mtp import MtpHead
-
-            self.mtp = MtpHead(self.graph)
         drafts = self.speculate.drafts(list(self.context), self.mtp)
         verify = Verifier(self.graph, drafts, self.speculate.draft_max, t.spec)
         stop_ids = self.stop_ids if stop else frozenset()

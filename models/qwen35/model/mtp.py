@@ -10,10 +10,9 @@ and kept the first j + 1 of them, the head catches up on those rows (its KV rows
 from the trunk's h of the step's rows and the h carried from the step before); then it drafts
 from the token the model said at p0 + j + 1 and the trunk's h of the last kept row, each draft's
 own normed output being the next draft's h. Drafts are argmax: a function of the history, which
-keeps verification exact (speculate.py). Catch-up and chain run in one submission.
-
-The prompt's positions are not caught up (their KV rows stay zero): the head sees the generated
-text. Drafts are poorer for it on a real model's long prompt, never wrong (they are verified).
+keeps verification exact (speculate.py). Catch-up and chain run in one submission. A prompt's
+chunk is caught up after it ran (`prompt`), on the chunk's kernels (prefill.py), from the h of
+its rows (the output norm of its last residual rows); the h before position 0 is zero.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from zdsl.errors import ZdslError
-from zdsl.kernels import embedding, sampling, steps as step_kernels
+from zdsl.kernels import embedding, q8_1, sampling, steps as step_kernels
 from zdsl.kernels.attention import cache_rows
 from zdsl.kernels.kvcache import KV_FORMATS
 from zdsl.kernels.steps import STEP_WORDS
@@ -31,17 +30,20 @@ from zdsl.models.qwen35.model.sampler import SamplerConfig
 from zdsl.models.qwen35.model.schedule import RowBlocks
 from zdsl.models.qwen35.model.token_rows import STEP_STRIDE
 
+PROMPT_LENGTHS = 4  # recorded prompt catch-ups kept of lengths other than the full chunk
 
-def head_buffers(hp, n_ctx: int, most: int, kv) -> list[BufferSpec]:
-    """The head's buffers beside a graph's (whose step rows it shares): its KV rows, the h rows it
-    reads (a carried one and a step's), its step values (the catch-up's rows, then the chain's
-    one) and its drafts by position."""
+
+def head_buffers(hp, n_ctx: int, most: int, chunk: int, kv) -> list[BufferSpec]:
+    """The head's buffers beside a graph's (whose step and prompt rows it shares): its KV rows, the
+    h rows it reads (a carried one and a step's, or a prompt chunk's), its step values (the
+    catch-up's rows, then the chain's one) and its drafts by position."""
     L, H = hp.n_layers, hp.hidden
     rows = cache_rows(n_ctx) * hp.n_kv_heads
     k_fmt, v_fmt = (KV_FORMATS[name] for name in kv)
     return [BufferSpec(f"k_cache.{L}", rows * k_fmt.row_bytes(hp.head_dim), "KV cache"),
             BufferSpec(f"v_cache.{L}", rows * v_fmt.row_bytes(hp.head_dim), "KV cache"),
-            f32("mtp.h", (most + 1) * H), f32("mtp.chain_h", H), scratch("mtp.steps", STEP_STRIDE * (most + 1)),
+            f32("mtp.h", (most + 1) * H), f32("mtp.chain_h", H), f32("mtp.prompt_h", (chunk + 1) * H),
+            scratch("mtp.steps", STEP_STRIDE * (most + 1)),
             scratch("mtp.tokens", 4 * n_ctx), scratch("mtp.settings", 4 * len(SamplerConfig().settings()))]
 
 
@@ -56,11 +58,12 @@ class MtpHead:
         hp = g.hp
         self.g, self.hp, self.L = g, hp, hp.n_layers
         self.a, self.most = g.token_rows.rows, g.token_rows.most
-        specs = head_buffers(hp, g.n_ctx, self.most, g.kv_types)
+        specs = head_buffers(hp, g.n_ctx, self.most, g.chunk, g.kv_types)
         self.buffers = dict(zip((s.name for s in specs), g.device.alloc_many([(s.name, s.nbytes) for s in specs])))
         b = self.buffers
         g.kv[self.L] = (b[f"k_cache.{self.L}"], b[f"v_cache.{self.L}"])  # the schedule's attention finds them there
         self.h, self.chain_h, self.steps, self.tokens = b["mtp.h"], b["mtp.chain_h"], b["mtp.steps"], b["mtp.tokens"]
+        self.prompt_h = b["mtp.prompt_h"]
         self.chain_step = self.steps.slice(STEP_STRIDE * self.most, 4 * STEP_WORDS)
         self.host = g.device.host_buffer(STEP_STRIDE * (self.most + 1), name="mtp.steps_host")
         self.host_words = self.host.view(np.uint32).reshape(self.most + 1, STEP_STRIDE // 4)
@@ -68,6 +71,7 @@ class MtpHead:
         b["mtp.settings"].write((greedy.as_sampling(g.sampler.kernel_cap) if g.sampler.kernel_cap > 1
                                  else greedy).settings())
         self._seqs: dict[tuple, object] = {}
+        self._prompt_seqs: dict[int, object] = {}  # by chunk length, the last few
         self.clear()
 
     def clear(self) -> None:
@@ -124,6 +128,41 @@ class MtpHead:
             step_kernels.advance.launch(seq, g.pick, step=self.chain_step)
         return seq
 
+    def record_prompt(self, t: int):
+        """The head over a prompt chunk of t rows just run (prefill.py's rows: their tokens, step
+        values and last residuals), after the carried h; carries its last row's h on."""
+        g, pf, H = self.g, self.g.prompt, self.hp.hidden
+        row, eh, L = 4 * H, mtp_name(self.hp, "eh_proj"), self.L
+        seq = g.device.sequence()
+        pf.norm(seq, "output_norm.weight", t)  # the trunk's h of the chunk's rows
+        seq.copy(pf.normed.f32, self.prompt_h, row * t, dst_offset=row)
+        seq.copy(self.h, self.prompt_h, row)
+        seq.copy(self.prompt_h.slice(row * t, row), self.h, row)
+        emb = "token_embd.weight"
+        embedding.embed.launch(seq, g.pick, QTYPE=g.qname(emb), table=g.weights[emb], ids=pf.tokens, out=pf.x,
+                               k=H, index=0, rows=t)
+        pf.norm(seq, mtp_name(self.hp, "enorm"), t)
+        pf._project(seq, eh + ".e", pf.x, t)
+        n = pf.normed
+        q8_1.norm_q8_1.launch(seq, g.pick, label="chunk.nextn.hnorm", x=self.prompt_h,
+                              norm_w=g.weights[mtp_name(self.hp, "hnorm")], hn=n.f32, xq=n.q, xd=n.d,
+                              **pf._halved(n), n=H, eps=self.hp.eps, rows=t)
+        pf._project(seq, eh + ".h", pf.x, t, add=True)
+        pf.norm(seq, f"blk.{L}.attn_norm.weight", t)
+        pf.attention(seq, L, t)
+        (pf.moe if self.hp.moe else pf.ffn)(seq, L, t)
+        return seq
+
+    def prompt(self, t: int, p0: int) -> None:
+        """Catch up on the prompt chunk of t tokens at p0 that just ran (from a zero h at 0)."""
+        if p0 == 0:
+            self.h.write(np.zeros(self.hp.hidden, np.float32))
+        seq = self._prompt_seqs.pop(t, None)
+        self._prompt_seqs[t] = seq = seq if seq is not None else self.record_prompt(t)
+        seq.run()
+        for old in [k for k in self._prompt_seqs if k != self.g.chunk][:-PROMPT_LENGTHS]:
+            self._prompt_seqs.pop(old).free()
+
     def draw(self) -> list:
         """Row 0's argmax into the chain's step values (its next token) and the drafts by position."""
         g, a = self.g, self.a
@@ -154,14 +193,11 @@ class MtpHead:
         self._seqs[(c, k)].run()
         return self.tokens.read(np.uint32, (k,), offset=4 * at).tolist()
 
-    def carry(self, h) -> None:
-        """Set the carried h (the trunk's at the position before the next catch-up's first)."""
-        self.h.write(np.asarray(h, np.float32), 0)
-
     def close(self) -> None:
-        for seq in self._seqs.values():
+        for seq in [*self._seqs.values(), *self._prompt_seqs.values()]:
             seq.free()
         self._seqs.clear()
+        self._prompt_seqs.clear()
         self.g.kv.pop(self.L, None)
         for buf in self.buffers.values():
             buf.free()
@@ -173,8 +209,8 @@ class MtpDrafts:
     head up on what the last step kept, then chains k drafts."""
 
     def __init__(self, head: MtpHead, prompt: list[int]):
+        """After the prompt ran, caught up (Generator: MtpHead.prompt after each chunk)."""
         self.head, self.p0 = head, None
-        head.carry(head.g.normed.f32.read(np.float32, (head.hp.hidden,)))  # the prompt's last h (its last step's)
 
     def draft(self, history: list[int], k: int) -> list[int]:
         g = self.head.g
