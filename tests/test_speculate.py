@@ -240,3 +240,52 @@ def test_bench_of_chosen_acceptance(tiny, tmp_path):
 def test_bench_speculation_options_say_what_is_wrong(tiny, capsys, args, message):
     assert main(["bench", str(tiny), "--device", "lavapipe", *args]) != 0
     assert message in capsys.readouterr().err
+
+
+def top_k_probabilities(logits, k: int) -> dict[int, float]:
+    """The sampler's distribution at temperature 1 with top_k = k (no min_p, no top_p)."""
+    top = np.argsort(-logits, kind="stable")[:k]
+    p = np.exp(logits[top] - logits[top].max())
+    return dict(zip(top.tolist(), (p / p.sum()).tolist()))
+
+
+def chi_square(samples: list[int], probabilities: dict[int, float]) -> float:
+    n = len(samples)
+    assert set(samples) <= set(probabilities)
+    return sum((samples.count(t) - n * p) ** 2 / (n * p) for t, p in probabilities.items())
+
+
+@pytest.mark.slow
+def test_sampled_tokens_of_verification_steps_have_the_models_distribution(device, tmp_path):
+    """Over many seeds, the token a verification step samples after the drafted-for token, and the
+    one after an accepted draft, follow the model's distribution (the numpy reference's logits,
+    top-4 at temperature 1): chi-square with 3 degrees of freedom under 16.27 (p = 0.001)."""
+    from zdsl.models.qwen35.model.reference import ReferenceModel
+
+    path = tmp_path / "tiny.gguf"
+    synth.write(path, "tiny-dense", seed=4)
+    model = open_model(path)
+    ref = ReferenceModel(model, int8_activations=True)
+    prompt = np.random.default_rng(2).integers(0, model.hparams.vocab, 10).tolist()
+    state = ref.new_state()
+    first = int(np.argmax(ref.forward(prompt, state)[-1]))
+    p1 = top_k_probabilities(ref.forward([first], state)[0], 4)
+    draft = max(p1, key=p1.get)
+    p2 = top_k_probabilities(ref.forward([draft], state)[0], 4)
+    reference = [first, draft, 0]
+    gen = Generator(model, device, n_ctx=32, sampler=SamplerConfig(temperature=1.0, top_k=4, top_p=1, min_p=0),
+                    progress=False, speculate=Speculation(lambda p, head: ChosenDrafts(reference, len(p), 1.0, 1024), 2))
+    after_first, after_draft = [], []
+    try:
+        for seed in range(240):
+            gen.use(SamplerConfig(temperature=1.0, top_k=4, top_p=1, min_p=0, seed=seed))
+            out = list(gen.generate(prompt, 3, stop=False))
+            if out[0] == first:
+                after_first.append(out[1])
+                if out[1] == draft:
+                    after_draft.append(out[2])
+    finally:
+        gen.close()
+    assert len(after_first) >= 60 and len(after_draft) >= 30
+    assert chi_square(after_first, p1) < 16.27
+    assert chi_square(after_draft, p2) < 16.27
