@@ -130,7 +130,8 @@ def graph(model, device):
     from zdsl.models.qwen35.model.mtp import MtpHead
     from zdsl.models.qwen35.model.sampler import SamplerConfig
 
-    g = DecodeGraph(model, device, 64, SamplerConfig(temperature=0), progress=False, chunk=16, step_tokens=STEP)
+    g = DecodeGraph(model, device, 64, SamplerConfig(temperature=0), progress=False, chunk=16, step_tokens=STEP,
+                    mtp=True)
     head = MtpHead(g)
     yield g, head
     head.close()
@@ -228,3 +229,18 @@ def test_mtp_drafts_from_a_file_without_a_head_say_so(tmp_path, capsys):
     assert "has no MTP head for --spec mtp" in capsys.readouterr().err
     assert main(["bench", str(path), "--device", "lavapipe", "--spec", "mtp"]) != 0
     assert "has no MTP head for --spec mtp" in capsys.readouterr().err
+
+
+@pytest.mark.device
+def test_the_memory_plan_holds_the_head(model, graph):
+    """The head's KV rows and inputs are in the graph's plan (what fits is checked with them) and
+    grow with the context as the trunk's KV rows do."""
+    from zdsl.models.qwen35.model.buffers import Footprint
+
+    g, _ = graph
+    L = model.hparams.n_layers
+    names = {s.name for s in g.buffers(64)}
+    assert {f"k_cache.{L}", f"v_cache.{L}", "mtp.h", "mtp.prompt_h", "mtp.tokens"} <= names
+    kv = Footprint(g.buffers(128)).by_kind["KV cache"] - Footprint(g.buffers(64)).by_kind["KV cache"]
+    per_layer = 2 * 64 * model.hparams.n_kv_heads * model.hparams.head_dim * 2  # K and V, f16, 64 more positions
+    assert kv == per_layer * (len(model.hparams.attention_layers) + 1)

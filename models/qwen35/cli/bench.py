@@ -335,6 +335,7 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
                                                    speculation_markdown, speculation_table)
     from zdsl.models.qwen35.model.buffers import PROMPT_CHUNK, check_fits
     from zdsl.models.qwen35.model.mtp import head_buffers
+    from zdsl.models.qwen35.model.speculate import speculation
     from zdsl.models.qwen35.model.generate import Generator
     from zdsl.models.qwen35.model.graph import plan_buffers
     from zdsl.models.qwen35.model.sampler import SamplerConfig
@@ -384,7 +385,8 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
         copy_gbps = copy_bandwidth(dev, copy_mb << 20)
         say(f"copy bandwidth {copy_gbps:,.0f} GB/s; {PROMPT_NOTE}")
         gen = Generator(m, dev, n_ctx=depths[-1] + extra, sampler=sampler, say=say, kv=kv, warm=True,
-                        step_tokens=step_tokens)
+                        step_tokens=step_tokens,
+                        speculate=speculation("mtp", max(drafts), sampler) if spec == "mtp" else None)
         results = measure(gen, plan, depths, tokens, prompt_len, repeats, copy_gbps, say)
         step_rows = measure_steps(gen.graph, depths[0], sizes, 8, repeats, say) if sizes else []
         speculated = measure_speculation(gen, spec, accept_list, drafts, prompt_len, tokens, repeats, say) \

@@ -119,7 +119,8 @@ class Generator:
         self.keep = keep
         self.graph = DecodeGraph(model, device, self.n_ctx, sampler, progress=progress, say=say, checkpoint=keep, kv=kv,
                                  chunk=chunk, weights_of=weights_of.graph if weights_of else None, slots=slots,
-                                 warm=warm, step_tokens=step_tokens)
+                                 warm=warm, step_tokens=step_tokens,
+                                 mtp=self.speculate is not None and self.speculate.mtp)
         self.context: list[int] = []
         self.checkpoints = Checkpoints(self.graph, checkpoints) if keep and checkpoints else None
         tok = self.tokenizer

@@ -31,6 +31,7 @@ from zdsl.models.qwen35.model.schedule import RowBlocks
 from zdsl.models.qwen35.model.token_rows import STEP_STRIDE
 
 PROMPT_LENGTHS = 4  # recorded prompt catch-ups kept of lengths other than the full chunk
+MTP = "mtp."  # the head's buffers' names start so (a sequence's own, never borrowed: graph.borrows)
 
 
 def head_buffers(hp, n_ctx: int, most: int, chunk: int, kv) -> list[BufferSpec]:
@@ -42,33 +43,32 @@ def head_buffers(hp, n_ctx: int, most: int, chunk: int, kv) -> list[BufferSpec]:
     k_fmt, v_fmt = (KV_FORMATS[name] for name in kv)
     return [BufferSpec(f"k_cache.{L}", rows * k_fmt.row_bytes(hp.head_dim), "KV cache"),
             BufferSpec(f"v_cache.{L}", rows * v_fmt.row_bytes(hp.head_dim), "KV cache"),
-            f32("mtp.h", (most + 1) * H), f32("mtp.chain_h", H), f32("mtp.prompt_h", (chunk + 1) * H),
-            scratch("mtp.steps", STEP_STRIDE * (most + 1)),
-            scratch("mtp.tokens", 4 * n_ctx), scratch("mtp.settings", 4 * len(SamplerConfig().settings()))]
+            f32(MTP + "h", (most + 1) * H), f32(MTP + "chain_h", H), f32(MTP + "prompt_h", (chunk + 1) * H),
+            scratch(MTP + "steps", STEP_STRIDE * (most + 1)),
+            scratch(MTP + "tokens", 4 * n_ctx), scratch(MTP + "settings", 4 * len(SamplerConfig().settings()))]
 
 
 class MtpHead:
-    """The MTP head of DecodeGraph `g` (made with step_tokens > 1: the head runs on its step rows)."""
+    """The MTP head of DecodeGraph `g`, made with mtp=True (the head's buffers, head_buffers) and
+    step_tokens > 1 (the head runs on its step rows)."""
 
     def __init__(self, g):
         if not g.model.has_mtp:
             raise ZdslError(f"{g.model.path.name} has no MTP head; use --spec ngram, or a file with its head")
-        if g.token_rows is None:
-            raise ZdslError("the MTP head runs on a graph of steps of several tokens: make it with step_tokens > 1")
+        if g.token_rows is None or not g.with_mtp:
+            raise ZdslError("the MTP head runs on a graph made for it: mtp=True and step_tokens > 1")
         hp = g.hp
         self.g, self.hp, self.L = g, hp, hp.n_layers
         self.a, self.most = g.token_rows.rows, g.token_rows.most
-        specs = head_buffers(hp, g.n_ctx, self.most, g.chunk, g.kv_types)
-        self.buffers = dict(zip((s.name for s in specs), g.device.alloc_many([(s.name, s.nbytes) for s in specs])))
-        b = self.buffers
+        self.buffers = b = {s.name: g.by_name[s.name] for s in head_buffers(hp, g.n_ctx, self.most, g.chunk, g.kv_types)}
         g.kv[self.L] = (b[f"k_cache.{self.L}"], b[f"v_cache.{self.L}"])  # the schedule's attention finds them there
-        self.h, self.chain_h, self.steps, self.tokens = b["mtp.h"], b["mtp.chain_h"], b["mtp.steps"], b["mtp.tokens"]
-        self.prompt_h = b["mtp.prompt_h"]
+        self.h, self.chain_h, self.steps, self.tokens = b[MTP + "h"], b[MTP + "chain_h"], b[MTP + "steps"], b[MTP + "tokens"]
+        self.prompt_h = b[MTP + "prompt_h"]
         self.chain_step = self.steps.slice(STEP_STRIDE * self.most, 4 * STEP_WORDS)
         self.host = g.device.host_buffer(STEP_STRIDE * (self.most + 1), name="mtp.steps_host")
         self.host_words = self.host.view(np.uint32).reshape(self.most + 1, STEP_STRIDE // 4)
         greedy = SamplerConfig(temperature=0)  # drafts are argmax, whatever the trunk samples with
-        b["mtp.settings"].write((greedy.as_sampling(g.sampler.kernel_cap) if g.sampler.kernel_cap > 1
+        b[MTP + "settings"].write((greedy.as_sampling(g.sampler.kernel_cap) if g.sampler.kernel_cap > 1
                                  else greedy).settings())
         self._seqs: dict[tuple, object] = {}
         self._prompt_seqs: dict[int, object] = {}  # by chunk length, the last few
@@ -166,7 +166,7 @@ class MtpHead:
     def draw(self) -> list:
         """Row 0's argmax into the chain's step values (its next token) and the drafts by position."""
         g, a = self.g, self.a
-        cap, vocab, settings = g.sampler.kernel_cap, self.hp.vocab, self.buffers["mtp.settings"]
+        cap, vocab, settings = g.sampler.kernel_cap, self.hp.vocab, self.buffers[MTP + "settings"]
         return [lambda seq: sampling.sample_candidates.launch(seq, g.pick, CAP=cap, logits=a.logits, counts=g.counts,
                                                               cand=a.cands[0], settings=settings, n_vocab=vocab, row=0),
                 lambda seq: sampling.sample_draw.launch(seq, g.pick, CAP=cap, WG=g.sample_pass.params["WG"],
@@ -199,9 +199,7 @@ class MtpHead:
         self._seqs.clear()
         self._prompt_seqs.clear()
         self.g.kv.pop(self.L, None)
-        for buf in self.buffers.values():
-            buf.free()
-        self.host.free()
+        self.host.free()  # the buffers are the graph's
 
 
 class MtpDrafts:
