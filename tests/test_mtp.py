@@ -244,3 +244,73 @@ def test_the_memory_plan_holds_the_head(model, graph):
     kv = Footprint(g.buffers(128)).by_kind["KV cache"] - Footprint(g.buffers(64)).by_kind["KV cache"]
     per_layer = 2 * 64 * model.hparams.n_kv_heads * model.hparams.head_dim * 2  # K and V, f16, 64 more positions
     assert kv == per_layer * (len(model.hparams.attention_layers) + 1)
+
+
+@pytest.mark.device
+def test_a_server_whose_slots_draft_with_the_head_answers_as_plain_decoding_and_counts_per_slot(model, device):
+    """`zdsl serve --spec mtp`: a greedy completion is plain decoding's, and /metrics gives each
+    slot's drafts checked and kept."""
+    import socket
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    from zdsl.kernels.kvcache import KV_DEFAULT
+    from zdsl.models.qwen35.model.generate import Generator
+    from zdsl.models.qwen35.model.sampler import SamplerConfig
+    from zdsl.models.qwen35.model.speculate import speculation
+    from zdsl.models.qwen35.serve.server import app, open_engine
+
+    greedy = SamplerConfig(temperature=0)
+    engine, model_id = open_engine(str(model.path), "lavapipe", n_ctx=96, kv=KV_DEFAULT, checkpoint_mib=16, parallel=2,
+                                   speculate=speculation("mtp", 3, greedy))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app(engine, model_id), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    plain = Generator(model, device, n_ctx=96, sampler=greedy, progress=False)
+    try:
+        while not srv.started:
+            time.sleep(0.05)
+        prompt = "the cat sat on the mat"
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                       json={"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}).json()
+        want = list(plain.generate(plain.tokenizer.encode(prompt), 16, stop=False))
+        assert r["choices"][0]["text"] == plain.tokenizer.decode(want, skip_special=True)
+        lines = httpx.get(f"http://127.0.0.1:{port}/metrics").text.splitlines()
+        drafted = {line.split()[0]: float(line.split()[1]) for line in lines if line.startswith("zdsl_drafted")}
+        assert set(drafted) == {'zdsl_drafted_tokens_total{slot="0"}', 'zdsl_drafted_tokens_total{slot="1"}'}
+        assert sum(drafted.values()) >= 3 and any(line.startswith("zdsl_draft_acceptance{slot=") for line in lines)
+    finally:
+        plain.close()
+        srv.should_exit = True
+        thread.join(10)
+        engine.close()
+
+
+@pytest.mark.device
+def test_gpu_head_catches_up_on_a_prompts_last_token_fed_by_a_decode_step(model, graph):
+    """A prompt fed as chunks then its last token's decode step (as with checkpoints): the head
+    caught up on both drafts as the reference does."""
+    from zdsl.models.qwen35.model.mtp import MtpDrafts
+
+    g, head = graph
+    hp = model.hparams
+    ref = ReferenceModel(model, int8_activations=True)
+    prompt = np.random.default_rng(7).integers(0, hp.vocab, 13).tolist()
+    g.reset()
+    g.prefill(prompt[:-1])
+    head.prompt(12, 0)
+    y = g.decode(prompt[-1])
+    head.decoded(prompt[-1], 12)
+    drafts = MtpDrafts(head, prompt).draft(prompt + [y], 2)
+    state, trace = ref.new_state(), {}
+    ref.forward(prompt, state, trace=trace)
+    mst = ref.new_state()
+    ref.mtp(prompt, np.concatenate([np.zeros((1, hp.hidden)), trace["h"][:-1]]), 0, mst)
+    want = reference_chain(ref, mst, y, trace["h"][-1], len(prompt), drafts)
+    assert_drafts_agree(drafts, g.token_rows.logits_of(1)[0], want)

@@ -181,7 +181,7 @@ class Generator:
         wanted), so the snapshot one short lets the same prompt again (a retry) feed one token,
         where one at its end would leave it a chunk to feed."""
         g = self.graph
-        if self.mtp is not None and self.speculate is not None and self.speculate.mtp and self.checkpoints is None:
+        if self.mtp is not None and self.speculate is not None and self.speculate.mtp:
             return self._prefill_mtp(tokens)
         if self.checkpoints is None:
             return g.prefill(tokens, sample=True)
@@ -194,17 +194,28 @@ class Generator:
         return g.decode(tokens[-1])
 
     def _prefill_mtp(self, tokens: list[int]) -> int:
-        """Feed the prompt's new tokens in pieces that end where chunks end, the MTP head catching
-        up on each after it (mtp.py); the last piece draws the first generated token."""
-        g, at = self.graph, 0
-        while True:
-            n = min(len(tokens) - at, g.chunk - g.position % g.chunk)
-            p0, last = g.position, at + n == len(tokens)
-            token = g.prefill(tokens[at:at + n], sample=last)
+        """Feed the prompt's new tokens in the pieces _prefill feeds (those of DecodeGraph.prefill,
+        or with checkpoints pieces that end where chunks end and the last token's decode step:
+        the same sums, so the same tokens as plain decoding), the MTP head catching up on each
+        piece after it ran (mtp.py)."""
+        g = self.graph
+        if self.checkpoints is None:
+            for at in range(0, len(tokens), g.chunk):
+                p0, piece = g.position, tokens[at:at + g.chunk]
+                token = g.prefill(piece, sample=at + g.chunk >= len(tokens))
+                self.mtp.prompt(len(piece), p0)
+            return token
+        at, last = 0, len(tokens) - 1
+        while at < last:
+            n = min(last - at, g.chunk - g.position % g.chunk)
+            p0 = g.position
+            g.prefill(tokens[at:at + n])
             self.mtp.prompt(n, p0)
+            self.checkpoints.save()
             at += n
-            if last:
-                return token
+        token = g.decode(tokens[-1])
+        self.mtp.decoded(tokens[-1], g.position - 1)
+        return token
 
     def generate(self, prompt_ids: list[int], n: int, *, stop: bool = True) -> Iterator[int]:
         """Yield up to n generated token ids after `prompt_ids`, ending after a stop token when
@@ -233,7 +244,7 @@ class Generator:
         t.prompt_tokens, t.reused_tokens, t.prompt_s = len(prompt_ids) - reused, reused, time.perf_counter() - start
         start = time.perf_counter()
         try:
-            if self.speculate is None:
+            if self.speculate is None or g.sampler.penalties:  # a window of penalties would count drafts cut away
                 yield from self._decode(token, n, stop, t, start)
             else:
                 yield from self._speculate(token, n, stop, t, start)

@@ -12,7 +12,8 @@ from the token the model said at p0 + j + 1 and the trunk's h of the last kept r
 own normed output being the next draft's h. Drafts are argmax: a function of the history, which
 keeps verification exact (speculate.py). Catch-up and chain run in one submission. A prompt's
 chunk is caught up after it ran (`prompt`), on the chunk's kernels (prefill.py), from the h of
-its rows (the output norm of its last residual rows); the h before position 0 is zero.
+its rows (the output norm of its last residual rows), and a prompt's last token that a decode
+step fed after it (`decoded`); the h before position 0 is zero.
 """
 
 from __future__ import annotations
@@ -162,6 +163,26 @@ class MtpHead:
         seq.run()
         for old in [k for k in self._prompt_seqs if k != self.g.chunk][:-PROMPT_LENGTHS]:
             self._prompt_seqs.pop(old).free()
+
+    def record_decoded(self):
+        """The head's row of a token a decode step just fed (its step values from the host, the
+        carried h), then the step's h (the graph's own rows') carried on."""
+        g = self.g
+        seq = g.device.sequence()
+        seq.copy(self.host, self.steps)
+        self.forward(seq, 1, self.h, self.steps)
+        seq.copy(g.normed.f32, self.h, 4 * self.hp.hidden)
+        return seq
+
+    def decoded(self, token: int, position: int) -> None:
+        """Catch up on `token`, which a decode step fed at `position` (a prompt's last, with
+        checkpoints: Generator._prefill)."""
+        w = self.host_words
+        w[:] = 0
+        w[0, :3] = position, position + 1, token
+        if "decoded" not in self._seqs:
+            self._seqs["decoded"] = self.record_decoded()
+        self._seqs["decoded"].run()
 
     def draw(self) -> list:
         """Row 0's argmax into the chain's step values (its next token) and the drafts by position."""

@@ -21,7 +21,7 @@ import click
 
 from zdsl.errors import ZdslError
 from zdsl.kernels.kvcache import KVTypes
-from zdsl.models.qwen35.cli.run import kv_type_option
+from zdsl.models.qwen35.cli.run import kv_type_option, spec_options
 from zdsl.models.qwen35.serve.api import ApiError, chat_job, completion_job
 from zdsl.models.qwen35.serve.engine import Engine
 
@@ -158,9 +158,10 @@ def loopback(host: str) -> bool:
 
 
 def open_engine(model, device, *, n_ctx: int, kv: KVTypes, checkpoint_mib: int, parallel: int = 1,
-                say=None) -> tuple[Engine, str]:
+                say=None, speculate=None) -> tuple[Engine, str]:
     """`parallel` slots on `model` (a path, or None: the synthetic default), reading one copy of
-    its weights and decoding together, and its model id."""
+    its weights and decoding together, and its model id; `speculate`: each slot's drafts
+    (speculate.Speculation; a slot that drafts steps alone, checking its drafts)."""
     import threading
 
     from zdsl.models.qwen35.model.batch import MOST, Batch
@@ -171,7 +172,7 @@ def open_engine(model, device, *, n_ctx: int, kv: KVTypes, checkpoint_mib: int, 
 
     gpu = threading.RLock()
     options = dict(n_ctx=n_ctx, sampler=SamplerConfig(), progress=say is not None, say=say, keep=True, kv=kv,
-                   checkpoints=checkpoint_mib << 20)
+                   checkpoints=checkpoint_mib << 20, speculate=speculate)
     first = Slot(lambda: load(model, device, slots=parallel, **options), gpu)  # the plan holds every slot
     slots, together = [first], None
     try:
@@ -209,7 +210,8 @@ def _say(msg: str) -> None:
 @click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' (all routes but /health).")
 @click.option("--device", "device", default=None, help="Index, name substring or alias (zdsl devices).")
 @kv_type_option
-def serve(model, host, port, n_ctx, parallel, checkpoint_mib, api_key, device, kv):
+@spec_options
+def serve(model, host, port, n_ctx, parallel, checkpoint_mib, api_key, device, kv, spec, draft_max):
     """Serve MODEL over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
     /v1/models, /health, /metrics. A request whose prompt starts with what the slot holds feeds
     only the rest. Ctrl-C (or SIGTERM) finishes the requests under way, then exits."""
@@ -218,8 +220,11 @@ def serve(model, host, port, n_ctx, parallel, checkpoint_mib, api_key, device, k
     if not loopback(host) and not api_key:
         raise ZdslError(f"--host {host} listens beyond this machine: give --api-key KEY too (clients then send it "
                         "as 'Authorization: Bearer KEY')")
+    from zdsl.models.qwen35.model.sampler import SamplerConfig
+    from zdsl.models.qwen35.model.speculate import speculation
+
     engine, model_id = open_engine(model, device, n_ctx=n_ctx, kv=kv, checkpoint_mib=checkpoint_mib,
-                                   parallel=parallel, say=_say)
+                                   parallel=parallel, say=_say, speculate=speculation(spec, draft_max, SamplerConfig()))
     try:
         _say(f"serving {model_id} on http://{host}:{port}/v1 (context {engine.n_ctx} tokens, "
              f"{parallel} slot{'' if parallel == 1 else 's'})")
