@@ -3,10 +3,13 @@ the trunk's, `blk.N.nextn.*` beside its attention and FFN tensors, `nextn_predic
 what `zdsl model info` says of it, the graph's view of its weights, and its numpy forward
 (reference.ReferenceModel.mtp) written out here from the head's math."""
 
+import json
+
 import numpy as np
 import pytest
 
 from zdsl.cli import main
+from zdsl.errors import ModelError
 from zdsl.models.qwen35.file import synth
 from zdsl.models.qwen35.file.gguf_file import GGUFFile, open_model
 from zdsl.models.qwen35.file.info import memory_plan
@@ -314,3 +317,43 @@ def test_gpu_head_catches_up_on_a_prompts_last_token_fed_by_a_decode_step(model,
     ref.mtp(prompt, np.concatenate([np.zeros((1, hp.hidden)), trace["h"][:-1]]), 0, mst)
     want = reference_chain(ref, mst, y, trace["h"][-1], len(prompt), drafts)
     assert_drafts_agree(drafts, g.token_rows.logits_of(1)[0], want)
+
+
+@pytest.mark.device
+def test_a_head_in_a_file_of_its_own_drafts_as_the_head_in_the_file(tmp_path, device, capsys):
+    """synth --mtp-file writes the trunk without its head and the head in an mtp-*.gguf (the same
+    tensors as --mtp's); --draft-model reads it: drafts and tokens as with the head in the file."""
+    from zdsl.models.qwen35.file.gguf_file import WithHead
+    from zdsl.models.qwen35.model.generate import Generator
+    from zdsl.models.qwen35.model.sampler import SamplerConfig
+    from zdsl.models.qwen35.model.speculate import speculation
+
+    inside, trunk, head = tmp_path / "in.gguf", tmp_path / "trunk.gguf", tmp_path / "mtp-trunk.gguf"
+    synth.write(inside, "tiny", seed=9, mtp=True)
+    synth.write(trunk, "tiny", seed=9, mtp_file=head)
+    assert not open_model(trunk).has_mtp and GGUFFile(head).get("qwen35moe.nextn_predict_layers") == 1
+    assert main(["model", "info", str(head)]) == 0
+    assert "an MTP head alone: give it with --draft-model" in capsys.readouterr().out
+    greedy = SamplerConfig(temperature=0)
+    prompt = np.random.default_rng(8).integers(0, 1024, 10).tolist()
+    runs = []
+    for model in (open_model(inside), WithHead(open_model(trunk), head)):
+        gen = Generator(model, device, n_ctx=64, sampler=greedy, progress=False, speculate=speculation("mtp", 3, greedy))
+        try:
+            runs.append((list(gen.generate(prompt, 12, stop=False)), gen.timings.spec.drafted,
+                         gen.graph.token_rows.logits_of(1)))
+        finally:
+            gen.close()
+    (a, drafted_a, logits_a), (b, drafted_b, logits_b) = runs
+    assert a == b and drafted_a == drafted_b and np.array_equal(logits_a, logits_b)
+    args = ["--device", "lavapipe", "--ctx", "64", "-n", "12", "--temp", "0", "--ignore-eos", "--json", "-p", "a b c"]
+    outputs = []
+    for files in ([str(inside)], [str(trunk), "--draft-model", str(head)]):
+        assert main(["run", *files, *args]) == 0
+        outputs.append(json.loads(capsys.readouterr().out))
+    assert outputs[0]["token_ids"] == outputs[1]["token_ids"]
+    assert outputs[0]["timings"]["speculation"] == outputs[1]["timings"]["speculation"]
+    other = tmp_path / "dense.gguf"
+    synth.write(other, "tiny-dense", mtp=True)
+    with pytest.raises(ModelError, match="is not an MTP head of trunk.gguf"):
+        WithHead(open_model(trunk), other)

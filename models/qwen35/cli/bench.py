@@ -323,9 +323,11 @@ def parse_step_sizes(text: str) -> list[int]:
                    "first plain run's tokens (for synthetic weights, where real drafts cannot be judged).")
 @click.option("--draft-max", "draft_maxes", default="3", show_default=True,
               help="With --spec: the most drafts a step, one count or several (1,2,4 or 1..4).")
+@click.option("--draft-model", type=click.Path(dir_okay=False), default=None,
+              help="With --spec mtp: the MTP head from a file of its own (an mtp-*.gguf).")
 @kv_type_option
 def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir, kv, step_sizes, spec, accepts,
-          draft_maxes):
+          draft_maxes, draft_model):
     """Decode and prompt tok/s at each context depth, against the ceiling that the device's
     measured copy bandwidth and the bytes read per token imply."""
     from zdsl.console import make_console
@@ -356,6 +358,10 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
         console.print(msg, markup=False, highlight=False)
 
     m = open_model(model)
+    if draft_model is not None:
+        from zdsl.models.qwen35.file.gguf_file import WithHead
+
+        m = WithHead(m, draft_model)
     if spec == "mtp" and not m.has_mtp:
         raise ZdslError(f"{m.path.name} has no MTP head for --spec mtp; use --spec ngram (or zdsl model synth --mtp)")
     dev = open_device(device)
@@ -398,7 +404,8 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
                                    f"--copy-mb {copy_mb}", f"--kv-type {','.join(kv)}", f"--out {out_dir}"]
                                 + ([f"--step-tokens {','.join(map(str, sizes))}"] if sizes else [])
                                 + ([f"--spec {spec}", f"--draft-max {','.join(map(str, drafts))}"] if drafts else [])
-                                + ([f"--accept {','.join(f'{a:g}' for a in accept_list)}"] if accept_list else [])),
+                                + ([f"--accept {','.join(f'{a:g}' for a in accept_list)}"] if accept_list else [])
+                                + ([f"--draft-model {draft_model}"] if draft_model else [])),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "commit": git_commit(),
             "device": {"name": info.name, "driver": f"{info.driver_name} {info.driver_info}".strip(),

@@ -45,8 +45,10 @@ def model():
                    "repeatable, the first match wins), e.g. ffn_up_exps=q5_k.")
 @click.option("--mtp", is_flag=True, help="With the MTP head (multi-token prediction: drafts for --spec mtp), "
                                           "one more block after the trunk's, as converters graft it in.")
+@click.option("--mtp-file", type=click.Path(dir_okay=False), default=None,
+              help="The MTP head in a file of its own instead (an mtp-*.gguf, for --draft-model).")
 @click.option("--seed", type=int, default=0, show_default=True)
-def synth(out, preset, layers, vocab, quant, shared_ffn, hidden, tensor_types, mtp, seed):
+def synth(out, preset, layers, vocab, quant, shared_ffn, hidden, tensor_types, mtp, mtp_file, seed):
     """Write a random-weight model with the real tensor names, shapes and types."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
@@ -57,9 +59,10 @@ def synth(out, preset, layers, vocab, quant, shared_ffn, hidden, tensor_types, m
                   TimeRemainingColumn(), transient=True) as bar:
         task = bar.add_task(f"writing {out}", total=None)
         hp = write(out, preset, layers=layers, vocab=_vocab_size(vocab), shared_ffn=shared_ffn, hidden=hidden,
-                   quant=quant, tensor_types=overrides, seed=seed, mtp=mtp,
+                   quant=quant, tensor_types=overrides, seed=seed, mtp=mtp, mtp_file=mtp_file,
                    progress=lambda done, total: bar.update(task, completed=done, total=total))
-    click.echo(f"wrote {out}: {hp.arch} preset {preset}, {hp.n_layers} layers{' + MTP head' if mtp else ''}, "
+    head = f", its MTP head in {mtp_file}" if mtp_file else " + MTP head" if mtp else ""
+    click.echo(f"wrote {out}: {hp.arch} preset {preset}, {hp.n_layers} layers{head}, "
                f"hidden {hp.hidden}, vocab {hp.vocab}, {quant}")
 
 

@@ -10,6 +10,7 @@ files zdsl cannot run.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import struct
 from dataclasses import dataclass
@@ -327,6 +328,10 @@ class ModelFile(GGUFFile):
         rb = row_bytes(t.qtype, t.shape[-1])
         return self._reader.data[t.offset:t.offset + t.nbytes].reshape(*t.shape[:-1], rb)
 
+    def path_of(self, name: str) -> Path:
+        """The file that holds tensor `name` (this one; WithHead's head is in another)."""
+        return self.path
+
     def dequant(self, name: str, index=None) -> np.ndarray:
         """float32 values in numpy order; `index` selects along the outermost dim first
         (an expert of a 3-D expert tensor, token rows of the embedding) without touching the rest."""
@@ -347,10 +352,66 @@ class ModelFile(GGUFFile):
         return self.hparams.nextn_layers > 0 and mtp_name(self.hparams, "eh_proj") in self.tensors
 
 
-def check_tensors(f: GGUFFile, hp: Hparams) -> None:
+class WithHead:
+    """A trunk file and its MTP head from a file of its own (llama.cpp's `mtp-*.gguf`, `-md`): the
+    trunk's ModelFile with the head's tensors added, each read from the file that holds it."""
+
+    def __init__(self, trunk: ModelFile, head_path: str | os.PathLike):
+        self.trunk, self.head = trunk, GGUFFile(head_path)
+        hp = read_hparams(self.head)
+        t = trunk.hparams
+        if (hp.arch, hp.hidden, hp.vocab, hp.n_layers, hp.n_heads, hp.head_dim) != \
+                (t.arch, t.hidden, t.vocab, t.n_layers, t.n_heads, t.head_dim) or hp.nextn_layers != 1:
+            raise ModelError(f"{self.head.path} is not an MTP head of {trunk.path.name}: its metadata gives another "
+                             f"model or no head (a {hp.arch} of {hp.n_layers} + {hp.nextn_layers} blocks, hidden "
+                             f"{hp.hidden}, vocab {hp.vocab})")
+        self.hparams = dataclasses.replace(t, nextn_layers=1)
+        names = head_specs(self.hparams, frozenset(self.head.tensors))
+        check_tensors(self.head, self.hparams, names)
+        check_types(self.head, self.hparams, names)
+        self.tensors = {**trunk.tensors, **{n: self.head.tensors[n] for n in names if n in self.head.tensors}}
+        self._files = {n: self.head for n in names}
+        self.path = trunk.path
+
+    def __getattr__(self, name: str):
+        return getattr(self.trunk, name)  # the metadata (the tokenizer's) and the rest: the trunk's
+
+    def path_of(self, name: str) -> Path:
+        return self._files.get(name, self.trunk).path
+
+    def info(self, name: str) -> TensorInfo:
+        return self._files[name].info(name) if name in self._files else self.trunk.info(name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def qtype(self, name: str) -> QuantType:
+        return self.info(name).qtype
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.info(name).shape
+
+    def raw(self, name: str) -> np.ndarray:
+        f = self._files.get(name)
+        if f is None:
+            return self.trunk.raw(name)
+        t = f.info(name)
+        return f._reader.data[t.offset:t.offset + t.nbytes].reshape(*t.shape[:-1], row_bytes(t.qtype, t.shape[-1]))
+
+    def dequant(self, name: str, index=None) -> np.ndarray:
+        t, raw = self.info(name), self.raw(name)
+        if index is not None:
+            raw = raw[index]
+        return dequantize(raw, t.qtype, (*raw.shape[:-1], t.shape[-1]))
+
+    output_name = ModelFile.output_name
+    has_mtp = True
+
+
+def check_tensors(f: GGUFFile, hp: Hparams, specs: dict[str, TensorSpec] | None = None) -> None:
     """ModelError unless every tensor the metadata implies is present with the implied shape."""
     optional = {"output.weight", mtp_name(hp, "shared_head_norm")}  # else token_embd, output_norm
-    for name, spec in tensor_specs(hp, frozenset(f.tensors)).items():
+    for name, spec in (specs or tensor_specs(hp, frozenset(f.tensors))).items():
         if name in optional and name not in f.tensors:
             continue
         t = f.info(name)
@@ -359,9 +420,9 @@ def check_tensors(f: GGUFFile, hp: Hparams) -> None:
                              f"{list(spec.ne)}; the file is inconsistent, reconvert it")
 
 
-def check_types(f: GGUFFile, hp: Hparams) -> None:
-    """ModelError unless every tensor the model needs has a type zdsl reads there."""
-    for name, spec in tensor_specs(hp, frozenset(f.tensors)).items():
+def check_types(f: GGUFFile, hp: Hparams, specs: dict[str, TensorSpec] | None = None) -> None:
+    """ModelError unless every tensor the model needs (`specs`: these) has a type zdsl reads there."""
+    for name, spec in (specs or tensor_specs(hp, frozenset(f.tensors))).items():
         t = f.tensors.get(name)
         allowed = VECTOR_TYPES if spec.vector else WEIGHT_TYPES
         if t is not None and t.qtype not in allowed:

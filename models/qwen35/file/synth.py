@@ -381,6 +381,9 @@ class PresetModel:
 
     path = None
 
+    def path_of(self, name: str) -> None:
+        return None
+
     def __init__(self, name: str, quant: str = "q4_k_m"):
         self.hparams = preset(name)
         self.source = f"preset {name} ({quant.upper()} types)"
@@ -397,19 +400,34 @@ class PresetModel:
 def write(path: str | os.PathLike, preset_name: str = "tiny", *, layers: int | None = None,
           vocab: int | None = None, shared_ffn: int | None = None, hidden: int | None = None, quant: str = "q4_k_m",
           tensor_types: dict[str, QuantType] | None = None, seed: int = 0, mtp: bool = False,
-          progress: Callable[[int, int], None] | None = None) -> Hparams:
-    """Write a synthetic model (`tensor_types`: plan's overrides; `mtp`: with its MTP head, the
-    block after the trunk's, as converters graft it in); `progress(done_bytes, total_bytes)` is
-    called after each tensor."""
-    hp = replace(preset(preset_name, layers, vocab, shared_ffn, hidden), nextn_layers=int(mtp))
-    tensors = plan(hp, quant, tensor_types)
-    path = Path(path)
+          mtp_file: str | os.PathLike | None = None, progress: Callable[[int, int], None] | None = None) -> Hparams:
+    """Write a synthetic model (`tensor_types`: plan's overrides); with `mtp`, its MTP head in the
+    file, the block after the trunk's, as converters graft it in; with `mtp_file`, the head in a
+    file of its own there instead (llama.cpp's mtp-*.gguf: the same metadata, the embedding, the
+    output norm and head, and the head's block), the same tensors either way. `progress(done_bytes,
+    total_bytes)` is called after each tensor."""
+    base = preset(preset_name, layers, vocab, shared_ffn, hidden)
+    hp = replace(base, nextn_layers=int(mtp or mtp_file is not None))
+    tensors = list(enumerate(plan(hp, quant, tensor_types)))  # a tensor's data is drawn by its index here
+    if mtp_file is None:
+        _write_file(Path(path), hp, preset_name, tensors, seed, progress)
+        return hp
+    head = f"blk.{hp.n_layers}."
+    shared = ("token_embd.weight", "output_norm.weight", "output.weight")
+    _write_file(Path(path), base, preset_name, [t for t in tensors if not t[1][0].startswith(head)], seed, progress)
+    _write_file(Path(mtp_file), hp, preset_name, [t for t in tensors if t[1][0].startswith(head) or t[1][0] in shared],
+                seed, progress)
+    return hp
+
+
+def _write_file(path: Path, hp: Hparams, preset_name: str, tensors: list, seed: int, progress) -> None:
+    """A GGUF file of `hp`'s metadata and `tensors`, (index, (name, shape, type)) each."""
     w = GGUFWriter(path, hp.arch)
     pool = None
     try:
         _metadata(w, hp, preset_name)
         sizes = []
-        for name, shape, qtype in tensors:
+        for _, (name, shape, qtype) in tensors:
             rb = row_bytes(qtype, shape[-1])
             sizes.append(int(np.prod(shape[:-1], dtype=np.int64)) * rb)
             w.add_tensor_info(name, (*shape[:-1], rb), np.dtype(np.uint8), sizes[-1], raw_dtype=qtype)
@@ -417,7 +435,7 @@ def write(path: str | os.PathLike, preset_name: str = "tiny", *, layers: int | N
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         total, done = sum(sizes), 0
-        tasks = [(seed, i, name, shape, qtype, hp) for i, (name, shape, qtype) in enumerate(tensors)]
+        tasks = [(seed, i, name, shape, qtype, hp) for i, (name, shape, qtype) in tensors]
         if total >= PARALLEL_BYTES and (os.cpu_count() or 1) > 1:
             pool = multiprocessing.get_context("fork").Pool(os.cpu_count())
             datas = pool.imap(_tensor_data, tasks)
@@ -435,4 +453,3 @@ def write(path: str | os.PathLike, preset_name: str = "tiny", *, layers: int | N
         if pool is not None:
             pool.terminate()
         w.close()
-    return hp

@@ -327,10 +327,15 @@ class Alone:
 def load(path: str | None, device_selector: str | None, *, n_ctx: int, sampler: SamplerConfig,
          progress: bool = True, say: Callable[[str], None] | None = None, keep: bool = False,
          kv: KVTypes = KV_DEFAULT, checkpoints: int = 0, slots: int = 1, step_tokens: int = 1,
-         speculate: Speculation | None = None) -> Generator:
+         speculate: Speculation | None = None, draft_model: str | None = None) -> Generator:
+    """A Generator of the file at `path` (None: the synthetic default) on a device; `draft_model`:
+    its MTP head from a file of its own (gguf_file.WithHead)."""
+    from zdsl.models.qwen35.file.gguf_file import WithHead
     from zdsl.runtime import open_device
 
     model = open_model(path) if path is not None else default_model(say)
+    if draft_model is not None:
+        model = WithHead(model, draft_model)
     device = open_device(device_selector)
     if device.info.compile_only:
         raise ZdslError(f"{device.info.name} is a compile-only target; pick a device that runs code (zdsl devices)")

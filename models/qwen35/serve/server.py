@@ -158,7 +158,7 @@ def loopback(host: str) -> bool:
 
 
 def open_engine(model, device, *, n_ctx: int, kv: KVTypes, checkpoint_mib: int, parallel: int = 1,
-                say=None, speculate=None) -> tuple[Engine, str]:
+                say=None, speculate=None, draft_model=None) -> tuple[Engine, str]:
     """`parallel` slots on `model` (a path, or None: the synthetic default), reading one copy of
     its weights and decoding together, and its model id; `speculate`: each slot's drafts
     (speculate.Speculation; a slot that drafts steps alone, checking its drafts)."""
@@ -173,7 +173,7 @@ def open_engine(model, device, *, n_ctx: int, kv: KVTypes, checkpoint_mib: int, 
     gpu = threading.RLock()
     options = dict(n_ctx=n_ctx, sampler=SamplerConfig(), progress=say is not None, say=say, keep=True, kv=kv,
                    checkpoints=checkpoint_mib << 20, speculate=speculate)
-    first = Slot(lambda: load(model, device, slots=parallel, **options), gpu)  # the plan holds every slot
+    first = Slot(lambda: load(model, device, slots=parallel, draft_model=draft_model, **options), gpu)  # the plan holds every slot
     slots, together = [first], None
     try:
         for _ in range(parallel - 1):
@@ -211,7 +211,7 @@ def _say(msg: str) -> None:
 @click.option("--device", "device", default=None, help="Index, name substring or alias (zdsl devices).")
 @kv_type_option
 @spec_options
-def serve(model, host, port, n_ctx, parallel, checkpoint_mib, api_key, device, kv, spec, draft_max):
+def serve(model, host, port, n_ctx, parallel, checkpoint_mib, api_key, device, kv, spec, draft_max, draft_model):
     """Serve MODEL over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
     /v1/models, /health, /metrics. A request whose prompt starts with what the slot holds feeds
     only the rest. Ctrl-C (or SIGTERM) finishes the requests under way, then exits."""
@@ -224,7 +224,8 @@ def serve(model, host, port, n_ctx, parallel, checkpoint_mib, api_key, device, k
     from zdsl.models.qwen35.model.speculate import speculation
 
     engine, model_id = open_engine(model, device, n_ctx=n_ctx, kv=kv, checkpoint_mib=checkpoint_mib,
-                                   parallel=parallel, say=_say, speculate=speculation(spec, draft_max, SamplerConfig()))
+                                   parallel=parallel, say=_say, speculate=speculation(spec, draft_max, SamplerConfig()),
+                                   draft_model=draft_model)
     try:
         _say(f"serving {model_id} on http://{host}:{port}/v1 (context {engine.n_ctx} tokens, "
              f"{parallel} slot{'' if parallel == 1 else 's'})")
