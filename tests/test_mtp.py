@@ -179,7 +179,7 @@ def test_gpu_head_drafts_as_the_reference_after_a_prompt_and_after_a_cut_step(mo
     head.prompt(16, 0)
     y = g.prefill(prompt[16:], sample=True)
     head.prompt(5, 16)
-    drafter = MtpDrafts(head, prompt)
+    drafter = MtpDrafts(head)
     drafts = drafter.draft(prompt + [y], 3)
     state, trace = ref.new_state(), {}
     ref.forward(prompt, state, trace=trace)
@@ -310,7 +310,7 @@ def test_gpu_head_catches_up_on_a_prompts_last_token_fed_by_a_decode_step(model,
     head.prompt(12, 0)
     y = g.decode(prompt[-1])
     head.decoded(prompt[-1], 12)
-    drafts = MtpDrafts(head, prompt).draft(prompt + [y], 2)
+    drafts = MtpDrafts(head).draft(prompt + [y], 2)
     state, trace = ref.new_state(), {}
     ref.forward(prompt, state, trace=trace)
     mst = ref.new_state()

@@ -106,7 +106,8 @@ class Generator:
         self.speculate = speculate.resolved(model.has_mtp) if speculate is not None else None
         self.mtp = None  # the MTP head, made on first use (mtp.py)
         if self.speculate is not None and self.speculate.mtp and not model.has_mtp:
-            raise ZdslError(f"{model.path.name} has no MTP head for --spec mtp; use --spec ngram, or a file with its head")
+            raise ZdslError(f"{model.path.name} has no MTP head for --spec mtp; use --spec ngram, or a file with "
+                            "its head (or --draft-model)")
         if self.speculate is not None:
             step_tokens = max(step_tokens, self.speculate.draft_max + 1)
         self.burst = burst  # decode steps per submission: the host waits once per burst

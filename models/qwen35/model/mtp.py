@@ -61,23 +61,23 @@ class MtpHead:
         hp = g.hp
         self.g, self.hp, self.L = g, hp, hp.n_layers
         self.a, self.most = g.token_rows.rows, g.token_rows.most
-        self.buffers = b = {s.name: g.by_name[s.name] for s in head_buffers(hp, g.n_ctx, self.most, g.chunk, g.kv_types)}
+        specs = head_buffers(hp, g.n_ctx, self.most, g.chunk, g.kv_types)
+        self.buffers = b = {s.name: g.by_name[s.name] for s in specs}
         g.kv[self.L] = (b[f"k_cache.{self.L}"], b[f"v_cache.{self.L}"])  # the schedule's attention finds them there
-        self.h, self.chain_h, self.steps, self.tokens = b[MTP + "h"], b[MTP + "chain_h"], b[MTP + "steps"], b[MTP + "tokens"]
-        self.prompt_h = b[MTP + "prompt_h"]
+        self.h, self.chain_h, self.prompt_h = b[MTP + "h"], b[MTP + "chain_h"], b[MTP + "prompt_h"]
+        self.steps, self.tokens = b[MTP + "steps"], b[MTP + "tokens"]
         self.chain_step = self.steps.slice(STEP_STRIDE * self.most, 4 * STEP_WORDS)
         self.host = g.device.host_buffer(STEP_STRIDE * (self.most + 1), name="mtp.steps_host")
         self.host_words = self.host.view(np.uint32).reshape(self.most + 1, STEP_STRIDE // 4)
         greedy = SamplerConfig(temperature=0)  # drafts are argmax, whatever the trunk samples with
         b[MTP + "settings"].write((greedy.as_sampling(g.sampler.kernel_cap) if g.sampler.kernel_cap > 1
-                                 else greedy).settings())
+                                   else greedy).settings())
         self._seqs: dict[tuple, object] = {}
         self._prompt_seqs: dict[int, object] = {}  # by chunk length, the last few
         self.clear()
 
     def clear(self) -> None:
-        """Zero the head's KV rows (as DecodeGraph.reset does, the head's among the graph's: the
-        prompt's positions read as zero rows, module doc)."""
+        """Zero the head's KV rows (DecodeGraph.reset zeroes them too, among the graph's)."""
         seq = self.g.device.sequence()
         for buf in self.g.kv[self.L]:
             seq.fill(buf)
@@ -227,7 +227,7 @@ class MtpDrafts:
     """The head's drafts for one generation (speculate.Verifier's drafter): each call catches the
     head up on what the last step kept, then chains k drafts."""
 
-    def __init__(self, head: MtpHead, prompt: list[int]):
+    def __init__(self, head: MtpHead):
         """After the prompt ran, caught up (Generator: MtpHead.prompt after each chunk)."""
         self.head, self.p0 = head, None
 

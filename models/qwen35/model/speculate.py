@@ -70,7 +70,7 @@ class Speculation:
 def mtp_drafts(prompt: list[int], head) -> object:
     from zdsl.models.qwen35.model.mtp import MtpDrafts
 
-    return MtpDrafts(head, prompt)
+    return MtpDrafts(head)
 
 
 def ngram_drafts(prompt: list[int], head) -> object:

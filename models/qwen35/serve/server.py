@@ -173,7 +173,8 @@ def open_engine(model, device, *, n_ctx: int, kv: KVTypes, checkpoint_mib: int, 
     gpu = threading.RLock()
     options = dict(n_ctx=n_ctx, sampler=SamplerConfig(), progress=say is not None, say=say, keep=True, kv=kv,
                    checkpoints=checkpoint_mib << 20, speculate=speculate)
-    first = Slot(lambda: load(model, device, slots=parallel, draft_model=draft_model, **options), gpu)  # the plan holds every slot
+    # the plan holds every slot
+    first = Slot(lambda: load(model, device, slots=parallel, draft_model=draft_model, **options), gpu)
     slots, together = [first], None
     try:
         for _ in range(parallel - 1):
