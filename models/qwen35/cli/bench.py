@@ -314,14 +314,30 @@ def parse_step_sizes(text: str) -> list[int]:
 @click.option("--step-tokens", "step_sizes", default=None,
               help="Also time steps of this many tokens of one sequence (comma-separated, e.g. 1,2,4,8,16: what "
                    "verifying drafted tokens costs) at the first depth.")
+@click.option("--spec", type=click.Choice(["mtp", "ngram", "none"]), default="none", show_default=True,
+              help="Also time speculative decoding (greedy, at depth 0) against plain decoding: the file's MTP head's "
+                   "drafts, or ngram drafts on a prompt that repeats itself; with --accept, drafts of a chosen "
+                   "acceptance (the MTP head still drafting, for its time).")
+@click.option("--accept", "accepts", default=None,
+              help="With --spec: drafts right with each of these probabilities (e.g. 0.5,0.7,0.9), taken from a "
+                   "first plain run's tokens (for synthetic weights, where real drafts cannot be judged).")
+@click.option("--draft-max", "draft_maxes", default="3", show_default=True,
+              help="With --spec: the most drafts a step, one count or several (1,2,4 or 1..4).")
+@click.option("--draft-model", type=click.Path(dir_okay=False), default=None,
+              help="With --spec mtp: the MTP head from a file of its own (an mtp-*.gguf).")
 @kv_type_option
-def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir, kv, step_sizes):
+def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir, kv, step_sizes, spec, accepts,
+          draft_maxes, draft_model):
     """Decode and prompt tok/s at each context depth, against the ceiling that the device's
     measured copy bandwidth and the bytes read per token imply."""
     from zdsl.console import make_console
     from zdsl.models.qwen35.file.gguf_file import open_model
     from zdsl.models.qwen35.file.info import memory_plan
-    from zdsl.models.qwen35.model.buffers import check_fits
+    from zdsl.models.qwen35.cli.bench_spec import (measure_speculation, parse_accepts, parse_draft_max,
+                                                   speculation_markdown, speculation_table)
+    from zdsl.models.qwen35.model.buffers import PROMPT_CHUNK, check_fits
+    from zdsl.models.qwen35.model.mtp import head_buffers
+    from zdsl.models.qwen35.model.speculate import speculation
     from zdsl.models.qwen35.model.generate import Generator
     from zdsl.models.qwen35.model.graph import plan_buffers
     from zdsl.models.qwen35.model.sampler import SamplerConfig
@@ -329,6 +345,11 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
 
     depths = parse_contexts(contexts or DEFAULT_CONTEXTS)
     sizes = parse_step_sizes(step_sizes) if step_sizes else []
+    if accepts is not None and spec == "none":
+        raise ZdslError("--accept chooses how often drafts are right: give it with --spec mtp or --spec ngram")
+    accept_list = parse_accepts(accepts) if accepts is not None else []
+    drafts = parse_draft_max(draft_maxes) if spec != "none" else []
+    step_tokens = max(max(sizes, default=1), max(drafts, default=0) + 1)
     if min(tokens, prompt_len, repeats) < 1:
         raise ZdslError("--tokens, --prompt and --repeats must be at least 1")
     console = make_console()
@@ -337,6 +358,12 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
         console.print(msg, markup=False, highlight=False)
 
     m = open_model(model)
+    if draft_model is not None:
+        from zdsl.models.qwen35.file.gguf_file import WithHead
+
+        m = WithHead(m, draft_model)
+    if spec == "mtp" and not m.has_mtp:
+        raise ZdslError(f"{m.path.name} has no MTP head for --spec mtp; use --spec ngram (or zdsl model synth --mtp)")
     dev = open_device(device)
     gen = None
     try:
@@ -346,11 +373,12 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
         copy_mb = device_defaults.copy_mb(info, copy_mb, say)
         plan = memory_plan(m)
         sampler = SamplerConfig(temperature=0)
-        extra = max(tokens, prompt_len, 8 * max(sizes, default=0))
+        extra = max(tokens, prompt_len, 8 * max(sizes, default=0), prompt_len + tokens if drafts else 0)
         available = dev.memory_available()
 
         def specs_at(n_ctx: int):
-            return plan_buffers(m, info, n_ctx, sampler, kv=kv, step_tokens=max(sizes, default=1))
+            head = head_buffers(m.hparams, n_ctx, step_tokens, PROMPT_CHUNK, kv) if spec == "mtp" else []
+            return plan_buffers(m, info, n_ctx, sampler, kv=kv, step_tokens=step_tokens) + head
 
         rows = memory_rows(specs_at, depths, extra, available)
         console.print(memory_table(rows, available, info.name))
@@ -363,15 +391,21 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
         copy_gbps = copy_bandwidth(dev, copy_mb << 20)
         say(f"copy bandwidth {copy_gbps:,.0f} GB/s; {PROMPT_NOTE}")
         gen = Generator(m, dev, n_ctx=depths[-1] + extra, sampler=sampler, say=say, kv=kv, warm=True,
-                        step_tokens=max(sizes, default=1))
+                        step_tokens=step_tokens,
+                        speculate=speculation("mtp", max(drafts), sampler) if spec == "mtp" else None)
         results = measure(gen, plan, depths, tokens, prompt_len, repeats, copy_gbps, say)
         step_rows = measure_steps(gen.graph, depths[0], sizes, 8, repeats, say) if sizes else []
+        speculated = measure_speculation(gen, spec, accept_list, drafts, prompt_len, tokens, repeats, say) \
+            if drafts else None
         report = {
             "command": " ".join(["zdsl bench", str(m.path), f"--contexts {','.join(map(str, depths))}"]
                                 + ([f"--device {device}"] if device is not None else [])
                                 + [f"--tokens {tokens}", f"--prompt {prompt_len}", f"--repeats {repeats}",
                                    f"--copy-mb {copy_mb}", f"--kv-type {','.join(kv)}", f"--out {out_dir}"]
-                                + ([f"--step-tokens {','.join(map(str, sizes))}"] if sizes else [])),
+                                + ([f"--step-tokens {','.join(map(str, sizes))}"] if sizes else [])
+                                + ([f"--spec {spec}", f"--draft-max {','.join(map(str, drafts))}"] if drafts else [])
+                                + ([f"--accept {','.join(f'{a:g}' for a in accept_list)}"] if accept_list else [])
+                                + ([f"--draft-model {draft_model}"] if draft_model else [])),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "commit": git_commit(),
             "device": {"name": info.name, "driver": f"{info.driver_name} {info.driver_info}".strip(),
@@ -393,6 +427,7 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
                       "the row written + delta-net state read and written; ceiling = copy bandwidth / those bytes"],
             "rows": results,
             "steps": step_rows,
+            **({"speculation": speculated} if speculated else {}),
         }
     finally:
         if gen is not None:
@@ -400,10 +435,12 @@ def bench(model, contexts, device, tokens, prompt_len, repeats, copy_mb, out_dir
         dev.close()
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(report, indent=1, ensure_ascii=False))
-    (out_dir / "bench.md").write_text(markdown(report))
+    (out_dir / "bench.md").write_text(markdown(report) + (speculation_markdown(report) if speculated else ""))
     console.print(results_table(report))
     if step_rows:
         console.print(steps_table(report))
+    if speculated:
+        console.print(speculation_table(report))
     wrote = [out_dir / "bench.json", out_dir / "bench.md"]
     if plot(report, plan, out_dir / "bench.png"):
         wrote.append(out_dir / "bench.png")

@@ -43,8 +43,12 @@ def model():
 @click.option("--tensor-type", "tensor_types", multiple=True, metavar="REGEX=TYPE",
               help="Give the matrices whose names match REGEX this type (as llama-quantize's --tensor-type; "
                    "repeatable, the first match wins), e.g. ffn_up_exps=q5_k.")
+@click.option("--mtp", is_flag=True, help="With the MTP head (multi-token prediction: drafts for --spec mtp), "
+                                          "one more block after the trunk's, as converters graft it in.")
+@click.option("--mtp-file", type=click.Path(dir_okay=False), default=None,
+              help="The MTP head in a file of its own instead (an mtp-*.gguf, for --draft-model).")
 @click.option("--seed", type=int, default=0, show_default=True)
-def synth(out, preset, layers, vocab, quant, shared_ffn, hidden, tensor_types, seed):
+def synth(out, preset, layers, vocab, quant, shared_ffn, hidden, tensor_types, mtp, mtp_file, seed):
     """Write a random-weight model with the real tensor names, shapes and types."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
@@ -55,10 +59,11 @@ def synth(out, preset, layers, vocab, quant, shared_ffn, hidden, tensor_types, s
                   TimeRemainingColumn(), transient=True) as bar:
         task = bar.add_task(f"writing {out}", total=None)
         hp = write(out, preset, layers=layers, vocab=_vocab_size(vocab), shared_ffn=shared_ffn, hidden=hidden,
-                   quant=quant, tensor_types=overrides, seed=seed,
+                   quant=quant, tensor_types=overrides, seed=seed, mtp=mtp, mtp_file=mtp_file,
                    progress=lambda done, total: bar.update(task, completed=done, total=total))
-    click.echo(f"wrote {out}: {hp.arch} preset {preset}, {hp.n_layers} layers, hidden {hp.hidden}, "
-               f"vocab {hp.vocab}, {quant}")
+    head = f", its MTP head in {mtp_file}" if mtp_file else " + MTP head" if mtp else ""
+    click.echo(f"wrote {out}: {hp.arch} preset {preset}, {hp.n_layers} layers{head}, "
+               f"hidden {hp.hidden}, vocab {hp.vocab}, {quant}")
 
 
 def _vocab_size(text: str | None) -> int | None:
@@ -195,6 +200,10 @@ def _model_rows(d, memory: int | None) -> list[tuple[str, str]]:
                                        f"(S {_size(plan.ssm_state_bytes)} + conv {_size(plan.conv_state_bytes)}, f32)"),
         *((f"KV per token, {f}", _size(plan.kv_bytes_per_token[f])) for f in SHOWN_KV_TYPES),
     ]
+    if hp.nextn_layers:
+        rows.append(("MTP head", f"block {hp.n_layers}: gated attention + {'MoE' if hp.moe else 'dense FFN'}, "
+                                 f"{_size(plan.mtp_bytes)}, {_size(plan.mtp_read_per_draft)} read per draft (--spec mtp)"
+                     if plan.mtp_bytes else "counted in the metadata, not in the file"))
     if memory is not None:
         rows += [(f"context in {_size(memory)}, KV {f}", f"{n:,} tokens") for f, n in _contexts(d, memory).items()]
     return rows

@@ -40,6 +40,21 @@ def sampler_options(f):
     return f
 
 
+def spec_options(f):
+    """--spec and --draft-max: speculative decoding (model/speculate.py)."""
+    from zdsl.models.qwen35.model.speculate import DRAFT_MAX, SPEC_MODES
+
+    f = click.option("--draft-max", type=int, default=None,
+                     help=f"Most draft tokens checked in one step [default: {DRAFT_MAX}].")(f)
+    f = click.option("--draft-model", type=click.Path(dir_okay=False), default=None,
+                     help="The MTP head from a file of its own (an mtp-*.gguf beside a file without it).")(f)
+    return click.option("--spec", type=click.Choice(SPEC_MODES), default="auto", show_default=True,
+                        help="Speculative decoding: drafts checked in one step, the output plain decoding's token "
+                             "for token. mtp: the file's MTP head drafts; ngram: what the prompt and reply already "
+                             "hold (prompt lookup). auto: mtp where the file has a head, else none (n-gram drafts "
+                             "pay only on text that repeats).")(f)
+
+
 def make_sampler(o: dict) -> SamplerConfig:
     return SamplerConfig(temperature=o["temperature"], top_k=o["top_k"], top_p=o["top_p"], min_p=o["min_p"],
                          repeat_penalty=o["repeat_penalty"], presence_penalty=o["presence_penalty"],
@@ -59,17 +74,19 @@ def _say(msg: str) -> None:
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at end-of-sequence tokens.")
 @click.option("--json", "as_json", is_flag=True, help="Print token ids, text and timings as JSON.")
 @sampler_options
-def run(model, prompt, n_predict, chat, no_think, ignore_eos, as_json, **opts):
+@spec_options
+def run(model, prompt, n_predict, chat, no_think, ignore_eos, as_json, spec, draft_max, draft_model, **opts):
     """Generate text. With no MODEL, a small synthetic model (generated on first use) shows the
     whole pipeline working."""
     from zdsl.errors import ZdslError
     from zdsl.models.qwen35.model.generate import load
+    from zdsl.models.qwen35.model.speculate import speculation
 
     if n_predict < 1:
         raise ZdslError(f"-n must be at least 1, got {n_predict}")
     sampler = make_sampler(opts)
     gen = load(model, opts["device"], n_ctx=opts["n_ctx"], sampler=sampler, progress=not as_json, say=_say,
-               kv=opts["kv"])
+               kv=opts["kv"], speculate=speculation(spec, draft_max, sampler), draft_model=draft_model)
     tok = gen.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": prompt}], enable_thinking=not no_think) if chat else prompt
     ids = tok.encode(text, parse_special=chat)
@@ -101,13 +118,16 @@ def run(model, prompt, n_predict, chat, no_think, ignore_eos, as_json, **opts):
 @click.option("--no-think", is_flag=True, help="enable_thinking=False.")
 @click.option("--system", default=None, help="A system message.")
 @sampler_options
-def chat(model, n_predict, no_think, system, **opts):
+@spec_options
+def chat(model, n_predict, no_think, system, spec, draft_max, draft_model, **opts):
     """Interactive chat with the model's template (an empty line or Ctrl-D ends it). The
     conversation stays in the caches: each turn feeds only its new tokens."""
     from zdsl.models.qwen35.model.generate import load
+    from zdsl.models.qwen35.model.speculate import speculation
 
-    gen = load(model, opts["device"], n_ctx=opts["n_ctx"], sampler=make_sampler(opts), say=_say, keep=True,
-               kv=opts["kv"])
+    sampler = make_sampler(opts)
+    gen = load(model, opts["device"], n_ctx=opts["n_ctx"], sampler=sampler, say=_say, keep=True,
+               kv=opts["kv"], speculate=speculation(spec, draft_max, sampler), draft_model=draft_model)
     tok = gen.tokenizer
     start = [{"role": "system", "content": system}] if system else []
     messages = list(start)

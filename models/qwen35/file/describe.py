@@ -19,7 +19,7 @@ from gguf import GGUFValueType
 from zdsl.errors import ModelError
 from zdsl.kernels.quant import FORMATS
 
-from .gguf_file import GGUFFile, Hparams, check_tensors, check_types, field_contents, read_hparams
+from .gguf_file import GGUFFile, Hparams, check_tensors, check_types, field_contents, mtp_name, read_hparams
 from .info import MemoryPlan, plan_tensors
 
 NO_KERNEL = "no GPU kernel yet"
@@ -84,6 +84,8 @@ def describe(path: str | os.PathLike) -> Description:
     hp = plan = problem = None
     try:
         hp = read_hparams(f)
+        if hp.nextn_layers and mtp_name(hp, "eh_proj") in f.tensors and "blk.0.attn_norm.weight" not in f.tensors:
+            raise ModelError("it is an MTP head alone: give it with --draft-model beside its trunk's file")
         check_tensors(f, hp)
         plan = plan_tensors(hp, [(t.name, t.qtype, t.shape) for t in f.tensors.values()])
         check_types(f, hp)

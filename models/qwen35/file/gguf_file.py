@@ -10,6 +10,7 @@ files zdsl cannot run.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import struct
 from dataclasses import dataclass
@@ -104,55 +105,85 @@ class TensorSpec:
     vector: bool = False          # elementwise operand: must be a float type
 
 
-def tensor_specs(hp: Hparams, present: set[str] | frozenset[str] = frozenset()) -> dict[str, TensorSpec]:
-    """The tensors a trunk needs, in file order. `present` picks the fused variants a file uses."""
+def tensor_specs(hp: Hparams, present: set[str] | frozenset[str] = frozenset(), head: bool | None = None
+                 ) -> dict[str, TensorSpec]:
+    """The tensors a trunk needs, in file order, and its MTP head's where it has one (`head`; None:
+    where `present` holds the head's eh_proj). `present` picks the fused variants a file uses."""
     H, V = hp.hidden, hp.vocab
     specs = {"token_embd.weight": TensorSpec((H, V))}
     for i in range(hp.n_layers):
-        p = f"blk.{i}."
-        s = {"attn_norm.weight": TensorSpec((H,), True)}
-        if hp.attention[i]:
-            q, kv = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
-            if p + "attn_qkv.weight" in present:
-                s["attn_qkv.weight"] = TensorSpec((H, 2 * q + 2 * kv))
-            else:
-                s |= {"attn_q.weight": TensorSpec((H, 2 * q)), "attn_k.weight": TensorSpec((H, kv)),
-                      "attn_v.weight": TensorSpec((H, kv))}
-            s |= {"attn_q_norm.weight": TensorSpec((hp.head_dim,), True),
-                  "attn_k_norm.weight": TensorSpec((hp.head_dim,), True),
-                  "attn_output.weight": TensorSpec((q, H))}
-        else:
-            vd, nv = hp.ssm_value_dim, hp.ssm_v_heads
-            s |= {"attn_qkv.weight": TensorSpec((H, hp.conv_channels)),
-                  "attn_gate.weight": TensorSpec((H, vd)),
-                  "ssm_conv1d.weight": TensorSpec((hp.conv_kernel, hp.conv_channels), True),
-                  "ssm_dt.bias": TensorSpec((nv,), True),
-                  "ssm_a": TensorSpec((nv,), True),
-                  "ssm_beta.weight": TensorSpec((H, nv)),
-                  "ssm_alpha.weight": TensorSpec((H, nv)),
-                  "ssm_norm.weight": TensorSpec((hp.ssm_head_dim,), True),
-                  "ssm_out.weight": TensorSpec((vd, H))}
-        s["post_attention_norm.weight"] = TensorSpec((H,), True)
-        if hp.moe:
-            E, F, S = hp.n_experts, hp.expert_ffn, hp.shared_ffn
-            s["ffn_gate_inp.weight"] = TensorSpec((H, E))
-            if p + "ffn_gate_up_exps.weight" in present:
-                s["ffn_gate_up_exps.weight"] = TensorSpec((H, 2 * F, E))
-            else:
-                s |= {"ffn_gate_exps.weight": TensorSpec((H, F, E)), "ffn_up_exps.weight": TensorSpec((H, F, E))}
-            s |= {"ffn_down_exps.weight": TensorSpec((F, H, E)),
-                  "ffn_gate_inp_shexp.weight": TensorSpec((H,), True),
-                  "ffn_gate_shexp.weight": TensorSpec((H, S)),
-                  "ffn_up_shexp.weight": TensorSpec((H, S)),
-                  "ffn_down_shexp.weight": TensorSpec((S, H))}
-        else:
-            s |= {"ffn_gate.weight": TensorSpec((H, hp.ffn)), "ffn_up.weight": TensorSpec((H, hp.ffn)),
-                  "ffn_down.weight": TensorSpec((hp.ffn, H))}
-        specs |= {p + k: v for k, v in s.items()}
+        specs |= block_specs(hp, i, hp.attention[i], present)
     specs["output_norm.weight"] = TensorSpec((H,), True)
     if "output.weight" in present or not present:
         specs["output.weight"] = TensorSpec((H, V))
+    if head is None:
+        head = mtp_name(hp, "eh_proj") in present
+    if head:
+        specs |= head_specs(hp, present)
     return specs
+
+
+def mtp_name(hp: Hparams, tensor: str) -> str:
+    """The name of the MTP head's `nextn` tensor (eh_proj, enorm, hnorm, shared_head_norm): in the
+    block after the trunk's."""
+    return f"blk.{hp.n_layers}.nextn.{tensor}.weight"
+
+
+def head_specs(hp: Hparams, present: set[str] | frozenset[str] = frozenset()) -> dict[str, TensorSpec]:
+    """The MTP head (multi-token prediction, `nextn_predict_layers` = 1): one more gated-attention
+    block after the trunk, with the trunk's FFN kind, whose input is the next token's embedding and
+    the trunk's last hidden state, each normed (enorm, hnorm), concatenated (embedding first) and
+    projected by eh_proj; its own output norm (shared_head_norm) before the trunk's head."""
+    if hp.nextn_layers != 1:
+        raise ModelError(f"this file has {hp.nextn_layers} MTP blocks; zdsl runs files with one")
+    H = hp.hidden
+    nextn = {mtp_name(hp, "eh_proj"): TensorSpec((2 * H, H)), mtp_name(hp, "enorm"): TensorSpec((H,), True),
+             mtp_name(hp, "hnorm"): TensorSpec((H,), True), mtp_name(hp, "shared_head_norm"): TensorSpec((H,), True)}
+    return block_specs(hp, hp.n_layers, True, present) | nextn
+
+
+def block_specs(hp: Hparams, i: int, attention: bool, present: set[str] | frozenset[str]) -> dict[str, TensorSpec]:
+    """Block i's tensors: its norms, its mixer's (gated attention or the delta-net) and its FFN's."""
+    H, p = hp.hidden, f"blk.{i}."
+    s = {"attn_norm.weight": TensorSpec((H,), True)}
+    if attention:
+        q, kv = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
+        if p + "attn_qkv.weight" in present:
+            s["attn_qkv.weight"] = TensorSpec((H, 2 * q + 2 * kv))
+        else:
+            s |= {"attn_q.weight": TensorSpec((H, 2 * q)), "attn_k.weight": TensorSpec((H, kv)),
+                  "attn_v.weight": TensorSpec((H, kv))}
+        s |= {"attn_q_norm.weight": TensorSpec((hp.head_dim,), True),
+              "attn_k_norm.weight": TensorSpec((hp.head_dim,), True),
+              "attn_output.weight": TensorSpec((q, H))}
+    else:
+        vd, nv = hp.ssm_value_dim, hp.ssm_v_heads
+        s |= {"attn_qkv.weight": TensorSpec((H, hp.conv_channels)),
+              "attn_gate.weight": TensorSpec((H, vd)),
+              "ssm_conv1d.weight": TensorSpec((hp.conv_kernel, hp.conv_channels), True),
+              "ssm_dt.bias": TensorSpec((nv,), True),
+              "ssm_a": TensorSpec((nv,), True),
+              "ssm_beta.weight": TensorSpec((H, nv)),
+              "ssm_alpha.weight": TensorSpec((H, nv)),
+              "ssm_norm.weight": TensorSpec((hp.ssm_head_dim,), True),
+              "ssm_out.weight": TensorSpec((vd, H))}
+    s["post_attention_norm.weight"] = TensorSpec((H,), True)
+    if hp.moe:
+        E, F, S = hp.n_experts, hp.expert_ffn, hp.shared_ffn
+        s["ffn_gate_inp.weight"] = TensorSpec((H, E))
+        if p + "ffn_gate_up_exps.weight" in present:
+            s["ffn_gate_up_exps.weight"] = TensorSpec((H, 2 * F, E))
+        else:
+            s |= {"ffn_gate_exps.weight": TensorSpec((H, F, E)), "ffn_up_exps.weight": TensorSpec((H, F, E))}
+        s |= {"ffn_down_exps.weight": TensorSpec((F, H, E)),
+              "ffn_gate_inp_shexp.weight": TensorSpec((H,), True),
+              "ffn_gate_shexp.weight": TensorSpec((H, S)),
+              "ffn_up_shexp.weight": TensorSpec((H, S)),
+              "ffn_down_shexp.weight": TensorSpec((S, H))}
+    else:
+        s |= {"ffn_gate.weight": TensorSpec((H, hp.ffn)), "ffn_up.weight": TensorSpec((H, hp.ffn)),
+              "ffn_down.weight": TensorSpec((hp.ffn, H))}
+    return {p + k: v for k, v in s.items()}
 
 
 class _Reader(GGUFReader):
@@ -297,6 +328,10 @@ class ModelFile(GGUFFile):
         rb = row_bytes(t.qtype, t.shape[-1])
         return self._reader.data[t.offset:t.offset + t.nbytes].reshape(*t.shape[:-1], rb)
 
+    def path_of(self, name: str) -> Path:
+        """The file that holds tensor `name` (this one; WithHead's head is in another)."""
+        return self.path
+
     def dequant(self, name: str, index=None) -> np.ndarray:
         """float32 values in numpy order; `index` selects along the outermost dim first
         (an expert of a 3-D expert tensor, token rows of the embedding) without touching the rest."""
@@ -311,11 +346,73 @@ class ModelFile(GGUFFile):
         """The head: `output.weight`, or the embedding when the file ties them."""
         return "output.weight" if "output.weight" in self.tensors else "token_embd.weight"
 
+    @property
+    def has_mtp(self) -> bool:
+        """Whether the file holds its MTP head (a file may count the block and leave it out)."""
+        return self.hparams.nextn_layers > 0 and mtp_name(self.hparams, "eh_proj") in self.tensors
 
-def check_tensors(f: GGUFFile, hp: Hparams) -> None:
+
+class WithHead:
+    """A trunk file and its MTP head from a file of its own (llama.cpp's `mtp-*.gguf`, `-md`): the
+    trunk's ModelFile with the head's tensors added, each read from the file that holds it."""
+
+    def __init__(self, trunk: ModelFile, head_path: str | os.PathLike):
+        self.trunk, self.head = trunk, GGUFFile(head_path)
+        hp = read_hparams(self.head)
+        t = trunk.hparams
+        if (hp.arch, hp.hidden, hp.vocab, hp.n_layers, hp.n_heads, hp.head_dim) != \
+                (t.arch, t.hidden, t.vocab, t.n_layers, t.n_heads, t.head_dim) or hp.nextn_layers != 1:
+            raise ModelError(f"{self.head.path} is not an MTP head of {trunk.path.name}: its metadata gives another "
+                             f"model or no head (a {hp.arch} of {hp.n_layers} + {hp.nextn_layers} blocks, hidden "
+                             f"{hp.hidden}, vocab {hp.vocab})")
+        self.hparams = dataclasses.replace(t, nextn_layers=1)
+        names = head_specs(self.hparams, frozenset(self.head.tensors))
+        check_tensors(self.head, self.hparams, names)
+        check_types(self.head, self.hparams, names)
+        self.tensors = {**trunk.tensors, **{n: self.head.tensors[n] for n in names if n in self.head.tensors}}
+        self._files = {n: self.head for n in names}
+        self.path = trunk.path
+
+    def __getattr__(self, name: str):
+        return getattr(self.trunk, name)  # the metadata (the tokenizer's) and the rest: the trunk's
+
+    def path_of(self, name: str) -> Path:
+        return self._files.get(name, self.trunk).path
+
+    def info(self, name: str) -> TensorInfo:
+        return self._files[name].info(name) if name in self._files else self.trunk.info(name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def qtype(self, name: str) -> QuantType:
+        return self.info(name).qtype
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.info(name).shape
+
+    def raw(self, name: str) -> np.ndarray:
+        f = self._files.get(name)
+        if f is None:
+            return self.trunk.raw(name)
+        t = f.info(name)
+        return f._reader.data[t.offset:t.offset + t.nbytes].reshape(*t.shape[:-1], row_bytes(t.qtype, t.shape[-1]))
+
+    def dequant(self, name: str, index=None) -> np.ndarray:
+        t, raw = self.info(name), self.raw(name)
+        if index is not None:
+            raw = raw[index]
+        return dequantize(raw, t.qtype, (*raw.shape[:-1], t.shape[-1]))
+
+    output_name = ModelFile.output_name
+    has_mtp = True
+
+
+def check_tensors(f: GGUFFile, hp: Hparams, specs: dict[str, TensorSpec] | None = None) -> None:
     """ModelError unless every tensor the metadata implies is present with the implied shape."""
-    for name, spec in tensor_specs(hp, frozenset(f.tensors)).items():
-        if name == "output.weight" and name not in f.tensors:
+    optional = {"output.weight", mtp_name(hp, "shared_head_norm")}  # else token_embd, output_norm
+    for name, spec in (specs or tensor_specs(hp, frozenset(f.tensors))).items():
+        if name in optional and name not in f.tensors:
             continue
         t = f.info(name)
         if t.ne != spec.ne:
@@ -323,9 +420,9 @@ def check_tensors(f: GGUFFile, hp: Hparams) -> None:
                              f"{list(spec.ne)}; the file is inconsistent, reconvert it")
 
 
-def check_types(f: GGUFFile, hp: Hparams) -> None:
-    """ModelError unless every tensor the model needs has a type zdsl reads there."""
-    for name, spec in tensor_specs(hp, frozenset(f.tensors)).items():
+def check_types(f: GGUFFile, hp: Hparams, specs: dict[str, TensorSpec] | None = None) -> None:
+    """ModelError unless every tensor the model needs (`specs`: these) has a type zdsl reads there."""
+    for name, spec in (specs or tensor_specs(hp, frozenset(f.tensors))).items():
         t = f.tensors.get(name)
         allowed = VECTOR_TYPES if spec.vector else WEIGHT_TYPES
         if t is not None and t.qtype not in allowed:

@@ -34,6 +34,8 @@ class MemoryPlan:
     kv_values: int                     # K (and as many V) values per token of context, all attention layers
     ssm_state_bytes: int               # delta-net S matrices, f32, per sequence
     conv_state_bytes: int              # delta-net conv inputs, a ring of conv_kernel slots, f32, per sequence
+    mtp_bytes: int = 0                 # the MTP head's block, as stored (0: the file holds none)
+    mtp_read_per_draft: int = 0        # weight bytes one MTP draft reads: its block and the output head
 
     def kv_bytes(self, kv: str | KVTypes) -> int:
         """KV cache bytes per token of context in the formats `kv` (a --kv-type value, or (K, V))."""
@@ -71,17 +73,21 @@ def memory_plan(model: ModelFile) -> MemoryPlan:
 def plan_tensors(hp: Hparams, tensors: Iterable[tuple[str, QuantType, tuple[int, ...]]]) -> MemoryPlan:
     """The plan from hyperparameters and (name, type, numpy-order shape) of each tensor, so a
     model can be sized before it is written (see `synth.plan`), and so can a file whose types
-    zdsl cannot run yet (`zdsl model info`). MTP blocks are left out."""
+    zdsl cannot run yet (`zdsl model info`). The MTP head's block is counted apart (mtp_bytes):
+    a run reads it only while it drafts."""
     by_type: Counter[str] = Counter()
-    total = read = expert = 0
+    total = read = expert = mtp = mtp_read = 0
+    by_name = {}  # the head's candidates: output.weight, or token_embd.weight in a tied file
     names = set()
     for name, qtype, shape in tensors:
-        if name.startswith("blk.") and int(name.split(".")[1]) >= hp.n_layers:
-            continue
-        names.add(name)
         block, size = GGML_QUANT_SIZES[qtype]
         rb = shape[-1] // block * size
         nbytes = int(np.prod(shape[:-1], dtype=np.int64)) * rb
+        if name.startswith("blk.") and int(name.split(".")[1]) >= hp.n_layers:
+            mtp += nbytes
+            mtp_read += nbytes * hp.n_experts_used // hp.n_experts if name.endswith("_exps.weight") else nbytes
+            continue
+        names.add(name)
         by_type[qtype.name] += nbytes
         total += nbytes
         if name.endswith("_exps.weight"):
@@ -92,9 +98,12 @@ def plan_tensors(hp: Hparams, tensors: Iterable[tuple[str, QuantType, tuple[int,
             tied = nbytes
         else:
             read += nbytes
+        if name in ("output.weight", "token_embd.weight"):
+            by_name[name] = nbytes
     if "output.weight" not in names:
         read += tied                                      # the head reads the whole embedding
     n_attn, n_dn = len(hp.attention_layers), len(hp.deltanet_layers)
+    head = by_name.get("output.weight", by_name.get("token_embd.weight", 0))
     return MemoryPlan(
         hparams=hp,
         weight_bytes=total,
@@ -106,4 +115,6 @@ def plan_tensors(hp: Hparams, tensors: Iterable[tuple[str, QuantType, tuple[int,
         # the model needs the last conv_kernel − 1 inputs; the decode kernel keeps conv_kernel slots
         # (kernels/deltanet.py: the slot written is never one being read)
         conv_state_bytes=n_dn * hp.conv_kernel * hp.conv_channels * F32,
+        mtp_bytes=mtp,
+        mtp_read_per_draft=mtp_read + head if mtp else 0,
     )

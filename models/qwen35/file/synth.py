@@ -370,6 +370,8 @@ def _metadata(w: GGUFWriter, hp: Hparams, name: str) -> None:
     w.add_name(f"zdsl synthetic {name}")
     w.add_quantization_version(2)
     w.add_uint32(f"{a}.block_count", hp.n_layers + hp.nextn_layers)
+    if hp.nextn_layers:
+        w.add_uint32(f"{a}.nextn_predict_layers", hp.nextn_layers)
     w.add_uint32(f"{a}.context_length", hp.context_length)
     w.add_uint32(f"{a}.embedding_length", hp.hidden)
     w.add_uint32(f"{a}.attention.head_count", hp.n_heads)
@@ -414,7 +416,7 @@ def plan(hp: Hparams, quant: str = "q4_k_m", tensor_types: dict[str, QuantType] 
     if quant not in QUANTS:
         raise ModelError(f"unknown --quant '{quant}'; choose one of {', '.join(QUANTS)}")
     out = []
-    for name, spec in tensor_specs(hp).items():
+    for name, spec in tensor_specs(hp, head=hp.nextn_layers > 0).items():
         layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
         qtype = tensor_type(name, spec, quant, layer, hp.n_layers)
         if not spec.vector and not name.endswith("ssm_conv1d.weight"):  # the conv's taps stay F32
@@ -450,6 +452,9 @@ class PresetModel:
 
     path = None
 
+    def path_of(self, name: str) -> None:
+        return None
+
     def __init__(self, name: str, quant: str = "q4_k_m"):
         self.hparams = preset(name)
         self.source = f"preset {name} ({quant.upper()} types)"
@@ -465,19 +470,35 @@ class PresetModel:
 
 def write(path: str | os.PathLike, preset_name: str = "tiny", *, layers: int | None = None,
           vocab: int | None = None, shared_ffn: int | None = None, hidden: int | None = None, quant: str = "q4_k_m",
-          tensor_types: dict[str, QuantType] | None = None, seed: int = 0,
-          progress: Callable[[int, int], None] | None = None) -> Hparams:
-    """Write a synthetic model (`tensor_types`: plan's overrides); `progress(done_bytes,
+          tensor_types: dict[str, QuantType] | None = None, seed: int = 0, mtp: bool = False,
+          mtp_file: str | os.PathLike | None = None, progress: Callable[[int, int], None] | None = None) -> Hparams:
+    """Write a synthetic model (`tensor_types`: plan's overrides); with `mtp`, its MTP head in the
+    file, the block after the trunk's, as converters graft it in; with `mtp_file`, the head in a
+    file of its own there instead (llama.cpp's mtp-*.gguf: the same metadata, the embedding, the
+    output norm and head, and the head's block), the same tensors either way. `progress(done_bytes,
     total_bytes)` is called after each tensor."""
-    hp = preset(preset_name, layers, vocab, shared_ffn, hidden)
-    tensors = plan(hp, quant, tensor_types)
-    path = Path(path)
+    base = preset(preset_name, layers, vocab, shared_ffn, hidden)
+    hp = replace(base, nextn_layers=int(mtp or mtp_file is not None))
+    tensors = list(enumerate(plan(hp, quant, tensor_types)))  # a tensor's data is drawn by its index here
+    if mtp_file is None:
+        _write_file(Path(path), hp, preset_name, tensors, seed, progress)
+        return hp
+    head = f"blk.{hp.n_layers}."
+    shared = ("token_embd.weight", "output_norm.weight", "output.weight")
+    _write_file(Path(path), base, preset_name, [t for t in tensors if not t[1][0].startswith(head)], seed, progress)
+    _write_file(Path(mtp_file), hp, preset_name, [t for t in tensors if t[1][0].startswith(head) or t[1][0] in shared],
+                seed, progress)
+    return hp
+
+
+def _write_file(path: Path, hp: Hparams, preset_name: str, tensors: list, seed: int, progress) -> None:
+    """A GGUF file of `hp`'s metadata and `tensors`, (index, (name, shape, type)) each."""
     w = GGUFWriter(path, hp.arch)
     pool = None
     try:
         _metadata(w, hp, preset_name)
         sizes = []
-        for name, shape, qtype in tensors:
+        for _, (name, shape, qtype) in tensors:
             rb = row_bytes(qtype, shape[-1])
             sizes.append(int(np.prod(shape[:-1], dtype=np.int64)) * rb)
             w.add_tensor_info(name, (*shape[:-1], rb), np.dtype(np.uint8), sizes[-1], raw_dtype=qtype)
@@ -485,7 +506,7 @@ def write(path: str | os.PathLike, preset_name: str = "tiny", *, layers: int | N
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         total, done = sum(sizes), 0
-        tasks = [(seed, i, name, shape, qtype, hp) for i, (name, shape, qtype) in enumerate(tensors)]
+        tasks = [(seed, i, name, shape, qtype, hp) for i, (name, shape, qtype) in tensors]
         if total >= PARALLEL_BYTES and (os.cpu_count() or 1) > 1:
             pool = multiprocessing.get_context("fork").Pool(os.cpu_count())
             datas = pool.imap(_tensor_data, tasks)
@@ -503,4 +524,3 @@ def write(path: str | os.PathLike, preset_name: str = "tiny", *, layers: int | N
         if pool is not None:
             pool.terminate()
         w.close()
-    return hp

@@ -21,6 +21,7 @@ from zdsl.models.qwen35.model.buffers import PROMPT_CHUNK
 from zdsl.models.qwen35.model.checkpoints import Checkpoints
 from zdsl.models.qwen35.model.graph import DecodeGraph
 from zdsl.models.qwen35.model.sampler import SamplerConfig
+from zdsl.models.qwen35.model.speculate import Speculation, SpecStats, Verifier
 from zdsl.models.qwen35.model.tokenizer import Tokenizer
 
 DEFAULT_PRESET = "tiny"
@@ -53,6 +54,7 @@ class Timings:
     decode_tokens: int = 0
     decode_s: float = 0.0
     gpu_ms: list[float] = field(default_factory=list)
+    spec: SpecStats | None = None  # what speculative decoding did, when on
 
     @property
     def prompt_tps(self) -> float:
@@ -70,13 +72,15 @@ class Timings:
         return {"prompt_tokens": self.prompt_tokens, "reused_tokens": self.reused_tokens,
                 "prompt_tok_per_s": round(self.prompt_tps, 2),
                 "decode_tokens": self.decode_tokens, "decode_tok_per_s": round(self.decode_tps, 2),
-                "gpu_ms_per_token": None if self.gpu_ms_per_token is None else round(self.gpu_ms_per_token, 3)}
+                "gpu_ms_per_token": None if self.gpu_ms_per_token is None else round(self.gpu_ms_per_token, 3),
+                **({"speculation": self.spec.as_dict()} if self.spec else {})}
 
     def summary(self) -> str:
         gpu = f", GPU {self.gpu_ms_per_token:.2f} ms/token" if self.gpu_ms_per_token is not None else ""
         reused = f" ({self.reused_tokens} reused)" if self.reused_tokens else ""
+        spec = f"; {self.spec.summary()}" if self.spec else ""
         return (f"prompt {self.prompt_tokens} tok{reused} at {self.prompt_tps:.1f} tok/s, "
-                f"decode {self.decode_tokens} tok at {self.decode_tps:.1f} tok/s{gpu}")
+                f"decode {self.decode_tokens} tok at {self.decode_tps:.1f} tok/s{gpu}{spec}")
 
 
 class Generator:
@@ -86,7 +90,8 @@ class Generator:
     def __init__(self, model: ModelFile, device, *, n_ctx: int, sampler: SamplerConfig, progress: bool = True,
                  burst: int = 8, say: Callable[[str], None] | None = None, keep: bool = False,
                  kv: KVTypes = KV_DEFAULT, checkpoints: int = 0, chunk: int = PROMPT_CHUNK,
-                 weights_of: Generator | None = None, slots: int = 1, warm: bool = False, step_tokens: int = 1):
+                 weights_of: Generator | None = None, slots: int = 1, warm: bool = False, step_tokens: int = 1,
+                 speculate: Speculation | None = None):
         """`keep`: prompts that extend the context continue it (a chat); bursts that run past an
         end-of-turn token are then undone from a checkpoint of the sequence state; `kv`: the
         KV caches' formats (kernels/kvcache.py); `checkpoints` (with keep): bytes of device memory
@@ -96,8 +101,17 @@ class Generator:
         model on this device whose weights this one reads (another sequence, e.g. a server slot);
         `slots`: the sequences that will read this one's weights, itself included; `warm`: compile
         what a run needs before returning; `step_tokens`: the most tokens a step of the sequence
-        holds (DecodeGraph)."""
+        holds (DecodeGraph); `speculate`: draft tokens and check them in steps of several
+        (speculate.py), the graph's steps made large enough for them (the attribute may change
+        between generations, within the draft maximum made for)."""
         self.model, self.device = model, device
+        self.speculate = speculate.resolved(model.has_mtp) if speculate is not None else None
+        self.mtp = None  # the MTP head, made on first use (mtp.py)
+        if self.speculate is not None and self.speculate.mtp and not model.has_mtp:
+            raise ZdslError(f"{model.path.name} has no MTP head for --spec mtp; use --spec ngram, or a file with "
+                            "its head (or --draft-model)")
+        if self.speculate is not None:
+            step_tokens = max(step_tokens, self.speculate.draft_max + 1)
         self.burst = burst  # decode steps per submission: the host waits once per burst
         self.bursts = Alone()  # what runs them: this graph alone, or with others (engine.Together)
         self.tokenizer = Tokenizer.from_model(model)
@@ -108,7 +122,8 @@ class Generator:
         self.keep = keep
         self.graph = DecodeGraph(model, device, self.n_ctx, sampler, progress=progress, say=say, checkpoint=keep, kv=kv,
                                  chunk=chunk, weights_of=weights_of.graph if weights_of else None, slots=slots,
-                                 warm=warm, step_tokens=step_tokens)
+                                 warm=warm, step_tokens=step_tokens,
+                                 mtp=self.speculate is not None and self.speculate.mtp)
         self.context: list[int] = []
         self.checkpoints = Checkpoints(self.graph, checkpoints) if keep and checkpoints else None
         tok = self.tokenizer
@@ -170,6 +185,8 @@ class Generator:
         where one at its end would leave it a chunk to feed. `marks`: positions of the context
         to snapshot at too (where the next prompt may part from this one)."""
         g = self.graph
+        if self.mtp is not None and self.speculate is not None and self.speculate.mtp:
+            return self._prefill_mtp(tokens)
         if self.checkpoints is None:
             return g.prefill(tokens, sample=True)
         at, last, base = 0, len(tokens) - 1, g.position
@@ -180,6 +197,30 @@ class Generator:
             self.checkpoints.save()
             at += n
         return g.decode(tokens[-1])
+
+    def _prefill_mtp(self, tokens: list[int]) -> int:
+        """Feed the prompt's new tokens in the pieces _prefill feeds (those of DecodeGraph.prefill,
+        or with checkpoints pieces that end where chunks end and the last token's decode step:
+        the same sums, so the same tokens as plain decoding), the MTP head catching up on each
+        piece after it ran (mtp.py)."""
+        g = self.graph
+        if self.checkpoints is None:
+            for at in range(0, len(tokens), g.chunk):
+                p0, piece = g.position, tokens[at:at + g.chunk]
+                token = g.prefill(piece, sample=at + g.chunk >= len(tokens))
+                self.mtp.prompt(len(piece), p0)
+            return token
+        at, last = 0, len(tokens) - 1
+        while at < last:
+            n = min(last - at, g.chunk - g.position % g.chunk)
+            p0 = g.position
+            g.prefill(tokens[at:at + n])
+            self.mtp.prompt(n, p0)
+            self.checkpoints.save()
+            at += n
+        token = g.decode(tokens[-1])
+        self.mtp.decoded(tokens[-1], g.position - 1)
+        return token
 
     def generate(self, prompt_ids: list[int], n: int, *, stop: bool = True,
                  pick: Callable[[np.ndarray], int] | None = None, steer=None, marks=()) -> Iterator[int]:
@@ -199,6 +240,10 @@ class Generator:
         self.timings = t
         start = time.perf_counter()
         g.allow(None if steer is None else steer.words())  # the prompt's last step draws the first token
+        if self.speculate is not None and self.speculate.mtp and self.mtp is None:
+            from zdsl.models.qwen35.model.mtp import MtpHead
+
+            self.mtp = MtpHead(self.graph)
         reused = self.resume(prompt_ids)
         new = prompt_ids[reused:]
         try:
@@ -214,8 +259,10 @@ class Generator:
                 yield from self._pick(pick, n, stop, t, start)
             elif steer is not None:
                 yield from self._steer(steer, token, n, stop, t, start)
-            else:
+            elif self.speculate is None or g.sampler.penalties:  # a window of penalties would count drafts cut away
                 yield from self._decode(token, n, stop, t, start)
+            else:
+                yield from self._speculate(token, n, stop, t, start)
         finally:
             self.bursts.done(g)
         if "timestamps" in self.device.info.features and g.position < self.n_ctx and not self.keep:
@@ -281,7 +328,31 @@ class Generator:
             if stop and token in self.stop_ids:
                 break
 
+    def _speculate(self, token: int, n: int, stop: bool, t: Timings, start: float) -> Iterator[int]:
+        """The generation's tokens from the first on, each step feeding the last one with drafts
+        after it (speculate.py); what a step rejects or runs past a stop token is cut away, so
+        nothing is undone from a checkpoint."""
+        t.spec = SpecStats()
+        history = self.context + [token]
+        drafts = self.speculate.drafts(list(self.context), self.mtp)
+        verify = Verifier(self.graph, drafts, self.speculate.draft_max, t.spec)
+        stop_ids = self.stop_ids if stop else frozenset()
+        produced, said = 0, [token]
+        while True:
+            t.decode_tokens, t.decode_s = produced + len(said) - 1, time.perf_counter() - start
+            for tok in said:
+                produced += 1
+                yield tok
+            if produced == n or said[-1] in stop_ids:
+                break
+            said = verify.step(history, n - produced, stop_ids)
+            self.context.append(history[-1])
+            self.context += said[:-1]
+            history += said
+
     def close(self) -> None:
+        if self.mtp is not None:
+            self.mtp.close()
         if self.checkpoints is not None:
             self.checkpoints.close()
         self.graph.close()
@@ -299,16 +370,22 @@ class Alone:
 
 def load(path: str | None, device_selector: str | None, *, n_ctx: int, sampler: SamplerConfig,
          progress: bool = True, say: Callable[[str], None] | None = None, keep: bool = False,
-         kv: KVTypes = KV_DEFAULT, checkpoints: int = 0, slots: int = 1, step_tokens: int = 1) -> Generator:
+         kv: KVTypes = KV_DEFAULT, checkpoints: int = 0, slots: int = 1, step_tokens: int = 1,
+         speculate: Speculation | None = None, draft_model: str | None = None) -> Generator:
+    """A Generator of the file at `path` (None: the synthetic default) on a device; `draft_model`:
+    its MTP head from a file of its own (gguf_file.WithHead)."""
+    from zdsl.models.qwen35.file.gguf_file import WithHead
     from zdsl.runtime import open_device
 
     model = open_model(path) if path is not None else default_model(say)
+    if draft_model is not None:
+        model = WithHead(model, draft_model)
     device = open_device(device_selector)
     if device.info.compile_only:
         raise ZdslError(f"{device.info.name} is a compile-only target; pick a device that runs code (zdsl devices)")
     try:
         return Generator(model, device, n_ctx=n_ctx, sampler=sampler, progress=progress, say=say, keep=keep, kv=kv,
-                         checkpoints=checkpoints, slots=slots, warm=True, step_tokens=step_tokens)
+                         checkpoints=checkpoints, slots=slots, warm=True, step_tokens=step_tokens, speculate=speculate)
     except BaseException:
         device.close()
         raise

@@ -29,6 +29,7 @@ from zdsl.models.qwen35.model.batch import MOST as BATCH_MOST
 from zdsl.models.qwen35.model.buffers import (PROMPT_CHUNK, SAVED, BufferSpec, Footprint, attn_splits, batch_buffers,
                                               check_fits, checkpointed, decode_buffers, largest, ring_slots)
 from zdsl.models.qwen35.model.checkpoints import Snapshot
+from zdsl.models.qwen35.model.mtp import MTP, head_buffers
 from zdsl.models.qwen35.model.prefill import Prefill
 from zdsl.models.qwen35.model.sampler import SamplerConfig, check_vocab
 from zdsl.models.qwen35.model.schedule import LayerSchedule, Vector
@@ -93,7 +94,7 @@ class DecodeGraph(LayerSchedule):
     def __init__(self, model: ModelFile, device, n_ctx: int, sampler: SamplerConfig | None = None,
                  progress: bool = True, tuning: Database | None = None, say=None, checkpoint: bool = False,
                  chunk: int = PROMPT_CHUNK, kv: KVTypes = KV_DEFAULT, weights_of: DecodeGraph | None = None,
-                 slots: int = 1, warm: bool = False, step_tokens: int = 1):
+                 slots: int = 1, warm: bool = False, step_tokens: int = 1, mtp: bool = False):
         """`say(line)` hears the memory plan before anything is allocated; `progress` shows the
         weights' upload; `checkpoint` keeps room to save the sequence state (`checkpoint()`);
         `chunk`: the most prompt tokens `prefill` runs at once (prefill.py); `kv`: the formats of
@@ -106,8 +107,10 @@ class DecodeGraph(LayerSchedule):
         driver's pipelines, before returning (on every core), so that a first prompt's time is not
         compile time; `step_tokens`: the most tokens of the sequence one step may hold
         (`decode_tokens`, token_rows.py; a speculative step's drafts and one), whose recurrent
-        states are kept by position so that it can be cut back (`cut`)."""
+        states are kept by position so that it can be cut back (`cut`); `mtp`: room for the file's
+        MTP head to draft (mtp.py: its KV rows and inputs), in the plan and allocated with the rest."""
         self.weights_of = weights_of
+        self.with_mtp = mtp
         self.can_checkpoint = checkpoint
         self.kv_types = KVTypes(*kv)
         self.chunk = max(1, min(chunk, n_ctx))
@@ -149,6 +152,8 @@ class DecodeGraph(LayerSchedule):
         the weights and activations where it uses another graph's."""
         specs = decode_buffers(self.hp, self.tensors, n_ctx, self._candidate_bytes(), self.can_checkpoint, self.chunk,
                                "coopmat" in self.device.info.features, self.kv_types, self.step_tokens)
+        if self.with_mtp:
+            specs += head_buffers(self.hp, n_ctx, self.step_tokens, self.chunk, self.kv_types)
         return specs if self.weights_of is None else [s for s in specs if not self._borrowed(s)]
 
     def plan(self, n_ctx: int, slots: int = 1) -> list:
@@ -520,4 +525,5 @@ def borrows(spec, hp, lent) -> bool:
     twins, are its own."""
     own = {"step", "tokens_out"} | checkpointed(hp)
     return spec.kind == "weights" or (spec.kind == "scratch" and spec.name not in own and not spec.name.startswith(SAVED)
-                                      and lent is not None and lent.nbytes >= spec.nbytes)
+                                      and not spec.name.startswith(MTP) and lent is not None
+                                      and lent.nbytes >= spec.nbytes)

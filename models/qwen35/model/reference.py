@@ -189,7 +189,34 @@ class ReferenceModel:
                 trace[f"layer{i}"] = x.copy()
         state.pos += len(tokens)
         h = rmsnorm(x, self.w("output_norm.weight"), hp.eps)
+        if trace is not None:
+            trace["h"] = h.copy()  # what the head reads: the MTP head's input (mtp)
         return self.proj(h, self.file.output_name)
+
+    def mtp(self, tokens, h, position: int, state: State) -> tuple[np.ndarray, np.ndarray]:
+        """The MTP head (gguf_file.head_specs) over rows of (token x_q, the trunk's h of position
+        q − 1: forward's trace["h"], or the head's own h for a chained draft) at positions
+        position, position + 1, …: the logits of x_{q+1}, and the head's h. Its KV rows from
+        `position` on are replaced: a draft cut back is overwritten."""
+        hp, L = self.hp, self.hp.n_layers
+        p = f"blk.{L}."
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        e = self.file.dequant("token_embd.weight", tokens).astype(self.dtype)
+        def nextn(t):
+            return self.w(f"{p}nextn.{t}.weight")
+
+        cat = np.concatenate([rmsnorm(e, nextn("enorm"), hp.eps),
+                              rmsnorm(np.asarray(h, self.dtype).reshape(len(tokens), -1), nextn("hnorm"), hp.eps)], -1)
+        x = self.proj(cat, p + "nextn.eh_proj.weight")
+        if L in state.kv:
+            state.kv[L] = tuple(c[:, :position] for c in state.kv[L])
+        positions = np.arange(position, position + len(tokens))
+        x = x + self.attention(L, rmsnorm(x, self.w(p + "attn_norm.weight"), hp.eps), positions, state)
+        hn = rmsnorm(x, self.w(p + "post_attention_norm.weight"), hp.eps)
+        x = x + (self.moe(L, hn) if hp.moe else self.ffn(L, hn))
+        norm = p + "nextn.shared_head_norm.weight"
+        out = rmsnorm(x, self.w(norm if norm in self.file else "output_norm.weight"), hp.eps)
+        return self.proj(out, self.file.output_name), out
 
     def attention(self, i: int, xn, positions, state: State):
         hp, p = self.hp, f"blk.{i}."

@@ -129,8 +129,12 @@ class LayerSchedule:
                               hn=n.f32, xq=n.q, xd=n.d, HALVES=False, n=self.hp.hidden, eps=self.hp.eps, rows=t)
 
     def next_norm(self, i: int) -> str:
-        """The norm that the layer after layer i starts with (the output norm after the last)."""
-        return f"blk.{i + 1}.attn_norm.weight" if i + 1 < self.hp.n_layers else "output_norm.weight"
+        """The norm that the layer after layer i starts with (the output norm after the last; after
+        the MTP head's block, the block after the last, its own where the file has it: mtp.py)."""
+        if i + 1 < self.hp.n_layers:
+            return f"blk.{i + 1}.attn_norm.weight"
+        head_norm = f"blk.{i}.nextn.shared_head_norm.weight"
+        return head_norm if i == self.hp.n_layers and head_norm in self.tensors else "output_norm.weight"
 
     def record_layers(self, seq, rows: list, a, row_seq=None) -> None:
         """The step after the embedding, one token a row of a's activations (x holds their

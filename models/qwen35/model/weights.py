@@ -24,6 +24,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as QuantType
 
 from zdsl.errors import ModelError
+from zdsl.kernels.quant_numpy import row_bytes
+from zdsl.models.qwen35.file.gguf_file import mtp_name
 
 FUSED = {  # fused tensor → its parts, in row order
     "attn_qkv.weight": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
@@ -33,10 +35,12 @@ FUSED = {  # fused tensor → its parts, in row order
 
 @dataclass(frozen=True)
 class Part:
-    """Rows [start, stop) of a file tensor (along its second-innermost axis; every row if None)."""
+    """Rows [start, stop) of a file tensor (along its second-innermost axis; every row if None),
+    or of each row the bytes [start, stop) (`columns`: whole blocks of its values)."""
 
     tensor: str
     rows: tuple[int, int] | None = None
+    columns: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -56,13 +60,17 @@ class GraphWeights:
         self.tensors: dict[str, GraphTensor] = {}
         for name, (shape, qtype) in files.items():
             self.tensors[name] = GraphTensor(qtype, tuple(shape), (Part(name),))
-        for i in range(hp.n_layers):
-            self._split_fused(f"blk.{i}.", hp.attention[i])
-            if not hp.attention[i]:
+        head = mtp_name(hp, "eh_proj") in files
+        for i in range(hp.n_layers + head):  # the MTP head, where the file has it: one more attention block
+            attention = i == hp.n_layers or hp.attention[i]
+            self._split_fused(f"blk.{i}.", attention)
+            if not attention:
                 self._join_gates(f"blk.{i}.")
             if hp.moe:
                 self._stack_shared_expert(f"blk.{i}.")
                 self._join_router_gate(f"blk.{i}.")
+        if head:
+            self._split_halves(mtp_name(hp, "eh_proj"))
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -134,6 +142,18 @@ class GraphWeights:
                              f"{router} ({r.qtype.name} {list(reversed(r.shape[1:]))}); both weigh the hidden state")
         self.tensors[router] = _joined(r, self.tensors.pop(gate), (r.shape[0] + 1, *r.shape[1:]))
 
+    def _split_halves(self, name: str) -> None:
+        """The MTP head's eh_proj, which reads [enorm(e), hnorm(h)], as two projections `.e` and
+        `.h` of each half (each row's first and second half of blocks), whose sum it is: the two
+        normed halves are two vectors of the hidden size, as every other projection reads."""
+        t = self.tensors.pop(name)
+        m, k2 = t.shape
+        rb = row_bytes(t.qtype, k2)
+        if k2 % 2 or rb % 2 or row_bytes(t.qtype, k2 // 2) * 2 != rb:
+            raise ModelError(f"{name} ({t.qtype.name}, rows of {k2}) does not split into halves of whole blocks")
+        for half, columns in (("e", (0, rb // 2)), ("h", (rb // 2, rb))):
+            self.tensors[f"{name}.{half}"] = GraphTensor(t.qtype, (m, k2 // 2), (Part(name, columns=columns),))
+
     def _append_slab(self, base: str, extra: str) -> None:
         """Tensor `extra`, of base's type and the shape of one slab of it (an expert's matrix, a
         row), becomes base's last slab: one more expert, one more row."""
@@ -160,7 +180,11 @@ def file_ranges(model, t: GraphTensor) -> list[tuple[int, int]]:
     out: list[list[int]] = []
     for part in t.parts:
         info = model.info(part.tensor)
-        if part.rows is None:
+        if part.columns is not None:
+            (start, stop), n = part.columns, int(np.prod(info.shape[:-1], dtype=np.int64))
+            row = info.nbytes // n
+            pieces = [(info.offset + r * row + start, stop - start) for r in range(n)]
+        elif part.rows is None:
             pieces = [(info.offset, info.nbytes)]
         else:
             rows, (start, stop) = info.shape[-2], part.rows

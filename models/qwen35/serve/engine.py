@@ -40,6 +40,7 @@ class Slot:
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="zdsl-slot")
         self.gpu = gpu
         self.gen: Generator = self.submit(load).result()
+        self.drafted = self.accepted = 0  # speculative decoding's drafts, since the server started
 
     def submit(self, fn, *args):
         """fn(*args) on the slot's thread, holding the GPU lock (a future)."""
@@ -341,6 +342,9 @@ class Engine:
         finally:
             stop.set()  # no await: this may be a cancellation
             self.metrics.add(gen.timings)
+            if gen.timings.spec is not None:
+                slot.drafted += gen.timings.spec.drafted
+                slot.accepted += gen.timings.spec.accepted
         t = gen.timings
         reasoning = thought if thought is not None else produced if job.thinking else 0
         yield Piece("" if text.stopped else text.flush(), finish, len(job.prompt_ids), produced, t.reused_tokens,
@@ -361,8 +365,17 @@ class Engine:
                  m.prompt_tokens / m.prompt_s if m.prompt_s else 0.0),
                 ("predicted_tokens_per_second", "gauge", "tokens generated per second, overall",
                  m.predicted_tokens / m.predicted_s if m.predicted_s else 0.0)]
-        return "".join(f"# HELP zdsl_{name} {what}\n# TYPE zdsl_{name} {kind}\nzdsl_{name} {value}\n"
-                       for name, kind, what, value in rows)
+        out = "".join(f"# HELP zdsl_{name} {what}\n# TYPE zdsl_{name} {kind}\nzdsl_{name} {value}\n"
+                      for name, kind, what, value in rows)
+        if any(slot.gen.speculate is not None for slot in self.slots):
+            per_slot = [("drafted_tokens_total", "counter", "draft tokens checked", lambda s: s.drafted),
+                        ("draft_tokens_accepted_total", "counter", "draft tokens kept", lambda s: s.accepted),
+                        ("draft_acceptance", "gauge", "draft tokens kept of those checked",
+                         lambda s: s.accepted / s.drafted if s.drafted else 0.0)]
+            out += "".join(f"# HELP zdsl_{name} {what}, per slot\n# TYPE zdsl_{name} {kind}\n"
+                           + "".join(f'zdsl_{name}{{slot="{i}"}} {value(slot)}\n' for i, slot in enumerate(self.slots))
+                           for name, kind, what, value in per_slot)
+        return out
 
     def close(self) -> None:
         if self.together is not None:

@@ -24,7 +24,7 @@ import click
 
 from zdsl.errors import ZdslError
 from zdsl.kernels.kvcache import KVTypes
-from zdsl.models.qwen35.cli.run import kv_type_option
+from zdsl.models.qwen35.cli.run import kv_type_option, spec_options
 from zdsl.models.qwen35.serve.api import REASONING_FORMATS, ApiError, bad, chat_job, completion_job
 from zdsl.models.qwen35.serve.engine import Engine
 from zdsl.models.qwen35.serve.reply import Reply, chat_logprobs, completion_logprobs
@@ -267,9 +267,10 @@ def loopback(host: str) -> bool:
 
 
 def open_engine(model, device, *, n_ctx: int, kv: KVTypes, checkpoint_mib: int, parallel: int = 1,
-                say=None) -> tuple[Engine, str]:
+                say=None, speculate=None, draft_model=None) -> tuple[Engine, str]:
     """`parallel` slots on `model` (a path, or None: the synthetic default), reading one copy of
-    its weights and decoding together, and its model id."""
+    its weights and decoding together, and its model id; `speculate`: each slot's drafts
+    (speculate.Speculation; a slot that drafts steps alone, checking its drafts)."""
     import threading
 
     from zdsl.models.qwen35.model.batch import MOST, Batch
@@ -280,8 +281,9 @@ def open_engine(model, device, *, n_ctx: int, kv: KVTypes, checkpoint_mib: int, 
 
     gpu = threading.RLock()
     options = dict(n_ctx=n_ctx, sampler=SamplerConfig(), progress=say is not None, say=say, keep=True, kv=kv,
-                   checkpoints=checkpoint_mib << 20)
-    first = Slot(lambda: load(model, device, slots=parallel, **options), gpu)  # the plan holds every slot
+                   checkpoints=checkpoint_mib << 20, speculate=speculate)
+    # the plan holds every slot
+    first = Slot(lambda: load(model, device, slots=parallel, draft_model=draft_model, **options), gpu)
     slots, together = [first], None
     try:
         for _ in range(parallel - 1):
@@ -323,8 +325,9 @@ def _say(msg: str) -> None:
               help="Thinking tokens after which </think> is forced (-1: no limit; 0: no thinking).")
 @click.option("--device", "device", default=None, help="Index, name substring or alias (zdsl devices).")
 @kv_type_option
+@spec_options
 def serve(model, host, port, n_ctx, parallel, checkpoint_mib, api_key, alias, reasoning_format, reasoning_budget,
-          device, kv):
+          device, kv, spec, draft_max, draft_model):
     """Serve MODEL over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
     /v1/responses, /v1/models, /health, /metrics, /props, /tokenize, /detokenize. A request whose prompt starts with what the slot holds feeds
     only the rest. Ctrl-C (or SIGTERM) finishes the requests under way, then exits."""
@@ -333,8 +336,12 @@ def serve(model, host, port, n_ctx, parallel, checkpoint_mib, api_key, alias, re
     if not loopback(host) and not api_key:
         raise ZdslError(f"--host {host} listens beyond this machine: give --api-key KEY too (clients then send it "
                         "as 'Authorization: Bearer KEY')")
+    from zdsl.models.qwen35.model.sampler import SamplerConfig
+    from zdsl.models.qwen35.model.speculate import speculation
+
     engine, model_id = open_engine(model, device, n_ctx=n_ctx, kv=kv, checkpoint_mib=checkpoint_mib,
-                                   parallel=parallel, say=_say)
+                                   parallel=parallel, say=_say, speculate=speculation(spec, draft_max, SamplerConfig()),
+                                   draft_model=draft_model)
     model_id = alias or model_id
     try:
         _say(f"serving {model_id} on http://{host}:{port}/v1 (context {engine.n_ctx} tokens, "
