@@ -170,7 +170,7 @@ def test_gpu_head_drafts_as_the_reference_after_a_prompt_and_after_a_cut_step(mo
     from zdsl.models.qwen35.model.mtp import MtpDrafts
 
     g, head = graph
-    hp, L = model.hparams, model.hparams.n_layers
+    hp = model.hparams
     ref = ReferenceModel(model, int8_activations=True)
     rng = np.random.default_rng(5)  # (3 puts a router near-tie of the head at the second draft: test_decode.py)
     prompt = rng.integers(0, hp.vocab, 21).tolist()

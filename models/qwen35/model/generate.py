@@ -304,14 +304,14 @@ class Generator:
         step left (the prompt's last step's for the first)."""
         g = self.graph
         for produced in range(n):
-            if produced:
-                g.decode(token)
-                self.context.append(token)
             token = pick(g.logits())
             t.decode_tokens, t.decode_s = produced, time.perf_counter() - start
             yield token
             if stop and token in self.stop_ids:
                 break
+            if produced + 1 < n:  # its step leaves the next token's logits
+                g.decode(token)
+                self.context.append(token)
 
     def _steer(self, steer, token: int, n: int, stop: bool, t: Timings, start: float) -> Iterator[int]:
         """The generation's tokens one step at a time, each drawn by the GPU sampler among those

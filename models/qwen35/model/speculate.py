@@ -13,7 +13,7 @@ what "the draw from p, if it differs from d" is.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from zdsl.errors import ZdslError

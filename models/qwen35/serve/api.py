@@ -97,18 +97,18 @@ def sampler_of(body: dict) -> SamplerConfig:
     """The request's sampling fields on SamplerConfig's defaults (`zdsl run`'s); with no seed, a
     random one, as a sampled API reply is expected to differ between calls."""
     values = {"seed": random.randrange(2 ** 32)}
-    for name, field in SAMPLING.items():
+    for name, key in SAMPLING.items():
         if name not in body:
             continue
         value = body[name]
-        want = int if field in ("top_k", "seed", "last_n") else float
+        want = int if key in ("top_k", "seed", "last_n") else float
         if not (_is_int(value) if want is int else _is_number(value)):
             raise bad(f"{name} must be {'an integer' if want is int else 'a number'}, got {value!r}", name)
         try:
-            SamplerConfig(**{field: value})
+            SamplerConfig(**{key: value})
         except ZdslError as e:
             raise bad(f"{name}: {e}", name) from None
-        values[field] = value
+        values[key] = value
     return SamplerConfig(**values)
 
 
