@@ -189,7 +189,8 @@ class MtpHead:
         g, a = self.g, self.a
         cap, vocab, settings = g.sampler.kernel_cap, self.hp.vocab, self.buffers[MTP + "settings"]
         return [lambda seq: sampling.sample_candidates.launch(seq, g.pick, CAP=cap, logits=a.logits, counts=g.counts,
-                                                              cand=a.cands[0], settings=settings, n_vocab=vocab, row=0),
+                                                              allowed=g.allowed, cand=a.cands[0], settings=settings,
+                                                              n_vocab=vocab, row=0),
                 lambda seq: sampling.sample_draw.launch(seq, g.pick, CAP=cap, WG=g.sample_pass.params["WG"],
                                                         R=g.sample_pass.params["R"], cand=a.cands[0],
                                                         step=self.chain_step, tokens=self.tokens, settings=settings,
