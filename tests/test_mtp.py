@@ -357,3 +357,35 @@ def test_a_head_in_a_file_of_its_own_drafts_as_the_head_in_the_file(tmp_path, de
     synth.write(other, "tiny-dense", mtp=True)
     with pytest.raises(ModelError, match="is not an MTP head of trunk.gguf"):
         WithHead(open_model(trunk), other)
+
+
+@pytest.mark.device
+def test_a_chat_turn_leaves_the_head_caught_up_on_all_it_fed(model, device):
+    """After a turn that drafted with the head, its KV rows hold every position the turn fed, as a
+    fresh run that feeds the same tokens as a prompt leaves them (up to rounding: steps and chunks
+    sum in other orders, test_prefill.py's bound)."""
+    from zdsl.models.qwen35.model.generate import Generator
+    from zdsl.models.qwen35.model.sampler import SamplerConfig
+    from zdsl.models.qwen35.model.speculate import speculation
+
+    greedy = SamplerConfig(temperature=0)
+    L, hp = model.hparams.n_layers, model.hparams
+    chat = Generator(model, device, n_ctx=64, sampler=greedy, progress=False, keep=True,
+                     speculate=speculation("mtp", 3, greedy))
+    fresh = Generator(model, device, n_ctx=64, sampler=greedy, progress=False, weights_of=chat,
+                      speculate=speculation("mtp", 3, greedy))
+    try:
+        prompt = np.random.default_rng(9).integers(0, hp.vocab, 10).tolist()
+        list(chat.generate(prompt, 14, stop=False))  # its last token by a decode step (no room for drafts)
+        fed = list(chat.context)
+        assert len(fed) == 10 + 13 and chat.graph.position == len(fed)
+        list(fresh.generate(fed, 1, stop=False))
+        n = len(fed) * hp.n_kv_heads * hp.head_dim
+        for got, want in zip(chat.graph.kv[L], fresh.graph.kv[L]):
+            got, want = (b.read(np.float16, (n,)).astype(np.float32).reshape(len(fed), -1) for b in (got, want))
+            assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
+        # and the h it carries to the next turn's first row: the last fed position's
+        got, want = (g.mtp.h.read(np.float32, (hp.hidden,)) for g in (chat, fresh))
+        assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
+    finally:
+        fresh.close(), chat.close()

@@ -349,6 +349,8 @@ class Generator:
             self.context.append(history[-1])
             self.context += said[:-1]
             history += said
+        if self.keep and self.speculate.mtp:
+            drafts.draft(history, 0)  # the head catches up on the last step too: the next turn goes on from it
 
     def close(self) -> None:
         if self.mtp is not None:

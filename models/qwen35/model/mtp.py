@@ -233,8 +233,13 @@ class MtpDrafts:
         self.head, self.p0 = head, None
 
     def draft(self, history: list[int], k: int) -> list[int]:
+        """Up to k drafts after `history`; with k = 0, only the catch-up (after a generation's last
+        step, so that a next turn goes on from it)."""
         g = self.head.g
         at = g.position  # where history[-1] goes in; the last step fed p0 … at - 1 of it
         kept = [] if self.p0 is None else history[self.p0:at]
         self.p0 = at
-        return self.head.draft(kept, at - len(kept), history[-1], k)
+        if kept and g.last_step is None:  # a decode step fed it (a generation's last token): its h is the graph's
+            self.head.decoded(kept[0], at - 1)
+            kept = []
+        return self.head.draft(kept, at - len(kept), history[-1], k) if kept or k else []
