@@ -344,7 +344,7 @@ def _decode_traffic(v, s) -> int:
 @zdsl.kernel(workgroup=lambda v: v.NW * v.SG, subgroup="SG",
              variants={"D": [128, 256], "G": [2, 4, 8], "NW": [1, 4], "U": [2, 4], "SG": SUBGROUPS}, where=_decode_fits,
              sizes=("nsplit", "ctx"), grid=lambda v, s: (s.nsplit, s.n_kv), traffic=_decode_traffic,
-             cpu=dict(NW=1, DEPTH=1))
+             cpu=dict(NW=1, DEPTH=1, U=1))
 def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step: Buffer[u32], part: Buffer[f32],
                 n_kv: u32, min_chunk: u32, row: u32 = 0, G: Const = 8, D: Const = 256, NW: Const = 4, U: Const = 2,
                 KT: Const = "f16", VT: Const = "f16", DEPTH: Const = 2, SG: Const = 32):

@@ -681,7 +681,8 @@ def _scan_traffic(v, s) -> int:
 
 @zdsl.kernel(workgroup="WG", subgroup="SG",
              variants={"D": [128], "L": [BLOCK], "NC": [8, 16, 32], "WG": [64, 128, 256], "SG": SUBGROUPS},
-             tune={"WG": [512], "US": [16]}, where=_scan_fits, sizes=("v_heads",), grid=lambda v, s: s.v_heads * (v.D // v.NC), traffic=_scan_traffic)
+             tune={"WG": [512], "US": [16]}, where=_scan_fits, sizes=("v_heads",), grid=lambda v, s: s.v_heads * (v.D // v.NC),
+             traffic=_scan_traffic, cpu=dict(NC=8, WG=64))
 def deltanet_chunk_scan(conv: Buffer[f32], wy: Buffer[f32], o: Buffer[f32], state: Buffer[f32], mix: Buffer[f32],
                         conv_state: Buffer[f32], step: Buffer[u32], t: u32, n_k_heads: u32, conv_slots: u32,
                         state_slots: u32, D: Const = 128,
