@@ -25,7 +25,7 @@ the prompt path (prefill.py) and the tuner share with it.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 from zdsl.autotune.database import choose, shape_key
@@ -305,9 +305,12 @@ def step_rows(chunk, b: dict, n: int, experts: bool, prefix: str = "") -> Simple
     """The activations of a step of n rows (RowBlocks' `a`): the prompt chunk's rows of the
     residual stream, norms and projections' outputs (prefill.Prefill `chunk`), and the buffers one
     row's launches write that no other may, `b`'s of buffers.row_buffers named with `prefix`
-    (`experts`: the MoE's routing rows too)."""
-    rows = SimpleNamespace(x=chunk.x, normed=chunk.normed, qg=chunk.qg, q=chunk.q, k=chunk.k, v=chunk.v,
-                           attn_o=chunk.attn_o, mix=chunk.mix, z=chunk.z, dn_out=chunk.dn_out,
+    (`experts`: the MoE's routing rows too). The vectors come without the chunk's f16 rows: a
+    step's kernels write f32 and Q8_1 only, so its products past dmmv's columns run on mul_mm,
+    never on matrix units reading f16 rows left by an earlier chunk."""
+    rows = SimpleNamespace(x=chunk.x, normed=replace(chunk.normed, h=None), qg=chunk.qg, q=chunk.q, k=chunk.k,
+                           v=chunk.v, attn_o=replace(chunk.attn_o, h=None), mix=chunk.mix, z=chunk.z,
+                           dn_out=replace(chunk.dn_out, h=None),
                            logits=b[prefix + "logits"], parts=[b[f"{prefix}attn_partials.{r}"] for r in range(n)],
                            cands=[b[f"{prefix}candidates.{r}"] for r in range(n)],
                            act=b[prefix + ("expert_act" if experts else "ffn_act")])
