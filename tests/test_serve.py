@@ -545,13 +545,15 @@ def test_random_weights_under_a_schema_or_a_forced_call_always_comply(client):
         assert thinking or not getattr(m, "reasoning_content", None)
 
 
-def test_a_constrained_reply_is_drawn_on_the_gpu_as_its_reference_draws_it(client):
-    """A schema and a thinking budget steer the GPU's sampler (its mask written each step); with
-    logprobs the same request picks on the host, by the sampler's numpy reference under the same
-    mask: both give the same reply, greedy or seeded."""
+def test_a_constrained_reply_is_drawn_on_the_gpu_as_its_reference_draws_it(client, server):
+    """A schema and a thinking budget steer the GPU's sampler (its mask written each step), a
+    logit bias shifts its logits; with logprobs the same request picks on the host, by the
+    sampler's numpy reference under the same mask and bias: both give the same reply, greedy or
+    seeded."""
     fmt = {"type": "json_schema", "json_schema": {"name": "point", "schema": POINT, "strict": True}}
+    seven = str(server[1].tokenizer.encode("7")[0])
     for kw in (dict(temperature=0), dict(temperature=1.0, seed=5)):
-        kw |= dict(model="tiny.gguf", messages=HELLO, max_tokens=60, response_format=fmt,
+        kw |= dict(model="tiny.gguf", messages=HELLO, max_tokens=60, response_format=fmt, logit_bias={seven: 3},
                    extra_body={"reasoning_budget": 3, "reasoning_format": "none"})
         gpu = client.chat.completions.create(**kw).choices[0].message.content
         host = client.chat.completions.create(logprobs=True, **kw).choices[0].message.content
