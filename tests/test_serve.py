@@ -765,7 +765,11 @@ BAD_RESPONSES = [('{"input": "hi", "previous_response_id": "resp_1"}', "previous
                   "input[0]"),
                  ('{"input": "hi", "text": {"format": {"type": "xml"}}}', "text"),
                  ('{"input": "hi", "include": ["file_search_call.results"]}', "include"),
-                 ('{"input": "hi", "max_output_tokens": 0}', "max_tokens")]
+                 ('{"input": "hi", "max_output_tokens": 0}', "max_output_tokens"),
+                 ('{"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": '
+                  '{"type": "object", "properties": {"a": {"type": "wizard"}}}}}}', "text"),
+                 ('{"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}',
+                  "input[0].content")]
 
 
 @pytest.mark.parametrize("body,param", BAD_RESPONSES, ids=range(len(BAD_RESPONSES)))
@@ -791,7 +795,8 @@ def test_a_coding_agents_first_request_streams_to_its_end(server, client):
     assert any(c.choices and (c.choices[0].delta.content or c.choices[0].delta.tool_calls) for c in chunks)
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 40, 2 ** 40) | st.floats(allow_nan=False)
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 40, 2 ** 40)
+                    | st.floats(allow_nan=False, allow_infinity=False)  # what JSON can carry
                     | st.text(max_size=20), lambda inner: st.lists(inner, max_size=4)
                     | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
 FIELDS = ["messages", "tools", "tool_choice", "response_format", "logit_bias", "logprobs", "top_logprobs", "stop",
