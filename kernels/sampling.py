@@ -3,10 +3,10 @@
 `penalty_window` (one invocation, at the start of a step, or once for a prompt chunk) counts the
 input tokens into the penalties' window of the last N context tokens and uncounts those that
 leave it, so the window holds prompt and generated tokens alike (as llama.cpp's penalties do) at
-a cost that does not grow with the context. `sample_candidates` (many workgroups) drops the tokens
-a bitmask does not allow (a grammar's: constrained decoding, the mask made on the host for each
-step, a word per 32 tokens), penalises the logits of tokens in the window and keeps each
-workgroup's CAP best (logit, id) pairs; `sample_draw` (one
+a cost that does not grow with the context. `sample_candidates` (many workgroups) adds a request's
+logit bias, drops the tokens a bitmask does not allow (a grammar's: constrained decoding, the mask
+made on the host for each step, a word per 32 tokens), penalises the logits of tokens in the
+window and keeps each workgroup's CAP best (logit, id) pairs; `sample_draw` (one
 workgroup) merges them into the CAP best of the whole vocabulary and applies, in this order:
 top-k, min-p (relative to the most likely token, before temperature), temperature, top-p, then a
 draw with a counter-based random number. It writes the token where the next decode step reads it
@@ -290,14 +290,15 @@ def penalty_window(step: Buffer[u32], ring: Buffer[u32], counts: Buffer[u32], wi
 
 @zdsl.kernel(workgroup="WG", subgroup="SG", variants=VARIANTS, where=_fits, key=("n_vocab",),
              grid=lambda v, s: candidate_groups(v, s.n_vocab),
-             traffic=lambda v, s: 8 * s.n_vocab + 4 * mask_words(s.n_vocab)
+             traffic=lambda v, s: 12 * s.n_vocab + 4 * mask_words(s.n_vocab)
              + 8 * v.CAP * candidate_groups(v, s.n_vocab))
-def sample_candidates(logits: Buffer[f32], counts: Buffer[u32], allowed: Buffer[u32], cand: Buffer[u32],
-                      settings: Buffer[u32], n_vocab: u32, row: u32 = 0, CAP: Const = 64, WG: Const = 256,
-                      R: Const = 16, SG: Const = 32):
+def sample_candidates(logits: Buffer[f32], bias: Buffer[f32], counts: Buffer[u32], allowed: Buffer[u32],
+                      cand: Buffer[u32], settings: Buffer[u32], n_vocab: u32, row: u32 = 0, CAP: Const = 64,
+                      WG: Const = 256, R: Const = 16, SG: Const = 32):
     """Workgroup g keeps the CAP first penalised (logit, id) pairs of tokens [g·WG·R, (g+1)·WG·R)
     as cand[2(g·CAP + j)] = the logit's f32 bits, cand[2(g·CAP + j) + 1] = the id, j = 0..CAP-1 in
-    order. A token whose bit (id % 32 of allowed[id / 32]) is clear has the logit -inf. A token in
+    order. Each logit has bias[id] added; a token whose bit (id % 32 of allowed[id / 32]) is clear
+    has the logit -inf. A token in
     the window (c = counts[id] > 0) has its logit divided by repeat_penalty when positive,
     multiplied by it otherwise, then lowered by presence_penalty + c·frequency_penalty (the
     settings buffer's). The logits are row `row` of a batch's (batch.py)."""
@@ -308,7 +309,7 @@ def sample_candidates(logits: Buffer[f32], counts: Buffer[u32], allowed: Buffer[
 
     def load(index, valid):
         t = base + index
-        logit = logits.load(t, mask=valid, other=0.0)
+        logit = logits.load(t, mask=valid, other=0.0) + bias.load(t, mask=valid, other=0.0)
         bit = (allowed.load(t // 32, mask=valid, other=0) >> (t % 32)) & 1
         logit = zdsl.where(zdsl.isnan(logit) | (bit == 0), -np.inf, logit)
         count = counts.load(t, mask=valid, other=0)
@@ -324,8 +325,8 @@ def sample_candidates(logits: Buffer[f32], counts: Buffer[u32], allowed: Buffer[
 
 
 def sample_candidates_ref(logits, counts, repeat_penalty, presence_penalty, frequency_penalty=0.0, CAP=64, WG=256,
-                          R=16, allowed=None):
-    pen = penalise_ref(logits, counts, repeat_penalty, presence_penalty, frequency_penalty, allowed)
+                          R=16, allowed=None, bias=None):
+    pen = penalise_ref(logits, counts, repeat_penalty, presence_penalty, frequency_penalty, allowed, bias)
     chunk = WG * R
     out = []
     for g in range(-(-len(pen) // chunk)):
@@ -334,9 +335,12 @@ def sample_candidates_ref(logits, counts, repeat_penalty, presence_penalty, freq
     return np.concatenate(out).reshape(-1)
 
 
-def penalise_ref(logits, counts, repeat_penalty, presence_penalty, frequency_penalty=0.0, allowed=None):
-    """The penalised logits; tokens not `allowed` (a boolean each; None: all are) at -inf."""
+def penalise_ref(logits, counts, repeat_penalty, presence_penalty, frequency_penalty=0.0, allowed=None, bias=None):
+    """The penalised logits, `bias` (one each; None: none) added first; tokens not `allowed` (a
+    boolean each; None: all are) at -inf."""
     logits = np.asarray(logits, np.float32)
+    if bias is not None:
+        logits = logits + np.asarray(bias, np.float32)
     dropped = np.isnan(logits) if allowed is None else np.isnan(logits) | ~np.asarray(allowed, bool)
     logits = np.where(dropped, np.float32(-np.inf), logits)
     counts = np.asarray(counts)
@@ -415,9 +419,9 @@ def choose_ref(values, ids, top_k, min_p, inv_temp, top_p, u):
 
 
 def sample_ref(logits, counts, *, cap, top_k, min_p, inv_temp, top_p, seed, counter, repeat_penalty=1.0,
-               presence_penalty=0.0, frequency_penalty=0.0, allowed=None):
+               presence_penalty=0.0, frequency_penalty=0.0, allowed=None, bias=None):
     """numpy: the token the two kernels sample (for any WG, R: the candidates do not depend on them)."""
-    pen = penalise_ref(logits, counts, repeat_penalty, presence_penalty, frequency_penalty, allowed)
+    pen = penalise_ref(logits, counts, repeat_penalty, presence_penalty, frequency_penalty, allowed, bias)
     values, ids = topk_ref(pen, np.arange(len(pen)), cap)
     return choose_ref(values, ids, top_k, min_p, inv_temp, top_p, uniform_ref(seed, counter))
 
@@ -433,7 +437,8 @@ def sampling_example(use, rng, check):
     values = {k: VARIANTS[k] + sample_candidates.tune.get(k, []) for k in ("WG", "R")}
     groups = -(-V // (min(values["WG"]) * min(values["R"])))  # the most candidate groups any variant writes
     allowed = rng.random(V) < 0.9
-    args = dict(logits=inputs.normal(rng, V, 3.0), counts=(rng.random(V) < 0.1).astype(np.uint32),
+    bias = np.where(rng.random(V) < 0.01, rng.uniform(-5, 5, V), 0).astype(np.float32)
+    args = dict(logits=inputs.normal(rng, V, 3.0), bias=bias, counts=(rng.random(V) < 0.1).astype(np.uint32),
                 allowed=mask_of(allowed), cand=np.zeros(2 * cap * groups, np.uint32), step=inputs.step_words(3, 4, counter=5),
                 tokens=np.zeros(1, np.uint32), n_vocab=V, max_tokens=0)
     s = dict(repeat_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.05, top_k=min(40, cap), min_p=0.05,
@@ -444,14 +449,14 @@ def sampling_example(use, rng, check):
     def expect(p):
         a = {**args, **s}
         cand = sample_candidates_ref(a["logits"], counts0, a["repeat_penalty"], a["presence_penalty"],
-                                     a["frequency_penalty"], CAP=cap, WG=p["WG"], R=p["R"], allowed=allowed)
+                                     a["frequency_penalty"], CAP=cap, WG=p["WG"], R=p["R"], allowed=allowed, bias=bias)
         cand_buf = np.full(a["cand"].size, np.nan)
         cand_buf[:cand.size] = cand
         step = inputs.step_words(3, 4, counter=6)
         step[2] = sample_ref(a["logits"], counts0, cap=cap, top_k=a["top_k"], min_p=a["min_p"], inv_temp=a["inv_temp"],
                              top_p=a["top_p"], seed=a["seed"], counter=5, repeat_penalty=a["repeat_penalty"],
                              presence_penalty=a["presence_penalty"], frequency_penalty=a["frequency_penalty"],
-                             allowed=allowed)
+                             allowed=allowed, bias=bias)
         return {"cand": (cand_buf, 0), "step": (step, 0)}
     draw = (sample_draw, lambda p: {k: p[k] for k in ("CAP", "WG", "R")}, lambda p: {"SG": p["SG"]})
     return zdsl.Example(args, expect, then=[draw])

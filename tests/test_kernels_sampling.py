@@ -42,6 +42,7 @@ class Sampler:
         self.tokens = np.full(max_tokens, 7777, np.uint32)
         self.settings, self.max_tokens = config.settings(), max_tokens
         self.allowed = k.all_allowed(n_vocab)
+        self.bias = np.zeros(n_vocab, np.float32)
 
     def _run(self, variant, groups, **args):
         if self.backend == "interp":
@@ -56,8 +57,9 @@ class Sampler:
             out = self._run(k.penalty_window.specialize(), 1, step=self.step, ring=self.ring, counts=self.counts,
                             window=self.window, n_vocab=self.n_vocab, t=1)
             self.ring, self.counts = out["ring"], out["counts"]
-        self.cand = self._run(self.candidates, self.groups, logits=logits, counts=self.counts, allowed=self.allowed,
-                              cand=self.cand, settings=self.settings, n_vocab=self.n_vocab)["cand"]
+        self.cand = self._run(self.candidates, self.groups, logits=logits, bias=self.bias, counts=self.counts,
+                              allowed=self.allowed, cand=self.cand, settings=self.settings,
+                              n_vocab=self.n_vocab)["cand"]
         out = self._run(self.draw, 1, cand=self.cand, step=self.step, tokens=self.tokens, settings=self.settings,
                         n_vocab=self.n_vocab, max_tokens=self.max_tokens)
         self.step, self.tokens = out["step"], out["tokens"]
@@ -87,14 +89,15 @@ def test_candidates(backend, request, n, ties, cap, shape, sg_pick, rp, pp, fp, 
     logits[rng.integers(0, n, 3)] = [np.nan, -np.inf, -np.inf]
     counts = rng.integers(0, 3, n).astype(np.uint32)
     allowed = rng.random(n) < kept
+    bias = np.where(rng.random(n) < 0.05, rng.uniform(-100, 100, n), 0).astype(np.float32)
     groups = -(-n // (wg * r))
-    args = dict(logits=logits, counts=counts, allowed=k.mask_of(allowed),
+    args = dict(logits=logits, bias=bias, counts=counts, allowed=k.mask_of(allowed),
                 cand=np.zeros(2 * groups * cap, np.uint32), n_vocab=n,
                 settings=SamplerConfig(repeat_penalty=rp, presence_penalty=pp, frequency_penalty=fp).settings())
     v = k.sample_candidates.specialize(CAP=cap, WG=wg, R=r, SG=sg)
     cand = (v.interpret(groups, **args) if backend == "interp" else v.run(request.getfixturevalue("device"), groups, **args))
     np.testing.assert_array_equal(cand["cand"], k.sample_candidates_ref(logits, counts, rp, pp, fp, CAP=cap, WG=wg,
-                                                                        R=r, allowed=allowed))
+                                                                        R=r, allowed=allowed, bias=bias))
 
 
 def test_penalties_as_defined():
@@ -103,7 +106,7 @@ def test_penalties_as_defined():
     logits = np.array([2.0, -2.0, 2.0, -2.0, 0.0], np.float32)
     counts = np.array([1, 3, 0, 0, 1], np.uint32)
     cand = k.sample_candidates.specialize(CAP=64, WG=64, R=4, SG=8).interpret(
-        1, logits=logits, counts=counts, allowed=k.all_allowed(5), cand=np.zeros(128, np.uint32), n_vocab=5,
+        1, logits=logits, bias=np.zeros(5, np.float32), counts=counts, allowed=k.all_allowed(5), cand=np.zeros(128, np.uint32), n_vocab=5,
         settings=SamplerConfig(repeat_penalty=2.0, presence_penalty=0.25, frequency_penalty=0.5).settings())["cand"].reshape(-1, 2)[:5]
     got = dict(zip(cand[:, 1], cand[:, 0].view(np.float32)))
     assert got == {0: 0.25, 1: -5.75, 2: 2.0, 3: -2.0, 4: -0.75}
@@ -147,8 +150,9 @@ def test_sampler_matches_reference(backend, request, config, n, ties, shape, sg_
        seed=st.integers(0, 99))
 def test_a_mask_limits_the_draw_to_the_allowed_tokens(backend, request, config, n, shape, sg_pick, pos, counter,
                                                       allowed, seed):
-    """A grammar's bitmask (a fraction of the tokens, or a few ids: a token the grammar forces): the
-    token drawn is the reference's among the allowed, and allowed, however likely the others."""
+    """A grammar's bitmask (a fraction of the tokens, or a few ids: a token the grammar forces), with
+    a logit bias: the token drawn is the reference's among the allowed, and allowed, however
+    likely the others."""
     wg, r = shape
     sg = subgroup(backend, request, sg_pick)
     assume(fits(config.kernel_cap, wg, r, sg))
@@ -159,10 +163,11 @@ def test_a_mask_limits_the_draw_to_the_allowed_tokens(backend, request, config, 
     logits[~mask] += 10  # the tokens left out are the likeliest
     s = Sampler(backend, request, config, n, wg=wg, r=r, sg=sg, step=(pos, pos + 1, 123, counter))
     s.allowed = k.mask_of(mask)
+    s.bias[rng.integers(0, n, 3)] = [5.0, -100.0, 100.0]
     s.counts[:] = rng.integers(0, 2, n)
     before = s.counts.copy()
     token = s(logits)
-    assert mask[token] and token == sample_reference(logits, before, config, counter, allowed=mask)
+    assert mask[token] and token == sample_reference(logits, before, config, counter, allowed=mask, bias=s.bias)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

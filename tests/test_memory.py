@@ -107,7 +107,7 @@ def test_the_caches_take_their_formats_bytes_and_the_longest_context_follows():
     others = {kv: Footprint(specs).total - kv_bytes[kv] for kv, specs in plans.items()}
     assert len(set(others.values())) == 1
     contexts = {gib: [largest_context(hp, tensors, gib * GIB, kv) for kv in plans] for gib in (22, 23, 32)}
-    assert contexts == {22: [108_608, 204_352, 262_144, 262_144], 23: [160_960] + [262_144] * 3, 32: [262_144] * 4}
+    assert contexts == {22: [108_544, 204_224, 262_144, 262_144], 23: [160_960] + [262_144] * 3, 32: [262_144] * 4}
     n = contexts[23][0]  # the largest: one more block of 64 positions does not fit
     fits = [Footprint(decode_buffers(hp, tensors, c, 0, chunk=512, halves=True)).total <= 23 * GIB for c in (n, n + 64)]
     assert fits == [True, False]

@@ -545,13 +545,15 @@ def test_random_weights_under_a_schema_or_a_forced_call_always_comply(client):
         assert thinking or not getattr(m, "reasoning_content", None)
 
 
-def test_a_constrained_reply_is_drawn_on_the_gpu_as_its_reference_draws_it(client):
-    """A schema and a thinking budget steer the GPU's sampler (its mask written each step); with
-    logprobs the same request picks on the host, by the sampler's numpy reference under the same
-    mask: both give the same reply, greedy or seeded."""
+def test_a_constrained_reply_is_drawn_on_the_gpu_as_its_reference_draws_it(client, server):
+    """A schema and a thinking budget steer the GPU's sampler (its mask written each step), a
+    logit bias shifts its logits; with logprobs the same request picks on the host, by the
+    sampler's numpy reference under the same mask and bias: both give the same reply, greedy or
+    seeded."""
     fmt = {"type": "json_schema", "json_schema": {"name": "point", "schema": POINT, "strict": True}}
+    seven = str(server[1].tokenizer.encode("7")[0])
     for kw in (dict(temperature=0), dict(temperature=1.0, seed=5)):
-        kw |= dict(model="tiny.gguf", messages=HELLO, max_tokens=60, response_format=fmt,
+        kw |= dict(model="tiny.gguf", messages=HELLO, max_tokens=60, response_format=fmt, logit_bias={seven: 3},
                    extra_body={"reasoning_budget": 3, "reasoning_format": "none"})
         gpu = client.chat.completions.create(**kw).choices[0].message.content
         host = client.chat.completions.create(logprobs=True, **kw).choices[0].message.content
@@ -763,7 +765,11 @@ BAD_RESPONSES = [('{"input": "hi", "previous_response_id": "resp_1"}', "previous
                   "input[0]"),
                  ('{"input": "hi", "text": {"format": {"type": "xml"}}}', "text"),
                  ('{"input": "hi", "include": ["file_search_call.results"]}', "include"),
-                 ('{"input": "hi", "max_output_tokens": 0}', "max_tokens")]
+                 ('{"input": "hi", "max_output_tokens": 0}', "max_output_tokens"),
+                 ('{"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": '
+                  '{"type": "object", "properties": {"a": {"type": "wizard"}}}}}}', "text"),
+                 ('{"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}',
+                  "input[0].content")]
 
 
 @pytest.mark.parametrize("body,param", BAD_RESPONSES, ids=range(len(BAD_RESPONSES)))
@@ -789,7 +795,8 @@ def test_a_coding_agents_first_request_streams_to_its_end(server, client):
     assert any(c.choices and (c.choices[0].delta.content or c.choices[0].delta.tool_calls) for c in chunks)
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 40, 2 ** 40) | st.floats(allow_nan=False)
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 40, 2 ** 40)
+                    | st.floats(allow_nan=False, allow_infinity=False)  # what JSON can carry
                     | st.text(max_size=20), lambda inner: st.lists(inner, max_size=4)
                     | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
 FIELDS = ["messages", "tools", "tool_choice", "response_format", "logit_bias", "logprobs", "top_logprobs", "stop",

@@ -153,7 +153,7 @@ def test_forced_calls_follow_the_tools_schemas(tok, choice, parallel):
     rng = np.random.default_rng(0)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     counts = set()
-    for _ in range(50):
+    for _ in range(100):  # 200 forced calls of each choice, parallel or not, without the model's steps
         parser = CallParser(tools)
         text, _ = parser.add(walk(tok, tools.grammar(), rng, stop))
         assert text == "" and parser.flush()[0] == ""
@@ -171,7 +171,7 @@ def test_json_schema_walks_validate(tok):
                                                         "maxItems": 3}},
               "required": ["name", "n", "tags"], "additionalProperties": False}
     rng = np.random.default_rng(1)
-    for _ in range(50):
+    for _ in range(200):  # the acceptance's count, without the model's steps
         jsonschema.validate(json.loads(walk(tok, "start: " + json_lark(schema), rng, {tok.eos_id})), schema)
 
 

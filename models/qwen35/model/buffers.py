@@ -158,7 +158,7 @@ def decode_buffers(hp, tensors, n_ctx: int, candidates: int, checkpoint: bool = 
     else:
         specs.append(f32("ffn_act", hp.ffn))
     specs += [scratch("token_counts", 4 * hp.vocab), scratch("penalty_ring", 4 * n_ctx),
-              scratch("allowed_tokens", 4 * mask_words(hp.vocab)),
+              scratch("allowed_tokens", 4 * mask_words(hp.vocab)), f32("logit_bias", hp.vocab),
               scratch("tokens_out", 4 * n_ctx),
               scratch("candidates", candidates), scratch("sampler_settings", 4 * len(SETTINGS))]
     if checkpoint:

@@ -223,12 +223,14 @@ class Generator:
         return token
 
     def generate(self, prompt_ids: list[int], n: int, *, stop: bool = True,
-                 pick: Callable[[np.ndarray], int] | None = None, steer=None, marks=()) -> Iterator[int]:
+                 pick: Callable[[np.ndarray], int] | None = None, steer=None, bias: dict[int, float] | None = None,
+                 marks=()) -> Iterator[int]:
         """Yield up to n generated token ids after `prompt_ids`, ending after a stop token when
         `stop`. The caches start over unless they hold a prefix of the prompt (`keep`). With
         `pick`, each token is pick(its step's logits) rather than the GPU sampler's; with `steer`
         (serve/picker.Steer: `words()` the bitmask of the tokens allowed next, or None for any;
-        `take(token)`), the GPU sampler draws among those it allows, a step at a time; `marks`:
+        `take(token)`), the GPU sampler draws among those it allows, a step at a time; `bias` (token
+        id → value) is added to the logits the GPU sampler draws from; `marks`:
         positions in the prompt to keep a checkpoint at. Timings of the last call are in
         `self.timings`."""
         if not prompt_ids:
@@ -240,6 +242,7 @@ class Generator:
         self.timings = t
         start = time.perf_counter()
         g.allow(None if steer is None else steer.words())  # the prompt's last step draws the first token
+        g.bias_logits(bias)
         if self.speculate is not None and self.speculate.mtp and self.mtp is None:
             from zdsl.models.qwen35.model.mtp import MtpHead
 

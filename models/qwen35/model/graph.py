@@ -226,6 +226,14 @@ class DecodeGraph(LayerSchedule):
         grammar's mask), from the next step on; None: any token."""
         self.allowed.write(sampling.all_allowed(self.hp.vocab) if words is None else np.asarray(words, np.uint32))
 
+    def bias_logits(self, bias: dict[int, float] | None) -> None:
+        """Add `bias` (token id → value; None: nothing) to the logits the sampler draws from, from
+        the next step on (a request's logit_bias)."""
+        dense = np.zeros(self.hp.vocab, np.float32)
+        if bias:
+            dense[list(bias)] = list(bias.values())
+        self.logit_bias.write(dense)
+
     def retune(self, tuning: Database | None, sampler: SamplerConfig | None = None) -> None:
         """Record the step again with the variants `tuning` picks (and another sampler, if given);
         weights, caches and states stay. The tuner times candidates in place this way. Prompt
@@ -287,6 +295,8 @@ class DecodeGraph(LayerSchedule):
         self.sampler_settings.write(self.sampler.settings())
         self.allowed = b["allowed_tokens"]  # the tokens the sampler may draw: a bit each
         self.allow(None)
+        self.logit_bias = b["logit_bias"]  # added to the logits the sampler draws from
+        self.bias_logits(None)
         self.prompt = Prefill(self, b)
         self.token_rows = TokenRows(self, b, self.step_tokens) if self.step_tokens > 1 else None
         # what a step overwrites that the sequence needs to be undone or resumed (buffers.checkpointed)

@@ -188,9 +188,9 @@ class MtpHead:
         """Row 0's argmax into the chain's step values (its next token) and the drafts by position."""
         g, a = self.g, self.a
         cap, vocab, settings = g.sampler.kernel_cap, self.hp.vocab, self.buffers[MTP + "settings"]
-        return [lambda seq: sampling.sample_candidates.launch(seq, g.pick, CAP=cap, logits=a.logits, counts=g.counts,
-                                                              allowed=g.allowed, cand=a.cands[0], settings=settings,
-                                                              n_vocab=vocab, row=0),
+        return [lambda seq: sampling.sample_candidates.launch(seq, g.pick, CAP=cap, logits=a.logits, bias=g.logit_bias,
+                                                              counts=g.counts, allowed=g.allowed, cand=a.cands[0],
+                                                              settings=settings, n_vocab=vocab, row=0),
                 lambda seq: sampling.sample_draw.launch(seq, g.pick, CAP=cap, WG=g.sample_pass.params["WG"],
                                                         R=g.sample_pass.params["R"], cand=a.cands[0],
                                                         step=self.chain_step, tokens=self.tokens, settings=settings,

@@ -111,10 +111,10 @@ def check_vocab(n_vocab: int) -> None:
         raise ZdslError(f"vocabulary size must be in [1, {SENTINEL}), got {n_vocab}")
 
 
-def sample_reference(logits, counts, config: SamplerConfig, step: int, allowed=None) -> int:
+def sample_reference(logits, counts, config: SamplerConfig, step: int, allowed=None, bias=None) -> int:
     """numpy: the token the GPU sampler picks from `logits` given per-token `counts` of the tokens
     in the penalties' window, at random-number counter `step` (the value of step[3]), among the
-    `allowed` tokens (a boolean each; None: all)."""
+    `allowed` tokens (a boolean each; None: all), with `bias` added (a value each; None: none)."""
     logits = np.asarray(logits, np.float32)
-    return sample_ref(logits, counts, cap=config.kernel_cap, counter=step, allowed=allowed,
+    return sample_ref(logits, counts, cap=config.kernel_cap, counter=step, allowed=allowed, bias=bias,
                       **settings_of(config.settings()))

@@ -292,7 +292,8 @@ class LayerSchedule:
         sampler, as two launches to record in order: the candidates into `cand`, then the draw
         into the step values `step` (its token and counter) and tokens_out (at its position)."""
         cap, vocab, settings = self.sampler.kernel_cap, self.hp.vocab, self.sampler_settings
-        return [lambda seq: sampling.sample_candidates.launch(seq, self.pick, CAP=cap, logits=logits, counts=self.counts,
+        return [lambda seq: sampling.sample_candidates.launch(seq, self.pick, CAP=cap, logits=logits,
+                                                              bias=self.logit_bias, counts=self.counts,
                                                               allowed=self.allowed, cand=cand, settings=settings,
                                                               n_vocab=vocab, row=row),
                 lambda seq: sampling.sample_draw.launch(seq, self.pick, CAP=cap, WG=self.sample_pass.params["WG"],

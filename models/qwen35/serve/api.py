@@ -67,8 +67,9 @@ class Job:
 
     @property
     def on_host(self) -> bool:
-        """Whether its tokens are picked on the host from read-back logits (picker.py)."""
-        return self.top_logprobs is not None or bool(self.bias)
+        """Whether its tokens are picked on the host from read-back logits (picker.py): for their
+        log-probabilities."""
+        return self.top_logprobs is not None
 
     @property
     def steered(self) -> bool:

@@ -70,7 +70,7 @@ class Slot:
                 with self.gpu:
                     gen.use(job.sampler)
                     tokens = gen.generate(job.prompt_ids, job.max_tokens, stop=not job.ignore_eos, pick=picker,
-                                          steer=steer, marks=job.marks)
+                                          steer=steer, bias=None if picker else job.bias, marks=job.marks)
                 while not stop.is_set():
                     with self.gpu:  # a burst's tokens after the first come from the host: no wait
                         token = next(tokens, None)

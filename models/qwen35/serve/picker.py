@@ -1,5 +1,5 @@
 """Which tokens a reply may take next (a grammar, a thinking budget), and tokens chosen on the host
-for requests the GPU sampler cannot serve alone (log-probabilities, a logit bias).
+for requests that want their log-probabilities.
 
 `Steer` gives, before each step, the bitmask of the tokens allowed next (or None: any): the GPU
 sampler draws among them (DecodeGraph.allow), so a constrained reply runs the GPU's own step and
@@ -10,9 +10,9 @@ after that many tokens (</think> the one token allowed). Under tool_choice auto 
 tools, a call the model opens (its text reaches `<tool_call>`, in the thinking or after it) is
 held to the call's grammar until it ends, as llama-server's lazy grammars are.
 
-`Picker` reads the step's logits back, shapes them (the bias), and draws from them with the GPU
-sampler's own numpy reference among the tokens its Steer allows, so an unshaped greedy request
-gives the GPU's tokens; it keeps each token's log-probability.
+`Picker` reads the step's logits back and draws from them with the GPU sampler's own numpy
+reference (the bias added, among the tokens its Steer allows), so a request gives the GPU's
+tokens; it keeps each token's log-probability (of the model's logits, unbiased).
 """
 
 from __future__ import annotations
@@ -103,12 +103,9 @@ class Picker:
 
     def __call__(self, logits: np.ndarray) -> int:
         logits = np.asarray(logits, np.float32)
-        shaped = logits.copy()
-        for token, value in self.bias.items():
-            shaped[token] += value
         words = self.steer.words()
         allowed = None if words is None else np.unpackbits(words.view(np.uint8), bitorder="little")[:len(logits)]
-        token = self._draw(shaped, None if allowed is None else allowed.astype(bool))
+        token = self._draw(logits, None if allowed is None else allowed.astype(bool))
         self.steer.take(token)
         self.history.append(token)
         self.choices.append(self._choice(logits, token))
@@ -119,8 +116,12 @@ class Picker:
         counts = np.zeros(len(logits), np.uint32)
         if s.penalties:
             np.add.at(counts, np.asarray(self.history[-s.window(self.n_ctx):], np.int64), 1)
+        bias = None
+        if self.bias:
+            bias = np.zeros(len(logits), np.float32)
+            bias[list(self.bias)] = list(self.bias.values())
         # the GPU draws the token at position p with counter p - 1 (graph.py: one draw a position)
-        return sample_reference(logits, counts, s, len(self.history) - 1, allowed)
+        return sample_reference(logits, counts, s, len(self.history) - 1, allowed, bias)
 
     def _choice(self, logits: np.ndarray, token: int) -> Choice:
         if self.top_logprobs is None:

@@ -15,7 +15,7 @@ import json
 import time
 import uuid
 
-from zdsl.models.qwen35.serve.api import bad
+from zdsl.models.qwen35.serve.api import ApiError, bad
 
 # Responses field -> the chat completions field it is (the same sampling and zdsl's extensions too)
 RENAMED = {"max_output_tokens": "max_tokens"}
@@ -62,6 +62,14 @@ def chat_body(body) -> dict:
     if effort.get("effort") == "none":
         chat["chat_template_kwargs"] = {"enable_thinking": False} | chat.get("chat_template_kwargs", {})
     return chat
+
+
+def named_as_responses(e: ApiError) -> ApiError:
+    """An error of the chat body a request became, naming the Responses field it came from."""
+    param = e.param or ""
+    names = {"max_tokens": "max_output_tokens", "response_format": "text"}
+    e.param = "input" if param.startswith("messages") else names.get(param, e.param)
+    return e
 
 
 def _parts_text(content, param: str, kinds=("input_text", "output_text", "text")) -> str:

@@ -28,7 +28,7 @@ from zdsl.models.qwen35.cli.run import kv_type_option, spec_options
 from zdsl.models.qwen35.serve.api import REASONING_FORMATS, ApiError, bad, chat_job, completion_job
 from zdsl.models.qwen35.serve.engine import Engine
 from zdsl.models.qwen35.serve.reply import Reply, chat_logprobs, completion_logprobs
-from zdsl.models.qwen35.serve.responses import ResponseEvents, chat_body, sse
+from zdsl.models.qwen35.serve.responses import ResponseEvents, chat_body, named_as_responses, sse
 
 log = logging.getLogger("zdsl.serve")
 OPEN = {"/health"}  # routes that need no API key
@@ -156,7 +156,10 @@ def app(engine: Engine, model_id: str, api_key: str | None = None, *, reasoning_
 
     async def responses(request):
         body = await body_of(request)
-        job = await run_in_threadpool(lambda: job_of(chat_body(body), chat=True))
+        try:
+            job = await run_in_threadpool(lambda: job_of(chat_body(body), chat=True))
+        except ApiError as e:
+            raise named_as_responses(e) from None
         response, reply = ResponseEvents(body, model_id), Reply(job)
         if job.stream:
             async def events():
