@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from zdsl.models.qwen35.file import synth
 from zdsl.models.qwen35.model.reference import (ReferenceModel, deltanet_chunked, deltanet_recurrent, l2norm,
-                                          rope_neox)
+                                          rmsnorm, rope_neox)
 
 from budget import examples
 
@@ -109,8 +109,11 @@ def test_trace_and_float64(model, tmp_path):
     trace = {}
     toks = [10, 20, 30, 40]
     l32 = model.forward(toks, trace=trace)
-    assert list(trace) == ["embed"] + [f"layer{i}" for i in range(model.hp.n_layers)]
+    assert list(trace) == ["embed"] + [f"layer{i}" for i in range(model.hp.n_layers)] + ["h"]
     assert all(v.shape == (4, model.hp.hidden) for v in trace.values())
+    last = trace[f"layer{model.hp.n_layers - 1}"]  # h: the last layer's output normed, what the head reads
+    np.testing.assert_allclose(trace["h"], rmsnorm(last, model.w("output_norm.weight"), model.hp.eps), rtol=1e-6)
+    np.testing.assert_allclose(model.proj(trace["h"], model.file.output_name), l32, rtol=1e-6)
     l64 = ReferenceModel(model.file, dtype=np.float64).forward(toks)
     assert l64.dtype == np.float64
     np.testing.assert_allclose(l32, l64, rtol=0, atol=1e-3)
