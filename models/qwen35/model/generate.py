@@ -183,43 +183,32 @@ class Generator:
         step: a prompt resumes at most one token short of its end (its last token's logits are
         wanted), so the snapshot one short lets the same prompt again (a retry) feed one token,
         where one at its end would leave it a chunk to feed. `marks`: positions of the context
-        to snapshot at too (where the next prompt may part from this one)."""
+        to snapshot at too (where the next prompt may part from this one). When the MTP head
+        drafts, it catches up on each piece after it ran (mtp.py): the same pieces, so the same
+        sums and tokens as plain decoding."""
         g = self.graph
-        if self.mtp is not None and self.speculate is not None and self.speculate.mtp:
-            return self._prefill_mtp(tokens)
+        head = self.mtp if self.speculate is not None and self.speculate.mtp else None  # catches up on each piece
         if self.checkpoints is None:
-            return g.prefill(tokens, sample=True)
+            if head is None:
+                return g.prefill(tokens, sample=True)
+            for at in range(0, len(tokens), g.chunk):  # DecodeGraph.prefill's chunks, one at a time
+                p0, piece = g.position, tokens[at:at + g.chunk]
+                token = g.prefill(piece, sample=at + g.chunk >= len(tokens))
+                head.prompt(len(piece), p0)
+            return token
         at, last, base = 0, len(tokens) - 1, g.position
         cuts = [m - base for m in marks if 0 < m - base < last]
         while at < last:
             n = min(last - at, g.chunk - g.position % g.chunk, *(c - at for c in cuts if c > at))
-            g.prefill(tokens[at:at + n])
-            self.checkpoints.save()
-            at += n
-        return g.decode(tokens[-1])
-
-    def _prefill_mtp(self, tokens: list[int]) -> int:
-        """Feed the prompt's new tokens in the pieces _prefill feeds (those of DecodeGraph.prefill,
-        or with checkpoints pieces that end where chunks end and the last token's decode step:
-        the same sums, so the same tokens as plain decoding), the MTP head catching up on each
-        piece after it ran (mtp.py)."""
-        g = self.graph
-        if self.checkpoints is None:
-            for at in range(0, len(tokens), g.chunk):
-                p0, piece = g.position, tokens[at:at + g.chunk]
-                token = g.prefill(piece, sample=at + g.chunk >= len(tokens))
-                self.mtp.prompt(len(piece), p0)
-            return token
-        at, last = 0, len(tokens) - 1
-        while at < last:
-            n = min(last - at, g.chunk - g.position % g.chunk)
             p0 = g.position
             g.prefill(tokens[at:at + n])
-            self.mtp.prompt(n, p0)
+            if head is not None:
+                head.prompt(n, p0)
             self.checkpoints.save()
             at += n
         token = g.decode(tokens[-1])
-        self.mtp.decoded(tokens[-1], g.position - 1)
+        if head is not None:
+            head.decoded(tokens[-1], g.position - 1)
         return token
 
     def generate(self, prompt_ids: list[int], n: int, *, stop: bool = True,
