@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from zdsl.errors import ZdslError
-from zdsl.kernels import embedding, q8_1, sampling, steps as step_kernels
+from zdsl.kernels import embedding, sampling, steps as step_kernels
 from zdsl.kernels.attention import cache_rows
 from zdsl.kernels.kvcache import KV_FORMATS
 from zdsl.kernels.steps import STEP_WORDS
@@ -143,12 +143,9 @@ class MtpHead:
         embedding.embed.launch(seq, g.pick, QTYPE=g.qname(emb), table=g.weights[emb], ids=pf.tokens, out=pf.x,
                                k=H, index=0, rows=t)
         pf.norm(seq, mtp_name(self.hp, "enorm"), t)
-        pf._project(seq, eh + ".e", pf.x, t)
-        n = pf.normed
-        q8_1.norm_q8_1.launch(seq, g.pick, label="chunk.nextn.hnorm", x=self.prompt_h,
-                              norm_w=g.weights[mtp_name(self.hp, "hnorm")], hn=n.f32, xq=n.q, xd=n.d,
-                              **pf._halved(n), n=H, eps=self.hp.eps, rows=t)
-        pf._project(seq, eh + ".h", pf.x, t, add=True)
+        pf.project(seq, eh + ".e", pf.x, t)
+        pf.norm(seq, mtp_name(self.hp, "hnorm"), t, x=self.prompt_h)
+        pf.project(seq, eh + ".h", pf.x, t, add=True)
         pf.norm(seq, f"blk.{L}.attn_norm.weight", t)
         pf.attention(seq, L, t)
         (pf.moe if self.hp.moe else pf.ffn)(seq, L, t)

@@ -163,9 +163,11 @@ class Prefill:
             g.sample_row(seq, self.x.slice(4 * hp.hidden * (t - 1), 4 * hp.hidden))
         return seq
 
-    def norm(self, seq, norm: str, t: int) -> None:
+    def norm(self, seq, norm: str, t: int, x=None) -> None:
+        """normed = rmsnorm(x) · norm for the chunk's t rows (x: the residual rows unless given)."""
         n = self.normed
-        q8_1.norm_q8_1.launch(seq, self.g.pick, label="chunk." + norm.removesuffix(".weight"), x=self.x,
+        q8_1.norm_q8_1.launch(seq, self.g.pick, label="chunk." + norm.removesuffix(".weight"),
+                              x=self.x if x is None else x,
                               norm_w=self.g.weights[norm], hn=n.f32, xq=n.q, xd=n.d, **self._halved(n),
                               n=self.hp.hidden, eps=self.hp.eps, rows=t)
 
@@ -179,7 +181,7 @@ class Prefill:
         if v.h is not None:
             matmul.half_rows.launch(seq, self.g.pick, x=v.f32, h=v.h, n=n)
 
-    def _project(self, seq, tensor: str, y, t: int, x=None, add: bool = False, exact: bool = False) -> None:
+    def project(self, seq, tensor: str, y, t: int, x=None, add: bool = False, exact: bool = False) -> None:
         """y rows (+)= W · x rows for the chunk's t tokens (x: the normed rows by default), on the
         kernel the schedule picks for t rows (LayerSchedule.project)."""
         self.g.project(seq, tensor, y, x or self.normed, t, add, exact, label="chunk.")
@@ -235,7 +237,7 @@ class Prefill:
         g, hp, p = self.g, self.hp, f"blk.{i}."
         nh, nkv, d = hp.n_heads, hp.n_kv_heads, hp.head_dim
         for name, out in (("attn_q", self.qg), ("attn_k", self.k), ("attn_v", self.v)):
-            self._project(seq, p + name + ".weight", out, t)
+            self.project(seq, p + name + ".weight", out, t)
         k_cache, v_cache = g.kv[i]
         step, (kt, vt) = self.steps, g.kv_types
         attention.attn_prep_rows.launch(
@@ -250,7 +252,7 @@ class Prefill:
         kernel.launch(seq, g.pick, label=p + "attn_prefill", **fixed, q=self.q, qg=self.qg, k_cache=k_cache,
                       v_cache=v_cache, step=step, o=o.f32, oq=o.q, od=o.d, n_kv=nkv, t=t, ctx=g.n_ctx)
         self._halves(seq, o, t * nh * d)
-        self._project(seq, p + "attn_output.weight", self.x, t, o, add=True)
+        self.project(seq, p + "attn_output.weight", self.x, t, o, add=True)
         self._after_mixer(seq, i, t)
 
     def deltanet(self, seq, i: int, t: int) -> None:
@@ -259,9 +261,9 @@ class Prefill:
         deltanet_chunk_scan carrying the state over them) into raw o, then o's gated norm
         (deltanet_gated_norm)."""
         g, hp, p = self.g, self.hp, f"blk.{i}."
-        self._project(seq, p + "attn_qkv.weight", self.mix, t)
-        self._project(seq, p + "attn_gate.weight", self.z, t)
-        self._project(seq, p + "ssm_beta_alpha.weight", self.ba, t)
+        self.project(seq, p + "attn_qkv.weight", self.mix, t)
+        self.project(seq, p + "attn_gate.weight", self.z, t)
+        self.project(seq, p + "ssm_beta_alpha.weight", self.ba, t)
         D = hp.ssm_head_dim
         deltanet.deltanet_conv_rows.launch(seq, g.pick, label=p + "ssm_conv", D=D, KC=hp.conv_kernel, mix=self.mix,
                                            conv_w=g.weights[p + "ssm_conv1d.weight"], conv_state=g.conv_state[i],
@@ -281,7 +283,7 @@ class Prefill:
                                             o=self.dn_raw, z=self.z, norm_w=g.weights[p + "ssm_norm.weight"],
                                             out=o.f32, oq=o.q, od=o.d, **self._halved(o), d=D, eps=hp.eps,
                                             rows=t * hp.ssm_v_heads)
-        self._project(seq, p + "ssm_out.weight", self.x, t, o, add=True)
+        self.project(seq, p + "ssm_out.weight", self.x, t, o, add=True)
         self._after_mixer(seq, i, t)
 
     def moe(self, seq, i: int, t: int) -> None:
@@ -307,7 +309,7 @@ class Prefill:
                          else ((gate, up), _expert(g, gate, E), _expert(g, up, E)))
         w_sh, q_sh = (g.weights[down_sh], g.qname(down_sh)) if down_sh in g.tensors else (_expert(g, down, E), qd)
         self.norm(seq, p + "post_attention_norm.weight", t)
-        self._project(seq, router, self.logits, t, exact=True)
+        self.project(seq, router, self.logits, t, exact=True)
         self._gate_up(seq, p + "ffn_gate_up_shexp", named, wg, wu, *one, self.act_shared, 1, t, 1)
         moe.moe_route_rows.launch(seq, g.pick, label=p + "moe_route_rows", K=K, logits=self.logits, ids=self.route_ids,
                                   weights=self.route_w, counts=self.counts, n_expert=E, stride=E + 1, t=t)
@@ -333,7 +335,7 @@ class Prefill:
                       self.one_pairs, self.act, 1, t, 1)
         act = SimpleNamespace(f32=self.act, q=None, h=self.act_h)
         self._halves(seq, act, t * g.tensors.shape(gate)[-2])
-        self._project(seq, p + "ffn_down.weight", self.x, t, act, add=True)
+        self.project(seq, p + "ffn_down.weight", self.x, t, act, add=True)
         self._next_norm(seq, i, t)
 
     def _next_norm(self, seq, i: int, t: int) -> None:
