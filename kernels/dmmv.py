@@ -306,19 +306,25 @@ def input_bytes(k: int, Q8: bool) -> int:
 
 
 def _dmmv_fits(v) -> bool:
-    return (v.COLS == 1 or v.ROWS == 1) and (not v.Q8 or v.QTYPE in INT8_FORMATS)
+    return (v.COLS == 1 or v.ROWS <= 2) and (not v.Q8 or v.QTYPE in INT8_FORMATS)
+
+
+# With a few columns (a step of several tokens or streams) a group of two rows loads each block's
+# COLS activation vectors once for both; a group of one row loads them again for every weight row.
+# Four rows of several columns measured slower on the H100 (more live sums than it pays for).
+FEW_COLUMN_ROWS = zdsl.Derived(lambda v: 1 if v.COLS == 1 else 2)
 
 
 @zdsl.kernel(workgroup=workgroup, subgroup="SG",
              variants={"QTYPE": QTYPES, "Q8": [False, True], "COLS": list(range(1, 9)), "ROWS": [1, 2, 4],
                        "SG": SUBGROUPS},
-             tune={"NSUB": NSUBS}, where=_dmmv_fits, key=("k", "m"),
+             tune={"NSUB": NSUBS}, where=_dmmv_fits, key=("k", "m"), cpu={"ROWS": 1},
              grid=lambda v, s: row_groups(v, s.m),
              traffic=lambda v, s: (s.m * inputs.row_bytes(v.QTYPE, s.k) + v.COLS * input_bytes(s.k, v.Q8)
                                    + 4 * v.COLS * s.m * (2 if v.ADD else 1)))
 def dmmv(w: Buffer[u8], x: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], y: Buffer[f32], k: u32, m: u32,
-         ADD: Spec[boolean] = False, QTYPE: Const = "q4_k", Q8: Const = False, COLS: Const = 1, ROWS: Const = 1,
-         NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
+         ADD: Spec[boolean] = False, QTYPE: Const = "q4_k", Q8: Const = False, COLS: Const = 1,
+         ROWS: Const = FEW_COLUMN_ROWS, NSUB: Const = 1, SG: Const = 32, WG: Const = 0):
     """y[c·m + r] (+)= Σ_k W[r, k] · x[c·k + k] for COLS activation vectors, given in f32 (x) or,
     with Q8, as Q8_1 (xq, xd: the COLS·k activations quantized back to back); ADD accumulates
     into y (a residual connection)."""

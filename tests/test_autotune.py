@@ -22,7 +22,7 @@ from zdsl import Buffer, Const, f32, u32
 from zdsl.autotune import cost_model, database as db, tuner
 from zdsl.errors import KernelError, ZdslError
 from zdsl.lang.kernel import Launch
-from zdsl.models.qwen35.cli.tune import chunk_uses, step_uses
+from zdsl.models.qwen35.cli.tune import chunk_uses, several_uses, step_uses
 from zdsl.models.qwen35.file import synth
 from zdsl.models.qwen35.file.synth import PresetModel
 
@@ -935,6 +935,28 @@ def test_cli_modelled_prompt_chunk(tmp_path, capsys):
     assert {e["kernel"] for e in entries} == {"deltanet_gated_norm"} and all(e["method"] == "modelled" for e in entries)
 
 
+@pytest.mark.nulldevice
+def test_cli_step_tokens_tunes_what_a_step_of_several_adds(tmp_path, capsys):
+    """--step-tokens 3 ranks the uses a 3-token step has and the decode step has not (dmmv at three
+    columns, the experts' kernels over three rows); their entries key no decode-step use, so the
+    decode step's tuning stays its own."""
+    from zdsl.cli import main
+    from zdsl.runtime.nulldevice import target_info
+
+    _radeon()
+    out = tmp_path / "gfx1201.json"
+    assert main(["tune", "--device", "gfx1201", "--preset", "tiny", "--step-tokens", "3", "--kernels",
+                 "dmmv,moe_down_all", "--out", str(out)]) == 0
+    assert "3-token step" in " ".join(capsys.readouterr().out.split())
+    entries = json.loads(out.read_text())["entries"]
+    assert {e["kernel"] for e in entries} == {"dmmv", "moe_down_all"}
+    assert all(e["shape"].get("COLS", 3) == 3 and e["shape"].get("rows", 3) == 3 for e in entries)
+    decode = step_uses(PresetModel("tiny"), target_info("gfx1201"), 4096, (1,))
+    one = {(u.kernel.name, db.shape_key(u.key)) for u in decode}
+    assert not one & {(e["kernel"], db.shape_key(e["shape"])) for e in entries}
+    assert main(["tune", "--device", "gfx1201", "--preset", "tiny", "--step-tokens", "3", "--prompt", "8"]) == 2
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     from zdsl.models.qwen35.file import synth
@@ -1059,8 +1081,9 @@ def test_every_shipped_entry_keys_a_use_of_the_35b_step(shipped, device):
     """An entry whose key no dispatch asks for is dead weight that looks like tuning: it happens
     when a kernel's parameters change under it. (sample_draw is keyed on the choice of its
     sampler pass, which the step makes, not on a use of its own.) Entries may come from any of
-    the synthetic mixes' decode steps or 512-token prompt chunks (on matrix units, as the H100
-    runs them, or without, as gfx1201's null device offers none)."""
+    the synthetic mixes' decode steps, steps of 2, 4 or 8 tokens (`zdsl tune --step-tokens`) or
+    512-token prompt chunks (on matrix units, as the H100 runs them, or without, as gfx1201's
+    null device offers none)."""
     from dataclasses import replace
     from pathlib import Path
 
@@ -1071,7 +1094,8 @@ def test_every_shipped_entry_keys_a_use_of_the_35b_step(shipped, device):
     keys = {(u.kernel.name, db.shape_key(u.key)) for quant in synth.QUANTS[:4]
             for u in step_uses(PresetModel("35b-a3b", quant), device.info, 4096, (1, 64))
             + chunk_uses(PresetModel("35b-a3b", quant), units, 4096, 512)
-            + chunk_uses(PresetModel("35b-a3b", quant), plain, 4096, 512)}
+            + chunk_uses(PresetModel("35b-a3b", quant), plain, 4096, 512)
+            + [u for t in (2, 4, 8) for u in several_uses(PresetModel("35b-a3b", quant), device.info, 4096, t)]}
     entries = json.loads((Path(zdsl.autotune.__file__).parent / shipped).read_text())["entries"]
     dead = [(e["kernel"], e["shape"]) for e in entries
             if e["kernel"] != "sample_draw" and (e["kernel"], db.shape_key(e["shape"])) not in keys]

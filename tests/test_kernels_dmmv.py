@@ -38,7 +38,8 @@ QTYPES = list(FORMATS)
 RTOL = 2e-6
 
 FLOATS = ("f32", "f16", "bf16")
-SHAPES = [(1, 1), (1, 2), (3, 1), (1, 4), (2, 1), (4, 1), (5, 1), (6, 1), (7, 1), (8, 1)]  # (COLS, ROWS)
+SHAPES = [(1, 1), (1, 2), (3, 1), (1, 4), (2, 1), (4, 1), (5, 1), (6, 1), (7, 1), (8, 1),  # (COLS, ROWS)
+          (2, 2), (3, 2), (8, 2)]
 
 
 def pick(backend, qtype, draw, n, salt=0, size=False):

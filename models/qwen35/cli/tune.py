@@ -1,5 +1,6 @@
 """`zdsl tune`: pick the fastest kernel variants for a device, for the launches a model decodes with
-(or, with --prompt, those of one prompt chunk).
+(or, with --prompt, those of one prompt chunk; with --step-tokens, those of a step of several
+tokens that a one-token step does not share: the few-column products).
 
 On a device that runs code every candidate is checked against its numpy reference and timed;
 on a compile-only RADV target (gfx1201, navi31, ...) candidates are compiled by the null device
@@ -25,7 +26,7 @@ from zdsl.kernels.kvcache import KV_DEFAULT, KVTypes
 
 from ..file.gguf_file import open_model
 from ..file.synth import QUANTS, PresetModel
-from ..model.graph import DecodeGraph, record_chunk_launches, record_launches
+from ..model.graph import DecodeGraph, record_chunk_launches, record_launches, record_step_launches
 from ..model.sampler import SamplerConfig
 from .run import kv_type_option
 
@@ -75,12 +76,23 @@ def chunk_uses(model, info, n_ctx: int, t: int, kv: KVTypes = KV_DEFAULT) -> lis
     return tuner.uses(record_chunk_launches(model, info, n_ctx, t, kv=kv))
 
 
+def several_uses(model, info, n_ctx: int, t: int, kv: KVTypes = KV_DEFAULT) -> list[tuner.Use]:
+    """The tunable uses of one step of t tokens of one sequence that the decode step does not have:
+    a kernel whose tuning key holds no row count (the experts, the delta-net) shares its entry
+    with the decode step, which decides it in place."""
+    one = {u.ident for u in step_uses(model, info, n_ctx, (1,), kv)}
+    return [u for u in tuner.uses(record_step_launches(model, info, n_ctx, t, kv=kv)) if u.ident not in one]
+
+
 def uses_of(model, info, n_ctx: int, caps: tuple[int, ...], prompt: int, kv: KVTypes,
-            names: str | None) -> list[tuner.Use]:
-    """The uses `zdsl tune` takes: one prompt chunk's of `prompt` tokens, or else the decode
-    step's (per sampler cap), with the KV caches in the formats `kv`, narrowed to `names`."""
+            names: str | None, step_tokens: int = 1) -> list[tuner.Use]:
+    """The uses `zdsl tune` takes: one prompt chunk's of `prompt` tokens, those a step of
+    `step_tokens` adds, or else the decode step's (per sampler cap), with the KV caches in the
+    formats `kv`, narrowed to `names`."""
     if prompt:
         return select(chunk_uses(model, info, max(n_ctx, prompt), prompt, kv), names, f"{prompt}-token prompt chunk")
+    if step_tokens > 1:
+        return select(several_uses(model, info, n_ctx, step_tokens, kv), names, f"{step_tokens}-token step")
     return select(step_uses(model, info, n_ctx, caps, kv), names)
 
 
@@ -113,6 +125,9 @@ def select(uses, names: str | None, what: str = "decode step"):
 @click.option("--prompt", "prompt", default=0, show_default=True,
               help="Tune the launches of one prompt chunk of this many tokens (batched prefill, up to 512) instead "
                    "of the decode step's; kernels are timed alone.")
+@click.option("--step-tokens", default=1, show_default=True,
+              help="Tune the launches that a step of this many tokens of one sequence (a speculative step's "
+                   "verification) adds to the decode step's: the few-column products; kernels are timed alone.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Database file to add the choices to (default: the user's file for this device, which run, bench "
                    "and profile read; they do not read a file given here until it is merged into that one or the "
@@ -139,18 +154,22 @@ def select(uses, names: str | None, what: str = "decode step"):
               help="With --check-model on a device: save the measurements to this file, for --measured.")
 @click.option("--folds", default=4, show_default=True, help="With --check-model: fold f holds out uses f, f + folds, ...")
 @kv_type_option
-def tune(device_name, model_path, preset, quant, names, budget, n_ctx, caps, prompt, out_path, min_gain, warmup, repeats,
-         warm_ms, cache_mb, as_json, check_model, measured_paths, record_path, folds, kv):
+def tune(device_name, model_path, preset, quant, names, budget, n_ctx, caps, prompt, step_tokens, out_path, min_gain,
+         warmup, repeats, warm_ms, cache_mb, as_json, check_model, measured_paths, record_path, folds, kv):
     """Pick the fastest kernel variants for a device (measured, or modelled for compile-only targets)."""
+    if check_model and step_tokens > 1:
+        raise ZdslError("--check-model scores the decode step's or a prompt chunk's uses: drop --step-tokens")
     if check_model:
         _check_model(device_name, model_path, preset, quant, names, budget, n_ctx, caps, prompt, kv, warmup, repeats,
                      warm_ms, cache_mb, as_json, measured_paths, record_path, folds)
         return
     if measured_paths or record_path:
         raise ZdslError("--measured and --record go with --check-model")
-    if budget <= 0 or n_ctx < 1 or repeats < 1 or min(warmup, warm_ms, cache_mb, prompt) < 0:
-        raise ZdslError("--budget, --ctx and --repeats must be positive; --warmup, --warm-ms, --cache-mb and "
-                        "--prompt ≥ 0")
+    if budget <= 0 or n_ctx < 1 or repeats < 1 or step_tokens < 1 or min(warmup, warm_ms, cache_mb, prompt) < 0:
+        raise ZdslError("--budget, --ctx, --repeats and --step-tokens must be positive; --warmup, --warm-ms, "
+                        "--cache-mb and --prompt ≥ 0")
+    if prompt and step_tokens > 1:
+        raise ZdslError("--prompt and --step-tokens each name the step to tune: give one")
     try:
         cap_list = tuple(int(c) for c in caps.split(","))
     except ValueError:
@@ -159,15 +178,15 @@ def tune(device_name, model_path, preset, quant, names, budget, n_ctx, caps, pro
     try:
         model = open_model(model_path) if model_path else PresetModel(preset, quant)
         source = str(model_path) if model_path else model.source
-        uses = uses_of(model, info, n_ctx, cap_list, prompt, kv, names)
+        uses = uses_of(model, info, n_ctx, cap_list, prompt, kv, names, step_tokens)
     except BaseException:
         if dev is not None:
             dev.close()
         raise
     console = make_console(stderr=as_json)
     modelled = isinstance(method, tuner.Model)
-    in_place = model_path is not None and not modelled and not prompt  # in place: whole decode steps
-    per = f"{prompt}-token chunk" if prompt else "token"
+    in_place = model_path is not None and not modelled and not prompt and step_tokens == 1  # whole decode steps
+    per = f"{prompt}-token chunk" if prompt else f"{step_tokens}-token step" if step_tokens > 1 else "token"
     report = None
     try:
         if not as_json:

@@ -86,6 +86,19 @@ def record_chunk_launches(model, info, n_ctx: int, t: int, tuning: Database | No
     return graph.prompt.record(t).launches
 
 
+def record_step_launches(model, info, n_ctx: int, t: int, tuning: Database | None = None, kv: KVTypes = KV_DEFAULT):
+    """The launches of one step of t tokens of one sequence (token_rows.py: a speculative step's
+    verification) of `model` as a device of `info` would run it, recorded as record_launches
+    records a decode step."""
+    from zdsl.runtime.dry import DryDevice
+
+    if t < 2:
+        raise ZdslError(f"a step of several tokens holds 2 or more, not {t} (one token is the decode step)")
+    graph = DecodeGraph(model, DryDevice(info), n_ctx, SamplerConfig(temperature=0), progress=False, tuning=tuning,
+                        kv=kv, step_tokens=t)
+    return graph.token_rows.record(t).launches
+
+
 class DecodeGraph(LayerSchedule):
     """One sequence of `model` on `device`: its weights (or another graph's), caches, recurrent
     states and step values, the recorded steps that advance it (their layers: schedule.py), and
