@@ -306,12 +306,12 @@ def input_bytes(k: int, Q8: bool) -> int:
 
 
 def _dmmv_fits(v) -> bool:
-    return (v.COLS == 1 or v.ROWS <= 2) and (not v.Q8 or v.QTYPE in INT8_FORMATS)
+    return (v.ROWS <= 2 or v.ROWS * v.COLS <= 8) and (not v.Q8 or v.QTYPE in INT8_FORMATS)
 
 
 # With a few columns (a step of several tokens or streams) a group of two rows loads each block's
 # COLS activation vectors once for both; a group of one row loads them again for every weight row.
-# Four rows of several columns measured slower on the H100 (more live sums than it pays for).
+# Groups of 4 rows take at most 2 columns: 4 rows of 4 columns measured slower on the H100 than 2.
 FEW_COLUMN_ROWS = zdsl.Derived(lambda v: 1 if v.COLS == 1 else 2)
 
 
@@ -364,10 +364,11 @@ def project_ref(args: dict, qtype: str, m: int, k: int, y=None):
 @dmmv.example
 def dmmv_example(use, rng, check):
     q, q8, add = use.fixed["QTYPE"], use.fixed.get("Q8", False), use.fixed.get("ADD", False)
+    cols = use.fixed.get("COLS", 1)  # every column's vector and output: a check sees each column
     k = use.sizes["k"]
     m = min(use.sizes["m"], inputs.CHECK_ROWS) if check else use.sizes["m"]
-    args = dict(w=inputs.rows(rng, q, m, k), **inputs.activations(rng, k, q8),
-                y=inputs.normal(rng, m) if add else np.zeros(m, np.float32), k=k, m=m)
+    args = dict(w=inputs.rows(rng, q, m, k), **inputs.activations(rng, cols * k, q8),
+                y=inputs.normal(rng, cols * m) if add else np.zeros(cols * m, np.float32), k=k, m=m)
     y0 = args["y"].copy() if add else None
     return zdsl.Example(args, lambda p: {"y": (project_ref(args, q, m, k, y0), 1e-4)},
                         lambda n: {"w": inputs.copies(args["w"], n)})

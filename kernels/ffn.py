@@ -51,7 +51,7 @@ def gate_up_dots(decoders: list, wg, wu, expert, x, xq, xd, bases, k, m, group: 
 @zdsl.kernel(workgroup=workgroup, subgroup="SG",
              variants={"QTYPE": GATE_UP_QTYPES, "Q8": [False, True], "ROWS": [1, 2, 4], "SG": SUBGROUPS},
              tune={"NSUB": NSUBS}, where=_gate_up_fits,
-             key=("k", "m", "slots", "rows"), sizes=("slots", "rows"),
+             key=("k", "m", "slots"), sizes=("slots", "rows"),
              grid=lambda v, s: (row_groups(v, s.m), s.slots, getattr(s, "rows", 1)),
              traffic=_gate_up_traffic)
 def ffn_gate_up(wg: Buffer[u8], wu: Buffer[u8], ids: Buffer[u32], x: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32],
@@ -150,7 +150,7 @@ def ffn_gate_up_example(use, rng, check):
 
 
 @zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": QTYPES, "ROWS": [1, 2, 4], "SG": SUBGROUPS},
-             tune={"NSUB": NSUBS}, key=("k", "m", "rows"), sizes=("rows",),
+             tune={"NSUB": NSUBS}, key=("k", "m"), sizes=("rows",),
              grid=lambda v, s: (row_groups(v, s.m), 1, getattr(s, "rows", 1)),
              traffic=lambda v, s: s.slots * (s.m * inputs.row_bytes(v.QTYPE, s.k) + 4 * s.k) + 8 * s.m)
 def moe_down(w: Buffer[u8], ids: Buffer[u32], weights: Buffer[f32], act: Buffer[f32], y: Buffer[f32],
@@ -219,7 +219,7 @@ def _down_all_traffic(v, s) -> int:
                                                            "ROWS": [1, 2], "K": [8], "SG": SUBGROUPS},
              tune={"NSUB": NSUBS, "WG": [0, 128, 160, 256]},
              where=lambda v: v.QTYPE_SH == "" or (FORMATS[v.QTYPE].block, FORMATS[v.QTYPE].parts) == (256, FORMATS["q6_k"].parts),
-             key=("k", "m", "rows"), sizes=("rows",), grid=lambda v, s: (row_groups(v, s.m), 1, getattr(s, "rows", 1)),
+             key=("k", "m"), sizes=("rows",), grid=lambda v, s: (row_groups(v, s.m), 1, getattr(s, "rows", 1)),
              traffic=_down_all_traffic)
 def moe_down_all(w: Buffer[u8], w_sh: Buffer[u8], ids: Buffer[u32], weights: Buffer[f32], act: Buffer[f32],
                  y: Buffer[f32], k: u32, m: u32, row: u32 = 0, QTYPE: Const = "q4_k", QTYPE_SH: Const = "",

@@ -39,7 +39,7 @@ class NormedInput:
 
 @zdsl.kernel(workgroup=dmmv.workgroup, subgroup="SG", variants={"QTYPE": ["f32"], "K": [8], "ROWS": [1, 2, 4],
                                                                "SG": SUBGROUPS},
-             tune={"NSUB": dmmv.NSUBS, "WG": [0, 128, 256]}, key=("k", "n_expert", "rows"),
+             tune={"NSUB": dmmv.NSUBS, "WG": [0, 128, 256]}, key=("k", "n_expert"),
              sizes=("rows",), grid=lambda v, s: (dmmv.row_groups(v, s.n_expert + 1), 1, getattr(s, "rows", 1)),
              traffic=lambda v, s: ((s.n_expert + 1) * inputs.row_bytes(v.QTYPE, s.k) + 13 * s.k + s.k // 4
                                    + 8 * (s.n_expert + 1) + 8 * (v.K + 1) + 4))
