@@ -11,12 +11,6 @@ from hypothesis import HealthCheck, settings
 # (entries are written atomically; a SPIR-V module compiled by one worker is read by the other).
 os.environ.setdefault("ZDSL_CACHE_DIR", tempfile.mkdtemp(prefix="zdsl-test-cache-"))
 
-# lavapipe compiles each pipeline with LLVM at its first dispatch, most of the suite's time; without
-# LLVM's optimisation passes the code it makes is slower to run but quicker to make, and the
-# tests' kernels run on a few rows: a whole run takes about a third less (the results are the
-# same code's, checked by the same tolerances). Set before any Vulkan driver loads.
-os.environ.setdefault("GALLIVM_PERF", "nopt")
-
 # Two hypothesis profiles: the default keeps `make test` within minutes on 2 cores; `thorough`
 # (ZDSL_TEST_PROFILE=thorough, `make test-thorough`) draws ten times the examples and, on a
 # device, every variant a test draws rather than one per case (kernel_testing.pick).

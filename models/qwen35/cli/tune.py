@@ -77,9 +77,9 @@ def chunk_uses(model, info, n_ctx: int, t: int, kv: KVTypes = KV_DEFAULT) -> lis
 
 
 def several_uses(model, info, n_ctx: int, t: int, kv: KVTypes = KV_DEFAULT) -> list[tuner.Use]:
-    """The tunable uses of one step of t tokens of one sequence that the decode step does not have:
-    a kernel whose tuning key holds no row count (the experts, the delta-net) shares its entry
-    with the decode step, which decides it in place."""
+    """The tunable uses of one step of t tokens of one sequence that the decode step does not have
+    (dmmv at t columns, the delta-net's step of several tokens): a kernel whose tuning key holds
+    no row count (the experts') shares its entry with the decode step, which decides it in place."""
     one = {u.ident for u in step_uses(model, info, n_ctx, (1,), kv)}
     return [u for u in tuner.uses(record_step_launches(model, info, n_ctx, t, kv=kv)) if u.ident not in one]
 
