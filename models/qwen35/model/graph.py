@@ -64,23 +64,25 @@ def plan_buffers(model: ModelFile, info, n_ctx: int, sampler: SamplerConfig, tun
                           halves="coopmat" in info.features, kv=kv, step_tokens=step_tokens)
 
 
-def record_launches(model, info, n_ctx: int, sampler: SamplerConfig | None = None, tuning: Database | None = None,
-                    kv: KVTypes = KV_DEFAULT):
-    """The launches of one decode step of `model` (a ModelFile or synth.PresetModel) as a device
-    of `info` would run it (KernelDef.launch records them; a DryDevice allocates and runs nothing)."""
+def dry_graph(model, info, n_ctx: int, **options) -> DecodeGraph:
+    """A DecodeGraph of `model` (a ModelFile or synth.PresetModel) on a DryDevice of `info`, which
+    allocates and runs nothing: its recorded sequences list the launches a device of `info` would
+    run (KernelDef.launch records them). `options` as DecodeGraph takes them."""
     from zdsl.runtime.dry import DryDevice
 
-    graph = DecodeGraph(model, DryDevice(info), n_ctx, sampler, progress=False, tuning=tuning, kv=kv)
-    return graph.seq.launches
+    return DecodeGraph(model, DryDevice(info), n_ctx, progress=False, **options)
+
+
+def record_launches(model, info, n_ctx: int, sampler: SamplerConfig | None = None, tuning: Database | None = None,
+                    kv: KVTypes = KV_DEFAULT):
+    """The launches of one decode step of `model` as a device of `info` would run it."""
+    return dry_graph(model, info, n_ctx, sampler=sampler, tuning=tuning, kv=kv).seq.launches
 
 
 def record_chunk_launches(model, info, n_ctx: int, t: int, tuning: Database | None = None,
                           kv: KVTypes = KV_DEFAULT):
-    """The launches of one prompt chunk of t tokens (prefill.py) of `model` as a device of `info`
-    would run it, recorded as record_launches records a step."""
-    from zdsl.runtime.dry import DryDevice
-
-    graph = DecodeGraph(model, DryDevice(info), n_ctx, progress=False, tuning=tuning, kv=kv)
+    """The launches of one prompt chunk of t tokens (prefill.py)."""
+    graph = dry_graph(model, info, n_ctx, tuning=tuning, kv=kv)
     if not 0 < t <= graph.chunk:
         raise ZdslError(f"a prompt chunk holds 1 to {graph.chunk} tokens, not {t}: pick a --prompt in that range")
     return graph.prompt.record(t).launches
@@ -88,14 +90,10 @@ def record_chunk_launches(model, info, n_ctx: int, t: int, tuning: Database | No
 
 def record_step_launches(model, info, n_ctx: int, t: int, tuning: Database | None = None, kv: KVTypes = KV_DEFAULT):
     """The launches of one step of t tokens of one sequence (token_rows.py: a speculative step's
-    verification) of `model` as a device of `info` would run it, recorded as record_launches
-    records a decode step."""
-    from zdsl.runtime.dry import DryDevice
-
+    verification)."""
     if t < 2:
         raise ZdslError(f"a step of several tokens holds 2 or more, not {t} (one token is the decode step)")
-    graph = DecodeGraph(model, DryDevice(info), n_ctx, SamplerConfig(temperature=0), progress=False, tuning=tuning,
-                        kv=kv, step_tokens=t)
+    graph = dry_graph(model, info, n_ctx, sampler=SamplerConfig(temperature=0), tuning=tuning, kv=kv, step_tokens=t)
     return graph.token_rows.record(t).launches
 
 
@@ -197,12 +195,11 @@ class DecodeGraph(LayerSchedule):
         compilation as prompt time."""
         from zdsl.console import Stages
         from zdsl.lang.kernel import compile_variants
-        from zdsl.runtime.dry import DryDevice
         from zdsl.runtime.warm import warm
 
         start, cores = time.perf_counter(), os.cpu_count() or 1
-        dry = DecodeGraph(self.model, DryDevice(self.info), self.n_ctx, self.sampler, progress=False,
-                          tuning=self.tuning, kv=self.kv_types, chunk=self.chunk)  # records, compiles nothing
+        dry = dry_graph(self.model, self.info, self.n_ctx, sampler=self.sampler, tuning=self.tuning, kv=self.kv_types,
+                        chunk=self.chunk)  # records, compiles nothing
         launches = dry.seq.launches + dry.seq_next.launches + dry.prompt.record(min(2, self.chunk)).launches
         variants = list(dict.fromkeys(l.variant for l in launches))
         with Stages(progress, say) as stage:
