@@ -51,7 +51,7 @@ def gate_up_dots(decoders: list, wg, wu, expert, x, xq, xd, bases, k, m, group: 
 @zdsl.kernel(workgroup=workgroup, subgroup="SG",
              variants={"QTYPE": GATE_UP_QTYPES, "Q8": [False, True], "ROWS": [1, 2, 4], "SG": SUBGROUPS},
              tune={"NSUB": NSUBS}, where=_gate_up_fits,
-             key=("k", "m", "slots"), sizes=("slots", "rows"),
+             key=("k", "m", "slots", "rows"), sizes=("slots", "rows"),
              grid=lambda v, s: (row_groups(v, s.m), s.slots, getattr(s, "rows", 1)),
              traffic=_gate_up_traffic)
 def ffn_gate_up(wg: Buffer[u8], wu: Buffer[u8], ids: Buffer[u32], x: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32],
@@ -124,33 +124,43 @@ def ffn_gate_up_q8_ref(wg_bytes, wu_bytes, ids, xq, xd, qtype, m, k, experts=Tru
 
 @ffn_gate_up.example
 def ffn_gate_up_example(use, rng, check):
-    """A dense pair (1 slot) or experts picked from the stacks (the shared expert is one of them)."""
+    """A dense pair (1 slot) or experts picked from the stacks (the shared expert is one of them),
+    for each of the launch's rows (a step of several tokens or streams: x, ids and act a row each,
+    the grid's z), so that a check sees every row."""
     q, q8, experts = use.fixed["QTYPE"], use.fixed.get("Q8", False), use.fixed["EXPERTS"]
     qu = use.fixed.get("QTYPE_UP") or q
-    k, m, slots = use.sizes["k"], use.sizes["m"], use.sizes["slots"]
+    k, m, slots, n_rows = use.sizes["k"], use.sizes["m"], use.sizes["slots"], use.sizes.get("rows", 1)
     n_exp = use.buffers["wg"] // (m * inputs.row_bytes(q, k))
     m = min(m, inputs.CHECK_ROWS) if check else m
     n_exp = min(n_exp, 2 * slots + 1) if check and experts else n_exp
-    args = dict(wg=inputs.rows(rng, q, n_exp * m, k), wu=inputs.rows(rng, qu, n_exp * m, k),
-                ids=inputs.experts(rng, n_exp, slots), **inputs.activations(rng, k, q8),
-                act=np.zeros(slots * m, np.float32), k=k, m=m, slots=slots)
+
+    def picks():
+        return np.concatenate([inputs.experts(rng, n_exp, slots) for _ in range(n_rows)])
+    args = dict(wg=inputs.rows(rng, q, n_exp * m, k), wu=inputs.rows(rng, qu, n_exp * m, k), ids=picks(),
+                **inputs.activations(rng, n_rows * k, q8), act=np.zeros(n_rows * slots * m, np.float32), k=k, m=m,
+                slots=slots, rows=n_rows, ids_stride=slots if experts else 0, act_stride=slots * m)
 
     def expect(p):
-        if q8:
-            want = ffn_gate_up_q8_ref(args["wg"], args["wu"], args["ids"], args["xq"], args["xd"], q, m, k, experts, qu)
-        else:
-            want = ffn_gate_up_ref(args["wg"], args["wu"], args["ids"], args["x"], q, m, k, experts, qu)
-        return {"act": (want, 2e-4)}
+        want = []
+        for r in range(n_rows):
+            ids = args["ids"][r * slots:(r + 1) * slots]
+            if q8:
+                xq, xd = args["xq"][r * k // 4:(r + 1) * k // 4], args["xd"][r * k // 16:(r + 1) * k // 16]
+                want.append(ffn_gate_up_q8_ref(args["wg"], args["wu"], ids, xq, xd, q, m, k, experts, qu))
+            else:
+                want.append(ffn_gate_up_ref(args["wg"], args["wu"], ids, args["x"][r * k:(r + 1) * k], q, m, k,
+                                            experts, qu))
+        return {"act": (np.concatenate(want), 2e-4)}
 
     def rotate(n):
         if experts:
-            return {"ids": [inputs.experts(rng, n_exp, slots) for _ in range(n - 1)]}
+            return {"ids": [picks() for _ in range(n - 1)]}
         return {"wg": inputs.copies(args["wg"], n), "wu": inputs.copies(args["wu"], n)}
     return zdsl.Example(args, expect, rotate)
 
 
 @zdsl.kernel(workgroup=workgroup, subgroup="SG", variants={"QTYPE": QTYPES, "ROWS": [1, 2, 4], "SG": SUBGROUPS},
-             tune={"NSUB": NSUBS}, key=("k", "m"), sizes=("rows",),
+             tune={"NSUB": NSUBS}, key=("k", "m", "rows"), sizes=("rows",),
              grid=lambda v, s: (row_groups(v, s.m), 1, getattr(s, "rows", 1)),
              traffic=lambda v, s: s.slots * (s.m * inputs.row_bytes(v.QTYPE, s.k) + 4 * s.k) + 8 * s.m)
 def moe_down(w: Buffer[u8], ids: Buffer[u32], weights: Buffer[f32], act: Buffer[f32], y: Buffer[f32],
@@ -194,17 +204,28 @@ def moe_down_ref(w_bytes, ids, weights, act, qtype, m, k, y=None):
 
 @moe_down.example
 def moe_down_example(use, rng, check):
+    """`slots` experts' down projections added to y, for each of the launch's rows (ids, weights,
+    act and y a row each, the grid's z)."""
     q, k, m, slots = use.fixed["QTYPE"], use.sizes["k"], use.sizes["m"], use.sizes["slots"]
+    n_rows = use.sizes.get("rows", 1)
     n_exp = use.buffers["w"] // (m * inputs.row_bytes(q, k))
     m = min(m, inputs.CHECK_ROWS) if check else m
     n_exp = min(n_exp, 2 * slots + 1) if check else n_exp
-    args = dict(w=inputs.rows(rng, q, n_exp * m, k), ids=inputs.experts(rng, n_exp, slots),
-                weights=rng.uniform(0.05, 0.5, slots).astype(np.float32), act=inputs.normal(rng, slots * k),
-                y=inputs.normal(rng, m), k=k, m=m, slots=slots)
+
+    def picks():
+        return np.concatenate([inputs.experts(rng, n_exp, slots) for _ in range(n_rows)])
+    args = dict(w=inputs.rows(rng, q, n_exp * m, k), ids=picks(),
+                weights=rng.uniform(0.05, 0.5, n_rows * slots).astype(np.float32),
+                act=inputs.normal(rng, n_rows * slots * k), y=inputs.normal(rng, n_rows * m), k=k, m=m, slots=slots,
+                rows=n_rows, ids_stride=slots, act_stride=slots * k)
     y0 = args["y"].copy()
-    return zdsl.Example(
-        args, lambda p: {"y": (moe_down_ref(args["w"], args["ids"], args["weights"], args["act"], q, m, k, y0), 1e-4)},
-        lambda n: {"ids": [inputs.experts(rng, n_exp, slots) for _ in range(n - 1)]})
+
+    def expect(p):
+        return {"y": (np.concatenate([moe_down_ref(args["w"], args["ids"][r * slots:(r + 1) * slots],
+                                                   args["weights"][r * slots:(r + 1) * slots],
+                                                   args["act"][r * slots * k:(r + 1) * slots * k], q, m, k,
+                                                   y0[r * m:(r + 1) * m]) for r in range(n_rows)]), 1e-4)}
+    return zdsl.Example(args, expect, lambda n: {"ids": [picks() for _ in range(n - 1)]})
 
 
 # ---- the MoE down projection of a decode step: every expert, added to x ----
@@ -219,7 +240,7 @@ def _down_all_traffic(v, s) -> int:
                                                            "ROWS": [1, 2], "K": [8], "SG": SUBGROUPS},
              tune={"NSUB": NSUBS, "WG": [0, 128, 160, 256]},
              where=lambda v: v.QTYPE_SH == "" or (FORMATS[v.QTYPE].block, FORMATS[v.QTYPE].parts) == (256, FORMATS["q6_k"].parts),
-             key=("k", "m"), sizes=("rows",), grid=lambda v, s: (row_groups(v, s.m), 1, getattr(s, "rows", 1)),
+             key=("k", "m", "rows"), sizes=("rows",), grid=lambda v, s: (row_groups(v, s.m), 1, getattr(s, "rows", 1)),
              traffic=_down_all_traffic)
 def moe_down_all(w: Buffer[u8], w_sh: Buffer[u8], ids: Buffer[u32], weights: Buffer[f32], act: Buffer[f32],
                  y: Buffer[f32], k: u32, m: u32, row: u32 = 0, QTYPE: Const = "q4_k", QTYPE_SH: Const = "",
@@ -285,23 +306,30 @@ def moe_down_all_ref(w_bytes, w_sh_bytes, ids, weights, act, y, qtype, m, k, qty
 
 @moe_down_all.example
 def moe_down_all_example(use, rng, check):
-    """The shared expert appended to the experts' stack (QTYPE_SH empty), or apart in its own type."""
+    """The shared expert appended to the experts' stack (QTYPE_SH empty), or apart in its own type,
+    for each of the launch's rows (K + 1 slots of ids, weights and act and a y a row, the grid's z)."""
     q, K, apart = use.fixed["QTYPE"], use.fixed["K"], use.fixed["QTYPE_SH"] or None
-    k, m = use.sizes["k"], use.sizes["m"]
+    k, m, n_rows = use.sizes["k"], use.sizes["m"], use.sizes.get("rows", 1)
     n_exp = use.buffers["w"] // (m * inputs.row_bytes(q, k))
     m = min(m, inputs.CHECK_ROWS) if check else m
     n_exp = min(n_exp, K + 4) if check else n_exp
     slots = K if apart else K + 1  # the experts the stack serves
+
+    def picks():
+        return np.concatenate([inputs.experts(rng, n_exp, K + 1) for _ in range(n_rows)])
     args = dict(w=inputs.rows(rng, q, n_exp * m, k), w_sh=inputs.rows(rng, apart, m, k) if apart else np.zeros(16, np.uint8),
-                ids=inputs.experts(rng, n_exp, K + 1), weights=rng.uniform(0.05, 0.5, K + 1).astype(np.float32),
-                act=inputs.normal(rng, (K + 1) * k), y=inputs.normal(rng, m), k=k, m=m)
+                ids=picks(), weights=rng.uniform(0.05, 0.5, n_rows * (K + 1)).astype(np.float32),
+                act=inputs.normal(rng, n_rows * (K + 1) * k), y=inputs.normal(rng, n_rows * m), k=k, m=m, rows=n_rows)
     y0 = args["y"].copy()
 
     def expect(p):
-        want = moe_down_all_ref(args["w"], args["w_sh"] if apart else None, args["ids"][:slots], args["weights"],
-                                args["act"], y0, q, m, k, apart)
-        return {"y": (want, 1e-4)}
-    return zdsl.Example(args, expect, lambda n: {"ids": [inputs.experts(rng, n_exp, K + 1) for _ in range(n - 1)]})
+        def row(r):
+            at, n = r * (K + 1), K + 1
+            return moe_down_all_ref(args["w"], args["w_sh"] if apart else None, args["ids"][at:at + slots],
+                                    args["weights"][at:at + n], args["act"][at * k:(at + n) * k],
+                                    y0[r * m:(r + 1) * m], q, m, k, apart)
+        return {"y": (np.concatenate([row(r) for r in range(n_rows)]), 1e-4)}
+    return zdsl.Example(args, expect, lambda n: {"ids": [picks() for _ in range(n - 1)]})
 
 
 # ---- a chunk of T tokens (prefill): each picked expert's weights read once for all its pairs ----

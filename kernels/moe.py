@@ -39,7 +39,7 @@ class NormedInput:
 
 @zdsl.kernel(workgroup=dmmv.workgroup, subgroup="SG", variants={"QTYPE": ["f32"], "K": [8], "ROWS": [1, 2, 4],
                                                                "SG": SUBGROUPS},
-             tune={"NSUB": dmmv.NSUBS, "WG": [0, 128, 256]}, key=("k", "n_expert"),
+             tune={"NSUB": dmmv.NSUBS, "WG": [0, 128, 256]}, key=("k", "n_expert", "rows"),
              sizes=("rows",), grid=lambda v, s: (dmmv.row_groups(v, s.n_expert + 1), 1, getattr(s, "rows", 1)),
              traffic=lambda v, s: ((s.n_expert + 1) * inputs.row_bytes(v.QTYPE, s.k) + 13 * s.k + s.k // 4
                                    + 8 * (s.n_expert + 1) + 8 * (v.K + 1) + 4))
@@ -141,23 +141,31 @@ def route_ref(logits, K=8):
 
 @moe_router.example
 def moe_router_example(use, rng, check):
+    """One token's routing for each of the launch's rows (x and every output a row each, the
+    grid's z)."""
     q, K, k, eps = use.fixed["QTYPE"], use.fixed["K"], use.sizes["k"], use.sizes["eps"]
+    n_rows = use.sizes.get("rows", 1)
     n_exp = min(use.sizes["n_expert"], inputs.CHECK_ROWS) if check else use.sizes["n_expert"]
-    args = dict(w=inputs.rows(rng, q, n_exp + 1, k), x=inputs.normal(rng, k, 3.0),  # row n_exp: the shared gate
-                norm_w=inputs.normal(rng, k), hn=np.zeros(k, np.float32), xq=np.zeros(k // 4, np.uint32),
-                xd=np.zeros(k // 16, np.float32), logits=np.zeros(n_exp + 1, np.float32),
-                arrivals=np.zeros(1, np.uint32), ids=np.zeros(K + 1, np.uint32), weights=np.zeros(K + 1, np.float32),
-                k=k, n_expert=n_exp, eps=eps)
+    w = inputs.rows(rng, q, n_exp + 1, k)  # row n_exp: the shared gate
 
-    def reference():
-        return moe_router_ref(args["w"], args["x"], args["norm_w"], eps, q, n_exp, k, K)
-    while check and not _clear_picks(reference()[1][:n_exp], K):  # the ids are checked exactly: no near ties
-        args["x"] = inputs.normal(rng, k, 3.0)
+    def token():
+        x = inputs.normal(rng, k, 3.0)
+        # the ids are checked exactly: no near ties
+        while check and not _clear_picks(moe_router_ref(w, x, norm_w, eps, q, n_exp, k, K)[1][:n_exp], K):
+            x = inputs.normal(rng, k, 3.0)
+        return x
+    norm_w = inputs.normal(rng, k)
+    args = dict(w=w, x=np.concatenate([token() for _ in range(n_rows)]), norm_w=norm_w,
+                hn=np.zeros(n_rows * k, np.float32), xq=np.zeros(n_rows * k // 4, np.uint32),
+                xd=np.zeros(n_rows * k // 16, np.float32), logits=np.zeros(n_rows * (n_exp + 1), np.float32),
+                arrivals=np.zeros(n_rows, np.uint32), ids=np.zeros(n_rows * (K + 1), np.uint32),
+                weights=np.zeros(n_rows * (K + 1), np.float32), k=k, n_expert=n_exp, eps=eps, rows=n_rows)
 
     def expect(p):
-        hn, logits, ids, weights = reference()
+        hn, logits, ids, weights = (np.concatenate(parts) for parts in zip(*[
+            moe_router_ref(w, args["x"][r * k:(r + 1) * k], norm_w, eps, q, n_exp, k, K) for r in range(n_rows)]))
         return {"hn": (hn, 1e-4), "xd": (inputs.q8_1_scales(hn), 1e-4), "logits": (logits, 1e-4), "ids": (ids, 0),
-                "weights": (weights, 1e-4), "arrivals": (np.zeros(1), 0)}
+                "weights": (weights, 1e-4), "arrivals": (np.zeros(n_rows), 0)}
     return zdsl.Example(args, expect, lambda n: {"w": inputs.copies(args["w"], n)})
 
 

@@ -938,8 +938,8 @@ def test_cli_modelled_prompt_chunk(tmp_path, capsys):
 @pytest.mark.nulldevice
 def test_cli_step_tokens_tunes_what_a_step_of_several_adds(tmp_path, capsys):
     """--step-tokens 3 ranks the uses a 3-token step has and the decode step has not (dmmv at three
-    columns); their entries key no decode-step use, so the decode step's tuning stays its own. The
-    experts' kernels, keyed without their row count, are left to the decode step."""
+    columns, the experts' kernels at three rows); their entries key no decode-step use, so the
+    decode step's tuning stays its own."""
     from zdsl.cli import main
     from zdsl.runtime.nulldevice import target_info
 
@@ -953,8 +953,14 @@ def test_cli_step_tokens_tunes_what_a_step_of_several_adds(tmp_path, capsys):
     decode = step_uses(PresetModel("tiny"), target_info("gfx1201"), 4096, (1,))
     one = {(u.kernel.name, db.shape_key(u.key)) for u in decode}
     assert not one & {(e["kernel"], db.shape_key(e["shape"])) for e in entries}
+    experts = tmp_path / "experts.json"
     assert main(["tune", "--device", "gfx1201", "--preset", "tiny", "--step-tokens", "3", "--kernels",
-                 "moe_down_all"]) == 2  # the decode step's use: none a 3-token step adds
+                 "moe_down_all,moe_router", "--out", str(experts)]) == 0
+    entries = json.loads(experts.read_text())["entries"]
+    assert entries and all(e["shape"]["rows"] == 3 for e in entries)
+    assert not one & {(e["kernel"], db.shape_key(e["shape"])) for e in entries}
+    assert main(["tune", "--device", "gfx1201", "--preset", "tiny", "--step-tokens", "3", "--kernels",
+                 "embed"]) == 2  # the decode step's use: none a 3-token step adds
     assert main(["tune", "--device", "gfx1201", "--preset", "tiny", "--step-tokens", "3", "--prompt", "8"]) == 2
 
 

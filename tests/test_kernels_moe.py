@@ -127,6 +127,7 @@ def test_router_the_model_shape():
 
 from types import SimpleNamespace  # noqa: E402
 
+from zdsl.autotune.tuner import close  # noqa: E402
 from zdsl.kernels import ffn  # noqa: E402
 from zdsl.kernels import inputs as kernel_inputs  # noqa: E402
 from zdsl.kernels.q8_1 import q8_1_buffers, q8_1_values  # noqa: E402
@@ -406,6 +407,36 @@ def test_chunk_examples_check(kernel, fixed, sizes):
     out = v.interpret(v.groups(**scalars), **buffers, **{n: s for n, s in scalars.items() if n in params})
     for name, (want, tol) in ex.expect(fixed).items():
         np.testing.assert_allclose(out[name], want, rtol=tol, atol=tol * max(1.0, np.abs(want).max()))
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("kernel, fixed, sizes, buffers", [
+    (moe.moe_router, dict(QTYPE="f32", K=8), dict(k=256, n_expert=20, eps=EPS), {}),
+    (ffn.ffn_gate_up, dict(QTYPE="q4_k", Q8=True, EXPERTS=True), dict(k=256, m=64, slots=9),
+     dict(wg=20 * 64 * kernel_inputs.row_bytes("q4_k", 256))),
+    (ffn.ffn_gate_up, dict(QTYPE="q5_k", Q8=False, EXPERTS=False), dict(k=256, m=64, slots=1),
+     dict(wg=64 * kernel_inputs.row_bytes("q5_k", 256))),
+    (ffn.moe_down, dict(QTYPE="q6_k"), dict(k=256, m=64, slots=8),
+     dict(w=20 * 64 * kernel_inputs.row_bytes("q6_k", 256))),
+    (ffn.moe_down_all, dict(QTYPE="q4_k", QTYPE_SH="", K=8), dict(k=256, m=64),
+     dict(w=20 * 64 * kernel_inputs.row_bytes("q4_k", 256))),
+    (ffn.moe_down_all, dict(QTYPE="q4_k", QTYPE_SH="q6_k", K=8), dict(k=256, m=64),
+     dict(w=20 * 64 * kernel_inputs.row_bytes("q4_k", 256))),
+])
+def test_step_examples_check_every_row(kernel, fixed, sizes, buffers, rows):
+    """The experts' kernels of a step (what `zdsl tune` times and checks) give each of a launch's
+    rows (several tokens or streams: the grid's z) its inputs and outputs, and every row agrees
+    with the reference in the interpreter: a check of one row would pass a variant that gets the
+    others wrong."""
+    use = SimpleNamespace(fixed=fixed, sizes={**sizes, "rows": rows}, buffers=buffers)
+    ex = kernel.make_example(use, np.random.default_rng(0), True)
+    v = kernel.specialize(**fixed)
+    scalars = {name: value for name, value in ex.args.items() if np.isscalar(value)}
+    assert v.groups(**scalars)[2] == rows
+    params = {p.name for p in kernel.params}
+    out = v.interpret(v.groups(**scalars), **{n: a for n, a in ex.args.items() if n in params})
+    for name, (want, tol) in ex.expect(fixed).items():
+        assert len(out[name]) == len(want) and close(out[name], want, tol) is None, name  # NaN: not checked
 
 
 def test_chunk_routing_sizes_it_cannot_take():
