@@ -177,7 +177,7 @@ def test_bench_kernels_defaults_fit_a_cpu(capsys):
                  "--cache-mb", "4", "--kernels", "norm_q8_1,moe_router", "--json"]) == 0
     captured = capsys.readouterr()
     report = json.loads(captured.out)
-    assert {r["use"] for r in report["results"]} == {"HALVES=False n=256", "f32 K=4 k=256 n_expert=16"}
+    assert {r["use"] for r in report["results"]} == {"HALVES=False n=256", "f32 K=4 k=256 n_expert=16 rows=1"}
     assert report["copy_bytes"] == 2 * 64 * MiB
     lines = captured.err.splitlines()
     assert re.fullmatch(r"preset tiny: llvmpipe .* is a CPU, and the 35b-a3b step is sized for a GPU "
