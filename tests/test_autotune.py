@@ -1083,7 +1083,7 @@ def test_the_35b_step_runs_on_int8_inputs(device):
     assert sum(u.count for u in residual) == 40  # ssm_out and attn_output
 
 
-@pytest.mark.parametrize("shipped", ["gfx1201.json", "nvidia-h100-80gb-hbm3.json"])
+@pytest.mark.parametrize("shipped", ["gfx1201.json", "nvidia-h100-80gb-hbm3.json", "nvidia-h200.json"])
 def test_every_shipped_entry_keys_a_use_of_the_35b_step(shipped, device):
     """An entry whose key no dispatch asks for is dead weight that looks like tuning: it happens
     when a kernel's parameters change under it. (sample_draw is keyed on the choice of its
@@ -1107,7 +1107,7 @@ def test_every_shipped_entry_keys_a_use_of_the_35b_step(shipped, device):
     dead = [(e["kernel"], e["shape"]) for e in entries
             if e["kernel"] != "sample_draw" and (e["kernel"], db.shape_key(e["shape"])) not in keys]
     assert not dead
-    assert len(entries) >= 5  # the file was read: each ships entries for several kernels
+    assert len({e["kernel"] for e in entries}) >= 3  # the file was read: each ships entries for several kernels
 
 
 @pytest.mark.slow
