@@ -147,12 +147,17 @@ def database() -> Database:
 
 def choose(kernel, info, shape: dict, db: Database | None = None, **fixed):
     """The variant of `kernel` to run on device `info` for `shape`: the tuned entry if the
-    database (`db`, or the shipped and user files) has one, else the kernel's defaults at the
-    device's subgroup size (on a CPU device, its `cpu` defaults: the variants that compile soonest)."""
+    database (`db`, or the shipped and user files) has one; for a launch of several rows (a step
+    of several tokens or streams) not tuned apart, the one-row entry (the decode step's choice,
+    which runs any row count); else the kernel's defaults at the device's subgroup size (on a CPU
+    device, its `cpu` defaults: the variants that compile soonest)."""
     params = dict(fixed)
     if kernel.subgroup and kernel.subgroup not in params:
         params[kernel.subgroup] = info.subgroup_size
-    entry = (db if db is not None else database()).lookup(info, kernel.name, {**shape, **fixed})
+    db = db if db is not None else database()
+    entry = db.lookup(info, kernel.name, {**shape, **fixed})
+    if entry is None and shape.get("rows", 1) > 1:
+        entry = db.lookup(info, kernel.name, {**shape, **fixed, "rows": 1})
     if entry is not None:
         known = {p.name for p in kernel.params if p.kind in ("const", "spec")}
         # a parameter the kernel no longer has (an entry older than the kernel) is ignored

@@ -161,6 +161,25 @@ def test_database_entries_change_choose_with_fallbacks(tmp_path, monkeypatch):
     assert json.loads(path.read_text())["entries"][0]["kernel"] == "scale_rows_test"
 
 
+def test_several_rows_not_tuned_apart_take_the_one_row_entry():
+    """A launch of 4 rows (a 4-token step) with no entry of its own runs the one-row entry's choice
+    (the decode step's tuning) rather than the defaults; an entry for 4 rows wins; a shape no entry
+    names at one row either keeps the defaults."""
+    from zdsl.kernels import moe
+
+    info = fake_info(name="NVIDIA H100", identity="10de:2330:NVIDIA:580", subgroup=32)
+    shape = {"QTYPE": "f32", "K": 8, "k": 2048, "n_expert": 256}
+    one = db.Entry("10de:2330:NVIDIA", info.name, "580", "moe_router", {**shape, "rows": 1}, {"WG": 256})
+    four = db.Entry("10de:2330:NVIDIA", info.name, "580", "moe_router", {**shape, "rows": 4}, {"ROWS": 2, "WG": 128})
+    pick = lambda store, rows, **s: db.choose(moe.moe_router, info, {**shape, **s, "rows": rows}, db=store).params  # noqa: E731
+    default = pick(db.Database([]), 4)
+    assert default["WG"] == 0 and default["ROWS"] == 1
+    assert pick(db.Database.of([one]), 4)["WG"] == 256 and pick(db.Database.of([one]), 1)["WG"] == 256
+    assert {k: pick(db.Database.of([one, four]), 4)[k] for k in ("ROWS", "WG")} == {"ROWS": 2, "WG": 128}
+    assert pick(db.Database.of([one, four]), 2)["WG"] == 256
+    assert pick(db.Database.of([one]), 4, k=1024)["WG"] == 0
+
+
 def test_choose_takes_the_first_declared_choice_the_constraint_accepts_where_it_refuses_the_defaults():
     """deltanet_gated_norm's default workgroup of 32 is no whole number of 64-wide subgroups: on
     such a device choose() (and the tuner's default) takes the first declared WG that is."""
