@@ -954,6 +954,7 @@ def test_cli_modelled_prompt_chunk(tmp_path, capsys):
     assert {e["kernel"] for e in entries} == {"deltanet_gated_norm"} and all(e["method"] == "modelled" for e in entries)
 
 
+@pytest.mark.slow
 @pytest.mark.nulldevice
 def test_cli_step_tokens_tunes_what_a_step_of_several_adds(tmp_path, capsys):
     """--step-tokens 3 ranks the uses a 3-token step has and the decode step has not (dmmv at three
