@@ -957,19 +957,20 @@ def test_cli_modelled_prompt_chunk(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.nulldevice
 def test_cli_step_tokens_tunes_what_a_step_of_several_adds(tmp_path, capsys):
-    """--step-tokens 3 ranks the uses a 3-token step has and the decode step has not (dmmv at three
-    columns, the experts' kernels at three rows); their entries key no decode-step use, so the
-    decode step's tuning stays its own."""
+    """--step-tokens 2,3 ranks the uses steps of 2 and of 3 tokens have and the decode step has not
+    (dmmv at two and three columns; the experts' kernels at three rows below); their entries key
+    no decode-step use, so the decode step's tuning stays its own. 1 beside others is refused."""
     from zdsl.cli import main
     from zdsl.runtime.nulldevice import target_info
 
     _radeon()
     out = tmp_path / "gfx1201.json"
-    assert main(["tune", "--device", "gfx1201", "--preset", "tiny", "--step-tokens", "3", "--kernels", "dmmv",
+    assert main(["tune", "--device", "gfx1201", "--preset", "tiny", "--step-tokens", "2,3", "--kernels", "dmmv",
                  "--out", str(out)]) == 0
-    assert "3-token step" in " ".join(capsys.readouterr().out.split())
+    said = " ".join(capsys.readouterr().out.split())
+    assert "2-token step" in said and "3-token step" in said
     entries = json.loads(out.read_text())["entries"]
-    assert {e["kernel"] for e in entries} == {"dmmv"} and all(e["shape"]["COLS"] == 3 for e in entries)
+    assert {e["kernel"] for e in entries} == {"dmmv"} and {e["shape"]["COLS"] for e in entries} == {2, 3}
     decode = step_uses(PresetModel("tiny"), target_info("gfx1201"), 4096, (1,))
     one = {(u.kernel.name, db.shape_key(u.key)) for u in decode}
     assert not one & {(e["kernel"], db.shape_key(e["shape"])) for e in entries}
@@ -982,6 +983,8 @@ def test_cli_step_tokens_tunes_what_a_step_of_several_adds(tmp_path, capsys):
     assert main(["tune", "--device", "gfx1201", "--preset", "tiny", "--step-tokens", "3", "--kernels",
                  "embed"]) == 2  # the decode step's use: none a 3-token step adds
     assert main(["tune", "--device", "gfx1201", "--preset", "tiny", "--step-tokens", "3", "--prompt", "8"]) == 2
+    assert main(["tune", "--device", "gfx1201", "--preset", "tiny", "--step-tokens", "1,4"]) == 2
+    assert "in a run of its own" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

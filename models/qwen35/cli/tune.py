@@ -28,6 +28,7 @@ from ..file.gguf_file import open_model
 from ..file.synth import QUANTS, PresetModel
 from ..model.graph import DecodeGraph, record_chunk_launches, record_launches, record_step_launches
 from ..model.sampler import SamplerConfig
+from .bench import parse_step_sizes
 from .run import kv_type_option
 
 from zdsl.autotune import check, cost_model, tuner
@@ -78,8 +79,9 @@ def chunk_uses(model, info, n_ctx: int, t: int, kv: KVTypes = KV_DEFAULT) -> lis
 
 def several_uses(model, info, n_ctx: int, t: int, kv: KVTypes = KV_DEFAULT) -> list[tuner.Use]:
     """The tunable uses of one step of t tokens of one sequence that the decode step does not have
-    (dmmv at t columns, the delta-net's step of several tokens): a kernel whose tuning key holds
-    no row count (the experts') shares its entry with the decode step, which decides it in place."""
+    (dmmv at t columns, the experts' kernels at t rows, the delta-net's step of several tokens): a
+    kernel whose tuning key holds no row count shares its entry with the decode step, which
+    decides it in place."""
     one = {u.ident for u in step_uses(model, info, n_ctx, (1,), kv)}
     return [u for u in tuner.uses(record_step_launches(model, info, n_ctx, t, kv=kv)) if u.ident not in one]
 
@@ -125,9 +127,10 @@ def select(uses, names: str | None, what: str = "decode step"):
 @click.option("--prompt", "prompt", default=0, show_default=True,
               help="Tune the launches of one prompt chunk of this many tokens (batched prefill, up to 512) instead "
                    "of the decode step's; kernels are timed alone.")
-@click.option("--step-tokens", default=1, show_default=True,
+@click.option("--step-tokens", default="1", show_default=True,
               help="Tune the launches that a step of this many tokens of one sequence (a speculative step's "
-                   "verification) adds to the decode step's: the few-column products; kernels are timed alone.")
+                   "verification) adds to the decode step's: the few-column products and the experts' kernels at "
+                   "that many rows; kernels are timed alone. Several (2,4,8) share the budget, one after the other.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Database file to add the choices to (default: the user's file for this device, which run, bench "
                    "and profile read; they do not read a file given here until it is merged into that one or the "
@@ -157,7 +160,8 @@ def select(uses, names: str | None, what: str = "decode step"):
 def tune(device_name, model_path, preset, quant, names, budget, n_ctx, caps, prompt, step_tokens, out_path, min_gain,
          warmup, repeats, warm_ms, cache_mb, as_json, check_model, measured_paths, record_path, folds, kv):
     """Pick the fastest kernel variants for a device (measured, or modelled for compile-only targets)."""
-    if check_model and step_tokens > 1:
+    steps = parse_step_sizes(step_tokens)
+    if check_model and steps != [1]:
         raise ZdslError("--check-model scores the decode step's or a prompt chunk's uses: drop --step-tokens")
     if check_model:
         _check_model(device_name, model_path, preset, quant, names, budget, n_ctx, caps, prompt, kv, warmup, repeats,
@@ -165,11 +169,14 @@ def tune(device_name, model_path, preset, quant, names, budget, n_ctx, caps, pro
         return
     if measured_paths or record_path:
         raise ZdslError("--measured and --record go with --check-model")
-    if budget <= 0 or n_ctx < 1 or repeats < 1 or step_tokens < 1 or min(warmup, warm_ms, cache_mb, prompt) < 0:
-        raise ZdslError("--budget, --ctx, --repeats and --step-tokens must be positive; --warmup, --warm-ms, "
-                        "--cache-mb and --prompt ≥ 0")
-    if prompt and step_tokens > 1:
+    if budget <= 0 or n_ctx < 1 or repeats < 1 or min(warmup, warm_ms, cache_mb, prompt) < 0:
+        raise ZdslError("--budget, --ctx and --repeats must be positive; --warmup, --warm-ms, --cache-mb and "
+                        "--prompt ≥ 0")
+    if prompt and steps != [1]:
         raise ZdslError("--prompt and --step-tokens each name the step to tune: give one")
+    if len(steps) > 1 and 1 in steps:
+        raise ZdslError(f"--step-tokens {step_tokens}: tune the decode step (1) in a run of its own, without "
+                        "--step-tokens; several steps are counts of 2 or more")
     try:
         cap_list = tuple(int(c) for c in caps.split(","))
     except ValueError:
@@ -178,21 +185,23 @@ def tune(device_name, model_path, preset, quant, names, budget, n_ctx, caps, pro
     try:
         model = open_model(model_path) if model_path else PresetModel(preset, quant)
         source = str(model_path) if model_path else model.source
-        uses = uses_of(model, info, n_ctx, cap_list, prompt, kv, names, step_tokens)
+        passes = [(f"{t}-token step" if t > 1 else f"{prompt}-token chunk" if prompt else "token",
+                   uses_of(model, info, n_ctx, cap_list, prompt, kv, names, t)) for t in steps]
     except BaseException:
         if dev is not None:
             dev.close()
         raise
     console = make_console(stderr=as_json)
     modelled = isinstance(method, tuner.Model)
-    in_place = model_path is not None and not modelled and not prompt and step_tokens == 1  # whole decode steps
-    per = f"{prompt}-token chunk" if prompt else f"{step_tokens}-token step" if step_tokens > 1 else "token"
-    report = None
+    in_place = model_path is not None and not modelled and not prompt and steps == [1]  # whole decode steps
+    report, ran = None, []  # (per, results) of each step tuned
     try:
-        if not as_json:
-            _header(console, info, source, len(uses), method, in_place, per)
         deadline = time.monotonic() + budget
-        results = _run(method, uses, budget / 2 if in_place else budget, console)
+        for per, uses in passes:
+            if not as_json:
+                _header(console, info, source, len(uses), method, in_place, per)
+            ran.append((per, _run(method, uses, budget / 2 if in_place else budget / len(passes), console)))
+        results = [r for _, rs in ran for r in rs]
         if in_place:
             report = _in_place(dev, model_path, n_ctx, kv, results, info, deadline, console)
     finally:
@@ -215,9 +224,10 @@ def tune(device_name, model_path, preset, quant, names, budget, n_ctx, caps, pro
             out["in_place"] = _in_place_json(report)
         click.echo(json.dumps(out, indent=1))
         return
-    for r in results:
-        _use_table(console, r, per)
-    _summary(console, results, modelled, alone=in_place, per=per, card=method.card if modelled else None)
+    for per, rs in ran:
+        for r in rs:
+            _use_table(console, r, per)
+        _summary(console, rs, modelled, alone=in_place, per=per, card=method.card if modelled else None)
     if report is not None:
         _in_place_table(console, report)
     if report is None and len(kept) < len(results):
