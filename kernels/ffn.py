@@ -133,12 +133,10 @@ def ffn_gate_up_example(use, rng, check):
     n_exp = use.buffers["wg"] // (m * inputs.row_bytes(q, k))
     m = min(m, inputs.CHECK_ROWS) if check else m
     n_exp = min(n_exp, 2 * slots + 1) if check and experts else n_exp
-
-    def picks():
-        return np.concatenate([inputs.experts(rng, n_exp, slots) for _ in range(n_rows)])
-    args = dict(wg=inputs.rows(rng, q, n_exp * m, k), wu=inputs.rows(rng, qu, n_exp * m, k), ids=picks(),
-                **inputs.activations(rng, n_rows * k, q8), act=np.zeros(n_rows * slots * m, np.float32), k=k, m=m,
-                slots=slots, rows=n_rows, ids_stride=slots if experts else 0, act_stride=slots * m)
+    args = dict(wg=inputs.rows(rng, q, n_exp * m, k), wu=inputs.rows(rng, qu, n_exp * m, k),
+                ids=inputs.experts(rng, n_exp, slots, n_rows), **inputs.activations(rng, n_rows * k, q8),
+                act=np.zeros(n_rows * slots * m, np.float32), k=k, m=m, slots=slots, rows=n_rows,
+                ids_stride=slots if experts else 0, act_stride=slots * m)
 
     def expect(p):
         want = []
@@ -154,7 +152,7 @@ def ffn_gate_up_example(use, rng, check):
 
     def rotate(n):
         if experts:
-            return {"ids": [picks() for _ in range(n - 1)]}
+            return {"ids": [inputs.experts(rng, n_exp, slots, n_rows) for _ in range(n - 1)]}
         return {"wg": inputs.copies(args["wg"], n), "wu": inputs.copies(args["wu"], n)}
     return zdsl.Example(args, expect, rotate)
 
@@ -211,10 +209,7 @@ def moe_down_example(use, rng, check):
     n_exp = use.buffers["w"] // (m * inputs.row_bytes(q, k))
     m = min(m, inputs.CHECK_ROWS) if check else m
     n_exp = min(n_exp, 2 * slots + 1) if check else n_exp
-
-    def picks():
-        return np.concatenate([inputs.experts(rng, n_exp, slots) for _ in range(n_rows)])
-    args = dict(w=inputs.rows(rng, q, n_exp * m, k), ids=picks(),
+    args = dict(w=inputs.rows(rng, q, n_exp * m, k), ids=inputs.experts(rng, n_exp, slots, n_rows),
                 weights=rng.uniform(0.05, 0.5, n_rows * slots).astype(np.float32),
                 act=inputs.normal(rng, n_rows * slots * k), y=inputs.normal(rng, n_rows * m), k=k, m=m, slots=slots,
                 rows=n_rows, ids_stride=slots, act_stride=slots * k)
@@ -225,7 +220,8 @@ def moe_down_example(use, rng, check):
                                                    args["weights"][r * slots:(r + 1) * slots],
                                                    args["act"][r * slots * k:(r + 1) * slots * k], q, m, k,
                                                    y0[r * m:(r + 1) * m]) for r in range(n_rows)]), 1e-4)}
-    return zdsl.Example(args, expect, lambda n: {"ids": [picks() for _ in range(n - 1)]})
+    return zdsl.Example(args, expect,
+                        lambda n: {"ids": [inputs.experts(rng, n_exp, slots, n_rows) for _ in range(n - 1)]})
 
 
 # ---- the MoE down projection of a decode step: every expert, added to x ----
@@ -314,11 +310,9 @@ def moe_down_all_example(use, rng, check):
     m = min(m, inputs.CHECK_ROWS) if check else m
     n_exp = min(n_exp, K + 4) if check else n_exp
     slots = K if apart else K + 1  # the experts the stack serves
-
-    def picks():
-        return np.concatenate([inputs.experts(rng, n_exp, K + 1) for _ in range(n_rows)])
     args = dict(w=inputs.rows(rng, q, n_exp * m, k), w_sh=inputs.rows(rng, apart, m, k) if apart else np.zeros(16, np.uint8),
-                ids=picks(), weights=rng.uniform(0.05, 0.5, n_rows * (K + 1)).astype(np.float32),
+                ids=inputs.experts(rng, n_exp, K + 1, n_rows),
+                weights=rng.uniform(0.05, 0.5, n_rows * (K + 1)).astype(np.float32),
                 act=inputs.normal(rng, n_rows * (K + 1) * k), y=inputs.normal(rng, n_rows * m), k=k, m=m, rows=n_rows)
     y0 = args["y"].copy()
 
@@ -329,7 +323,8 @@ def moe_down_all_example(use, rng, check):
                                     args["weights"][at:at + n], args["act"][at * k:(at + n) * k],
                                     y0[r * m:(r + 1) * m], q, m, k, apart)
         return {"y": (np.concatenate([row(r) for r in range(n_rows)]), 1e-4)}
-    return zdsl.Example(args, expect, lambda n: {"ids": [picks() for _ in range(n - 1)]})
+    return zdsl.Example(args, expect,
+                        lambda n: {"ids": [inputs.experts(rng, n_exp, K + 1, n_rows) for _ in range(n - 1)]})
 
 
 # ---- a chunk of T tokens (prefill): each picked expert's weights read once for all its pairs ----
@@ -420,7 +415,7 @@ def _grouped_case(use, rng, check):
     k, m, n_exp, t, K = (use.sizes[n] for n in ("k", "m", "n_expert", "t", "topk"))
     if check:
         m, n_exp, t = min(m, inputs.CHECK_ROWS), min(n_exp, 12), min(t, 5)
-    ids = np.concatenate([inputs.experts(rng, n_exp, K) for _ in range(t)])
+    ids = inputs.experts(rng, n_exp, K, t)
     counts = np.bincount(ids, minlength=n_exp)
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint32)
     routing = dict(offsets=offsets, pairs=np.argsort(ids, kind="stable").astype(np.uint32), t=t, topk=K,

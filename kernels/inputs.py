@@ -69,6 +69,6 @@ def copies(array, n: int) -> list:
     return [array] * (n - 1)
 
 
-def experts(rng, n: int, slots: int) -> np.ndarray:
-    """`slots` distinct experts of n, in random order."""
-    return rng.permutation(n)[:slots].astype(np.uint32)
+def experts(rng, n: int, slots: int, rows: int = 1) -> np.ndarray:
+    """`slots` distinct experts of n, in random order, for each of `rows` rows one after another."""
+    return np.concatenate([rng.permutation(n)[:slots] for _ in range(rows)]).astype(np.uint32)

@@ -297,7 +297,7 @@ def sorted_within_experts(offsets, pairs) -> np.ndarray:
 def moe_group_example(use, rng, check):
     K, n, t = use.fixed["K"], use.sizes["n_expert"], use.sizes["t"]
     t = min(t, 5) if check else t
-    ids = np.concatenate([inputs.experts(rng, n, K) for _ in range(t)])
+    ids = inputs.experts(rng, n, K, t)
     counts = np.bincount(ids, minlength=n).astype(np.int32)
     args = dict(ids=ids, counts=counts, offsets=np.zeros(n + 1, np.uint32), pairs=np.zeros(t * K, np.uint32),
                 t=t, n_expert=n)
