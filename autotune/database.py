@@ -151,11 +151,17 @@ def choose(kernel, info, shape: dict, db: Database | None = None, **fixed):
     of several tokens or streams) not tuned apart, the one-row entry (the decode step's choice,
     which runs any row count); else the kernel's defaults at the device's subgroup size (on a CPU
     device, its `cpu` defaults: the variants that compile soonest)."""
+    return kernel.specialize(**chosen_params(kernel, info, shape, db, **fixed))
+
+
+def chosen_params(kernel, info, shape: dict, db: Database | None = None, own_entry: bool = True, **fixed) -> dict:
+    """The parameters `choose()` gives; with `own_entry=False`, those it would give if `shape` had
+    no entry of its own (the tuner's baseline: what runs untuned)."""
     params = dict(fixed)
     if kernel.subgroup and kernel.subgroup not in params:
         params[kernel.subgroup] = info.subgroup_size
     db = db if db is not None else database()
-    entry = db.lookup(info, kernel.name, {**shape, **fixed})
+    entry = db.lookup(info, kernel.name, {**shape, **fixed}) if own_entry else None
     if entry is None and shape.get("rows", 1) > 1:
         entry = db.lookup(info, kernel.name, {**shape, **fixed, "rows": 1})
     if entry is not None:
@@ -164,7 +170,7 @@ def choose(kernel, info, shape: dict, db: Database | None = None, **fixed):
         params.update({k: v for k, v in entry.params.items() if k not in fixed and k in known})
     elif info.device_type == "cpu":
         params.update({k: v for k, v in kernel.cpu.items() if k not in fixed})
-    return kernel.specialize(**accepted_params(kernel, params))
+    return accepted_params(kernel, params)
 
 
 def accepted_params(kernel, params: dict) -> dict:

@@ -36,7 +36,7 @@ from zdsl.errors import ZdslError
 from zdsl.lang.kernel import Example, Launch, Variant
 
 from . import cost_model, machine_code
-from .database import Entry, accepted_params, device_key, family, shape_key
+from .database import Entry, chosen_params, device_key, family, shape_key
 from .work import work
 
 SUBGROUP_SIZES = (8, 16, 32, 64, 128)
@@ -184,11 +184,10 @@ def subgroup_sizes(info) -> tuple[int, ...]:
 
 
 def default_params(use: Use, info) -> dict:
-    """What `choose()` runs for this use without an entry (where the kernel refuses its defaults at
+    """What `choose()` runs for this use without an entry of its own: at several rows the one-row
+    entry where the database has one, else the kernel's defaults (where the kernel refuses them at
     the device's subgroup size, the first declared choice it accepts, as `choose()` takes)."""
-    k = use.kernel
-    given = {k.subgroup: info.subgroup_size} if k.subgroup else {}
-    return k.complete(accepted_params(k, {**given, **use.fixed}))
+    return use.kernel.complete(chosen_params(use.kernel, info, use.key, own_entry=False, **use.fixed))
 
 
 def candidates(use: Use, info) -> list[Candidate]:

@@ -180,6 +180,25 @@ def test_several_rows_not_tuned_apart_take_the_one_row_entry():
     assert pick(db.Database.of([one]), 4, k=1024)["WG"] == 0
 
 
+def test_the_tuners_baseline_at_several_rows_is_the_one_row_entry(monkeypatch):
+    """What a T-token step's tuning is measured against is what runs untuned: the one-row entry
+    where there is one (not the kernel's defaults), never the use's own entry."""
+    from zdsl.autotune import tuner
+    from zdsl.kernels import moe
+
+    info = fake_info(name="NVIDIA H100", identity="10de:2330:NVIDIA:580", subgroup=32)
+    shape = {"QTYPE": "f32", "K": 8, "k": 2048, "n_expert": 256}
+    one = db.Entry("10de:2330:NVIDIA", info.name, "580", "moe_router", {**shape, "rows": 1}, {"WG": 256})
+    four = db.Entry("10de:2330:NVIDIA", info.name, "580", "moe_router", {**shape, "rows": 4}, {"ROWS": 2, "WG": 128})
+    monkeypatch.setattr(db, "database", lambda: db.Database.of([one, four]))
+    baseline = lambda rows: tuner.default_params(  # noqa: E731
+        SimpleNamespace(kernel=moe.moe_router, key={**shape, "rows": rows}, fixed={}), info)
+    assert baseline(4)["WG"] == 256 and baseline(4)["ROWS"] == 1
+    assert baseline(1)["WG"] == 0
+    monkeypatch.setattr(db, "database", lambda: db.Database([]))
+    assert baseline(4)["WG"] == 0
+
+
 def test_choose_takes_the_first_declared_choice_the_constraint_accepts_where_it_refuses_the_defaults():
     """deltanet_gated_norm's default workgroup of 32 is no whole number of 64-wide subgroups: on
     such a device choose() (and the tuner's default) takes the first declared WG that is."""
