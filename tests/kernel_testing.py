@@ -21,6 +21,18 @@ def pick(backend, case: int, draw: int, n: int, salt: int = 0) -> int:
     return draw % n if backend == "interp" or THOROUGH else (case // n ** salt) % n
 
 
+def tile_sizes(kernel, backend, **sizes):
+    """A tile's sizes (the rows and columns its code unrolls): as given in the interpreter, and on
+    a device in the thorough profile; on a device otherwise the kernel's own for lavapipe (its
+    `cpu` defaults, what the models run there). LLVM's compile time grows with the unrolled code
+    (moe_gate_up_grouped in Q6_K: 2 s at 4 columns, 6 at 8), while the structure (subgroups,
+    splits, workgroup) costs nothing and stays as the test draws it."""
+    if backend == "interp" or THOROUGH:
+        return sizes
+    cpu = kernel.complete(kernel.cpu)
+    return {name: cpu[name] for name in sizes}
+
+
 def run(variant, backend, request, groups, **args):
     if backend == "interp":
         return variant.interpret(groups, **args)

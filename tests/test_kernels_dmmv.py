@@ -30,7 +30,7 @@ from zdsl.kernels import embedding as emb
 from zdsl.kernels import quant_numpy
 from zdsl.kernels import q8_1 as q8
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS, Grid
-from kernel_testing import BACKENDS, run, subgroup
+from kernel_testing import BACKENDS, run, subgroup, tile_sizes
 from kernel_testing import pick as variant_pick
 from budget import THOROUGH, examples
 
@@ -331,7 +331,8 @@ def test_mul_mm_over_a_chunk_of_tokens(backend, request, qtype, m, nb, t, cols, 
     y0 = rng.standard_normal(t * m).astype(np.float32)
     acts = dict(zip(("xq", "xd"), q8.q8_1_buffers(x))) if int8 else {"x": x}
     xv = q8.q8_1_values(acts["xq"], acts["xd"]).astype(np.float32) if int8 else x
-    v = matmul.mul_mm.specialize(QTYPE=qtype, Q8=int8, COLS=cols, ROWS=rows, ADD=add, SG=subgroup(backend, request, sg_pick))
+    v = matmul.mul_mm.specialize(QTYPE=qtype, Q8=int8, ADD=add, SG=subgroup(backend, request, sg_pick),
+                                 **tile_sizes(matmul.mul_mm, backend, COLS=cols, ROWS=rows))
     y = run(v, backend, request, v.groups(m=m, t=t), w=w, **acts, y=y0, k=k, m=m, t=t)["y"]
     assert_within(y, matmul.mul_mm_ref(w, xv, qtype, m, k, y0 if add else None),
                   RTOL * abs_dot(w, qtype, m, k, xv) + 1e-6)

@@ -16,7 +16,7 @@ import zdsl
 from zdsl.kernels import moe
 from zdsl.kernels import quant_numpy as F
 from zdsl.kernels.norm import rms_norm_ref
-from kernel_testing import BACKENDS, assert_q8_1_of, run, subgroup
+from kernel_testing import BACKENDS, assert_q8_1_of, run, subgroup, tile_sizes
 from budget import examples
 
 EPS = 1e-6
@@ -231,8 +231,8 @@ def test_gate_up_grouped(backend, request, qtype, q8, t, n, K, few, kb, m, rows,
     xq, xd = q8_1_buffers(x)
     wg, wu = (kernel_inputs.rows(rng, qtype, n * m, k) for _ in range(2))
     sg = subgroup(backend, request, sg_pick)
-    v = ffn.moe_gate_up_grouped.specialize(QTYPE=qtype, Q8=q8, ROWS=rows, COLS=cols, SPLIT=split,
-                                           NSUB=own_rows(nsub, sg, qtype, q8), SG=sg)
+    v = ffn.moe_gate_up_grouped.specialize(QTYPE=qtype, Q8=q8, SPLIT=split, NSUB=own_rows(nsub, sg, qtype, q8), SG=sg,
+                                           **tile_sizes(ffn.moe_gate_up_grouped, backend, ROWS=rows, COLS=cols))
     out = run(v, backend, request, v.groups(m=m, n_expert=n, t=t), wg=wg, wu=wu, offsets=offsets, pairs=pairs, x=x,
               xq=xq, xd=xd, act=np.full(t * K * m, np.nan, np.float32), k=k, m=m, topk=K)
     want = ffn.moe_gate_up_grouped_ref(wg, wu, ids, q8_1_values(xq, xd) if q8 else x, qtype, m, k)
@@ -275,7 +275,8 @@ def test_gate_up_of_two_types(backend, request, pair, q8):
         want = ffn.ffn_gate_up_ref(wg, wu, ids, rows_x[:k], qg, m, k, experts, qu)
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
     ids, offsets, pairs = grouped_case(rng, t, n, K, 0)
-    v = ffn.moe_gate_up_grouped.specialize(QTYPE=qg, QTYPE_UP=qu, Q8=q8, ROWS=2, COLS=4, SPLIT=2, NSUB=1, SG=sg)
+    v = ffn.moe_gate_up_grouped.specialize(QTYPE=qg, QTYPE_UP=qu, Q8=q8, SPLIT=2, NSUB=1, SG=sg,
+                                           **tile_sizes(ffn.moe_gate_up_grouped, backend, ROWS=2, COLS=4))
     got = run(v, backend, request, v.groups(m=m, n_expert=n, t=t), wg=wg, wu=wu, offsets=offsets, pairs=pairs, x=x,
               xq=xq, xd=xd, act=np.full(t * K * m, np.nan, np.float32), k=k, m=m, topk=K)["act"]
     want = ffn.moe_gate_up_grouped_ref(wg, wu, ids, rows_x, qg, m, k, qtype_up=qu)
@@ -296,7 +297,8 @@ def test_grouped_products_of_grid_types(backend, request, qtype):
     if "gate_up" in kernels:
         x = rng.standard_normal(t * k).astype(np.float32)
         wg, wu = (kernel_inputs.rows(rng, qtype, n * m, k) for _ in range(2))
-        v = ffn.moe_gate_up_grouped.specialize(QTYPE=qtype, Q8=False, ROWS=2, COLS=4, SPLIT=2, NSUB=1, SG=sg)
+        v = ffn.moe_gate_up_grouped.specialize(QTYPE=qtype, Q8=False, SPLIT=2, NSUB=1, SG=sg,
+                                               **tile_sizes(ffn.moe_gate_up_grouped, backend, ROWS=2, COLS=4))
         out = run(v, backend, request, v.groups(m=m, n_expert=n, t=t), wg=wg, wu=wu, offsets=offsets, pairs=pairs,
                   x=x, xq=np.zeros(1, np.uint32), xd=np.zeros(1, np.float32),
                   act=np.full(t * K * m, np.nan, np.float32), k=k, m=m, topk=K)
@@ -305,7 +307,8 @@ def test_grouped_products_of_grid_types(backend, request, qtype):
     if "down" in kernels:
         act = rng.standard_normal(t * K * k).astype(np.float32)
         w = kernel_inputs.rows(rng, qtype, n * m, k)
-        v = ffn.moe_down_grouped.specialize(QTYPE=qtype, ROWS=1, COLS=4, SPLIT=1, NSUB=1, SG=sg)
+        v = ffn.moe_down_grouped.specialize(QTYPE=qtype, SPLIT=1, NSUB=1, SG=sg,
+                                            **tile_sizes(ffn.moe_down_grouped, backend, ROWS=1, COLS=4))
         out = run(v, backend, request, v.groups(m=m, n_expert=n, t=t), w=w, offsets=offsets, pairs=pairs, act=act,
                   y=np.full(t * K * m, np.nan, np.float32), k=k, m=m)
         want = ffn.moe_down_grouped_ref(w, ids, act, qtype, m, k)
@@ -326,8 +329,8 @@ def test_down_grouped(backend, request, qtype, t, n, K, few, kb, m, rows, cols, 
     act = rng.standard_normal(t * K * k).astype(np.float32)
     w = kernel_inputs.rows(rng, qtype, n * m, k)
     sg = subgroup(backend, request, sg_pick)
-    v = ffn.moe_down_grouped.specialize(QTYPE=qtype, ROWS=rows, COLS=cols, SPLIT=split,
-                                        NSUB=own_rows(nsub, sg, qtype, False), SG=sg)
+    v = ffn.moe_down_grouped.specialize(QTYPE=qtype, SPLIT=split, NSUB=own_rows(nsub, sg, qtype, False), SG=sg,
+                                        **tile_sizes(ffn.moe_down_grouped, backend, ROWS=rows, COLS=cols))
     out = run(v, backend, request, v.groups(m=m, n_expert=n, t=t), w=w, offsets=offsets, pairs=pairs, act=act,
               y=np.full(t * K * m, np.nan, np.float32), k=k, m=m)
     want = ffn.moe_down_grouped_ref(w, ids, act, qtype, m, k)
@@ -372,10 +375,11 @@ def test_moe_chunk_chain(backend, request, t, n, K, few, types, shared, sg_pick,
     wg, wu = (kernel_inputs.rows(rng, qtype, n * m, k) for _ in range(2))
     wd = kernel_inputs.rows(rng, qdown, n * k, m)
     sg = subgroup(backend, request, sg_pick)
-    gu = ffn.moe_gate_up_grouped.specialize(QTYPE=qtype, Q8=q8, ROWS=2, COLS=4, SG=sg)
+    gu = ffn.moe_gate_up_grouped.specialize(QTYPE=qtype, Q8=q8, SG=sg,
+                                            **tile_sizes(ffn.moe_gate_up_grouped, backend, ROWS=2, COLS=4))
     act = run(gu, backend, request, gu.groups(m=m, n_expert=n, t=t), wg=wg, wu=wu, offsets=offsets, pairs=pairs, x=h,
               xq=hq, xd=hd, act=np.full(t * K * m, np.nan, np.float32), k=k, m=m, topk=K)["act"]
-    dn = ffn.moe_down_grouped.specialize(QTYPE=qdown, ROWS=1, COLS=8, SG=sg)
+    dn = ffn.moe_down_grouped.specialize(QTYPE=qdown, SG=sg, **tile_sizes(ffn.moe_down_grouped, backend, ROWS=1, COLS=8))
     y = run(dn, backend, request, dn.groups(m=k, n_expert=n, t=t), w=wd, offsets=offsets, pairs=pairs, act=act,
             y=np.full(t * K * k, np.nan, np.float32), k=m, m=k)["y"]
     x = rng.standard_normal(t * k).astype(np.float32)
