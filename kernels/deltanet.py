@@ -7,7 +7,8 @@ be worth a dispatch of their own), the causal depthwise conv (+ silu) of the q, 
 reads, L2-normalised q and k, the gated delta rule on the f32 state, the read-out o and the gated
 RMSNorm of o, fused: the state (64 KiB per head at d = 128) is read once and written once, and
 neither the conv output nor o leaves the workgroup. A step of a few tokens of one sequence (a
-speculative step) runs them in order in the same dispatch (its `rows`), the state carried in
+speculative step) runs them in the same dispatch (its `rows`) in blocks of TOKENS: a block's gates
+and conv for all its tokens at once, then the delta rule token after token, the state carried in
 registers from one to the next and written after each. A prompt's chunk runs the conv rows, then the
 delta rule in blocks of BLOCK tokens (the WY form: `deltanet_chunk_wy` for every block at once,
 `deltanet_chunk_scan` carrying the state over them), then the gated norm rows.
@@ -40,6 +41,7 @@ Layouts (all f32):
 
 from __future__ import annotations
 
+import contextlib
 import math
 from types import SimpleNamespace
 
@@ -51,7 +53,7 @@ from zdsl.kernels import dmmv, inputs
 from zdsl.kernels.dmmv import q8_step
 from zdsl.kernels.q8_1 import q8_1_buffers, q8_1_values, store_q8_1, write_normed
 from zdsl.kernels.quant import FORMATS, fmt
-from zdsl.kernels.reduce import SHARED_LIMIT, SUBGROUPS, workgroup_sums
+from zdsl.kernels.reduce import SHARED_LIMIT, SUBGROUPS, workgroup_sum_table, workgroup_sums
 
 # the gate weights' types built ahead (others specialize on demand)
 GATE_QTYPES = ["q8_0", "q4_k", "q5_k", "q6_k", "f16", "f32"]
@@ -68,23 +70,42 @@ def _layout_fits(v) -> bool:
     return v.D % 4 == 0 and v.WG % quads == 0 and v.D % (v.WG // quads) == 0 and v.WG % v.SG == 0
 
 
+def tokens_at_once(rows: int) -> int:
+    """deltanet_step's TOKENS for a launch of `rows` tokens: the fewest of 2, 4, 8 that hold them
+    all (a block past the last token does its gates and conv for nothing, in parallel, while a
+    second block waits on the first), 8 beyond."""
+    return next((t for t in (2, 4) if rows <= t), 8)
+
+
+def _step_shared(v) -> int:
+    """deltanet_step's shared memory in bytes: q, k and v of each token of a block, the
+    subgroups' shares of its five sums and, with several row parts, their sums of u and y (two
+    sets for several tokens in one subgroup)."""
+    tokens = v.TOKENS if v.MANY else 1
+    sets = 2 if v.MANY and v.WG == v.SG else 1
+    return 12 * tokens * v.D + (32 * v.WG * sets if 4 * v.WG > v.D else 0) + 20 * tokens * v.WG // v.SG
+
+
 def _step_fits(v) -> bool:
-    return _layout_fits(v) and v.WG % gate_parts(v.QTYPE) == 0
+    return _layout_fits(v) and v.WG % gate_parts(v.QTYPE) == 0 and _step_shared(v) <= SHARED_LIMIT
 
 
-def gate_dots(w_ba, x, xq, xd, h, k, QTYPE: str, SG: int):
-    """This invocation's shares of β's and α's rows of head h times the normed input: int8
-    products with its Q8_1 form (xq, xd) where the type has an int8 decoder, as the graph's other
-    projections of it, else f32 with x. The whole workgroup walks the blocks."""
+def gate_dots(w_ba, x, xq, xd, h, k, QTYPE: str, SG: int, bases=(0,)):
+    """This invocation's shares of β's and α's rows of head h times the normed inputs that start
+    at elements `bases` (a token's row each): int8 products with their Q8_1 form (xq, xd) where the
+    type has an int8 decoder, as the graph's other projections of them, else f32 with x. The whole
+    workgroup walks the blocks, each block of the two rows loaded once for every token. Returns
+    (β's shares, α's shares), one per base."""
     f = fmt(QTYPE)
     nblocks = k // f.block
     rows = [(w_ba, r * (nblocks * f.nbytes)) for r in (h, zdsl.num_workgroups() + h)]
     everyone = dmmv.Rows(2, 1, SG)
     if f.iparts:
-        acc = dmmv.block_loop(f.iparts, nblocks, everyone, 2, 1, lambda b, part: q8_step(f, rows, xq, xd, [0], b, part))
+        acc = dmmv.block_loop(f.iparts, nblocks, everyone, 2, len(bases),
+                              lambda b, part: q8_step(f, rows, xq, xd, list(bases), b, part))
     else:
-        acc = dmmv.block_dots(f, f.setup(), rows, x, [0], nblocks, everyone)
-    return acc[0][0], acc[1][0]
+        acc = dmmv.block_dots(f, f.setup(), rows, x, list(bases), nblocks, everyone)
+    return acc[0], acc[1]
 
 
 class _Layout:
@@ -110,23 +131,25 @@ def conv_silu(conv_w, ch, taps, KC: int):
     return zdsl.silu(acc)
 
 
-def _conv_head(conv, kh, h, n_k_heads, D: int, WG: int):
-    """q and k of key head kh and v of value head h through the causal conv and silu, into
-    shared memory (then a barrier), with this invocation's shares of q·q, k·k and q·k.
-    conv(ch, shared_channel) gives channel ch's conv output (shared_channel: a q or k channel,
-    which the other workgroups of key head kh read too)."""
-    qs, ks, vs = zdsl.shared(f32, D), zdsl.shared(f32, D), zdsl.shared(f32, D)
-    qq, kk, qk = zdsl.var(0.0), zdsl.var(0.0), zdsl.var(0.0)
-    for i in zdsl.range(zdsl.local_index(), D, WG):
-        qi = conv(kh * D + i, True)
-        ki = conv((n_k_heads + kh) * D + i, True)
-        vs[i] = conv((2 * n_k_heads + h) * D + i, False)
-        qs[i], ks[i] = qi, ki
-        qq.set(zdsl.fma(qi, qi, qq))
-        kk.set(zdsl.fma(ki, ki, kk))
-        qk.set(zdsl.fma(qi, ki, qk))
+def _conv_tokens(conv, kh, h, n_k_heads, D: int, WG: int, TB: int):
+    """q and k of key head kh and v of value head h of TB tokens through the causal conv and
+    silu, into shared memory (token j's at j·D; then a barrier), with this invocation's shares of
+    each token's q·q, k·k and q·k. conv(j, ch, shared_channel) gives channel ch's conv output for
+    token j (shared_channel: a q or k channel, which the other workgroups of key head kh read
+    too). The workgroup walks the TB·D (token, channel) pairs at once."""
+    qs, ks, vs = zdsl.shared(f32, TB * D), zdsl.shared(f32, TB * D), zdsl.shared(f32, TB * D)
+    sums = [[zdsl.var(0.0) for _ in range(TB)] for _ in range(3)]  # q·q, k·k, q·k of each token
+    for e in zdsl.range(zdsl.local_index(), TB * D, WG):
+        j, i = (0, e) if TB == 1 else (e // D, e % D)
+        qi = conv(j, kh * D + i, True)
+        ki = conv(j, (n_k_heads + kh) * D + i, True)
+        vs[e] = conv(j, (2 * n_k_heads + h) * D + i, False)
+        qs[e], ks[e] = qi, ki
+        for acc, term in zip(sums, (qi * qi, ki * ki, qi * ki)):
+            for t in range(TB):
+                acc[t].set(acc[t] + (term if TB == 1 else zdsl.where(j == t, term, 0.0)))
     zdsl.barrier()
-    return SimpleNamespace(q=qs, k=ks, v=vs, sums=[qq, kk, qk])
+    return qs, ks, vs, sums
 
 
 def _decay(ssm_a, dt_bias, h, a):
@@ -134,27 +157,28 @@ def _decay(ssm_a, dt_bias, h, a):
     return zdsl.exp(ssm_a[h] * zdsl.softplus(a + dt_bias[h]))
 
 
-def _delta_rule(lay: _Layout, S, qkv, qq, kk, qk, decay, beta, eps):
-    """One token's gated delta rule on this invocation's rows S of the state (qkv from
-    `_conv_head`, qq, kk, qk its workgroup sums): returns the new rows and o (four columns), in
-    one pass as o = (e^g S_oldᵀq + (k·q) δ) / √D with δ = β (v − e^g S_oldᵀk)."""
+def _delta_rule(lay: _Layout, S, qkv, qq, kk, qk, decay, beta, eps, red):
+    """One token's gated delta rule on this invocation's rows S of the state (qkv: the token's
+    q, k and v in shared memory, from `_conv_tokens`, and qq, kk, qk their workgroup sums; red:
+    the shared vectors that sum the row parts, and where in them): returns the new rows and o (four columns), in one
+    pass as o = (e^g S_oldᵀq + (k·q) δ) / √D with δ = β (v − e^g S_oldᵀk)."""
     rq, rk = zdsl.rsqrt(qq + eps), zdsl.rsqrt(kk + eps)
-    qs, ks, vs, c, rows = qkv.q, qkv.k, qkv.v, lay.c, lay.rows
-    v = zdsl.vec(*[vs[4 * c + e] for e in range(4)])
-    k_rows = [ks[i] * rk for i in rows]
+    (qs, ks, vs, at), c, rows = qkv, lay.c, lay.rows
+    v = zdsl.vec(*[vs[at + 4 * c + e] for e in range(4)])
+    k_rows = [ks[at + i] * rk for i in rows]
     u = S[0] * k_rows[0]
-    y = S[0] * (qs[rows[0]] * rq)
+    y = S[0] * (qs[at + rows[0]] * rq)
     for s, k_i, i in zip(S[1:], k_rows[1:], rows[1:]):
         u = u + s * k_i
-        y = y + s * (qs[i] * rq)
+        y = y + s * (qs[at + i] * rq)
     if lay.RP > 1:  # sum the row parts of each column quad
-        red_u, red_y = zdsl.shared(f32.vec(4), lay.WG), zdsl.shared(f32.vec(4), lay.WG)
-        red_u[lay.t], red_y[lay.t] = u, y
+        red_u, red_y, base = red
+        red_u[base + lay.t], red_y[base + lay.t] = u, y
         zdsl.barrier()
-        u, y = red_u[c], red_y[c]  # the same sums, in the same order, in every row part
+        u, y = red_u[base + c], red_y[base + c]  # the same sums, in the same order, in every row part
         for p in range(1, lay.RP):
-            u = u + red_u[p * lay.quads + c]
-            y = y + red_y[p * lay.quads + c]
+            u = u + red_u[base + p * lay.quads + c]
+            y = y + red_y[base + p * lay.quads + c]
     delta = beta * (v - decay * u)
     new = [s * decay + delta * k_i for s, k_i in zip(S, k_rows)]
     return new, (decay * y + (qk * rq * rk) * delta) * (1.0 / math.sqrt(lay.D))
@@ -187,17 +211,19 @@ def _step_traffic(v, s) -> int:
 
 @zdsl.kernel(workgroup="WG", subgroup="SG",
              variants={"D": [128], "WG": [256, 512], "Q8": [False, True], "QTYPE": GATE_QTYPES, "MANY": [False, True],
-                       "SG": SUBGROUPS},
+                       "TOKENS": [2, 4, 8], "SG": SUBGROUPS},
              where=_step_fits, sizes=("v_heads", "rows"), grid=lambda v, s: s.v_heads, traffic=_step_traffic)
 def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32], step: Buffer[u32], z: Buffer[f32],
                   w_ba: Buffer[u8], x: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], ssm_a: Buffer[f32],
                   dt_bias: Buffer[f32], norm_w: Buffer[f32],
                   state: Buffer[f32], out: Buffer[f32], oq: Buffer[u32], od: Buffer[f32], n_k_heads: u32, k: u32,
                   eps: f32, conv_slots: u32, state_slots: u32, row: u32 = 0, rows: u32 = 1, MANY: Const = False, D: Const = 128,
-                  KC: Const = 4, WG: Const = 256, Q8: Const = False, QTYPE: Const = "q8_0", SG: Const = 32):
+                  KC: Const = 4, WG: Const = 256, Q8: Const = False, QTYPE: Const = "q8_0", TOKENS: Const = 4,
+                  SG: Const = 32):
     """Value head h = workgroup_id, key head kh = h % n_k_heads, `rows` tokens of one sequence at
     positions p = p0 + r (p0 = step[0], r = 0 … rows − 1), in order; mix = the raw
-    [q (n_k_heads × D) | k (n_k_heads × D) | v (heads × D)] projection, C channels. For each row
+    [q (n_k_heads × D) | k (n_k_heads × D) | v (heads × D)] projection, C channels. The tokens
+    go in blocks of TOKENS (MANY; one token alone without): for every token of a block at once
     the workgroup first convolves the channels it reads (q and k of kh, v of h): conv_c =
     silu(Σ_k conv_w[c, k] · x_c(p − KC + 1 + k)), and stores mix_c in slot p % conv_slots of the
     ring `conv_state` (module doc; q and k by workgroup kh only, so each value has one writer).
@@ -205,9 +231,10 @@ def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32]
     (chunk_taps): another workgroup (the owner) writes the q and k slots of this launch's rows,
     so reading them back would race. Nothing written is read by the launch as long as
     rows ≤ conv_slots − KC + 1 (the slots of p0 … p0 + rows − 1 are not those of p0 − KC + 1 …
-    p0 − 1). Meanwhile all its invocations project the head's gates from the row's normed input x
-    (k values; as Q8_1 in xq, xd for int8 types): b = w_ba[h] · x, a = w_ba[heads + h] · x
-    (QTYPE rows; WG a multiple of the type's invocations per block). With q, k L2-normalised
+    p0 − 1). Meanwhile all its invocations project the head's gates from each token's normed input
+    x (k values; as Q8_1 in xq, xd for int8 types): b = w_ba[h] · x, a = w_ba[heads + h] · x
+    (QTYPE rows, each block loaded once for the block's tokens; WG a multiple of the type's
+    invocations per block). Then token after token, with q, k L2-normalised
     (eps), β = sigmoid(b_h), g = ssm_a_h · softplus(a_h + dt_bias_h), S the head's D × D state:
         S ← e^g S;  u = Sᵀk;  S ← S + k (β (v − u))ᵀ;  o = Sᵀq / √D
     computed in one pass as o = (e^g S_oldᵀq + (k·q) δ) / √D with δ = β (v − e^g S_oldᵀk), then
@@ -221,9 +248,10 @@ def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32]
     invocations. Token r's mix, z, x, xq, xd, out, oq and od are at row `row` + r (a batch's
     sequences one row each, batch.py; a step of several tokens of one sequence, token_rows.py).
     The launch names v_heads (the grid)."""
-    if not _step_fits(SimpleNamespace(D=D, WG=WG, SG=SG, QTYPE=QTYPE)):
-        raise zdsl.ZdslError(f"deltanet_step needs 4 | D, D/4 | WG, WG / (D/4) | D and whole {QTYPE} blocks per "
-                             f"workgroup, not D={D}, WG={WG}")
+    if not _step_fits(SimpleNamespace(D=D, WG=WG, SG=SG, QTYPE=QTYPE, MANY=MANY, TOKENS=TOKENS)):
+        raise zdsl.ZdslError(f"deltanet_step needs 4 | D, D/4 | WG, WG / (D/4) | D, whole {QTYPE} blocks per "
+                             f"workgroup and at most {SHARED_LIMIT:,} bytes of shared memory, not D={D}, WG={WG}"
+                             + (f", TOKENS={TOKENS}" if MANY else ""))
     h = zdsl.workgroup_id()
     kh = h % n_k_heads
     C = (2 * n_k_heads + zdsl.num_workgroups()) * D
@@ -233,48 +261,67 @@ def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32]
     def at_state(slot, i):
         return ((slot * zdsl.num_workgroups() + h) * D + i) * lay.quads + lay.c
 
-    # the state's loads first: in flight while the first row's conv runs and q and k are normalised
-    s_in = step[0] % state_slots  # the state before p0; the one after row r goes r + 1 slots on
+    # the state's loads first: in flight while the first tokens' conv runs and q and k are normalised
+    s_in = step[0] % state_slots  # the state before p0; the one after token r goes r + 1 slots on
     S = [zdsl.var(state.vec4[at_state(s_in, i)]) for i in lay.rows]
     first = step[0] % conv_slots  # the ring slot of p0 (slots computed from it: no u32 overflow)
     owner = h < n_k_heads  # the one workgroup of key head kh that stores its q and k inputs
     chunk = mix.at(row * C)  # this launch's mix rows, for the taps of positions ≥ p0
-    for r in zdsl.range(0, rows) if MANY else [0]:  # one row: the body once (a loop around barriers costs)
-        at = row + r
-        mix_r, z_r, out_r, x_r = mix.at(at * C), z.at(at * n), out.at(at * n), x.at(at * k)
-        xq_r, xd_r = xq.at(at * (k // 4)), xd.at(at * (k // 16))  # Q8_1: a word per 4 values, (d, d·Σq) per 32
-        oq_r, od_r = (oq.at(at * (n // 4)), od.at(at * (n // 16))) if Q8 else (oq, od)
-        gate = z_r.vec4[h * lay.quads + lay.c]
-        b_part, a_part = gate_dots(w_ba, x_r, xq_r, xd_r, h, k, QTYPE, SG)
-        now = (first + r) % conv_slots
+    TB = TOKENS if MANY else 1
+    # the row parts' sums of u and y (_delta_rule). A token's writes of them are a barrier away
+    # from the token before it's reads: _store_out's, or with one subgroup (no such barrier) the
+    # other of two sets
+    sets = 2 if MANY and WG == SG else 1
+    red = (zdsl.shared(f32.vec(4), sets * WG), zdsl.shared(f32.vec(4), sets * WG)) if lay.RP > 1 else None
+    for r0 in zdsl.range(0, rows, TB) if MANY else [0]:  # one row: the body once (a loop around barriers costs)
 
-        def conv(ch, shared_channel):
-            """Channel ch's conv output for row r; stores its input in the ring (q and k: by the
-            owner)."""
+        def conv(j, ch, shared_channel):
+            """Channel ch's conv output for token j of the block; stores its input in the ring (q
+            and k: by the owner; a token past the last: its loads are the last one's, it stores
+            nothing)."""
+            r = r0 + j if TB == 1 else zdsl.min(r0 + j, rows - 1)
             taps = chunk_taps(chunk, conv_state, first, r, ch, C, KC, conv_slots)
-            if shared_channel:
-                with zdsl.if_(owner):
-                    conv_state[now * C + ch] = mix_r[ch]
-            else:
-                conv_state[now * C + ch] = mix_r[ch]
+            store = owner if shared_channel else None
+            if TB > 1:
+                store = r0 + j < rows if store is None else store & (r0 + j < rows)
+            with zdsl.if_(store) if store is not None else contextlib.nullcontext():
+                conv_state[((first + r) % conv_slots) * C + ch] = taps[-1]
             return conv_silu(conv_w, ch, taps, KC)
 
-        qkv = _conv_head(conv, kh, h, n_k_heads, D, WG)
-        qq, kk, qk, b, a = workgroup_sums([*qkv.sums, b_part, a_part], WG, SG)
-        new, o = _delta_rule(lay, S, qkv, qq, kk, qk, _decay(ssm_a, dt_bias, h, a), zdsl.sigmoid(b), eps)
-        for s, value in zip(S, new):
-            s.set(value)
-        s_out = (s_in + r + 1) % state_slots
-        if MANY:
-            with zdsl.if_((state_slots > 1) | (r + 1 == rows)):  # one slot: in place, the last row's is enough
-                for s, i in zip(S, lay.rows):
-                    state.vec4[at_state(s_out, i)] = s
+        # every token of the block at once: its gates, its conv, and the sums they need
+        xs = [row + (r0 + j if TB == 1 else zdsl.min(r0 + j, rows - 1)) for j in range(TB)]
+        b_parts, a_parts = gate_dots(w_ba, x, xq, xd, h, k, QTYPE, SG, [r * k for r in xs])
+        qs, ks, vs, sums = _conv_tokens(conv, kh, h, n_k_heads, D, WG, TB)
+        values = [*sums[0], *sums[1], *sums[2], *b_parts, *a_parts]
+        total = workgroup_sum_table(values, WG, SG) if MANY else workgroup_sums(values, WG, SG).__getitem__
+
+        def token(j):
+            """The delta rule and the output of token r0 + j (j known when traced without MANY)."""
+            qq, kk, qk, b, a = (total(i * TB + j) for i in range(5))
+            r = r0 + j
+            at = row + r
+            part = (red[0], red[1], (j % sets) * WG) if red else None
+            new, o = _delta_rule(lay, S, (qs, ks, vs, j * D), qq, kk, qk, _decay(ssm_a, dt_bias, h, a),
+                                 zdsl.sigmoid(b), eps, part)
+            for s_, value in zip(S, new):
+                s_.set(value)
+            s_out = (s_in + r + 1) % state_slots
+            with zdsl.if_((state_slots > 1) | (r + 1 == rows)) if MANY else contextlib.nullcontext():
+                for s_, i in zip(S, lay.rows):  # one slot: in place, the last token's is enough
+                    state.vec4[at_state(s_out, i)] = s_
+            oq_r, od_r = (oq.at(at * (n // 4)), od.at(at * (n // 16))) if Q8 else (oq, od)
+            gate = z.at(at * n).vec4[h * lay.quads + lay.c]
+            _store_out(lay, o, gate, norm_w, h * lay.quads + lay.c, out.at(at * n), oq_r, od_r, eps, Q8, SG,
+                       "deltanet_step")
+
+        if MANY:  # then the delta rule, token after token
+            for j in zdsl.range(0, zdsl.min(rows - r0, TB)):
+                token(j)
+                if lay.RP == 1:  # no barrier in the delta rule: _store_out's sums read before the next's writes
+                    zdsl.barrier()
+            zdsl.barrier()  # every read of the block's q, k, v and sums done before the next block's writes
         else:
-            for s, i in zip(S, lay.rows):
-                state.vec4[at_state(s_out, i)] = s
-        _store_out(lay, o, gate, norm_w, h * lay.quads + lay.c, out_r, oq_r, od_r, eps, Q8, SG, "deltanet_step")
-        if MANY:
-            zdsl.barrier()  # every read of this row's q, k, v and sums done before the next row's writes
+            token(0)
 
 
 def deltanet_step_ref(mix, conv_w, conv_state, pos, z, w_ba, x, xq, xd, qtype, ssm_a, dt_bias, norm_w, state, n_k_heads,

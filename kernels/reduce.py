@@ -27,3 +27,25 @@ def workgroup_sums(values, WG: int, SG: int):
             total = total + partial[i * nsub + n]
         out.append(total)
     return out
+
+
+def workgroup_sum_table(values, WG: int, SG: int):
+    """Sum each value over the workgroup into shared memory (then a barrier); returns total(i),
+    value i's sum, for an index a loop computes at run time (workgroup_sums gives registers,
+    which only an index known when traced can pick). The table is read until the workgroup's
+    next barrier-separated write of it."""
+    nsub = WG // SG
+    partial = zdsl.shared(f32, len(values) * nsub)
+    sums = [zdsl.subgroup_sum(v) for v in values]
+    with zdsl.if_(zdsl.lane_id() == 0):
+        for i, s in enumerate(sums):
+            partial[i * nsub + zdsl.subgroup_id()] = s
+    zdsl.barrier()
+
+    def total(i):
+        out = partial[i * nsub]
+        for n in range(1, nsub):
+            out = out + partial[i * nsub + n]
+        return out
+    return total
+

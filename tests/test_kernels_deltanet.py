@@ -25,7 +25,7 @@ from zdsl.kernels.q8_1 import q8_1_buffers, q8_1_values
 from zdsl.kernels.quant import FORMATS
 from zdsl.models.qwen35.model import reference as model
 from budget import THOROUGH, examples
-from kernel_testing import BACKENDS, assert_example_holds, assert_q8_1_of, run, subgroup
+from kernel_testing import BACKENDS, assert_example_holds, assert_q8_1_of, run, subgroup, tile_sizes
 
 EPS = 1e-6
 # before the ring is full (0, 1, 2), its first wrap (3 → slot 3, 5 → slot 1), a long context and
@@ -37,10 +37,11 @@ def subgroup_sizes(backend, request):
     return [8, 16, 32, 64] if backend == "interp" else [request.getfixturevalue("device").info.subgroup_size]
 
 
-def step(backend, request, x, state, pos, n_k_heads, wg, sg, rows=1, row=0):
+def step(backend, request, x, state, pos, n_k_heads, wg, sg, rows=1, row=0, tokens=4):
     """x: the step's inputs (mix, conv_w (C, KC), conv_state (conv_slots, C), z, w_ba, x, qtype,
     ssm_a, dt_bias, norm_w; mix, z, x, xq, xd `rows` rows of them, from row `row` of buffers whose
-    rows before it are NaN); state: the ring (state_slots, Hv, D, D)."""
+    rows before it are NaN); state: the ring (state_slots, Hv, D, D); tokens: how many a block of
+    a launch of several takes at once (on lavapipe the kernel's own, tile_sizes)."""
     slots, Hv, D = state.shape[:3]
     x = dict(x)
     qtype = x.pop("qtype")
@@ -56,7 +57,9 @@ def step(backend, request, x, state, pos, n_k_heads, wg, sg, rows=1, row=0):
     n = (row + rows) * Hv * D
     q8 = D % 32 == 0  # the output also as Q8_1 where it is whole blocks
     q8_out = dict(oq=np.zeros(n // 4, np.uint32), od=np.full(n // 16, np.nan, np.float32)) if q8 else {}
-    out = run(dn.deltanet_step.specialize(D=D, KC=KC, WG=wg, Q8=q8, QTYPE=qtype, MANY=rows > 1, SG=sg), backend, request, Hv, **args,
+    v = dn.deltanet_step.specialize(D=D, KC=KC, WG=wg, Q8=q8, QTYPE=qtype, MANY=rows > 1, SG=sg,
+                                    **tile_sizes(dn.deltanet_step, backend, TOKENS=tokens))
+    out = run(v, backend, request, Hv, **args,
               step=words, state=state.reshape(-1), out=np.full(n, np.nan, np.float32), n_k_heads=n_k_heads,
               k=len(x["x"]) // (row + rows), eps=EPS, conv_slots=conv_slots, state_slots=slots, row=row, rows=rows,
               **q8_out)
@@ -186,24 +189,28 @@ ROW_POSITIONS = [0, 1, 2, 3, 5, 262_141, 2**32 - 6]
        d=st.sampled_from([8, 16, 32]), sg_pick=st.integers(0, 3), layout=st.sampled_from(LAVAPIPE_LAYOUTS),
        kc=st.integers(1, 5), pos=st.one_of(st.sampled_from(ROW_POSITIONS), st.integers(0, 40)),
        qtype=st.sampled_from(["q8_0", "q4_k", "f32", "q5_0"]), conv_extra=st.integers(0, 4),
-       state_slots=st.integers(1, 6), row=st.integers(0, 2), seed=st.integers(0, 99))
+       state_slots=st.integers(1, 6), row=st.integers(0, 2), tokens=st.sampled_from([2, 4, 8]), seed=st.integers(0, 99))
 def test_rows(backend, request, rows, hk, ratio, rp_log, d, sg_pick, layout, kc, pos, qtype, conv_extra, state_slots,
-              row, seed):
+              row, tokens, seed):
     """One launch of `rows` tokens of a sequence at positions pos … pos + rows − 1 (from row `row`
     of the buffers) against as many steps of the reference, each from the rings the one before
     left: every row's output, the state after every row in its slot (every slot written, the
     others as they were: NaN), the conv ring (exact). Rings of conv_slots = KC + rows − 1 … + 4
     (the fewest a launch of `rows` needs) and state_slots = 1 … 6 (fewer or more than the rows:
     slots written twice, and in place), at positions past their wraps; the conv slots the
-    launch must not read (those of positions ≥ pos among them) NaN."""
+    launch must not read (those of positions ≥ pos among them) NaN. The launch takes `tokens`
+    tokens at once (their gates and conv), then runs the delta rule over them in order: fewer
+    rows than that, as many, or a last block cut short."""
     d, wg, sg, kc, qtype = step_layout(backend, request, d, rp_log, sg_pick, layout, kc, qtype, seed)
+    k = dn.deltanet_step
+    assume(k.constraint(SimpleNamespace(**k.complete(dict(D=d, WG=wg, SG=sg, QTYPE=qtype, MANY=rows > 1, TOKENS=tokens)))))
     rng = np.random.default_rng(seed)
     hv = hk * ratio
     x = step_inputs(rng, hk, hv, d, kc, qtype=qtype, blocks=1, conv_slots=kc + rows - 1 + conv_extra)
     x["conv_state"] = unread_nan(x["conv_state"], pos, kc)
     x.update(row_inputs(rng, x, rows))
     state = ring_of(rng, state_slots, pos, hv, d, 0.5)
-    got = step(backend, request, x, state, pos, hk, wg, sg, rows, row)
+    got = step(backend, request, x, state, pos, hk, wg, sg, rows, row, tokens)
     want, want_state, want_ring = dn.deltanet_steps_ref(**x, pos=pos, state=state, n_k_heads=hk, eps=EPS)
     np.testing.assert_array_equal(got["conv_state"].reshape(want_ring.shape), want_ring)
     np.testing.assert_allclose(got["state"].reshape(state.shape), want_state, rtol=1e-5, atol=1e-5)

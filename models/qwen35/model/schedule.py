@@ -192,7 +192,8 @@ class LayerSchedule:
             w_ba=self.weights[gates], x=x.f32, xq=x.q, xd=x.d, ssm_a=self.weights[p + "ssm_a"],
             dt_bias=self.weights[p + "ssm_dt.bias"], norm_w=self.weights[p + "ssm_norm.weight"],
             state=self.ssm_state[i], out=o.f32, oq=o.q, od=o.d, n_k_heads=hp.ssm_k_heads, k=hp.hidden, eps=hp.eps,
-            conv_slots=self.conv_slots, state_slots=self.state_slots, row=row, rows=rows, MANY=rows > 1)
+            conv_slots=self.conv_slots, state_slots=self.state_slots, row=row, rows=rows, MANY=rows > 1,
+            **({"TOKENS": deltanet.tokens_at_once(rows)} if rows > 1 else {}))
 
     def gate_up(self, gate: str, up: str, slots: int, experts: bool, a, row: int, act_stride: int, act=None,
                  label: str | None = None, rows: int = 1):
