@@ -70,6 +70,9 @@ def _layout_fits(v) -> bool:
     return v.D % 4 == 0 and v.WG % quads == 0 and v.D % (v.WG // quads) == 0 and v.WG % v.SG == 0
 
 
+DEFAULT_TOKENS = 4  # TOKENS unless the launch says: the one value a launch of one token (MANY False) is built at
+
+
 def tokens_at_once(rows: int) -> int:
     """deltanet_step's TOKENS for a launch of `rows` tokens: the fewest of 2, 4, 8 that hold them
     all (a block past the last token does its gates and conv for nothing, in parallel, while a
@@ -87,7 +90,9 @@ def _step_shared(v) -> int:
 
 
 def _step_fits(v) -> bool:
-    return _layout_fits(v) and v.WG % gate_parts(v.QTYPE) == 0 and _step_shared(v) <= SHARED_LIMIT
+    # one token alone takes no blocks: its variants are those of the default TOKENS only
+    return (_layout_fits(v) and v.WG % gate_parts(v.QTYPE) == 0 and _step_shared(v) <= SHARED_LIMIT
+            and (v.MANY or v.TOKENS == DEFAULT_TOKENS))
 
 
 def gate_dots(w_ba, x, xq, xd, h, k, QTYPE: str, SG: int, bases=(0,)):
@@ -217,9 +222,9 @@ def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32]
                   w_ba: Buffer[u8], x: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], ssm_a: Buffer[f32],
                   dt_bias: Buffer[f32], norm_w: Buffer[f32],
                   state: Buffer[f32], out: Buffer[f32], oq: Buffer[u32], od: Buffer[f32], n_k_heads: u32, k: u32,
-                  eps: f32, conv_slots: u32, state_slots: u32, row: u32 = 0, rows: u32 = 1, MANY: Const = False, D: Const = 128,
-                  KC: Const = 4, WG: Const = 256, Q8: Const = False, QTYPE: Const = "q8_0", TOKENS: Const = 4,
-                  SG: Const = 32):
+                  eps: f32, conv_slots: u32, state_slots: u32, row: u32 = 0, rows: u32 = 1, MANY: Const = False,
+                  D: Const = 128, KC: Const = 4, WG: Const = 256, Q8: Const = False, QTYPE: Const = "q8_0",
+                  TOKENS: Const = DEFAULT_TOKENS, SG: Const = 32):
     """Value head h = workgroup_id, key head kh = h % n_k_heads, `rows` tokens of one sequence at
     positions p = p0 + r (p0 = step[0], r = 0 … rows − 1), in order; mix = the raw
     [q (n_k_heads × D) | k (n_k_heads × D) | v (heads × D)] projection, C channels. The tokens
