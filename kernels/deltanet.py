@@ -150,9 +150,9 @@ def _conv_tokens(conv, kh, h, n_k_heads, D: int, WG: int, TB: int):
         ki = conv(j, (n_k_heads + kh) * D + i, True)
         vs[e] = conv(j, (2 * n_k_heads + h) * D + i, False)
         qs[e], ks[e] = qi, ki
-        for acc, term in zip(sums, (qi * qi, ki * ki, qi * ki)):
-            for t in range(TB):
-                acc[t].set(acc[t] + (term if TB == 1 else zdsl.where(j == t, term, 0.0)))
+        for acc, (a, b) in zip(sums, ((qi, qi), (ki, ki), (qi, ki))):
+            for t in range(TB):  # the other tokens' sums add 0 · b
+                acc[t].set(zdsl.fma(a if TB == 1 else zdsl.where(j == t, a, 0.0), b, acc[t]))
     zdsl.barrier()
     return qs, ks, vs, sums
 
@@ -293,7 +293,9 @@ def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32]
                 conv_state[((first + r) % conv_slots) * C + ch] = taps[-1]
             return conv_silu(conv_w, ch, taps, KC)
 
-        # every token of the block at once: its gates, its conv, and the sums they need
+        # every token of the block at once: its gates, its conv, and the sums they need (one
+        # token's z row early, in flight meanwhile; a block's tokens load theirs in the loop)
+        z_early = None if MANY else z.at(row * n).vec4[h * lay.quads + lay.c]
         xs = [row + (r0 + j if TB == 1 else zdsl.min(r0 + j, rows - 1)) for j in range(TB)]
         b_parts, a_parts = gate_dots(w_ba, x, xq, xd, h, k, QTYPE, SG, [r * k for r in xs])
         qs, ks, vs, sums = _conv_tokens(conv, kh, h, n_k_heads, D, WG, TB)
@@ -315,7 +317,7 @@ def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32]
                 for s_, i in zip(S, lay.rows):  # one slot: in place, the last token's is enough
                     state.vec4[at_state(s_out, i)] = s_
             oq_r, od_r = (oq.at(at * (n // 4)), od.at(at * (n // 16))) if Q8 else (oq, od)
-            gate = z.at(at * n).vec4[h * lay.quads + lay.c]
+            gate = z_early if z_early is not None else z.at(at * n).vec4[h * lay.quads + lay.c]
             _store_out(lay, o, gate, norm_w, h * lay.quads + lay.c, out.at(at * n), oq_r, od_r, eps, Q8, SG,
                        "deltanet_step")
 
