@@ -164,9 +164,10 @@ def _decay(ssm_a, dt_bias, h, a):
 
 def _delta_rule(lay: _Layout, S, qkv, qq, kk, qk, decay, beta, eps, red):
     """One token's gated delta rule on this invocation's rows S of the state (qkv: the token's
-    q, k and v in shared memory, from `_conv_tokens`, and qq, kk, qk their workgroup sums; red:
-    the shared vectors that sum the row parts, and where in them): returns the new rows and o (four columns), in one
-    pass as o = (e^g S_oldᵀq + (k·q) δ) / √D with δ = β (v − e^g S_oldᵀk)."""
+    q, k and v in shared memory, from `_conv_tokens`, and where; qq, kk, qk their workgroup sums;
+    red: the shared vectors that sum the row parts, and where in them): returns the new rows and
+    o (four columns), in one pass as o = (e^g S_oldᵀq + (k·q) δ) / √D with
+    δ = β (v − e^g S_oldᵀk)."""
     rq, rk = zdsl.rsqrt(qq + eps), zdsl.rsqrt(kk + eps)
     (qs, ks, vs, at), c, rows = qkv, lay.c, lay.rows
     v = zdsl.vec(*[vs[at + 4 * c + e] for e in range(4)])
@@ -273,8 +274,8 @@ def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32]
     owner = h < n_k_heads  # the one workgroup of key head kh that stores its q and k inputs
     chunk = mix.at(row * C)  # this launch's mix rows, for the taps of positions ≥ p0
     TB = TOKENS if MANY else 1
-    # the row parts' sums of u and y (_delta_rule). A token's writes of them are a barrier away
-    # from the token before it's reads: _store_out's, or with one subgroup (no such barrier) the
+    # the row parts' sums of u and y (_delta_rule). A token writes them a barrier after the token
+    # before it read them: _store_out's, or with one subgroup (no such barrier) it writes the
     # other of two sets
     sets = 2 if MANY and WG == SG else 1
     red = (zdsl.shared(f32.vec(4), sets * WG), zdsl.shared(f32.vec(4), sets * WG)) if lay.RP > 1 else None
