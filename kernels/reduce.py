@@ -11,22 +11,10 @@ SHARED_LIMIT = 32768  # bytes of workgroup memory a variant may use everywhere (
 
 def workgroup_sums(values, WG: int, SG: int):
     """Sum each value over the workgroup; the results are valid in every invocation."""
-    sums = [zdsl.subgroup_sum(v) for v in values]
-    nsub = WG // SG
-    if nsub == 1:
-        return sums
-    partial = zdsl.shared(f32, len(values) * nsub)
-    with zdsl.if_(zdsl.lane_id() == 0):
-        for i, s in enumerate(sums):
-            partial[i * nsub + zdsl.subgroup_id()] = s
-    zdsl.barrier()
-    out = []
-    for i in range(len(values)):
-        total = partial[i * nsub]
-        for n in range(1, nsub):
-            total = total + partial[i * nsub + n]
-        out.append(total)
-    return out
+    if WG // SG == 1:
+        return [zdsl.subgroup_sum(v) for v in values]
+    total = workgroup_sum_table(values, WG, SG)
+    return [total(i) for i in range(len(values))]
 
 
 def workgroup_sum_table(values, WG: int, SG: int):
@@ -34,9 +22,9 @@ def workgroup_sum_table(values, WG: int, SG: int):
     value i's sum, for an index a loop computes at run time (workgroup_sums gives registers,
     which only an index known when traced can pick). The table is read until the workgroup's
     next barrier-separated write of it."""
+    sums = [zdsl.subgroup_sum(v) for v in values]
     nsub = WG // SG
     partial = zdsl.shared(f32, len(values) * nsub)
-    sums = [zdsl.subgroup_sum(v) for v in values]
     with zdsl.if_(zdsl.lane_id() == 0):
         for i, s in enumerate(sums):
             partial[i * nsub + zdsl.subgroup_id()] = s
