@@ -392,6 +392,17 @@ def test_moe_chunk_chain(backend, request, t, n, K, few, types, shared, sg_pick,
     np.testing.assert_allclose(out, want, rtol=1e-3, atol=1e-3 * np.abs(want - x).max())
 
 
+def interpret_example(kernel, fixed, sizes, buffers=None):
+    """A kernel's check example (what the tuner and benches run) in the interpreter: its grid, its
+    outputs and what its reference expects of them."""
+    use = SimpleNamespace(fixed=fixed, sizes=sizes, buffers=buffers or {})
+    ex = kernel.make_example(use, np.random.default_rng(0), True)
+    v = kernel.specialize(**fixed)
+    groups = v.groups(**{name: value for name, value in ex.args.items() if np.isscalar(value)})
+    params = {p.name for p in kernel.params}
+    return groups, v.interpret(groups, **{n: a for n, a in ex.args.items() if n in params}), ex.expect(fixed)
+
+
 @pytest.mark.parametrize("kernel, fixed, sizes", [
     (moe.moe_route_rows, dict(K=8), dict(n_expert=20, t=7, stride=21)),
     (moe.moe_group, dict(K=8), dict(n_expert=20, t=7)),
@@ -402,14 +413,8 @@ def test_moe_chunk_chain(backend, request, t, n, K, few, types, shared, sg_pick,
 def test_chunk_examples_check(kernel, fixed, sizes):
     """Each chunk kernel's example (what the tuner and benches run) agrees with its reference in
     the interpreter, on its check case."""
-    use = SimpleNamespace(fixed=fixed, sizes=sizes, buffers={})
-    ex = kernel.make_example(use, np.random.default_rng(0), True)
-    v = kernel.specialize(**fixed)
-    scalars = {name: value for name, value in ex.args.items() if np.isscalar(value)}
-    buffers = {name: value for name, value in ex.args.items() if not np.isscalar(value)}
-    params = {p.name for p in kernel.params}
-    out = v.interpret(v.groups(**scalars), **buffers, **{n: s for n, s in scalars.items() if n in params})
-    for name, (want, tol) in ex.expect(fixed).items():
+    _, out, expected = interpret_example(kernel, fixed, sizes)
+    for name, (want, tol) in expected.items():
         np.testing.assert_allclose(out[name], want, rtol=tol, atol=tol * max(1.0, np.abs(want).max()))
 
 
@@ -432,14 +437,9 @@ def test_step_examples_check_every_row(kernel, fixed, sizes, buffers, rows):
     rows (several tokens or streams: the grid's z) its inputs and outputs, and every row agrees
     with the reference in the interpreter: a check of one row would pass a variant that gets the
     others wrong."""
-    use = SimpleNamespace(fixed=fixed, sizes={**sizes, "rows": rows}, buffers=buffers)
-    ex = kernel.make_example(use, np.random.default_rng(0), True)
-    v = kernel.specialize(**fixed)
-    scalars = {name: value for name, value in ex.args.items() if np.isscalar(value)}
-    assert v.groups(**scalars)[2] == rows
-    params = {p.name for p in kernel.params}
-    out = v.interpret(v.groups(**scalars), **{n: a for n, a in ex.args.items() if n in params})
-    for name, (want, tol) in ex.expect(fixed).items():
+    groups, out, expected = interpret_example(kernel, fixed, {**sizes, "rows": rows}, buffers)
+    assert groups[2] == rows
+    for name, (want, tol) in expected.items():
         assert len(out[name]) == len(want) and close(out[name], want, tol) is None, name  # NaN: not checked
 
 
