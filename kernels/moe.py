@@ -147,6 +147,7 @@ def moe_router_example(use, rng, check):
     n_rows = use.sizes.get("rows", 1)
     n_exp = min(use.sizes["n_expert"], inputs.CHECK_ROWS) if check else use.sizes["n_expert"]
     w = inputs.rows(rng, q, n_exp + 1, k)  # row n_exp: the shared gate
+    norm_w = inputs.normal(rng, k)
 
     def token():
         x = inputs.normal(rng, k, 3.0)
@@ -154,7 +155,6 @@ def moe_router_example(use, rng, check):
         while check and not _clear_picks(moe_router_ref(w, x, norm_w, eps, q, n_exp, k, K)[1][:n_exp], K):
             x = inputs.normal(rng, k, 3.0)
         return x
-    norm_w = inputs.normal(rng, k)
     args = dict(w=w, x=np.concatenate([token() for _ in range(n_rows)]), norm_w=norm_w,
                 hn=np.zeros(n_rows * k, np.float32), xq=np.zeros(n_rows * k // 4, np.uint32),
                 xd=np.zeros(n_rows * k // 16, np.float32), logits=np.zeros(n_rows * (n_exp + 1), np.float32),
