@@ -210,6 +210,7 @@ class _Counting(Run):
         self.wave = self.sg or 32
         self.waves = -(-self.wg // self.wave)
         self.sectors: list[np.ndarray] = []  # keys of the sectors read: (workgroup, buffer, sector)
+        self.sector_keys = 0  # keys in the list, repeats included
         self.buffer_ids: dict[str, int] = {}
 
     def block(self, stmts, mask) -> None:
@@ -225,7 +226,7 @@ class _Counting(Run):
                 self.ahead += n
 
     def stmt(self, s, mask) -> None:
-        if isinstance(s, ir.For) and not s.unroll:
+        if type(s) is ir.For and not s.unroll:
             self.depth += 1
             try:
                 return self._stmt(s, mask)
@@ -282,9 +283,11 @@ class _Counting(Run):
         buffer = self.buffer_ids.setdefault(view.buffer, len(self.buffer_ids))
         # a key: workgroup · 256 + buffer above 40 bits of sector (a kernel binds < 256 buffers)
         base = (self.group_local[active].astype(np.int64) * 256 + buffer) << 40
-        self.sectors.append(np.union1d(base + first // SECTOR, base + (first + size - 1) // SECTOR))
-        if len(self.sectors) > 64:
+        self.sectors += [base + first // SECTOR, base + (first + size - 1) // SECTOR]
+        self.sector_keys += 2 * len(first)
+        if self.sector_keys > 1 << 20:  # duplicates dropped now and then, not at every load
             self.sectors = [np.unique(np.concatenate(self.sectors))]
+            self.sector_keys = len(self.sectors[0])
 
     def sectors_per_group(self) -> float:
         """The distinct sectors read, per sampled workgroup."""
@@ -337,7 +340,7 @@ def work(variant, args: dict, groups) -> Work | None:
     g = tuple(int(x) for x in groups) + (1,) * (3 - len(tuple(groups)))
     try:
         run = _Counting(k, g, buffers, scalars, variant.spec_values, sample(g[0] * g[1] * g[2]))
-        run.block(k.body, np.ones(run.n, dtype=bool))
+        run.run(k.body)
         run.settle()
     except (ZdslError, IndexError, ValueError):
         return None

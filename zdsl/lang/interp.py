@@ -40,6 +40,15 @@ def _cast(x, dtype: DType):
     return np.asarray(x).astype(dtype.numpy, copy=False)
 
 
+_KINDS: dict[str, str] = {}  # op → "memory", "subgroup" or "value": how `compute` runs it
+
+
+def _kind(op: str) -> str:
+    memory = op in ("load", "shared_load", "local_load", "table_load") or op.startswith("atomic_")
+    _KINDS[op] = kind = "memory" if memory else "subgroup" if op.startswith("sg_") else "value"
+    return kind
+
+
 class Run:
     def __init__(self, k: ir.Kernel, groups, buffers: dict, scalars: dict, specs: dict, first_group: int,
                  ngroups: int):
@@ -89,20 +98,21 @@ class Run:
 
     # -- operands
     def value(self, o):
-        if isinstance(o, ir.Const):
-            return o.dtype.numpy.type(o.value)
-        if isinstance(o, ir.Temp):
+        kind = type(o)
+        if kind is ir.Temp:
             return self.temps[o.id]
-        if isinstance(o, ir.VarRef):
+        if kind is ir.Const:
+            return o.dtype.numpy.type(o.value)
+        if kind is ir.VarRef:
             return self.vars[o.id]
-        if isinstance(o, ir.Scalar):
+        if kind is ir.Scalar:
             return self.scalars[o.name]
-        if isinstance(o, ir.SpecParam):
+        if kind is ir.SpecParam:
             return self.specs[o.name]
-        if isinstance(o, ir.Builtin):
+        if kind is ir.Builtin:
             b = self.builtins[o.name]
             return b[o.axis] if isinstance(b, list) else b
-        if isinstance(o, ir.ConstExpr):
+        if kind is ir.ConstExpr:
             return self.compute(o.op, o.args, o.dtype, {}, None, None)
         raise TypeError(o)
 
@@ -116,53 +126,52 @@ class Run:
 
     # -- ops
     def compute(self, op, args, dtype: DType, attrs, mask, loc):
-        if op in ("load", "shared_load") or op.startswith("atomic_"):
+        """One operation's result (floating-point errors ignored: `run` holds np.errstate)."""
+        kind = _KINDS.get(op) or _kind(op)
+        if kind == "memory":
             return self.memory_op(op, args, dtype, mask, loc)
-        if op in ("local_load", "table_load"):
-            return self.memory_op(op, args, dtype, mask, loc)
-        if op.startswith("sg_"):
+        if kind == "subgroup":
             return self.subgroup_op(op, args, attrs, mask)
         vals = [self.value(a) for a in args]
-        with np.errstate(all="ignore"):
-            if op in BINARY:
-                a, b = _align(*vals)
-                if op in ("shl", "shr"):
-                    b = np.asarray(b) & np.asarray(31, dtype=np.asarray(b).dtype)
-                return _cast(BINARY[op].numpy(a, b), dtype)
-            if op in UNARY:
-                return _cast(UNARY[op].numpy(vals[0]), dtype)
-            if op in TERNARY:
-                if op == "select":
-                    c, a = _align(vals[0], vals[1])
-                    c, b = _align(c, vals[2])
-                    return _cast(np.where(c, a, b), dtype)
-                return _cast(TERNARY[op].numpy(*vals), dtype)
-            if op == "splat":
-                return np.repeat(np.broadcast_to(np.asarray(vals[0]), (self.n,))[:, None], dtype.lanes, axis=1).astype(dtype.numpy)
-            if op == "cast":
-                x = np.asarray(vals[0])
-                if dtype.is_int and x.dtype.kind == "f":
-                    x = np.trunc(np.nan_to_num(x))
-                    x = x.astype(np.int64)
-                return _cast(x, dtype)
-            if op == "bitcast":
-                return np.ascontiguousarray(vals[0]).view(dtype.numpy)
-            if op == "lane":
-                return np.asarray(vals[0])[..., attrs["lane"]]
-            if op == "vec":
-                return np.stack(np.broadcast_arrays(*[np.broadcast_to(v, (self.n,)) for v in vals]), axis=-1)
-            if op == "dot":
-                return _cast(np.sum(np.asarray(vals[0]) * np.asarray(vals[1]), axis=-1), dtype)
-            if op == "f16_bits":
-                return f16_bits_to_f32(np.asarray(vals[0]) & np.uint32(0xFFFF))
-            if op == "bf16_bits":
-                return bf16_bits_to_f32(np.asarray(vals[0]) & np.uint32(0xFFFF))
-            if op == "unpack_bytes":
-                u = np.broadcast_to(np.asarray(vals[0], np.uint32), (self.n,))
-                return np.ascontiguousarray(u).view(np.uint8).reshape(self.n, 4).astype(np.float32)
-            if op == "dot4_i8":
-                a, b = (np.broadcast_to(np.asarray(v).astype(np.uint32), (self.n,)) for v in vals)
-                return dot4_i8(a, b)
+        if op in BINARY:
+            a, b = _align(*vals)
+            if op in ("shl", "shr"):
+                b = np.asarray(b) & np.asarray(31, dtype=np.asarray(b).dtype)
+            return _cast(BINARY[op].numpy(a, b), dtype)
+        if op in UNARY:
+            return _cast(UNARY[op].numpy(vals[0]), dtype)
+        if op in TERNARY:
+            if op == "select":
+                c, a = _align(vals[0], vals[1])
+                c, b = _align(c, vals[2])
+                return _cast(np.where(c, a, b), dtype)
+            return _cast(TERNARY[op].numpy(*vals), dtype)
+        if op == "splat":
+            return np.repeat(np.broadcast_to(np.asarray(vals[0]), (self.n,))[:, None], dtype.lanes, axis=1).astype(dtype.numpy)
+        if op == "cast":
+            x = np.asarray(vals[0])
+            if dtype.is_int and x.dtype.kind == "f":
+                x = np.trunc(np.nan_to_num(x))
+                x = x.astype(np.int64)
+            return _cast(x, dtype)
+        if op == "bitcast":
+            return np.ascontiguousarray(vals[0]).view(dtype.numpy)
+        if op == "lane":
+            return np.asarray(vals[0])[..., attrs["lane"]]
+        if op == "vec":
+            return np.stack(np.broadcast_arrays(*[np.broadcast_to(v, (self.n,)) for v in vals]), axis=-1)
+        if op == "dot":
+            return _cast(np.sum(np.asarray(vals[0]) * np.asarray(vals[1]), axis=-1), dtype)
+        if op == "f16_bits":
+            return f16_bits_to_f32(np.asarray(vals[0]) & np.uint32(0xFFFF))
+        if op == "bf16_bits":
+            return bf16_bits_to_f32(np.asarray(vals[0]) & np.uint32(0xFFFF))
+        if op == "unpack_bytes":
+            u = np.broadcast_to(np.asarray(vals[0], np.uint32), (self.n,))
+            return np.ascontiguousarray(u).view(np.uint8).reshape(self.n, 4).astype(np.float32)
+        if op == "dot4_i8":
+            a, b = (np.broadcast_to(np.asarray(v).astype(np.uint32), (self.n,)) for v in vals)
+            return dot4_i8(a, b)
         raise NotImplementedError(op)
 
     def _index(self, o, size: int, active, loc, what: str):
@@ -257,11 +266,16 @@ class Run:
         return rows[np.arange(self.n) // sg, src]
 
     # -- statements
+    def run(self, body) -> None:
+        """The kernel's body for every invocation of the chunk, floating-point errors ignored as
+        a GPU ignores them (inf and NaN are values)."""
+        with np.errstate(all="ignore"):
+            self.block(body, np.ones(self.n, dtype=bool))
+
     def block(self, stmts, mask) -> None:
-        for s in stmts:
-            if not mask.any():
-                return
-            self.stmt(s, mask)
+        if mask.any():  # the statements share the mask and none changes it
+            for s in stmts:
+                self.stmt(s, mask)
 
     def assign(self, var: ir.VarRef, value, mask) -> None:
         if isinstance(var.dtype, MatrixType):
@@ -277,12 +291,14 @@ class Run:
             self.vars[var.id] = np.where(m, value, old)
 
     def stmt(self, s, mask) -> None:
-        if isinstance(s, ir.Let) and s.op.startswith("mat_"):
-            self.temps[s.temp.id] = self.matrix_op(s, mask)
-        elif isinstance(s, ir.MatrixStore):
+        kind = type(s)
+        if kind is ir.Let:
+            if s.op.startswith("mat_"):
+                self.temps[s.temp.id] = self.matrix_op(s, mask)
+            else:
+                self.temps[s.temp.id] = self.compute(s.op, s.args, s.temp.dtype, s.attrs, mask, s.loc)
+        elif kind is ir.MatrixStore:
             self.matrix_store(s, mask)
-        elif isinstance(s, ir.Let):
-            self.temps[s.temp.id] = self.compute(s.op, s.args, s.temp.dtype, s.attrs, mask, s.loc)
         elif isinstance(s, ir.DeclareVar):
             self.vars.pop(s.var.id, None)
             self.assign(s.var, self.value(s.init), mask)
@@ -451,5 +467,4 @@ def interpret(k: ir.Kernel, groups: tuple[int, int, int], buffers: dict[str, np.
     per_chunk = max(1, (MATRIX_LANES if "coopmat" in k.features else MAX_LANES) // wg)
     for first in range(0, total, per_chunk):
         count = min(per_chunk, total - first)
-        run = Run(k, groups, buffers, scalars, specs, first, count)
-        run.block(k.body, np.ones(run.n, dtype=bool))
+        Run(k, groups, buffers, scalars, specs, first, count).run(k.body)

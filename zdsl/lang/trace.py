@@ -8,6 +8,7 @@ over Python values runs at trace time (so a Python `for` unrolls), and the langu
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import threading
@@ -27,11 +28,19 @@ def user_loc() -> ir.Loc:
     """The innermost stack frame outside the language implementation: the kernel author's line."""
     frame = sys._getframe(1)
     while frame is not None:
-        path = os.path.abspath(frame.f_code.co_filename)
-        if os.path.dirname(path) != _LANG_DIR and path not in _SKIP:
+        path = _author_path(frame.f_code.co_filename)
+        if path is not None:
             return path, frame.f_lineno
         frame = frame.f_back
     return "<unknown>", 0
+
+
+@functools.lru_cache(maxsize=None)
+def _author_path(file: str) -> str | None:
+    """A frame's file as user_loc names it, or None for the language's own (every traced
+    operation asks: a kernel's trace makes tens of thousands)."""
+    path = os.path.abspath(file)
+    return None if os.path.dirname(path) == _LANG_DIR or path in _SKIP else path
 
 
 def fail(message: str, loc: ir.Loc | None = None) -> KernelError:

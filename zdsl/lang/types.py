@@ -7,6 +7,7 @@ them to a compute type (u8 → u32, bf16 → f32, ...) and storing narrows back.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,8 +47,8 @@ class DType:
         """The type a loaded element has in registers."""
         return _WIDEN.get(self.name, self.scalar).vec(self.lanes)
 
-    @property
-    def numpy(self) -> np.dtype:
+    @functools.cached_property
+    def numpy(self) -> np.dtype:  # cached: the interpreter asks for it at every operation
         return np.dtype(_NUMPY[self.name])
 
     @property
