@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 
-from budget import examples
+from budget import THOROUGH, examples
 from test_serve_parts import coding_agent_request
 from zdsl.kernels.kvcache import KV_DEFAULT
 from zdsl.models.qwen35.cli.run import run
@@ -524,14 +524,15 @@ def test_random_weights_under_a_schema_or_a_forced_call_always_comply(client):
     """Sampled replies of the random model under tool_choice "required" and under a bounded
     json_schema all parse and validate (jsonschema), with and without thinking, split from it.
     Each token is a lavapipe step (~35 ms), a call ~70 of them, so 2 replies of each kind and
-    setting; tests/test_serve_parts.py walks the same grammars 50 times each without the model.
-    The requests of one prompt come together: the slot resumes it, rather than feeding it again."""
+    setting here and 200 in the thorough profile (minutes of lavapipe);
+    tests/test_serve_parts.py walks the same grammars 50 times each without the model. The
+    requests of one prompt come together: the slot resumes it, rather than feeding it again."""
     def kw(thinking: bool, seed: int) -> dict:
         return dict(model="tiny.gguf", temperature=1.0, max_tokens=160, seed=seed,
                     extra_body={"chat_template_kwargs": {"enable_thinking": thinking}, "reasoning_budget": 3,
                                 "reasoning_format": "auto"})
 
-    runs = [(thinking, seed) for thinking in (True, False) for seed in range(2)]
+    runs = [(thinking, seed) for thinking in (True, False) for seed in range(200 if THOROUGH else 2)]
     for thinking, seed in runs:
         r = client.chat.completions.create(messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS,
                                            tool_choice="required", parallel_tool_calls=False, **kw(thinking, seed))
