@@ -10,6 +10,8 @@ the kernel line.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from zdsl.errors import KernelError
@@ -40,13 +42,11 @@ def _cast(x, dtype: DType):
     return np.asarray(x).astype(dtype.numpy, copy=False)
 
 
-_KINDS: dict[str, str] = {}  # op → "memory", "subgroup" or "value": how `compute` runs it
-
-
+@functools.lru_cache(maxsize=None)
 def _kind(op: str) -> str:
+    """How `compute` runs an op: "memory", "subgroup" or "value" (asked at every operation)."""
     memory = op in ("load", "shared_load", "local_load", "table_load") or op.startswith("atomic_")
-    _KINDS[op] = kind = "memory" if memory else "subgroup" if op.startswith("sg_") else "value"
-    return kind
+    return "memory" if memory else "subgroup" if op.startswith("sg_") else "value"
 
 
 class Run:
@@ -127,7 +127,7 @@ class Run:
     # -- ops
     def compute(self, op, args, dtype: DType, attrs, mask, loc):
         """One operation's result (floating-point errors ignored: `run` holds np.errstate)."""
-        kind = _KINDS.get(op) or _kind(op)
+        kind = _kind(op)
         if kind == "memory":
             return self.memory_op(op, args, dtype, mask, loc)
         if kind == "subgroup":
