@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 
 from budget import THOROUGH, examples
-from test_serve_parts import coding_agent_request
+from agent_request import coding_agent_request
 from zdsl.kernels.kvcache import KV_DEFAULT
 from zdsl.models.qwen35.cli.run import run
 from zdsl.models.qwen35.file import synth

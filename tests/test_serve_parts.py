@@ -11,6 +11,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from agent_request import coding_agent_request
 from budget import examples
 from zdsl.models.qwen35.file.synth import CHAT_TEMPLATE, _vocab
 from zdsl.models.qwen35.model.tokenizer import Tokenizer
@@ -173,25 +174,6 @@ def test_json_schema_walks_validate(tok):
     rng = np.random.default_rng(1)
     for _ in range(200):  # the acceptance's count, without the model's steps
         jsonschema.validate(json.loads(walk(tok, "start: " + json_lark(schema), rng, {tok.eos_id})), schema)
-
-
-def coding_agent_request(system_chars: int, schema_chars: int) -> dict:
-    """A coding agent's first request, in its shape: 6 tools whose schemas (as JSON) take about
-    `schema_chars` characters in all (at least their bare ~90 each), a system prompt of about
-    `system_chars`, streamed with usage and max_tokens 32000 (whatever the context)."""
-    def padded(what: str, n: int) -> str:
-        line = f"{what}: follow the repository's conventions, explain nothing twice, and check the result. "
-        return (line * (n // len(line) + 1))[:n]
-
-    tools = []
-    for name, arg in {"bash": "command", "read": "path", "write": "path", "edit": "old_string", "glob": "pattern",
-                      "grep": "pattern"}.items():
-        f = {"name": name, "parameters": {"type": "object", "properties": {arg: {"type": "string"}}, "required": [arg]}}
-        room = schema_chars // 6 - len(json.dumps({"type": "function", "function": f})) - len(', "description": ""')
-        tools.append({"type": "function", "function": f | ({"description": padded(name, room)} if room > 0 else {})})
-    return {"model": "agent", "messages": [{"role": "system", "content": padded("Rule", system_chars)},
-                                           {"role": "user", "content": "Add a test for the parser."}],
-            "tools": tools, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 32000}
 
 
 def test_a_coding_agents_first_request_is_taken_where_its_prompt_fits(tok):
