@@ -42,6 +42,7 @@ from zdsl.kernels.kvcache import KV_FORMATS, KVTypes
 from zdsl.kernels.norm import rms_scale
 from zdsl.kernels.q8_1 import store_q8_1
 from zdsl.kernels.reduce import SUBGROUPS
+from zdsl.kernels.steps import sequences_of
 
 LOWEST = float(np.finfo(np.float32).min)  # the "no score yet" max: finite, so empty merges give 0, not NaN
 
@@ -55,17 +56,20 @@ def _prep_traffic(v, s, t: int = 1) -> int:
 
 
 @zdsl.kernel(workgroup="WG", subgroup="SG", variants={"WG": [64, 256], "SG": SUBGROUPS},
-             key=("d",), grid=lambda v, s: s.n_head + s.n_kv, traffic=_prep_traffic)
+             key=("d",), sizes=("sequences",), grid=lambda v, s: (s.n_head + s.n_kv, 1, getattr(s, "sequences", 1)),
+             traffic=_prep_traffic)
 def attn_prep(qg: Buffer[f32], k: Buffer[f32], v: Buffer[f32], q_norm: Buffer[f32], k_norm: Buffer[f32],
               step: Buffer[u32], q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16],
               n_head: u32, n_kv: u32, d: u32, rope_dims: u32, rope_base: f32, eps: f32, row: u32 = 0,
-              WG: Const = 256, KT: Const = "f16", VT: Const = "f16", SG: Const = 32):
+              seq_bytes: u32 = 0, WG: Const = 256, KT: Const = "f16", VT: Const = "f16", SG: Const = 32):
     """Workgroup h < n_head: q[h] = rope(rmsnorm(qg[h, :d]) · q_norm) (qg holds [query d | gate d]
     per head). Workgroup n_head + g: k_cache[pos, g] = rope(rmsnorm(k[g]) · k_norm) and
     v_cache[pos, g] = v[g], in the KV formats KT and VT (kvcache.py), pos = step[0]; d is a
     multiple of 4 (of 32 for a quantized format). RoPE pairs dim i with i + rope_dims/2, θ_i = pos · rope_base^(−2i/rope_dims);
     rope_dims is even and ≤ d. qg, k, v and q are read and written at row `row` (one sequence of
-    a batch, batch.py). Where K's format rotates (q3_rot), q is rotated as k is."""
+    a batch, batch.py). Where K's format rotates (q3_rot), q is rotated as k is. Several sequences
+    of a batch may step in one launch (`sequences`, the grid's z: sequences_of)."""
+    row, step, k_cache, v_cache = sequences_of(row, step, seq_bytes, k_cache, v_cache)
     _prep_head(qg, k, v, q_norm, k_norm, q, k_cache, v_cache, zdsl.workgroup_id(), row, step[0],
                n_head, n_kv, d, rope_dims, rope_base, eps, WG, SG, KT, VT)
 
@@ -343,10 +347,11 @@ def _decode_traffic(v, s) -> int:
 
 @zdsl.kernel(workgroup=lambda v: v.NW * v.SG, subgroup="SG",
              variants={"D": [128, 256], "G": [2, 4, 8], "NW": [1, 4], "U": [2, 4], "SG": SUBGROUPS}, where=_decode_fits,
-             sizes=("nsplit", "ctx"), grid=lambda v, s: (s.nsplit, s.n_kv), traffic=_decode_traffic,
-             cpu=dict(NW=1, DEPTH=1, U=1))
+             sizes=("nsplit", "ctx", "sequences"), grid=lambda v, s: (s.nsplit, s.n_kv, getattr(s, "sequences", 1)),
+             traffic=_decode_traffic, cpu=dict(NW=1, DEPTH=1, U=1))
 def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step: Buffer[u32], part: Buffer[f32],
-                n_kv: u32, min_chunk: u32, row: u32 = 0, G: Const = 8, D: Const = 256, NW: Const = 4, U: Const = 2,
+                n_kv: u32, min_chunk: u32, row: u32 = 0, seq_bytes: u32 = 0, G: Const = 8, D: Const = 256,
+                NW: Const = 4, U: Const = 2,
                 KT: Const = "f16", VT: Const = "f16", DEPTH: Const = 2, SG: Const = 32):
     """Partial attention of the G query heads of KV head g = workgroup_id(1) (query heads
     g·G .. g·G + G − 1) over split s = workgroup_id(0) of the cache rows 0 .. step[1] − 1, cut by
@@ -380,6 +385,7 @@ def attn_decode(q: Buffer[f32], k_cache: Buffer[f16], v_cache: Buffer[f16], step
         raise zdsl.ZdslError(f"attn_decode needs D / 4 a power of two or a multiple of 4·SG, not D={D}, SG={SG}")
     for kv_type in (KT, VT):
         KV_FORMATS[kv_type].check(D)
+    row, step, k_cache, v_cache, part = sequences_of(row, step, seq_bytes, k_cache, v_cache, part)
     C = row_lanes(D, SG)
     P, NC = D // (4 * C), SG // C  # float4 pieces per lane, row clusters per subgroup
     rows_per_round = U * NC
@@ -524,10 +530,12 @@ def _combine_lanes(D: int) -> int:
 @zdsl.kernel(workgroup="WG", subgroup="SG",
              variants={"D": [128, 256], "WG": [64, 256], "R": [1, 4], "Q8": [False, True], "SG": SUBGROUPS},
              where=lambda v: v.D % 4 == 0 and v.WG % _combine_lanes(v.D) == 0,
-             sizes=("n_head", "ctx"), grid=lambda v, s: (s.n_head, v.D // (4 * _combine_lanes(v.D))),
+             sizes=("n_head", "ctx", "sequences"),
+             grid=lambda v, s: (s.n_head, v.D // (4 * _combine_lanes(v.D)), getattr(s, "sequences", 1)),
              traffic=_combine_traffic)
 def attn_combine(part: Buffer[f32], qg: Buffer[f32], step: Buffer[u32], o: Buffer[f32], oq: Buffer[u32],
-                 od: Buffer[f32], nsplit: u32, min_chunk: u32, row: u32 = 0, D: Const = 256, WG: Const = 256, R: Const = 4,
+                 od: Buffer[f32], nsplit: u32, min_chunk: u32, row: u32 = 0, seq_bytes: u32 = 0, D: Const = 256,
+                 WG: Const = 256, R: Const = 4,
                  Q8: Const = False, VT: Const = "f16", SG: Const = 32):
     """o[h] = (Σ_s e^(m_s − M) acc_s) / (Σ_s e^(m_s − M) l_s) · sigmoid(gate_h) over the splits
     attn_decode used (same nsplit, min_chunk), M = max_s m_s; gate_h = qg[h, D:2D].
@@ -548,6 +556,7 @@ def attn_combine(part: Buffer[f32], qg: Buffer[f32], step: Buffer[u32], o: Buffe
         raise zdsl.ZdslError(f"attn_combine needs D a multiple of 4 and WG a multiple of {L}, not D={D}, WG={WG}")
     if Q8 and D % 32:
         raise zdsl.ZdslError(f"attn_combine writes Q8_1 blocks of 32 dims: D = {D} is not a multiple of 32")
+    row, step, part = sequences_of(row, step, seq_bytes, part)
     h, t = zdsl.workgroup_id(0), zdsl.local_index()
     n = zdsl.num_workgroups(0) * D  # a row's values: n_head · D
     qg, o = qg.at(row * 2 * n), o.at(row * n)

@@ -54,6 +54,7 @@ from zdsl.kernels.dmmv import q8_step
 from zdsl.kernels.q8_1 import q8_1_buffers, q8_1_values, store_q8_1, write_normed
 from zdsl.kernels.quant import FORMATS, fmt
 from zdsl.kernels.reduce import SHARED_LIMIT, SUBGROUPS, workgroup_sum_table, workgroup_sums
+from zdsl.kernels.steps import sequences_of
 
 # the gate weights' types built ahead (others specialize on demand)
 GATE_QTYPES = ["q8_0", "q4_k", "q5_k", "q6_k", "f16", "f32"]
@@ -218,12 +219,14 @@ def _step_traffic(v, s) -> int:
 @zdsl.kernel(workgroup="WG", subgroup="SG",
              variants={"D": [128], "WG": [256, 512], "Q8": [False, True], "QTYPE": GATE_QTYPES, "MANY": [False, True],
                        "TOKENS": [2, 4, 8], "SG": SUBGROUPS},
-             where=_step_fits, sizes=("v_heads", "rows"), grid=lambda v, s: s.v_heads, traffic=_step_traffic)
+             where=_step_fits, sizes=("v_heads", "rows", "sequences"),
+             grid=lambda v, s: (s.v_heads, 1, getattr(s, "sequences", 1)), traffic=_step_traffic)
 def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32], step: Buffer[u32], z: Buffer[f32],
                   w_ba: Buffer[u8], x: Buffer[f32], xq: Buffer[u32], xd: Buffer[f32], ssm_a: Buffer[f32],
                   dt_bias: Buffer[f32], norm_w: Buffer[f32],
                   state: Buffer[f32], out: Buffer[f32], oq: Buffer[u32], od: Buffer[f32], n_k_heads: u32, k: u32,
-                  eps: f32, conv_slots: u32, state_slots: u32, row: u32 = 0, rows: u32 = 1, MANY: Const = False,
+                  eps: f32, conv_slots: u32, state_slots: u32, row: u32 = 0, rows: u32 = 1, seq_bytes: u32 = 0,
+                  MANY: Const = False,
                   D: Const = 128, KC: Const = 4, WG: Const = 256, Q8: Const = False, QTYPE: Const = "q8_0",
                   TOKENS: Const = DEFAULT_TOKENS, SG: Const = 32):
     """Value head h = workgroup_id, key head kh = h % n_k_heads, `rows` tokens of one sequence at
@@ -253,11 +256,14 @@ def deltanet_step(mix: Buffer[f32], conv_w: Buffer[f32], conv_state: Buffer[f32]
     registers (RP = 4·WG / D row parts), so each row of S is one contiguous read and write per D/4
     invocations. Token r's mix, z, x, xq, xd, out, oq and od are at row `row` + r (a batch's
     sequences one row each, batch.py; a step of several tokens of one sequence, token_rows.py).
-    The launch names v_heads (the grid)."""
+    The launch names v_heads (the grid), and `sequences` where several step together, one token
+    each (a batch): sequence s = the grid's z reads and writes row `row` + s, its row of the step
+    values and its own ring and state (steps.sequences_of)."""
     if not _step_fits(SimpleNamespace(D=D, WG=WG, SG=SG, QTYPE=QTYPE, MANY=MANY, TOKENS=TOKENS)):
         raise zdsl.ZdslError(f"deltanet_step needs 4 | D, D/4 | WG, WG / (D/4) | D, whole {QTYPE} blocks per "
                              f"workgroup and at most {SHARED_LIMIT:,} bytes of shared memory, not D={D}, WG={WG}"
                              + (f", TOKENS={TOKENS}" if MANY else ""))
+    row, step, conv_state, state = sequences_of(row, step, seq_bytes, conv_state, state)
     h = zdsl.workgroup_id()
     kh = h % n_k_heads
     C = (2 * n_k_heads + zdsl.num_workgroups()) * D

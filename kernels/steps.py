@@ -8,6 +8,14 @@ from zdsl import Buffer, u32
 STEP_WORDS = 8  # a step record: [0] position, [1] length, [2] token id, [3] sampler counter
 
 
+def sequences_of(row, step, seq_bytes, *own):
+    """Sequence s = the grid's z of a launch of several (a batch's, one token each): its row
+    (`row` + s), its step values (row s of the batch's: step[s · STEP_WORDS]) and its own
+    buffers `own` (caches, partials: each sequence's, bound as the pieces of one, seq_bytes apart)."""
+    s = zdsl.workgroup_id(2)
+    return (row + s, step.at(s * STEP_WORDS), *[b.at(s * (seq_bytes // b.dtype.nbytes)) for b in own])
+
+
 @zdsl.kernel(workgroup=1)
 def advance(step: Buffer[u32]):
     """Move the step values on to the next token: position step[0] and length step[1] + 1

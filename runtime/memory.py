@@ -333,6 +333,16 @@ class PiecedBuffer(_Memory):
     def _freed(self) -> bool:
         return any(p.block is None for p in self.pieces)
 
+    @classmethod
+    def joined(cls, buffers: list[Buffer], piece: int, name: str) -> "PiecedBuffer":
+        """Buffers of their own as the pieces of one, each at a piece of `piece` bytes (a power of
+        two that holds the largest), so a kernel reaches byte e of buffer j at j · piece + e:
+        several sequences' states bound at once (the batched delta-net step). It owns none of them."""
+        if piece & (piece - 1) or any(isinstance(b, PiecedBuffer) or b.nbytes > piece for b in buffers):
+            raise ZdslError(f"{name}: buffers join as pieces of a power of two that holds each, and are not in "
+                            f"pieces themselves")
+        return cls(list(buffers), piece, piece * (len(buffers) - 1) + buffers[-1].nbytes, name, owner=False)
+
     def spans(self, offset: int, nbytes: int) -> list[tuple[Buffer, int, int]]:
         """(piece, offset in it, bytes) covering bytes [offset, offset + nbytes), one a piece."""
         out, at, end = [], self.start + offset, self.start + offset + nbytes

@@ -69,6 +69,65 @@ def decode(backend, request, q, k_cache, v_cache, qg, length, nsplit, sg, *, min
     return part.reshape(n_head, nsplit, d + 2), out["o"]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kv", ["f16", "q8_0"])
+def test_sequences_attend_in_one_launch(backend, request, kv):
+    """A batch's sequences, one token each, in one launch a stage (the grid's z): each at its own
+    position (its row of the step values), with its own K and V caches and partials (seq_bytes
+    apart, as a batch binds each sequence's own as the pieces of one) and its rows of qg, k, v, q
+    and o, leaves what launches of that sequence alone leave, bit for bit."""
+    rng = np.random.default_rng(11)
+    positions, n_kv, group, d, n_ctx, nsplit = (3, 17, 0), 2, 2, 32, 24, 3
+    n, n_head, sg = len(positions), n_kv * group, subgroup(backend, request, 0)
+    make = (lambda: random_cache(rng, n_ctx, n_kv, d)) if kv == "f16" else \
+        (lambda: quantized_cache(rng, n_ctx, n_kv, d, kv))
+    caches = [(make(), make()) for _ in positions]
+    qg = rng.standard_normal((n, n_head, 2 * d)).astype(np.float32)
+    k, v = (rng.standard_normal((n, n_kv, d)).astype(np.float32) for _ in range(2))
+    q_norm, k_norm = (rng.standard_normal(d).astype(np.float32) for _ in range(2))
+    alone = []
+    for r, pos in enumerate(positions):
+        got = prep(backend, request, qg[r], k[r], v[r], q_norm, k_norm, *caches[r], pos, d, sg=sg, kt=kv, vt=kv)
+        kc, vc = got["k_cache"].reshape(caches[r][0].shape), got["v_cache"].reshape(caches[r][1].shape)
+        alone.append((got, *decode(backend, request, got["q"].reshape(n_head, d), kc, vc, qg[r], pos + 1, nsplit, sg,
+                                   kt=kv, vt=kv)))
+    part_bytes = 4 * n_head * nsplit * (d + 2)
+    stride = -(-max(caches[0][0].nbytes, part_bytes) // 64) * 64 + 64  # bytes between two sequences'
+
+    def packed(parts, dtype):
+        out = np.full(stride * n // np.dtype(dtype).itemsize, np.nan, dtype)
+        for r, part in enumerate(parts):
+            at = r * stride // out.itemsize
+            out[at:at + part.size] = np.asarray(part, dtype).reshape(-1)
+        return out
+
+    words = np.zeros((n, 8), np.uint32)
+    words[:, 0], words[:, 1] = positions, np.asarray(positions) + 1
+    steps = words.reshape(-1)
+    got = run(att.attn_prep.specialize(WG=64, KT=kv, VT=kv, SG=sg), backend, request, (n_head + n_kv, 1, n),
+              qg=qg, k=k, v=v, q_norm=q_norm, k_norm=k_norm, step=steps,
+              q=np.full((n, n_head, d), np.nan, np.float32), k_cache=packed([c[0] for c in caches], np.float16),
+              v_cache=packed([c[1] for c in caches], np.float16), n_head=n_head, n_kv=n_kv, d=d, rope_dims=d,
+              rope_base=1e7, eps=EPS, seq_bytes=stride)
+    q = got["q"].reshape(n, n_head, d)
+    part = run(att.attn_decode.specialize(G=group, D=d, NW=1, U=1, KT=kv, VT=kv, SG=sg), backend, request,
+               (nsplit, n_kv, n), q=q, k_cache=got["k_cache"], v_cache=got["v_cache"], step=steps,
+               part=packed([np.full(part_bytes // 4, np.nan)] * n, np.float32), n_kv=n_kv, min_chunk=1,
+               seq_bytes=stride)["part"]
+    out = run(att.attn_combine.specialize(D=d, WG=64, R=1, Q8=True, VT=kv, SG=sg), backend, request,
+              (n_head, d // (4 * att._combine_lanes(d)), n), part=part, qg=qg, step=steps,
+              o=np.full((n, n_head, d), np.nan, np.float32), oq=np.zeros(n * n_head * d // 4, np.uint32),
+              od=np.full(n * n_head * d // 16, np.nan, np.float32), nsplit=nsplit, min_chunk=1, seq_bytes=stride)
+    halves, floats = stride // 2, stride // 4
+    for r, (one, one_part, one_o) in enumerate(alone):
+        for name in ("k_cache", "v_cache"):
+            np.testing.assert_array_equal(got[name][r * halves:r * halves + one[name].size].view(np.uint16),
+                                          one[name].reshape(-1).view(np.uint16))
+        np.testing.assert_array_equal(q[r], one["q"].reshape(n_head, d))
+        np.testing.assert_array_equal(part[r * floats:r * floats + one_part.size], one_part.reshape(-1))
+        np.testing.assert_array_equal(out["o"][r], one_o)
+
+
 def random_cache(rng, n_ctx, n_kv, d, scale=1.0):
     return (rng.standard_normal((n_ctx, n_kv, d)) * scale).astype(np.float16)
 

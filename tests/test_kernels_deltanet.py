@@ -244,6 +244,50 @@ def test_rows_as_single_launches(backend, request, rows, pos, state_slots, row):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("positions,state_slots", [((0, 7, 2**32 - 1), 1), ((5, 5), 3), ((262_141, 2, 40, 1), 2)])
+def test_sequences_in_one_launch(backend, request, positions, state_slots):
+    """Several sequences of one token each (a batch) in one launch, the grid's z: each at its own
+    position (its row of the step values), reading and writing its row of mix, z, x and out and
+    its own ring and state (seq_bytes apart in the buffers, as a batch binds each sequence's own
+    as the pieces of one) leaves what a launch of that sequence alone leaves, bit for bit."""
+    rng = np.random.default_rng(len(positions) + state_slots)
+    hk, hv, d, wg, kc, n = 2, 4, 32, 64, 4, len(positions)
+    sg = [s for s in subgroup_sizes(backend, request) if wg % s == 0][-1]
+    x = step_inputs(rng, hk, hv, d, kc, qtype="q4_k", blocks=1, conv_slots=kc + 1)
+    x.update(row_inputs(rng, x, n))
+    rings = [(rng.standard_normal(x["conv_state"].shape)).astype(np.float32) for _ in positions]
+    states = [ring_of(rng, state_slots, pos, hv, d, 0.5) for pos in positions]
+    for state in states:
+        state[np.isnan(state)] = 7.0
+    alone = [step(backend, request, dict(x, conv_state=ring, **{k: x[k][r] for k in ("mix", "z", "x", "xq", "xd")}),
+                  state, pos, hk, wg, sg) for r, (pos, ring, state) in enumerate(zip(positions, rings, states))]
+    stride = max(states[0].size, rings[0].size) + 12  # floats between two sequences' (a multiple of 4)
+
+    def packed(parts):
+        out = np.full(stride * n, np.nan, np.float32)
+        for r, part in enumerate(parts):
+            out[r * stride:r * stride + part.size] = part.reshape(-1)
+        return out
+
+    words = np.zeros((n, 8), np.uint32)
+    words[:, 0] = positions
+    words[:, 1] = (np.asarray(positions, np.uint64) + 1) % 2**32
+    v = dn.deltanet_step.specialize(D=d, KC=kc, WG=wg, Q8=True, QTYPE="q4_k", MANY=False, SG=sg)
+    args = {k: np.asarray(val).reshape(-1) for k, val in x.items() if k not in ("qtype", "conv_state")}
+    nout = n * hv * d
+    got = run(v, backend, request, (hv, 1, n), **args, conv_state=packed(rings), state=packed(states),
+              step=words.reshape(-1),
+              out=np.full(nout, np.nan, np.float32), oq=np.zeros(nout // 4, np.uint32),
+              od=np.full(nout // 16, np.nan, np.float32), n_k_heads=hk, k=x["x"].shape[1], eps=EPS,
+              conv_slots=kc + 1, state_slots=state_slots, seq_bytes=4 * stride)
+    for r, one in enumerate(alone):
+        at = r * stride
+        np.testing.assert_array_equal(got["conv_state"][at:at + rings[r].size], one["conv_state"])
+        np.testing.assert_array_equal(got["state"][at:at + states[r].size], one["state"])
+        np.testing.assert_array_equal(got["out"][r * hv * d:(r + 1) * hv * d], one["out"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("pos", POSITIONS)
 def test_positions_odd_heads(backend, request, pos):
     """Every listed position with odd head counts (3 key heads, 9 value heads: three workgroups

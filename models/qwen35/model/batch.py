@@ -6,7 +6,9 @@ made with `weights_of`, a server's slots) can step together: their tokens are th
 step's activations, so each dense projection reads its weight once for all of them (dmmv with a
 column a sequence), and what belongs to one sequence runs on its row: attention over its KV cache,
 its delta-net state, its experts, its sampler (DecodeGraph.record_layers). Those launches of the
-sequences touch disjoint rows and their own caches, so they carry no barrier between them.
+sequences touch disjoint rows and their own caches, so they carry no barrier between them; in a
+step of their own (below) the sequences' attention and delta-net go out as one launch a stage,
+each sequence's caches and states bound as the pieces of one (schedule.RowBlocks).
 
 A step of all the batch's sequences is recorded once and runs any subset of them: each
 sequence's launches are dispatched indirect, their workgroup counts in a buffer the host writes

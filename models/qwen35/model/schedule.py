@@ -32,6 +32,7 @@ from zdsl.autotune.database import choose, shape_key
 from zdsl.errors import ZdslError
 from zdsl.kernels import attention, deltanet, dmmv, ffn, matmul, mma, moe, q8_1, sampling, steps
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS
+from zdsl.runtime.memory import PiecedBuffer
 from zdsl.models.qwen35.model.buffers import ATTN_MIN_CHUNK
 
 DMMV_COLS = max(dmmv.dmmv.variant_space["COLS"])  # rows a matrix-vector product takes at most
@@ -148,51 +149,74 @@ class LayerSchedule:
         self.project(seq, self.tensors.output_name, a.logits, a.normed, len(rows))
         blocks.each(seq, [g.sample(a.logits, r, a.cands[r], step) for r, (g, step) in enumerate(rows)])
 
-    def attend(self, i: int, a, row: int, step) -> list:
+    def attend_together(self, i: int, a, graphs: list):
+        """Layer i's attention of a batch's sequences (graphs, one token each, in a's rows) as one
+        launch a stage (attend()): their caches and a's partials rows, each its own buffer, bound
+        as the pieces of one; their step values the rows of a.steps. None where one is in pieces."""
+        joined = joined_per_sequence({f"k_cache.{i}": [g.kv[i][0] for g in graphs],
+                                      f"v_cache.{i}": [g.kv[i][1] for g in graphs],
+                                      f"attn_partials.{i}": a.parts[:len(graphs)]})
+        return joined and self.attend(i, a, 0, a.steps, sequences=(*joined, len(graphs)))
+
+    def attend(self, i: int, a, row: int, step, sequences=None) -> list:
         """Layer i's attention for this graph's sequence, as three launches to record in order
         (each a function of the sequence): q, k and v normed and rotated, k and v into the cache;
         the splits of the cache; their merge, gated, into o. They read q·gate, k and v at row
         `row` of a's qg, k and v and write that row of a's q and attn_o (a Vector), with a's
         parts[row] for the splits: the graph's own rows, or a batch's (record_layers); the token's
-        position and length in `step`."""
+        position and length in `step`. `sequences` (attend_together): (K caches, V caches,
+        partials, the bytes between two sequences' in them, how many) of several sequences
+        stepping together instead."""
         hp, p = self.hp, f"blk.{i}."
         nh, nkv, d = hp.n_heads, hp.n_kv_heads, hp.head_dim
-        k_cache, v_cache = self.kv[i]
+        k_cache, v_cache, part, stride, n = sequences or (*self.kv[i], a.parts[row], 0, 1)
+        together = dict(seq_bytes=stride, sequences=n)
         kt, vt = self.kv_types
-        o, part = a.attn_o, a.parts[row]
+        o = a.attn_o
         return [
             lambda seq: attention.attn_prep.launch(
                 seq, self.pick, label=p + "attn_prep", KT=kt, VT=vt, qg=a.qg, k=a.k, v=a.v,
                 q_norm=self.weights[p + "attn_q_norm.weight"], k_norm=self.weights[p + "attn_k_norm.weight"],
                 step=step, q=a.q, k_cache=k_cache, v_cache=v_cache, n_head=nh, n_kv=nkv, d=d,
-                rope_dims=hp.rope_dims, rope_base=hp.rope_base, eps=hp.eps, row=row),
+                rope_dims=hp.rope_dims, rope_base=hp.rope_base, eps=hp.eps, row=row, **together),
             lambda seq: attention.attn_decode.launch(
                 seq, self.pick, label=p + "attn_decode", D=d, G=nh // nkv, KT=kt, VT=vt, q=a.q, k_cache=k_cache,
                 v_cache=v_cache, step=step, part=part, n_kv=nkv, min_chunk=ATTN_MIN_CHUNK,
-                nsplit=self.attn_splits, ctx=self.n_ctx, row=row),
+                nsplit=self.attn_splits, ctx=self.n_ctx, row=row, **together),
             lambda seq: attention.attn_combine.launch(
                 seq, self.pick, label=p + "attn_combine", D=d, Q8=self.int8(p + "attn_output.weight"), VT=vt,
                 part=part, qg=a.qg, step=step, o=o.f32, oq=o.q, od=o.d, nsplit=self.attn_splits,
-                min_chunk=ATTN_MIN_CHUNK, n_head=nh, ctx=self.n_ctx, row=row)]
+                min_chunk=ATTN_MIN_CHUNK, n_head=nh, ctx=self.n_ctx, row=row, **together)]
 
-    def delta_step(self, i: int, a, row: int, step, rows: int = 1):
+    def delta_steps(self, i: int, a, graphs: list):
+        """Layer i's delta-net step of a batch's sequences (graphs, one token each, in a's rows) as
+        one launch: their rings and states, each sequence's own buffers, bound as the pieces of
+        one; their step values the rows of a.steps. None where a sequence's state is in pieces."""
+        joined = joined_per_sequence({f"conv_state.{i}": [g.conv_state[i] for g in graphs],
+                                      f"ssm_state.{i}": [g.ssm_state[i] for g in graphs]})
+        return joined and self.delta_step(i, a, 0, a.steps, sequences=(*joined, len(graphs)))
+
+    def delta_step(self, i: int, a, row: int, step, rows: int = 1, sequences=None):
         """Layer i's delta-net step for this graph's sequence, as a launch to record (a function of
         the sequence): each head's gates β and α, the conv of the channels it reads and the delta
         rule, in one dispatch, for `rows` tokens at positions step[0] … step[0] + rows − 1 in
         order (the state carried from one to the next in the workgroup), reading rows row …
         row + rows − 1 of a's mix, z and normed (a Vector) and writing those of a's dn_out
-        (attend() says why a)."""
+        (attend() says why a). `sequences` (delta_steps): (rings, states, the bytes between two
+        sequences' in them, how many) of several sequences stepping together instead."""
         hp, p = self.hp, f"blk.{i}."
         gates = p + "ssm_beta_alpha.weight"
         x, o = a.normed, a.dn_out
+        conv, state, stride, n = sequences or (self.conv_state[i], self.ssm_state[i], 0, 1)
         return lambda seq: deltanet.deltanet_step.launch(
             seq, self.pick, label=p + "ssm_conv+step", D=hp.ssm_head_dim, KC=hp.conv_kernel,
             Q8=self.int8(p + "ssm_out.weight"), QTYPE=self.qname(gates), v_heads=hp.ssm_v_heads, mix=a.mix,
-            conv_w=self.weights[p + "ssm_conv1d.weight"], conv_state=self.conv_state[i], step=step, z=a.z,
+            conv_w=self.weights[p + "ssm_conv1d.weight"], conv_state=conv, step=step, z=a.z,
             w_ba=self.weights[gates], x=x.f32, xq=x.q, xd=x.d, ssm_a=self.weights[p + "ssm_a"],
             dt_bias=self.weights[p + "ssm_dt.bias"], norm_w=self.weights[p + "ssm_norm.weight"],
-            state=self.ssm_state[i], out=o.f32, oq=o.q, od=o.d, n_k_heads=hp.ssm_k_heads, k=hp.hidden, eps=hp.eps,
+            state=state, out=o.f32, oq=o.q, od=o.d, n_k_heads=hp.ssm_k_heads, k=hp.hidden, eps=hp.eps,
             conv_slots=self.conv_slots, state_slots=self.state_slots, row=row, rows=rows, MANY=rows > 1,
+            seq_bytes=stride, sequences=n,
             **({"TOKENS": deltanet.tokens_at_once(rows)} if rows > 1 else {}))
 
     def gate_up(self, gate: str, up: str, slots: int, experts: bool, a, row: int, act_stride: int, act=None,
@@ -303,16 +327,28 @@ class LayerSchedule:
                                                         max_tokens=self.n_ctx)]
 
 
+def joined_per_sequence(buffers: dict[str, list]) -> tuple | None:
+    """Each name's buffers (a sequence's each) as the pieces of one, all at one piece size, so that
+    one stride (the last value) finds a sequence's own in every one of them; None where a buffer is
+    in pieces already (bound a launch a sequence then)."""
+    every = [b for bufs in buffers.values() for b in bufs]
+    if any(hasattr(b, "pieces") for b in every):
+        return None
+    piece = 1 << (max(b.nbytes for b in every) - 1).bit_length()
+    return (*[PiecedBuffer.joined(bufs, piece, f"{name} of {len(bufs)}") for name, bufs in buffers.items()], piece)
+
+
 def step_rows(chunk, b: dict, n: int, experts: bool, prefix: str = "") -> SimpleNamespace:
     """The activations of a step of n rows (RowBlocks' `a`): the prompt chunk's rows of the
-    residual stream, norms and projections' outputs (prefill.Prefill `chunk`), and the buffers one
+    residual stream, norms and projections' outputs and of step values (prefill.Prefill `chunk`;
+    a batch's sequences' position and length, a row each), and the buffers one
     row's launches write that no other may, `b`'s of buffers.row_buffers named with `prefix`
     (`experts`: the MoE's routing rows too). The vectors come without the chunk's f16 rows: a
     step's kernels write f32 and Q8_1 only, so its products past dmmv's columns run on mul_mm,
     never on matrix units reading f16 rows left by an earlier chunk."""
-    rows = SimpleNamespace(x=chunk.x, normed=replace(chunk.normed, h=None), qg=chunk.qg, q=chunk.q, k=chunk.k,
-                           v=chunk.v, attn_o=replace(chunk.attn_o, h=None), mix=chunk.mix, z=chunk.z,
-                           dn_out=replace(chunk.dn_out, h=None),
+    rows = SimpleNamespace(x=chunk.x, steps=chunk.steps, normed=replace(chunk.normed, h=None), qg=chunk.qg,
+                           q=chunk.q, k=chunk.k, v=chunk.v, attn_o=replace(chunk.attn_o, h=None), mix=chunk.mix,
+                           z=chunk.z, dn_out=replace(chunk.dn_out, h=None),
                            logits=b[prefix + "logits"], parts=[b[f"{prefix}attn_partials.{r}"] for r in range(n)],
                            cands=[b[f"{prefix}candidates.{r}"] for r in range(n)],
                            act=b[prefix + ("expert_act" if experts else "ffn_act")])
@@ -338,17 +374,22 @@ def layer_order(seq, hp, blocks, t: int) -> None:
 
 class RowBlocks:
     """The blocks of a step of a few rows (layer_order): every projection once for all rows
-    (dmmv's columns, mul_mm past them); attention and the draw a launch a row, a stage's
-    launches of all rows with no barrier between them; the delta-net a launch a sequence: a
-    batch's rows (one a sequence) together, a step of several tokens of one sequence in one
-    launch that runs its rows in order (each from the state the one before left, in registers);
-    the experts of all rows in one launch each (the grid's z), or one a row where rows dispatch
-    indirect."""
+    (dmmv's columns, mul_mm past them); the experts of all rows in one launch each (the grid's
+    z). Attention and the delta-net of a batch's sequences (a row each) in one launch a stage,
+    each sequence's caches and states bound as the pieces of one (the grid's z; where rows
+    dispatch indirect, or a cache is in pieces already, a launch a row, a stage's launches with
+    no barrier between them, as the experts then too); of a step of several tokens of one
+    sequence, attention a launch a row, the delta-net one launch that runs its rows in order
+    (each from the state the one before left, in registers). The draw a launch a row."""
 
     def __init__(self, g, seq, rows: list, a, row_seq=None):
         self.g, self.rows, self.a, self.row_seq = g, rows, a, row_seq
         self.each = functools.partial(_each, row_seq=row_seq or (lambda r: seq))
         self.sequences = len({id(graph) for graph, _ in rows})
+        self.graphs = [graph for graph, _ in rows]
+        # a batch's sequences, one token each, whose launches go out direct: attention and the
+        # delta-net step them all in one launch (a stage)
+        self.together = len(rows) > 1 and self.sequences == len(rows) and not row_seq
 
     def _by_row(self, seq, launches_of) -> None:
         t = len(self.rows)
@@ -365,13 +406,21 @@ class RowBlocks:
         g, a, p = self.g, self.a, f"blk.{i}."
         for name, out in (("attn_q", a.qg), ("attn_k", a.k), ("attn_v", a.v)):
             g.project(seq, p + name + ".weight", out, a.normed, t)
-        self.each(seq, [graph.attend(i, a, r, step) for r, (graph, step) in enumerate(self.rows)])
+        together = g.attend_together(i, a, self.graphs) if self.together else None
+        if together:  # a batch whose rows attend in one launch a stage
+            for launch in together:
+                launch(seq)
+        else:
+            self.each(seq, [graph.attend(i, a, r, step) for r, (graph, step) in enumerate(self.rows)])
         g.residual(seq, p + "attn_output.weight", a.attn_o, g.post_attention_norm(i), a, t)
 
     def deltanet(self, seq, i: int, t: int) -> None:
         g, a, p = self.g, self.a, f"blk.{i}."
         g.project_two(seq, p + "attn_qkv.weight", a.mix, p + "attn_gate.weight", a.z, a, t)
-        if self.sequences == t:  # a batch: a launch a sequence, together
+        together = g.delta_steps(i, a, self.graphs) if self.together else None
+        if together:  # a batch whose rows step in one launch
+            together(seq)
+        elif self.sequences == t:  # a launch a sequence, together (rows dispatched indirect: one each)
             self.each(seq, [[graph.delta_step(i, a, r, step)] for r, (graph, step) in enumerate(self.rows)])
         elif self.sequences == 1:  # a step of several tokens of one sequence: one launch runs its rows in order
             graph, step = self.rows[0]  # its step values: p0 = the first row's position
