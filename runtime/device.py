@@ -321,6 +321,11 @@ class Device:
         return buf
 
     @property
+    def offset_alignment(self) -> int:
+        """The bytes a buffer bound at an offset must start at a multiple of (at least 16)."""
+        return max(16, self._phys.min_storage_offset_alignment)
+
+    @property
     def placeholder(self) -> memory.Buffer:
         """A small buffer bound where a kernel variant declares a buffer it never touches."""
         if self._placeholder is None:

@@ -62,7 +62,7 @@ class Batch:
         chunk = lender.prompt  # its rows of the residual stream, norms, projections' outputs
         parts, self.cand_bytes = max(g.attn_part.nbytes for g in graphs), max(g.cand.nbytes for g in graphs)
         # the workgroup counts of each sequence's launches, one slot of `stride` bytes a launch
-        self.stride = max(16, dev._phys.min_storage_offset_alignment)
+        self.stride = dev.offset_alignment
         specs = batch_buffers(hp, n, parts, self.cand_bytes, self.stride)
         self._owned = dev.alloc_many([("batch." + s.name, s.nbytes) for s in specs])
         b = dict(zip((s.name for s in specs), self._owned))
