@@ -67,8 +67,9 @@ def attn_prep(qg: Buffer[f32], k: Buffer[f32], v: Buffer[f32], q_norm: Buffer[f3
     v_cache[pos, g] = v[g], in the KV formats KT and VT (kvcache.py), pos = step[0]; d is a
     multiple of 4 (of 32 for a quantized format). RoPE pairs dim i with i + rope_dims/2, θ_i = pos · rope_base^(−2i/rope_dims);
     rope_dims is even and ≤ d. qg, k, v and q are read and written at row `row` (one sequence of
-    a batch, batch.py). Where K's format rotates (q3_rot), q is rotated as k is. Several sequences
-    of a batch may step in one launch (`sequences`, the grid's z: sequences_of)."""
+    a batch, batch.py). Where K's format rotates (q3_rot), q is rotated as k is. Several rows
+    may go in one launch (`sequences`, the grid's z: steps.sequences_of), as in attn_decode and
+    attn_combine."""
     row, step, k_cache, v_cache = sequences_of(row, step, seq_bytes, k_cache, v_cache)
     _prep_head(qg, k, v, q_norm, k_norm, q, k_cache, v_cache, zdsl.workgroup_id(), row, step[0],
                n_head, n_kv, d, rope_dims, rope_base, eps, WG, SG, KT, VT)

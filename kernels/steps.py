@@ -9,9 +9,10 @@ STEP_WORDS = 8  # a step record: [0] position, [1] length, [2] token id, [3] sam
 
 
 def sequences_of(row, step, seq_bytes, *own):
-    """Sequence s = the grid's z of a launch of several (a batch's, one token each): its row
-    (`row` + s), its step values (row s of the batch's: step[s · STEP_WORDS]) and its own
-    buffers `own` (caches, partials: each sequence's, bound as the pieces of one, seq_bytes apart)."""
+    """Row s = the grid's z of a launch of several rows (a batch's sequences, one token each, or
+    one sequence's tokens): its row `row` + s, its step values step[s · STEP_WORDS] and its own
+    buffers `own` seq_bytes on (caches, partials, states: each row's, bound as the pieces of one
+    buffer, the same cache for a sequence's tokens)."""
     s = zdsl.workgroup_id(2)
     return (row + s, step.at(s * STEP_WORDS), *[b.at(s * (seq_bytes // b.dtype.nbytes)) for b in own])
 

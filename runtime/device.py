@@ -320,6 +320,10 @@ class Device:
         buf.write(array)
         return buf
 
+    def joined(self, buffers: list, piece: int, name: str) -> memory.PiecedBuffer:
+        """Buffers of their own bound as the pieces of one (memory.PiecedBuffer.joined)."""
+        return memory.PiecedBuffer.joined(buffers, piece, name)
+
     @property
     def offset_alignment(self) -> int:
         """The bytes a buffer bound at an offset must start at a multiple of (at least 16)."""

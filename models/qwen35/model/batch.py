@@ -8,7 +8,7 @@ column a sequence), and what belongs to one sequence runs on its row: attention 
 its delta-net state, its experts, its sampler (DecodeGraph.record_layers). Those launches of the
 sequences touch disjoint rows and their own caches, so they carry no barrier between them; in a
 step of their own (below) the sequences' attention and delta-net go out as one launch a stage,
-each sequence's caches and states bound as the pieces of one (schedule.RowBlocks).
+each sequence's caches, states and step values bound as the pieces of one (schedule.RowBlocks).
 
 A step of all the batch's sequences is recorded once and runs any subset of them: each
 sequence's launches are dispatched indirect, their workgroup counts in a buffer the host writes

@@ -6,8 +6,8 @@ the norm, the mixer (gated attention or the gated delta-net) with its projection
 residual addition, then the FFN (the MoE with its shared expert, or a dense SwiGLU) and its
 residual addition, and the next layer's norm; after the last, the output norm, the head and each
 row's draw. Each launch picks its kernel by the step's shape: dmmv for up to 8 rows, mul_mm
-past them; attention and the draw a launch a row, the delta-net a launch a sequence (a step of
-several tokens runs them in order in one), the experts of all rows in one.
+past them; attention and the experts of all rows in one launch a stage, the delta-net one launch
+(a step of several tokens runs them in order in it), the draw a launch a row.
 (A prompt's chunk runs the same order on kernels made for hundreds of rows: prefill.py.)
 
 Every projection reads its input once quantized to Q8_1 (int8 products; f32 for weight types
@@ -32,7 +32,6 @@ from zdsl.autotune.database import choose, shape_key
 from zdsl.errors import ZdslError
 from zdsl.kernels import attention, deltanet, dmmv, ffn, matmul, mma, moe, q8_1, sampling, steps
 from zdsl.kernels.quant import FORMATS, INT8_FORMATS
-from zdsl.runtime.memory import PiecedBuffer
 from zdsl.models.qwen35.model.buffers import ATTN_MIN_CHUNK
 
 DMMV_COLS = max(dmmv.dmmv.variant_space["COLS"])  # rows a matrix-vector product takes at most
@@ -149,14 +148,16 @@ class LayerSchedule:
         self.project(seq, self.tensors.output_name, a.logits, a.normed, len(rows))
         blocks.each(seq, [g.sample(a.logits, r, a.cands[r], step) for r, (g, step) in enumerate(rows)])
 
-    def attend_together(self, i: int, a, graphs: list):
-        """Layer i's attention of a batch's sequences (graphs, one token each, in a's rows) as one
-        launch a stage (attend()): their caches and a's partials rows, each its own buffer, bound
-        as the pieces of one; their step values the rows of a.steps. None where one is in pieces."""
-        joined = joined_per_sequence({f"k_cache.{i}": [g.kv[i][0] for g in graphs],
-                                      f"v_cache.{i}": [g.kv[i][1] for g in graphs],
-                                      f"attn_partials.{i}": a.parts[:len(graphs)]})
-        return joined and self.attend(i, a, 0, a.steps, sequences=(*joined, len(graphs)))
+    def attend_together(self, i: int, a, rows: list):
+        """Layer i's attention of a step's rows (graph, step values) as one launch a stage
+        (attend()): row r's cache (its graph's: a batch's sequences' own, or one sequence's for
+        all its tokens), a's partials row r and its step values, bound as the pieces of one
+        buffer each. None where one is in pieces already."""
+        steps = joined_steps(self.device, rows)
+        joined = joined_per_sequence(self.device, {f"k_cache.{i}": [g.kv[i][0] for g, _ in rows],
+                                      f"v_cache.{i}": [g.kv[i][1] for g, _ in rows],
+                                      f"attn_partials.{i}": a.parts[:len(rows)]})
+        return steps and joined and self.attend(i, a, 0, steps, sequences=(*joined, len(rows)))
 
     def attend(self, i: int, a, row: int, step, sequences=None) -> list:
         """Layer i's attention for this graph's sequence, as three launches to record in order
@@ -165,8 +166,8 @@ class LayerSchedule:
         `row` of a's qg, k and v and write that row of a's q and attn_o (a Vector), with a's
         parts[row] for the splits: the graph's own rows, or a batch's (record_layers); the token's
         position and length in `step`. `sequences` (attend_together): (K caches, V caches,
-        partials, the bytes between two sequences' in them, how many) of several sequences
-        stepping together instead."""
+        partials, the bytes between two rows' in them, how many) of that many rows from `row` on
+        in each launch instead, `step` their step values."""
         hp, p = self.hp, f"blk.{i}."
         nh, nkv, d = hp.n_heads, hp.n_kv_heads, hp.head_dim
         k_cache, v_cache, part, stride, n = sequences or (*self.kv[i], a.parts[row], 0, 1)
@@ -188,13 +189,14 @@ class LayerSchedule:
                 part=part, qg=a.qg, step=step, o=o.f32, oq=o.q, od=o.d, nsplit=self.attn_splits,
                 min_chunk=ATTN_MIN_CHUNK, n_head=nh, ctx=self.n_ctx, row=row, **together)]
 
-    def delta_steps(self, i: int, a, graphs: list):
-        """Layer i's delta-net step of a batch's sequences (graphs, one token each, in a's rows) as
-        one launch: their rings and states, each sequence's own buffers, bound as the pieces of
-        one; their step values the rows of a.steps. None where a sequence's state is in pieces."""
-        joined = joined_per_sequence({f"conv_state.{i}": [g.conv_state[i] for g in graphs],
-                                      f"ssm_state.{i}": [g.ssm_state[i] for g in graphs]})
-        return joined and self.delta_step(i, a, 0, a.steps, sequences=(*joined, len(graphs)))
+    def delta_steps(self, i: int, a, rows: list):
+        """Layer i's delta-net step of a batch's sequences (rows: graph, step values; one token
+        each) as one launch: their rings, states and step values, each sequence's own buffers,
+        bound as the pieces of one each. None where one is in pieces already."""
+        steps = joined_steps(self.device, rows)
+        joined = joined_per_sequence(self.device, {f"conv_state.{i}": [g.conv_state[i] for g, _ in rows],
+                                      f"ssm_state.{i}": [g.ssm_state[i] for g, _ in rows]})
+        return steps and joined and self.delta_step(i, a, 0, steps, sequences=(*joined, len(rows)))
 
     def delta_step(self, i: int, a, row: int, step, rows: int = 1, sequences=None):
         """Layer i's delta-net step for this graph's sequence, as a launch to record (a function of
@@ -327,7 +329,7 @@ class LayerSchedule:
                                                         max_tokens=self.n_ctx)]
 
 
-def joined_per_sequence(buffers: dict[str, list]) -> tuple | None:
+def joined_per_sequence(device, buffers: dict[str, list]) -> tuple | None:
     """Each name's buffers (a sequence's each) as the pieces of one, all at one piece size, so that
     one stride (the last value) finds a sequence's own in every one of them; None where a buffer is
     in pieces already (bound a launch a sequence then)."""
@@ -335,18 +337,26 @@ def joined_per_sequence(buffers: dict[str, list]) -> tuple | None:
     if any(hasattr(b, "pieces") for b in every):
         return None
     piece = 1 << (max(b.nbytes for b in every) - 1).bit_length()
-    return (*[PiecedBuffer.joined(bufs, piece, f"{name} of {len(bufs)}") for name, bufs in buffers.items()], piece)
+    return (*[device.joined(bufs, piece, f"{name} of {len(bufs)}") for name, bufs in buffers.items()], piece)
+
+
+def joined_steps(device, rows: list):
+    """The rows' step values (each its own buffer or slice) as the pieces of one, a row's
+    STEP_WORDS apart, as a launch of several sequences reads them (steps.sequences_of); None where
+    one is longer."""
+    if any(hasattr(step, "pieces") or step.nbytes > 4 * steps.STEP_WORDS for _, step in rows):
+        return None
+    return device.joined([step for _, step in rows], 4 * steps.STEP_WORDS, f"step values of {len(rows)} rows")
 
 
 def step_rows(chunk, b: dict, n: int, experts: bool, prefix: str = "") -> SimpleNamespace:
     """The activations of a step of n rows (RowBlocks' `a`): the prompt chunk's rows of the
-    residual stream, norms and projections' outputs and of step values (prefill.Prefill `chunk`;
-    a batch's sequences' position and length, a row each), and the buffers one
+    residual stream, norms and projections' outputs (prefill.Prefill `chunk`), and the buffers one
     row's launches write that no other may, `b`'s of buffers.row_buffers named with `prefix`
     (`experts`: the MoE's routing rows too). The vectors come without the chunk's f16 rows: a
     step's kernels write f32 and Q8_1 only, so its products past dmmv's columns run on mul_mm,
     never on matrix units reading f16 rows left by an earlier chunk."""
-    rows = SimpleNamespace(x=chunk.x, steps=chunk.steps, normed=replace(chunk.normed, h=None), qg=chunk.qg,
+    rows = SimpleNamespace(x=chunk.x, normed=replace(chunk.normed, h=None), qg=chunk.qg,
                            q=chunk.q, k=chunk.k, v=chunk.v, attn_o=replace(chunk.attn_o, h=None), mix=chunk.mix,
                            z=chunk.z, dn_out=replace(chunk.dn_out, h=None),
                            logits=b[prefix + "logits"], parts=[b[f"{prefix}attn_partials.{r}"] for r in range(n)],
@@ -374,22 +384,21 @@ def layer_order(seq, hp, blocks, t: int) -> None:
 
 class RowBlocks:
     """The blocks of a step of a few rows (layer_order): every projection once for all rows
-    (dmmv's columns, mul_mm past them); the experts of all rows in one launch each (the grid's
-    z). Attention and the delta-net of a batch's sequences (a row each) in one launch a stage,
-    each sequence's caches and states bound as the pieces of one (the grid's z; where rows
-    dispatch indirect, or a cache is in pieces already, a launch a row, a stage's launches with
-    no barrier between them, as the experts then too); of a step of several tokens of one
-    sequence, attention a launch a row, the delta-net one launch that runs its rows in order
-    (each from the state the one before left, in registers). The draw a launch a row."""
+    (dmmv's columns, mul_mm past them); the experts of all rows in one launch each, and
+    attention one launch a stage, the grid's z a row: each row's cache (its sequence's), partials
+    and step values bound as the pieces of one buffer each. The delta-net of a batch's sequences
+    in one launch the same way; of several tokens of one sequence, one launch that runs its rows
+    in order (each from the state the one before left, in registers). Where rows dispatch
+    indirect, or a cache is in pieces already, a launch a row, a stage's launches with no barrier
+    between them. The draw a launch a row."""
 
     def __init__(self, g, seq, rows: list, a, row_seq=None):
         self.g, self.rows, self.a, self.row_seq = g, rows, a, row_seq
         self.each = functools.partial(_each, row_seq=row_seq or (lambda r: seq))
         self.sequences = len({id(graph) for graph, _ in rows})
-        self.graphs = [graph for graph, _ in rows]
-        # a batch's sequences, one token each, whose launches go out direct: attention and the
-        # delta-net step them all in one launch (a stage)
-        self.together = len(rows) > 1 and self.sequences == len(rows) and not row_seq
+        # a batch's sequences, one token each, whose launches go out direct: their delta-nets step
+        # in one launch
+        self.batch = len(rows) > 1 and self.sequences == len(rows) and not row_seq
 
     def _by_row(self, seq, launches_of) -> None:
         t = len(self.rows)
@@ -406,8 +415,8 @@ class RowBlocks:
         g, a, p = self.g, self.a, f"blk.{i}."
         for name, out in (("attn_q", a.qg), ("attn_k", a.k), ("attn_v", a.v)):
             g.project(seq, p + name + ".weight", out, a.normed, t)
-        together = g.attend_together(i, a, self.graphs) if self.together else None
-        if together:  # a batch whose rows attend in one launch a stage
+        together = g.attend_together(i, a, self.rows) if not self.row_seq and len(self.rows) > 1 else None
+        if together:  # the rows attend in one launch a stage
             for launch in together:
                 launch(seq)
         else:
@@ -417,7 +426,7 @@ class RowBlocks:
     def deltanet(self, seq, i: int, t: int) -> None:
         g, a, p = self.g, self.a, f"blk.{i}."
         g.project_two(seq, p + "attn_qkv.weight", a.mix, p + "attn_gate.weight", a.z, a, t)
-        together = g.delta_steps(i, a, self.graphs) if self.together else None
+        together = g.delta_steps(i, a, self.rows) if self.batch else None
         if together:  # a batch whose rows step in one launch
             together(seq)
         elif self.sequences == t:  # a launch a sequence, together (rows dispatched indirect: one each)
