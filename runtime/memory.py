@@ -336,8 +336,9 @@ class PiecedBuffer(_Memory):
     @classmethod
     def joined(cls, buffers: list[Buffer], piece: int, name: str) -> "PiecedBuffer":
         """Buffers of their own as the pieces of one, each at a piece of `piece` bytes (a power of
-        two that holds the largest), so a kernel reaches byte e of buffer j at j · piece + e:
-        several sequences' states bound at once (the batched delta-net step). It owns none of them."""
+        two that holds the largest), so a kernel reaches byte e of buffer j at j · piece + e: the
+        caches, states and step values of a step's rows bound at once (schedule.RowBlocks). It owns
+        none of them."""
         if piece & (piece - 1) or any(isinstance(b, PiecedBuffer) or b.nbytes > piece for b in buffers):
             raise ZdslError(f"{name}: buffers join as pieces of a power of two that holds each, and are not in "
                             f"pieces themselves")

@@ -148,16 +148,15 @@ class LayerSchedule:
         self.project(seq, self.tensors.output_name, a.logits, a.normed, len(rows))
         blocks.each(seq, [g.sample(a.logits, r, a.cands[r], step) for r, (g, step) in enumerate(rows)])
 
-    def attend_together(self, i: int, a, rows: list):
+    def attend_together(self, i: int, a, rows: list, steps):
         """Layer i's attention of a step's rows (graph, step values) as one launch a stage
         (attend()): row r's cache (its graph's: a batch's sequences' own, or one sequence's for
-        all its tokens), a's partials row r and its step values, bound as the pieces of one
-        buffer each. None where one is in pieces already."""
-        steps = joined_steps(self.device, rows)
+        all its tokens) and a's partials row r bound as the pieces of one buffer each, `steps`
+        the rows' step values so joined (joined_steps). None where one is in pieces already."""
         joined = joined_per_sequence(self.device, {f"k_cache.{i}": [g.kv[i][0] for g, _ in rows],
                                       f"v_cache.{i}": [g.kv[i][1] for g, _ in rows],
                                       f"attn_partials.{i}": a.parts[:len(rows)]})
-        return steps and joined and self.attend(i, a, 0, steps, sequences=(*joined, len(rows)))
+        return joined and self.attend(i, a, 0, steps, sequences=(*joined, len(rows)))
 
     def attend(self, i: int, a, row: int, step, sequences=None) -> list:
         """Layer i's attention for this graph's sequence, as three launches to record in order
@@ -189,14 +188,13 @@ class LayerSchedule:
                 part=part, qg=a.qg, step=step, o=o.f32, oq=o.q, od=o.d, nsplit=self.attn_splits,
                 min_chunk=ATTN_MIN_CHUNK, n_head=nh, ctx=self.n_ctx, row=row, **together)]
 
-    def delta_steps(self, i: int, a, rows: list):
+    def delta_steps(self, i: int, a, rows: list, steps):
         """Layer i's delta-net step of a batch's sequences (rows: graph, step values; one token
-        each) as one launch: their rings, states and step values, each sequence's own buffers,
-        bound as the pieces of one each. None where one is in pieces already."""
-        steps = joined_steps(self.device, rows)
+        each) as one launch: their rings and states, each sequence's own buffers, bound as the
+        pieces of one each, `steps` their step values so joined. None where one is in pieces."""
         joined = joined_per_sequence(self.device, {f"conv_state.{i}": [g.conv_state[i] for g, _ in rows],
                                       f"ssm_state.{i}": [g.ssm_state[i] for g, _ in rows]})
-        return steps and joined and self.delta_step(i, a, 0, steps, sequences=(*joined, len(rows)))
+        return joined and self.delta_step(i, a, 0, steps, sequences=(*joined, len(rows)))
 
     def delta_step(self, i: int, a, row: int, step, rows: int = 1, sequences=None):
         """Layer i's delta-net step for this graph's sequence, as a launch to record (a function of
@@ -396,9 +394,9 @@ class RowBlocks:
         self.g, self.rows, self.a, self.row_seq = g, rows, a, row_seq
         self.each = functools.partial(_each, row_seq=row_seq or (lambda r: seq))
         self.sequences = len({id(graph) for graph, _ in rows})
-        # a batch's sequences, one token each, whose launches go out direct: their delta-nets step
-        # in one launch
-        self.batch = len(rows) > 1 and self.sequences == len(rows) and not row_seq
+        # rows whose launches go out direct join their step values once, for attention a launch a
+        # stage and, a batch's sequences one token each, the delta-net one launch
+        self.steps = joined_steps(g.device, rows) if len(rows) > 1 and not row_seq else None
 
     def _by_row(self, seq, launches_of) -> None:
         t = len(self.rows)
@@ -415,7 +413,7 @@ class RowBlocks:
         g, a, p = self.g, self.a, f"blk.{i}."
         for name, out in (("attn_q", a.qg), ("attn_k", a.k), ("attn_v", a.v)):
             g.project(seq, p + name + ".weight", out, a.normed, t)
-        together = g.attend_together(i, a, self.rows) if not self.row_seq and len(self.rows) > 1 else None
+        together = self.steps and g.attend_together(i, a, self.rows, self.steps)
         if together:  # the rows attend in one launch a stage
             for launch in together:
                 launch(seq)
@@ -426,7 +424,7 @@ class RowBlocks:
     def deltanet(self, seq, i: int, t: int) -> None:
         g, a, p = self.g, self.a, f"blk.{i}."
         g.project_two(seq, p + "attn_qkv.weight", a.mix, p + "attn_gate.weight", a.z, a, t)
-        together = g.delta_steps(i, a, self.rows) if self.batch else None
+        together = self.steps and self.sequences == t and g.delta_steps(i, a, self.rows, self.steps)
         if together:  # a batch whose rows step in one launch
             together(seq)
         elif self.sequences == t:  # a launch a sequence, together (rows dispatched indirect: one each)
