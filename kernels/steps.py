@@ -6,6 +6,7 @@ import zdsl
 from zdsl import Buffer, u32
 
 STEP_WORDS = 8  # a step record: [0] position, [1] length, [2] token id, [3] sampler counter
+STEP_STRIDE = 256  # bytes between rows' step values in a buffer of several: Vulkan's largest storage-offset alignment
 
 
 def sequences_of(row, step, seq_bytes, *own):

@@ -57,12 +57,13 @@ def graphs(model, device):
         g.close()
 
 
-def three_sequences(model, device):
+def three_sequences(model, device, step_tokens: int = 1):
     """Three sequences on one copy of the weights, each fed its own prompt."""
     rng = np.random.default_rng(3)
-    first = DecodeGraph(model, device, 64, SamplerConfig(temperature=0), progress=False, chunk=16, checkpoint=True)
-    gs = [first] + [DecodeGraph(model, device, 64, SamplerConfig(temperature=0), progress=False, chunk=16,
-                                checkpoint=True, weights_of=first) for _ in PROMPTS[1:]]
+    make = lambda **kw: DecodeGraph(model, device, 64, SamplerConfig(temperature=0), progress=False, chunk=16,
+                                    checkpoint=True, step_tokens=step_tokens, **kw)
+    first = make()
+    gs = [first] + [make(weights_of=first) for _ in PROMPTS[1:]]
     prompts = [rng.integers(0, model.hparams.vocab, n).tolist() for n in PROMPTS]
     for g, prompt in zip(gs, prompts):
         g.reset()
@@ -129,6 +130,58 @@ def batched_steps_leave_each_sequence_as_its_own_step(model, gs, prompts):
                     near(rows[r], expected, expected.std(), f"sequence {r} against the reference", REFERENCE)
     finally:
         batch.close()
+
+
+def test_a_mixed_step_leaves_each_sequence_as_its_own_steps(model, device):
+    """Mixed steps: some sequences take several tokens (a prompt's next ones, a draft), the others
+    one, in one step, in rows in another order than the batch's. Each sequence's logits rows,
+    KV rows and states, and sampled tokens are those of its own step of the same tokens
+    (decode_tokens; decode for one), which tests/test_token_rows.py holds to single steps; and a
+    sequence fed several can be cut back after, as after decode_tokens."""
+    gs, _ = three_sequences(model, device, step_tokens=4)
+    batch = Batch(gs, rows=8)
+    rng = np.random.default_rng(5)
+    try:
+        for shape in [((0, 3), (1, 1), (2, 2)), ((2, 1), (0, 4), (1, 1))]:
+            feeds = [(gs[r], rng.integers(0, model.hparams.vocab, n).tolist()) for r, n in shape]
+            for g in gs:
+                g.checkpoint()
+            got = batch.step(feeds)
+            rows = batch.logits.read(np.float32, (sum(n for _, n in shape), model.hparams.vocab))
+            states = {r: state_of(gs[r]) for r, _ in shape}
+            first = 0
+            for (r, n), (g, tokens), tokens_got in zip(shape, feeds, got):
+                g.restore()
+                alone = g.decode_tokens(tokens) if n > 1 else [g.decode(tokens[0])]
+                want = g.token_rows.logits_of(n) if n > 1 else g.logits()[None]
+                for j in range(n):
+                    spread = want[j].std()
+                    near(rows[first + j], want[j], spread, f"{shape}: sequence {r}, row {j}")
+                    top2 = np.sort(want[j])[-2:]
+                    if top2[1] - top2[0] > 2 * SAME * spread:
+                        assert tokens_got[j] == alone[j], f"{shape}: sequence {r}, row {j}: greedy token"
+                for name, value in state_of(g).items():
+                    err = np.linalg.norm(states[r][name] - value) / max(np.linalg.norm(value), 1e-30)
+                    assert err <= SAME, f"{shape}, sequence {r}: {name} differs by {err:.3g} of its norm"
+                first += n
+        # the last step fed the first sequence 4 tokens: cut back to 1 of them, it steps on as after one
+        g, p0 = gs[0], gs[0].position - 4
+        g.restore()
+        batch.step([(g, feeds[1][1])])
+        g.cut(p0 + 1)
+        g.decode(feeds[1][1][1])
+        after_cut = g.logits()
+        g.restore()
+        g.decode(feeds[1][1][0])
+        g.decode(feeds[1][1][1])
+        assert g.position == p0 + 2
+        near(after_cut, g.logits(), g.logits().std(), "cut back after a mixed step")
+        with pytest.raises(ZdslError, match="holds 1 to 8 rows"):
+            batch.step([(gs[0], [1] * 4), (gs[1], [1] * 4), (gs[2], [1])])
+    finally:
+        batch.close()
+        for g in reversed(gs):
+            g.close()
 
 
 def test_a_burst_on_the_gpu_is_steps_fed_from_the_host(graphs):

@@ -25,6 +25,13 @@ that thread records the step of all rows, then steps of their own for the first 
 A step leaves each sequence as its own decode step would (up to the order of a few sums), and
 its sampled token in its step values and tokens_out, so each graph decodes on alone
 afterwards, or in another batch.
+
+A mixed step (`step`) feeds some sequences several tokens beside the others' one: a prompt's
+next tokens, or a draft to verify, go in with the others' decoding rather than in a step of
+their own that stalls them. Each sequence's rows are consecutive and read their step values
+from slots the host writes (as token_rows.py does for one sequence); a sequence's tokens run
+its delta-net in order in one launch, the sequences' launches side by side. It is recorded once
+a shape (which sequences, how many tokens each), with direct dispatches.
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ import numpy as np
 from zdsl.errors import ZdslError
 from zdsl.kernels import embedding
 from zdsl.kernels.dmmv import dmmv
-from zdsl.kernels.steps import STEP_WORDS
+from zdsl.kernels import steps as step_kernels
+from zdsl.kernels.steps import STEP_STRIDE, STEP_WORDS
 from zdsl.models.qwen35.model.buffers import batch_buffers
 from zdsl.models.qwen35.model.schedule import step_rows
 
@@ -50,7 +58,8 @@ class Batch:
     device, the first holding the weights and prompt rows the others use (DecodeGraph weights_of).
     Row r of the step's activations (and of `logits`) is graphs[r]'s."""
 
-    def __init__(self, graphs: list):
+    def __init__(self, graphs: list, rows: int = 0):
+        """`rows`: the most rows a step holds (a mixed step's, `step`); one a sequence unless said."""
         lender = graphs[0]
         if any(g.weights_of is not lender for g in graphs[1:]):
             raise ZdslError("a batch's graphs read the first one's weights: make them with weights_of=graphs[0]")
@@ -60,13 +69,19 @@ class Batch:
         self.graphs, self.lender = list(graphs), lender
         hp, dev = lender.hp, lender.device
         chunk = lender.prompt  # its rows of the residual stream, norms, projections' outputs
+        self.most_rows = rows = rows or n
+        if not n <= rows <= lender.chunk:
+            raise ZdslError(f"a step of this batch holds {n} to {lender.chunk} rows (its prompt chunk), not {rows}")
         parts, self.cand_bytes = max(g.attn_part.nbytes for g in graphs), max(g.cand.nbytes for g in graphs)
         # the workgroup counts of each sequence's launches, one slot of `stride` bytes a launch
         self.stride = dev.offset_alignment
-        specs = batch_buffers(hp, n, parts, self.cand_bytes, self.stride)
+        specs = batch_buffers(hp, n, parts, self.cand_bytes, self.stride, rows)
         self._owned = dev.alloc_many([("batch." + s.name, s.nbytes) for s in specs])
         b = dict(zip((s.name for s in specs), self._owned))
-        self.rows = step_rows(chunk, b, n, hp.moe)
+        self.rows = step_rows(chunk, b, rows, hp.moe)
+        self.row_steps = b["steps"]  # a mixed step's rows' step values, from the host's
+        self.row_steps_host = dev.host_buffer(self.row_steps.nbytes, name="batch.steps_host")
+        self._mixed: OrderedDict[tuple, object] = OrderedDict()  # mixed steps recorded, by shape
         self.logits = self.rows.logits
         if hp.moe:
             seq = dev.sequence()  # the router's counters start at 0 (and every step leaves them there)
@@ -112,6 +127,81 @@ class Batch:
             g.synced = True
         return [g.tokens_out.read(np.uint32, (n,), offset=4 * p).tolist() for g, p in zip(graphs, first)]
 
+    def step(self, feeds: list[tuple[object, list[int]]]) -> list[list[int]]:
+        """One mixed step: each (graph, tokens) of `feeds` (distinct graphs of the batch) takes its
+        tokens at its position, in rows after the previous one's. Returns for each the token
+        sampled after each of its tokens: what decode(token) gives for one, decode_tokens(tokens)
+        for several (so a graph fed several was made with step_tokens ≥ that many, samples
+        without penalties, and may be cut back after, as after decode_tokens)."""
+        graphs = [g for g, _ in feeds]
+        self._rows_of(graphs)
+        counts = [len(tokens) for _, tokens in feeds]
+        if sum(counts) > self.most_rows or min(counts) < 1:
+            raise ZdslError(f"a step of this batch holds 1 to {self.most_rows} rows, each sequence's tokens "
+                            f"at least one, not {counts} (make the batch with more rows)")
+        for g, n in zip(graphs, counts):
+            if n > max(1, g.step_tokens):
+                raise ZdslError(f"this decode graph steps at most {g.step_tokens} tokens at once, not {n}: make it "
+                                "with step_tokens ≥ that")
+            if g.sampler.penalties:
+                raise ZdslError("a mixed step samples without repetition penalties (their window counts one token "
+                                "a step); use --repeat-penalty 1 and no presence/frequency penalty")
+            if g.cand.nbytes > self.cand_bytes:
+                raise ZdslError("a graph's sampler was retuned to more candidates than its batch holds: make the "
+                                "batch again")
+        if self._recorded != [g.recorded for g in self.graphs]:
+            self._forget()
+            self._record_ahead()
+        words = self.row_steps_host.view(np.uint32).reshape(self.most_rows, STEP_STRIDE // 4)
+        r = 0
+        for (g, tokens), n in zip(feeds, counts):
+            g.check_feed(tokens)
+            p0, counter = g.position, int(g.step_words[3])
+            words[r:r + n] = 0
+            words[r:r + n, 0] = np.arange(p0, p0 + n)
+            words[r:r + n, 1] = words[r:r + n, 0] + 1
+            words[r:r + n, 2] = tokens
+            words[r:r + n, 3] = np.arange(counter, counter + n)  # each row's draw its own counter
+            r += n
+        shape = tuple((self.graphs.index(g), n) for g, n in zip(graphs, counts))
+        seq = self._mixed.get(shape)
+        if seq is None:
+            seq = self._mixed[shape] = self._record_mixed(shape)
+            while len(self._mixed) > KEPT:
+                self._mixed.popitem(last=False)[1].free()
+        self._mixed.move_to_end(shape)
+        seq.run()
+        out = []
+        for g, n in zip(graphs, counts):
+            p0, counter = g.position, int(g.step_words[3])
+            g.position += n
+            g.synced = True
+            g.last_step = (p0, counter, n) if n > 1 else None
+            out.append(g.tokens_out.read(np.uint32, (n,), offset=4 * p0).tolist())
+        return out
+
+    def _record_mixed(self, shape: tuple):
+        """The mixed step of `shape` ((batch row of a graph, its tokens), …): the rows' step values
+        from the host, the layers, every row's draw; then each graph's own step values as its
+        last row's after a decode step (its draw, position and length moved on), back to the host."""
+        lender, hp = self.lender, self.lender.hp
+        t = sum(n for _, n in shape)
+        seq = lender.device.sequence()
+        seq.copy(self.row_steps_host, self.row_steps, STEP_STRIDE * t)
+        views = [self.row_steps.slice(STEP_STRIDE * r, 4 * STEP_WORDS) for r in range(t)]
+        rows = list(zip([self.graphs[row] for row, n in shape for _ in range(n)], views))
+        emb = "token_embd.weight"
+        embedding.embed.launch(seq, lender.pick, QTYPE=lender.qname(emb), table=lender.weights[emb], ids=self.row_steps,
+                               out=self.rows.x, k=hp.hidden, index=2, stride=STEP_STRIDE // 4, rows=t)
+        lender.record_layers(seq, rows, self.rows)
+        last = -1
+        for row, n in shape:
+            g, last = self.graphs[row], last + n
+            seq.copy(views[last], g.step, 4 * STEP_WORDS)
+            step_kernels.advance.launch(seq, lender.pick, step=g.step)
+            seq.copy(g.step, g.step_host)
+        return seq
+
     def _rows_of(self, graphs: list) -> set[int]:
         index = {id(g): i for i, g in enumerate(self.graphs)}
         rows = {index.get(id(g)) for g in graphs}
@@ -144,8 +234,11 @@ class Batch:
         for recorded in [self._all_rows, *self._own.values()]:  # some may be recording still
             if recorded is not None:
                 self._recorder.free(recorded)
+        for seq in self._mixed.values():
+            seq.free()
         self._all_rows = None
         self._own.clear()
+        self._mixed.clear()
         self._bursts.clear()
 
     def _take_part(self, rows: set[int]) -> None:
@@ -209,6 +302,7 @@ class Batch:
             buf.free()
         self._owned = []
         self.counts.free()
+        self.row_steps_host.free()
 
 
 class _Row:

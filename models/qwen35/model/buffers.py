@@ -19,7 +19,7 @@ from zdsl.kernels.attention import cache_rows, split_count
 from zdsl.kernels.kvcache import KV_DEFAULT, KV_FORMATS, KVTypes
 from zdsl.kernels.quant_numpy import row_bytes
 from zdsl.kernels.sampling import SETTINGS, mask_words
-from zdsl.kernels.steps import STEP_WORDS
+from zdsl.kernels.steps import STEP_STRIDE, STEP_WORDS
 from zdsl.runtime.memory import fmt_bytes
 
 KINDS = ("weights", "KV cache", "recurrent state", "scratch")
@@ -87,17 +87,18 @@ def row_buffers(hp, n: int, parts: int, candidates: int, prefix: str = "") -> li
     return [BufferSpec(prefix + s.name, s.nbytes, s.kind) for s in specs]
 
 
-def batch_buffers(hp, n: int, parts: int, candidates: int, stride: int) -> list[BufferSpec]:
-    """The buffers of a batched step of n sequences (batch.py): its rows', and `stride` bytes a
-    launch's workgroup counts."""
-    return row_buffers(hp, n, parts, candidates) + [scratch("counts_gpu", stride * n * (8 * hp.n_layers + 16))]
+def batch_buffers(hp, n: int, parts: int, candidates: int, stride: int, rows: int = 0) -> list[BufferSpec]:
+    """The buffers of a batched step of n sequences (batch.py) in `rows` rows (n unless a mixed
+    step feeds some sequences several tokens): its rows', each row's step values in a slot of
+    its own (a mixed step's), and `stride` bytes a launch's workgroup counts."""
+    rows = rows or n
+    return row_buffers(hp, rows, parts, candidates) + [scratch("steps", STEP_STRIDE * rows),
+                                                       scratch("counts_gpu", stride * n * (8 * hp.n_layers + 16))]
 
 
 def token_buffers(hp, most: int, parts: int, candidates: int) -> list[BufferSpec]:
     """The buffers of steps of up to `most` tokens of one sequence (token_rows.py): its rows', and
     each row's step values in a slot of its own."""
-    from zdsl.models.qwen35.model.token_rows import STEP_STRIDE
-
     return row_buffers(hp, most, parts, candidates, "rows.") + [scratch("rows.steps", STEP_STRIDE * most)]
 
 

@@ -24,12 +24,11 @@ from zdsl.errors import ZdslError
 from zdsl.kernels import embedding, sampling, steps as step_kernels
 from zdsl.kernels.attention import cache_rows
 from zdsl.kernels.kvcache import KV_FORMATS
-from zdsl.kernels.steps import STEP_WORDS
+from zdsl.kernels.steps import STEP_STRIDE, STEP_WORDS
 from zdsl.models.qwen35.file.gguf_file import mtp_name
 from zdsl.models.qwen35.model.buffers import BufferSpec, f32, scratch
 from zdsl.models.qwen35.model.sampler import SamplerConfig
 from zdsl.models.qwen35.model.schedule import RowBlocks
-from zdsl.models.qwen35.model.token_rows import STEP_STRIDE
 
 PROMPT_LENGTHS = 4  # recorded prompt catch-ups kept of lengths other than the full chunk
 MTP = "mtp."  # the head's buffers' names start so (a sequence's own, never borrowed: graph.borrows)

@@ -1,13 +1,14 @@
 """The layer schedule: what a step does to its rows, layer by layer, written once.
 
 A step's rows are tokens: of one sequence at consecutive positions (a decode step is one row, a
-speculative step several: token_rows.py), or of several sequences (batch.py). For every layer:
+speculative step several: token_rows.py), or of several sequences, one token each or some
+several (batch.py: a mixed step). For every layer:
 the norm, the mixer (gated attention or the gated delta-net) with its projections and the
 residual addition, then the FFN (the MoE with its shared expert, or a dense SwiGLU) and its
 residual addition, and the next layer's norm; after the last, the output norm, the head and each
 row's draw. Each launch picks its kernel by the step's shape: dmmv for up to 8 rows, mul_mm
 past them; attention and the experts of all rows in one launch a stage, the delta-net one launch
-(a step of several tokens runs them in order in it), the draw a launch a row.
+(a sequence's several tokens run in order in it), the draw a launch a row.
 (A prompt's chunk runs the same order on kernels made for hundreds of rows: prefill.py.)
 
 Every projection reads its input once quantized to Q8_1 (int8 products; f32 for weight types
@@ -385,15 +386,24 @@ class RowBlocks:
     (dmmv's columns, mul_mm past them); the experts of all rows in one launch each, and
     attention one launch a stage, the grid's z a row: each row's cache (its sequence's), partials
     and step values bound as the pieces of one buffer each. The delta-net of a batch's sequences
-    in one launch the same way; of several tokens of one sequence, one launch that runs its rows
-    in order (each from the state the one before left, in registers). Where rows dispatch
-    indirect, or a cache is in pieces already, a launch a row, a stage's launches with no barrier
-    between them. The draw a launch a row."""
+    in one launch the same way; of several tokens of a sequence, one launch that runs its rows
+    in order (each from the state the one before left, in registers), the sequences' launches
+    with no barrier between them (a mixed step: some sequences one token, some several). Where
+    rows dispatch indirect, or a cache is in pieces already, a launch a row, a stage's launches
+    with no barrier between them. The draw a launch a row."""
 
     def __init__(self, g, seq, rows: list, a, row_seq=None):
         self.g, self.rows, self.a, self.row_seq = g, rows, a, row_seq
-        self.each = functools.partial(_each, row_seq=row_seq or (lambda r: seq))
-        self.sequences = len({id(graph) for graph, _ in rows})
+        self.at_row = row_seq or (lambda r: seq)
+        self.each = functools.partial(_each, row_seq=self.at_row)
+        self.runs: list[list] = []  # [graph, first row, rows] of each sequence: its rows consecutive
+        for r, (graph, _) in enumerate(rows):
+            if self.runs and self.runs[-1][0] is graph:
+                self.runs[-1][2] += 1
+            else:
+                self.runs.append([graph, r, 1])
+        if len(self.runs) != len({id(graph) for graph, _ in rows}):
+            raise ZdslError("a step's rows of one sequence are consecutive")
         # rows whose launches go out direct join their step values once, for attention a launch a
         # stage and, a batch's sequences one token each, the delta-net one launch
         self.steps = joined_steps(g.device, rows) if len(rows) > 1 and not row_seq else None
@@ -424,16 +434,13 @@ class RowBlocks:
     def deltanet(self, seq, i: int, t: int) -> None:
         g, a, p = self.g, self.a, f"blk.{i}."
         g.project_two(seq, p + "attn_qkv.weight", a.mix, p + "attn_gate.weight", a.z, a, t)
-        together = self.steps and self.sequences == t and g.delta_steps(i, a, self.rows, self.steps)
+        together = self.steps and len(self.runs) == t and g.delta_steps(i, a, self.rows, self.steps)
         if together:  # a batch whose rows step in one launch
             together(seq)
-        elif self.sequences == t:  # a launch a sequence, together (rows dispatched indirect: one each)
-            self.each(seq, [[graph.delta_step(i, a, r, step)] for r, (graph, step) in enumerate(self.rows)])
-        elif self.sequences == 1:  # a step of several tokens of one sequence: one launch runs its rows in order
-            graph, step = self.rows[0]  # its step values: p0 = the first row's position
-            graph.delta_step(i, a, 0, step, rows=t)(seq)
-        else:
-            raise ZdslError("a step's rows are one sequence's tokens or one token of each sequence")
+        else:  # a launch a sequence running its rows in order, from its first row's step values (p0)
+            with seq.together():
+                for graph, r, n in self.runs:
+                    graph.delta_step(i, a, r, self.rows[r][1], rows=n)(self.at_row(r))
         g.residual(seq, p + "ssm_out.weight", a.dn_out, g.post_attention_norm(i), a, t)
 
     def moe(self, seq, i: int, t: int) -> None:

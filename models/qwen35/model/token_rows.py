@@ -25,10 +25,8 @@ import numpy as np
 
 from zdsl.errors import ZdslError
 from zdsl.kernels import embedding, steps as step_kernels
-from zdsl.kernels.steps import STEP_WORDS
+from zdsl.kernels.steps import STEP_STRIDE, STEP_WORDS
 from zdsl.models.qwen35.model.schedule import step_rows
-
-STEP_STRIDE = 256  # bytes between rows' step values: Vulkan's largest storage-offset alignment
 
 
 class TokenRows:
