@@ -132,6 +132,8 @@ def batched_steps_leave_each_sequence_as_its_own_step(model, gs, prompts):
         batch.close()
 
 
+@pytest.mark.parametrize("model", [("tiny-dense", "q4_k_m"), ("tiny", "q4_k_m", "qwen35", MIXED)], indirect=True,
+                         ids=["dense-q4_k_m", "moe-248k-vocab-mixed"])
 def test_a_mixed_step_leaves_each_sequence_as_its_own_steps(model, device):
     """Mixed steps: some sequences take several tokens (a prompt's next ones, a draft), the others
     one, in one step, in rows in another order than the batch's. Each sequence's logits rows,
