@@ -117,8 +117,9 @@ def chrome_trace(timings: list[tuple[str, float]]) -> dict:
               help="Tokens before the timed step (a random prompt, fed by batched prefill).")
 @click.option("--top", type=int, default=15, show_default=True, help="Rows of the slowest-dispatch table.")
 @click.option("--steps", type=int, default=5, show_default=True, help="Timed steps (each dispatch: the median).")
-@click.option("--warm-ms", type=int, default=500, show_default=True,
-              help="Replay the step this long before timing (lets the GPU raise its clocks).")
+@click.option("--warm-ms", type=int, default=3000, show_default=True,
+              help="Replay the step this long before timing (lets the GPU raise its clocks; on the H100 "
+                   "half a second left a step of several tokens timed at up to 3x).")
 @click.option("--prompt", "prompt_len", type=int, default=0,
               help="Time a batched prefill chunk of this many prompt tokens instead of a decode step.")
 @click.option("--step-tokens", type=int, default=0,
