@@ -169,7 +169,9 @@ def test_a_mixed_step_leaves_each_sequence_as_its_own_steps(model, device):
         # the last step fed the first sequence 4 tokens: cut back to 1 of them, it steps on as after one
         g, p0 = gs[0], gs[0].position - 4
         g.restore()
+        counter = int(g.step_words[3])
         batch.step([(g, feeds[1][1])])
+        assert g.last_step == (p0, counter, 4)  # the sampler's counter before the step, which a cut goes back to
         g.cut(p0 + 1)
         g.decode(feeds[1][1][1])
         after_cut = g.logits()

@@ -19,6 +19,20 @@ from zdsl.models.qwen35.model.sampler import SamplerConfig
 from zdsl.runtime import open_device
 
 
+def ms_a_step(dev, fresh, steps: int, step) -> float:
+    """The ms of `steps` runs of step(), each run of them after fresh() (new prompts): the median
+    of two, after one that records and warms up."""
+    times = []
+    for _ in range(3):
+        fresh()
+        dev.wait_idle()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        times.append(1e3 * (time.perf_counter() - start) / steps)
+    return round(float(np.median(times[1:])), 3)
+
+
 @click.command()
 @click.argument("model")
 @click.option("--device", default=None)
@@ -40,28 +54,13 @@ def main(model, device, n_ctx, prompt_len, stream_counts, token_counts, steps):
         for k in ks:
             batch = Batch(graphs[:k], rows=k - 1 + most)
             for t in ts:
-                mixed, apart = [], []
-                for _ in range(3):  # the first records and warms up
-                    for g in graphs[:k]:
-                        g.reset()
-                        g.prefill(tokens(prompt_len))
-                    dev.wait_idle()
-                    start = time.perf_counter()
-                    for _ in range(steps):
-                        batch.step([(graphs[0], tokens(t))] + [(g, tokens(1)) for g in graphs[1:k]])
-                    mixed.append(1e3 * (time.perf_counter() - start) / steps)
-                    for g in graphs[:k]:
-                        g.reset()
-                        g.prefill(tokens(prompt_len))
-                    dev.wait_idle()
-                    start = time.perf_counter()
-                    for _ in range(steps):
-                        graphs[0].decode_tokens(tokens(t))
-                        batch.decode(graphs[1:k], 1, tokens=tokens(k - 1))
-                    apart.append(1e3 * (time.perf_counter() - start) / steps)
-                print(json.dumps({"streams": k, "tokens": t, "mixed_ms": round(float(np.median(mixed[1:])), 3),
-                                  "apart_ms": round(float(np.median(apart[1:])), 3), "device": dev.info.name}),
-                      flush=True)
+                fresh = lambda: [g.reset() or g.prefill(tokens(prompt_len)) for g in graphs[:k]]
+                mixed = ms_a_step(dev, fresh, steps,
+                                  lambda: batch.step([(graphs[0], tokens(t))] + [(g, tokens(1)) for g in graphs[1:k]]))
+                apart = ms_a_step(dev, fresh, steps, lambda: (graphs[0].decode_tokens(tokens(t)),
+                                                              batch.decode(graphs[1:k], 1, tokens=tokens(k - 1))))
+                print(json.dumps({"streams": k, "tokens": t, "mixed_ms": mixed, "apart_ms": apart,
+                                  "device": dev.info.name}), flush=True)
             batch.close()
     finally:
         for g in reversed(graphs):

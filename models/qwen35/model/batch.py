@@ -38,16 +38,17 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from concurrent.futures import Future
+from itertools import accumulate
 
 import numpy as np
 
 from zdsl.errors import ZdslError
 from zdsl.kernels import embedding
 from zdsl.kernels.dmmv import dmmv
-from zdsl.kernels import steps as step_kernels
 from zdsl.kernels.steps import STEP_STRIDE, STEP_WORDS
 from zdsl.models.qwen35.model.buffers import batch_buffers
 from zdsl.models.qwen35.model.schedule import step_rows
+from zdsl.models.qwen35.model.token_rows import embedded_rows, feed, hand_back, stepped
 
 MOST = max(dmmv.variant_space["COLS"])  # sequences a batch holds: dmmv's columns
 OWN_AFTER, KEPT = 2, 8  # the burst of a set of sequences that records its own step; steps kept
@@ -112,14 +113,9 @@ class Batch:
         each step feeding a sequence its own sampled token, the first its token in `tokens` where
         given (as DecodeGraph.decode(token)) or the one it sampled last; returns each one's n
         sampled tokens."""
-        rows = self._rows_of(graphs)
-        if any(g.cand.nbytes > self.cand_bytes for g in graphs):
-            raise ZdslError("a graph's sampler was retuned to more candidates than its batch holds: make the batch again")
+        rows = self._ready(graphs)
         for r, g in enumerate(graphs):  # every step copies the host's step values in (_record)
             g.from_host(None if tokens is None else tokens[r], n)
-        if self._recorded != [g.recorded for g in self.graphs]:  # a graph recorded again: its sampler changed
-            self._forget()
-            self._record_ahead()
         first = [g.position for g in graphs]
         self._step(sorted(rows)).run(times=n)
         for g in graphs:
@@ -134,7 +130,7 @@ class Batch:
         for several (so a graph fed several was made with step_tokens ≥ that many, samples
         without penalties, and may be cut back after, as after decode_tokens)."""
         graphs = [g for g, _ in feeds]
-        self._rows_of(graphs)
+        rows = self._ready(graphs)
         counts = [len(tokens) for _, tokens in feeds]
         if sum(counts) > self.most_rows or min(counts) < 1:
             raise ZdslError(f"a step of this batch holds 1 to {self.most_rows} rows, each sequence's tokens "
@@ -146,24 +142,9 @@ class Batch:
             if g.sampler.penalties:
                 raise ZdslError("a mixed step samples without repetition penalties (their window counts one token "
                                 "a step); use --repeat-penalty 1 and no presence/frequency penalty")
-            if g.cand.nbytes > self.cand_bytes:
-                raise ZdslError("a graph's sampler was retuned to more candidates than its batch holds: make the "
-                                "batch again")
-        if self._recorded != [g.recorded for g in self.graphs]:
-            self._forget()
-            self._record_ahead()
         words = self.row_steps_host.view(np.uint32).reshape(self.most_rows, STEP_STRIDE // 4)
-        r = 0
-        for (g, tokens), n in zip(feeds, counts):
-            g.check_feed(tokens)
-            p0, counter = g.position, int(g.step_words[3])
-            words[r:r + n] = 0
-            words[r:r + n, 0] = np.arange(p0, p0 + n)
-            words[r:r + n, 1] = words[r:r + n, 0] + 1
-            words[r:r + n, 2] = tokens
-            words[r:r + n, 3] = np.arange(counter, counter + n)  # each row's draw its own counter
-            r += n
-        shape = tuple((self.graphs.index(g), n) for g, n in zip(graphs, counts))
+        fed = [feed(words, r, g, tokens) for r, (g, tokens) in zip(accumulate(counts[:-1], initial=0), feeds)]
+        shape = tuple(zip(rows, counts))
         seq = self._mixed.get(shape)
         if seq is None:
             seq = self._mixed[shape] = self._record_mixed(shape)
@@ -171,42 +152,40 @@ class Batch:
                 self._mixed.popitem(last=False)[1].free()
         self._mixed.move_to_end(shape)
         seq.run()
-        out = []
-        for g, n in zip(graphs, counts):
-            p0, counter = g.position, int(g.step_words[3])
-            g.position += n
-            g.synced = True
-            g.last_step = (p0, counter, n) if n > 1 else None
-            out.append(g.tokens_out.read(np.uint32, (n,), offset=4 * p0).tolist())
-        return out
+        return [stepped(g, *before) for g, before in zip(graphs, fed)]
 
     def _record_mixed(self, shape: tuple):
         """The mixed step of `shape` ((batch row of a graph, its tokens), …): the rows' step values
         from the host, the layers, every row's draw; then each graph's own step values as its
         last row's after a decode step (its draw, position and length moved on), back to the host."""
-        lender, hp = self.lender, self.lender.hp
-        t = sum(n for _, n in shape)
+        lender = self.lender
         seq = lender.device.sequence()
-        seq.copy(self.row_steps_host, self.row_steps, STEP_STRIDE * t)
-        views = [self.row_steps.slice(STEP_STRIDE * r, 4 * STEP_WORDS) for r in range(t)]
-        rows = list(zip([self.graphs[row] for row, n in shape for _ in range(n)], views))
-        emb = "token_embd.weight"
-        embedding.embed.launch(seq, lender.pick, QTYPE=lender.qname(emb), table=lender.weights[emb], ids=self.row_steps,
-                               out=self.rows.x, k=hp.hidden, index=2, stride=STEP_STRIDE // 4, rows=t)
-        lender.record_layers(seq, rows, self.rows)
+        views = embedded_rows(seq, lender, self.row_steps_host, self.row_steps, sum(n for _, n in shape), self.rows.x)
+        lender.record_layers(seq, list(zip([self.graphs[row] for row, n in shape for _ in range(n)], views)), self.rows)
         last = -1
         for row, n in shape:
-            g, last = self.graphs[row], last + n
-            seq.copy(views[last], g.step, 4 * STEP_WORDS)
-            step_kernels.advance.launch(seq, lender.pick, step=g.step)
-            seq.copy(g.step, g.step_host)
+            last += n
+            hand_back(seq, self.graphs[row], views[last])
         return seq
 
-    def _rows_of(self, graphs: list) -> set[int]:
+    def _rows_of(self, graphs: list) -> list[int]:
+        """The batch's rows of `graphs`, in their order; refused unless distinct graphs of it."""
         index = {id(g): i for i, g in enumerate(self.graphs)}
-        rows = {index.get(id(g)) for g in graphs}
-        if not graphs or None in rows or len(rows) < len(graphs):
+        rows = [index.get(id(g)) for g in graphs]
+        if not graphs or None in rows or len(set(rows)) < len(graphs):
             raise ZdslError("a batched step runs distinct graphs of its batch")
+        return rows
+
+    def _ready(self, graphs: list) -> list[int]:
+        """The batch's rows of `graphs` (_rows_of), refused where a graph's sampler wants more room
+        than the batch's; its steps recorded again where a graph's were (its sampler changed)."""
+        rows = self._rows_of(graphs)
+        if any(g.cand.nbytes > self.cand_bytes for g in graphs):
+            raise ZdslError("a graph's sampler was retuned to more candidates than its batch holds: make the "
+                            "batch again")
+        if self._recorded != [g.recorded for g in self.graphs]:
+            self._forget()
+            self._record_ahead()
         return rows
 
     def _step(self, rows: list[int]):

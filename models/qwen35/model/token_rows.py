@@ -48,10 +48,6 @@ class TokenRows:
         if self.g.hp.moe:
             seq.fill(self.rows.arrivals), seq.fill(self.rows.zero_id)
 
-    def step(self, t: int):
-        """The step of t tokens, step values by row from `steps`."""
-        return [self.steps.slice(STEP_STRIDE * r, 4 * STEP_WORDS) for r in range(t)]
-
     def record(self, t: int, timestamps: bool = False):
         """The sequence of a step of t tokens, recorded and not run. It copies the rows' step values
         from the host, runs the layers and every row's draw, then leaves the graph's own step values
@@ -62,15 +58,9 @@ class TokenRows:
             raise ZdslError("a step of several tokens samples without repetition penalties (their window would "
                             "count drafts that are cut away); use --repeat-penalty 1 and no presence/frequency penalty")
         seq = g.device.sequence(timestamps=timestamps)
-        seq.copy(self.host, self.steps, STEP_STRIDE * t)
-        emb = "token_embd.weight"
-        embedding.embed.launch(seq, g.pick, QTYPE=g.qname(emb), table=g.weights[emb], ids=self.steps,
-                               out=self.rows.x, k=g.hp.hidden, index=2, stride=STEP_STRIDE // 4, rows=t)
-        views = self.step(t)
+        views = embedded_rows(seq, g, self.host, self.steps, t, self.rows.x)
         g.record_layers(seq, [(g, view) for view in views], self.rows)
-        seq.copy(views[-1], g.step, 4 * STEP_WORDS)
-        step_kernels.advance.launch(seq, g.pick, step=g.step)
-        seq.copy(g.step, g.step_host)
+        hand_back(seq, g, views[-1])
         return seq
 
     def run(self, tokens: list[int]) -> list[int]:
@@ -89,20 +79,9 @@ class TokenRows:
 
     def _run(self, seq, tokens: list[int]) -> list[int]:
         """Run `seq`, a recorded step of len(tokens) tokens: their step values written first."""
-        g, t = self.g, len(tokens)
-        g.check_feed(tokens)
-        p0, counter = g.position, int(g.step_words[3])
-        words = self.host_words
-        words[:t] = 0
-        words[:t, 0] = np.arange(p0, p0 + t)
-        words[:t, 1] = words[:t, 0] + 1
-        words[:t, 2] = tokens
-        words[:t, 3] = np.arange(counter, counter + t)  # each row's draw its own counter, as t steps count
+        fed = feed(self.host_words, 0, self.g, tokens)
         seq.run()
-        g.position += t
-        g.synced = True
-        g.last_step = (p0, counter, t)
-        return g.tokens_out.read(np.uint32, (t,), offset=4 * p0).tolist()
+        return stepped(self.g, *fed)
 
     def profile(self, tokens: list[int]) -> list[tuple[str, float]]:
         """Run one step of `tokens` recorded with a GPU timestamp after every command (recorded
@@ -126,3 +105,46 @@ class TokenRows:
     def free(self) -> None:
         self.forget()
         self.host.free()
+
+
+def feed(words, r: int, g, tokens: list[int]) -> tuple[int, int, int]:
+    """Write the step values of `tokens` fed to graph g at its position into rows r … of `words`
+    (the host's, a row a token): position, length, token, and each row's draw its own counter, as
+    that many steps count. Returns (position, counter, tokens) before the step (`stepped`)."""
+    g.check_feed(tokens)
+    p0, counter, t = g.position, int(g.step_words[3]), len(tokens)
+    rows = words[r:r + t]
+    rows[:] = 0
+    rows[:, 0] = np.arange(p0, p0 + t)
+    rows[:, 1] = rows[:, 0] + 1
+    rows[:, 2] = tokens
+    rows[:, 3] = np.arange(counter, counter + t)
+    return p0, counter, t
+
+
+def stepped(g, p0: int, counter: int, t: int) -> list[int]:
+    """After a step fed g t tokens from position p0 (`feed`): its position moved on, its step values
+    the GPU's, and the step one to cut back in (where its states are rings: step_tokens > 1).
+    Returns the token sampled after each."""
+    g.position += t
+    g.synced = True
+    g.last_step = (p0, counter, t) if g.step_tokens > 1 else None
+    return g.tokens_out.read(np.uint32, (t,), offset=4 * p0).tolist()
+
+
+def embedded_rows(seq, g, host, steps, t: int, x) -> list:
+    """Record t rows' step values copied from `host` into `steps` (STEP_STRIDE apart) and their
+    tokens' embeddings (graph g's weights) into rows of x; returns each row's step values."""
+    seq.copy(host, steps, STEP_STRIDE * t)
+    emb = "token_embd.weight"
+    embedding.embed.launch(seq, g.pick, QTYPE=g.qname(emb), table=g.weights[emb], ids=steps, out=x, k=g.hp.hidden,
+                           index=2, stride=STEP_STRIDE // 4, rows=t)
+    return [steps.slice(STEP_STRIDE * r, 4 * STEP_WORDS) for r in range(t)]
+
+
+def hand_back(seq, g, last) -> None:
+    """Record graph g's own step values becoming those of its last row `last` after a decode step
+    (its draw, position and length moved on), and their copy back to the host."""
+    seq.copy(last, g.step, 4 * STEP_WORDS)
+    step_kernels.advance.launch(seq, g.pick, step=g.step)
+    seq.copy(g.step, g.step_host)
