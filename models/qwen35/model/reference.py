@@ -15,6 +15,7 @@ token on 2 cores: fine for spot checks, while tests use the tiny synthetic model
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -239,7 +240,7 @@ class ReferenceModel:
         state.kv[i] = (K, V)
         group = nh // nkv
         Kh, Vh = np.repeat(K, group, axis=0), np.repeat(V, group, axis=0)       # head h reads KV h // group
-        scores = (q.transpose(1, 0, 2) @ Kh.transpose(0, 2, 1)) / np.sqrt(hd)  # (nh, T, P+T)
+        scores = (q.transpose(1, 0, 2) @ Kh.transpose(0, 2, 1)) / math.sqrt(hd)  # (nh, T, P+T)
         past = K.shape[1] - T
         mask = np.arange(K.shape[1])[None, :] > (past + np.arange(T))[:, None]
         scores = np.where(mask, -np.inf, scores)
