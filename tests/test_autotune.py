@@ -1094,12 +1094,12 @@ def test_tune_with_a_model_file_tries_nominees_in_the_decode_step(tiny_model, tm
 
     out = tmp_path / "db.json"
     assert main(["tune", "--device", "lavapipe", "--model", str(tiny_model), "--kernels", "moe_router,dmmv",
-                 "--ctx", "64", "--budget", "60", "--repeats", "3", "--warm-ms", "0", "--out", str(out),
+                 "--ctx", "64", "--budget", "20", "--repeats", "3", "--warm-ms", "0", "--out", str(out),
                  "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     ip = report["in_place"]
     kept = [t for t in ip["trials"] if t["kept"]]
-    assert report["entries_written"] == ip["entries_kept"]
+    assert ip["trials"] and report["entries_written"] == ip["entries_kept"]
     if ip["entries_kept"]:
         assert ip["final"]["gain"] > 1 and ip["entries_kept"] == len(kept)
         assert len(json.loads(out.read_text())["entries"]) == len(kept)
