@@ -289,7 +289,7 @@ def test_more_pieces_than_the_driver_pushes_go_through_descriptor_sets(pieced_de
     variant = k.axpy.specialize(WG=64)
     out = variant.run(pieced_device, n // 64, x=x, y=y, out=np.zeros(n, np.float32), n=n, a=0.5)["out"]
     np.testing.assert_allclose(out, k.axpy_ref(x, y, 0.5), rtol=1e-6, atol=1e-6)
-    pipe = variant.pieced(((12, PIECE),) * 3).pipeline(pieced_device)
+    pipe = variant.pieced((12,) * 3).pipeline(pieced_device)
     assert len(pipe.bindings) == 36 and pipe.arrays == (12, 12, 12)
     assert pipe.pushed == (0 < 36 <= limit)
 
@@ -299,13 +299,39 @@ def test_pieced_twins_leave_the_variants_glsl_alone():
     own GLSL (and so its SPIR-V and speed) is what it was."""
     variant = k.axpy4.specialize()
     before = variant.glsl
-    twin = variant.pieced((None, (3, PIECE), None))
+    twin = variant.pieced((None, 3, None))
     assert variant.glsl == before and "nonuniformEXT" not in before
     assert "y_f32x4_pieces[3]" in twin.glsl and "x_f32x4_pieces" not in twin.glsl
     assert twin.glsl.replace("y_f32x4_pieces", "").count("_pieces") == 0
     assert twin.bindings == ("r", "r", "r", "r", "w") and twin.arrays == (1, 3, 1)
-    assert twin.push_size == variant.push_size + 4
-    assert variant.pieced((None, (3, PIECE), None)) is twin
+    assert twin.push_size == variant.push_size + 8  # where the buffer starts, and its pieces' size
+    assert variant.pieced((None, 3, None)) is twin
+
+
+def test_pieces_of_any_size_share_one_pipeline(pieced_device):
+    """Buffers joined as pieces of 16, 32 and 64 KiB (PiecedBuffer.joined: a batch's sequences'
+    own buffers) run on one twin, one pipeline, for their count of pieces, the size a push
+    constant: each product as numpy's, from a start inside the first piece."""
+    variant = k.axpy.specialize(WG=64)
+    before = set(variant._twins)
+    for piece in (PIECE // 4, PIECE // 2, PIECE):
+        n = 2 * piece // 4 + 12  # three pieces of f32, the last short
+        rng = np.random.default_rng(piece)
+        x, y = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+        parts = {name: [pieced_device.upload(np.ascontiguousarray(v[i:i + piece // 4]), f"{name}{i}")
+                        for i in range(0, n, piece // 4)]
+                 for name, v in (("x", x), ("y", y), ("out", np.zeros(n, np.float32)))}
+        bufs = {name: PiecedBuffer.joined(p, piece, name) for name, p in parts.items()}
+        m = n - 16  # the kernel's view starts 16 floats in
+        seq = pieced_device.sequence()
+        variant.dispatch(seq, -(-m // 64), **{name: b.slice(64, 4 * m) for name, b in bufs.items()}, n=m, a=1.5)
+        seq.run()
+        np.testing.assert_allclose(bufs["out"].read(np.float32)[16:], k.axpy_ref(x, y, 1.5)[16:], rtol=1e-6,
+                                   atol=1e-6)
+        seq.free()
+        for b in (b for p in parts.values() for b in p):
+            b.free()
+    assert set(variant._twins) - before <= {(3, 3, 3)} and (3, 3, 3) in variant._twins
 
 
 def test_a_device_without_nonuniform_indexing_says_so(monkeypatch):

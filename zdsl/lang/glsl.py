@@ -98,13 +98,20 @@ def start_field(buffer: str) -> str:
     return f"zdsl_start_{buffer}"
 
 
-class Emitter:
-    """`pieces`: buffer name → (descriptors, bytes a piece) for the buffers bound in pieces
-    (runtime/memory.py's PiecedBuffer): each view of one is an array of blocks, and an element
-    `at` = index + start (in elements) lives in piece `at >> s` at `at & mask`, where a piece
-    holds 2^s elements (a power of two, so no naturally aligned element straddles a seam)."""
+def piece_field(buffer: str) -> str:
+    """The push constant beside start_field: log2 of a piece's bytes."""
+    return f"zdsl_piece_{buffer}"
 
-    def __init__(self, k: ir.Kernel, pieces: dict[str, tuple[int, int]] | None = None):
+
+class Emitter:
+    """`pieces`: buffer name → descriptors, for the buffers bound in pieces (runtime/memory.py's
+    PiecedBuffer): each view of one is an array of blocks, and an element `at` = index + start (in
+    elements) lives in piece `at >> s` at `at & (2^s − 1)`, where a piece holds 2^s elements (a
+    power of two, so no naturally aligned element straddles a seam). The piece's size comes as a
+    push constant, not in the code: buffers in pieces of any size share a pipeline (on lavapipe,
+    one compilation)."""
+
+    def __init__(self, k: ir.Kernel, pieces: dict[str, int] | None = None):
         self.k = k
         self.pieces = pieces or {}
         self.declared = {name: dtype for name, dtype, _ in k.buffers}
@@ -214,9 +221,10 @@ class Emitter:
         name = view_name(view, self.declared)
         if view.buffer not in self.pieces:
             return f"{name}[{index}]"
-        size, per = view.dtype.nbytes, self.pieces[view.buffer][1] // view.dtype.nbytes
-        at = f"(uint({index}) + (pc.{start_field(view.buffer)} >> {_log2(size)}u))"
-        return f"{name}_pieces[nonuniformEXT({at} >> {_log2(per)}u)].{name}_p[{at} & {per - 1}u]"
+        size = _log2(view.dtype.nbytes)
+        at = f"(uint({index}) + (pc.{start_field(view.buffer)} >> {size}u))"
+        shift = f"(pc.{piece_field(view.buffer)} - {size}u)"
+        return f"{name}_pieces[nonuniformEXT({at} >> {shift})].{name}_p[{at} & ((1u << {shift}) - 1u)]"
 
     @staticmethod
     def widen(text: str, storage: DType) -> str:
@@ -342,7 +350,8 @@ class Emitter:
                 out.append(f"layout(constant_id = {cid}) const uint zdsl_grid_{axis} = {0 if axis == 'x' else 1}u;")
         if k.scalars or self.pieces:
             fields = " ".join([f"{s.dtype.glsl} {safe(s.name)};" for s in k.scalars]
-                              + [f"uint {start_field(name)};" for name, _, _ in k.buffers if name in self.pieces])
+                              + [f"uint {field(name)};" for name, _, _ in k.buffers if name in self.pieces
+                                 for field in (start_field, piece_field)])
             out.append(f"layout(push_constant) uniform Push {{ {fields} }} pc;")
         access = {name: acc for name, _, acc in k.buffers}
         for name, dtype, acc in k.buffers:
@@ -358,7 +367,7 @@ class Emitter:
                 vn = view_name(v, self.declared)
                 decl = f"layout(set = 0, binding = {binding}, std430) {restrict}{qual}buffer B_{vn} "
                 if name in self.pieces:
-                    out.append(decl + f"{{ {v.dtype.glsl} {vn}_p[]; }} {vn}_pieces[{self.pieces[name][0]}];")
+                    out.append(decl + f"{{ {v.dtype.glsl} {vn}_p[]; }} {vn}_pieces[{self.pieces[name]}];")
                 else:
                     out.append(decl + f"{{ {v.dtype.glsl} {vn}[]; }};")
         out += self.shared_arrays()
@@ -403,7 +412,7 @@ class Emitter:
         return "\n".join(text_lines), locs
 
 
-def emit(k: ir.Kernel, pieces: dict[str, tuple[int, int]] | None = None) -> tuple[str, list]:
+def emit(k: ir.Kernel, pieces: dict[str, int] | None = None) -> tuple[str, list]:
     """GLSL text and a map of (GLSL line, Python file, Python line) for error reports; `pieces`:
     the buffers bound in pieces (Emitter)."""
     return Emitter(k, pieces).emit()

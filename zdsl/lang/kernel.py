@@ -471,15 +471,15 @@ class Variant:
                    for b, (_, _, acc) in zip(buffers, self.ir.buffers)]
         variant, push = self, self.pack_push(scalars)
         if any(_pieced(b) for b in buffers):
-            variant = self.pieced(tuple((len(b.pieces), b.piece) if _pieced(b) else None for b in buffers))
+            variant = self.pieced(tuple(len(b.pieces) if _pieced(b) else None for b in buffers))
             push += variant.starts(buffers)
             buffers = [p for b in buffers for p in (b.bindings() if _pieced(b) else [b])]
         seq.dispatch(variant.pipeline(seq.device), _groups(groups), buffers, push,
                      label=f"{label}:{self.label}" if label else self.label)
 
     def pieced(self, layout: tuple) -> "Pieced":
-        """The twin that binds buffers in pieces as `layout` says: for each buffer, None or
-        (pieces, bytes a piece). Made once a layout."""
+        """The twin that binds buffers in pieces as `layout` says: for each buffer, None or its
+        pieces' count. Made once a layout."""
         twin = self._twins.get(layout)
         if twin is None:
             twin = self._twins[layout] = Pieced(self, layout)
@@ -516,8 +516,8 @@ class Pieced(Variant):
     """A variant with some buffers bound in pieces, each piece a descriptor of an array the
     shader indexes per element (zdsl/lang/glsl.py): the same IR and code otherwise, so the
     variant without pieces keeps its exact GLSL. Where each such buffer starts in its first
-    piece follows the kernel's scalars as push constants, so slices of one buffer share a
-    pipeline."""
+    piece and the size of its pieces follow the kernel's scalars as push constants, so slices of
+    one buffer, and buffers in pieces of another size, share a pipeline."""
 
     def __init__(self, base: Variant, layout: tuple):
         super().__init__(base.kernel, base.params)
@@ -535,19 +535,20 @@ class Pieced(Variant):
 
     @property
     def bindings(self) -> tuple[str, ...]:
-        return tuple(acc for (_, _, acc), p in zip(self.ir.buffers, self.layout) for _ in range(p[0] if p else 1))
+        return tuple(acc for (_, _, acc), p in zip(self.ir.buffers, self.layout) for _ in range(p or 1))
 
     @property
     def arrays(self) -> tuple[int, ...]:
-        return tuple(p[0] if p else 1 for p in self.layout)
+        return tuple(p or 1 for p in self.layout)
 
     @property
     def push_size(self) -> int:
-        return super().push_size + 4 * len(self.pieces)
+        return super().push_size + 8 * len(self.pieces)
 
     def starts(self, buffers: list) -> bytes:
-        """The push constants after the kernel's: the byte where each pieced buffer starts in its
-        first piece, a whole number of the elements of every view the kernel reads it through."""
+        """The push constants after the kernel's, for each pieced buffer: the byte where it starts
+        in its first piece (a whole number of the elements of every view the kernel reads it
+        through) and log2 of its pieces' bytes."""
         starts = []
         for (name, _, _), buf in zip(self.ir.buffers, buffers):
             if name not in self.pieces:
@@ -557,7 +558,7 @@ class Pieced(Variant):
                     raise ZdslError(f"{self.kernel.name}: {name} ({buf.name}) starts {buf.start} bytes into a piece, "
                                     f"not a whole number of its {view.dtype!r} elements; slice it at a multiple of "
                                     f"{view.dtype.nbytes} bytes")
-            starts.append(buf.start)
+            starts += [buf.start, buf.piece.bit_length() - 1]
         return struct.pack(f"<{len(starts)}I", *starts)
 
 
