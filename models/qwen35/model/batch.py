@@ -48,7 +48,7 @@ from zdsl.kernels.dmmv import dmmv
 from zdsl.kernels.steps import STEP_STRIDE, STEP_WORDS
 from zdsl.models.qwen35.model.buffers import batch_buffers
 from zdsl.models.qwen35.model.schedule import step_rows
-from zdsl.models.qwen35.model.token_rows import embedded_rows, feed, hand_back, stepped
+from zdsl.models.qwen35.model.token_rows import embedded_rows, feed, hand_back, refuse_penalties, stepped
 
 MOST = max(dmmv.variant_space["COLS"])  # sequences a batch holds: dmmv's columns
 OWN_AFTER, KEPT = 2, 8  # the burst of a set of sequences that records its own step; steps kept
@@ -139,9 +139,7 @@ class Batch:
             if n > max(1, g.step_tokens):
                 raise ZdslError(f"this decode graph steps at most {g.step_tokens} tokens at once, not {n}: make it "
                                 "with step_tokens ≥ that")
-            if g.sampler.penalties:
-                raise ZdslError("a mixed step samples without repetition penalties (their window counts one token "
-                                "a step); use --repeat-penalty 1 and no presence/frequency penalty")
+            refuse_penalties(g)
         words = self.row_steps_host.view(np.uint32).reshape(self.most_rows, STEP_STRIDE // 4)
         fed = [feed(words, r, g, tokens) for r, (g, tokens) in zip(accumulate(counts[:-1], initial=0), feeds)]
         shape = tuple(zip(rows, counts))

@@ -54,9 +54,7 @@ class TokenRows:
         as a decode step of the last token would (its draw, position and length moved on) and
         copies them back."""
         g = self.g
-        if g.sampler.penalties:
-            raise ZdslError("a step of several tokens samples without repetition penalties (their window would "
-                            "count drafts that are cut away); use --repeat-penalty 1 and no presence/frequency penalty")
+        refuse_penalties(g)
         seq = g.device.sequence(timestamps=timestamps)
         views = embedded_rows(seq, g, self.host, self.steps, t, self.rows.x)
         g.record_layers(seq, [(g, view) for view in views], self.rows)
@@ -105,6 +103,14 @@ class TokenRows:
     def free(self) -> None:
         self.forget()
         self.host.free()
+
+
+def refuse_penalties(g) -> None:
+    """Refuse graph g in a step of several rows if it samples with repetition penalties: their
+    window counts one token a step, and would count drafts that are cut away."""
+    if g.sampler.penalties:
+        raise ZdslError("a step of several tokens samples without repetition penalties (their window counts one "
+                        "token a step); use --repeat-penalty 1 and no presence/frequency penalty")
 
 
 def feed(words, r: int, g, tokens: list[int]) -> tuple[int, int, int]:
