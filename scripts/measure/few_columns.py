@@ -26,8 +26,8 @@ TYPES = ("q8_0", "q4_k", "q5_k", "q6_k")
 LAYOUTS = [(rows, nsub) for rows in (1, 2, 4) for nsub in (1, 2, 4)]
 
 
-def best_us(measure, qtype: str, cols: int) -> tuple[float, str]:
-    """The fastest layout's µs and its label."""
+def best_us(measure, qtype: str, cols: int) -> tuple[float, str, int]:
+    """The fastest layout's µs, its label and the bytes it moves."""
     fixed = dict(QTYPE=qtype, Q8=True, COLS=cols, ADD=False)
     launch = Launch(dmmv, dmmv.specialize(**fixed), fixed, dict(fixed, k=K, m=M), dict(k=K, m=M), {}, (1, 1, 1),
                     "head")
@@ -35,13 +35,14 @@ def best_us(measure, qtype: str, cols: int) -> tuple[float, str]:
     best = None
     for rows, nsub in LAYOUTS:
         v = dmmv.specialize(**fixed, ROWS=rows, NSUB=nsub, SG=32)
-        bufs = measure.upload(example, measure.copies(launch_of(v, example)[1]))
+        nbytes = launch_of(v, example)[1]
+        bufs = measure.upload(example, measure.copies(nbytes))
         try:
             us, _ = measure.time(example, bufs, [v])
         finally:
             free(bufs)
         if best is None or us < best[0]:
-            best = (us, f"ROWS={rows} NSUB={nsub}", launch_of(v, example)[1])
+            best = (us, f"ROWS={rows} NSUB={nsub}", nbytes)
     return best
 
 
