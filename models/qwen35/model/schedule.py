@@ -218,7 +218,7 @@ class LayerSchedule:
             state=state, out=o.f32, oq=o.q, od=o.d, n_k_heads=hp.ssm_k_heads, k=hp.hidden, eps=hp.eps,
             conv_slots=self.conv_slots, state_slots=self.state_slots, row=row, rows=rows, MANY=rows > 1,
             seq_bytes=stride, sequences=n,
-            **({"TOKENS": deltanet.tokens_at_once(rows)} if rows > 1 else {}))
+            **({"TOKENS": deltanet.tokens_at_once(rows, self.info.device_type == "cpu")} if rows > 1 else {}))
 
     def gate_up(self, gate: str, up: str, slots: int, experts: bool, a, row: int, act_stride: int, act=None,
                  label: str | None = None, rows: int = 1):
