@@ -330,6 +330,11 @@ class Device:
         return max(16, self._phys.min_storage_offset_alignment)
 
     @property
+    def storage_buffers(self) -> int:
+        """The storage-buffer descriptors one shader may bind (pieced buffers take one a piece)."""
+        return self._phys.max_storage_buffers
+
+    @property
     def placeholder(self) -> memory.Buffer:
         """A small buffer bound where a kernel variant declares a buffer it never touches."""
         if self._placeholder is None:

@@ -222,9 +222,9 @@ def _check_arrays(device, name: str, bindings: tuple, arrays: tuple) -> None:
     if max(arrays, default=1) > 1 and "pieced_buffers" not in info.features:
         raise MissingFeatureError(f"pipeline {name}: a buffer larger than {info.name} binds at once is bound in "
                                   "pieces, which needs shaderStorageBufferArrayNonUniformIndexing; it lacks it")
-    if len(bindings) > device._phys.max_storage_buffers:
+    if len(bindings) > device.storage_buffers:
         raise ZdslError(f"pipeline {name}: {len(bindings)} storage buffers, more than {info.name} binds in one "
-                        f"shader ({device._phys.max_storage_buffers}); its pieced buffers may be too large for it")
+                        f"shader ({device.storage_buffers}); its pieced buffers may be too large for it")
 
 
 def _own_cache(device):

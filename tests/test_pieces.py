@@ -310,12 +310,13 @@ def test_pieced_twins_leave_the_variants_glsl_alone():
 
 def test_pieces_of_any_size_share_one_pipeline(pieced_device):
     """Buffers joined as pieces of 16, 32 and 64 KiB (PiecedBuffer.joined: a batch's sequences'
-    own buffers) run on one twin, one pipeline, for their count of pieces, the size a push
-    constant: each product as numpy's, from a start inside the first piece."""
+    own buffers), three or four of them, run on one twin, one pipeline: the size is a push
+    constant, and the count rounds up to a power of two (descriptors past the pieces repeat the
+    last); each product as numpy's, from a start inside the first piece."""
     variant = k.axpy.specialize(WG=64)
     before = set(variant._twins)
-    for piece in (PIECE // 4, PIECE // 2, PIECE):
-        n = 2 * piece // 4 + 12  # three pieces of f32, the last short
+    for piece, count in ((PIECE // 4, 3), (PIECE // 2, 4), (PIECE, 3)):
+        n = (count - 1) * piece // 4 + 12  # the last piece short
         rng = np.random.default_rng(piece)
         x, y = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
         parts = {name: [pieced_device.upload(np.ascontiguousarray(v[i:i + piece // 4]), f"{name}{i}")
@@ -331,7 +332,24 @@ def test_pieces_of_any_size_share_one_pipeline(pieced_device):
         seq.free()
         for b in (b for p in parts.values() for b in p):
             b.free()
-    assert set(variant._twins) - before <= {(3, 3, 3)} and (3, 3, 3) in variant._twins
+    assert set(variant._twins) - before <= {(4, 4, 4)} and (4, 4, 4) in variant._twins
+
+
+def test_descriptor_arrays_round_up_unless_past_the_limit():
+    """Counts of pieces round up to powers of two, unless the rounded arrays pass the shader's
+    limit of descriptors where the exact ones fit."""
+    from zdsl.lang.kernel import _array_sizes
+
+    class Pieces:
+        def __init__(self, n):
+            self.pieces = [object()] * n
+
+        def bindings(self):
+            return self.pieces
+
+    plain = object()
+    assert _array_sizes([Pieces(5), plain, Pieces(1), Pieces(16)], 64) == (8, None, 1, 16)
+    assert _array_sizes([Pieces(33), plain], 65) == (64, None) and _array_sizes([Pieces(33), plain], 64) == (33, None)
 
 
 def test_a_device_without_nonuniform_indexing_says_so(monkeypatch):

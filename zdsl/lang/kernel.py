@@ -471,9 +471,10 @@ class Variant:
                    for b, (_, _, acc) in zip(buffers, self.ir.buffers)]
         variant, push = self, self.pack_push(scalars)
         if any(_pieced(b) for b in buffers):
-            variant = self.pieced(tuple(len(b.pieces) if _pieced(b) else None for b in buffers))
+            layout = _array_sizes(buffers, seq.device.storage_buffers)
+            variant = self.pieced(layout)
             push += variant.starts(buffers)
-            buffers = [p for b in buffers for p in (b.bindings() if _pieced(b) else [b])]
+            buffers = [p for b, n in zip(buffers, layout) for p in (_padded(b.bindings(), n) if n else [b])]
         seq.dispatch(variant.pipeline(seq.device), _groups(groups), buffers, push,
                      label=f"{label}:{self.label}" if label else self.label)
 
@@ -560,6 +561,22 @@ class Pieced(Variant):
                                     f"{view.dtype.nbytes} bytes")
             starts += [buf.start, buf.piece.bit_length() - 1]
         return struct.pack(f"<{len(starts)}I", *starts)
+
+
+def _array_sizes(buffers: list, limit: int) -> tuple:
+    """For each buffer, None or the descriptors its pieces take: their count rounded up to a power
+    of two, so that buffers of 5, 6 or 7 pieces share one pipeline (a batch's caches joined a
+    sequence a piece, a cache growing a piece at a time; lavapipe compiles each twin anew), unless
+    that passes the `limit` of descriptors a shader binds, where the exact counts still fit."""
+    exact = tuple(len(b.pieces) if _pieced(b) else None for b in buffers)
+    rounded = tuple(n and 1 << (n - 1).bit_length() for n in exact)
+    return rounded if sum(n or 1 for n in rounded) <= limit else exact
+
+
+def _padded(pieces: list, n: int) -> list:
+    """A buffer's pieces filling n descriptors: the last one again in those past them (the shader
+    never indexes them)."""
+    return pieces + pieces[-1:] * (n - len(pieces))
 
 
 def _pieced(buf) -> bool:
