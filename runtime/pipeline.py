@@ -93,7 +93,8 @@ def pack_spec(spec: dict[int, int | float | bool]) -> tuple[list[dict], bytes]:
 
 class Pipeline:
     __slots__ = ("name", "bindings", "push_size", "subgroup_size", "statistics", "isa", "code", "workgroup",
-                 "device", "handle", "layout", "access", "grid_ids", "arrays", "pushed", "source", "_folded")
+                 "device", "handle", "layout", "access", "grid_ids", "arrays", "pushed", "source", "compiled",
+                 "_folded")
 
     def __repr__(self) -> str:
         wave = f" subgroup {self.subgroup_size}" if self.subgroup_size else ""
@@ -202,6 +203,7 @@ def create(device, spirv: bytes, *, bindings, push_size: int, spec, subgroup_siz
     pipe.source = dict(spirv=spirv, bindings=bindings, push_size=push_size, spec=spec, subgroup_size=subgroup_size,
                        name=name, grid_ids=grid_ids, arrays=arrays)
     pipe.statistics = pipe.isa = pipe.code = None
+    pipe.compiled = False  # by a driver that compiles at the first dispatch, known to be (runtime/warm.py)
     if capture:
         executable = _first_executable(device, out[0])
         if executable and (statistics or cache_data):

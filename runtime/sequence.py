@@ -17,6 +17,7 @@ import numpy as np
 from zdsl.errors import MissingFeatureError, ZdslError
 from zdsl.runtime import vk
 from zdsl.runtime.memory import PiecedBuffer
+from zdsl.runtime.warm import warm
 from zdsl.runtime.vk import COMPUTE, DEPENDENCY, INDIRECT, TO_HOST, TRANSFER, Keep, barrier, ffi, lib
 
 MAX_TIMESTAMPS = 16384
@@ -97,6 +98,7 @@ class Sequence:
         self._labels: list[str] = []
         self.launches: list = []  # what KernelDef.launch recorded here (the tuner reads a step's)
         self.pipelines: dict = {}  # the pipelines dispatched, in order (a dict as an ordered set: runtime/warm.py)
+        self.warmed = False  # its pipelines went through runtime/warm.py (its first run does it)
         self._hazards = Hazards()
         self._together: Hazards | None = None  # what the commands of a together() block touch
         self._since = 0     # stages of the commands since the last barrier
@@ -316,6 +318,9 @@ class Sequence:
         self.end()
         if not isinstance(times, int) or times < 1:
             raise ZdslError(f"run(times={times!r}): times must be a positive integer")
+        if not self.warmed:
+            self.warmed = True
+            warm(self.device, self.pipelines)
         self.wait()
         submit = self._submits.get(times)
         if submit is None:

@@ -1,16 +1,21 @@
-"""A run's pipelines compiled by the driver before the run, on every core.
+"""A run's pipelines compiled by the driver before the run, on every core, each once.
 
 Most drivers compile a pipeline when it is made. Lavapipe compiles it at its first dispatch, on
 the queue's one thread, and keeps the machine code in Mesa's shader cache on disk: the tiny
 model's first run spent over a minute there, one kernel after the other, on a 2-core machine. A
 dispatch of no workgroups compiles a pipeline without running anything, so `warm` makes such
 dispatches on one device per core, side by side, and the run's own device then finds every
-pipeline in that cache. Each pipeline compiled is noted in zdsl's cache, so a later run (and a
-test beside it) skips it.
+pipeline in that cache. Each pipeline compiled is noted in zdsl's cache, so a later run skips it.
+
+Every sequence's first run comes through here too (sequence.py). Processes that share the
+caches (a test run's workers, a server beside a bench) take a pipeline's lock while one of them
+compiles it: another one wanting it compiles others meanwhile, then finds it noted, where it
+would have compiled it a second time side by side.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import threading
 from pathlib import Path
@@ -37,33 +42,72 @@ def _mark(device, pipe) -> Path:
     return cache_dir("compiled", content_key(device.info.identity)) / key
 
 
+def _noted(device, pipe) -> bool:
+    if not pipe.compiled and _mark(device, pipe).exists():
+        pipe.compiled = True
+    return pipe.compiled
+
+
+class _Claim:
+    """The lock on one pipeline's compile among processes (flock on a file beside its mark). The
+    mark, looked at again once the lock is held, decides; the lock file goes once the mark is
+    written (a process that opened it before waits on it, then finds the mark)."""
+
+    def __init__(self, mark: Path, wait: bool):
+        self.path = mark.with_name(mark.name + ".lock")
+        self.file = open(self.path, "ab")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            self.file.close()
+            self.file = None
+
+    def release(self, noted: bool) -> None:
+        if noted:
+            self.path.unlink(missing_ok=True)
+        self.file.close()  # closing drops the lock
+
+
 def warm(device, pipelines, progress: Callable[[int], None] | None = None) -> int:
     """Have the driver compile `pipelines` (made on `device`) now, where it would at their first
-    dispatch; returns how many it compiled (0: all were compiled before, or it compiles at
-    creation). `progress(n)` hears each one done."""
+    dispatch; returns how many it compiled (0: all were compiled before, here or by a process
+    sharing the caches, or the driver compiles at creation). `progress(n)` hears each one done."""
     if not compiles_at_first_dispatch(device.info):
         return 0
-    todo = [p for p in dict.fromkeys(pipelines) if not _mark(device, p).exists()]
+    todo = [p for p in dict.fromkeys(pipelines) if not _noted(device, p)]
     if not todo:
         return 0
     kept = _mesa_cache_kept()  # without it, only a dispatch on the run's own device counts
     workers = min(os.cpu_count() or 1, len(todo)) if kept else 1
     queue = sorted(todo, key=lambda p: -len(p.source["spirv"]))  # the largest first: no long one left for last
+    waited: set = set()  # pipelines another process held: waited for at the second go
     lock = threading.Lock()
     errors: list[BaseException] = []
+    compiled = [0]
 
     def next_pipe():
         with lock:
             return queue.pop(0) if queue and not errors else None
 
-    def compile_share(own: bool) -> None:
-        from zdsl.runtime.device import open_device
-
-        dev = device if own else open_device(device.info.index)
+    def compile_one(dev, pipe, own: bool) -> None:
+        claim = None
+        if kept:
+            with lock:
+                wait = pipe in waited
+            claim = _Claim(_mark(device, pipe), wait)
+            if claim.file is None:  # another process compiles it: others first, then wait for it
+                with lock:
+                    waited.add(pipe)
+                    queue.append(pipe)
+                return
+        noted = False
         try:
-            while (pipe := next_pipe()) is not None:
+            if kept and _noted(device, pipe):
+                noted = True
+            else:
                 twin = pipe if own else pipe.on(dev)
                 seq = dev.sequence()
+                seq.warmed = True
                 try:
                     seq.dispatch(twin, NO_GROUPS, [dev.placeholder] * len(twin.bindings), bytes(twin.push_size))
                     seq.run()
@@ -71,8 +115,23 @@ def warm(device, pipelines, progress: Callable[[int], None] | None = None) -> in
                     seq.free()
                 if kept:
                     write_atomic(_mark(device, pipe), b"")
-                if progress:
-                    progress(1)
+                    noted = True
+                with lock:
+                    compiled[0] += 1
+            pipe.compiled = True
+        finally:
+            if claim is not None:
+                claim.release(noted)
+        if progress:
+            progress(1)
+
+    def compile_share(own: bool) -> None:
+        from zdsl.runtime.device import open_device
+
+        dev = device if own else open_device(device.info.index)
+        try:
+            while (pipe := next_pipe()) is not None:
+                compile_one(dev, pipe, own)
         except BaseException as e:  # raised again on the caller's thread
             errors.append(e)
         finally:
@@ -86,4 +145,4 @@ def warm(device, pipelines, progress: Callable[[int], None] | None = None) -> in
         t.join()
     if errors:
         raise errors[0]
-    return len(todo)
+    return compiled[0]

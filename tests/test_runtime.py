@@ -259,6 +259,38 @@ def test_warm_has_each_pipeline_compiled_once_before_it_runs(device, tmp_path, m
     x.free()
     assert warm(SimpleNamespace(info=SimpleNamespace(device_type="discrete-gpu")), [add]) == 0
 
+def test_warm_leaves_a_pipeline_to_the_process_that_compiles_it(device, tmp_path, monkeypatch):
+    """Processes sharing the caches (a test run's workers): a pipeline whose lock another one
+    holds is being compiled there; `warm` compiles the others first, waits, then finds it noted
+    and does not compile it again. The lock file goes with the lock."""
+    import fcntl
+    import threading
+    import time
+
+    from zdsl.runtime import warm
+
+    monkeypatch.setenv("ZDSL_CACHE_DIR", str(tmp_path))
+    add = device.pipeline(spirv("add"), bindings=["rw"], push_size=8, name="add")
+    double = device.pipeline(spirv("double"), bindings=["r", "w"], push_size=4, name="double")
+    mark = warm._mark(device, add)
+    lock = mark.with_name(mark.name + ".lock")
+    other = open(lock, "ab")  # the other process, compiling add
+    fcntl.flock(other, fcntl.LOCK_EX)
+    heard, done = [], {}
+    runs = threading.Thread(target=lambda: done.update(n=warm.warm(device, [add, double], heard.append)))
+    runs.start()
+    for _ in range(200):
+        if heard:
+            break
+        time.sleep(0.05)
+    assert heard == [1] and runs.is_alive() and double.compiled and not add.compiled
+    mark.write_bytes(b"")  # the other process is done: it noted add and lets go
+    other.close()
+    runs.join(20)
+    assert done == {"n": 1} and heard == [1, 1] and add.compiled
+    assert not lock.exists()
+
+
 @pytest.mark.parametrize("wg", [1, 32, 96, 1024])
 def test_workgroup_size_from_spec(device, wg):
     pipe = device.pipeline(spirv("wgsize"), bindings=["w"], spec={0: wg}, name="wgsize")
