@@ -77,10 +77,10 @@ DEFAULT_TOKENS = 4  # TOKENS unless the launch says: the one value a launch of o
 def tokens_at_once(rows: int, cpu: bool = False) -> int:
     """deltanet_step's TOKENS for a launch of `rows` tokens: the fewest of 2, 4, 8 that hold them
     all (a block past the last token does its gates and conv for nothing, in parallel, while a
-    second block waits on the first), 8 beyond. On a CPU device always 2: there the blocks run one
-    after another anyway, and lavapipe compiles a block of 2 tokens in half the time of one of 8
-    (the barriers in its loop become coroutine splits), once for every row count."""
-    return 2 if cpu else next((t for t in (2, 4) if rows <= t), 8)
+    second block waits on the first), 8 beyond. On a CPU device blocks of one token: there the
+    blocks run one after another anyway, and lavapipe compiles a block of one token in a third of
+    the time of one of two (the barriers in its loop become coroutine splits)."""
+    return 1 if cpu else next((t for t in (2, 4) if rows <= t), 8)
 
 
 def _step_shared(v) -> int:

@@ -6,8 +6,9 @@ sequence fed only its first j tokens does. Tiny MoE and dense models, and one wi
 248,320-token vocabulary (its head's rows far apart).
 
 The step runs the decode step's kernels, a column or a row per token (mul_mm past dmmv's 8
-columns), so its results are the single steps' up to the order of a few sums: logits within 10⁻³
-of their spread (seen: equal), states within 10⁻³ of their norm, tokens equal.
+columns; on lavapipe past one, and one test forces a GPU's choice), so its results are the single
+steps' up to the order of a few sums: logits within 10⁻³ of their spread (seen: equal), states
+within 10⁻³ of their norm, tokens equal.
 """
 
 import numpy as np
@@ -18,6 +19,7 @@ from zdsl.models.qwen35.file import synth
 from zdsl.models.qwen35.file.gguf_file import open_model
 from zdsl.models.qwen35.model.graph import DecodeGraph
 from zdsl.models.qwen35.model.sampler import SamplerConfig
+from zdsl.models.qwen35.model.schedule import DMMV_COLS, LayerSchedule
 
 from graph_testing import state_of
 
@@ -73,6 +75,10 @@ def fed(g, prompt: list[int]) -> None:
 @pytest.mark.parametrize("t", [1, 2, 3, 5, 16])
 def test_a_step_of_t_tokens_is_t_single_steps(model, pair, t):
     rows, single = pair
+    check_t_tokens(model, rows, single, t)
+
+
+def check_t_tokens(model, rows, single, t: int) -> None:
     rng = np.random.default_rng(t)
     prompt, tokens = (rng.integers(0, model.hparams.vocab, n).tolist() for n in (PROMPT, t))
     fed(rows, prompt), fed(single, prompt)
@@ -90,6 +96,27 @@ def test_a_step_of_t_tokens_is_t_single_steps(model, pair, t):
     assert_near(live_state(rows), live_state(single), f"after {t} tokens")
     # and on from there: the graph's own step values are the last row's, moved on
     assert rows.decode() == single.decode()
+
+
+def test_a_step_on_dmmv_columns_as_a_gpu_runs_it_is_single_steps(tmp_path, device, monkeypatch):
+    """Lavapipe runs products of several rows on mul_mm (LayerSchedule.dmmv_takes); a GPU on dmmv's
+    columns, here forced: 3 tokens of the tiny MoE model, every Q4_K_M type's 3-column product."""
+    path = tmp_path / "model.gguf"
+    synth.write(path, "tiny", quant="q4_k_m", seed=5)
+    model = open_model(path)
+    monkeypatch.setattr(LayerSchedule, "dmmv_takes", lambda self, t: t <= DMMV_COLS)
+    rows = DecodeGraph(model, device, CTX, SamplerConfig(temperature=0), progress=False, chunk=MOST, step_tokens=3)
+    single = DecodeGraph(model, device, CTX, SamplerConfig(temperature=0), progress=False, chunk=MOST, weights_of=rows)
+    try:
+        seq = rows.token_rows.record(3)
+        columns = {(u.variant.params["QTYPE"], u.variant.params["COLS"]) for u in seq.launches
+                   if u.kernel.name == "dmmv"}
+        seq.free()
+        assert {q for q, c in columns if c == 3} >= {"q4_k", "q5_k", "q6_k"}, columns
+        check_t_tokens(model, rows, single, 3)
+    finally:
+        single.close()
+        rows.close()
 
 
 @pytest.mark.parametrize("t", [5, MOST])

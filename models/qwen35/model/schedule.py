@@ -7,8 +7,9 @@ the norm, the mixer (gated attention or the gated delta-net) with its projection
 residual addition, then the FFN (the MoE with its shared expert, or a dense SwiGLU) and its
 residual addition, and the next layer's norm; after the last, the output norm, the head and each
 row's draw. Each launch picks its kernel by the step's shape: dmmv for up to 8 rows, mul_mm
-past them; attention and the experts of all rows in one launch a stage, the delta-net one launch
-(a sequence's several tokens run in order in it), the draw a launch a row.
+past them (on a CPU device past one: `dmmv_takes`); attention and the experts of all rows in one
+launch a stage, the delta-net one launch (a sequence's several tokens run in order in it), the
+draw a launch a row.
 (A prompt's chunk runs the same order on kernels made for hundreds of rows: prefill.py.)
 
 Every projection reads its input once quantized to Q8_1 (int8 products; f32 for weight types
@@ -82,7 +83,7 @@ class LayerSchedule:
         label = label + tensor.removesuffix(".weight")
         q8 = self.int8(tensor) and x.q is not None and not exact
         xs = dict(xq=x.q, xd=x.d) if q8 else dict(x=x.f32)
-        if t <= DMMV_COLS:
+        if self.dmmv_takes(t):
             dmmv.dmmv.launch(seq, self.pick, label=label, QTYPE=self.qname(tensor), Q8=q8, COLS=t, ADD=add,
                              w=self.weights[tensor], y=y, k=k, m=m, **xs)
         elif self.coop(k) and x.h is not None and not exact:
@@ -91,6 +92,18 @@ class LayerSchedule:
         else:
             matmul.mul_mm.launch(seq, self.pick, label=label, QTYPE=self.qname(tensor), Q8=q8, ADD=add,
                                  w=self.weights[tensor], y=y, k=k, m=m, t=t, **xs)
+
+    def dmmv_takes(self, t: int) -> bool:
+        """Whether a product of t rows runs on dmmv's columns: up to 8 of them, and on a CPU device
+        (lavapipe) one only. dmmv's column count is a Const, so each row count a run meets is a
+        compile of its own (seconds there), where mul_mm's tile takes any count at run time; and
+        a CPU reads the weights at one pace either way."""
+        return t == 1 or (t <= DMMV_COLS and not self.on_cpu)
+
+    @property
+    def on_cpu(self) -> bool:
+        """Whether the device is a CPU (lavapipe), where a kernel's compile outweighs its runs."""
+        return self.info.device_type == "cpu"
 
     def coop(self, k: int) -> bool:
         """Whether products over k inputs run on matrix units here (whole K steps: mma.py)."""
@@ -218,7 +231,7 @@ class LayerSchedule:
             state=state, out=o.f32, oq=o.q, od=o.d, n_k_heads=hp.ssm_k_heads, k=hp.hidden, eps=hp.eps,
             conv_slots=self.conv_slots, state_slots=self.state_slots, row=row, rows=rows, MANY=rows > 1,
             seq_bytes=stride, sequences=n,
-            **({"TOKENS": deltanet.tokens_at_once(rows, self.info.device_type == "cpu")} if rows > 1 else {}))
+            **({"TOKENS": deltanet.tokens_at_once(rows, self.on_cpu)} if rows > 1 else {}))
 
     def gate_up(self, gate: str, up: str, slots: int, experts: bool, a, row: int, act_stride: int, act=None,
                  label: str | None = None, rows: int = 1):
