@@ -155,12 +155,12 @@ def profile(model, device, n_ctx, position, top, steps, warm_ms, prompt_len, ste
     ids = rng.integers(0, g.hp.vocab, prompt_len or step_tokens).tolist()
     timed = (lambda: g.prompt.profile(ids)) if prompt_len else (lambda: g.token_rows.profile(ids)) if step_tokens \
         else g.profile
+    g.seek(at)
+    timed()  # records the timed step: seconds on a big model, which must not count as warming
     end = time.perf_counter() + warm_ms / 1e3
-    while True:  # the same step over and over, until the clocks are up
+    while time.perf_counter() < end:  # the same step over and over, until the clocks are up
         g.seek(at)
         timed()
-        if time.perf_counter() >= end:
-            break
     runs = []
     for _ in range(steps):
         g.seek(at)
