@@ -17,8 +17,8 @@ import numpy as np
 from zdsl.errors import MissingFeatureError, ZdslError
 from zdsl.runtime import vk
 from zdsl.runtime.memory import PiecedBuffer
-from zdsl.runtime.warm import warm
 from zdsl.runtime.vk import COMPUTE, DEPENDENCY, INDIRECT, TO_HOST, TRANSFER, Keep, barrier, ffi, lib
+from zdsl.runtime.warm import warm
 
 MAX_TIMESTAMPS = 16384
 _COMPUTE = vk.VK_PIPELINE_BIND_POINT_COMPUTE
