@@ -42,12 +42,6 @@ def _mark(device, pipe) -> Path:
     return cache_dir("compiled", content_key(device.info.identity)) / key
 
 
-def _noted(device, pipe) -> bool:
-    if not pipe.compiled and _mark(device, pipe).exists():
-        pipe.compiled = True
-    return pipe.compiled
-
-
 class _Claim:
     """The lock on one pipeline's compile among processes (flock on a file beside its mark). The
     mark, looked at again once the lock is held, decides; the lock file goes once the mark is
@@ -74,7 +68,15 @@ def warm(device, pipelines, progress: Callable[[int], None] | None = None) -> in
     sharing the caches, or the driver compiles at creation). `progress(n)` hears each one done."""
     if not compiles_at_first_dispatch(device.info):
         return 0
-    todo = [p for p in dict.fromkeys(pipelines) if not _noted(device, p)]
+    marks = {}  # the pipelines to compile, each with its mark
+    for p in dict.fromkeys(pipelines):
+        if not p.compiled:
+            mark = _mark(device, p)
+            if mark.exists():
+                p.compiled = True
+            else:
+                marks[p] = mark
+    todo = list(marks)
     if not todo:
         return 0
     kept = _mesa_cache_kept()  # without it, only a dispatch on the run's own device counts
@@ -94,7 +96,7 @@ def warm(device, pipelines, progress: Callable[[int], None] | None = None) -> in
         if kept:
             with lock:
                 wait = pipe in waited
-            claim = _Claim(_mark(device, pipe), wait)
+            claim = _Claim(marks[pipe], wait)
             if claim.file is None:  # another process compiles it: others first, then wait for it
                 with lock:
                     waited.add(pipe)
@@ -102,7 +104,7 @@ def warm(device, pipelines, progress: Callable[[int], None] | None = None) -> in
                 return
         noted = False
         try:
-            if kept and _noted(device, pipe):
+            if kept and marks[pipe].exists():  # the process that held the lock compiled it
                 noted = True
             else:
                 twin = pipe if own else pipe.on(dev)
@@ -114,7 +116,7 @@ def warm(device, pipelines, progress: Callable[[int], None] | None = None) -> in
                 finally:
                     seq.free()
                 if kept:
-                    write_atomic(_mark(device, pipe), b"")
+                    write_atomic(marks[pipe], b"")
                     noted = True
                 with lock:
                     compiled[0] += 1

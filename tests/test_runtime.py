@@ -259,6 +259,7 @@ def test_warm_has_each_pipeline_compiled_once_before_it_runs(device, tmp_path, m
     x.free()
     assert warm(SimpleNamespace(info=SimpleNamespace(device_type="discrete-gpu")), [add]) == 0
 
+
 def test_warm_leaves_a_pipeline_to_the_process_that_compiles_it(device, tmp_path, monkeypatch):
     """Processes sharing the caches (a test run's workers): a pipeline whose lock another one
     holds is being compiled there; `warm` compiles the others first, waits, then finds it noted
