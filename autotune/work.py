@@ -185,7 +185,10 @@ def _loop_runs(ran: list[int], static: list[int], waves: int) -> tuple[float, ..
 class _Counting(Run):
     """The interpreter counting rounds, loads and operations per invocation. A round counts for
     an invocation where one of the list's loads ran for it: a branch not taken (the `if` of a
-    specialization constant that is false, such as mul_mm_coop's ADD) waits for nothing."""
+    specialization constant that is false, such as mul_mm_coop's ADD) waits for nothing. Races
+    are the kernel tests' to find: counting leaves them unchecked."""
+
+    races = False
 
     def __init__(self, k, groups, buffers, scalars, specs, ids):
         super().__init__(k, groups, buffers, scalars, specs, 0, len(ids))
