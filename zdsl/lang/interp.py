@@ -329,12 +329,32 @@ class Run:
             if not (per_group.all(axis=1) | ~per_group.any(axis=1)).all():
                 raise _err(s.loc, "zdsl.barrier() reached by only some invocations of a workgroup "
                                   "(a barrier must be in uniform control flow)")
-            for w in list(self.writer.values()) + list(self.reader.values()):
-                w.fill(-1)
+            if self.races:
+                for w in list(self.writer.values()) + list(self.reader.values()):
+                    w.fill(-1)
         elif isinstance(s, ir.MemoryBarrier):
             pass  # numpy memory is always coherent; workgroups run in order (see `interpret`)
         else:
             raise NotImplementedError(type(s))
+
+    def _shared_write(self, s: ir.Store, idx, mask) -> None:
+        """A shared write's race check against the writes and reads since the last barrier; notes
+        its writers."""
+        writer = self.writer[s.view.id][self.group_local, idx]
+        race = mask & (writer >= 0) & (writer != self.lane_in_group)
+        if race.any():
+            lane = int(np.argmax(race))
+            raise _err(s.loc, f"shared-memory race: invocations {int(writer[lane])} and "
+                              f"{int(self.lane_in_group[lane])} both write element {int(idx[lane])} "
+                              f"with no zdsl.barrier() between")
+        reader = self.reader[s.view.id][self.group_local, idx]
+        war = mask & (reader >= 0) & (reader != self.lane_in_group)
+        if war.any():
+            lane = int(np.argmax(war))
+            raise _err(s.loc, f"shared-memory race: invocation {int(self.lane_in_group[lane])} overwrites "
+                              f"element {int(idx[lane])} that invocation {int(reader[lane])} read "
+                              f"with no zdsl.barrier() between")
+        self.writer[s.view.id][self.group_local[mask], idx[mask]] = self.lane_in_group[mask]
 
     def store(self, s: ir.Store, mask) -> None:
         value = np.broadcast_to(self.value(s.value), (self.n,) + np.shape(self.value(s.value))[1:])
@@ -346,25 +366,9 @@ class Run:
         if isinstance(s.view, ir.Shared):
             arr = self.shared[s.view.id]
             idx = self._index(s.index, arr.shape[1], mask, s.loc, "shared write")
-            if not self.races:
-                arr[self.group_local[mask], idx[mask]] = value[mask]
-                return
-            writer = self.writer[s.view.id][self.group_local, idx]
-            race = mask & (writer >= 0) & (writer != self.lane_in_group)
-            if race.any():
-                lane = int(np.argmax(race))
-                raise _err(s.loc, f"shared-memory race: invocations {int(writer[lane])} and "
-                                  f"{int(self.lane_in_group[lane])} both write element {int(idx[lane])} "
-                                  f"with no zdsl.barrier() between")
-            reader = self.reader[s.view.id][self.group_local, idx]
-            war = mask & (reader >= 0) & (reader != self.lane_in_group)
-            if war.any():
-                lane = int(np.argmax(war))
-                raise _err(s.loc, f"shared-memory race: invocation {int(self.lane_in_group[lane])} overwrites "
-                                  f"element {int(idx[lane])} that invocation {int(reader[lane])} read "
-                                  f"with no zdsl.barrier() between")
+            if self.races:
+                self._shared_write(s, idx, mask)
             arr[self.group_local[mask], idx[mask]] = value[mask]
-            self.writer[s.view.id][self.group_local[mask], idx[mask]] = self.lane_in_group[mask]
             return
         arr = self.view(s.view)
         idx = self._index(s.index, len(arr), mask, s.loc, f"write of {s.view.buffer}")
@@ -432,15 +436,14 @@ class Run:
         if rows is None:
             return arr[idx].astype(m.element.numpy)
         g, el = np.broadcast_to(rows[:, None, None], idx.shape), idx // lanes
-        if not self.races:
-            return arr[g, idx].astype(m.element.numpy)
-        writer = self.writer[src.id][g, el]
-        race = active[:, None, None] & (writer >= 0)
-        if race.any():
-            raise _err(s.loc, f"shared-memory race: a matrix load reads element {int(el[race][0])} that invocation "
-                              f"{int(writer[race][0])} wrote with no zdsl.barrier() between")
-        first = self.lane_in_group[::self.sg]
-        self.reader[src.id][g[active], el[active]] = np.broadcast_to(first[:, None, None], idx.shape)[active]
+        if self.races:
+            writer = self.writer[src.id][g, el]
+            race = active[:, None, None] & (writer >= 0)
+            if race.any():
+                raise _err(s.loc, f"shared-memory race: a matrix load reads element {int(el[race][0])} that "
+                                  f"invocation {int(writer[race][0])} wrote with no zdsl.barrier() between")
+            first = self.lane_in_group[::self.sg]
+            self.reader[src.id][g[active], el[active]] = np.broadcast_to(first[:, None, None], idx.shape)[active]
         return arr[g, idx].astype(m.element.numpy)
 
     def matrix_store(self, s: ir.MatrixStore, mask) -> None:
@@ -453,18 +456,16 @@ class Run:
             arr[idx[active]] = value[active].astype(arr.dtype)
             return
         g, el = np.broadcast_to(rows[:, None, None], idx.shape), idx // lanes
-        if not self.races:
-            arr[g[active], idx[active]] = value[active].astype(arr.dtype)
-            return
-        first = np.broadcast_to(self.lane_in_group[::self.sg][:, None, None], idx.shape)
-        for seen, what in ((self.writer, "wrote"), (self.reader, "read")):
-            other = seen[s.array.id][g, np.where(active[:, None, None], el, 0)]
-            race = active[:, None, None] & (other >= 0) & (other != first)
-            if race.any():
-                raise _err(s.loc, f"shared-memory race: a matrix store overwrites element {int(el[race][0])} that "
-                                  f"invocation {int(other[race][0])} {what} with no zdsl.barrier() between")
+        if self.races:
+            first = np.broadcast_to(self.lane_in_group[::self.sg][:, None, None], idx.shape)
+            for seen, what in ((self.writer, "wrote"), (self.reader, "read")):
+                other = seen[s.array.id][g, np.where(active[:, None, None], el, 0)]
+                race = active[:, None, None] & (other >= 0) & (other != first)
+                if race.any():
+                    raise _err(s.loc, f"shared-memory race: a matrix store overwrites element {int(el[race][0])} "
+                                      f"that invocation {int(other[race][0])} {what} with no zdsl.barrier() between")
+            self.writer[s.array.id][g[active], el[active]] = first[active]
         arr[g[active], idx[active]] = value[active].astype(arr.dtype)
-        self.writer[s.array.id][g[active], el[active]] = first[active]
 
 
 def interpret(k: ir.Kernel, groups: tuple[int, int, int], buffers: dict[str, np.ndarray], scalars: dict,
