@@ -286,8 +286,11 @@ class _Counting(Run):
         buffer = self.buffer_ids.setdefault(view.buffer, len(self.buffer_ids))
         # a key: workgroup · 256 + buffer above 40 bits of sector (a kernel binds < 256 buffers)
         base = (self.group_local[active].astype(np.int64) * 256 + buffer) << 40
-        self.sectors += [base + first // SECTOR, base + (first + size - 1) // SECTOR]
-        self.sector_keys += 2 * len(first)
+        start, end = base + first // SECTOR, base + (first + size - 1) // SECTOR
+        keys = np.concatenate([start, end[end != start]])
+        keys = keys[np.r_[True, keys[1:] != keys[:-1]]]  # neighbouring lanes mostly share a sector
+        self.sectors.append(keys)
+        self.sector_keys += len(keys)
         if self.sector_keys > 1 << 20:  # duplicates dropped now and then, not at every load
             self.sectors = [np.unique(np.concatenate(self.sectors))]
             self.sector_keys = len(self.sectors[0])
