@@ -199,12 +199,11 @@ class Run:
             arr = self.shared[decl.id]
             idx = self._index(args[1], arr.shape[1], mask, loc, "shared read")
             if self.races:
-                writer = self.writer[decl.id][self.group_local, idx]
-                race = mask & (writer >= 0) & (writer != self.lane_in_group)
-                if race.any():
-                    lane = int(np.argmax(race))
+                hit = self._other_lane(self.writer, decl.id, idx, mask)
+                if hit:
+                    lane, writer = hit
                     raise _err(loc, f"shared-memory race: invocation {int(self.lane_in_group[lane])} reads "
-                                    f"element {int(idx[lane])} that invocation {int(writer[lane])} wrote "
+                                    f"element {int(idx[lane])} that invocation {writer} wrote "
                                     f"with no zdsl.barrier() between")
                 self.reader[decl.id][self.group_local[mask], idx[mask]] = self.lane_in_group[mask]
             return arr[self.group_local, idx]
@@ -337,22 +336,30 @@ class Run:
         else:
             raise NotImplementedError(type(s))
 
+    def _other_lane(self, seen: dict, array: int, idx, mask):
+        """(lane, other) for the first active lane whose element of shared array `array` another
+        invocation `other` wrote or read (`seen`: self.writer or self.reader) since the last
+        barrier; None if none did."""
+        other = seen[array][self.group_local, idx]
+        race = mask & (other >= 0) & (other != self.lane_in_group)
+        if not race.any():
+            return None
+        lane = int(np.argmax(race))
+        return lane, int(other[lane])
+
     def _shared_write(self, s: ir.Store, idx, mask) -> None:
         """A shared write's race check against the writes and reads since the last barrier; notes
         its writers."""
-        writer = self.writer[s.view.id][self.group_local, idx]
-        race = mask & (writer >= 0) & (writer != self.lane_in_group)
-        if race.any():
-            lane = int(np.argmax(race))
-            raise _err(s.loc, f"shared-memory race: invocations {int(writer[lane])} and "
-                              f"{int(self.lane_in_group[lane])} both write element {int(idx[lane])} "
-                              f"with no zdsl.barrier() between")
-        reader = self.reader[s.view.id][self.group_local, idx]
-        war = mask & (reader >= 0) & (reader != self.lane_in_group)
-        if war.any():
-            lane = int(np.argmax(war))
+        hit = self._other_lane(self.writer, s.view.id, idx, mask)
+        if hit:
+            lane, writer = hit
+            raise _err(s.loc, f"shared-memory race: invocations {writer} and {int(self.lane_in_group[lane])} "
+                              f"both write element {int(idx[lane])} with no zdsl.barrier() between")
+        hit = self._other_lane(self.reader, s.view.id, idx, mask)
+        if hit:
+            lane, reader = hit
             raise _err(s.loc, f"shared-memory race: invocation {int(self.lane_in_group[lane])} overwrites "
-                              f"element {int(idx[lane])} that invocation {int(reader[lane])} read "
+                              f"element {int(idx[lane])} that invocation {reader} read "
                               f"with no zdsl.barrier() between")
         self.writer[s.view.id][self.group_local[mask], idx[mask]] = self.lane_in_group[mask]
 
