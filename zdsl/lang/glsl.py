@@ -7,6 +7,7 @@ Python line changes, by a comment quoting the kernel line that produced it.
 
 from __future__ import annotations
 
+import functools
 import linecache
 import os
 
@@ -44,6 +45,7 @@ DOT4_DECL = ('spirv_instruction(extensions = ["SPV_KHR_integer_dot_product"], ca
              'id = 4450) int zdot4_i8(int a, int b, spirv_literal int fmt);')
 
 
+@functools.lru_cache(maxsize=None)
 def relpath(file: str) -> str:
     try:
         rel = os.path.relpath(file, _ROOT)

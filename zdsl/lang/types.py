@@ -26,7 +26,7 @@ class DType:
     def vec(self, lanes: int) -> DType:
         return DType(self.name, self.kind, self.bits, lanes)
 
-    @property
+    @functools.cached_property
     def scalar(self) -> DType:
         return DType(self.name, self.kind, self.bits)
 
@@ -42,7 +42,7 @@ class DType:
     def is_int(self) -> bool:
         return self.kind in "iu"
 
-    @property
+    @functools.cached_property
     def compute(self) -> DType:
         """The type a loaded element has in registers."""
         return _WIDEN.get(self.name, self.scalar).vec(self.lanes)
@@ -51,7 +51,7 @@ class DType:
     def numpy(self) -> np.dtype:  # cached: the interpreter asks for it at every operation
         return np.dtype(_NUMPY[self.name])
 
-    @property
+    @functools.cached_property
     def glsl(self) -> str:
         base, vec = _GLSL[self.name]
         return base if self.lanes == 1 else f"{vec}{self.lanes}"
