@@ -184,7 +184,7 @@ def _loop_runs(ran: list[int], static: list[int], waves: int) -> tuple[float, ..
     return tuple(runs)
 
 
-_READS = {"load", "shared_load", "local_load", "table_load", "mat_load"}  # array, index, ...
+_READS = {"load", "shared_load", "local_load", "table_load", "mat_load"}  # ops reading their first argument
 
 
 def _array(x):
@@ -372,7 +372,12 @@ class _Counting(Run):
                 self.loads += running
                 if self.waiting:
                     self.waiting[-1] |= mask
-                self._read_sectors(s, mask)
+                active = mask & np.broadcast_to(self.value(s.args[2]), (self.n,)) if len(s.args) == 4 else mask
+                self._read_sectors(s, active)
+                if not self._runs(s):  # counted, not read: its index still checked
+                    view = s.args[0]
+                    self._index(s.args[1], len(self.view(view)), active, s.loc, f"read of {view.buffer}")
+                    return
             else:
                 self.ops += running
                 if s.op == "shared_load":
@@ -385,10 +390,6 @@ class _Counting(Run):
             self.shared_bytes += self._count(mask)[1] * _tile_bytes(s.matrix.dtype) / self.sg
         if self._runs(s):
             super().stmt(s, mask)
-        elif type(s) is ir.Let and s.op == "load":  # counted, not read: its index still checked
-            view = s.args[0]
-            active = mask & np.broadcast_to(self.value(s.args[2]), (self.n,)) if len(s.args) == 4 else mask
-            self._index(s.args[1], len(self.view(view)), active, s.loc, f"read of {view.buffer}")
 
     def _runs(self, s) -> bool:
         """Whether the statement is run, or only counted (`_needed`)."""
@@ -403,11 +404,11 @@ class _Counting(Run):
             return _array(s.array) in self.needed_arrays
         return True
 
-    def _read_sectors(self, s, mask) -> None:
-        """Keeps the keys of the sectors a load reads where it runs (a vector's first and last
-        byte's, which differ where it straddles two), packed as (workgroup, buffer, sector)."""
+    def _read_sectors(self, s, active) -> None:
+        """Keeps the keys of the sectors a load reads where it runs (`active`: the invocations
+        running it that its mask lets read; a vector's first and last byte's sectors, which differ
+        where it straddles two), packed as (workgroup, buffer, sector)."""
         view = s.args[0]
-        active = mask & np.broadcast_to(self.value(s.args[2]), (self.n,)) if len(s.args) == 4 else mask
         if not active.any():
             return
         size = view.dtype.scalar.numpy.itemsize * view.dtype.lanes
