@@ -8,6 +8,7 @@ import re
 import struct
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -755,3 +756,36 @@ def test_vulkan_failures_become_one_line_errors():
     with pytest.raises(ZdslError, match="VK_ERROR_OUT_OF_POOL_MEMORY"):
         vk.check(-1000069000, "vkAllocateDescriptorSets")
     assert vk.check(vk.VK_INCOMPLETE, "vkEnumeratePhysicalDevices") == vk.VK_INCOMPLETE
+
+
+@zdsl.kernel(workgroup=32, name="two_loops_test", register=False, grid=lambda v, s: 1, traffic=lambda v, s: 0)
+def two_loops(y: Buffer[u32], n: u32):
+    acc = zdsl.var(zdsl.local_index())
+    for i in zdsl.range(0, n):  # left to the compiler
+        acc.set(acc * 3 + i)
+    for i in zdsl.range(0, n, unroll=True):  # asked to unroll
+        acc.set(acc ^ i)
+    y[zdsl.local_index()] = acc
+
+
+def test_a_cpu_device_keeps_the_loops_it_would_unroll():
+    """What a CPU device (lavapipe) is given: every loop the source leaves to the compiler marked
+    DontUnroll, the one asked to unroll ([[unroll]]) left so, as spirv-dis reads the module; and the
+    module still valid (spirv-val)."""
+    from zdsl.runtime.pipeline import loops_kept
+    from zdsl.toolchain import tool
+
+    def merges(spirv: bytes, tmp: str) -> list[str]:
+        with open(tmp, "wb") as f:
+            f.write(spirv)
+        text = tool("spirv-dis").run(tmp).stdout.decode()
+        return sorted(line.split("OpLoopMerge")[1].split()[2] for line in text.splitlines() if "OpLoopMerge" in line)
+
+    spirv = two_loops.specialize().spirv
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "m.spv")
+        assert merges(spirv, path) == ["None", "Unroll"]
+        kept = loops_kept(spirv)
+        assert merges(kept, path) == ["DontUnroll", "Unroll"]
+        assert tool("spirv-val").run(path).returncode == 0
+    assert loops_kept(kept) == kept and len(kept) == len(spirv)
