@@ -5,7 +5,8 @@ rows-per-group and subgroups (ROWS up to 4 at any column count, past what dmmv b
 Against the copy bandwidth of the same run: one column reads at it; more columns read the same
 weights and add int8 dot products (`dot4_i8`), so where those set the pace the types converge.
 
-Usage: python3 few_columns.py [DEVICE (default 0)]; prints one JSON line per (type, columns).
+Usage: python3 few_columns.py [DEVICE (default 0)] [--f32]; prints one JSON line per (type,
+columns). --f32: f32 multiply-adds on f32 activations instead (docs/DESIGN.md compares them).
 Run on the GPU machine (docs/PERF.md)."""
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ TYPES = ("q8_0", "q4_k", "q5_k", "q6_k")
 LAYOUTS = [(rows, nsub) for rows in (1, 2, 4) for nsub in (1, 2, 4)]
 
 
-def best_us(measure, qtype: str, cols: int) -> tuple[float, str, int]:
+def best_us(measure, qtype: str, cols: int, q8: bool = True) -> tuple[float, str, int]:
     """The fastest layout's µs, its label and the bytes it moves."""
-    fixed = dict(QTYPE=qtype, Q8=True, COLS=cols, ADD=False)
+    fixed = dict(QTYPE=qtype, Q8=q8, COLS=cols, ADD=False)
     launch = Launch(dmmv, dmmv.specialize(**fixed), fixed, dict(fixed, k=K, m=M), dict(k=K, m=M), {}, (1, 1, 1),
                     "head")
     example = dmmv.make_example(launch, np.random.default_rng(0), False)
@@ -46,17 +47,18 @@ def best_us(measure, qtype: str, cols: int) -> tuple[float, str, int]:
     return best
 
 
-def main(device: str = "0") -> None:
+def main(device: str = "0", f32: bool = False) -> None:
     dev = open_device(device)
     measure = Measure(dev, warmup=5, repeats=40, warm_s=0.5)
     copy_gbps = timing.copy_bandwidth(measure, 256 << 20)
     for qtype in TYPES:
         for cols in (1, 2, 4, 8):
-            us, layout, nbytes = best_us(measure, qtype, cols)
+            us, layout, nbytes = best_us(measure, qtype, cols, q8=not f32)
             print(json.dumps(dict(type=qtype, cols=cols, us=round(us, 1), layout=layout,
                                   pct_copy=round(100 * nbytes / us / 1e3 / copy_gbps, 1))), flush=True)
     dev.close()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    args = [a for a in sys.argv[1:] if a != "--f32"]
+    main(*args, f32="--f32" in sys.argv[1:])
