@@ -30,7 +30,7 @@ def test_every_pair_of_parameter_values_compiles(capsys):
 
 @pytest.mark.slow
 def test_a_build_then_comes_from_cache(capsys):
-    kernels = "quantize_q8_1,moe_down_coop"
+    kernels = "quantize_q8_1,attn_combine"  # 68 variants that build in seconds
     assert main(["build", "--no-progress", "-j", "2", "--kernels", kernels]) == 0
     n, _, failed = counts(capsys.readouterr().out)
     assert n > 4 and failed == 0
