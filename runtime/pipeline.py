@@ -33,10 +33,10 @@ _LOOP_UNROLL, _LOOP_DONT_UNROLL, _LOOP_PEEL_COUNT, _LOOP_PARTIAL_COUNT = 0x1, 0x
 
 def loops_kept(spirv: bytes) -> bytes:
     """The module with every loop its source leaves to the compiler marked DontUnroll. For a CPU
-    device (lavapipe): there a pipeline compiles at its first dispatch, and Mesa fully unrolls the
-    loops of few trips, which the small shapes tests use have, each copy of a body with barriers
-    costing LLVM coroutine splits (a delta-net scan of 16-token blocks: 9.5 → 3.5 s to compile),
-    while the loops' runs take microseconds. Loops asked to unroll ([[unroll]]) keep that."""
+    device (lavapipe): there a pipeline compiles at its first dispatch, and Mesa fully unrolls loops
+    of few trips, which the tests' small shapes make, each copy of a body with barriers costing LLVM
+    coroutine splits (a delta-net scan of 16-token blocks: 9.5 → 3.5 s to compile), while the loops'
+    runs take microseconds. Loops asked to unroll ([[unroll]]) keep that."""
     words = array("I", spirv[: len(spirv) // 4 * 4])
     i = 5
     while i < len(words):
