@@ -38,15 +38,20 @@ def loops_kept(spirv: bytes) -> bytes:
     coroutine splits (a delta-net scan of 16-token blocks: 9.5 → 3.5 s to compile), while the loops'
     runs take microseconds. Loops asked to unroll ([[unroll]]) keep that."""
     words = array("I", spirv[: len(spirv) // 4 * 4])
+    for i, op, count in _instructions(words):
+        if (op == _OP_LOOP_MERGE and count >= 4
+                and not words[i + 3] & (_LOOP_UNROLL | _LOOP_PEEL_COUNT | _LOOP_PARTIAL_COUNT)):
+            words[i + 3] |= _LOOP_DONT_UNROLL
+    return words.tobytes()
+
+
+def _instructions(words):
+    """(index, opcode, word count) of each instruction of a module's words, past the header."""
     i = 5
     while i < len(words):
-        count, op = words[i] >> 16, words[i] & 0xFFFF
-        if count == 0:
-            break
-        if op == _OP_LOOP_MERGE and not words[i + 3] & (_LOOP_UNROLL | _LOOP_PEEL_COUNT | _LOOP_PARTIAL_COUNT):
-            words[i + 3] |= _LOOP_DONT_UNROLL
-        i += count
-    return words.tobytes()
+        count = words[i] >> 16
+        yield i, words[i] & 0xFFFF, count
+        i += max(count, 1)
 
 
 def workgroup_size(spirv: bytes, spec: dict[int, int | float | bool] | None = None) -> tuple[int, int, int]:
@@ -60,9 +65,7 @@ def workgroup_size(spirv: bytes, spec: dict[int, int | float | bool] | None = No
     spec = spec or {}
     literal, constants, composites, spec_ids = None, {}, {}, {}
     builtin = mode_ids = None
-    i = 5
-    while i < len(words):
-        count, op = words[i] >> 16, words[i] & 0xFFFF
+    for i, op, count in _instructions(words):
         args = words[i + 1:i + count]
         if op == _OP_EXECUTION_MODE and args[1] == _MODE_LOCAL_SIZE:
             literal = tuple(args[2:5])
@@ -76,7 +79,6 @@ def workgroup_size(spirv: bytes, spec: dict[int, int | float | bool] | None = No
             constants[args[1]] = args[2]
         elif op in (_OP_CONSTANT_COMPOSITE, _OP_SPEC_CONSTANT_COMPOSITE):
             composites[args[1]] = tuple(args[2:])
-        i += max(count, 1)
 
     def value(cid: int) -> int:
         if cid in spec_ids and spec_ids[cid] in spec:
