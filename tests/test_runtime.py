@@ -8,7 +8,6 @@ import re
 import struct
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 import pytest
@@ -768,24 +767,23 @@ def two_loops(y: Buffer[u32], n: u32):
     y[zdsl.local_index()] = acc
 
 
-def test_a_cpu_device_keeps_the_loops_it_would_unroll():
+def test_a_cpu_device_keeps_the_loops_it_would_unroll(tmp_path):
     """What a CPU device (lavapipe) is given: every loop the source leaves to the compiler marked
     DontUnroll, the one asked to unroll ([[unroll]]) left so, as spirv-dis reads the module; and the
     module still valid (spirv-val)."""
     from zdsl.runtime.pipeline import loops_kept
     from zdsl.toolchain import tool
 
-    def merges(spirv: bytes, tmp: str) -> list[str]:
-        with open(tmp, "wb") as f:
-            f.write(spirv)
-        text = tool("spirv-dis").run(tmp).stdout.decode()
+    path = tmp_path / "m.spv"
+
+    def merges(spirv: bytes) -> list[str]:
+        path.write_bytes(spirv)
+        text = tool("spirv-dis").run(str(path)).stdout.decode()
         return sorted(line.split("OpLoopMerge")[1].split()[2] for line in text.splitlines() if "OpLoopMerge" in line)
 
     spirv = two_loops.specialize().spirv
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "m.spv")
-        assert merges(spirv, path) == ["None", "Unroll"]
-        kept = loops_kept(spirv)
-        assert merges(kept, path) == ["DontUnroll", "Unroll"]
-        assert tool("spirv-val").run(path).returncode == 0
+    assert merges(spirv) == ["None", "Unroll"]
+    kept = loops_kept(spirv)
+    assert merges(kept) == ["DontUnroll", "Unroll"]
+    assert tool("spirv-val").run(str(path)).returncode == 0
     assert loops_kept(kept) == kept and len(kept) == len(spirv)
